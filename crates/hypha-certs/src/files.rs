@@ -1,0 +1,110 @@
+//! Crash-safe file output.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+use crate::Error;
+
+/// Who may read a file written by [`write_atomic`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Readable by everyone (certificates, CRLs): 0644.
+    Public,
+    /// Readable by the owner only (private keys): 0600.
+    Private,
+}
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one, never a
+/// torn one: a temporary file in the same directory, fsync, rename, fsync of the directory.
+///
+/// Refuses to replace an existing file unless `overwrite` is set.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: Mode, overwrite: bool) -> Result<(), Error> {
+    let write_err = |error| Error::Write {
+        path: path.to_path_buf(),
+        error,
+    };
+    if !overwrite && path.exists() {
+        return Err(Error::Exists {
+            path: path.to_path_buf(),
+        });
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir).map_err(write_err)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".hypha-tmp-")
+        .permissions(permissions(mode))
+        .tempfile_in(&dir)
+        .map_err(write_err)?;
+    tmp.write_all(bytes).map_err(write_err)?;
+    tmp.as_file().sync_all().map_err(write_err)?;
+    if overwrite {
+        tmp.persist(path).map_err(|e| write_err(e.error))?;
+    } else {
+        // `persist_noclobber` closes the race between the check above and the rename.
+        tmp.persist_noclobber(path).map_err(|e| {
+            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+                Error::Exists {
+                    path: path.to_path_buf(),
+                }
+            } else {
+                write_err(e.error)
+            }
+        })?;
+    }
+    if let Ok(d) = std::fs::File::open(&dir) {
+        // Best effort: makes the rename itself durable on filesystems that need it.
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn permissions(mode: Mode) -> std::fs::Permissions {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::Permissions::from_mode(match mode {
+        Mode::Public => 0o644,
+        Mode::Private => 0o600,
+    })
+}
+
+/// Reads a whole file, naming it in the error.
+pub fn read(path: &Path) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|error| Error::Read {
+        path: path.to_path_buf(),
+        error,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_to_overwrite_without_permission() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key.pem");
+        write_atomic(&path, b"one", Mode::Private, false).unwrap();
+        let err = write_atomic(&path, b"two", Mode::Private, false).unwrap_err();
+        assert!(matches!(err, Error::Exists { .. }), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"one");
+        write_atomic(&path, b"two", Mode::Private, true).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+    }
+
+    #[test]
+    fn private_files_are_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key.pem");
+        write_atomic(&path, b"secret", Mode::Private, false).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // No temporary file is left behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

@@ -1,0 +1,163 @@
+use std::path::Path;
+
+use libp2p::PeerId;
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, UnixTime, pem::PemObject};
+use webpki::{
+    CertRevocationList, EndEntityCert, KeyUsage, OwnedCertRevocationList, RevocationCheckDepth,
+    RevocationOptionsBuilder, UnknownStatusPolicy,
+};
+
+use crate::{Error, files};
+
+/// The current time, in the form verification takes.
+pub fn now() -> UnixTime {
+    UnixTime::now()
+}
+
+/// Which side of a connection a peer's certificate was presented by; selects the extended key
+/// usage the certificate must allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerRole {
+    /// The peer accepted our connection (it must allow server authentication).
+    Server,
+    /// The peer opened the connection (it must allow client authentication).
+    Client,
+}
+
+/// The CAs a node trusts and the revocation lists it honours.
+///
+/// A peer is accepted when its chain leads to one of the trust anchors with valid signatures,
+/// every certificate is within its validity dates, none is revoked by a CRL signed by its issuer,
+/// and the leaf key is Ed25519 (from which the peer id is derived). CRLs are optional per issuer:
+/// a certificate whose issuer published none is not considered revoked.
+#[derive(Debug)]
+pub struct TrustStore {
+    anchors: Vec<rustls::pki_types::TrustAnchor<'static>>,
+    crls: Vec<CertRevocationList<'static>>,
+}
+
+impl TrustStore {
+    /// Loads trust anchors from `trust_pem` (one or more CA certificates) and the CRLs in
+    /// `crls_pem`, if given. Errors name the file.
+    pub fn load(trust_pem: &Path, crls_pem: Option<&Path>) -> Result<Self, Error> {
+        let trust = files::read(trust_pem)?;
+        let crls = crls_pem.map(files::read).transpose()?;
+        let trust_name = trust_pem.display().to_string();
+        let crls_name = crls_pem.map(|p| p.display().to_string()).unwrap_or_default();
+        Self::parse(&trust, crls.as_deref(), &trust_name, &crls_name)
+    }
+
+    /// Builds a trust store from PEM text already in memory.
+    pub fn from_pem(trust_pem: &[u8], crls_pem: &[&[u8]]) -> Result<Self, Error> {
+        let mut store = Self::parse(trust_pem, None, "trust anchors", "")?;
+        for crl in crls_pem {
+            store.crls.extend(Self::parse_crls(crl, "CRL")?);
+        }
+        Ok(store)
+    }
+
+    fn parse(
+        trust_pem: &[u8],
+        crls_pem: Option<&[u8]>,
+        trust_name: &str,
+        crls_name: &str,
+    ) -> Result<Self, Error> {
+        let certs =
+            crate::parse_certificates(trust_pem).map_err(|r| Error::malformed(trust_name, r))?;
+        if certs.is_empty() {
+            return Err(Error::malformed(
+                trust_name,
+                "no CERTIFICATE block found; point trust_pem at the root CA certificate",
+            ));
+        }
+        let anchors = certs
+            .iter()
+            .map(|c| {
+                webpki::anchor_from_trusted_cert(c)
+                    .map(|a| a.to_owned())
+                    .map_err(|e| Error::malformed(trust_name, format!("unusable CA certificate: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let crls = match crls_pem {
+            Some(pem) => Self::parse_crls(pem, crls_name)?,
+            None => Vec::new(),
+        };
+        Ok(TrustStore { anchors, crls })
+    }
+
+    fn parse_crls(pem: &[u8], name: &str) -> Result<Vec<CertRevocationList<'static>>, Error> {
+        CertificateRevocationListDer::pem_slice_iter(pem)
+            .map(|der| {
+                let der = der.map_err(|e| Error::malformed(name, format!("not valid PEM: {e}")))?;
+                OwnedCertRevocationList::from_der(&der)
+                    .map(CertRevocationList::from)
+                    .map_err(|e| Error::malformed(name, format!("not a valid CRL: {e}")))
+            })
+            .collect()
+    }
+
+    /// Verifies a peer's chain (leaf first) at `now`, as presented in a handshake by a peer
+    /// acting as `role`, and returns the peer id derived from the leaf's key.
+    pub fn verify(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+        role: PeerRole,
+    ) -> Result<PeerId, Error> {
+        let (leaf, intermediates) = chain
+            .split_first()
+            .ok_or_else(|| Error::Rejected("the peer presented no certificate".into()))?;
+        let public = crate::ed25519_public_key(leaf).map_err(Error::Rejected)?;
+        let end_entity = EndEntityCert::try_from(leaf)
+            .map_err(|e| Error::Rejected(format!("unparsable certificate: {e}")))?;
+        let crl_refs: Vec<&CertRevocationList<'_>> = self.crls.iter().collect();
+        let revocation = match RevocationOptionsBuilder::new(&crl_refs) {
+            Ok(builder) => Some(
+                builder
+                    .with_depth(RevocationCheckDepth::Chain)
+                    .with_status_policy(UnknownStatusPolicy::Allow)
+                    .build(),
+            ),
+            Err(_) => None, // no CRLs configured
+        };
+        let usage = match role {
+            PeerRole::Server => KeyUsage::server_auth(),
+            PeerRole::Client => KeyUsage::client_auth(),
+        };
+        end_entity
+            .verify_for_usage(
+                rustls::crypto::ring::default_provider()
+                    .signature_verification_algorithms
+                    .all,
+                &self.anchors,
+                intermediates,
+                now,
+                usage,
+                revocation,
+                None,
+            )
+            .map_err(|e| Error::Rejected(explain(&e)))?;
+        crate::peer_id_of(&public).map_err(Error::Rejected)
+    }
+
+    /// [`verify`](Self::verify) for a chain presented by a peer that may act in either role.
+    pub fn verify_peer(&self, chain: &[CertificateDer<'_>], now: UnixTime) -> Result<PeerId, Error> {
+        self.verify(chain, now, PeerRole::Client)
+    }
+}
+
+fn explain(e: &webpki::Error) -> String {
+    match e {
+        webpki::Error::CertExpired { .. } => "the certificate has expired".into(),
+        webpki::Error::CertNotValidYet { .. } => "the certificate is not valid yet".into(),
+        webpki::Error::CertRevoked => "the certificate has been revoked".into(),
+        webpki::Error::UnknownIssuer => "the certificate was not issued by a trusted CA".into(),
+        webpki::Error::InvalidSignatureForPublicKey => {
+            "a signature in the chain does not verify: the certificate was not issued by a trusted CA, or was altered".into()
+        }
+        webpki::Error::RequiredEkuNotFoundContext(_) => {
+            "the certificate may not be used for this purpose (extended key usage)".into()
+        }
+        other => format!("{other:?}"),
+    }
+}
