@@ -345,7 +345,9 @@ fn ca_params(name: &str, validity: Validity) -> CertificateParams {
     let mut params = CertificateParams::default();
     params.distinguished_name.remove(DnType::CommonName);
     params.distinguished_name.push(DnType::CommonName, name);
-    params.distinguished_name.push(DnType::OrganizationName, name);
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, name);
     params.not_before = validity.not_before;
     params.not_after = validity.not_after;
     params.serial_number = Some(random_serial());

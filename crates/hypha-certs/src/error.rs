@@ -7,10 +7,16 @@ use std::path::PathBuf;
 pub enum Error {
     /// A file could not be read.
     #[error("cannot read {path}: {error}")]
-    Read { path: PathBuf, error: std::io::Error },
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     /// A file could not be written.
     #[error("cannot write {path}: {error}")]
-    Write { path: PathBuf, error: std::io::Error },
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
     /// A file exists and the caller did not allow overwriting it.
     #[error("{path} already exists; pass --force to overwrite it")]
     Exists { path: PathBuf },
@@ -18,14 +24,13 @@ pub enum Error {
     #[error("{what}: {reason}")]
     Malformed { what: String, reason: String },
     /// The private key does not belong to the certificate.
-    #[error("{what}: the private key does not match the certificate's public key; use the key file generated together with this certificate")]
+    #[error(
+        "{what}: the private key does not match the certificate's public key; use the key file generated together with this certificate"
+    )]
     KeyMismatch { what: String },
     /// rcgen refused to produce a certificate or CRL.
     #[error("cannot issue {what}: {error}")]
     Issue { what: String, error: rcgen::Error },
-    /// A peer's certificate chain did not verify.
-    #[error("certificate rejected: {0}")]
-    Rejected(String),
 }
 
 impl Error {

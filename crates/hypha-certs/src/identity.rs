@@ -45,7 +45,12 @@ impl NodeIdentity {
         Self::parse(cert_pem, key_pem, "certificate", "private key")
     }
 
-    fn parse(cert_pem: &[u8], key_pem: &[u8], cert_name: &str, key_name: &str) -> Result<Self, Error> {
+    fn parse(
+        cert_pem: &[u8],
+        key_pem: &[u8],
+        cert_name: &str,
+        key_name: &str,
+    ) -> Result<Self, Error> {
         let chain = crate::parse_certificates(cert_pem)
             .map_err(|reason| Error::malformed(cert_name, reason))?;
         let leaf = chain.first().ok_or_else(|| {
@@ -67,12 +72,17 @@ impl NodeIdentity {
             Err(e) => {
                 return Err(Error::malformed(
                     key_name,
-                    format!("no private key found ({e}); point key_pem at the key made with the certificate"),
+                    format!(
+                        "no private key found ({e}); point key_pem at the key made with the certificate"
+                    ),
                 ));
             }
         };
         let seed = ed25519_seed(key.secret_pkcs8_der()).ok_or_else(|| {
-            Error::malformed(key_name, "not an Ed25519 key; Hypha node keys must be Ed25519")
+            Error::malformed(
+                key_name,
+                "not an Ed25519 key; Hypha node keys must be Ed25519",
+            )
         })?;
         let keypair = Keypair::ed25519_from_bytes(seed)
             .map_err(|e| Error::malformed(key_name, format!("invalid Ed25519 key: {e}")))?;

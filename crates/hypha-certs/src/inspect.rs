@@ -75,8 +75,10 @@ fn describe_certificate(out: &mut String, cert: &X509Certificate<'_>, der: &[u8]
             .map(|n| match n {
                 GeneralName::DNSName(d) => d.to_string(),
                 GeneralName::IPAddress(ip) => match ip.len() {
-                    4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).unwrap_or([0; 4])).to_string(),
-                    16 => std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).unwrap_or([0; 16])).to_string(),
+                    4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).unwrap_or([0; 4]))
+                        .to_string(),
+                    16 => std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).unwrap_or([0; 16]))
+                        .to_string(),
                     _ => hex(ip),
                 },
                 other => format!("{other}"),
@@ -98,8 +100,10 @@ fn describe_certificate(out: &mut String, cert: &X509Certificate<'_>, der: &[u8]
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }

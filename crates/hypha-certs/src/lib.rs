@@ -43,10 +43,13 @@ pub use error::Error;
 pub use identity::NodeIdentity;
 pub use libp2p::PeerId;
 pub use rustls::pki_types::CertificateDer;
-pub use trust::{PeerRole, TrustStore, now};
+pub use trust::{PeerRole, Rejection, TrustStore, now};
 
 /// Parses every `CERTIFICATE` block of a PEM document, in order.
-pub fn certificates_from_pem(pem: &[u8], name: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
+pub fn certificates_from_pem(
+    pem: &[u8],
+    name: &str,
+) -> Result<Vec<CertificateDer<'static>>, Error> {
     parse_certificates(pem).map_err(|reason| Error::malformed(name, reason))
 }
 
@@ -57,6 +60,12 @@ pub(crate) fn parse_certificates(
     CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("not valid PEM: {e}"))
+}
+
+/// The peer id a certificate stands for: derived from its Ed25519 key.
+pub fn peer_id_of_certificate(cert_der: &[u8]) -> Result<PeerId, Rejection> {
+    let key = ed25519_public_key(cert_der).map_err(Rejection::Unusable)?;
+    peer_id_of(&key).map_err(Rejection::Unusable)
 }
 
 /// The raw 32-byte Ed25519 public key of a DER certificate, or why there is none.

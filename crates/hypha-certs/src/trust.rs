@@ -9,6 +9,29 @@ use webpki::{
 
 use crate::{Error, files};
 
+/// Why a peer's certificate chain was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("the peer presented no certificate")]
+    NoCertificate,
+    #[error("the certificate has expired")]
+    Expired,
+    #[error("the certificate is not valid yet")]
+    NotYetValid,
+    #[error("the certificate has been revoked")]
+    Revoked,
+    #[error("the certificate was not issued by a trusted CA")]
+    UnknownIssuer,
+    #[error(
+        "a signature in the chain does not verify: the certificate was not issued by a trusted CA, or was altered"
+    )]
+    BadSignature,
+    #[error("the certificate may not be used for this purpose (extended key usage)")]
+    WrongUsage,
+    #[error("{0}")]
+    Unusable(String),
+}
+
 /// The current time, in the form verification takes.
 pub fn now() -> UnixTime {
     UnixTime::now()
@@ -43,7 +66,9 @@ impl TrustStore {
         let trust = files::read(trust_pem)?;
         let crls = crls_pem.map(files::read).transpose()?;
         let trust_name = trust_pem.display().to_string();
-        let crls_name = crls_pem.map(|p| p.display().to_string()).unwrap_or_default();
+        let crls_name = crls_pem
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
         Self::parse(&trust, crls.as_deref(), &trust_name, &crls_name)
     }
 
@@ -75,7 +100,9 @@ impl TrustStore {
             .map(|c| {
                 webpki::anchor_from_trusted_cert(c)
                     .map(|a| a.to_owned())
-                    .map_err(|e| Error::malformed(trust_name, format!("unusable CA certificate: {e}")))
+                    .map_err(|e| {
+                        Error::malformed(trust_name, format!("unusable CA certificate: {e}"))
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let crls = match crls_pem {
@@ -103,13 +130,11 @@ impl TrustStore {
         chain: &[CertificateDer<'_>],
         now: UnixTime,
         role: PeerRole,
-    ) -> Result<PeerId, Error> {
-        let (leaf, intermediates) = chain
-            .split_first()
-            .ok_or_else(|| Error::Rejected("the peer presented no certificate".into()))?;
-        let public = crate::ed25519_public_key(leaf).map_err(Error::Rejected)?;
+    ) -> Result<PeerId, Rejection> {
+        let (leaf, intermediates) = chain.split_first().ok_or(Rejection::NoCertificate)?;
+        let public = crate::ed25519_public_key(leaf).map_err(Rejection::Unusable)?;
         let end_entity = EndEntityCert::try_from(leaf)
-            .map_err(|e| Error::Rejected(format!("unparsable certificate: {e}")))?;
+            .map_err(|e| Rejection::Unusable(format!("unparsable certificate: {e}")))?;
         let crl_refs: Vec<&CertRevocationList<'_>> = self.crls.iter().collect();
         let revocation = match RevocationOptionsBuilder::new(&crl_refs) {
             Ok(builder) => Some(
@@ -136,28 +161,28 @@ impl TrustStore {
                 revocation,
                 None,
             )
-            .map_err(|e| Error::Rejected(explain(&e)))?;
-        crate::peer_id_of(&public).map_err(Error::Rejected)
+            .map_err(|e| explain(&e))?;
+        crate::peer_id_of(&public).map_err(Rejection::Unusable)
     }
 
     /// [`verify`](Self::verify) for a chain presented by a peer that may act in either role.
-    pub fn verify_peer(&self, chain: &[CertificateDer<'_>], now: UnixTime) -> Result<PeerId, Error> {
+    pub fn verify_peer(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<PeerId, Rejection> {
         self.verify(chain, now, PeerRole::Client)
     }
 }
 
-fn explain(e: &webpki::Error) -> String {
+fn explain(e: &webpki::Error) -> Rejection {
     match e {
-        webpki::Error::CertExpired { .. } => "the certificate has expired".into(),
-        webpki::Error::CertNotValidYet { .. } => "the certificate is not valid yet".into(),
-        webpki::Error::CertRevoked => "the certificate has been revoked".into(),
-        webpki::Error::UnknownIssuer => "the certificate was not issued by a trusted CA".into(),
-        webpki::Error::InvalidSignatureForPublicKey => {
-            "a signature in the chain does not verify: the certificate was not issued by a trusted CA, or was altered".into()
-        }
-        webpki::Error::RequiredEkuNotFoundContext(_) => {
-            "the certificate may not be used for this purpose (extended key usage)".into()
-        }
-        other => format!("{other:?}"),
+        webpki::Error::CertExpired { .. } => Rejection::Expired,
+        webpki::Error::CertNotValidYet { .. } => Rejection::NotYetValid,
+        webpki::Error::CertRevoked => Rejection::Revoked,
+        webpki::Error::UnknownIssuer => Rejection::UnknownIssuer,
+        webpki::Error::InvalidSignatureForPublicKey => Rejection::BadSignature,
+        webpki::Error::RequiredEkuNotFoundContext(_) => Rejection::WrongUsage,
+        other => Rejection::Unusable(format!("{other:?}")),
     }
 }

@@ -233,14 +233,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn report(result: Result<hypha_certs::PeerId, hypha_certs::Error>, cert: &Path) -> ExitCode {
+fn report(result: Result<hypha_certs::PeerId, hypha_certs::Rejection>, cert: &Path) -> ExitCode {
     match result {
         Ok(peer) => {
             println!("{}: trusted, peer id {peer}", cert.display());
             ExitCode::SUCCESS
         }
         Err(e) => {
-            println!("{}: {e}", cert.display());
+            println!("{}: rejected: {e}", cert.display());
             ExitCode::FAILURE
         }
     }
@@ -268,7 +268,10 @@ fn write_pair(new: &NewCert, cert_pem: &str, key_pem: &str) -> anyhow::Result<()
     if !new.force {
         for path in [&cert_path, &key_path] {
             if path.exists() {
-                anyhow::bail!("{} already exists; pass --force to overwrite it", path.display());
+                anyhow::bail!(
+                    "{} already exists; pass --force to overwrite it",
+                    path.display()
+                );
             }
         }
     }
@@ -291,5 +294,9 @@ fn file_stem(name: &str) -> String {
         }
     }
     let stem = stem.trim_matches('-');
-    if stem.is_empty() { "cert".into() } else { stem.into() }
+    if stem.is_empty() {
+        "cert".into()
+    } else {
+        stem.into()
+    }
 }

@@ -1,1 +1,207 @@
-//! placeholder
+//! Hypha's network: libp2p over mutual TLS.
+//!
+//! Every node runs the same stack, built by [`start`]:
+//!
+//! - **Transport**: TCP (and relay circuits) → [`address_filter`] (`exclude_cidr`) → DNS →
+//!   [`tls`], our mutual-TLS security upgrade (both sides verify the other's chain; the
+//!   [`PeerId`](libp2p::PeerId) is the certificate's Ed25519 key) → [`muxer`], yamux with large
+//!   frames.
+//! - **Protocols** ([`behaviour`]): identify, ping, Kademlia (provider records), gossipsub
+//!   (signed), request-response (CBOR [`hypha_messages`] envelopes), `libp2p-stream` for bulk
+//!   bytes, relay client + DCUtR, and a relay server on gateways.
+//! - **Handle**: [`Network`] is a cloneable handle with typed async methods; an event loop owns
+//!   the swarm and never blocks on a consumer (see [`event_loop`](crate::event_loop) for the
+//!   policies of its bounded queues). Inbound requests other than health arrive on the
+//!   [`InboundRequest`] receiver returned by [`start`].
+//!
+//! This crate knows nothing of config files, datasets, jobs or training: nodes build a
+//! [`Settings`] and use the handle.
+
+pub mod address_filter;
+pub mod behaviour;
+mod client;
+mod event_loop;
+pub mod muxer;
+pub mod rpc;
+mod settings;
+pub mod tls;
+
+use std::{sync::Arc, time::Duration};
+
+pub use address_filter::ExcludedRanges;
+pub use client::{GossipMessage, InboundRequest, Network, NetworkError, Responder};
+use futures::StreamExt;
+use hypha_certs::{NodeIdentity, TrustStore};
+use libp2p::{
+    Multiaddr, Swarm, Transport as _,
+    core::{transport::OrTransport, upgrade::Version},
+    dns, relay,
+    swarm::SwarmEvent,
+    tcp,
+};
+pub use libp2p::{PeerId, Stream, StreamProtocol};
+pub use settings::Settings;
+use tokio::sync::mpsc;
+
+/// How long a connection may take from TCP connect to a multiplexed, authenticated connection.
+const UPGRADE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Commands queued from handles to the event loop; senders wait when it is full.
+const COMMAND_QUEUE: usize = 1024;
+/// How long [`start`] waits for its listeners to come up.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The network could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Tls(#[from] tls::ConfigError),
+    #[error(transparent)]
+    Behaviour(#[from] behaviour::BehaviourError),
+    #[error("cannot set up DNS resolution: {0}")]
+    Dns(std::io::Error),
+    #[error("cannot listen on {address}: {reason}")]
+    Listen { address: Multiaddr, reason: String },
+}
+
+/// Starts a node's network: builds the transport and protocols, listens on
+/// `settings.listen_addresses` (waiting until each listener is up), connects to the gateways and
+/// spawns the event loop on the current Tokio runtime.
+///
+/// Returns the handle and the queue of inbound requests for the application (health requests are
+/// answered by the network itself). If the application stops reading that queue, requests are
+/// answered `Busy` once it is full.
+pub async fn start(
+    settings: Settings,
+    identity: &NodeIdentity,
+    trust: Arc<TrustStore>,
+) -> Result<(Network, mpsc::Receiver<InboundRequest>), StartError> {
+    let tls = tls::Config::new(identity, trust)?;
+    let local_peer_id = identity.peer_id();
+    let excluded = ExcludedRanges::new(settings.exclude_cidr.iter().copied());
+
+    let (relay_transport, relay_client) = relay::client::new(local_peer_id);
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
+    let filtered =
+        address_filter::Transport::new(OrTransport::new(relay_transport, tcp), excluded.clone());
+    let dns = match dns::tokio::Transport::system(filtered) {
+        Ok(dns) => dns,
+        Err(e) => return Err(StartError::Dns(e)),
+    };
+    // Plain V1, not V1Lazy: the dialer waits for the listener to confirm the muxer, which it
+    // does only after verifying the dialer's certificate. With TLS 1.3 the client's handshake
+    // ends before the server has judged it, so a lazy dialer would briefly believe a refused
+    // connection was up.
+    let transport = dns
+        .upgrade(Version::V1)
+        .authenticate(tls)
+        .multiplex(muxer::Config::default())
+        .timeout(UPGRADE_TIMEOUT)
+        .boxed();
+
+    let behaviour = behaviour::Behaviour::new(identity.keypair(), &settings, relay_client)?;
+    let mut swarm = Swarm::new(
+        transport,
+        behaviour,
+        local_peer_id,
+        libp2p::swarm::Config::with_tokio_executor()
+            .with_idle_connection_timeout(settings.idle_connection_timeout),
+    );
+    let streams = swarm.behaviour().streams.new_control();
+
+    for address in &settings.external_addresses {
+        swarm.add_external_address(address.clone());
+    }
+    let mut pending = 0usize;
+    for address in &settings.listen_addresses {
+        swarm
+            .listen_on(address.clone())
+            .map_err(|e| StartError::Listen {
+                address: address.clone(),
+                reason: e.to_string(),
+            })?;
+        pending += 1;
+    }
+    wait_for_listeners(
+        &mut swarm,
+        pending,
+        settings.relay_server && settings.external_addresses.is_empty(),
+    )
+    .await?;
+
+    let (command_tx, command_rx) = mpsc::channel(COMMAND_QUEUE);
+    let (inbound_tx, inbound_rx) = mpsc::channel(settings.inbound_request_queue.max(1));
+    let event_loop = event_loop::EventLoop::new(
+        swarm,
+        command_rx,
+        command_tx.downgrade(),
+        inbound_tx,
+        excluded,
+        settings.kind,
+        settings.gateway_addresses,
+        settings.relay_circuit,
+    );
+    tokio::spawn(event_loop.run());
+
+    Ok((
+        Network {
+            local_peer_id,
+            commands: command_tx,
+            streams,
+        },
+        inbound_rx,
+    ))
+}
+
+/// Drives the swarm until `count` listeners have reported an address. With
+/// `confirm_as_external`, concrete (non-wildcard) listen addresses become external addresses:
+/// a relay with no configured external address would otherwise have nothing to hand out.
+async fn wait_for_listeners(
+    swarm: &mut Swarm<behaviour::Behaviour>,
+    mut count: usize,
+    confirm_as_external: bool,
+) -> Result<(), StartError> {
+    let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
+    let mut seen = std::collections::HashSet::new();
+    while count > 0 {
+        let event = tokio::time::timeout_at(deadline, swarm.select_next_some()).await;
+        match event {
+            Ok(SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            }) => {
+                tracing::info!(%address, "listening");
+                if confirm_as_external && !is_wildcard(&address) {
+                    swarm.add_external_address(address);
+                }
+                if seen.insert(listener_id) {
+                    count -= 1;
+                }
+            }
+            Ok(SwarmEvent::ListenerClosed {
+                addresses, reason, ..
+            }) => {
+                return Err(StartError::Listen {
+                    address: addresses.first().cloned().unwrap_or_else(Multiaddr::empty),
+                    reason: format!("{reason:?}"),
+                });
+            }
+            Ok(_) => {}
+            Err(_) => {
+                return Err(StartError::Listen {
+                    address: Multiaddr::empty(),
+                    reason: "listeners did not come up in time".into(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn is_wildcard(address: &Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    address.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_unspecified(),
+        Protocol::Ip6(ip) => ip.is_unspecified(),
+        _ => false,
+    })
+}

@@ -1,0 +1,108 @@
+//! `exclude_cidr`: address ranges a node never dials and never puts in its routing table.
+//!
+//! Peers announce every address they listen on, including private and container-internal ones
+//! that nobody else can reach; dialling those wastes time and can reach the wrong machine. The
+//! filter sits in the transport, under DNS resolution, so it holds for every dial whatever asked
+//! for it (Kademlia queries, identify, the application) and for names that resolve into a range.
+
+use std::{
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use ipnet::IpNet;
+use libp2p::{
+    Multiaddr,
+    core::{
+        multiaddr::Protocol,
+        transport::{DialOpts, ListenerId, TransportError, TransportEvent},
+    },
+};
+
+/// Address ranges to stay away from.
+#[derive(Debug, Clone, Default)]
+pub struct ExcludedRanges(Arc<[IpNet]>);
+
+impl ExcludedRanges {
+    pub fn new(ranges: impl IntoIterator<Item = IpNet>) -> Self {
+        ExcludedRanges(ranges.into_iter().collect())
+    }
+
+    /// Whether `addr` points into an excluded range (judged by its first IP component;
+    /// addresses without one, such as DNS names before resolution, are not excluded).
+    pub fn excludes(&self, addr: &Multiaddr) -> bool {
+        let ip = addr.iter().find_map(|p| match p {
+            Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
+            Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
+            _ => None,
+        });
+        ip.is_some_and(|ip| self.0.iter().any(|net| net.contains(&ip)))
+    }
+}
+
+/// A transport that refuses to dial excluded addresses and passes everything else through.
+#[derive(Debug)]
+pub struct Transport<T> {
+    inner: T,
+    excluded: ExcludedRanges,
+}
+
+impl<T> Transport<T> {
+    pub fn new(inner: T, excluded: ExcludedRanges) -> Self {
+        Transport { inner, excluded }
+    }
+}
+
+impl<T: libp2p::core::Transport + Unpin> libp2p::core::Transport for Transport<T> {
+    type Output = T::Output;
+    type Error = T::Error;
+    type ListenerUpgrade = T::ListenerUpgrade;
+    type Dial = T::Dial;
+
+    fn listen_on(
+        &mut self,
+        id: ListenerId,
+        addr: Multiaddr,
+    ) -> Result<(), TransportError<Self::Error>> {
+        self.inner.listen_on(id, addr)
+    }
+
+    fn remove_listener(&mut self, id: ListenerId) -> bool {
+        self.inner.remove_listener(id)
+    }
+
+    fn dial(
+        &mut self,
+        addr: Multiaddr,
+        opts: DialOpts,
+    ) -> Result<Self::Dial, TransportError<Self::Error>> {
+        if self.excluded.excludes(&addr) {
+            tracing::debug!(%addr, "not dialling an address inside exclude_cidr");
+            return Err(TransportError::MultiaddrNotSupported(addr));
+        }
+        self.inner.dial(addr, opts)
+    }
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<TransportEvent<Self::ListenerUpgrade, Self::Error>> {
+        Pin::new(&mut self.inner).poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn excludes_by_first_ip_component() {
+        let ranges =
+            ExcludedRanges::new(["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()]);
+        assert!(ranges.excludes(&"/ip4/10.1.2.3/tcp/1".parse().unwrap()));
+        assert!(ranges.excludes(&"/ip6/fd00::1/tcp/1".parse().unwrap()));
+        assert!(!ranges.excludes(&"/ip4/127.0.0.1/tcp/1".parse().unwrap()));
+        assert!(!ranges.excludes(&"/dns4/example.com/tcp/1".parse().unwrap()));
+    }
+}

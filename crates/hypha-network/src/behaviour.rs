@@ -1,0 +1,147 @@
+//! The protocols every node runs, composed into one libp2p behaviour.
+
+use std::{num::NonZeroU32, time::Duration};
+
+use libp2p::{
+    PeerId, StreamProtocol, dcutr, gossipsub, identify,
+    identity::Keypair,
+    kad, ping, relay, request_response,
+    swarm::{NetworkBehaviour, behaviour::toggle::Toggle},
+};
+
+use crate::{Settings, rpc};
+
+/// Kademlia under our own name, so Hypha's DHT never merges with a public libp2p DHT.
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/kad/1.0.0");
+/// Identify under our own name.
+pub const IDENTIFY_PROTOCOL: &str = "/hypha/id/1.0.0";
+
+/// How long a provider record lives in other nodes' stores without being republished.
+pub const PROVIDER_RECORD_TTL: Duration = Duration::from_secs(60 * 60);
+/// How often a node republishes the provider records it holds, well inside their TTL.
+pub const PROVIDER_PUBLICATION_INTERVAL: Duration = Duration::from_secs(20 * 60);
+
+#[derive(NetworkBehaviour)]
+pub(crate) struct Behaviour {
+    pub(crate) identify: identify::Behaviour,
+    pub(crate) ping: ping::Behaviour,
+    pub(crate) kad: kad::Behaviour<kad::store::MemoryStore>,
+    pub(crate) gossipsub: gossipsub::Behaviour,
+    pub(crate) rpc: request_response::Behaviour<rpc::Codec>,
+    pub(crate) streams: libp2p_stream::Behaviour,
+    pub(crate) relay_server: Toggle<relay::Behaviour>,
+    pub(crate) relay_client: relay::client::Behaviour,
+    pub(crate) dcutr: dcutr::Behaviour,
+}
+
+/// A protocol could not be configured (only invalid built-in settings can cause this).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot configure {protocol}: {message}")]
+pub struct BehaviourError {
+    protocol: &'static str,
+    message: String,
+}
+
+impl Behaviour {
+    pub(crate) fn new(
+        keypair: &Keypair,
+        settings: &Settings,
+        relay_client: relay::client::Behaviour,
+    ) -> Result<Self, BehaviourError> {
+        let peer_id = keypair.public().to_peer_id();
+
+        let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+        // Routing-table entries are added by the event loop, which filters exclude_cidr.
+        kad_config.set_kbucket_inserts(kad::BucketInserts::Manual);
+        kad_config.set_provider_record_ttl(Some(PROVIDER_RECORD_TTL));
+        kad_config.set_provider_publication_interval(Some(PROVIDER_PUBLICATION_INTERVAL));
+        kad_config.set_query_timeout(Duration::from_secs(30));
+        let mut kad =
+            kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_config);
+        // Every node answers DHT queries: peers are authenticated by certificate, and networks
+        // are small enough that client-only nodes would leave the DHT thin.
+        kad.set_mode(Some(kad::Mode::Server));
+
+        let gossipsub_config = gossipsub::ConfigBuilder::default()
+            .validation_mode(gossipsub::ValidationMode::Strict)
+            .heartbeat_interval(Duration::from_millis(500))
+            .max_transmit_size(1024 * 1024)
+            .build()
+            .map_err(|e| BehaviourError {
+                protocol: "gossipsub",
+                message: e.to_string(),
+            })?;
+        let gossipsub = gossipsub::Behaviour::new(
+            gossipsub::MessageAuthenticity::Signed(keypair.clone()),
+            gossipsub_config,
+        )
+        .map_err(|e| BehaviourError {
+            protocol: "gossipsub",
+            message: e.to_string(),
+        })?;
+
+        let rpc = request_response::Behaviour::with_codec(
+            rpc::Codec::default(),
+            [(
+                StreamProtocol::new(hypha_messages::RPC_PROTOCOL),
+                request_response::ProtocolSupport::Full,
+            )],
+            request_response::Config::default().with_request_timeout(Duration::from_secs(30)),
+        );
+
+        let relay_server = settings
+            .relay_server
+            .then(|| relay::Behaviour::new(peer_id, relay_server_config()));
+
+        Ok(Behaviour {
+            identify: identify::Behaviour::new(
+                identify::Config::new(IDENTIFY_PROTOCOL.into(), keypair.public())
+                    .with_agent_version(format!(
+                        "hypha-{}/{}",
+                        settings.kind,
+                        env!("CARGO_PKG_VERSION")
+                    )),
+            ),
+            ping: ping::Behaviour::default(),
+            kad,
+            gossipsub,
+            rpc,
+            streams: libp2p_stream::Behaviour::new(),
+            relay_server: relay_server.into(),
+            relay_client,
+            dcutr: dcutr::Behaviour::new(peer_id),
+        })
+    }
+}
+
+/// Relay limits for gateways.
+///
+/// libp2p's defaults are meant for anonymous public relays (two minutes and 128 KiB per circuit,
+/// one reservation per IP a minute), which makes relayed data transfer impossible and breaks
+/// several nodes behind one address. Here every peer is authenticated by certificate, so limits
+/// are per peer and generous: circuits last an hour, carry unlimited bytes, and a peer may hold
+/// a few reservations and 16 circuits.
+fn relay_server_config() -> relay::Config {
+    let per_minute = NonZeroU32::new(60).unwrap_or(NonZeroU32::MIN);
+    relay::Config {
+        max_reservations: 1024,
+        max_reservations_per_peer: 4,
+        reservation_duration: Duration::from_secs(60 * 60),
+        reservation_rate_limiters: Vec::new(),
+        max_circuits: 1024,
+        max_circuits_per_peer: 16,
+        max_circuit_duration: Duration::from_secs(60 * 60),
+        max_circuit_bytes: 0,
+        circuit_src_rate_limiters: Vec::new(),
+    }
+    .reservation_rate_per_peer(per_minute, Duration::from_secs(60))
+    .circuit_src_per_peer(per_minute, Duration::from_secs(60))
+}
+
+/// The peer id in a multiaddr's trailing `/p2p/…`, if any.
+pub(crate) fn peer_id_of(addr: &libp2p::Multiaddr) -> Option<PeerId> {
+    addr.iter().last().and_then(|p| match p {
+        libp2p::multiaddr::Protocol::P2p(peer) => Some(peer),
+        _ => None,
+    })
+}

@@ -1,0 +1,380 @@
+//! [`Network`]: the cheap, cloneable handle through which a node uses the network.
+
+use std::collections::HashSet;
+
+use hypha_messages::{Envelope, Request, Response, TraceContext, health};
+use libp2p::{
+    Multiaddr, PeerId, StreamProtocol, kad::RecordKey, request_response::ResponseChannel,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// Something the network could not do.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NetworkError {
+    #[error("cannot dial {target}: {reason}")]
+    Dial { target: String, reason: String },
+    #[error("cannot listen on {address}: {reason}")]
+    Listen { address: Multiaddr, reason: String },
+    #[error("request to {peer} failed: {reason}")]
+    Request { peer: PeerId, reason: String },
+    #[error("{peer} answered with an error: {error}")]
+    Remote {
+        peer: PeerId,
+        error: hypha_messages::Error,
+    },
+    #[error("{peer} answered with an unexpected message")]
+    UnexpectedResponse { peer: PeerId },
+    #[error("DHT: {0}")]
+    Dht(String),
+    #[error("gossip: {0}")]
+    Gossip(String),
+    #[error("the network has shut down")]
+    Shutdown,
+}
+
+/// A gossip message received on a subscribed topic.
+#[derive(Debug, Clone)]
+pub struct GossipMessage {
+    /// The author (messages are signed, so this is verified).
+    pub source: Option<PeerId>,
+    pub topic: String,
+    pub data: Vec<u8>,
+}
+
+/// A request from a peer, for the application to answer.
+#[derive(Debug)]
+pub struct InboundRequest {
+    pub peer: PeerId,
+    pub request: Request,
+    /// The sender's trace context; see [`hypha_telemetry::propagation::set_parent`].
+    pub trace: TraceContext,
+    pub responder: Responder,
+}
+
+/// Answers one inbound request. Dropping it unanswered tells the peer the request failed.
+#[derive(Debug)]
+pub struct Responder {
+    channel: Option<ResponseChannel<Envelope<Response>>>,
+    commands: mpsc::Sender<Command>,
+}
+
+impl Responder {
+    pub(crate) fn new(
+        channel: ResponseChannel<Envelope<Response>>,
+        commands: mpsc::Sender<Command>,
+    ) -> Self {
+        Responder {
+            channel: Some(channel),
+            commands,
+        }
+    }
+
+    pub(crate) fn take_channel(&mut self) -> Option<ResponseChannel<Envelope<Response>>> {
+        self.channel.take()
+    }
+
+    /// Sends the answer.
+    pub async fn respond(mut self, response: Response) -> Result<(), NetworkError> {
+        let channel = self.channel.take().ok_or(NetworkError::Shutdown)?;
+        let trace = hypha_telemetry::propagation::inject(&tracing::Span::current());
+        self.commands
+            .send(Command::Respond {
+                channel,
+                response: Envelope::new(response, trace),
+            })
+            .await
+            .map_err(|_| NetworkError::Shutdown)
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if let Some(channel) = self.channel.take() {
+            // Best effort; if the loop is gone or busy the peer sees the stream close instead.
+            let _ = self.commands.try_send(Command::Respond {
+                channel,
+                response: Envelope::new(
+                    Response::Error(hypha_messages::Error {
+                        code: hypha_messages::ErrorCode::Internal,
+                        message: "the node dropped the request without answering".into(),
+                    }),
+                    TraceContext::new(),
+                ),
+            });
+        }
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, NetworkError>>;
+
+/// What the handle asks of the event loop.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Dial {
+        address: Multiaddr,
+        reply: Reply<PeerId>,
+    },
+    Connect {
+        peer: PeerId,
+        reply: Reply<()>,
+    },
+    AddAddress {
+        peer: PeerId,
+        address: Multiaddr,
+    },
+    ListenAddresses {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
+    ConnectedPeers {
+        reply: oneshot::Sender<Vec<PeerId>>,
+    },
+    StartProviding {
+        key: RecordKey,
+        reply: Reply<()>,
+    },
+    StopProviding {
+        key: RecordKey,
+    },
+    GetProviders {
+        key: RecordKey,
+        reply: Reply<HashSet<PeerId>>,
+    },
+    Bootstrap {
+        reply: Reply<()>,
+    },
+    Subscribe {
+        topic: String,
+        capacity: usize,
+        reply: Reply<mpsc::Receiver<GossipMessage>>,
+    },
+    Publish {
+        topic: String,
+        data: Vec<u8>,
+        reply: Reply<()>,
+    },
+    Request {
+        peer: PeerId,
+        request: Envelope<Request>,
+        reply: Reply<Response>,
+    },
+    Respond {
+        channel: ResponseChannel<Envelope<Response>>,
+        response: Envelope<Response>,
+    },
+    SetHealth {
+        healthy: bool,
+        detail: String,
+    },
+    Shutdown {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// A handle to a running node's network. Cheap to clone; every method is a message to the event
+/// loop that owns the swarm, so no caller ever holds a lock on it.
+///
+/// The loop stops when [`shutdown`](Self::shutdown) is called or the last handle is dropped.
+#[derive(Clone)]
+pub struct Network {
+    pub(crate) local_peer_id: PeerId,
+    pub(crate) commands: mpsc::Sender<Command>,
+    pub(crate) streams: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("local_peer_id", &self.local_peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Network {
+    /// This node's peer id.
+    pub fn local_peer_id(&self) -> PeerId {
+        self.local_peer_id
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, NetworkError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(make(tx))
+            .await
+            .map_err(|_| NetworkError::Shutdown)?;
+        rx.await.map_err(|_| NetworkError::Shutdown)?
+    }
+
+    async fn tell<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NetworkError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(make(tx))
+            .await
+            .map_err(|_| NetworkError::Shutdown)?;
+        rx.await.map_err(|_| NetworkError::Shutdown)
+    }
+
+    /// Dials an address and waits until the connection is established and authenticated.
+    /// Returns the remote's peer id (taken from its certificate).
+    pub async fn dial(&self, address: Multiaddr) -> Result<PeerId, NetworkError> {
+        self.ask(|reply| Command::Dial { address, reply }).await
+    }
+
+    /// Makes sure there is a connection to `peer`, dialling its known addresses if needed and,
+    /// failing that, reaching it through a gateway's relay.
+    pub async fn connect(&self, peer: PeerId) -> Result<(), NetworkError> {
+        self.ask(|reply| Command::Connect { peer, reply }).await
+    }
+
+    /// Tells the network where `peer` can be reached (unless the address is excluded).
+    pub async fn add_address(&self, peer: PeerId, address: Multiaddr) -> Result<(), NetworkError> {
+        self.commands
+            .send(Command::AddAddress { peer, address })
+            .await
+            .map_err(|_| NetworkError::Shutdown)
+    }
+
+    /// The addresses this node listens on.
+    pub async fn listen_addresses(&self) -> Result<Vec<Multiaddr>, NetworkError> {
+        self.tell(|reply| Command::ListenAddresses { reply }).await
+    }
+
+    /// The peers this node is connected to.
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NetworkError> {
+        self.tell(|reply| Command::ConnectedPeers { reply }).await
+    }
+
+    /// Announces this node as a provider of `key` in the DHT. The record is republished
+    /// periodically while the node runs.
+    pub async fn start_providing(&self, key: impl AsRef<[u8]>) -> Result<(), NetworkError> {
+        let key = RecordKey::new(&key);
+        self.ask(|reply| Command::StartProviding { key, reply })
+            .await
+    }
+
+    /// Stops announcing `key`.
+    pub async fn stop_providing(&self, key: impl AsRef<[u8]>) -> Result<(), NetworkError> {
+        let key = RecordKey::new(&key);
+        self.commands
+            .send(Command::StopProviding { key })
+            .await
+            .map_err(|_| NetworkError::Shutdown)
+    }
+
+    /// Finds the providers of `key` in the DHT.
+    pub async fn get_providers(
+        &self,
+        key: impl AsRef<[u8]>,
+    ) -> Result<HashSet<PeerId>, NetworkError> {
+        let key = RecordKey::new(&key);
+        self.ask(|reply| Command::GetProviders { key, reply }).await
+    }
+
+    /// Refreshes the routing table from the known peers (gateways first).
+    pub async fn bootstrap(&self) -> Result<(), NetworkError> {
+        self.ask(|reply| Command::Bootstrap { reply }).await
+    }
+
+    /// Subscribes to a gossip topic. Messages arrive on the returned receiver, which holds up to
+    /// `capacity` of them; when it is full, new messages for it are dropped (and counted) so
+    /// that a slow subscriber never stalls the network.
+    pub async fn subscribe(
+        &self,
+        topic: &str,
+        capacity: usize,
+    ) -> Result<mpsc::Receiver<GossipMessage>, NetworkError> {
+        let topic = topic.to_string();
+        self.ask(|reply| Command::Subscribe {
+            topic,
+            capacity: capacity.max(1),
+            reply,
+        })
+        .await
+    }
+
+    /// Publishes a signed message on a gossip topic.
+    pub async fn publish(&self, topic: &str, data: Vec<u8>) -> Result<(), NetworkError> {
+        let topic = topic.to_string();
+        self.ask(|reply| Command::Publish { topic, data, reply })
+            .await
+    }
+
+    /// Sends a request and waits for the answer. The current span's trace context travels with
+    /// it. A [`Response::Error`] from the peer comes back as [`NetworkError::Remote`].
+    pub async fn request(&self, peer: PeerId, request: Request) -> Result<Response, NetworkError> {
+        let trace = hypha_telemetry::propagation::inject(&tracing::Span::current());
+        let request = Envelope::new(request, trace);
+        match self
+            .ask(|reply| Command::Request {
+                peer,
+                request,
+                reply,
+            })
+            .await?
+        {
+            Response::Error(error) => Err(NetworkError::Remote { peer, error }),
+            response => Ok(response),
+        }
+    }
+
+    /// Asks `peer` for its health.
+    pub async fn health(&self, peer: PeerId) -> Result<health::Status, NetworkError> {
+        match self.request(peer, Request::Health).await? {
+            Response::Health(status) => Ok(status),
+            _ => Err(NetworkError::UnexpectedResponse { peer }),
+        }
+    }
+
+    /// Sets what this node reports when asked for its health.
+    pub async fn set_health(
+        &self,
+        healthy: bool,
+        detail: impl Into<String>,
+    ) -> Result<(), NetworkError> {
+        self.commands
+            .send(Command::SetHealth {
+                healthy,
+                detail: detail.into(),
+            })
+            .await
+            .map_err(|_| NetworkError::Shutdown)
+    }
+
+    /// Opens a raw byte stream to `peer` for `protocol` (bulk transfers).
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<libp2p::Stream, NetworkError> {
+        self.connect(peer).await?;
+        self.streams
+            .clone()
+            .open_stream(peer, protocol)
+            .await
+            .map_err(|e| NetworkError::Request {
+                peer,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Accepts inbound streams of `protocol`. Only one acceptor per protocol may exist.
+    pub fn accept_streams(
+        &self,
+        protocol: StreamProtocol,
+    ) -> Result<libp2p_stream::IncomingStreams, NetworkError> {
+        self.streams
+            .clone()
+            .accept(protocol.clone())
+            .map_err(|_| NetworkError::Request {
+                peer: self.local_peer_id,
+                reason: format!("{protocol} already has an acceptor"),
+            })
+    }
+
+    /// Closes every connection and stops the event loop.
+    pub async fn shutdown(&self) {
+        let _ = self.tell(|reply| Command::Shutdown { reply }).await;
+    }
+}

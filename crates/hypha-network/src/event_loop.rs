@@ -1,0 +1,788 @@
+//! The actor that owns the swarm.
+//!
+//! It reacts to two sources only: swarm events and commands from [`Network`](crate::Network)
+//! handles. It never awaits anything else, so no slow consumer can stall it: everything it hands
+//! out goes through bounded queues with `try_send`, and the policy when a queue is full is part
+//! of each queue's documentation (gossip: drop the message; inbound requests: answer `Busy`).
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt;
+use hypha_messages::{Envelope, ErrorCode, Request, Response, health};
+use libp2p::{
+    Multiaddr, PeerId, Swarm,
+    core::ConnectedPoint,
+    gossipsub, identify, kad,
+    multiaddr::Protocol,
+    relay, request_response,
+    swarm::{
+        ConnectionId, SwarmEvent,
+        dial_opts::{DialOpts, PeerCondition},
+    },
+};
+use tokio::sync::mpsc;
+
+use crate::{
+    ExcludedRanges,
+    behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL, peer_id_of},
+    client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
+};
+
+type Reply<T> = tokio::sync::oneshot::Sender<Result<T, NetworkError>>;
+
+/// How often gateways that dropped are redialled.
+const GATEWAY_RETRY: Duration = Duration::from_secs(5);
+
+pub(crate) struct EventLoop {
+    pub(crate) swarm: Swarm<Behaviour>,
+    pub(crate) commands: mpsc::Receiver<Command>,
+    /// Kept to hand to [`Responder`]s.
+    pub(crate) command_sender: mpsc::WeakSender<Command>,
+    pub(crate) inbound: mpsc::Sender<InboundRequest>,
+    pub(crate) excluded: ExcludedRanges,
+    pub(crate) kind: String,
+    pub(crate) gateways: Vec<Multiaddr>,
+    pub(crate) relay_circuit: bool,
+    pub(crate) started: Instant,
+
+    health: (bool, String),
+    /// Connected gateways and the address each was reached at (relay circuits are built on it).
+    gateway_peers: HashMap<PeerId, Multiaddr>,
+    relay_listeners: HashMap<libp2p::core::transport::ListenerId, PeerId>,
+    pending_dials: HashMap<ConnectionId, Reply<PeerId>>,
+    pending_connects: HashMap<PeerId, PendingConnect>,
+    pending_lookups: HashMap<kad::QueryId, PeerId>,
+    pending_requests: HashMap<request_response::OutboundRequestId, (PeerId, Reply<Response>)>,
+    pending_providers: HashMap<kad::QueryId, (HashSet<PeerId>, Reply<HashSet<PeerId>>)>,
+    pending_start_providing: HashMap<kad::QueryId, Reply<()>>,
+    pending_bootstrap: HashMap<kad::QueryId, Reply<()>>,
+    subscribers: HashMap<gossipsub::TopicHash, Vec<mpsc::Sender<GossipMessage>>>,
+    gossip_dropped: u64,
+    last_drop_warning: Option<Instant>,
+}
+
+/// Reaching a peer: the addresses already known, then the addresses the DHT knows, then each
+/// connected gateway's relay. Each stage's failure is kept for the final error.
+#[derive(Debug)]
+struct PendingConnect {
+    stage: ConnectStage,
+    failures: Vec<String>,
+    /// Addresses of the peer that the DHT lookup came across but the transport refused.
+    excluded_seen: Vec<Multiaddr>,
+    replies: Vec<Reply<()>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnectStage {
+    Known,
+    Lookup,
+    LookedUp,
+    Relayed,
+}
+
+impl ConnectStage {
+    fn describe(self) -> &'static str {
+        match self {
+            ConnectStage::Known => "known addresses",
+            ConnectStage::Lookup => "DHT lookup",
+            ConnectStage::LookedUp => "addresses from the DHT",
+            ConnectStage::Relayed => "through a gateway relay",
+        }
+    }
+}
+
+impl EventLoop {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        swarm: Swarm<Behaviour>,
+        commands: mpsc::Receiver<Command>,
+        command_sender: mpsc::WeakSender<Command>,
+        inbound: mpsc::Sender<InboundRequest>,
+        excluded: ExcludedRanges,
+        kind: String,
+        gateways: Vec<Multiaddr>,
+        relay_circuit: bool,
+    ) -> Self {
+        EventLoop {
+            swarm,
+            commands,
+            command_sender,
+            inbound,
+            excluded,
+            kind,
+            gateways,
+            relay_circuit,
+            started: Instant::now(),
+            health: (true, "running".into()),
+            gateway_peers: HashMap::new(),
+            relay_listeners: HashMap::new(),
+            pending_dials: HashMap::new(),
+            pending_connects: HashMap::new(),
+            pending_lookups: HashMap::new(),
+            pending_requests: HashMap::new(),
+            pending_providers: HashMap::new(),
+            pending_start_providing: HashMap::new(),
+            pending_bootstrap: HashMap::new(),
+            subscribers: HashMap::new(),
+            gossip_dropped: 0,
+            last_drop_warning: None,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        self.dial_gateways();
+        let mut gateway_retry = tokio::time::interval(GATEWAY_RETRY);
+        gateway_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = self.commands.recv() => match command {
+                    Some(Command::Shutdown { reply }) => {
+                        self.shut_down();
+                        let _ = reply.send(());
+                        return;
+                    }
+                    Some(command) => self.on_command(command),
+                    None => {
+                        self.shut_down();
+                        return;
+                    }
+                },
+                _ = gateway_retry.tick() => self.dial_gateways(),
+            }
+        }
+    }
+
+    fn shut_down(&mut self) {
+        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        for peer in peers {
+            let _ = self.swarm.disconnect_peer_id(peer);
+        }
+        tracing::debug!("network stopped");
+    }
+
+    /// Dials every gateway we are not connected to (nor dialling).
+    fn dial_gateways(&mut self) {
+        for address in self.gateways.clone() {
+            let opts = match peer_id_of(&address) {
+                Some(peer) if self.swarm.is_connected(&peer) => continue,
+                Some(peer) => DialOpts::peer_id(peer)
+                    .addresses(vec![address.clone()])
+                    .condition(PeerCondition::DisconnectedAndNotDialing)
+                    .build(),
+                None => {
+                    if self
+                        .gateway_peers
+                        .keys()
+                        .any(|p| self.swarm.is_connected(p))
+                    {
+                        continue;
+                    }
+                    DialOpts::unknown_peer_id().address(address.clone()).build()
+                }
+            };
+            if let Err(e) = self.swarm.dial(opts) {
+                tracing::debug!(%address, error = %e, "cannot dial gateway");
+            }
+        }
+    }
+
+    fn is_gateway_address(&self, address: &Multiaddr) -> bool {
+        self.gateways.iter().any(|g| {
+            let without_peer: Multiaddr = g
+                .iter()
+                .filter(|p| !matches!(p, Protocol::P2p(_)))
+                .collect();
+            address
+                .iter()
+                .filter(|p| !matches!(p, Protocol::P2p(_)))
+                .eq(without_peer.iter())
+        })
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Dial { address, reply } => {
+                if self.excluded.excludes(&address) {
+                    let _ = reply.send(Err(NetworkError::Dial {
+                        target: address.to_string(),
+                        reason: "the address lies inside exclude_cidr".into(),
+                    }));
+                    return;
+                }
+                let opts = match peer_id_of(&address) {
+                    Some(peer) => DialOpts::peer_id(peer)
+                        .addresses(vec![address.clone()])
+                        .condition(PeerCondition::Always)
+                        .build(),
+                    None => DialOpts::unknown_peer_id().address(address.clone()).build(),
+                };
+                let id = opts.connection_id();
+                match self.swarm.dial(opts) {
+                    Ok(()) => {
+                        self.pending_dials.insert(id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NetworkError::Dial {
+                            target: address.to_string(),
+                            reason: e.to_string(),
+                        }));
+                    }
+                }
+            }
+            Command::Connect { peer, reply } => {
+                if self.swarm.is_connected(&peer) || peer == *self.swarm.local_peer_id() {
+                    let _ = reply.send(Ok(()));
+                    return;
+                }
+                let first = !self.pending_connects.contains_key(&peer);
+                self.pending_connects
+                    .entry(peer)
+                    .or_insert_with(|| PendingConnect {
+                        stage: ConnectStage::Known,
+                        failures: Vec::new(),
+                        excluded_seen: Vec::new(),
+                        replies: Vec::new(),
+                    })
+                    .replies
+                    .push(reply);
+                if first {
+                    let opts = DialOpts::peer_id(peer)
+                        .condition(PeerCondition::DisconnectedAndNotDialing)
+                        .build();
+                    if let Err(e) = self.swarm.dial(opts) {
+                        self.connect_failed(peer, e.to_string());
+                    }
+                }
+            }
+            Command::AddAddress { peer, address } => {
+                if !self.excluded.excludes(&address) {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, address.clone());
+                    self.swarm.add_peer_address(peer, address);
+                }
+            }
+            Command::ListenAddresses { reply } => {
+                let _ = reply.send(self.swarm.listeners().cloned().collect());
+            }
+            Command::ConnectedPeers { reply } => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::StartProviding { key, reply } => {
+                match self.swarm.behaviour_mut().kad.start_providing(key) {
+                    Ok(id) => {
+                        self.pending_start_providing.insert(id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NetworkError::Dht(e.to_string())));
+                    }
+                }
+            }
+            Command::StopProviding { key } => {
+                self.swarm.behaviour_mut().kad.stop_providing(&key);
+            }
+            Command::GetProviders { key, reply } => {
+                let id = self.swarm.behaviour_mut().kad.get_providers(key);
+                self.pending_providers.insert(id, (HashSet::new(), reply));
+            }
+            Command::Bootstrap { reply } => match self.swarm.behaviour_mut().kad.bootstrap() {
+                Ok(id) => {
+                    self.pending_bootstrap.insert(id, reply);
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(NetworkError::Dht(e.to_string())));
+                }
+            },
+            Command::Subscribe {
+                topic,
+                capacity,
+                reply,
+            } => {
+                let topic = gossipsub::IdentTopic::new(topic);
+                match self.swarm.behaviour_mut().gossipsub.subscribe(&topic) {
+                    Ok(_) => {
+                        let (tx, rx) = mpsc::channel(capacity);
+                        self.subscribers.entry(topic.hash()).or_default().push(tx);
+                        let _ = reply.send(Ok(rx));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NetworkError::Gossip(e.to_string())));
+                    }
+                }
+            }
+            Command::Publish { topic, data, reply } => {
+                let result = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .publish(gossipsub::IdentTopic::new(topic), data);
+                let _ = reply.send(
+                    result
+                        .map(|_| ())
+                        .map_err(|e| NetworkError::Gossip(e.to_string())),
+                );
+            }
+            Command::Request {
+                peer,
+                request,
+                reply,
+            } => {
+                let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
+                self.pending_requests.insert(id, (peer, reply));
+            }
+            Command::Respond { channel, response } => {
+                // Fails only when the peer gave up waiting; nothing else to do then.
+                let _ = self
+                    .swarm
+                    .behaviour_mut()
+                    .rpc
+                    .send_response(channel, response);
+            }
+            Command::SetHealth { healthy, detail } => {
+                self.health = (healthy, detail);
+            }
+            Command::Shutdown { .. } => unreachable!("handled in run"),
+        }
+    }
+
+    /// The current stage of reaching `peer` failed; move on to the next one.
+    fn connect_failed(&mut self, peer: PeerId, reason: String) {
+        let Some(pending) = self.pending_connects.get_mut(&peer) else {
+            return;
+        };
+        pending
+            .failures
+            .push(format!("{}: {reason}", pending.stage.describe()));
+        match pending.stage {
+            ConnectStage::Known => {
+                pending.stage = ConnectStage::Lookup;
+                let query = self.swarm.behaviour_mut().kad.get_closest_peers(peer);
+                self.pending_lookups.insert(query, peer);
+            }
+            ConnectStage::Lookup | ConnectStage::LookedUp => {
+                pending.stage = ConnectStage::Relayed;
+                let circuits: Vec<Multiaddr> = self
+                    .gateway_peers
+                    .iter()
+                    .filter(|(g, _)| self.swarm.is_connected(g))
+                    .map(|(g, address)| circuit_address(address, *g).with(Protocol::P2p(peer)))
+                    .collect();
+                if circuits.is_empty() {
+                    return self.connect_failed(peer, "no gateway is connected".into());
+                }
+                let opts = DialOpts::peer_id(peer)
+                    .addresses(circuits)
+                    .condition(PeerCondition::Always)
+                    .build();
+                if let Err(e) = self.swarm.dial(opts) {
+                    self.connect_failed(peer, e.to_string());
+                }
+            }
+            ConnectStage::Relayed => {
+                let reason = pending.failures.join("; ");
+                self.finish_connect(peer, Err(reason));
+            }
+        }
+    }
+
+    /// The DHT lookup for a peer we are connecting to has finished.
+    fn on_lookup_done(&mut self, query: kad::QueryId, peers: Vec<kad::PeerInfo>) {
+        let Some(peer) = self.pending_lookups.remove(&query) else {
+            return;
+        };
+        let (mut excluded, usable): (Vec<Multiaddr>, Vec<Multiaddr>) = peers
+            .into_iter()
+            .filter(|info| info.peer_id == peer)
+            .flat_map(|info| info.addrs)
+            .partition(|address| self.excluded.excludes(address));
+        if let Some(pending) = self.pending_connects.get_mut(&peer) {
+            excluded.append(&mut pending.excluded_seen);
+        }
+        if usable.is_empty() {
+            let reason = if excluded.is_empty() {
+                "the DHT knows no address".to_string()
+            } else {
+                let list: Vec<String> = excluded.iter().map(ToString::to_string).collect();
+                format!(
+                    "every address the DHT knows lies inside exclude_cidr ({})",
+                    list.join(", ")
+                )
+            };
+            return self.connect_failed(peer, reason);
+        }
+        if let Some(pending) = self.pending_connects.get_mut(&peer) {
+            pending.stage = ConnectStage::LookedUp;
+        }
+        let opts = DialOpts::peer_id(peer)
+            .addresses(usable)
+            .condition(PeerCondition::Always)
+            .build();
+        if let Err(e) = self.swarm.dial(opts) {
+            self.connect_failed(peer, e.to_string());
+        }
+    }
+
+    fn finish_connect(&mut self, peer: PeerId, result: Result<(), String>) {
+        if let Some(pending) = self.pending_connects.remove(&peer) {
+            for reply in pending.replies {
+                let _ = reply.send(result.clone().map_err(|reason| NetworkError::Dial {
+                    target: peer.to_string(),
+                    reason,
+                }));
+            }
+        }
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!(%address, "listening");
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => {
+                tracing::debug!(peer = %peer_id, address = %endpoint.get_remote_address(), "connected");
+                if let Some(reply) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Ok(peer_id));
+                }
+                self.finish_connect(peer_id, Ok(()));
+                if let ConnectedPoint::Dialer { address, .. } = &endpoint
+                    && self.is_gateway_address(address)
+                {
+                    self.on_gateway_connected(peer_id, address.clone());
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                peer_id,
+                error,
+            } => {
+                if let Some(reply) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Err(NetworkError::Dial {
+                        target: peer_id.map(|p| p.to_string()).unwrap_or_default(),
+                        reason: error.to_string(),
+                    }));
+                }
+                if let Some(peer) = peer_id {
+                    // During a lookup the DHT query dials peers itself; its result, not these
+                    // dials, decides how the connect goes on.
+                    match self.pending_connects.get_mut(&peer) {
+                        Some(pending) if pending.stage == ConnectStage::Lookup => {
+                            if let libp2p::swarm::DialError::Transport(attempts) = &error {
+                                pending.excluded_seen.extend(
+                                    attempts
+                                        .iter()
+                                        .map(|(address, _)| address.clone())
+                                        .filter(|address| self.excluded.excludes(address)),
+                                );
+                            }
+                        }
+                        Some(_) => self.connect_failed(peer, error.to_string()),
+                        None => {}
+                    }
+                }
+            }
+            SwarmEvent::IncomingConnectionError {
+                send_back_addr,
+                error,
+                ..
+            } => {
+                // Peers outside our CA end here; worth knowing, not an error of ours.
+                tracing::info!(remote = %send_back_addr, error = %error, "refused an incoming connection");
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                addresses,
+            } => {
+                if let Some(gateway) = self.relay_listeners.remove(&listener_id) {
+                    tracing::info!(%gateway, ?reason, "relay listener closed; will listen again when the gateway is back");
+                } else {
+                    tracing::debug!(?addresses, ?reason, "listener closed");
+                }
+            }
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            _ => {}
+        }
+    }
+
+    fn on_gateway_connected(&mut self, gateway: PeerId, address: Multiaddr) {
+        self.gateway_peers.insert(gateway, address.clone());
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .add_address(&gateway, address.clone());
+        if self.relay_circuit && !self.relay_listeners.values().any(|g| *g == gateway) {
+            let circuit = circuit_address(&address, gateway);
+            match self.swarm.listen_on(circuit.clone()) {
+                Ok(id) => {
+                    self.relay_listeners.insert(id, gateway);
+                }
+                Err(e) => {
+                    tracing::warn!(address = %circuit, error = %e, "cannot listen through the gateway's relay")
+                }
+            }
+        }
+        // A fresh gateway connection is the moment to fill the routing table.
+        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+    }
+
+    fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. })
+                if info.protocols.contains(&KAD_PROTOCOL) =>
+            {
+                for address in info.listen_addrs {
+                    if self.excluded.excludes(&address) || is_relayed(&address) {
+                        continue;
+                    }
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, address);
+                }
+            }
+            BehaviourEvent::Kad(event) => self.on_kad_event(event),
+            BehaviourEvent::Gossipsub(gossipsub::Event::Message { message, .. }) => {
+                self.on_gossip(message);
+            }
+            BehaviourEvent::Rpc(event) => self.on_rpc_event(event),
+            BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
+                ..
+            }) => {
+                tracing::info!(relay = %relay_peer_id, "reachable through the gateway's relay");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_kad_event(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::RoutablePeer { peer, address } if !self.excluded.excludes(&address) => {
+                self.swarm.behaviour_mut().kad.add_address(&peer, address);
+            }
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => match result {
+                kad::QueryResult::GetProviders(Ok(kad::GetProvidersOk::FoundProviders {
+                    providers,
+                    ..
+                })) => {
+                    if let Some((found, _)) = self.pending_providers.get_mut(&id) {
+                        found.extend(providers);
+                    }
+                    if step.last {
+                        self.finish_providers(id);
+                    }
+                }
+                kad::QueryResult::GetProviders(_) => {
+                    // Finished (possibly timed out): report what was found.
+                    self.finish_providers(id);
+                }
+                kad::QueryResult::StartProviding(result) => {
+                    if let Some(reply) = self.pending_start_providing.remove(&id) {
+                        let _ = reply.send(
+                            result
+                                .map(|_| ())
+                                .map_err(|e| NetworkError::Dht(e.to_string())),
+                        );
+                    }
+                }
+                kad::QueryResult::GetClosestPeers(result) => {
+                    let peers = match result {
+                        Ok(ok) => ok.peers,
+                        Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                    };
+                    self.on_lookup_done(id, peers);
+                }
+                kad::QueryResult::Bootstrap(result) if step.last || result.is_err() => {
+                    if let Some(reply) = self.pending_bootstrap.remove(&id) {
+                        let _ = reply.send(
+                            result
+                                .map(|_| ())
+                                .map_err(|e| NetworkError::Dht(e.to_string())),
+                        );
+                    }
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+
+    fn finish_providers(&mut self, id: kad::QueryId) {
+        if let Some((found, reply)) = self.pending_providers.remove(&id) {
+            let _ = reply.send(Ok(found));
+            // Stop the query: it would otherwise keep walking the DHT for more providers.
+            if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                query.finish();
+            }
+        }
+    }
+
+    fn on_gossip(&mut self, message: gossipsub::Message) {
+        let Some(subscribers) = self.subscribers.get_mut(&message.topic) else {
+            return;
+        };
+        subscribers.retain(|s| !s.is_closed());
+        for subscriber in subscribers.iter() {
+            let delivered = subscriber.try_send(GossipMessage {
+                source: message.source,
+                topic: message.topic.to_string(),
+                data: message.data.clone(),
+            });
+            if delivered.is_err() {
+                self.gossip_dropped += 1;
+                let now = Instant::now();
+                if self
+                    .last_drop_warning
+                    .is_none_or(|t| now.duration_since(t) > Duration::from_secs(10))
+                {
+                    self.last_drop_warning = Some(now);
+                    tracing::warn!(
+                        topic = %message.topic,
+                        dropped_total = self.gossip_dropped,
+                        "a gossip subscriber is not keeping up; dropping messages for it"
+                    );
+                }
+            }
+        }
+        if subscribers.is_empty() {
+            let topic = message.topic.clone();
+            self.subscribers.remove(&topic);
+            self.swarm
+                .behaviour_mut()
+                .gossipsub
+                .unsubscribe(&gossipsub::IdentTopic::new(topic.into_string()));
+        }
+    }
+
+    fn on_rpc_event(
+        &mut self,
+        event: request_response::Event<Envelope<Request>, Envelope<Response>>,
+    ) {
+        match event {
+            request_response::Event::Message { peer, message, .. } => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => self.on_inbound_request(peer, request, channel),
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    if let Some((_, reply)) = self.pending_requests.remove(&request_id) {
+                        let _ = reply.send(Ok(response.body));
+                    }
+                }
+            },
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
+                if let Some((peer, reply)) = self.pending_requests.remove(&request_id) {
+                    let _ = reply.send(Err(NetworkError::Request {
+                        peer,
+                        reason: error.to_string(),
+                    }));
+                }
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                tracing::debug!(%peer, %error, "an inbound request failed");
+            }
+            request_response::Event::ResponseSent { .. } => {}
+        }
+    }
+
+    fn on_inbound_request(
+        &mut self,
+        peer: PeerId,
+        request: Envelope<Request>,
+        channel: request_response::ResponseChannel<Envelope<Response>>,
+    ) {
+        let span = tracing::info_span!("rpc", %peer, request = ?request.body);
+        hypha_telemetry::propagation::set_parent(&span, &request.trace);
+        let _entered = span.enter();
+        let answer = |this: &mut Self, channel, response| {
+            let trace = hypha_telemetry::propagation::inject(&tracing::Span::current());
+            let _ = this
+                .swarm
+                .behaviour_mut()
+                .rpc
+                .send_response(channel, Envelope::new(response, trace));
+        };
+        match request.body {
+            Request::Health => {
+                let status = health::Status {
+                    kind: self.kind.clone(),
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    healthy: self.health.0,
+                    detail: self.health.1.clone(),
+                    uptime_secs: self.started.elapsed().as_secs(),
+                    connected_peers: u32::try_from(self.swarm.connected_peers().count())
+                        .unwrap_or(u32::MAX),
+                };
+                answer(self, channel, Response::Health(status));
+            }
+            body => {
+                let Some(commands) = self.command_sender.upgrade() else {
+                    return;
+                };
+                let inbound = InboundRequest {
+                    peer,
+                    request: body,
+                    trace: request.trace,
+                    responder: Responder::new(channel, commands),
+                };
+                if let Err(e) = self.inbound.try_send(inbound) {
+                    let (code, message, inbound) = match e {
+                        mpsc::error::TrySendError::Full(i) => (
+                            ErrorCode::Busy,
+                            "the node is overloaded; try again later",
+                            i,
+                        ),
+                        mpsc::error::TrySendError::Closed(i) => (
+                            ErrorCode::Unsupported,
+                            "this node does not serve that request",
+                            i,
+                        ),
+                    };
+                    let mut responder = inbound.responder;
+                    if let Some(channel) = responder.take_channel() {
+                        answer(
+                            self,
+                            channel,
+                            Response::Error(hypha_messages::Error {
+                                code,
+                                message: message.into(),
+                            }),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `<gateway transport address>/p2p/<gateway>/p2p-circuit`.
+fn circuit_address(gateway_address: &Multiaddr, gateway: PeerId) -> Multiaddr {
+    let transport: Multiaddr = gateway_address
+        .iter()
+        .filter(|p| !matches!(p, Protocol::P2p(_)))
+        .collect();
+    transport
+        .with(Protocol::P2p(gateway))
+        .with(Protocol::P2pCircuit)
+}
+
+fn is_relayed(address: &Multiaddr) -> bool {
+    address.iter().any(|p| matches!(p, Protocol::P2pCircuit))
+}

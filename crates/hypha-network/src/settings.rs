@@ -1,0 +1,46 @@
+use std::time::Duration;
+
+use ipnet::IpNet;
+use libp2p::Multiaddr;
+
+/// How a node takes part in the network. Built from the node's config by the caller.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// What the node is (`gateway`, `data`, `worker`, `scheduler`, `probe`); reported by health.
+    pub kind: String,
+    /// Addresses to listen on, such as `/ip4/0.0.0.0/tcp/4001`.
+    pub listen_addresses: Vec<Multiaddr>,
+    /// Addresses others can reach this node at, announced as confirmed external addresses.
+    pub external_addresses: Vec<Multiaddr>,
+    /// Gateways to connect to at start (with `/p2p/<id>` when known) and bootstrap the DHT from.
+    pub gateway_addresses: Vec<Multiaddr>,
+    /// Address ranges never dialled and never added to the routing table.
+    pub exclude_cidr: Vec<IpNet>,
+    /// Listen through each gateway's relay, so that peers who cannot reach this node directly
+    /// (NAT, firewall) still can. Default: on.
+    pub relay_circuit: bool,
+    /// Serve as a relay for others (gateways). Default: off.
+    pub relay_server: bool,
+    /// How long a connection with nothing to do stays open. Default: 5 minutes.
+    pub idle_connection_timeout: Duration,
+    /// Inbound requests queued for the application before new ones are answered `Busy`.
+    /// Default: 256.
+    pub inbound_request_queue: usize,
+}
+
+impl Settings {
+    /// Defaults for a node of `kind`; fill in addresses before use.
+    pub fn new(kind: impl Into<String>) -> Self {
+        Settings {
+            kind: kind.into(),
+            listen_addresses: Vec::new(),
+            external_addresses: Vec::new(),
+            gateway_addresses: Vec::new(),
+            exclude_cidr: Vec::new(),
+            relay_circuit: true,
+            relay_server: false,
+            idle_connection_timeout: Duration::from_secs(300),
+            inbound_request_queue: 256,
+        }
+    }
+}

@@ -1,0 +1,635 @@
+//! Multi-node tests: real swarms over TCP on 127.0.0.1 with certificates made by `hypha-certs`.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{sync::Arc, time::Duration};
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use hypha_certs::{
+    NodeIdentity, TrustStore,
+    authority::{self, Authority, Reason, Validity},
+};
+use hypha_network::{InboundRequest, Network, NetworkError, Settings, StreamProtocol};
+use libp2p::{Multiaddr, PeerId, multiaddr::Protocol};
+use tokio::sync::mpsc;
+
+struct Pki {
+    root: Authority,
+    org: Authority,
+}
+
+impl Pki {
+    fn new() -> Self {
+        let root = authority::create_root("Net Test Root", Validity::days(10)).unwrap();
+        let org = authority::create_org(&root, "Net Test Org", Validity::days(10)).unwrap();
+        Pki { root, org }
+    }
+
+    fn trust(&self) -> Arc<TrustStore> {
+        Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap())
+    }
+
+    fn node(&self, name: &str) -> NodeIdentity {
+        identity_of(&authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap())
+    }
+}
+
+fn identity_of(node: &authority::NodeCredentials) -> NodeIdentity {
+    NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap()
+}
+
+fn loopback() -> Multiaddr {
+    "/ip4/127.0.0.1/tcp/0".parse().unwrap()
+}
+
+fn settings(kind: &str, listen: bool, gateways: &[Multiaddr]) -> Settings {
+    let mut s = Settings::new(kind);
+    if listen {
+        s.listen_addresses = vec![loopback()];
+    }
+    s.gateway_addresses = gateways.to_vec();
+    s.relay_circuit = false;
+    s
+}
+
+async fn start(
+    identity: &NodeIdentity,
+    trust: Arc<TrustStore>,
+    settings: Settings,
+) -> (Network, mpsc::Receiver<InboundRequest>) {
+    hypha_network::start(settings, identity, trust)
+        .await
+        .unwrap()
+}
+
+/// The node's first listen address with its peer id appended.
+async fn address_of(network: &Network) -> Multiaddr {
+    let addr = network.listen_addresses().await.unwrap().remove(0);
+    addr.with(Protocol::P2p(network.local_peer_id()))
+}
+
+async fn gateway(pki: &Pki) -> (Network, Multiaddr) {
+    let mut s = settings("gateway", true, &[]);
+    s.relay_server = true;
+    let (net, _inbound) = start(&pki.node("gateway"), pki.trust(), s).await;
+    // The gateway answers health itself, so the inbound queue is not needed.
+    let addr = address_of(&net).await;
+    (net, addr)
+}
+
+async fn eventually<T, F, Fut>(what: &str, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = attempt().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn handshake_across_root_org_node_chain_and_health_round_trip() {
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let client_id = pki.node("client");
+    let (client, _) = start(&client_id, pki.trust(), settings("worker", false, &[])).await;
+
+    let peer = client.dial(server_addr).await.unwrap();
+    assert_eq!(
+        peer,
+        server.local_peer_id(),
+        "peer id comes from the server certificate"
+    );
+    let status = client.health(peer).await.unwrap();
+    assert_eq!(status.kind, "gateway");
+    assert!(status.healthy);
+    assert!(status.connected_peers >= 1);
+
+    server.set_health(false, "disk full").await.unwrap();
+    let status = client.health(peer).await.unwrap();
+    assert!(!status.healthy);
+    assert_eq!(status.detail, "disk full");
+    assert!(
+        server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&client_id.peer_id()),
+        "the server knows the client by its certificate's peer id"
+    );
+}
+
+/// Dials `server_addr` with `identity` and expects the handshake to fail with no connection
+/// on either side.
+async fn assert_refused(pki: &Pki, identity: NodeIdentity, trust: Arc<TrustStore>) {
+    let (server, server_addr) = gateway(pki).await;
+    let (client, _) = start(&identity, trust, settings("worker", false, &[])).await;
+    let err = client.dial(server_addr).await.unwrap_err();
+    assert!(matches!(err, NetworkError::Dial { .. }), "{err}");
+    assert!(client.connected_peers().await.unwrap().is_empty());
+    assert!(
+        !server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&identity.peer_id()),
+        "a refused peer never reaches the protocols"
+    );
+}
+
+#[tokio::test]
+async fn certificate_from_another_ca_is_refused() {
+    let pki = Pki::new();
+    let other = Pki::new();
+    // The stranger trusts our root, so only our side's verification stops it.
+    assert_refused(&pki, other.node("stranger"), pki.trust()).await;
+}
+
+#[tokio::test]
+async fn expired_certificate_is_refused() {
+    let pki = Pki::new();
+    let now = time::OffsetDateTime::now_utc();
+    let expired = authority::create_node(
+        &pki.org,
+        "expired",
+        &[],
+        Validity {
+            not_before: now - time::Duration::days(3),
+            not_after: now - time::Duration::days(1),
+        },
+    )
+    .unwrap();
+    assert_refused(&pki, identity_of(&expired), pki.trust()).await;
+}
+
+#[tokio::test]
+async fn revoked_certificate_is_refused() {
+    let pki = Pki::new();
+    let revoked = authority::create_node(&pki.org, "revoked", &[], Validity::days(1)).unwrap();
+    let crl = authority::revoke(
+        &pki.org,
+        None,
+        revoked.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        30,
+    )
+    .unwrap();
+    let trust_with_crl =
+        Arc::new(TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap());
+
+    let mut s = settings("gateway", true, &[]);
+    s.relay_server = true;
+    let (server, _) = start(&pki.node("gateway"), trust_with_crl, s).await;
+    let server_addr = address_of(&server).await;
+    let revoked_id = identity_of(&revoked);
+    let (client, _) = start(&revoked_id, pki.trust(), settings("worker", false, &[])).await;
+    assert!(client.dial(server_addr.clone()).await.is_err());
+    assert!(
+        !server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&revoked_id.peer_id())
+    );
+
+    // Another certificate of the same organisation still gets in.
+    let (honest, _) = start(
+        &pki.node("honest"),
+        pki.trust(),
+        settings("worker", false, &[]),
+    )
+    .await;
+    honest.dial(server_addr).await.unwrap();
+}
+
+#[tokio::test]
+async fn key_that_does_not_match_its_certificate_is_refused() {
+    // A node cannot even be configured with a mismatched pair (NodeIdentity refuses it), so this
+    // plays a malicious peer by hand: multistream-select to our protocol, then a TLS client
+    // presenting certificate A while signing with key B.
+    use futures_rustls::TlsConnector;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let a = authority::create_node(&pki.org, "a", &[], Validity::days(1)).unwrap();
+    let b = authority::create_node(&pki.org, "b", &[], Validity::days(1)).unwrap();
+    let a_id = identity_of(&a);
+    let b_id = identity_of(&b);
+
+    #[derive(Debug)]
+    struct AcceptAnything;
+    impl rustls::client::danger::ServerCertVerifier for AcceptAnything {
+        fn verify_server_cert(
+            &self,
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &[rustls::pki_types::CertificateDer<'_>],
+            _: &rustls::pki_types::ServerName<'_>,
+            _: &[u8],
+            _: rustls::pki_types::UnixTime,
+        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+        }
+        fn verify_tls13_signature(
+            &self,
+            _: &[u8],
+            _: &rustls::pki_types::CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            vec![rustls::SignatureScheme::ED25519]
+        }
+    }
+    #[derive(Debug)]
+    struct MismatchedKey(Arc<rustls::sign::CertifiedKey>);
+    impl rustls::client::ResolvesClientCert for MismatchedKey {
+        fn resolve(
+            &self,
+            _: &[&[u8]],
+            _: &[rustls::SignatureScheme],
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            Some(self.0.clone())
+        }
+        fn has_certs(&self) -> bool {
+            true
+        }
+    }
+
+    let rustls::pki_types::PrivateKeyDer::Pkcs8(b_key) = b_id.private_key() else {
+        panic!("hypha keys are PKCS#8")
+    };
+    let signing_key = rustls::crypto::ring::sign::any_eddsa_type(&b_key).unwrap();
+    let forged = Arc::new(rustls::sign::CertifiedKey::new(
+        a_id.chain().to_vec(),
+        signing_key,
+    ));
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .dangerous()
+    .with_custom_certificate_verifier(Arc::new(AcceptAnything))
+    .with_client_cert_resolver(Arc::new(MismatchedKey(forged)));
+
+    let port = server_addr
+        .iter()
+        .find_map(|p| match p {
+            Protocol::Tcp(port) => Some(port),
+            _ => None,
+        })
+        .unwrap();
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    // multistream-select 1.0: length-prefixed, newline-terminated protocol names.
+    for line in [
+        "/multistream/1.0.0\n",
+        &format!("{}\n", hypha_network::tls::PROTOCOL_NAME),
+    ] {
+        tcp.write_all(&[line.len() as u8]).await.unwrap();
+        tcp.write_all(line.as_bytes()).await.unwrap();
+    }
+    for expected in [
+        "/multistream/1.0.0\n",
+        &format!("{}\n", hypha_network::tls::PROTOCOL_NAME),
+    ] {
+        let len = tcp.read_u8().await.unwrap() as usize;
+        let mut answer = vec![0u8; len];
+        tcp.read_exact(&mut answer).await.unwrap();
+        assert_eq!(
+            answer,
+            expected.as_bytes(),
+            "the server speaks our TLS upgrade"
+        );
+    }
+    let socket = tokio_util::compat::TokioAsyncReadCompatExt::compat(tcp);
+    let name = rustls::pki_types::ServerName::try_from("peer")
+        .unwrap()
+        .to_owned();
+    let result = async {
+        let mut tls = TlsConnector::from(Arc::new(config))
+            .connect(name, socket)
+            .await?;
+        // A TLS 1.3 client finishes before the server has judged its certificate; the verdict
+        // arrives as an alert on the first read.
+        tls.write_all(b"/multistream/1.0.0\n").await?;
+        tls.flush().await?;
+        let mut buf = [0u8; 1];
+        let n = tls.read(&mut buf).await?;
+        std::io::Result::Ok(n)
+    }
+    .await;
+    assert!(
+        matches!(result, Err(_) | Ok(0)),
+        "the server must reject a certificate whose key did not sign the handshake: {result:?}"
+    );
+    assert!(
+        !server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&a_id.peer_id())
+    );
+}
+
+#[tokio::test]
+async fn plain_libp2p_noise_peer_is_refused() {
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let mut stranger = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            libp2p::tcp::Config::default(),
+            libp2p::noise::Config::new,
+            libp2p::yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|_| libp2p::ping::Behaviour::default())
+        .unwrap()
+        .build();
+    let stranger_id = *stranger.local_peer_id();
+    stranger.dial(server_addr).unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stranger.select_next_some().await {
+                libp2p::swarm::SwarmEvent::ConnectionEstablished { .. } => return "connected",
+                libp2p::swarm::SwarmEvent::OutgoingConnectionError { .. } => return "refused",
+                _ => {}
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(outcome, "refused");
+    assert!(
+        !server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&stranger_id)
+    );
+}
+
+#[tokio::test]
+async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = gateway(&pki).await;
+    // Neither node listens on any address of its own: the relay circuit is the only way in.
+    let mut a_settings = settings("worker", false, std::slice::from_ref(&gateway_addr));
+    a_settings.relay_circuit = true;
+    let (a, _) = start(&pki.node("a"), pki.trust(), a_settings).await;
+    let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
+    b_settings.relay_circuit = true;
+    let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
+
+    eventually("a's relay reservation", || async {
+        a.listen_addresses()
+            .await
+            .unwrap()
+            .iter()
+            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
+            .then_some(())
+    })
+    .await;
+    eventually("b's gateway connection", || async {
+        (!b.connected_peers().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+
+    b.connect(a.local_peer_id()).await.unwrap();
+    let status = b.health(a.local_peer_id()).await.unwrap();
+    assert_eq!(status.kind, "worker");
+
+    // Bulk bytes flow over the relayed connection too.
+    let protocol = StreamProtocol::new("/test/echo/1");
+    let mut incoming = a.accept_streams(protocol.clone()).unwrap();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).await.unwrap();
+            stream.write_all(&buf).await.unwrap();
+            stream.close().await.unwrap();
+        }
+    });
+    let mut stream = b.open_stream(a.local_peer_id(), protocol).await.unwrap();
+    let payload = vec![7u8; 256 * 1024];
+    stream.write_all(&payload).await.unwrap();
+    stream.close().await.unwrap();
+    let mut echoed = Vec::new();
+    stream.read_to_end(&mut echoed).await.unwrap();
+    assert_eq!(echoed, payload);
+}
+
+async fn cluster(pki: &Pki, n: usize) -> (Network, Vec<Network>) {
+    let (gw, gw_addr) = gateway(pki).await;
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let (net, _) = start(
+            &pki.node(&format!("node-{i}")),
+            pki.trust(),
+            settings("worker", true, std::slice::from_ref(&gw_addr)),
+        )
+        .await;
+        nodes.push(net);
+    }
+    for net in &nodes {
+        eventually("gateway connection", || async {
+            net.connected_peers()
+                .await
+                .unwrap()
+                .contains(&gw.local_peer_id())
+                .then_some(())
+        })
+        .await;
+    }
+    (gw, nodes)
+}
+
+#[tokio::test]
+async fn kademlia_provider_records_are_found_across_five_nodes() {
+    let pki = Pki::new();
+    let (_gw, nodes) = cluster(&pki, 4).await;
+    for net in &nodes {
+        net.bootstrap().await.ok();
+    }
+    nodes[0]
+        .start_providing(b"dataset/imagenet-1k")
+        .await
+        .unwrap();
+    nodes[1]
+        .start_providing(b"dataset/imagenet-1k")
+        .await
+        .unwrap();
+    let expected: std::collections::HashSet<PeerId> =
+        [nodes[0].local_peer_id(), nodes[1].local_peer_id()].into();
+    let found = eventually("both providers", || async {
+        let found = nodes[3]
+            .get_providers(b"dataset/imagenet-1k")
+            .await
+            .unwrap();
+        (found == expected).then_some(found)
+    })
+    .await;
+    assert_eq!(found, expected);
+    assert!(
+        nodes[2]
+            .get_providers(b"dataset/unknown")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn gossip_reaches_five_nodes() {
+    let pki = Pki::new();
+    let (gw, nodes) = cluster(&pki, 4).await;
+    let mut all = nodes.clone();
+    all.push(gw);
+    let mut receivers = Vec::new();
+    for net in &all[1..] {
+        receivers.push(net.subscribe("hypha/worker", 16).await.unwrap());
+    }
+    let _publisher_sub = all[0].subscribe("hypha/worker", 16).await.unwrap();
+    // Publishing fails until the publisher has seen subscribers; retry until it goes out.
+    eventually("a peer subscribed to the topic", || async {
+        all[0]
+            .publish("hypha/worker", b"advert-1".to_vec())
+            .await
+            .ok()
+    })
+    .await;
+    for rx in &mut receivers {
+        let msg = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(msg.data, b"advert-1");
+        assert_eq!(
+            msg.source,
+            Some(all[0].local_peer_id()),
+            "messages are signed by their author"
+        );
+    }
+}
+
+#[tokio::test]
+async fn one_gibibyte_stream_arrives_byte_exact() {
+    const TOTAL: usize = 1024 * 1024 * 1024;
+    const BLOCK: usize = 1024 * 1024;
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let (client, _) = start(
+        &pki.node("client"),
+        pki.trust(),
+        settings("worker", false, &[]),
+    )
+    .await;
+    client.dial(server_addr).await.unwrap();
+
+    let protocol = StreamProtocol::new("/test/bulk/1");
+    let mut incoming = server.accept_streams(protocol.clone()).unwrap();
+    let receiver = tokio::spawn(async move {
+        let (_, mut stream) = incoming.next().await.unwrap();
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; BLOCK];
+        let mut total = 0usize;
+        loop {
+            let n = stream.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            total += n;
+        }
+        (total, hasher.finalize())
+    });
+
+    let mut stream = client
+        .open_stream(server.local_peer_id(), protocol)
+        .await
+        .unwrap();
+    let mut block: Vec<u8> = (0..BLOCK).map(|i| (i * 31 % 251) as u8).collect();
+    let mut hasher = blake3::Hasher::new();
+    for i in 0..TOTAL / BLOCK {
+        // Every block differs, so a dropped, repeated or reordered block changes the hash.
+        block[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        hasher.update(&block);
+        stream.write_all(&block).await.unwrap();
+    }
+    stream.close().await.unwrap();
+    let (received, digest) = receiver.await.unwrap();
+    assert_eq!(received, TOTAL);
+    assert_eq!(digest, hasher.finalize());
+}
+
+#[tokio::test]
+async fn excluded_ranges_are_never_dialled_even_when_the_dht_names_them() {
+    let pki = Pki::new();
+    let (_gw, gw_addr) = gateway(&pki).await;
+    // The provider listens on 127.0.0.2; the others reach the gateway on 127.0.0.1.
+    let mut provider_settings = settings("data", false, std::slice::from_ref(&gw_addr));
+    provider_settings.listen_addresses = vec!["/ip4/127.0.0.2/tcp/0".parse().unwrap()];
+    let (provider, _) = start(&pki.node("provider"), pki.trust(), provider_settings).await;
+
+    let mut careful_settings = settings("scheduler", false, std::slice::from_ref(&gw_addr));
+    careful_settings.exclude_cidr = vec!["127.0.0.2/32".parse().unwrap()];
+    let (careful, _) = start(&pki.node("careful"), pki.trust(), careful_settings).await;
+    let (plain, _) = start(
+        &pki.node("plain"),
+        pki.trust(),
+        settings("scheduler", false, std::slice::from_ref(&gw_addr)),
+    )
+    .await;
+
+    eventually("provider on the gateway", || async {
+        (!provider.connected_peers().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+    provider.start_providing(b"k").await.unwrap();
+    for net in [&careful, &plain] {
+        eventually("the provider record", || async {
+            net.get_providers(b"k")
+                .await
+                .unwrap()
+                .contains(&provider.local_peer_id())
+                .then_some(())
+        })
+        .await;
+    }
+
+    // Both learned the provider's address through the DHT; only one may use it.
+    plain.connect(provider.local_peer_id()).await.unwrap();
+    let err = careful.connect(provider.local_peer_id()).await.unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("/ip4/127.0.0.2") && message.contains("exclude_cidr"),
+        "the DHT-learned address was refused by the transport: {message}"
+    );
+    let direct = provider_addr(&provider).await;
+    let err = careful.dial(direct).await.unwrap_err();
+    assert!(err.to_string().contains("exclude_cidr"), "{err}");
+}
+
+async fn provider_addr(net: &Network) -> Multiaddr {
+    address_of(net).await
+}
