@@ -1,0 +1,186 @@
+use std::fmt::Write;
+
+/// What type of value a key holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    String,
+    /// A file or directory; relative paths in a config file are relative to that file.
+    Path,
+    Integer,
+    Float,
+    Bool,
+    /// A list of strings (in the environment: a TOML array or a comma-separated list).
+    StringList,
+    /// A table of further keys (`[resources]`).
+    Table(&'static [Key]),
+    /// An array of tables (`[[executors]]`).
+    TableArray(&'static [Key]),
+}
+
+impl Kind {
+    fn describe(self) -> &'static str {
+        match self {
+            Kind::String => "a string",
+            Kind::Path => "a path (string)",
+            Kind::Integer => "an integer",
+            Kind::Float => "a number",
+            Kind::Bool => "true or false",
+            Kind::StringList => "a list of strings",
+            Kind::Table(_) => "a table",
+            Kind::TableArray(_) => "an array of tables",
+        }
+    }
+
+    pub(crate) fn matches(self, value: &toml::Value) -> bool {
+        match (self, value) {
+            (Kind::String | Kind::Path, toml::Value::String(_)) => true,
+            (Kind::Integer, toml::Value::Integer(_)) => true,
+            (Kind::Float, toml::Value::Float(_) | toml::Value::Integer(_)) => true,
+            (Kind::Bool, toml::Value::Boolean(_)) => true,
+            (Kind::StringList, toml::Value::Array(items)) => {
+                items.iter().all(|i| matches!(i, toml::Value::String(_)))
+            }
+            (Kind::Table(_), toml::Value::Table(_)) => true,
+            (Kind::TableArray(_), toml::Value::Array(items)) => {
+                items.iter().all(|i| matches!(i, toml::Value::Table(_)))
+            }
+            _ => false,
+        }
+    }
+
+    pub(crate) fn expected(self) -> &'static str {
+        self.describe()
+    }
+}
+
+/// A key's default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Default {
+    /// The key must be set; the example is what `init` writes.
+    Required { example: &'static str },
+    /// The default value, as a TOML literal.
+    Value(&'static str),
+    /// Absent unless set; the example is what `init` writes, commented out.
+    Unset { example: &'static str },
+}
+
+/// One config key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Key {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub default: Default,
+    /// One or more sentences; `init` writes them as comments above the key.
+    pub doc: &'static str,
+}
+
+/// Every key a node program accepts.
+#[derive(Debug, Clone)]
+pub struct Schema {
+    program: &'static str,
+    keys: Vec<Key>,
+}
+
+impl Schema {
+    /// A schema for `program` (used in messages, such as "hypha-gateway has no key …").
+    pub fn new(program: &'static str, keys: Vec<Key>) -> Self {
+        Schema { program, keys }
+    }
+
+    pub fn program(&self) -> &'static str {
+        self.program
+    }
+
+    pub fn keys(&self) -> &[Key] {
+        &self.keys
+    }
+
+    /// Finds a key by dotted path (`resources.cpu`); array indices are not part of paths here.
+    pub(crate) fn find(&self, path: &[&str]) -> Option<&Key> {
+        let (first, rest) = path.split_first()?;
+        let mut key = self.keys.iter().find(|k| k.name == *first)?;
+        for part in rest {
+            let (Kind::Table(children) | Kind::TableArray(children)) = key.kind else {
+                return None;
+            };
+            key = children.iter().find(|k| k.name == *part)?;
+        }
+        Some(key)
+    }
+
+    /// A commented TOML file holding every key with its default (optional keys commented out).
+    pub fn template(&self) -> String {
+        let mut out = format!(
+            "# {} configuration.\n#\n# Every key is listed with its default. Settings can be overridden by\n# HYPHA_<KEY> environment variables (nested keys joined with __, e.g.\n# HYPHA_RESOURCES__CPU) and by command-line flags, in that order of precedence.\n",
+            self.program
+        );
+        let (scalars, tables): (Vec<&Key>, Vec<&Key>) = self
+            .keys
+            .iter()
+            .partition(|k| !matches!(k.kind, Kind::Table(_) | Kind::TableArray(_)));
+        for key in scalars {
+            write_key(&mut out, key);
+        }
+        for key in tables {
+            out.push('\n');
+            write_doc(&mut out, key.doc);
+            match key.kind {
+                Kind::Table(children) => {
+                    let _ = writeln!(out, "[{}]", key.name);
+                    for child in children {
+                        write_key(&mut out, child);
+                    }
+                }
+                Kind::TableArray(children) => {
+                    let _ = writeln!(out, "[[{}]]", key.name);
+                    for child in children {
+                        write_key(&mut out, child);
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+}
+
+fn write_doc(out: &mut String, doc: &str) {
+    for line in wrap(doc, 96) {
+        let _ = writeln!(out, "# {line}");
+    }
+}
+
+fn write_key(out: &mut String, key: &Key) {
+    out.push('\n');
+    write_doc(out, key.doc);
+    match key.default {
+        Default::Required { example } => {
+            let _ = writeln!(out, "# Required.");
+            let _ = writeln!(out, "{} = {example}", key.name);
+        }
+        Default::Value(value) => {
+            let _ = writeln!(out, "{} = {value}", key.name);
+        }
+        Default::Unset { example } => {
+            let _ = writeln!(out, "# {} = {example}", key.name);
+        }
+    }
+}
+
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.len() + 1 + word.len() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(line);
+    }
+    lines
+}
