@@ -136,7 +136,7 @@ impl<'s> Layers<'s> {
                 .replace("__", ".");
             let origin = Origin::Env(name.clone());
             let value = self.parse_override(&path, &value, &origin, &format!("unset {name}"))?;
-            self.set_override(&path, value, origin);
+            self.set_override(&path, value, origin)?;
         }
         Ok(self)
     }
@@ -145,7 +145,7 @@ impl<'s> Layers<'s> {
     pub fn flag(mut self, key: &str, value: &str, flag: &str) -> Result<Self, ConfigError> {
         let origin = Origin::Flag(flag.to_string());
         let value = self.parse_override(key, value, &origin, &format!("correct {flag}"))?;
-        self.set_override(key, value, origin);
+        self.set_override(key, value, origin)?;
         Ok(self)
     }
 
@@ -159,7 +159,7 @@ impl<'s> Layers<'s> {
         let origin = Origin::Flag(flag.to_string());
         let parts: Vec<&str> = key.split('.').collect();
         match self.schema.find(&parts) {
-            Some(k) if k.kind == Kind::StringList => {}
+            Some(k) if k.kind.is_list() => {}
             _ => {
                 return Err(ConfigError::new(
                     key,
@@ -170,7 +170,7 @@ impl<'s> Layers<'s> {
             }
         }
         let list = values.iter().cloned().map(toml::Value::String).collect();
-        self.set_override(key, toml::Value::Array(list), origin);
+        self.set_override(key, toml::Value::Array(list), origin)?;
         Ok(self)
     }
 
@@ -222,7 +222,7 @@ impl<'s> Layers<'s> {
                 "false" | "0" | "no" | "off" => false,
                 _ => return Err(bad(format!("{raw:?} is not true or false"))),
             }),
-            Kind::StringList if raw_trimmed.starts_with('[') => {
+            kind if kind.is_list() && raw_trimmed.starts_with('[') => {
                 let value = parse_literal(raw_trimmed)
                     .map_err(|e| bad(format!("{raw:?} is not a TOML array: {e}")))?;
                 if !key.kind.matches(&value) {
@@ -230,14 +230,18 @@ impl<'s> Layers<'s> {
                 }
                 value
             }
-            Kind::StringList => toml::Value::Array(
+            kind if kind.is_list() => toml::Value::Array(
                 raw.split(',')
                     .map(str::trim)
                     .filter(|s| !s.is_empty())
                     .map(|s| toml::Value::String(s.to_string()))
                     .collect(),
             ),
-            Kind::Table(_) | Kind::TableArray(_) => {
+            Kind::Table(_)
+            | Kind::TableArray(_)
+            | Kind::StringList
+            | Kind::Multiaddrs
+            | Kind::Cidrs => {
                 return Err(ConfigError::new(
                     path,
                     origin.clone(),
@@ -248,12 +252,33 @@ impl<'s> Layers<'s> {
         })
     }
 
-    fn set_override(&mut self, path: &str, value: toml::Value, origin: Origin) {
+    fn set_override(
+        &mut self,
+        path: &str,
+        value: toml::Value,
+        origin: Origin,
+    ) -> Result<(), ConfigError> {
+        let parts: Vec<&str> = path.split('.').collect();
+        if let (Some(key), toml::Value::Array(items)) = (self.schema.find(&parts), &value) {
+            for (i, item) in items.iter().enumerate() {
+                if let toml::Value::String(text) = item
+                    && let Err((problem, fix)) = key.kind.check_element(text)
+                {
+                    return Err(ConfigError::new(
+                        format!("{path}[{i}]"),
+                        origin,
+                        problem,
+                        fix,
+                    ));
+                }
+            }
+        }
         let mut origins = BTreeMap::new();
         origins.insert(path.to_string(), origin);
         let mut table = toml::Table::new();
         set(&mut table, path, value);
         self.merge(table, origins);
+        Ok(())
     }
 
     /// Deep-merges `table` over the current settings; values it replaces lose their origins.
@@ -352,7 +377,7 @@ impl Loaded {
         let value = toml::Value::Table(self.table.clone());
         serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
-            let inner = e.into_inner().to_string();
+            let inner = e.into_inner().message().trim().to_string();
             let parts: Vec<&str> = path
                 .split(['.', '['])
                 .filter(|p| !p.ends_with(']'))
@@ -455,6 +480,21 @@ fn check(
         match (key.kind, value) {
             (Kind::Table(children), toml::Value::Table(inner)) => {
                 check(schema, children, inner, &path, origin_of)?;
+            }
+            (kind, toml::Value::Array(items)) if kind.is_list() => {
+                for (i, item) in items.iter().enumerate() {
+                    if let toml::Value::String(text) = item
+                        && let Err((problem, fix)) = kind.check_element(text)
+                    {
+                        let element = format!("{path}[{i}]");
+                        return Err(ConfigError::new(
+                            &element,
+                            origin_of(&element),
+                            problem,
+                            fix,
+                        ));
+                    }
+                }
             }
             (Kind::TableArray(children), toml::Value::Array(items)) => {
                 for (i, item) in items.iter().enumerate() {

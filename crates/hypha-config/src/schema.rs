@@ -11,6 +11,10 @@ pub enum Kind {
     Bool,
     /// A list of strings (in the environment: a TOML array or a comma-separated list).
     StringList,
+    /// A list of libp2p multiaddrs (`/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW…`).
+    Multiaddrs,
+    /// A list of IP ranges in CIDR notation (`10.0.0.0/8`).
+    Cidrs,
     /// A table of further keys (`[resources]`).
     Table(&'static [Key]),
     /// An array of tables (`[[executors]]`).
@@ -26,6 +30,8 @@ impl Kind {
             Kind::Float => "a number",
             Kind::Bool => "true or false",
             Kind::StringList => "a list of strings",
+            Kind::Multiaddrs => "a list of multiaddrs",
+            Kind::Cidrs => "a list of CIDR ranges",
             Kind::Table(_) => "a table",
             Kind::TableArray(_) => "an array of tables",
         }
@@ -37,7 +43,7 @@ impl Kind {
             (Kind::Integer, toml::Value::Integer(_)) => true,
             (Kind::Float, toml::Value::Float(_) | toml::Value::Integer(_)) => true,
             (Kind::Bool, toml::Value::Boolean(_)) => true,
-            (Kind::StringList, toml::Value::Array(items)) => {
+            (Kind::StringList | Kind::Multiaddrs | Kind::Cidrs, toml::Value::Array(items)) => {
                 items.iter().all(|i| matches!(i, toml::Value::String(_)))
             }
             (Kind::Table(_), toml::Value::Table(_)) => true,
@@ -50,6 +56,30 @@ impl Kind {
 
     pub(crate) fn expected(self) -> &'static str {
         self.describe()
+    }
+
+    /// Whether this kind is a list of strings (and so takes comma-separated overrides).
+    pub(crate) fn is_list(self) -> bool {
+        matches!(self, Kind::StringList | Kind::Multiaddrs | Kind::Cidrs)
+    }
+
+    /// Checks one element of a list kind; on failure, what is wrong and how to write it.
+    pub(crate) fn check_element(self, text: &str) -> Result<(), (String, &'static str)> {
+        match self {
+            Kind::Multiaddrs => text.parse::<libp2p::Multiaddr>().map(|_| ()).map_err(|e| {
+                (
+                    format!("{text:?} is not a multiaddr ({e})"),
+                    "write it like \"/ip4/203.0.113.7/tcp/4001\" (gateways: append /p2p/<peer id>)",
+                )
+            }),
+            Kind::Cidrs => text.parse::<ipnet::IpNet>().map(|_| ()).map_err(|e| {
+                (
+                    format!("{text:?} is not a CIDR range ({e})"),
+                    "write it like \"10.0.0.0/8\" or \"fc00::/7\"",
+                )
+            }),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -205,12 +205,7 @@ fn wrong_types_are_named_where_they_are_written() {
 fn malformed_address_is_named_by_index_and_position() {
     let schema = schema();
     let text = "cert_pem = \"a\"\nkey_pem = \"b\"\ntrust_pem = \"c\"\nlisten_addresses = [\"/ip4/0.0.0.0/tcp/1\", \"not-an-address\"]\n";
-    let loaded = Layers::new(&schema)
-        .file_text("w.toml", text)
-        .unwrap()
-        .load()
-        .unwrap();
-    let err = loaded.section::<network::NetworkConfig>().unwrap_err();
+    let err = Layers::new(&schema).file_text("w.toml", text).unwrap_err();
     assert_eq!(err.key, "listen_addresses[1]");
     assert_eq!(
         err.origin,
@@ -220,7 +215,18 @@ fn malformed_address_is_named_by_index_and_position() {
             column: 43
         }
     );
-    assert!(err.fix.contains("listen_addresses = "), "{err}");
+    assert!(
+        err.problem
+            .contains("\"not-an-address\" is not a multiaddr"),
+        "{err}"
+    );
+    assert!(err.fix.contains("/ip4/203.0.113.7/tcp/4001"), "{err}");
+
+    let err = Layers::new(&schema)
+        .env(vars(&[("HYPHA_EXCLUDE_CIDR", "10.0.0.0/8,10.0.0.0/33")]))
+        .unwrap_err();
+    assert_eq!(err.key, "exclude_cidr[1]");
+    assert_eq!(err.origin, Origin::Env("HYPHA_EXCLUDE_CIDR".into()));
 }
 
 #[test]

@@ -1,1 +1,42 @@
-//! placeholder
+//! The gateway: a stable, publicly reachable node that holds a Hypha network together.
+//!
+//! A gateway is where nodes first connect (`gateway_addresses`), the anchor from which they
+//! bootstrap the Kademlia DHT, and a relay for peers that cannot reach each other directly
+//! (nodes behind NAT listen through it). It runs no jobs and serves no data: everything it does
+//! is the shared network stack with the relay server switched on.
+
+use hypha_config::{Schema, network, telemetry};
+use hypha_node::{Error, Node, RunArgs};
+
+/// The default listen address: a fixed port, because nodes are configured with it.
+pub const DEFAULT_LISTEN: &str = r#"["/ip4/0.0.0.0/tcp/4001"]"#;
+
+/// Every key a gateway accepts.
+pub fn schema() -> Schema {
+    let mut keys = network::keys_with_listen_default(DEFAULT_LISTEN);
+    keys.extend(telemetry::keys());
+    Schema::new("hypha-gateway", keys)
+}
+
+/// Runs a gateway until the process is asked to stop.
+pub async fn run(args: &RunArgs) -> Result<(), Error> {
+    let node = Node::start("gateway", &schema(), args, |settings| {
+        settings.relay_server = true;
+        // Gateways are the relay; listening through another gateway's relay would be circular.
+        settings.relay_circuit = false;
+    })
+    .await?;
+    let peer_id = node.network.local_peer_id();
+    for address in node
+        .network
+        .listen_addresses()
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))?
+    {
+        tracing::info!("nodes can join with gateway_addresses = [\"{address}/p2p/{peer_id}\"]");
+    }
+    hypha_node::shutdown_signal().await;
+    tracing::info!("shutting down");
+    node.network.shutdown().await;
+    Ok(())
+}

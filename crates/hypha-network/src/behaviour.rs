@@ -56,6 +56,10 @@ impl Behaviour {
         kad_config.set_provider_record_ttl(Some(PROVIDER_RECORD_TTL));
         kad_config.set_provider_publication_interval(Some(PROVIDER_PUBLICATION_INTERVAL));
         kad_config.set_query_timeout(Duration::from_secs(30));
+        // The event loop bootstraps when a gateway connects and then periodically while the
+        // routing table has peers; kad's own timer would warn every few minutes on a lone
+        // gateway that has nobody to bootstrap from.
+        kad_config.set_periodic_bootstrap_interval(None);
         let mut kad =
             kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_config);
         // Every node answers DHT queries: peers are authenticated by certificate, and networks

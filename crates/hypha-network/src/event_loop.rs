@@ -35,6 +35,8 @@ type Reply<T> = tokio::sync::oneshot::Sender<Result<T, NetworkError>>;
 
 /// How often gateways that dropped are redialled.
 const GATEWAY_RETRY: Duration = Duration::from_secs(5);
+/// How often the routing table is refreshed while it has peers.
+const BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(5 * 60);
 
 pub(crate) struct EventLoop {
     pub(crate) swarm: Swarm<Behaviour>,
@@ -136,6 +138,8 @@ impl EventLoop {
         self.dial_gateways();
         let mut gateway_retry = tokio::time::interval(GATEWAY_RETRY);
         gateway_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut bootstrap = tokio::time::interval(BOOTSTRAP_INTERVAL);
+        bootstrap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
@@ -152,6 +156,12 @@ impl EventLoop {
                     }
                 },
                 _ = gateway_retry.tick() => self.dial_gateways(),
+                _ = bootstrap.tick() => {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    if kad.kbuckets().any(|bucket| bucket.num_entries() > 0) {
+                        let _ = kad.bootstrap();
+                    }
+                }
             }
         }
     }

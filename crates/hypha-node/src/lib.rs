@@ -1,1 +1,21 @@
-//! placeholder
+//! What every Hypha node program shares, so that each binary stays a few lines long.
+//!
+//! - [`InitArgs`], [`RunArgs`], [`ProbeArgs`]: the `init`, `run` and `probe` subcommands' flags.
+//! - [`init`] writes the program's commented config template.
+//! - [`Node::start`] loads the layered config, sets up telemetry, loads the certificate and
+//!   trust store, and starts the network.
+//! - [`probe`] checks a running node's health over the network.
+//! - [`Error`] carries the exit code: 2 for bad input (config, certificates, addresses),
+//!   1 for everything else. [`report`] prints one line and returns the code.
+//!
+//! This crate knows the shape of a node program, not what any particular node does.
+
+mod args;
+mod error;
+mod node;
+mod probe;
+
+pub use args::{InitArgs, ProbeArgs, RunArgs};
+pub use error::{Error, report};
+pub use node::{Node, init, shutdown_signal};
+pub use probe::probe;

@@ -55,8 +55,10 @@ const EXPORTER_TARGETS: [&str; 6] = ["opentelemetry", "hyper", "h2", "tonic", "r
 ///
 /// Call from within a Tokio runtime (the gRPC exporter needs one).
 pub fn init(settings: &Settings) -> Result<Guard, Error> {
+    use std::io::IsTerminal;
     let console = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_filter(env_filter());
 
     let Some(_) = settings.endpoint else {

@@ -1,0 +1,306 @@
+//! The `hypha-gateway` binary as a user runs it: real processes, real certificates, loopback TCP.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use hypha_certs::authority::{self, Authority, Validity};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hypha-gateway");
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    org: Authority,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = authority::create_root("GW Root", Validity::days(5)).unwrap();
+        let org = authority::create_org(&root, "GW Org", Validity::days(5)).unwrap();
+        std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
+        let fixture = Fixture { dir, org };
+        fixture.node("gateway");
+        fixture.node("prober");
+        fixture
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn node(&self, name: &str) {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
+        std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
+    }
+
+    /// A gateway config listening on a free loopback port, with `extra` appended.
+    fn config(&self, extra: &str) -> PathBuf {
+        let path = self.path("gateway.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "cert_pem = \"gateway-cert.pem\"\nkey_pem = \"gateway-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{extra}"
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    fn probe(&self, address: &str) -> Output {
+        Command::new(BIN)
+            .args(["probe", address, "--cert-pem"])
+            .arg(self.path("prober-cert.pem"))
+            .arg("--key-pem")
+            .arg(self.path("prober-key.pem"))
+            .arg("--trust-pem")
+            .arg(self.path("root.pem"))
+            .args(["--timeout", "10"])
+            .output()
+            .unwrap()
+    }
+}
+
+/// A running gateway whose stderr is collected line by line.
+struct Running {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Running {
+    fn start(config: &Path) -> Self {
+        let mut child = Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for a log line containing `needle` and returns it.
+    fn wait_for(&mut self, needle: &str) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("no line containing {needle:?}; saw {:#?}", self.seen));
+            self.seen.push(line.clone());
+            if line.contains(needle) {
+                return line;
+            }
+        }
+    }
+
+    /// Sends SIGTERM, waits for exit, and returns the exit status and every log line.
+    fn stop(mut self) -> (std::process::ExitStatus, Vec<String>) {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let status = self.child.wait().unwrap();
+        self.seen.extend(self.lines.try_iter());
+        (status, self.seen)
+    }
+}
+
+#[test]
+fn init_writes_every_key_and_never_overwrites_without_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let out = Command::new(BIN)
+        .args(["init", "-o"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = std::fs::read_to_string(&path).unwrap();
+    for key in [
+        "cert_pem",
+        "key_pem",
+        "trust_pem",
+        "crls_pem",
+        "gateway_addresses",
+        "listen_addresses",
+        "external_addresses",
+        "exclude_cidr",
+        "relay_circuit",
+        "telemetry_endpoint",
+        "telemetry_sampler",
+        "telemetry_sample_ratio",
+    ] {
+        assert!(text.contains(key), "init output lacks {key}");
+    }
+    std::fs::write(&path, "edited").unwrap();
+    let out = Command::new(BIN)
+        .args(["init", "-o"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "edited");
+    let out = Command::new(BIN)
+        .args(["init", "--force", "-o"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+}
+
+#[test]
+fn running_gateway_answers_probes_and_stops_cleanly() {
+    let fixture = Fixture::new();
+    let mut gateway = Running::start(&fixture.config(""));
+    let line = gateway.wait_for("nodes can join with gateway_addresses");
+    let address = line.split('"').nth(1).unwrap().to_string();
+
+    let out = fixture.probe(&address);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "probe failed: {out:?}");
+    assert!(
+        stdout.contains("gateway") && stdout.contains("healthy"),
+        "{stdout}"
+    );
+
+    // A probe from outside the CA is refused during the handshake: unreachable, exit 1.
+    let stranger_root = authority::create_root("Stranger", Validity::days(1)).unwrap();
+    let stranger_org =
+        authority::create_org(&stranger_root, "Stranger Org", Validity::days(1)).unwrap();
+    let stranger =
+        authority::create_node(&stranger_org, "stranger", &[], Validity::days(1)).unwrap();
+    std::fs::write(fixture.path("prober-cert.pem"), stranger.chain_pem()).unwrap();
+    std::fs::write(fixture.path("prober-key.pem"), stranger.key_pem()).unwrap();
+    let out = fixture.probe(&address);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+
+    let (status, lines) = gateway.stop();
+    assert!(status.success(), "SIGTERM is a clean shutdown: {status:?}");
+    assert!(
+        !lines.iter().any(|l| l.contains("ERROR")),
+        "a successful run logs no ERROR line: {lines:#?}"
+    );
+}
+
+#[test]
+fn probe_of_a_dead_address_exits_1() {
+    let fixture = Fixture::new();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let out = fixture.probe(&format!("/ip4/127.0.0.1/tcp/{port}"));
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unreachable"));
+}
+
+/// Runs `hypha-gateway run` with a config and expects exit 2 with one error line containing
+/// every `needle`, and no file written.
+fn assert_bad_input(fixture: &Fixture, config: &Path, needles: &[&str]) {
+    let before: Vec<_> = std::fs::read_dir(fixture.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let out = Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one clear line: {stderr}");
+    for needle in needles {
+        assert!(
+            lines[0].contains(needle),
+            "{needle:?} missing from: {stderr}"
+        );
+    }
+    let after: Vec<_> = std::fs::read_dir(fixture.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(before, after, "nothing written");
+}
+
+#[test]
+fn bad_input_gets_one_line_naming_the_file_and_the_fix_and_exit_2() {
+    let fixture = Fixture::new();
+
+    // A missing certificate.
+    std::fs::rename(fixture.path("gateway-cert.pem"), fixture.path("moved.pem")).unwrap();
+    let config = fixture.config("");
+    assert_bad_input(
+        &fixture,
+        &config,
+        &["cert_pem", "gateway-cert.pem", "hypha-certutil node"],
+    );
+    std::fs::rename(fixture.path("moved.pem"), fixture.path("gateway-cert.pem")).unwrap();
+
+    // A key that belongs to another certificate.
+    std::fs::copy(
+        fixture.path("prober-key.pem"),
+        fixture.path("gateway-key.pem"),
+    )
+    .unwrap();
+    assert_bad_input(
+        &fixture,
+        &config,
+        &["key_pem", "does not match", "hypha-certutil node"],
+    );
+    fixture.node("gateway");
+
+    // A typo in a key: the position and a suggestion.
+    let config = fixture.config("relay_circut = false\n");
+    assert_bad_input(
+        &fixture,
+        &config,
+        &[
+            "gateway.toml:5:1",
+            "relay_circut",
+            "did you mean relay_circuit",
+        ],
+    );
+
+    // A malformed address.
+    let config = fixture.config("external_addresses = [\"127.0.0.1:4001\"]\n");
+    assert_bad_input(
+        &fixture,
+        &config,
+        &["gateway.toml:5:", "external_addresses[0]", "fix:"],
+    );
+
+    // A gateway inside exclude_cidr.
+    let config = fixture.config(
+        "gateway_addresses = [\"/ip4/10.0.0.1/tcp/4001\"]\nexclude_cidr = [\"10.0.0.0/8\"]\n",
+    );
+    assert_bad_input(
+        &fixture,
+        &config,
+        &["gateway_addresses[0]", "exclude_cidr", "gateway.toml:6:"],
+    );
+
+    // Malformed TOML.
+    let config = fixture.config("listen_addresses = [\n");
+    assert_bad_input(&fixture, &config, &["gateway.toml:", "TOML"]);
+}

@@ -1,0 +1,40 @@
+use std::process::ExitCode;
+
+use hypha_config::ConfigError;
+
+/// Why a node program stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The user's input is wrong: config, certificate files, addresses. Exit code 2.
+    #[error("{0}")]
+    BadInput(String),
+    /// Anything else: the network could not start, a peer is unreachable. Exit code 1.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Self {
+        Error::BadInput(e.to_string())
+    }
+}
+
+impl Error {
+    pub fn exit_code(&self) -> ExitCode {
+        match self {
+            Error::BadInput(_) => ExitCode::from(2),
+            Error::Failed(_) => ExitCode::FAILURE,
+        }
+    }
+}
+
+/// Prints the outcome of a program as one line on stderr and returns its exit code.
+pub fn report(result: Result<(), Error>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+    }
+}

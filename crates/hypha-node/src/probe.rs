@@ -1,0 +1,65 @@
+use std::time::Duration;
+
+use hypha_config::{Schema, network::NetworkConfig};
+use hypha_network::Settings;
+use libp2p::Multiaddr;
+
+use crate::{Error, ProbeArgs, node};
+
+/// Checks the health of the node at `args.address`, using the certificate from `args`' config
+/// or flags. Prints the node's status; returns `Ok` only when it answered healthy.
+pub async fn probe(schema: &Schema, args: &ProbeArgs) -> Result<(), Error> {
+    let address: Multiaddr = args.address.parse().map_err(|e| {
+        Error::BadInput(format!(
+            "address {:?}: {e}; write it like /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...",
+            args.address
+        ))
+    })?;
+    let config = node::load(schema, args.config.as_deref(), &args.overrides)?;
+    let network_config = NetworkConfig::from_loaded(&config)?;
+    let (identity, trust) = node::load_identity(&config, &network_config)?;
+
+    let mut settings = Settings::new("probe");
+    settings.relay_circuit = false;
+    settings.exclude_cidr = network_config.exclude_cidr.clone();
+    let (network, _inbound) = hypha_network::start(settings, &identity, trust)
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))?;
+
+    let check = async {
+        let peer = network.dial(address.clone()).await?;
+        network.health(peer).await.map(|status| (peer, status))
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(args.timeout), check).await;
+    network.shutdown().await;
+    match outcome {
+        Err(_) => Err(Error::Failed(format!(
+            "{address}: no answer within {} s",
+            args.timeout
+        ))),
+        Ok(Err(e)) => Err(Error::Failed(format!("{address}: unreachable: {e}"))),
+        Ok(Ok((peer, status))) => {
+            println!(
+                "{peer}: {} {} — {} ({}; up {} s, {} peers)",
+                status.kind,
+                status.version,
+                if status.healthy {
+                    "healthy"
+                } else {
+                    "UNHEALTHY"
+                },
+                status.detail,
+                status.uptime_secs,
+                status.connected_peers
+            );
+            if status.healthy {
+                Ok(())
+            } else {
+                Err(Error::Failed(format!(
+                    "{peer} reports itself unhealthy: {}",
+                    status.detail
+                )))
+            }
+        }
+    }
+}
