@@ -125,8 +125,11 @@ pub fn init(settings: &Settings) -> Result<Guard, Error> {
     })
 }
 
+/// `RUST_LOG`, or by default `info` without Kademlia's warnings: kad warns "Failed to trigger
+/// bootstrap: No known peers" whenever a listener comes up before any peer is connected, which
+/// is every gateway's normal start and not something an operator can act on.
 fn env_filter() -> EnvFilter {
-    EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))
+    EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,libp2p_kad=error"))
 }
 
 fn sampler(sampler: Sampler) -> opentelemetry_sdk::trace::Sampler {
