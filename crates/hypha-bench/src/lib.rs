@@ -1,0 +1,86 @@
+//! Hypha's benchmarks.
+//!
+//! One entry point, `cargo run --release -p hypha-bench -- SUITE [--quick]`. Every suite
+//! measures the ceiling it is compared against in the same run on the same machine (raw TCP, raw
+//! TLS, memcpy…), so its ratios are meaningful wherever it runs. Each prints a table and writes
+//! `target/bench/SUITE.json` as `{"suite": …, "metrics": {…}, "ratios": {…}}`; the key names
+//! are stable so that runs can be compared. `BENCHMARKS.md` records method and results.
+
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+
+mod suites;
+
+/// The suites.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    /// One stream and four parallel streams over the mTLS + yamux stack, against raw TLS and TCP.
+    Transport,
+}
+
+impl Suite {
+    fn name(self) -> &'static str {
+        match self {
+            Suite::Transport => "transport",
+        }
+    }
+}
+
+/// A suite's results.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Report {
+    pub suite: String,
+    pub metrics: BTreeMap<String, f64>,
+    pub ratios: BTreeMap<String, f64>,
+}
+
+/// Runs a suite, prints its table and writes its JSON; returns the JSON's path.
+pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut report = runtime.block_on(async {
+        match suite {
+            Suite::Transport => suites::transport::run(quick).await,
+        }
+    })?;
+    report.suite = suite.name().to_string();
+    print_table(&report);
+    let dir = target_dir().join("bench");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}.json", suite.name()));
+    std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+    Ok(path)
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"))
+}
+
+fn print_table(report: &Report) {
+    println!("\n{} benchmark", report.suite);
+    println!("{:<40} {:>14}", "metric", "value");
+    for (name, value) in &report.metrics {
+        println!("{name:<40} {value:>14.2}");
+    }
+    println!("{:<40} {:>14}", "ratio", "");
+    for (name, value) in &report.ratios {
+        println!("{name:<40} {value:>14.3}");
+    }
+}
+
+/// The median of some measurements.
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// Megabytes (10^6 bytes) per second.
+pub(crate) fn mb_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 / 1e6 / elapsed.as_secs_f64()
+}
