@@ -65,8 +65,12 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     report.metrics.insert("raw_tls_mb_s".into(), tls);
     report.metrics.insert("one_stream_mb_s".into(), one);
     report.metrics.insert("four_streams_mb_s".into(), four);
-    report.ratios.insert("one_stream_vs_raw_tls".into(), one / tls);
-    report.ratios.insert("four_streams_vs_raw_tls".into(), four / tls);
+    report
+        .ratios
+        .insert("one_stream_vs_raw_tls".into(), one / tls);
+    report
+        .ratios
+        .insert("four_streams_vs_raw_tls".into(), four / tls);
     report.ratios.insert("raw_tls_vs_raw_tcp".into(), tls / tcp);
     Ok(report)
 }
@@ -96,7 +100,10 @@ impl Pki {
     }
 
     fn trust(&self) -> anyhow::Result<Arc<TrustStore>> {
-        Ok(Arc::new(TrustStore::from_pem(self.root_pem.as_bytes(), &[])?))
+        Ok(Arc::new(TrustStore::from_pem(
+            self.root_pem.as_bytes(),
+            &[],
+        )?))
     }
 }
 
@@ -113,7 +120,13 @@ async fn drain(mut reader: impl AsyncReadExt + Unpin) -> std::io::Result<u64> {
     }
 }
 
-async fn write_n(mut writer: impl AsyncWriteExt + Unpin, bytes: u64, payload: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` and shuts the write side down. The caller keeps `writer` open until the
+/// receiver has counted everything, so unread control data (TLS) cannot reset the connection.
+async fn write_n(
+    writer: &mut (impl AsyncWriteExt + Unpin),
+    bytes: u64,
+    payload: &[u8],
+) -> std::io::Result<()> {
     let mut left = bytes;
     while left > 0 {
         let n = left.min(payload.len() as u64) as usize;
@@ -130,12 +143,16 @@ async fn raw_tcp(bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
         let (socket, _) = listener.accept().await?;
         drain(socket).await
     });
-    let socket = TcpStream::connect(addr).await?;
+    let mut socket = TcpStream::connect(addr).await?;
     socket.set_nodelay(true)?;
     let start = Instant::now();
-    write_n(socket, bytes, payload).await?;
+    write_n(&mut socket, bytes, payload).await?;
     let received = receiver.await??;
-    anyhow::ensure!(received == bytes, "raw TCP lost bytes: {received} of {bytes}");
+    drop(socket);
+    anyhow::ensure!(
+        received == bytes,
+        "raw TCP lost bytes: {received} of {bytes}"
+    );
     Ok(mb_per_s(bytes, start.elapsed()))
 }
 
@@ -153,10 +170,12 @@ fn aes_first_provider() -> rustls::crypto::CryptoProvider {
 
 async fn raw_tls(bytes: u64, payload: &[u8], pki: &Pki) -> anyhow::Result<f64> {
     let provider = Arc::new(aes_first_provider());
-    let server_config = rustls::ServerConfig::builder_with_provider(provider.clone())
+    let mut server_config = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
         .with_single_cert(pki.server.chain().to_vec(), pki.server.private_key())?;
+    // As in our transport: no session tickets.
+    server_config.send_tls13_tickets = 0;
     let mut roots = rustls::RootCertStore::empty();
     for cert in hypha_certs::certificates_from_pem(pki.root_pem.as_bytes(), "root")? {
         roots.add(cert)?;
@@ -178,13 +197,17 @@ async fn raw_tls(bytes: u64, payload: &[u8], pki: &Pki) -> anyhow::Result<f64> {
     let socket = TcpStream::connect(addr).await?;
     socket.set_nodelay(true)?;
     let name = rustls::pki_types::ServerName::try_from("localhost")?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
         .connect(name, socket)
         .await?;
     let start = Instant::now();
-    write_n(tls, bytes, payload).await?;
+    write_n(&mut tls, bytes, payload).await?;
     let received = receiver.await??;
-    anyhow::ensure!(received == bytes, "raw TLS lost bytes: {received} of {bytes}");
+    drop(tls);
+    anyhow::ensure!(
+        received == bytes,
+        "raw TLS lost bytes: {received} of {bytes}"
+    );
     Ok(mb_per_s(bytes, start.elapsed()))
 }
 
@@ -267,6 +290,10 @@ async fn streams(
             .await?
             .context("the receiver stopped")?;
     }
-    anyhow::ensure!(total == per_stream * count, "streams lost bytes: {total} of {}", per_stream * count);
+    anyhow::ensure!(
+        total == per_stream * count,
+        "streams lost bytes: {total} of {}",
+        per_stream * count
+    );
     Ok(mb_per_s(total, start.elapsed()))
 }
