@@ -36,7 +36,8 @@ pub struct Report {
 /// Runs a suite, prints its table and writes its JSON; returns the JSON's path.
 pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
     // Logs go to stderr (RUST_LOG), so the table on stdout stays clean.
-    let _telemetry = hypha_telemetry::init(&hypha_telemetry::Settings::console_only("hypha-bench"))?;
+    let _telemetry =
+        hypha_telemetry::init(&hypha_telemetry::Settings::console_only("hypha-bench"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

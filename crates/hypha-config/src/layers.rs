@@ -87,24 +87,20 @@ impl<'s> Layers<'s> {
                 column,
             }
         };
-        let document = toml_edit::Document::parse(text).map_err(|e| {
+        let syntax_error = |span: Option<std::ops::Range<usize>>, message: &str| {
             ConfigError::new(
                 "(syntax)",
-                at(e.span().map(|s| s.start).unwrap_or(0)),
-                e.message().trim().to_string(),
+                at(span.map(|s| s.start).unwrap_or(0)),
+                message.trim().to_string(),
                 "correct the TOML syntax at this position",
             )
-        })?;
+        };
+        let document =
+            toml_edit::Document::parse(text).map_err(|e| syntax_error(e.span(), e.message()))?;
         let mut positions = BTreeMap::new();
         record_positions(document.as_table(), "", &mut positions);
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| {
-            ConfigError::new(
-                "(syntax)",
-                at(e.span().map(|s| s.start).unwrap_or(0)),
-                e.message().trim().to_string(),
-                "correct the TOML syntax at this position",
-            )
-        })?;
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| syntax_error(e.span(), e.message()))?;
 
         let origin_of = |key: &str| at(positions.get(key).copied().unwrap_or(0));
         check(self.schema, self.schema.keys(), &table, "", &origin_of)?;

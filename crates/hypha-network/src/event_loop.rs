@@ -385,13 +385,7 @@ impl EventLoop {
                 if circuits.is_empty() {
                     return self.connect_failed(peer, "no gateway is connected".into());
                 }
-                let opts = DialOpts::peer_id(peer)
-                    .addresses(circuits)
-                    .condition(PeerCondition::Always)
-                    .build();
-                if let Err(e) = self.swarm.dial(opts) {
-                    self.connect_failed(peer, e.to_string());
-                }
+                self.dial_for_connect(peer, circuits);
             }
             ConnectStage::Relayed => {
                 let reason = pending.failures.join("; ");
@@ -428,8 +422,13 @@ impl EventLoop {
         if let Some(pending) = self.pending_connects.get_mut(&peer) {
             pending.stage = ConnectStage::LookedUp;
         }
+        self.dial_for_connect(peer, usable);
+    }
+
+    /// Dials `peer` at `addresses` for the current stage of a pending connect.
+    fn dial_for_connect(&mut self, peer: PeerId, addresses: Vec<Multiaddr>) {
         let opts = DialOpts::peer_id(peer)
-            .addresses(usable)
+            .addresses(addresses)
             .condition(PeerCondition::Always)
             .build();
         if let Err(e) = self.swarm.dial(opts) {

@@ -237,9 +237,7 @@ impl ServerCertVerifier for PeerVerifier {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
+        tls12_refused()
     }
 
     fn verify_tls13_signature(
@@ -252,8 +250,7 @@ impl ServerCertVerifier for PeerVerifier {
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        // Node keys are Ed25519 by construction.
-        vec![SignatureScheme::ED25519]
+        supported_schemes()
     }
 }
 
@@ -278,9 +275,7 @@ impl ClientCertVerifier for PeerVerifier {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::PeerIncompatible(
-            rustls::PeerIncompatible::Tls12NotOffered,
-        ))
+        tls12_refused()
     }
 
     fn verify_tls13_signature(
@@ -293,6 +288,18 @@ impl ClientCertVerifier for PeerVerifier {
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        vec![SignatureScheme::ED25519]
+        supported_schemes()
     }
+}
+
+/// Only TLS 1.3 is configured; rustls never asks for a TLS 1.2 signature check.
+fn tls12_refused() -> Result<HandshakeSignatureValid, rustls::Error> {
+    Err(rustls::Error::PeerIncompatible(
+        rustls::PeerIncompatible::Tls12NotOffered,
+    ))
+}
+
+/// Node keys are Ed25519 by construction.
+fn supported_schemes() -> Vec<SignatureScheme> {
+    vec![SignatureScheme::ED25519]
 }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::Context;
-use futures::{AsyncReadExt as _, AsyncWriteExt as _, StreamExt};
+use futures::{AsyncWriteExt as _, StreamExt};
 use hypha_certs::{
     NodeIdentity, TrustStore,
     authority::{self, Validity},
@@ -235,24 +235,13 @@ async fn connected_pair(pki: &Pki) -> anyhow::Result<(Network, Network, mpsc::Re
         while let Some((_, stream)) = incoming.next().await {
             let tx = tx.clone();
             tokio::spawn(async move {
-                let total = drain_stream(stream).await.unwrap_or(0);
+                let stream = tokio_util::compat::FuturesAsyncReadCompatExt::compat(stream);
+                let total = drain(stream).await.unwrap_or(0);
                 let _ = tx.send(total).await;
             });
         }
     });
     Ok((client, server, received))
-}
-
-async fn drain_stream(mut stream: libp2p::Stream) -> std::io::Result<u64> {
-    let mut buf = vec![0u8; CHUNK];
-    let mut total = 0u64;
-    loop {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(total);
-        }
-        total += n as u64;
-    }
 }
 
 async fn streams(
