@@ -13,8 +13,8 @@
 //!   [`PeerId`](libp2p::PeerId).
 //! - [`inspect`] describes certificates and CRLs for humans.
 //!
-//! Files are written atomically (temporary file, fsync, rename); private keys are created with
-//! mode 0600 and nothing is overwritten unless the caller asks for it.
+//! Reading certificate files names the file in every error; writing them is the caller's, with
+//! `hypha-files` (keys 0600, nothing overwritten unless asked).
 //!
 //! ```
 //! use hypha_certs::authority::{self, Validity};
@@ -34,7 +34,6 @@
 
 pub mod authority;
 mod error;
-pub mod files;
 mod identity;
 pub mod inspect;
 mod trust;
@@ -92,4 +91,12 @@ pub(crate) fn peer_id_of(public_key: &[u8; 32]) -> Result<libp2p::PeerId, String
     let key = libp2p::identity::ed25519::PublicKey::try_from_bytes(public_key)
         .map_err(|e| format!("invalid Ed25519 public key: {e}"))?;
     Ok(libp2p::identity::PublicKey::from(key).to_peer_id())
+}
+
+/// Reads a whole file, naming it in the error.
+pub fn read_file(path: &std::path::Path) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|error| Error::Read {
+        path: path.to_path_buf(),
+        error,
+    })
 }

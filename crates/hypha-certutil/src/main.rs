@@ -10,8 +10,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use hypha_certs::{
     NodeIdentity, TrustStore,
     authority::{self, Authority, Reason, Validity},
-    files::{self, Mode},
 };
+use hypha_files::{self as files, Mode};
 
 /// Issue and inspect the certificates of a Hypha network.
 ///

@@ -1,10 +1,8 @@
 use std::{path::Path, sync::Arc};
 
-use hypha_certs::{
-    NodeIdentity, TrustStore,
-    files::{Mode, write_atomic},
-};
+use hypha_certs::{NodeIdentity, TrustStore};
 use hypha_config::{Layers, Loaded, Schema, network::NetworkConfig, telemetry::TelemetryConfig};
+use hypha_files::{Mode, write_atomic};
 use hypha_network::{InboundRequest, Network, Settings};
 use tokio::sync::mpsc;
 
@@ -161,7 +159,7 @@ pub fn init(schema: &Schema, args: &InitArgs) -> Result<(), Error> {
         args.force,
     )
     .map_err(|e| match e {
-        hypha_certs::Error::Exists { .. } => Error::BadInput(e.to_string()),
+        hypha_files::Error::Exists { .. } => Error::BadInput(e.to_string()),
         other => Error::Failed(other.to_string()),
     })?;
     println!("wrote {}", args.output.display());

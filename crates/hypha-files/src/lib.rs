@@ -1,11 +1,31 @@
-//! Crash-safe file output.
+//! Crash-safe file output: a write either completes or leaves the old file in place.
+//!
+//! [`write_atomic`] writes to a temporary file in the destination's directory, fsyncs it, renames
+//! it over the destination and fsyncs the directory, so a crash or a full disk never leaves a
+//! torn file behind. Errors name the file.
 
 use std::{
     io::Write,
     path::{Path, PathBuf},
 };
 
-use crate::Error;
+/// A file operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file exists and the caller did not allow replacing it.
+    #[error("{path} already exists; pass --force to overwrite it")]
+    Exists { path: PathBuf },
+    #[error("cannot read {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+}
 
 /// Who may read a file written by [`write_atomic`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
