@@ -1,0 +1,297 @@
+use std::{
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicUsize, Ordering},
+};
+
+use crate::{
+    Manifest, SliceEntry,
+    manifest::FORMAT,
+    slice::{self, SliceError},
+};
+
+/// The file in a dataset directory that holds its manifest.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// A dataset could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error(
+        "{path}: not a dataset directory (no *.safetensors slice files); point dataset_path at a directory of slices, or create one with `hypha-data prepare`"
+    )]
+    Empty { path: PathBuf },
+    #[error("{path}: {error}")]
+    Slice { path: PathBuf, error: SliceError },
+    #[error(
+        "{path}: invalid manifest: {reason}; delete it to have it derived from the slices, or rewrite it with `hypha-data prepare`"
+    )]
+    Manifest { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Write(#[from] hypha_files::Error),
+}
+
+/// A dataset directory and its manifest.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    root: PathBuf,
+    name: String,
+    manifest: Manifest,
+}
+
+impl Dataset {
+    /// Opens a dataset directory.
+    ///
+    /// The manifest is read from [`MANIFEST_FILE`] when present and consistent with the directory
+    /// (same slice files, same sizes); otherwise it is derived by reading every slice (in
+    /// parallel), which hashes and parses each file. Content changes that keep a file's size are
+    /// not detected here: they are what the hashes are for (`verify`, and every client).
+    pub fn open(root: &Path) -> Result<Self, Error> {
+        let files = slice_files(root)?;
+        let name = dataset_name(root);
+        let manifest_path = root.join(MANIFEST_FILE);
+        let manifest = match std::fs::read(&manifest_path) {
+            Ok(bytes) => {
+                let manifest = parse_manifest(&bytes, &manifest_path)?;
+                if consistent(&manifest, root, &files) {
+                    manifest
+                } else {
+                    derive(root, &name, &files)?
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => derive(root, &name, &files)?,
+            Err(error) => {
+                return Err(Error::Io {
+                    path: manifest_path,
+                    error,
+                });
+            }
+        };
+        Ok(Dataset {
+            root: root.to_path_buf(),
+            name,
+            manifest,
+        })
+    }
+
+    /// Opens a dataset, deriving its manifest from the slices whatever `manifest.json` says.
+    pub fn derive(root: &Path) -> Result<Self, Error> {
+        let files = slice_files(root)?;
+        let name = dataset_name(root);
+        let manifest = derive(root, &name, &files)?;
+        Ok(Dataset {
+            root: root.to_path_buf(),
+            name,
+            manifest,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The path of slice `index`, or `None` past the end.
+    pub fn slice_path(&self, index: u64) -> Option<PathBuf> {
+        let entry = self.manifest.slices.get(usize::try_from(index).ok()?)?;
+        Some(self.root.join(&entry.file))
+    }
+
+    /// Writes the manifest to [`MANIFEST_FILE`] atomically.
+    pub fn write_manifest(&self) -> Result<(), Error> {
+        let json = serde_json::to_vec_pretty(&self.manifest).map_err(|e| Error::Manifest {
+            path: self.root.join(MANIFEST_FILE),
+            reason: e.to_string(),
+        })?;
+        hypha_files::write_atomic(
+            &self.root.join(MANIFEST_FILE),
+            &json,
+            hypha_files::Mode::Public,
+            true,
+        )?;
+        Ok(())
+    }
+}
+
+fn dataset_name(root: &Path) -> String {
+    root.canonicalize()
+        .ok()
+        .as_deref()
+        .unwrap_or(root)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "dataset".into())
+}
+
+fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Error> {
+    let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| Error::Manifest {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    if manifest.format != FORMAT {
+        return Err(Error::Manifest {
+            path: path.to_path_buf(),
+            reason: format!("format {:?}, expected {FORMAT:?}", manifest.format),
+        });
+    }
+    for (i, entry) in manifest.slices.iter().enumerate() {
+        if entry.index != i as u64 || entry.file.contains('/') || entry.file.contains("..") {
+            return Err(Error::Manifest {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "slice {i} is listed as index {} at {:?}",
+                    entry.index, entry.file
+                ),
+            });
+        }
+    }
+    Ok(manifest)
+}
+
+/// Whether the manifest lists exactly these files, in this order, with their current sizes.
+fn consistent(manifest: &Manifest, root: &Path, files: &[String]) -> bool {
+    manifest.slices.len() == files.len()
+        && manifest.slices.iter().zip(files).all(|(entry, file)| {
+            entry.file == *file
+                && std::fs::metadata(root.join(file)).is_ok_and(|m| m.len() == entry.size)
+        })
+}
+
+/// The slice files of a dataset directory, in numeric order of the number in their names
+/// (`slice-9` before `slice-10`); ties and names without numbers sort by name.
+pub fn slice_files(root: &Path) -> Result<Vec<String>, Error> {
+    let io = |error| Error::Io {
+        path: root.to_path_buf(),
+        error,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || !name.ends_with(".safetensors") {
+            continue;
+        }
+        if entry.file_type().map_err(io)?.is_file() {
+            files.push(name);
+        }
+    }
+    if files.is_empty() {
+        return Err(Error::Empty {
+            path: root.to_path_buf(),
+        });
+    }
+    files.sort_by(|a, b| (slice_number(a), a).cmp(&(slice_number(b), b)));
+    Ok(files)
+}
+
+/// The last run of digits in a file's stem.
+fn slice_number(file: &str) -> Option<u64> {
+    let stem = file.strip_suffix(".safetensors").unwrap_or(file);
+    let end = stem.rfind(|c: char| c.is_ascii_digit())? + 1;
+    let start = stem[..end]
+        .rfind(|c: char| !c.is_ascii_digit())
+        .map_or(0, |i| i + 1);
+    stem[start..end].parse().ok()
+}
+
+/// Reads, hashes and describes every slice, spread over the machine's cores.
+fn derive(root: &Path, name: &str, files: &[String]) -> Result<Manifest, Error> {
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(files.len());
+    let mut results: Vec<Option<Result<SliceEntry, Error>>> =
+        (0..files.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(file) = files.get(i) else { break };
+                        done.push((i, describe_file(root, file, i as u64)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        for handle in handles {
+            // A worker only panics on a bug; surface it rather than hide a slice.
+            if let Ok(done) = handle.join() {
+                for (i, result) in done {
+                    results[i] = Some(result);
+                }
+            }
+        }
+    });
+    let slices = results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            r.unwrap_or_else(|| {
+                Err(Error::Manifest {
+                    path: root.join(&files[i]),
+                    reason: "the worker reading this slice failed".into(),
+                })
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Manifest {
+        format: FORMAT.to_string(),
+        name: name.to_string(),
+        slices,
+    })
+}
+
+/// Builds the manifest entry of one slice file.
+pub(crate) fn describe_file(root: &Path, file: &str, index: u64) -> Result<SliceEntry, Error> {
+    let path = root.join(file);
+    let bytes = std::fs::read(&path).map_err(|error| Error::Io {
+        path: path.clone(),
+        error,
+    })?;
+    describe_bytes(&bytes, file, index).map_err(|error| Error::Slice { path, error })
+}
+
+/// Builds the manifest entry of a slice held in memory.
+pub(crate) fn describe_bytes(
+    bytes: &[u8],
+    file: &str,
+    index: u64,
+) -> Result<SliceEntry, SliceError> {
+    let (encoding, plain) = slice::decode(bytes)?;
+    let (tensors, samples) = slice::describe(&plain)?;
+    Ok(SliceEntry {
+        index,
+        file: file.to_string(),
+        encoding,
+        size: bytes.len() as u64,
+        uncompressed_size: plain.len() as u64,
+        blake3: blake3::hash(bytes).to_hex().to_string(),
+        samples,
+        tensors,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slice_number;
+
+    #[test]
+    fn numbers_come_from_the_last_digit_run() {
+        assert_eq!(slice_number("slice-0010.safetensors"), Some(10));
+        assert_eq!(slice_number("v2-part-7.safetensors"), Some(7));
+        assert_eq!(slice_number("labels.safetensors"), None);
+    }
+}

@@ -1,0 +1,155 @@
+//! The slice format: SafeTensors, plain or raw-Snappy-compressed.
+
+use std::{borrow::Cow, collections::BTreeMap};
+
+pub use safetensors::Dtype;
+use serde::{Deserialize, Serialize};
+
+use crate::TensorSpec;
+
+/// How a slice file is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// Raw (block-format) Snappy over SafeTensors: `snappy.compress(safetensors.save(t))`.
+    Snappy,
+    /// A plain `.safetensors` file.
+    Plain,
+}
+
+/// A slice that could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SliceError {
+    #[error("neither SafeTensors nor raw-Snappy-compressed SafeTensors ({0})")]
+    Unrecognised(String),
+    #[error("the Snappy data is corrupt: {0}")]
+    Snappy(String),
+    #[error("the SafeTensors data is invalid: {0}")]
+    SafeTensors(String),
+    #[error("tensor {name:?}: {problem}")]
+    Tensor { name: String, problem: String },
+}
+
+/// Largest decompressed slice accepted (a Snappy header can claim up to 4 GiB; this keeps a
+/// corrupt or hostile length from becoming a huge allocation).
+pub const MAX_SLICE_BYTES: usize = 8 * 1024 * 1024 * 1024;
+
+/// Tells the encoding from the content and returns the SafeTensors bytes.
+pub fn decode(bytes: &[u8]) -> Result<(Encoding, Cow<'_, [u8]>), SliceError> {
+    if looks_like_safetensors(bytes) {
+        safetensors::SafeTensors::read_metadata(bytes)
+            .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+        return Ok((Encoding::Plain, Cow::Borrowed(bytes)));
+    }
+    let length = snap::raw::decompress_len(bytes).map_err(|e| {
+        SliceError::Unrecognised(format!("not a SafeTensors header, and not Snappy: {e}"))
+    })?;
+    if length > MAX_SLICE_BYTES {
+        return Err(SliceError::Snappy(format!(
+            "claims {length} bytes decompressed, more than the {MAX_SLICE_BYTES} allowed"
+        )));
+    }
+    let plain = snap::raw::Decoder::new()
+        .decompress_vec(bytes)
+        .map_err(|e| SliceError::Snappy(e.to_string()))?;
+    if !looks_like_safetensors(&plain) {
+        return Err(SliceError::Unrecognised(
+            "Snappy data that does not hold SafeTensors".into(),
+        ));
+    }
+    safetensors::SafeTensors::read_metadata(&plain)
+        .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+    Ok((Encoding::Snappy, Cow::Owned(plain)))
+}
+
+/// A SafeTensors buffer starts with a little-endian u64 header length and a JSON object that
+/// fits in the buffer.
+fn looks_like_safetensors(bytes: &[u8]) -> bool {
+    let Some(length) = bytes.get(..8) else {
+        return false;
+    };
+    let mut le = [0u8; 8];
+    le.copy_from_slice(length);
+    let header = u64::from_le_bytes(le);
+    header >= 2 && header <= (bytes.len() as u64 - 8) && bytes.get(8) == Some(&b'{')
+}
+
+/// The tensors of a SafeTensors buffer, sorted by name, and the slice's sample count: the
+/// leading dimension when every tensor shares it.
+pub fn describe(safetensors_bytes: &[u8]) -> Result<(Vec<TensorSpec>, Option<u64>), SliceError> {
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(safetensors_bytes)
+        .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+    let mut tensors: Vec<TensorSpec> = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| TensorSpec {
+            name,
+            dtype: info.dtype.to_string(),
+            shape: info.shape.iter().map(|&d| d as u64).collect(),
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut leading = tensors.iter().map(|t| t.shape.first().copied());
+    let samples = match leading.next() {
+        Some(Some(first)) if leading.all(|d| d == Some(first)) => Some(first),
+        _ => None,
+    };
+    Ok((tensors, samples))
+}
+
+/// Tensors to write into a slice: name → (dtype, shape, little-endian bytes).
+#[derive(Debug, Clone, Default)]
+pub struct Tensors(BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>);
+
+impl Tensors {
+    pub fn new() -> Self {
+        Tensors::default()
+    }
+
+    /// Adds a tensor, checking that `data` holds exactly `shape` elements of `dtype`.
+    pub fn with(
+        mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<Self, SliceError> {
+        let elements: usize = shape.iter().product();
+        let expected = elements * dtype.bitsize() / 8;
+        if data.len() != expected {
+            return Err(SliceError::Tensor {
+                name: name.into(),
+                problem: format!(
+                    "shape {shape:?} of {dtype} needs {expected} bytes, got {}",
+                    data.len()
+                ),
+            });
+        }
+        self.0.insert(name.to_string(), (dtype, shape, data));
+        Ok(self)
+    }
+}
+
+/// Serializes tensors as a slice with the given encoding.
+pub fn encode(tensors: &Tensors, encoding: Encoding) -> Result<Vec<u8>, SliceError> {
+    let views = tensors
+        .0
+        .iter()
+        .map(|(name, (dtype, shape, data))| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| SliceError::Tensor {
+                    name: name.clone(),
+                    problem: e.to_string(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let plain =
+        safetensors::serialize(views, None).map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+    Ok(match encoding {
+        Encoding::Plain => plain,
+        Encoding::Snappy => snap::raw::Encoder::new()
+            .compress_vec(&plain)
+            .map_err(|e| SliceError::Snappy(e.to_string()))?,
+    })
+}
