@@ -5,7 +5,7 @@ use std::{
 
 use serde::de::DeserializeOwned;
 
-use crate::{ConfigError, Default, Key, Kind, Origin, Schema};
+use crate::{ConfigError, DefaultValue, Key, Kind, Origin, Schema};
 
 /// Builds a node's settings layer by layer; see the crate documentation for the order.
 #[derive(Debug)]
@@ -48,7 +48,7 @@ impl<'s> Layers<'s> {
                     self.apply_default(child, &path);
                 }
             }
-            (_, Default::Value(literal)) => {
+            (_, DefaultValue::Value(literal)) => {
                 // Schema defaults are written by us; a malformed one is a bug caught by tests.
                 if let Ok(value) = parse_literal(literal) {
                     set(&mut self.table, &path, value);
@@ -351,7 +351,7 @@ fn require(
             }
             Ok(())
         }
-        (_, Default::Required { example }) if !table.contains_key(key.name) => {
+        (_, DefaultValue::Required { example }) if !table.contains_key(key.name) => {
             Err(ConfigError::new(
                 &path,
                 origin.clone(),
@@ -380,12 +380,12 @@ impl Loaded {
                 .collect();
             let fix = match self.schema.find(&parts) {
                 Some(Key {
-                    default: Default::Required { example } | Default::Unset { example },
+                    default: DefaultValue::Required { example } | DefaultValue::Unset { example },
                     name,
                     ..
                 }) => format!("write it like `{name} = {example}`"),
                 Some(Key {
-                    default: Default::Value(example),
+                    default: DefaultValue::Value(example),
                     name,
                     ..
                 }) => format!("write it like `{name} = {example}`"),
@@ -465,9 +465,9 @@ fn check(
                     value.type_str()
                 ),
                 match key.default {
-                    Default::Required { example }
-                    | Default::Unset { example }
-                    | Default::Value(example) => {
+                    DefaultValue::Required { example }
+                    | DefaultValue::Unset { example }
+                    | DefaultValue::Value(example) => {
                         format!("write it like `{} = {example}`", key.name)
                     }
                 },

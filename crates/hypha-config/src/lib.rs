@@ -44,4 +44,4 @@ pub mod telemetry;
 
 pub use error::{ConfigError, Origin};
 pub use layers::{Layers, Loaded};
-pub use schema::{Default, Key, Kind, Schema};
+pub use schema::{DefaultValue, Key, Kind, Schema};

@@ -6,7 +6,7 @@ use ipnet::IpNet;
 use libp2p::{Multiaddr, multiaddr::Protocol};
 use serde::Deserialize;
 
-use crate::{ConfigError, Default, Key, Kind, Loaded};
+use crate::{ConfigError, DefaultValue, Key, Kind, Loaded};
 
 /// Ranges excluded by default: addresses that never lead to another machine worth dialling.
 /// Internet deployments usually add the private ranges (10.0.0.0/8, 172.16.0.0/12,
@@ -20,7 +20,7 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
         Key {
             name: "cert_pem",
             kind: Kind::Path,
-            default: Default::Required {
+            default: DefaultValue::Required {
                 example: r#""certs/node-cert.pem""#,
             },
             doc: "This node's certificate chain (PEM, its own certificate first), made by `hypha-certutil node`. Relative paths are relative to this file.",
@@ -28,7 +28,7 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
         Key {
             name: "key_pem",
             kind: Kind::Path,
-            default: Default::Required {
+            default: DefaultValue::Required {
                 example: r#""certs/node-key.pem""#,
             },
             doc: "The Ed25519 private key (PKCS#8 PEM) belonging to cert_pem.",
@@ -36,7 +36,7 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
         Key {
             name: "trust_pem",
             kind: Kind::Path,
-            default: Default::Required {
+            default: DefaultValue::Required {
                 example: r#""certs/root-cert.pem""#,
             },
             doc: "The CA certificate(s) this node trusts; peers whose chain does not lead here are refused during the handshake.",
@@ -44,7 +44,7 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
         Key {
             name: "crls_pem",
             kind: Kind::Path,
-            default: Default::Unset {
+            default: DefaultValue::Unset {
                 example: r#""certs/crl.pem""#,
             },
             doc: "Certificate revocation lists (PEM) to honour, made by `hypha-certutil revoke`.",
@@ -52,31 +52,31 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
         Key {
             name: "gateway_addresses",
             kind: Kind::Multiaddrs,
-            default: Default::Value("[]"),
+            default: DefaultValue::Value("[]"),
             doc: "Gateways to join, as multiaddrs ending in /p2p/<peer id>, e.g. \"/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW...\". The node connects to them at start, reconnects when they drop, and bootstraps the DHT from them.",
         },
         Key {
             name: "listen_addresses",
             kind: Kind::Multiaddrs,
-            default: Default::Value(listen_default),
+            default: DefaultValue::Value(listen_default),
             doc: "Addresses to listen on. Port 0 picks a free port.",
         },
         Key {
             name: "external_addresses",
             kind: Kind::Multiaddrs,
-            default: Default::Value("[]"),
+            default: DefaultValue::Value("[]"),
             doc: "Addresses other nodes can reach this one at (for example behind port forwarding); announced to peers.",
         },
         Key {
             name: "exclude_cidr",
             kind: Kind::Cidrs,
-            default: Default::Value(DEFAULT_EXCLUDE_CIDR),
+            default: DefaultValue::Value(DEFAULT_EXCLUDE_CIDR),
             doc: "Address ranges never dialled and never added to the routing table, whatever peers announce. Add private ranges for nodes on the internet.",
         },
         Key {
             name: "relay_circuit",
             kind: Kind::Bool,
-            default: Default::Value("true"),
+            default: DefaultValue::Value("true"),
             doc: "Also listen through each gateway's relay, so peers that cannot reach this node directly (NAT, firewall) still can.",
         },
     ]

@@ -85,7 +85,7 @@ impl Kind {
 
 /// A key's default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Default {
+pub enum DefaultValue {
     /// The key must be set; the example is what `init` writes.
     Required { example: &'static str },
     /// The default value, as a TOML literal.
@@ -99,7 +99,7 @@ pub enum Default {
 pub struct Key {
     pub name: &'static str,
     pub kind: Kind,
-    pub default: Default,
+    pub default: DefaultValue,
     /// One or more sentences; `init` writes them as comments above the key.
     pub doc: &'static str,
 }
@@ -184,14 +184,14 @@ fn write_key(out: &mut String, key: &Key) {
     out.push('\n');
     write_doc(out, key.doc);
     match key.default {
-        Default::Required { example } => {
+        DefaultValue::Required { example } => {
             let _ = writeln!(out, "# Required.");
             let _ = writeln!(out, "{} = {example}", key.name);
         }
-        Default::Value(value) => {
+        DefaultValue::Value(value) => {
             let _ = writeln!(out, "{} = {value}", key.name);
         }
-        Default::Unset { example } => {
+        DefaultValue::Unset { example } => {
             let _ = writeln!(out, "# {} = {example}", key.name);
         }
     }

@@ -2,20 +2,20 @@
 
 use std::path::PathBuf;
 
-use hypha_config::{Default, Key, Kind, Layers, Origin, Schema, network, telemetry};
+use hypha_config::{DefaultValue, Key, Kind, Layers, Origin, Schema, network, telemetry};
 use serde::Deserialize;
 
 static RESOURCE_KEYS: [Key; 2] = [
     Key {
         name: "cpu",
         kind: Kind::Integer,
-        default: Default::Value("4"),
+        default: DefaultValue::Value("4"),
         doc: "Cores.",
     },
     Key {
         name: "memory",
         kind: Kind::Integer,
-        default: Default::Value("16"),
+        default: DefaultValue::Value("16"),
         doc: "GB.",
     },
 ];
@@ -26,13 +26,13 @@ fn schema() -> Schema {
     keys.push(Key {
         name: "work_dir",
         kind: Kind::Path,
-        default: Default::Value(r#""/var/hypha/work""#),
+        default: DefaultValue::Value(r#""/var/hypha/work""#),
         doc: "Where jobs run.",
     });
     keys.push(Key {
         name: "resources",
         kind: Kind::Table(&RESOURCE_KEYS),
-        default: Default::Value("{}"),
+        default: DefaultValue::Value("{}"),
         doc: "What this node offers.",
     });
     Schema::new("hypha-test", keys)

@@ -40,6 +40,8 @@ impl<T> Envelope<T> {
 pub enum Request {
     /// Is the node up, and what is it? Every node kind answers.
     Health,
+    /// The manifest of a dataset the node serves (data nodes).
+    Manifest { dataset: String },
 }
 
 /// Every response a node can send.
@@ -47,6 +49,7 @@ pub enum Request {
 #[non_exhaustive]
 pub enum Response {
     Health(health::Status),
+    Manifest(hypha_dataset::Manifest),
     Error(Error),
 }
 

@@ -64,6 +64,8 @@ pub(crate) struct EventLoop {
     subscribers: HashMap<gossipsub::TopicHash, Vec<mpsc::Sender<GossipMessage>>>,
     gossip_dropped: u64,
     last_drop_warning: Option<Instant>,
+    /// The first dial of each gateway, and who waits until they have all succeeded or failed.
+    startup: Option<(HashSet<ConnectionId>, tokio::sync::oneshot::Sender<()>)>,
 }
 
 /// Reaching a peer: the addresses already known, then the addresses the DHT knows, then each
@@ -131,11 +133,19 @@ impl EventLoop {
             subscribers: HashMap::new(),
             gossip_dropped: 0,
             last_drop_warning: None,
+            startup: None,
         }
     }
 
-    pub(crate) async fn run(mut self) {
-        self.dial_gateways();
+    /// Runs the loop; `joined` fires once the first dial of every gateway has succeeded or
+    /// failed, so a node is on the network when `start` returns.
+    pub(crate) async fn run(mut self, joined: tokio::sync::oneshot::Sender<()>) {
+        let first_dials: HashSet<ConnectionId> = self.dial_gateways().into_iter().collect();
+        if first_dials.is_empty() {
+            let _ = joined.send(());
+        } else {
+            self.startup = Some((first_dials, joined));
+        }
         let mut gateway_retry = tokio::time::interval(GATEWAY_RETRY);
         gateway_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut bootstrap = tokio::time::interval(BOOTSTRAP_INTERVAL);
@@ -155,7 +165,9 @@ impl EventLoop {
                         return;
                     }
                 },
-                _ = gateway_retry.tick() => self.dial_gateways(),
+                _ = gateway_retry.tick() => {
+                    self.dial_gateways();
+                }
                 _ = bootstrap.tick() => {
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     if kad.kbuckets().any(|bucket| bucket.num_entries() > 0) {
@@ -174,8 +186,9 @@ impl EventLoop {
         tracing::debug!("network stopped");
     }
 
-    /// Dials every gateway we are not connected to (nor dialling).
-    fn dial_gateways(&mut self) {
+    /// Dials every gateway we are not connected to (nor dialling); returns the dials started.
+    fn dial_gateways(&mut self) -> Vec<ConnectionId> {
+        let mut started = Vec::new();
         for address in self.gateways.clone() {
             let opts = match peer_id_of(&address) {
                 Some(peer) if self.swarm.is_connected(&peer) => continue,
@@ -194,8 +207,23 @@ impl EventLoop {
                     DialOpts::unknown_peer_id().address(address.clone()).build()
                 }
             };
-            if let Err(e) = self.swarm.dial(opts) {
-                tracing::debug!(%address, error = %e, "cannot dial gateway");
+            let id = opts.connection_id();
+            match self.swarm.dial(opts) {
+                Ok(()) => started.push(id),
+                Err(e) => tracing::debug!(%address, error = %e, "cannot dial gateway"),
+            }
+        }
+        started
+    }
+
+    /// Notes that a dial ended; completes start-up when it was the last first gateway dial.
+    fn dial_ended(&mut self, id: ConnectionId) {
+        if let Some((pending, _)) = &mut self.startup {
+            pending.remove(&id);
+            if pending.is_empty()
+                && let Some((_, joined)) = self.startup.take()
+            {
+                let _ = joined.send(());
             }
         }
     }
@@ -462,6 +490,7 @@ impl EventLoop {
                 if let Some(reply) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Ok(peer_id));
                 }
+                self.dial_ended(connection_id);
                 self.finish_connect(peer_id, Ok(()));
                 if let ConnectedPoint::Dialer { address, .. } = &endpoint
                     && self.is_gateway_address(address)
@@ -474,6 +503,7 @@ impl EventLoop {
                 peer_id,
                 error,
             } => {
+                self.dial_ended(connection_id);
                 if let Some(reply) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(NetworkError::Dial {
                         target: peer_id.map(|p| p.to_string()).unwrap_or_default(),

@@ -47,6 +47,8 @@ use tokio::sync::mpsc;
 const UPGRADE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Commands queued from handles to the event loop; senders wait when it is full.
 const COMMAND_QUEUE: usize = 1024;
+/// How long [`start`] waits for the first dial of every gateway to succeed or fail.
+const GATEWAY_JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long [`start`] waits for its listeners to come up.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -64,8 +66,9 @@ pub enum StartError {
 }
 
 /// Starts a node's network: builds the transport and protocols, listens on
-/// `settings.listen_addresses` (waiting until each listener is up), connects to the gateways and
-/// spawns the event loop on the current Tokio runtime.
+/// `settings.listen_addresses` (waiting until each listener is up), spawns the event loop on the
+/// current Tokio runtime and waits until the first dial of every gateway has succeeded or failed
+/// (at most 10 s).
 ///
 /// Returns the handle and the queue of inbound requests for the application (health requests are
 /// answered by the network itself). If the application stops reading that queue, requests are
@@ -140,7 +143,16 @@ pub async fn start(
         settings.gateway_addresses,
         settings.relay_circuit,
     );
-    tokio::spawn(event_loop.run());
+    let (joined_tx, joined) = tokio::sync::oneshot::channel();
+    tokio::spawn(event_loop.run(joined_tx));
+    // Being connected to a gateway is what makes a node part of the network; give the first
+    // dials a bounded time, then carry on (the loop keeps retrying).
+    if tokio::time::timeout(GATEWAY_JOIN_TIMEOUT, joined)
+        .await
+        .is_err()
+    {
+        tracing::warn!("no gateway answered within {GATEWAY_JOIN_TIMEOUT:?}; still trying");
+    }
 
     Ok((
         Network {

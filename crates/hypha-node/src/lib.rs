@@ -17,5 +17,5 @@ mod probe;
 
 pub use args::{InitArgs, ProbeArgs, RunArgs};
 pub use error::{Error, report};
-pub use node::{Node, init, shutdown_signal};
+pub use node::{Node, init, load_run_config, shutdown_signal};
 pub use probe::probe;

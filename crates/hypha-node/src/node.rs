@@ -29,7 +29,16 @@ impl Node {
         args: &RunArgs,
         adjust: impl FnOnce(&mut Settings),
     ) -> Result<Node, Error> {
-        let config = load(schema, Some(&args.config), &args.overrides)?;
+        Self::start_with(kind, load_run_config(schema, args)?, adjust).await
+    }
+
+    /// [`start`](Self::start) with a config already loaded by [`load_run_config`], for nodes
+    /// that check their own settings before joining the network.
+    pub async fn start_with(
+        kind: &str,
+        config: Loaded,
+        adjust: impl FnOnce(&mut Settings),
+    ) -> Result<Node, Error> {
         let network_config = NetworkConfig::from_loaded(&config)?;
         let telemetry = telemetry_settings(&config, kind)?;
         let (identity, trust) = load_identity(&config, &network_config)?;
@@ -57,6 +66,11 @@ impl Node {
             _telemetry: guard,
         })
     }
+}
+
+/// Loads the config of a `run` command.
+pub fn load_run_config(schema: &Schema, args: &RunArgs) -> Result<Loaded, Error> {
+    load(schema, Some(&args.config), &args.overrides)
 }
 
 /// Loads the layered config: schema defaults, the file, `HYPHA_*` variables, then flags.

@@ -1,0 +1,306 @@
+//! Fetching slices: find providers, get manifests, download with verification, resume and
+//! fall back.
+
+use std::{collections::HashSet, path::Path};
+
+use futures::AsyncReadExt;
+use hypha_dataset::{Manifest, SliceEntry};
+use hypha_messages::{Request, Response};
+use hypha_network::{Network, NetworkError, PeerId};
+use tokio::io::AsyncWriteExt;
+
+use crate::protocol::{self, PROTOCOL, SliceHeader, SliceRequest};
+
+/// A slice could not be fetched from any provider.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("no provider of {dataset:?} was found in the DHT")]
+    NoProviders { dataset: String },
+    #[error("every provider failed for slice {slice} of {dataset:?}: {}", failures.join("; "))]
+    Exhausted {
+        dataset: String,
+        slice: u64,
+        failures: Vec<String>,
+    },
+    #[error("{0}")]
+    Network(#[from] NetworkError),
+    #[error("{peer} sent an unexpected answer to a manifest request")]
+    UnexpectedResponse { peer: PeerId },
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+}
+
+/// How often a provider that dropped a fresh stream is asked again, and the first pause
+/// (doubled each time): 5 tries over about 0.3 s.
+const NOT_ACCEPTED_RETRIES: u32 = 5;
+const NOT_ACCEPTED_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// How a fetch went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchReport {
+    /// The provider that sent the last byte.
+    pub provider: PeerId,
+    /// Bytes received over the network (more than the slice when a transfer was restarted).
+    pub bytes_received: u64,
+    /// Providers whose bytes did not match the manifest's hash (not asked again).
+    pub rejected: Vec<PeerId>,
+    /// Transfers that broke off and were resumed from the offset reached.
+    pub resumed: u32,
+}
+
+/// Fetches datasets' slices from data nodes over a node's network.
+#[derive(Debug, Clone)]
+pub struct DataClient {
+    network: Network,
+}
+
+impl DataClient {
+    pub fn new(network: Network) -> Self {
+        DataClient { network }
+    }
+
+    /// The data nodes that announce `dataset` in the DHT.
+    pub async fn providers(&self, dataset: &str) -> Result<Vec<PeerId>, FetchError> {
+        let mut providers: Vec<PeerId> = self
+            .network
+            .get_providers(protocol::provider_key(dataset))
+            .await?
+            .into_iter()
+            .filter(|p| *p != self.network.local_peer_id())
+            .collect();
+        if providers.is_empty() {
+            return Err(FetchError::NoProviders {
+                dataset: dataset.to_string(),
+            });
+        }
+        providers.sort();
+        Ok(providers)
+    }
+
+    /// The manifest of `dataset` as `peer` serves it.
+    pub async fn manifest(&self, peer: PeerId, dataset: &str) -> Result<Manifest, FetchError> {
+        self.network.connect(peer).await?;
+        match self
+            .network
+            .request(
+                peer,
+                Request::Manifest {
+                    dataset: dataset.to_string(),
+                },
+            )
+            .await?
+        {
+            Response::Manifest(manifest) => Ok(manifest),
+            _ => Err(FetchError::UnexpectedResponse { peer }),
+        }
+    }
+
+    /// Fetches slice `entry` of `dataset` into `dest`, verified against the entry's size and
+    /// BLAKE3 hash.
+    ///
+    /// Providers are tried in turn. A transfer that breaks off resumes at the offset reached,
+    /// from the next provider. A provider whose bytes fail the hash is not asked again and the
+    /// transfer restarts from the beginning with another. `dest` appears only when complete
+    /// and verified (temporary file, fsync, rename).
+    pub async fn fetch_slice(
+        &self,
+        dataset: &str,
+        entry: &SliceEntry,
+        providers: &[PeerId],
+        dest: &Path,
+    ) -> Result<FetchReport, FetchError> {
+        let write_err = |error| FetchError::Write {
+            path: dest.to_path_buf(),
+            error,
+        };
+        let dir = dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let partial = tempfile::Builder::new()
+            .prefix(".hypha-slice-")
+            .tempfile_in(dir)
+            .map_err(write_err)?;
+        let mut file = tokio::fs::File::from_std(partial.reopen().map_err(write_err)?);
+
+        let mut transfer = Transfer::default();
+        let mut rejected: HashSet<PeerId> = HashSet::new();
+        let mut failures = Vec::new();
+        let mut resumed = 0u32;
+        let mut bytes_received = 0u64;
+        // Each provider gets at most two turns: one break-off is forgiven, two are not.
+        let turns: Vec<PeerId> = providers.iter().chain(providers.iter()).copied().collect();
+        for peer in turns {
+            if rejected.contains(&peer) {
+                continue;
+            }
+            let started_at = transfer.offset;
+            let mut outcome = self
+                .receive(peer, dataset, entry, &mut transfer, &mut file)
+                .await;
+            let mut pause = NOT_ACCEPTED_PAUSE;
+            for _ in 0..NOT_ACCEPTED_RETRIES {
+                if !matches!(outcome, Err(Failure::NotAccepted(_))) {
+                    break;
+                }
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                outcome = self
+                    .receive(peer, dataset, entry, &mut transfer, &mut file)
+                    .await;
+            }
+            bytes_received += transfer.offset - started_at;
+            match outcome {
+                Ok(()) if transfer.offset == entry.size => {
+                    let hash = transfer.hasher.finalize().to_hex().to_string();
+                    if hash == entry.blake3 {
+                        file.sync_all().await.map_err(write_err)?;
+                        drop(file);
+                        partial.persist(dest).map_err(|e| write_err(e.error))?;
+                        return Ok(FetchReport {
+                            provider: peer,
+                            bytes_received,
+                            rejected: rejected.into_iter().collect(),
+                            resumed,
+                        });
+                    }
+                    // Every provider that contributed bytes may be the culprit.
+                    tracing::warn!(%peer, slice = entry.index, dataset, "slice failed its hash; fetching it from another provider");
+                    failures.push(format!("{peer}: bytes do not match the manifest's BLAKE3"));
+                    rejected.extend(transfer.contributors.drain());
+                    transfer = Transfer::default();
+                    file.set_len(0).await.map_err(write_err)?;
+                    file = reopen_at_start(file).await.map_err(write_err)?;
+                }
+                Ok(()) => {
+                    resumed += 1;
+                    failures.push(format!("{peer}: stream ended at byte {}", transfer.offset));
+                }
+                Err(Failure::Refused(reason) | Failure::NotAccepted(reason)) => {
+                    failures.push(format!("{peer}: {reason}"))
+                }
+                Err(Failure::Mismatch(reason)) => {
+                    failures.push(format!("{peer}: {reason}"));
+                    rejected.insert(peer);
+                }
+                Err(Failure::Broken(reason)) => {
+                    if transfer.offset > started_at {
+                        resumed += 1;
+                    }
+                    failures.push(format!("{peer}: {reason} at byte {}", transfer.offset));
+                }
+                Err(Failure::Local(error)) => return Err(write_err(error)),
+            }
+        }
+        Err(FetchError::Exhausted {
+            dataset: dataset.to_string(),
+            slice: entry.index,
+            failures,
+        })
+    }
+
+    /// Receives what `peer` sends of the slice from `transfer.offset` on, appending to `file`.
+    async fn receive(
+        &self,
+        peer: PeerId,
+        dataset: &str,
+        entry: &SliceEntry,
+        transfer: &mut Transfer,
+        file: &mut tokio::fs::File,
+    ) -> Result<(), Failure> {
+        let mut stream = self
+            .network
+            .open_stream(peer, PROTOCOL)
+            .await
+            .map_err(|e| Failure::Refused(e.to_string()))?;
+        let request = SliceRequest {
+            dataset: dataset.to_string(),
+            slice: entry.index,
+            offset: transfer.offset,
+        };
+        protocol::write_frame(&mut stream, &request)
+            .await
+            .map_err(|e| Failure::NotAccepted(e.to_string()))?;
+        match protocol::read_frame::<SliceHeader>(&mut stream)
+            .await
+            .map_err(|e| Failure::NotAccepted(e.to_string()))?
+        {
+            SliceHeader::Error(e) => return Err(Failure::Refused(e.to_string())),
+            SliceHeader::Ok {
+                size,
+                blake3,
+                offset,
+            } => {
+                if size != entry.size || blake3 != entry.blake3 {
+                    return Err(Failure::Mismatch(format!(
+                        "serves a different version of the slice ({size} bytes, BLAKE3 {blake3})"
+                    )));
+                }
+                if offset != transfer.offset {
+                    return Err(Failure::Mismatch(format!(
+                        "answered offset {offset} to a request for {}",
+                        transfer.offset
+                    )));
+                }
+            }
+        }
+        transfer.contributors.insert(peer);
+        let start = transfer.offset;
+        let mut buffer = vec![0u8; 256 * 1024];
+        while transfer.offset < entry.size {
+            let want = buffer
+                .len()
+                .min(usize::try_from(entry.size - transfer.offset).unwrap_or(usize::MAX));
+            let n = stream
+                .read(&mut buffer[..want])
+                .await
+                .map_err(|e| Failure::Broken(e.to_string()))?;
+            if n == 0 {
+                return Ok(());
+            }
+            file.write_all(&buffer[..n]).await.map_err(Failure::Local)?;
+            transfer.hasher.update(&buffer[..n]);
+            transfer.offset += n as u64;
+        }
+        hypha_telemetry::metrics::record_bytes(
+            protocol::PROTOCOL_NAME,
+            hypha_telemetry::metrics::Direction::In,
+            transfer.offset - start,
+        );
+        Ok(())
+    }
+}
+
+/// The state of one slice download: bytes received so far (hashed as they arrive) and who
+/// sent them.
+#[derive(Default)]
+struct Transfer {
+    offset: u64,
+    hasher: blake3::Hasher,
+    contributors: HashSet<PeerId>,
+}
+
+enum Failure {
+    /// The provider refused or could not be reached; try another.
+    Refused(String),
+    /// The stream closed before the provider answered the request. `libp2p-stream` hands
+    /// inbound streams to the server through a one-slot queue and drops those that arrive while
+    /// it is occupied, so a busy provider can lose a fresh stream: worth retrying the same
+    /// provider after a short pause.
+    NotAccepted(String),
+    /// The provider serves something else; never ask it again for this slice.
+    Mismatch(String),
+    /// The transfer broke off; resume elsewhere.
+    Broken(String),
+    /// Writing locally failed: stop.
+    Local(std::io::Error),
+}
+
+async fn reopen_at_start(mut file: tokio::fs::File) -> std::io::Result<tokio::fs::File> {
+    use tokio::io::AsyncSeekExt;
+    file.seek(std::io::SeekFrom::Start(0)).await?;
+    Ok(file)
+}

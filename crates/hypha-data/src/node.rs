@@ -1,0 +1,180 @@
+//! The data node program: `hypha-data run`.
+
+use std::{
+    path::PathBuf,
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use hypha_config::{DefaultValue, Key, Kind, Schema, network, telemetry};
+use hypha_messages::{ErrorCode, Request, Response};
+use hypha_network::{InboundRequest, Network};
+use hypha_node::{Error, Node, RunArgs};
+use serde::Deserialize;
+
+use crate::{Catalog, protocol::provider_key, server};
+
+/// How often the node looks for datasets added, changed or removed on disk.
+const REFRESH_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Every key a data node accepts.
+pub fn schema() -> Schema {
+    let mut keys = network::keys();
+    keys.extend(telemetry::keys());
+    keys.extend([
+        Key {
+            name: "dataset_path",
+            kind: Kind::Path,
+            default: DefaultValue::Required {
+                example: r#""/var/hypha/datasets/imagenet-1k""#,
+            },
+            doc: "The dataset to serve: a directory of slice files, announced under the directory's name. A directory whose sub-directories are datasets serves each of them. Changes on disk are picked up while running.",
+        },
+        Key {
+            name: "max_concurrent_slices",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("64"),
+            doc: "Slices sent at the same time over all peers; further requests wait their turn in arrival order.",
+        },
+        Key {
+            name: "max_slices_per_peer",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("8"),
+            doc: "Slices one peer may be sent at the same time; more concurrent requests from it are answered Busy.",
+        },
+    ]);
+    Schema::new("hypha-data", keys)
+}
+
+#[derive(Debug, Deserialize)]
+struct DataConfig {
+    dataset_path: PathBuf,
+    max_concurrent_slices: i64,
+    max_slices_per_peer: i64,
+}
+
+/// Runs a data node until the process is asked to stop.
+pub async fn run(args: &RunArgs) -> Result<(), Error> {
+    let loaded = hypha_node::load_run_config(&schema(), args)?;
+    let config: DataConfig = loaded.section()?;
+    let positive = |key: &str, value: i64| -> Result<usize, Error> {
+        usize::try_from(value)
+            .ok()
+            .filter(|v| *v > 0)
+            .ok_or_else(|| {
+                loaded
+                    .error(
+                        key,
+                        format!("{value} is not a positive number"),
+                        "use a count of 1 or more",
+                    )
+                    .into()
+            })
+    };
+    let limits = server::Limits {
+        concurrent: positive("max_concurrent_slices", config.max_concurrent_slices)?,
+        per_peer: positive("max_slices_per_peer", config.max_slices_per_peer)?,
+        ..server::Limits::default()
+    };
+    let catalog = Catalog::open(&config.dataset_path).map_err(|e| {
+        Error::from(loaded.error(
+            "dataset_path",
+            e.to_string(),
+            "point dataset_path at a directory of *.safetensors slices (or of such directories)",
+        ))
+    })?;
+    let node = Node::start_with("data", loaded, |_| {}).await?;
+    serve(
+        node.network.clone(),
+        node.inbound,
+        Arc::new(RwLock::new(catalog)),
+        limits,
+        hypha_node::shutdown_signal(),
+    )
+    .await;
+    Ok(())
+}
+
+/// Does a data node's work on a started network until `shutdown` resolves: announces every
+/// dataset, serves slices and manifests, follows the disk; then withdraws the announcements
+/// and stops the network.
+pub async fn serve(
+    network: Network,
+    mut inbound: tokio::sync::mpsc::Receiver<InboundRequest>,
+    catalog: Arc<RwLock<Catalog>>,
+    limits: server::Limits,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let names = catalog.read().map(|c| c.names()).unwrap_or_default();
+    for name in &names {
+        announce(&network, name).await;
+    }
+    let _ = network
+        .set_health(true, format!("serving {}", names.join(", ")))
+        .await;
+    let server = tokio::spawn(server::serve(network.clone(), catalog.clone(), limits));
+
+    let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(request) = inbound.recv() => answer(request, &catalog).await,
+            _ = refresh.tick() => follow_disk(&network, &catalog).await,
+        }
+    }
+    tracing::info!("shutting down");
+    let names = catalog.read().map(|c| c.names()).unwrap_or_default();
+    for name in names {
+        let _ = network.stop_providing(provider_key(&name)).await;
+    }
+    server.abort();
+    network.shutdown().await;
+}
+
+async fn announce(network: &Network, name: &str) {
+    match network.start_providing(provider_key(name)).await {
+        Ok(()) => tracing::info!(dataset = name, "announced"),
+        // The local record stands and is republished periodically; peers find it once the
+        // node has joined the DHT.
+        Err(e) => {
+            tracing::info!(dataset = name, error = %e, "announced locally; the DHT will hear of it on republication")
+        }
+    }
+}
+
+async fn follow_disk(network: &Network, catalog: &RwLock<Catalog>) {
+    let changes = match catalog.write() {
+        Ok(mut catalog) => catalog.refresh(),
+        Err(_) => return,
+    };
+    for name in &changes.added {
+        tracing::info!(dataset = %name, "new dataset on disk");
+        announce(network, name).await;
+    }
+    for name in &changes.changed {
+        tracing::info!(dataset = %name, "dataset changed on disk; serving the new version");
+    }
+    for name in &changes.removed {
+        tracing::info!(dataset = %name, "dataset gone from disk; no longer announced");
+        let _ = network.stop_providing(provider_key(name)).await;
+    }
+}
+
+async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>) {
+    let response = match &request.request {
+        Request::Manifest { dataset } => match catalog.read().ok().and_then(|c| c.get(dataset)) {
+            Some(d) => Response::Manifest(d.manifest().clone()),
+            None => Response::Error(hypha_messages::Error {
+                code: ErrorCode::BadRequest,
+                message: format!("this node does not serve {dataset:?}"),
+            }),
+        },
+        _ => Response::Error(hypha_messages::Error {
+            code: ErrorCode::Unsupported,
+            message: "data nodes answer health and manifest requests".into(),
+        }),
+    };
+    let _ = request.responder.respond(response).await;
+}

@@ -1,0 +1,141 @@
+//! The slice protocol, `/hypha/slice/1.0.0`, on `libp2p-stream`.
+//!
+//! One request per stream, so a slow or broken exchange never affects another:
+//!
+//! ```text
+//! client → server   request:  u32 big-endian length (≤ 4 KiB), then JSON
+//!                             {"dataset": "imagenet-1k", "slice": 7, "offset": 0}
+//! server → client   header:   u32 big-endian length (≤ 4 KiB), then JSON, either
+//!                             {"ok": {"size": 12345, "blake3": "…", "offset": 0}}
+//!                             followed by exactly size − offset bytes of the slice file
+//!                             from offset on, or
+//!                             {"error": {"code": "unknown_dataset", "message": "…"}}
+//!                   then the server closes the stream.
+//! ```
+//!
+//! `size` and `blake3` describe the whole file as the manifest lists it, so a client resuming
+//! at `offset` can check the bytes it already holds together with the rest. The file bytes are
+//! sent as stored (Snappy-compressed slices stay compressed on the wire).
+//!
+//! Goals: a malformed or hostile request costs the server one stream and an error frame, never
+//! its other clients; a transfer can resume at any offset on any provider. Non-goals: ranges
+//! that end before the file does; several slices per stream.
+
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use serde::{Deserialize, Serialize};
+
+/// The protocol's name.
+pub const PROTOCOL_NAME: &str = "/hypha/slice/1.0.0";
+/// The protocol, for opening and accepting streams.
+pub const PROTOCOL: hypha_network::StreamProtocol =
+    hypha_network::StreamProtocol::new(PROTOCOL_NAME);
+
+/// The largest request or header frame either side accepts.
+pub const MAX_FRAME: usize = 4 * 1024;
+
+/// Asks for one slice from `offset` on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SliceRequest {
+    pub dataset: String,
+    pub slice: u64,
+    #[serde(default)]
+    pub offset: u64,
+}
+
+/// The server's answer, sent before any file bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SliceHeader {
+    Ok {
+        /// The whole file's size.
+        size: u64,
+        /// The whole file's BLAKE3, hex.
+        blake3: String,
+        /// Where the bytes that follow start.
+        offset: u64,
+    },
+    Error(ServeError),
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ServeError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request frame was malformed or too large.
+    BadRequest,
+    UnknownDataset,
+    /// `slice` is not below the dataset's slice count.
+    SliceOutOfRange,
+    /// `offset` is past the end of the slice.
+    OffsetOutOfRange,
+    /// The server is at its limits; try another provider or later.
+    Busy,
+    /// The server could not read the slice.
+    Unavailable,
+}
+
+impl ServeError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ServeError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+/// Writes a length-prefixed JSON frame.
+pub async fn write_frame<T: Serialize>(
+    io: &mut (impl AsyncWrite + Unpin),
+    value: &T,
+) -> Result<(), FrameError> {
+    let json = serde_json::to_vec(value).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if json.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(json.len()));
+    }
+    let mut frame = Vec::with_capacity(4 + json.len());
+    frame.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&json);
+    io.write_all(&frame).await?;
+    io.flush().await?;
+    Ok(())
+}
+
+/// Reads a length-prefixed JSON frame, refusing lengths above [`MAX_FRAME`] before reading
+/// the body.
+pub async fn read_frame<T: for<'de> Deserialize<'de>>(
+    io: &mut (impl AsyncRead + Unpin),
+) -> Result<T, FrameError> {
+    let mut length = [0u8; 4];
+    io.read_exact(&mut length).await?;
+    let length = u32::from_be_bytes(length) as usize;
+    if length > MAX_FRAME {
+        return Err(FrameError::TooLarge(length));
+    }
+    let mut body = vec![0u8; length];
+    io.read_exact(&mut body).await?;
+    serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// The DHT key under which providers of `dataset` announce themselves.
+pub fn provider_key(dataset: &str) -> Vec<u8> {
+    format!("/hypha/dataset/{dataset}").into_bytes()
+}

@@ -1,0 +1,403 @@
+//! Data nodes and clients as real swarms over TCP on 127.0.0.1 with real certificates.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use hypha_certs::{
+    NodeIdentity, TrustStore,
+    authority::{self, Authority, Validity},
+};
+use hypha_data::{
+    Catalog, DataClient,
+    protocol::{self, ErrorCode, PROTOCOL, SliceHeader, SliceRequest},
+    server::Limits,
+};
+use hypha_network::{Network, PeerId, Settings};
+use tokio::sync::oneshot;
+
+struct Pki {
+    root: Authority,
+    org: Authority,
+}
+
+impl Pki {
+    fn new() -> Self {
+        let root = authority::create_root("Data Root", Validity::days(2)).unwrap();
+        let org = authority::create_org(&root, "Data Org", Validity::days(2)).unwrap();
+        Pki { root, org }
+    }
+
+    async fn start(
+        &self,
+        name: &str,
+        gateway: Option<&libp2p::Multiaddr>,
+    ) -> (
+        Network,
+        tokio::sync::mpsc::Receiver<hypha_network::InboundRequest>,
+    ) {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        let identity =
+            NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
+        let trust = Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap());
+        let mut settings = Settings::new(name);
+        settings.listen_addresses = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+        settings.gateway_addresses = gateway.into_iter().cloned().collect();
+        settings.relay_circuit = false;
+        settings.relay_server = gateway.is_none();
+        hypha_network::start(settings, &identity, trust)
+            .await
+            .unwrap()
+    }
+}
+
+/// A data node serving `root` until the returned sender is dropped or fired.
+async fn data_node(
+    pki: &Pki,
+    name: &str,
+    gateway: &libp2p::Multiaddr,
+    root: &Path,
+    limits: Limits,
+) -> (Network, oneshot::Sender<()>) {
+    let (network, inbound) = pki.start(name, Some(gateway)).await;
+    let catalog = Arc::new(RwLock::new(Catalog::open(root).unwrap()));
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(hypha_data::node::serve(
+        network.clone(),
+        inbound,
+        catalog,
+        limits,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    (network, stop)
+}
+
+async fn gateway(pki: &Pki) -> (Network, libp2p::Multiaddr) {
+    let (network, _) = pki.start("gateway", None).await;
+    let addr = network
+        .listen_addresses()
+        .await
+        .unwrap()
+        .remove(0)
+        .with(libp2p::multiaddr::Protocol::P2p(network.local_peer_id()));
+    (network, addr)
+}
+
+/// A plain SafeTensors slice holding one U8 tensor of `len` bytes of a pattern seeded by `seed`.
+fn write_slice(dir: &Path, file: &str, len: usize, seed: u8) {
+    let header = format!(r#"{{"data":{{"dtype":"U8","shape":[{len}],"data_offsets":[0,{len}]}}}}"#);
+    let mut header = header.into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend((0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)));
+    std::fs::write(dir.join(file), bytes).unwrap();
+}
+
+fn dataset(parent: &Path, name: &str, slices: usize, len: usize) -> PathBuf {
+    let dir = parent.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for i in 0..slices {
+        write_slice(&dir, &format!("slice-{i:04}.safetensors"), len, i as u8);
+    }
+    dir
+}
+
+async fn wait_for_providers(client: &DataClient, dataset: &str, count: usize) -> Vec<PeerId> {
+    for _ in 0..300 {
+        if let Ok(providers) = client.providers(dataset).await
+            && providers.len() >= count
+        {
+            return providers;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("never found {count} providers of {dataset}");
+}
+
+#[tokio::test]
+async fn a_corrupted_copy_is_rejected_and_fetched_from_the_other_node() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let copy_a = dataset(&tmp.path().join("a"), "mnist", 3, 64 * 1024);
+    let copy_b = dataset(&tmp.path().join("b"), "mnist", 3, 64 * 1024);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (node_a, _stop_a) = data_node(&pki, "data-a", &gw_addr, &copy_a, Limits::default()).await;
+    let (node_b, _stop_b) = data_node(&pki, "data-b", &gw_addr, &copy_b, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net);
+
+    let providers = wait_for_providers(&client, "mnist", 2).await;
+    assert!(
+        providers.contains(&node_a.local_peer_id()) && providers.contains(&node_b.local_peer_id())
+    );
+    let manifest = client
+        .manifest(node_a.local_peer_id(), "mnist")
+        .await
+        .unwrap();
+    assert_eq!(manifest.slices.len(), 3);
+    assert_eq!(
+        manifest,
+        client
+            .manifest(node_b.local_peer_id(), "mnist")
+            .await
+            .unwrap()
+    );
+
+    // Flip one byte of slice 1 on node A's disk, keeping its size.
+    let path = copy_a.join("slice-0001.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+
+    let dest = tmp.path().join("fetched.safetensors");
+    let report = client
+        .fetch_slice(
+            "mnist",
+            &manifest.slices[1],
+            &[node_a.local_peer_id(), node_b.local_peer_id()],
+            &dest,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        report.rejected,
+        vec![node_a.local_peer_id()],
+        "node A's bytes failed the hash"
+    );
+    assert_eq!(report.provider, node_b.local_peer_id());
+    assert_eq!(
+        std::fs::read(&dest).unwrap(),
+        std::fs::read(copy_b.join("slice-0001.safetensors")).unwrap()
+    );
+}
+
+#[tokio::test]
+async fn a_node_killed_mid_transfer_is_resumed_from_the_other_at_the_offset_reached() {
+    const SIZE: usize = 192 * 1024 * 1024;
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    // Both nodes serve the same directory: identical copies.
+    let data = dataset(tmp.path(), "big", 1, SIZE);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (node_a, stop_a) = data_node(&pki, "data-a", &gw_addr, &data, Limits::default()).await;
+    let (node_b, _stop_b) = data_node(&pki, "data-b", &gw_addr, &data, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net);
+    wait_for_providers(&client, "big", 2).await;
+    let manifest = client
+        .manifest(node_a.local_peer_id(), "big")
+        .await
+        .unwrap();
+
+    let downloads = tmp.path().join("downloads");
+    std::fs::create_dir(&downloads).unwrap();
+    let dest = downloads.join("slice.safetensors");
+    let entry = manifest.slices[0].clone();
+    let order = [node_a.local_peer_id(), node_b.local_peer_id()];
+    let fetch = {
+        let client = client.clone();
+        let dest = dest.clone();
+        tokio::spawn(async move { client.fetch_slice("big", &entry, &order, &dest).await })
+    };
+    // Kill node A once a quarter of the slice has arrived.
+    let partial_size = || {
+        std::fs::read_dir(&downloads)
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+            .max()
+            .unwrap_or(0)
+    };
+    let mut killed_at = 0;
+    for _ in 0..20_000 {
+        killed_at = partial_size();
+        if killed_at >= (SIZE / 4) as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_micros(250)).await;
+    }
+    stop_a.send(()).unwrap();
+    node_a.shutdown().await;
+
+    let report = fetch.await.unwrap().unwrap();
+    assert!(
+        killed_at > 0 && killed_at < manifest.slices[0].size,
+        "killed mid-transfer at {killed_at}"
+    );
+    assert_eq!(report.provider, node_b.local_peer_id());
+    assert!(report.resumed >= 1, "{report:?}");
+    assert!(
+        report.bytes_received < manifest.slices[0].size + (SIZE / 2) as u64,
+        "resumed rather than restarted: {report:?}"
+    );
+    let fetched = std::fs::read(&dest).unwrap();
+    assert_eq!(
+        blake3::hash(&fetched).to_hex().to_string(),
+        manifest.slices[0].blake3
+    );
+}
+
+/// Sends raw bytes as a request and reads the answer. Retries a stream the server dropped
+/// before accepting it, as `DataClient` does (libp2p-stream's one-slot inbound queue).
+async fn raw_exchange(client: &Network, peer: PeerId, bytes: &[u8]) -> Option<SliceHeader> {
+    for attempt in 0..6 {
+        tokio::time::sleep(Duration::from_millis(10 * attempt)).await;
+        let mut stream = client.open_stream(peer, PROTOCOL).await.unwrap();
+        if stream.write_all(bytes).await.is_err() || stream.flush().await.is_err() {
+            continue;
+        }
+        if let Ok(header) = protocol::read_frame::<SliceHeader>(&mut stream).await {
+            return Some(header);
+        }
+    }
+    None
+}
+
+fn error_code(header: Option<SliceHeader>) -> ErrorCode {
+    match header {
+        Some(SliceHeader::Error(e)) => e.code,
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "text", 4, 512 * 1024);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let limits = Limits {
+        per_peer: 64,
+        ..Limits::default()
+    };
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, limits).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net.clone());
+    let peer = node.local_peer_id();
+    client_net.connect(peer).await.unwrap();
+    let manifest = client.manifest(peer, "text").await.unwrap();
+
+    // Hostile and mistaken requests, each on its own stream.
+    let mut abuse = Vec::new();
+    let huge_length = [0xff, 0xff, 0xff, 0xff];
+    abuse.push((huge_length.to_vec(), ErrorCode::BadRequest));
+    abuse.push((
+        [&12u32.to_be_bytes()[..], b"not json!!!!"].concat(),
+        ErrorCode::BadRequest,
+    ));
+    let frame = |r: &SliceRequest| {
+        let json = serde_json::to_vec(r).unwrap();
+        [&(json.len() as u32).to_be_bytes()[..], &json].concat()
+    };
+    abuse.push((
+        frame(&SliceRequest {
+            dataset: "nope".into(),
+            slice: 0,
+            offset: 0,
+        }),
+        ErrorCode::UnknownDataset,
+    ));
+    abuse.push((
+        frame(&SliceRequest {
+            dataset: "text".into(),
+            slice: 4,
+            offset: 0,
+        }),
+        ErrorCode::SliceOutOfRange,
+    ));
+    abuse.push((
+        frame(&SliceRequest {
+            dataset: "text".into(),
+            slice: u64::MAX,
+            offset: 0,
+        }),
+        ErrorCode::SliceOutOfRange,
+    ));
+    abuse.push((
+        frame(&SliceRequest {
+            dataset: "text".into(),
+            slice: 0,
+            offset: u64::MAX,
+        }),
+        ErrorCode::OffsetOutOfRange,
+    ));
+
+    let mut tasks = Vec::new();
+    for i in 0..32usize {
+        let client = client.clone();
+        let entry = manifest.slices[i % 4].clone();
+        let dest = tmp.path().join(format!("fetch-{i}.safetensors"));
+        tasks.push(tokio::spawn(async move {
+            client
+                .fetch_slice("text", &entry, &[peer], &dest)
+                .await
+                .unwrap();
+            (entry.index, std::fs::read(&dest).unwrap())
+        }));
+    }
+    for (bytes, expected) in abuse {
+        assert_eq!(
+            error_code(raw_exchange(&client_net, peer, &bytes).await),
+            expected
+        );
+    }
+    // A client that opens a stream and never sends its request costs only that stream.
+    let _stalled = client_net.open_stream(peer, PROTOCOL).await.unwrap();
+
+    for task in tasks {
+        let (index, bytes) = task.await.unwrap();
+        let original = std::fs::read(data.join(format!("slice-{index:04}.safetensors"))).unwrap();
+        assert!(bytes == original, "slice {index} differs");
+    }
+    // And the node still serves.
+    let dest = tmp.path().join("after.safetensors");
+    client
+        .fetch_slice("text", &manifest.slices[3], &[peer], &dest)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_peer_over_its_limit_is_told_busy() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 1, 1024);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let limits = Limits {
+        per_peer: 1,
+        ..Limits::default()
+    };
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, limits).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let peer = node.local_peer_id();
+    client_net.connect(peer).await.unwrap();
+    // The first stream holds the peer's only slot by never sending its request.
+    let _holder = client_net.open_stream(peer, PROTOCOL).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let request = SliceRequest {
+        dataset: "d".into(),
+        slice: 0,
+        offset: 0,
+    };
+    let mut stream = client_net.open_stream(peer, PROTOCOL).await.unwrap();
+    protocol::write_frame(&mut stream, &request).await.unwrap();
+    let header: SliceHeader = protocol::read_frame(&mut stream).await.unwrap();
+    assert!(
+        matches!(header, SliceHeader::Error(ref e) if e.code == ErrorCode::Busy),
+        "{header:?}"
+    );
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+}
