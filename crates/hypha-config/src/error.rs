@@ -15,6 +15,8 @@ pub enum Origin {
     Env(String),
     /// A command-line flag.
     Flag(String),
+    /// Nowhere: a required key that no layer set.
+    Unset,
 }
 
 impl fmt::Display for Origin {
@@ -26,6 +28,7 @@ impl fmt::Display for Origin {
             }
             Origin::Env(var) => write!(f, "environment variable {var}"),
             Origin::Flag(flag) => write!(f, "flag {flag}"),
+            Origin::Unset => f.write_str("not set"),
         }
     }
 }
@@ -60,7 +63,11 @@ impl ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}: {}", self.origin, self.key, self.problem)?;
+        if self.origin == Origin::Unset {
+            write!(f, "{}: {}", self.key, self.problem)?;
+        } else {
+            write!(f, "{}: {}: {}", self.origin, self.key, self.problem)?;
+        }
         if !self.fix.is_empty() {
             write!(f, "; fix: {}", self.fix)?;
         }

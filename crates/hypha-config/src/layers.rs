@@ -318,7 +318,7 @@ impl<'s> Layers<'s> {
                 line: 0,
                 column: 0,
             },
-            None => Origin::Default,
+            None => Origin::Unset,
         };
         for key in self.schema.keys() {
             require(key, "", &self.table, &where_missing)?;

@@ -6,11 +6,13 @@
 //!   request costs its own stream only.
 //! - [`DataClient`]: finds providers in the DHT, fetches manifests, and downloads slices with
 //!   verification, resumption and fallback.
+//! - [`commands`]: `inspect`, `verify` and `fetch` for humans.
 //! - [`node`]: the `hypha-data run` node: announces every dataset as a Kademlia provider record,
 //!   answers manifest requests, serves slices, follows changes on disk.
 
 mod catalog;
 mod client;
+pub mod commands;
 pub mod node;
 pub mod protocol;
 pub mod server;

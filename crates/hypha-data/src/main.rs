@@ -1,6 +1,6 @@
 //! `hypha-data`: see the `hypha_data` library.
 
-use std::process::ExitCode;
+use std::{path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand};
 use hypha_node::{InitArgs, ProbeArgs, RunArgs};
@@ -24,6 +24,18 @@ enum Command {
     Run(RunArgs),
     /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
     Probe(ProbeArgs),
+    /// Describe a dataset directory: slices, samples, sizes, compression ratio, tensor schema.
+    Inspect {
+        /// The dataset directory.
+        path: PathBuf,
+    },
+    /// Check every slice against the manifest (size and BLAKE3); exit 1 naming each bad slice.
+    Verify {
+        /// The dataset directory.
+        path: PathBuf,
+    },
+    /// Fetch one slice from the network, verified, into a file.
+    Fetch(hypha_data::commands::FetchArgs),
 }
 
 #[tokio::main]
@@ -33,6 +45,9 @@ async fn main() -> ExitCode {
     hypha_node::report(match cli.command {
         Command::Init(args) => hypha_node::init(&schema, &args),
         Command::Run(args) => hypha_data::node::run(&args).await,
-        Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+        Command::Probe(args) => hypha_node::probe(&hypha_data::node::client_schema(), &args).await,
+        Command::Inspect { path } => hypha_data::commands::inspect(&path),
+        Command::Verify { path } => hypha_data::commands::verify_dataset(&path),
+        Command::Fetch(args) => hypha_data::commands::fetch(&args).await,
     })
 }

@@ -46,6 +46,23 @@ pub fn schema() -> Schema {
     Schema::new("hypha-data", keys)
 }
 
+/// The data node's keys with `dataset_path` optional: what `fetch` reads, so that it accepts a
+/// data node's config as well as one holding only certificates and gateways.
+pub fn client_schema() -> Schema {
+    let keys = schema()
+        .keys()
+        .iter()
+        .map(|k| match (k.name, k.default) {
+            ("dataset_path", DefaultValue::Required { example }) => Key {
+                default: DefaultValue::Unset { example },
+                ..*k
+            },
+            _ => *k,
+        })
+        .collect();
+    Schema::new("hypha-data", keys)
+}
+
 #[derive(Debug, Deserialize)]
 struct DataConfig {
     dataset_path: PathBuf,

@@ -81,6 +81,7 @@ impl Running {
             .args(["run", "--config"])
             .arg(config)
             .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -119,8 +120,17 @@ impl Running {
         let pid = self.child.id().to_string();
         Command::new("kill").args(["-TERM", &pid]).status().unwrap();
         let status = self.child.wait().unwrap();
-        self.seen.extend(self.lines.try_iter());
-        (status, self.seen)
+        let mut seen = std::mem::take(&mut self.seen);
+        seen.extend(self.lines.try_iter());
+        (status, seen)
+    }
+}
+
+impl Drop for Running {
+    /// A failing test must not leave a gateway running (it would hold the test's output open).
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -15,7 +15,7 @@ mod error;
 mod node;
 mod probe;
 
-pub use args::{InitArgs, ProbeArgs, RunArgs};
+pub use args::{InitArgs, Overrides, ProbeArgs, RunArgs};
 pub use error::{Error, report};
 pub use node::{Node, init, load_run_config, shutdown_signal};
-pub use probe::probe;
+pub use probe::{probe, start_client};

@@ -6,6 +6,31 @@ use libp2p::Multiaddr;
 
 use crate::{Error, ProbeArgs, node};
 
+/// Starts a short-lived client on the network with the certificate from a config file and/or
+/// flags: no listeners, no relay; with `join`, it connects to the configured gateways (to use
+/// the DHT), otherwise it only dials what it is told to.
+pub async fn start_client(
+    kind: &str,
+    schema: &Schema,
+    config: Option<&std::path::Path>,
+    overrides: &crate::args::Overrides,
+    join: bool,
+) -> Result<hypha_network::Network, Error> {
+    let config = node::load(schema, config, overrides)?;
+    let network_config = NetworkConfig::from_loaded(&config)?;
+    let (identity, trust) = node::load_identity(&config, &network_config)?;
+    let mut settings = Settings::new(kind);
+    settings.relay_circuit = false;
+    settings.exclude_cidr = network_config.exclude_cidr.clone();
+    if join {
+        settings.gateway_addresses = network_config.gateway_addresses.clone();
+    }
+    let (network, _inbound) = hypha_network::start(settings, &identity, trust)
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))?;
+    Ok(network)
+}
+
 /// Checks the health of the node at `args.address`, using the certificate from `args`' config
 /// or flags. Prints the node's status; returns `Ok` only when it answered healthy.
 pub async fn probe(schema: &Schema, args: &ProbeArgs) -> Result<(), Error> {
@@ -15,16 +40,14 @@ pub async fn probe(schema: &Schema, args: &ProbeArgs) -> Result<(), Error> {
             args.address
         ))
     })?;
-    let config = node::load(schema, args.config.as_deref(), &args.overrides)?;
-    let network_config = NetworkConfig::from_loaded(&config)?;
-    let (identity, trust) = node::load_identity(&config, &network_config)?;
-
-    let mut settings = Settings::new("probe");
-    settings.relay_circuit = false;
-    settings.exclude_cidr = network_config.exclude_cidr.clone();
-    let (network, _inbound) = hypha_network::start(settings, &identity, trust)
-        .await
-        .map_err(|e| Error::Failed(e.to_string()))?;
+    let network = start_client(
+        "probe",
+        schema,
+        args.config.as_deref(),
+        &args.overrides,
+        false,
+    )
+    .await?;
 
     let check = async {
         let peer = network.dial(address.clone()).await?;

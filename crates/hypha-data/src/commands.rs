@@ -1,0 +1,189 @@
+//! The human-facing commands of `hypha-data`: `inspect`, `verify`, `fetch`.
+
+use std::{io::IsTerminal, path::PathBuf};
+
+use hypha_dataset::{Dataset, verify};
+use hypha_node::{Error, Overrides};
+
+use crate::DataClient;
+
+/// Describes a dataset: slices, samples, sizes, compression, tensor schema.
+pub fn inspect(path: &std::path::Path) -> Result<(), Error> {
+    let dataset = open(path)?;
+    let manifest = dataset.manifest();
+    let size = manifest.size();
+    let uncompressed = manifest.uncompressed_size();
+    println!("dataset      {}", manifest.name);
+    println!("path         {}", dataset.root().display());
+    println!("slices       {}", manifest.slices.len());
+    println!("samples      {}", manifest.samples());
+    println!("on disk      {}", human_bytes(size));
+    println!("decompressed {}", human_bytes(uncompressed));
+    if size > 0 {
+        println!("compression  {:.2}×", uncompressed as f64 / size as f64);
+    }
+    let mut schemas: Vec<(&Vec<hypha_dataset::TensorSpec>, usize)> = Vec::new();
+    for slice in &manifest.slices {
+        // Shapes differ in their leading (sample) dimension only when the schema is the same.
+        match schemas
+            .iter_mut()
+            .find(|(s, _)| same_schema(s, &slice.tensors))
+        {
+            Some((_, count)) => *count += 1,
+            None => schemas.push((&slice.tensors, 1)),
+        }
+    }
+    for (tensors, count) in schemas {
+        println!("schema of {count} slice(s):");
+        for t in tensors {
+            println!("  {:<20} {:<5} {:?}", t.name, t.dtype, t.shape);
+        }
+    }
+    Ok(())
+}
+
+fn same_schema(a: &[hypha_dataset::TensorSpec], b: &[hypha_dataset::TensorSpec]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.name == y.name && x.dtype == y.dtype && x.shape.get(1..) == y.shape.get(1..)
+        })
+}
+
+/// Checks every slice against the manifest; names each bad slice and fails if there is one.
+pub fn verify_dataset(path: &std::path::Path) -> Result<(), Error> {
+    let dataset = open(path)?;
+    let manifest = dataset.manifest();
+    let bar = progress_bar(manifest.size(), "verifying");
+    let problems = verify(&dataset, |entry| bar.inc(entry.size));
+    bar.finish_and_clear();
+    for problem in &problems {
+        println!("BAD  {problem}");
+    }
+    if problems.is_empty() {
+        println!(
+            "ok   {} slices of {} verified ({})",
+            manifest.slices.len(),
+            manifest.name,
+            human_bytes(manifest.size())
+        );
+        Ok(())
+    } else {
+        Err(Error::Failed(format!(
+            "{} of {} slices are damaged; restore them from another copy or prepare the dataset again",
+            problems.len(),
+            manifest.slices.len()
+        )))
+    }
+}
+
+fn open(path: &std::path::Path) -> Result<Dataset, Error> {
+    Dataset::open(path).map_err(|e| Error::BadInput(e.to_string()))
+}
+
+/// `hypha-data fetch`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FetchArgs {
+    /// The dataset's name, as announced in the DHT.
+    #[arg(long)]
+    pub dataset: String,
+    /// The slice's index (0-based, in the dataset's numeric order).
+    #[arg(long)]
+    pub slice: u64,
+    /// Where to write the slice (default: <dataset>-<slice>.safetensors).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// A config file for the certificate and gateways (a data node's config works).
+    #[arg(short, long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub overrides: Overrides,
+}
+
+/// Finds the dataset's providers, fetches the manifest and the slice, verifies it, writes it.
+pub async fn fetch(args: &FetchArgs) -> Result<(), Error> {
+    let schema = crate::node::client_schema();
+    let network = hypha_node::start_client(
+        "fetch",
+        &schema,
+        args.config.as_deref(),
+        &args.overrides,
+        true,
+    )
+    .await?;
+    let result = fetch_with(&DataClient::new(network.clone()), args).await;
+    network.shutdown().await;
+    result
+}
+
+async fn fetch_with(client: &DataClient, args: &FetchArgs) -> Result<(), Error> {
+    let failed = |e: crate::FetchError| Error::Failed(e.to_string());
+    let providers = client.providers(&args.dataset).await.map_err(failed)?;
+    let mut manifest = None;
+    for peer in &providers {
+        if let Ok(m) = client.manifest(*peer, &args.dataset).await {
+            manifest = Some(m);
+            break;
+        }
+    }
+    let manifest = manifest.ok_or_else(|| {
+        Error::Failed(format!(
+            "none of the {} providers of {:?} sent its manifest",
+            providers.len(),
+            args.dataset
+        ))
+    })?;
+    let entry = usize::try_from(args.slice)
+        .ok()
+        .and_then(|i| manifest.slices.get(i))
+        .ok_or_else(|| {
+            Error::BadInput(format!(
+                "--slice {}: {:?} has slices 0..{}",
+                args.slice,
+                args.dataset,
+                manifest.slices.len()
+            ))
+        })?;
+    let output = args
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{}-{}.safetensors", args.dataset, args.slice)));
+    let report = client
+        .fetch_slice(&args.dataset, entry, &providers, &output)
+        .await
+        .map_err(failed)?;
+    println!(
+        "wrote {} ({}, BLAKE3 verified) from {}",
+        output.display(),
+        human_bytes(entry.size),
+        report.provider
+    );
+    Ok(())
+}
+
+fn progress_bar(total: u64, message: &'static str) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total).with_message(message);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}

@@ -1,0 +1,221 @@
+//! `hypha-data` as a user runs it: real processes, real certificates, loopback TCP.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use hypha_certs::authority::{self, Validity};
+
+const BIN: &str = env!("CARGO_BIN_EXE_hypha-data");
+
+/// A child process that is killed if the test fails before stopping it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn certificates(dir: &Path) {
+    let root = authority::create_root("CLI Root", Validity::days(2)).unwrap();
+    let org = authority::create_org(&root, "CLI Org", Validity::days(2)).unwrap();
+    std::fs::write(dir.join("root.pem"), root.cert_pem()).unwrap();
+    for name in ["data", "fetcher"] {
+        let node = authority::create_node(&org, name, &[], Validity::days(1)).unwrap();
+        std::fs::write(dir.join(format!("{name}-cert.pem")), node.chain_pem()).unwrap();
+        std::fs::write(dir.join(format!("{name}-key.pem")), node.key_pem()).unwrap();
+    }
+}
+
+fn snappy_slice(values: &[u8]) -> Vec<u8> {
+    let n = values.len();
+    let header = format!(r#"{{"tokens":{{"dtype":"U8","shape":[{n}],"data_offsets":[0,{n}]}}}}"#);
+    let mut header = header.into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(values);
+    snap::raw::Encoder::new().compress_vec(&bytes).unwrap()
+}
+
+#[test]
+fn serve_fetch_inspect_and_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    certificates(dir);
+    let data = dir.join("wikitext");
+    std::fs::create_dir(&data).unwrap();
+    for i in 0..3u8 {
+        std::fs::write(
+            data.join(format!("slice-{i}.safetensors")),
+            snappy_slice(&[i; 4096]),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        dir.join("data.toml"),
+        "cert_pem = \"data-cert.pem\"\nkey_pem = \"data-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\ndataset_path = \"wikitext\"\n",
+    )
+    .unwrap();
+
+    let out = Command::new(BIN)
+        .arg("inspect")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("slices       3")
+            && text.contains("samples      12288")
+            && text.contains("compression"),
+        "{text}"
+    );
+    assert!(text.contains("tokens") && text.contains("U8"), "{text}");
+
+    let mut node = KillOnDrop(
+        Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(dir.join("data.toml"))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let (tx, lines) = mpsc::channel();
+    let stderr = node.0.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut address, mut peer, mut seen) = (None, None, Vec::new());
+    while address.is_none() || peer.is_none() {
+        let line = lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{seen:#?}"));
+        if let Some(a) = line.split("listening address=").nth(1) {
+            address = Some(a.trim().to_string());
+        }
+        if let Some(p) = line.split("peer_id=").nth(1) {
+            peer = Some(p.split_whitespace().next().unwrap().to_string());
+        }
+        seen.push(line);
+    }
+    let node_address = format!("{}/p2p/{}", address.unwrap(), peer.unwrap());
+
+    let flags = |cmd: &mut Command| {
+        cmd.arg("--cert-pem")
+            .arg(dir.join("fetcher-cert.pem"))
+            .arg("--key-pem")
+            .arg(dir.join("fetcher-key.pem"))
+            .arg("--trust-pem")
+            .arg(dir.join("root.pem"));
+    };
+    let mut probe = Command::new(BIN);
+    probe.args(["probe", &node_address]);
+    flags(&mut probe);
+    let out = probe.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("serving wikitext"));
+
+    // The data node doubles as the fetcher's entry point into the DHT.
+    let dest = dir.join("got.safetensors");
+    let mut fetch = Command::new(BIN);
+    fetch
+        .args([
+            "fetch",
+            "--dataset",
+            "wikitext",
+            "--slice",
+            "2",
+            "--gateway",
+            &node_address,
+            "-o",
+        ])
+        .arg(&dest);
+    flags(&mut fetch);
+    let out = fetch.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        std::fs::read(&dest).unwrap(),
+        std::fs::read(data.join("slice-2.safetensors")).unwrap()
+    );
+
+    let mut fetch = Command::new(BIN);
+    fetch.args([
+        "fetch",
+        "--dataset",
+        "wikitext",
+        "--slice",
+        "3",
+        "--gateway",
+        &node_address,
+    ]);
+    flags(&mut fetch);
+    let out = fetch.output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "slice == count is the user's mistake: {out:?}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has slices 0..3"));
+
+    Command::new("kill")
+        .args(["-TERM", &node.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(node.0.wait().unwrap().success());
+    let rest: Vec<String> = lines.try_iter().collect();
+    assert!(
+        !seen.iter().chain(&rest).any(|l| l.contains("ERROR")),
+        "{seen:#?}{rest:#?}"
+    );
+
+    // verify: intact, then with one corrupted slice (exit 1, the slice named).
+    let out = Command::new(BIN).arg("verify").arg(&data).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let manifest = hypha_dataset::Dataset::open(&data).unwrap();
+    manifest.write_manifest().unwrap();
+    let path = data.join("slice-1.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[10] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    let out = Command::new(BIN).arg("verify").arg(&data).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("slice 1 (slice-1.safetensors)"));
+}
+
+#[test]
+fn a_missing_dataset_is_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    certificates(dir);
+    std::fs::write(
+        dir.join("data.toml"),
+        "cert_pem = \"data-cert.pem\"\nkey_pem = \"data-key.pem\"\ntrust_pem = \"root.pem\"\ndataset_path = \"nowhere\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(dir.join("data.toml"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("data.toml:4:1: dataset_path") && stderr.contains("fix:"),
+        "{stderr}"
+    );
+}
