@@ -31,6 +31,7 @@
 
 mod dataset;
 mod manifest;
+pub mod prepare;
 pub mod slice;
 mod verify;
 
