@@ -206,8 +206,11 @@ fn npy_header(path: &Path) -> Result<(Dtype, Vec<usize>, u64), PrepareError> {
     Ok((dtype, shape, header_start + header_len))
 }
 
+/// A tensor in a file: name, dtype, shape and the offset where its data starts.
+type StoredTensor = (String, Dtype, Vec<usize>, u64);
+
 /// The tensors of a SafeTensors file and where each one's data starts.
-fn safetensors_header(path: &Path) -> Result<Vec<(String, Dtype, Vec<usize>, u64)>, PrepareError> {
+fn safetensors_header(path: &Path) -> Result<Vec<StoredTensor>, PrepareError> {
     let mut file = std::fs::File::open(path).map_err(|e| PrepareError::io(path, e))?;
     let mut length = [0u8; 8];
     file.read_exact(&mut length)
