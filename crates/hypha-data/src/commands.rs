@@ -1,4 +1,4 @@
-//! The human-facing commands of `hypha-data`: `inspect`, `verify`, `fetch`.
+//! The human-facing commands of `hypha-data`: `prepare`, `inspect`, `verify`, `fetch`.
 
 use std::{io::IsTerminal, path::PathBuf};
 
@@ -6,6 +6,140 @@ use hypha_dataset::{Dataset, verify};
 use hypha_node::{Error, Overrides};
 
 use crate::DataClient;
+
+/// `hypha-data prepare`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PrepareArgs {
+    /// The input: a .npy file, a directory of .npy files, a .safetensors file, a .jsonl file,
+    /// or a folder of images with one sub-folder per class.
+    pub input: PathBuf,
+    /// The dataset directory to create; its name is the dataset's name.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// What the input is (default: decided from the input).
+    #[arg(long, value_enum, default_value_t = InputKind::Auto)]
+    pub kind: InputKind,
+    /// Samples per slice.
+    #[arg(long, default_value_t = 1024)]
+    pub slice_size: u64,
+    /// Text: tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub sequence_length: usize,
+    /// Text: the JSON field holding each document.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Images: width and height after resizing.
+    #[arg(long, default_value_t = 64)]
+    pub image_size: u32,
+    /// Store slices as plain .safetensors instead of Snappy-compressed.
+    #[arg(long)]
+    pub plain: bool,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Replace the output directory if it exists.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InputKind {
+    Auto,
+    Arrays,
+    Text,
+    Images,
+}
+
+/// Builds a dataset from `args.input`.
+pub fn prepare(args: &PrepareArgs) -> Result<(), Error> {
+    use hypha_dataset::prepare::{self as p, arrays::Arrays, images::Images, text::Text};
+    let bad = |e: p::PrepareError| Error::BadInput(e.to_string());
+    let kind = match args.kind {
+        InputKind::Auto => guess_kind(&args.input)?,
+        other => other,
+    };
+    let source: Box<dyn p::Source> = match kind {
+        InputKind::Arrays => Box::new(Arrays::open(&args.input).map_err(bad)?),
+        InputKind::Text => {
+            Box::new(Text::open(&args.input, &args.text_field, args.sequence_length).map_err(bad)?)
+        }
+        InputKind::Images => Box::new(Images::open(&args.input, args.image_size).map_err(bad)?),
+        InputKind::Auto => unreachable!("resolved above"),
+    };
+    let mut options = p::Options {
+        slice_size: args.slice_size,
+        force: args.force,
+        ..p::Options::default()
+    };
+    if args.plain {
+        options.encoding = hypha_dataset::slice::Encoding::Plain;
+    }
+    if let Some(threads) = args.threads {
+        options.threads = threads;
+    }
+    let bar = if std::io::stderr().is_terminal() {
+        let bar = indicatif::ProgressBar::new(source.samples()).with_message("preparing");
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {pos}/{len} samples {per_sec} eta {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let manifest = p::write_dataset(source.as_ref(), &args.output, &options, &|done| {
+        bar.set_position(done)
+    })
+    .map_err(|e| match e {
+        p::PrepareError::Io { .. } => Error::Failed(e.to_string()),
+        other => Error::BadInput(other.to_string()),
+    })?;
+    bar.finish_and_clear();
+    println!(
+        "wrote {}: {} slices, {} samples, {} ({} decompressed)",
+        args.output.display(),
+        manifest.slices.len(),
+        manifest.samples(),
+        human_bytes(manifest.size()),
+        human_bytes(manifest.uncompressed_size())
+    );
+    Ok(())
+}
+
+fn guess_kind(input: &std::path::Path) -> Result<InputKind, Error> {
+    let extension = input
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match extension.as_deref() {
+        Some("npy" | "safetensors") => return Ok(InputKind::Arrays),
+        Some("jsonl" | "json") => return Ok(InputKind::Text),
+        _ => {}
+    }
+    if input.is_dir() {
+        let entries: Vec<_> = std::fs::read_dir(input)
+            .map_err(|e| Error::BadInput(format!("{}: {e}", input.display())))?
+            .filter_map(Result::ok)
+            .collect();
+        if entries
+            .iter()
+            .any(|e| e.path().extension().is_some_and(|x| x == "npy"))
+        {
+            return Ok(InputKind::Arrays);
+        }
+        if entries
+            .iter()
+            .any(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        {
+            return Ok(InputKind::Images);
+        }
+    }
+    Err(Error::BadInput(format!(
+        "{}: cannot tell what this input is; pass --kind arrays, text or images",
+        input.display()
+    )))
+}
 
 /// Describes a dataset: slices, samples, sizes, compression, tensor schema.
 pub fn inspect(path: &std::path::Path) -> Result<(), Error> {

@@ -24,6 +24,8 @@ enum Command {
     Run(RunArgs),
     /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
     Probe(ProbeArgs),
+    /// Build a dataset from arrays (.npy, .safetensors), text (.jsonl) or an image folder.
+    Prepare(hypha_data::commands::PrepareArgs),
     /// Describe a dataset directory: slices, samples, sizes, compression ratio, tensor schema.
     Inspect {
         /// The dataset directory.
@@ -46,6 +48,7 @@ async fn main() -> ExitCode {
         Command::Init(args) => hypha_node::init(&schema, &args),
         Command::Run(args) => hypha_data::node::run(&args).await,
         Command::Probe(args) => hypha_node::probe(&hypha_data::node::client_schema(), &args).await,
+        Command::Prepare(args) => hypha_data::commands::prepare(&args),
         Command::Inspect { path } => hypha_data::commands::inspect(&path),
         Command::Verify { path } => hypha_data::commands::verify_dataset(&path),
         Command::Fetch(args) => hypha_data::commands::fetch(&args).await,

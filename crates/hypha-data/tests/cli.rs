@@ -219,3 +219,38 @@ fn a_missing_dataset_is_bad_input() {
         "{stderr}"
     );
 }
+
+#[test]
+fn prepare_writes_a_dataset_that_serves_and_refuses_to_overwrite() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.jsonl");
+    std::fs::write(
+        &corpus,
+        "{\"text\": \"hello hypha\"}\n{\"text\": \"second document\"}\n",
+    )
+    .unwrap();
+    let out_dir = tmp.path().join("datasets").join("corpus");
+    let run = || {
+        Command::new(BIN)
+            .arg("prepare")
+            .arg(&corpus)
+            .arg("-o")
+            .arg(&out_dir)
+            .args(["--sequence-length", "8", "--slice-size", "2"])
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("2 slices, 4 samples"),
+        "{out:?}"
+    );
+    let dataset = hypha_dataset::Dataset::open(&out_dir).unwrap();
+    assert_eq!(dataset.name(), "corpus");
+    assert!(out_dir.join(hypha_dataset::MANIFEST_FILE).exists());
+
+    let out = run();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+}
