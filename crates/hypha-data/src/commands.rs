@@ -233,6 +233,9 @@ pub struct FetchArgs {
     pub overrides: Overrides,
 }
 
+/// How long `fetch` looks for providers before giving up.
+const PROVIDER_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// Finds the dataset's providers, fetches the manifest and the slice, verifies it, writes it.
 pub async fn fetch(args: &FetchArgs) -> Result<(), Error> {
     let schema = crate::node::client_schema();
@@ -251,7 +254,19 @@ pub async fn fetch(args: &FetchArgs) -> Result<(), Error> {
 
 async fn fetch_with(client: &DataClient, args: &FetchArgs) -> Result<(), Error> {
     let failed = |e: crate::FetchError| Error::Failed(e.to_string());
-    let providers = client.providers(&args.dataset).await.map_err(failed)?;
+    // A data node that has just started may not have announced itself yet: look for a while.
+    let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
+    let providers = loop {
+        match client.providers(&args.dataset).await {
+            Ok(providers) => break providers,
+            Err(crate::FetchError::NoProviders { .. })
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(failed(e)),
+        }
+    };
     let mut manifest = None;
     for peer in &providers {
         if let Ok(m) = client.manifest(*peer, &args.dataset).await {

@@ -534,8 +534,9 @@ impl EventLoop {
                 error,
                 ..
             } => {
-                // Peers outside our CA end here; worth knowing, not an error of ours.
-                tracing::info!(remote = %send_back_addr, error = %error, "refused an incoming connection");
+                // Peers outside our CA end here, as do dialers that gave up half-way; worth
+                // knowing, not an error of ours.
+                tracing::info!(remote = %send_back_addr, error = %error, "an incoming connection was not established");
             }
             SwarmEvent::ListenerClosed {
                 listener_id,
@@ -570,8 +571,18 @@ impl EventLoop {
                 }
             }
         }
-        // A fresh gateway connection is the moment to fill the routing table.
-        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+        // A fresh gateway connection is the moment to fill the routing table, and to announce
+        // again what this node provides: announcements made while no gateway was reachable
+        // only reached the local store.
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        let _ = kad.bootstrap();
+        let provided: Vec<kad::RecordKey> = {
+            use libp2p::kad::store::RecordStore;
+            kad.store_mut().provided().map(|r| r.key.clone()).collect()
+        };
+        for key in provided {
+            let _ = kad.start_providing(key);
+        }
     }
 
     fn on_behaviour_event(&mut self, event: BehaviourEvent) {

@@ -125,11 +125,13 @@ pub fn init(settings: &Settings) -> Result<Guard, Error> {
     })
 }
 
-/// `RUST_LOG`, or by default `info` without Kademlia's warnings: kad warns "Failed to trigger
-/// bootstrap: No known peers" whenever a listener comes up before any peer is connected, which
-/// is every gateway's normal start and not something an operator can act on.
+/// `RUST_LOG`, or by default `info` without two warnings an operator cannot act on: Kademlia's
+/// "Failed to trigger bootstrap: No known peers" whenever a listener comes up before any peer is
+/// connected (every gateway's normal start), and yamux's "Failure while closing connection"
+/// when the other side has already closed it (every normal shutdown).
 fn env_filter() -> EnvFilter {
-    EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,libp2p_kad=error"))
+    EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,libp2p_kad=error,yamux::connection=error"))
 }
 
 fn sampler(sampler: Sampler) -> opentelemetry_sdk::trace::Sampler {
