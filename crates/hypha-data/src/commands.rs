@@ -28,6 +28,9 @@ pub struct PrepareArgs {
     /// Text: the JSON field holding each document.
     #[arg(long, default_value = "text")]
     pub text_field: String,
+    /// Text: a Hugging Face tokenizer.json to tokenise with (default: byte-level tokens).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Images: width and height after resizing.
     #[arg(long, default_value_t = 64)]
     pub image_size: u32,

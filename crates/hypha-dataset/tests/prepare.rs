@@ -133,7 +133,7 @@ fn jsonl_is_tokenised_into_padded_sequences() {
         "{\"text\": \"hi\"}\n\n{\"text\": \"abc\", \"id\": 2}\n",
     )
     .unwrap();
-    let source = Text::open(&input, "text", 4).unwrap();
+    let source = Text::open(&input, "text", 4, None).unwrap();
     assert_eq!(source.samples(), 2);
     let out = tmp.path().join("corpus");
     prepare::write_dataset(&source, &out, &options(8), &|_| {}).unwrap();
@@ -151,7 +151,7 @@ fn jsonl_is_tokenised_into_padded_sequences() {
     );
 
     std::fs::write(&input, "{\"body\": \"x\"}\n").unwrap();
-    let err = Text::open(&input, "text", 4).unwrap_err();
+    let err = Text::open(&input, "text", 4, None).unwrap_err();
     assert!(
         err.to_string().contains("line 1: no string field \"text\""),
         "{err}"
@@ -241,4 +241,50 @@ fn a_failed_preparation_leaves_nothing_behind_and_existing_output_is_kept() {
     std::fs::create_dir(&out).unwrap();
     let err = prepare::write_dataset(&source, &out, &opts, &|_| {}).unwrap_err();
     assert!(err.to_string().contains("--force"), "{err}");
+}
+
+#[test]
+fn a_tokenizer_json_replaces_byte_level_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A word-level tokenizer in Hugging Face's tokenizer.json format, written out by hand.
+    let tokenizer = r#"{
+      "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+      "normalizer": null,
+      "pre_tokenizer": {"type": "Whitespace"},
+      "post_processor": null, "decoder": null,
+      "model": {"type": "WordLevel", "unk_token": "<unk>",
+                "vocab": {"<unk>": 0, "<pad>": 1, "</s>": 2, "hello": 3, "hypha": 4, "world": 5}}
+    }"#;
+    let tokenizer_path = tmp.path().join("tokenizer.json");
+    std::fs::write(&tokenizer_path, tokenizer).unwrap();
+    let input = tmp.path().join("corpus.jsonl");
+    std::fs::write(
+        &input,
+        "{\"text\": \"hello hypha\"}\n{\"text\": \"hello unknown world\"}\n",
+    )
+    .unwrap();
+    let source = Text::open(&input, "text", 4, Some(&tokenizer_path)).unwrap();
+    let out = tmp.path().join("tok");
+    prepare::write_dataset(&source, &out, &options(8), &|_| {}).unwrap();
+    let dataset = Dataset::open(&out).unwrap();
+    let ids: Vec<i32> = tensor(&dataset, 0, "input_ids")
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(
+        ids,
+        [3, 4, 2, 3, 0, 5, 2, 1],
+        "words, </s> after each document, <pad> to the end"
+    );
+    assert_eq!(
+        tensor(&dataset, 0, "attention_mask"),
+        [1, 1, 1, 1, 1, 1, 1, 0]
+    );
+
+    std::fs::write(&tokenizer_path, "{}").unwrap();
+    let err = Text::open(&input, "text", 4, Some(&tokenizer_path)).unwrap_err();
+    assert!(
+        err.to_string().contains("not a usable tokenizer.json"),
+        "{err}"
+    );
 }
