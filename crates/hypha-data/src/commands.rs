@@ -63,9 +63,15 @@ pub fn prepare(args: &PrepareArgs) -> Result<(), Error> {
     };
     let source: Box<dyn p::Source> = match kind {
         InputKind::Arrays => Box::new(Arrays::open(&args.input).map_err(bad)?),
-        InputKind::Text => {
-            Box::new(Text::open(&args.input, &args.text_field, args.sequence_length).map_err(bad)?)
-        }
+        InputKind::Text => Box::new(
+            Text::open(
+                &args.input,
+                &args.text_field,
+                args.sequence_length,
+                args.tokenizer.as_deref(),
+            )
+            .map_err(bad)?,
+        ),
         InputKind::Images => Box::new(Images::open(&args.input, args.image_size).map_err(bad)?),
         InputKind::Auto => unreachable!("resolved above"),
     };
