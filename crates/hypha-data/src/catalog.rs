@@ -76,7 +76,7 @@ impl Catalog {
             if self.datasets.get(&name).is_some_and(|e| e.stamp == stamp) {
                 continue;
             }
-            match Dataset::open(&dir) {
+            match open_current(&dir, &stamp) {
                 Ok(dataset) => {
                     let entry = Entry {
                         dataset: Arc::new(dataset),
@@ -117,6 +117,26 @@ impl Catalog {
     /// The names of every dataset served.
     pub fn names(&self) -> Vec<String> {
         self.datasets.keys().cloned().collect()
+    }
+}
+
+/// Opens a dataset that changed on disk. A stored manifest older than any slice describes the
+/// previous contents (a slice replaced by one of the same size passes its size check), so the
+/// manifest is derived afresh then.
+fn open_current(dir: &Path, stamp: &Stamp) -> Result<Dataset, hypha_dataset::Error> {
+    let manifest_time = stamp
+        .iter()
+        .find(|(file, _, _)| file == MANIFEST_FILE)
+        .and_then(|(_, _, modified)| *modified);
+    let newer_slice = stamp
+        .iter()
+        .filter(|(file, _, _)| file != MANIFEST_FILE)
+        .any(|(_, _, modified)| matches!((modified, manifest_time), (Some(s), Some(m)) if s > &m));
+    if newer_slice {
+        tracing::info!(dataset = %dir.display(), "slices are newer than manifest.json; deriving the manifest from the slices");
+        Dataset::derive(dir)
+    } else {
+        Dataset::open(dir)
     }
 }
 

@@ -14,8 +14,8 @@ use serde::Deserialize;
 
 use crate::{Catalog, protocol::provider_key, server};
 
-/// How often the node looks for datasets added, changed or removed on disk.
-const REFRESH_INTERVAL: Duration = Duration::from_secs(5);
+/// How often a data node looks for datasets added, changed or removed on disk.
+pub const REFRESH_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Every key a data node accepts.
 pub fn schema() -> Schema {
@@ -106,6 +106,7 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         node.inbound,
         Arc::new(RwLock::new(catalog)),
         limits,
+        REFRESH_INTERVAL,
         hypha_node::shutdown_signal(),
     )
     .await;
@@ -113,13 +114,15 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
 }
 
 /// Does a data node's work on a started network until `shutdown` resolves: announces every
-/// dataset, serves slices and manifests, follows the disk; then withdraws the announcements
-/// and stops the network.
+/// dataset, serves slices and manifests, looks at the disk every `refresh` for changes; then
+/// withdraws the announcements (from its own store: Kademlia has no remote withdrawal, so
+/// other nodes' copies lapse with their TTL) and stops the network.
 pub async fn serve(
     network: Network,
     mut inbound: tokio::sync::mpsc::Receiver<InboundRequest>,
     catalog: Arc<RwLock<Catalog>>,
     limits: server::Limits,
+    refresh: Duration,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let names = catalog.read().map(|c| c.names()).unwrap_or_default();
@@ -131,7 +134,7 @@ pub async fn serve(
         .await;
     let server = tokio::spawn(server::serve(network.clone(), catalog.clone(), limits));
 
-    let mut refresh = tokio::time::interval(REFRESH_INTERVAL);
+    let mut refresh = tokio::time::interval(refresh);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {

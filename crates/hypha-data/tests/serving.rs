@@ -72,6 +72,7 @@ async fn data_node(
         inbound,
         catalog,
         limits,
+        Duration::from_millis(200),
         async {
             let _ = stopped.await;
         },
@@ -400,4 +401,62 @@ async fn a_peer_over_its_limit_is_told_busy() {
     let mut rest = Vec::new();
     stream.read_to_end(&mut rest).await.unwrap();
     assert!(rest.is_empty());
+}
+
+#[tokio::test]
+async fn datasets_added_or_changed_on_disk_are_served_without_restart() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("datasets");
+    dataset(&root, "first", 1, 1024);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &root, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net);
+    wait_for_providers(&client, "first", 1).await;
+
+    // A new dataset appears next to the first one.
+    dataset(&root, "second", 2, 2048);
+    let providers = wait_for_providers(&client, "second", 1).await;
+    assert_eq!(providers, vec![node.local_peer_id()]);
+    let manifest = client
+        .manifest(node.local_peer_id(), "second")
+        .await
+        .unwrap();
+    assert_eq!(manifest.slices.len(), 2);
+
+    // A slice of a dataset with a stored manifest is replaced by one of the same size: the new
+    // version is served, with its own hash.
+    hypha_dataset::Dataset::open(&root.join("first"))
+        .unwrap()
+        .write_manifest()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let before = client
+        .manifest(node.local_peer_id(), "first")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    write_slice(&root.join("first"), "slice-0000.safetensors", 1024, 9);
+    let mut after = before.clone();
+    for _ in 0..100 {
+        after = client
+            .manifest(node.local_peer_id(), "first")
+            .await
+            .unwrap();
+        if after != before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_ne!(after.slices[0].blake3, before.slices[0].blake3);
+    let dest = tmp.path().join("new.safetensors");
+    client
+        .fetch_slice("first", &after.slices[0], &[node.local_peer_id()], &dest)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(&dest).unwrap(),
+        std::fs::read(root.join("first/slice-0000.safetensors")).unwrap()
+    );
 }
