@@ -15,13 +15,26 @@ mod suites;
 pub enum Suite {
     /// One stream and four parallel streams over the mTLS + yamux stack, against raw TLS and TCP.
     Transport,
+    /// Slices from a data node to 1, 4 and 16 concurrent verified fetchers, against raw TLS.
+    Dataserve,
 }
 
 impl Suite {
     fn name(self) -> &'static str {
         match self {
             Suite::Transport => "transport",
+            Suite::Dataserve => "dataserve",
         }
+    }
+}
+
+/// If this process was started as a suite's helper process, runs it and returns its outcome.
+pub fn run_child(args: &[String]) -> Option<anyhow::Result<()>> {
+    match args.split_first() {
+        Some((command, rest)) if command == suites::dataserve::CHILD_COMMAND => {
+            Some(suites::dataserve::child_main(rest))
+        }
+        _ => None,
     }
 }
 
@@ -47,6 +60,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
         tokio::spawn(async move {
             match suite {
                 Suite::Transport => suites::transport::run(quick).await,
+                Suite::Dataserve => suites::dataserve::run(quick).await,
             }
         })
         .await

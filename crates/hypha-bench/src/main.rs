@@ -18,6 +18,16 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(outcome) = hypha_bench::run_child(&args) {
+        return match outcome {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cli = Cli::parse();
     match hypha_bench::run(cli.suite, cli.quick) {
         Ok(path) => {

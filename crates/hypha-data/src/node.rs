@@ -40,7 +40,7 @@ pub fn schema() -> Schema {
             name: "max_slices_per_peer",
             kind: Kind::Integer,
             default: DefaultValue::Value("8"),
-            doc: "Slices one peer may be sent at the same time; more concurrent requests from it are answered Busy.",
+            doc: "Slices one peer may be sent at the same time; its further requests wait their turn in its own queue (up to 64 open requests, beyond which they are answered Busy).",
         },
     ]);
     Schema::new("hypha-data", keys)

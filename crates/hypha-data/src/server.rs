@@ -25,11 +25,17 @@ pub struct Limits {
     /// Slices sent at the same time, over all peers. Requests beyond it wait in arrival order.
     /// Default: 64.
     pub concurrent: usize,
-    /// Slices one peer may be sent at the same time; a peer asking for more gets `Busy` at
-    /// once. Keeps one greedy client from filling the global queue. Default: 8.
+    /// Slices one peer may be sent at the same time. Its further requests wait in its own
+    /// queue, so one greedy client never fills the global one. Default: 8.
     pub per_peer: usize,
+    /// Requests one peer may have open (sending or waiting) before new ones are answered
+    /// `Busy` at once. Default: 64.
+    pub queued_per_peer: usize,
     /// How long a client may take to send its request. Default: 10 s.
     pub request_timeout: Duration,
+    /// How long a send may make no progress (the client stopped reading) before the server
+    /// gives up on the stream and frees its slot. Default: 30 s.
+    pub stall_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -37,7 +43,9 @@ impl Default for Limits {
         Limits {
             concurrent: 64,
             per_peer: 8,
+            queued_per_peer: 64,
             request_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -55,55 +63,65 @@ pub async fn serve(network: Network, catalog: Arc<RwLock<Catalog>>, limits: Limi
         }
     };
     let global = Arc::new(Semaphore::new(limits.concurrent.max(1)));
-    let per_peer: Arc<Mutex<HashMap<PeerId, usize>>> = Arc::default();
+    let peers: Arc<Mutex<HashMap<PeerId, Arc<PeerQueue>>>> = Arc::default();
     while let Some((peer, stream)) = incoming.next().await {
         let catalog = catalog.clone();
         let global = global.clone();
-        let per_peer = per_peer.clone();
         let limits = limits.clone();
+        let admission = Admission::new(peers.clone(), peer, &limits);
         tokio::spawn(async move {
-            let admitted = admit(&per_peer, peer, limits.per_peer);
-            let _guard = PeerSlot {
-                peers: &per_peer,
-                peer,
-                held: admitted,
-            };
-            serve_one(stream, peer, &catalog, &global, admitted, &limits).await;
+            serve_one(stream, peer, &catalog, &global, admission, &limits).await;
         });
     }
 }
 
-fn admit(peers: &Mutex<HashMap<PeerId, usize>>, peer: PeerId, limit: usize) -> bool {
-    let Ok(mut peers) = peers.lock() else {
-        return false;
-    };
-    let count = peers.entry(peer).or_insert(0);
-    if *count >= limit {
-        return false;
-    }
-    *count += 1;
-    true
+/// One peer's requests: at most `per_peer` being sent, the rest waiting in arrival order.
+#[derive(Debug)]
+struct PeerQueue {
+    sending: Semaphore,
+    open: std::sync::atomic::AtomicUsize,
 }
 
-/// Releases a peer's slot when its request ends, however it ends.
-struct PeerSlot<'a> {
-    peers: &'a Mutex<HashMap<PeerId, usize>>,
+/// A request's place in its peer's queue; leaving it (however the request ends) frees it.
+struct Admission {
+    peers: Arc<Mutex<HashMap<PeerId, Arc<PeerQueue>>>>,
     peer: PeerId,
-    held: bool,
+    /// `None` when the peer already had too many requests open.
+    queue: Option<Arc<PeerQueue>>,
 }
 
-impl Drop for PeerSlot<'_> {
+impl Admission {
+    fn new(
+        peers: Arc<Mutex<HashMap<PeerId, Arc<PeerQueue>>>>,
+        peer: PeerId,
+        limits: &Limits,
+    ) -> Self {
+        use std::sync::atomic::Ordering;
+        let queue = peers.lock().ok().and_then(|mut map| {
+            let queue = map
+                .entry(peer)
+                .or_insert_with(|| {
+                    Arc::new(PeerQueue {
+                        sending: Semaphore::new(limits.per_peer.max(1)),
+                        open: Default::default(),
+                    })
+                })
+                .clone();
+            (queue.open.fetch_add(1, Ordering::SeqCst) < limits.queued_per_peer.max(1))
+                .then_some(queue)
+        });
+        Admission { peers, peer, queue }
+    }
+}
+
+impl Drop for Admission {
     fn drop(&mut self) {
-        if !self.held {
-            return;
-        }
-        if let Ok(mut peers) = self.peers.lock()
-            && let Some(count) = peers.get_mut(&self.peer)
+        use std::sync::atomic::Ordering;
+        if let Ok(mut map) = self.peers.lock()
+            && let Some(queue) = map.get(&self.peer)
+            && queue.open.fetch_sub(1, Ordering::SeqCst) == 1
         {
-            *count -= 1;
-            if *count == 0 {
-                peers.remove(&self.peer);
-            }
+            map.remove(&self.peer);
         }
     }
 }
@@ -113,7 +131,7 @@ async fn serve_one(
     peer: PeerId,
     catalog: &RwLock<Catalog>,
     global: &Semaphore,
-    admitted: bool,
+    admission: Admission,
     limits: &Limits,
 ) {
     let request = match tokio::time::timeout(
@@ -137,14 +155,19 @@ async fn serve_one(
         }
         Ok(Ok(request)) => request,
     };
-    if !admitted {
+    let Some(queue) = &admission.queue else {
         return refuse(
             &mut stream,
             ErrorCode::Busy,
-            &format!("at most {} concurrent slices per peer", limits.per_peer),
+            &format!("at most {} open requests per peer", limits.queued_per_peer),
         )
         .await;
-    }
+    };
+    // The peer's own turn first, then a global one: a peer never holds more than `per_peer`
+    // of the global slots, and each queue is served in arrival order.
+    let Ok(_peer_turn) = queue.sending.acquire().await else {
+        return;
+    };
     let Ok(_permit) = global.acquire().await else {
         return;
     };
@@ -225,8 +248,13 @@ async fn serve_one(
             Ok(0) | Err(_) => break, // the file shrank or failed: the client's hash check catches it
             Ok(n) => n,
         };
-        if stream.write_all(&buffer[..n]).await.is_err() {
-            break; // the client went away
+        match tokio::time::timeout(limits.stall_timeout, stream.write_all(&buffer[..n])).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => break, // the client went away
+            Err(_) => {
+                tracing::debug!(%peer, "the client stopped reading; abandoning the transfer");
+                break;
+            }
         }
         left -= n as u64;
         sent += n as u64;

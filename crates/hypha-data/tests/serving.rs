@@ -377,14 +377,18 @@ async fn a_peer_over_its_limit_is_told_busy() {
     let (_gw, gw_addr) = gateway(&pki).await;
     let limits = Limits {
         per_peer: 1,
+        queued_per_peer: 1,
         ..Limits::default()
     };
     let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, limits).await;
     let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
     let peer = node.local_peer_id();
     client_net.connect(peer).await.unwrap();
-    // The first stream holds the peer's only slot by never sending its request.
-    let _holder = client_net.open_stream(peer, PROTOCOL).await.unwrap();
+    // The first stream takes the peer's only place by never finishing its request (a stream
+    // reaches the server with its first bytes).
+    let mut holder = client_net.open_stream(peer, PROTOCOL).await.unwrap();
+    holder.write_all(&100u32.to_be_bytes()).await.unwrap();
+    holder.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let request = SliceRequest {
         dataset: "d".into(),

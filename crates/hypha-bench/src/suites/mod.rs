@@ -1,1 +1,3 @@
+pub(crate) mod ceilings;
+pub(crate) mod dataserve;
 pub(crate) mod transport;
