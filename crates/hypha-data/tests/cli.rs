@@ -11,6 +11,7 @@ use std::{
 };
 
 use hypha_certs::authority::{self, Validity};
+use hypha_dataset::slice;
 
 const BIN: &str = env!("CARGO_BIN_EXE_hypha-data");
 
@@ -36,16 +37,15 @@ fn certificates(dir: &Path) {
 }
 
 fn snappy_slice(values: &[u8]) -> Vec<u8> {
-    let n = values.len();
-    let header = format!(r#"{{"tokens":{{"dtype":"U8","shape":[{n}],"data_offsets":[0,{n}]}}}}"#);
-    let mut header = header.into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(&header);
-    bytes.extend_from_slice(values);
-    snap::raw::Encoder::new().compress_vec(&bytes).unwrap()
+    let tensors = slice::Tensors::new()
+        .with(
+            "tokens",
+            slice::Dtype::U8,
+            vec![values.len()],
+            values.to_vec(),
+        )
+        .unwrap();
+    slice::encode(&tensors, slice::Encoding::Snappy).unwrap()
 }
 
 #[test]

@@ -18,6 +18,7 @@ use hypha_data::{
     protocol::{self, ErrorCode, PROTOCOL, SliceHeader, SliceRequest},
     server::Limits,
 };
+use hypha_dataset::slice;
 use hypha_network::{Network, PeerId, Settings};
 use tokio::sync::oneshot;
 
@@ -93,15 +94,17 @@ async fn gateway(pki: &Pki) -> (Network, libp2p::Multiaddr) {
 
 /// A plain SafeTensors slice holding one U8 tensor of `len` bytes of a pattern seeded by `seed`.
 fn write_slice(dir: &Path, file: &str, len: usize, seed: u8) {
-    let header = format!(r#"{{"data":{{"dtype":"U8","shape":[{len}],"data_offsets":[0,{len}]}}}}"#);
-    let mut header = header.into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(&header);
-    bytes.extend((0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)));
-    std::fs::write(dir.join(file), bytes).unwrap();
+    let data = (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    let tensors = slice::Tensors::new()
+        .with("data", slice::Dtype::U8, vec![len], data)
+        .unwrap();
+    std::fs::write(
+        dir.join(file),
+        slice::encode(&tensors, slice::Encoding::Plain).unwrap(),
+    )
+    .unwrap();
 }
 
 fn dataset(parent: &Path, name: &str, slices: usize, len: usize) -> PathBuf {
