@@ -26,7 +26,7 @@ use libp2p::{
 use tokio::sync::mpsc;
 
 use crate::{
-    ExcludedRanges,
+    ExcludedRanges, Settings,
     behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL, peer_id_of},
     client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
 };
@@ -99,26 +99,23 @@ impl ConnectStage {
 }
 
 impl EventLoop {
-    #[allow(clippy::too_many_arguments)]
+    /// The loop for `swarm`, taking commands from `commands` (whose sender it lends to
+    /// responders) and handing requests to `inbound`.
     pub(crate) fn new(
         swarm: Swarm<Behaviour>,
-        commands: mpsc::Receiver<Command>,
-        command_sender: mpsc::WeakSender<Command>,
+        commands: (mpsc::WeakSender<Command>, mpsc::Receiver<Command>),
         inbound: mpsc::Sender<InboundRequest>,
-        excluded: ExcludedRanges,
-        kind: String,
-        gateways: Vec<Multiaddr>,
-        relay_circuit: bool,
+        settings: Settings,
     ) -> Self {
         EventLoop {
             swarm,
-            commands,
-            command_sender,
+            commands: commands.1,
+            command_sender: commands.0,
             inbound,
-            excluded,
-            kind,
-            gateways,
-            relay_circuit,
+            excluded: ExcludedRanges::new(settings.exclude_cidr.iter().copied()),
+            kind: settings.kind,
+            gateways: settings.gateway_addresses,
+            relay_circuit: settings.relay_circuit,
             started: Instant::now(),
             health: (true, "running".into()),
             gateway_peers: HashMap::new(),

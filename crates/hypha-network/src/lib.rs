@@ -135,13 +135,9 @@ pub async fn start(
     let (inbound_tx, inbound_rx) = mpsc::channel(settings.inbound_request_queue.max(1));
     let event_loop = event_loop::EventLoop::new(
         swarm,
-        command_rx,
-        command_tx.downgrade(),
+        (command_tx.downgrade(), command_rx),
         inbound_tx,
-        excluded,
-        settings.kind,
-        settings.gateway_addresses,
-        settings.relay_circuit,
+        settings,
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     tokio::spawn(event_loop.run(joined_tx));
