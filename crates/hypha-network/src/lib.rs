@@ -84,8 +84,7 @@ pub async fn start(
 
     let (relay_transport, relay_client) = relay::client::new(local_peer_id);
     let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
-    let filtered =
-        address_filter::Transport::new(OrTransport::new(relay_transport, tcp), excluded);
+    let filtered = address_filter::Transport::new(OrTransport::new(relay_transport, tcp), excluded);
     let dns = match dns::tokio::Transport::system(filtered) {
         Ok(dns) => dns,
         Err(e) => return Err(StartError::Dns(e)),
