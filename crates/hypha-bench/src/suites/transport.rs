@@ -42,6 +42,12 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     client.shutdown().await;
     server.shutdown().await;
 
+    let mut stock = Vec::new();
+    for _ in 0..runs {
+        stock.push(stock_libp2p(bytes, &payload).await?);
+    }
+    let stock = median(stock);
+
     let mut report = Report::default();
     let tcp = median(tcp);
     let tls = median(tls);
@@ -54,12 +60,18 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     report.metrics.insert("one_stream_mb_s".into(), one);
     report.metrics.insert("four_streams_mb_s".into(), four);
     report
+        .metrics
+        .insert("stock_libp2p_one_stream_mb_s".into(), stock);
+    report
         .ratios
         .insert("one_stream_vs_raw_tls".into(), one / tls);
     report
         .ratios
         .insert("four_streams_vs_raw_tls".into(), four / tls);
     report.ratios.insert("raw_tls_vs_raw_tcp".into(), tls / tcp);
+    report
+        .ratios
+        .insert("stock_libp2p_vs_raw_tls".into(), stock / tls);
     Ok(report)
 }
 
@@ -137,4 +149,78 @@ async fn streams(
         per_stream * count
     );
     Ok(mb_per_s(total, start.elapsed()))
+}
+
+/// One stream over stock libp2p-tls (self-signed libp2p certificates) and libp2p-yamux
+/// (16 KiB frames) from crates.io: what our transport replaces, measured for comparison.
+async fn stock_libp2p(bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
+    use futures::StreamExt as _;
+    use libp2p::swarm::SwarmEvent;
+
+    let build = || -> anyhow::Result<libp2p::Swarm<libp2p_stream::Behaviour>> {
+        Ok(libp2p::SwarmBuilder::with_new_identity()
+            .with_tokio()
+            .with_tcp(
+                libp2p::tcp::Config::default().nodelay(true),
+                libp2p::tls::Config::new,
+                libp2p::yamux::Config::default,
+            )?
+            .with_behaviour(|_| libp2p_stream::Behaviour::new())?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+            .build())
+    };
+    let mut server = build()?;
+    let mut client = build()?;
+    server.listen_on("/ip4/127.0.0.1/tcp/0".parse()?)?;
+    let address = loop {
+        if let SwarmEvent::NewListenAddr { address, .. } = server.select_next_some().await {
+            break address;
+        }
+    };
+    let server_peer = *server.local_peer_id();
+    let mut incoming = server.behaviour().new_control().accept(PROTOCOL)?;
+    let mut control = client.behaviour().new_control();
+    let server_task = tokio::spawn(async move {
+        loop {
+            server.select_next_some().await;
+        }
+    });
+    client.dial(address)?;
+    loop {
+        match client.select_next_some().await {
+            SwarmEvent::ConnectionEstablished { .. } => break,
+            SwarmEvent::OutgoingConnectionError { error, .. } => {
+                anyhow::bail!("stock libp2p could not connect: {error}")
+            }
+            _ => {}
+        }
+    }
+    let client_task = tokio::spawn(async move {
+        loop {
+            client.select_next_some().await;
+        }
+    });
+    let receiver = tokio::spawn(async move {
+        let (_, stream) = incoming.next().await.context("no stream")?;
+        let stream = tokio_util::compat::FuturesAsyncReadCompatExt::compat(stream);
+        anyhow::Ok(drain(stream).await?)
+    });
+    let mut stream = control.open_stream(server_peer, PROTOCOL).await?;
+    let start = Instant::now();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(payload.len() as u64) as usize;
+        stream.write_all(&payload[..n]).await?;
+        left -= n as u64;
+    }
+    stream.close().await?;
+    let received = receiver.await??;
+    let elapsed = start.elapsed();
+    server_task.abort();
+    client_task.abort();
+    anyhow::ensure!(
+        received == bytes,
+        "stock libp2p lost bytes: {received} of {bytes}"
+    );
+    Ok(mb_per_s(bytes, elapsed))
 }
