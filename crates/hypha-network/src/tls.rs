@@ -202,20 +202,41 @@ impl PeerVerifier {
             }
         }
     }
+}
 
-    fn verify_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
+/// The handshake-signature methods, identical for both verifier traits: TLS 1.3 signatures are
+/// checked with the provider's algorithms, TLS 1.2 is never negotiated, node keys are Ed25519.
+macro_rules! signature_checks {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            _message: &[u8],
+            _cert: &CertificateDer<'_>,
+            _dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            Err(rustls::Error::PeerIncompatible(
+                rustls::PeerIncompatible::Tls12NotOffered,
+            ))
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.provider.signature_verification_algorithms,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            vec![SignatureScheme::ED25519]
+        }
+    };
 }
 
 impl ServerCertVerifier for PeerVerifier {
@@ -231,27 +252,7 @@ impl ServerCertVerifier for PeerVerifier {
         Ok(ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        tls12_refused()
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.verify_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        supported_schemes()
-    }
+    signature_checks!();
 }
 
 impl ClientCertVerifier for PeerVerifier {
@@ -269,37 +270,5 @@ impl ClientCertVerifier for PeerVerifier {
         Ok(ClientCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        tls12_refused()
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.verify_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        supported_schemes()
-    }
-}
-
-/// Only TLS 1.3 is configured; rustls never asks for a TLS 1.2 signature check.
-fn tls12_refused() -> Result<HandshakeSignatureValid, rustls::Error> {
-    Err(rustls::Error::PeerIncompatible(
-        rustls::PeerIncompatible::Tls12NotOffered,
-    ))
-}
-
-/// Node keys are Ed25519 by construction.
-fn supported_schemes() -> Vec<SignatureScheme> {
-    vec![SignatureScheme::ED25519]
+    signature_checks!();
 }
