@@ -1,25 +1,11 @@
-use std::path::PathBuf;
-
 /// Everything that can go wrong issuing, loading or verifying certificates.
 ///
 /// Each variant says what to do about it; errors about files name the file.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file could not be read.
-    #[error("cannot read {path}: {error}")]
-    Read {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    /// A file could not be written.
-    #[error("cannot write {path}: {error}")]
-    Write {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    /// A file exists and the caller did not allow overwriting it.
-    #[error("{path} already exists; pass --force to overwrite it")]
-    Exists { path: PathBuf },
+    #[error(transparent)]
+    File(#[from] hypha_files::Error),
     /// A PEM document holds something other than what was expected.
     #[error("{what}: {reason}")]
     Malformed { what: String, reason: String },

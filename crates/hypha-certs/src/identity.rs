@@ -3,7 +3,7 @@ use std::{path::Path, sync::Arc};
 use libp2p::{PeerId, identity::Keypair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 
-use crate::{Error, read_file};
+use crate::Error;
 
 /// A node's own identity: the certificate chain it presents and the Ed25519 key behind it.
 ///
@@ -30,8 +30,8 @@ impl NodeIdentity {
     /// Loads a certificate chain (the node's certificate first) and its PKCS#8 private key.
     /// Errors name the offending file and say how to fix it.
     pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, Error> {
-        let cert_pem = read_file(cert_path)?;
-        let key_pem = read_file(key_path)?;
+        let cert_pem = hypha_files::read(cert_path)?;
+        let key_pem = hypha_files::read(key_path)?;
         Self::parse(
             &cert_pem,
             &key_pem,

@@ -92,11 +92,3 @@ pub(crate) fn peer_id_of(public_key: &[u8; 32]) -> Result<libp2p::PeerId, String
         .map_err(|e| format!("invalid Ed25519 public key: {e}"))?;
     Ok(libp2p::identity::PublicKey::from(key).to_peer_id())
 }
-
-/// Reads a whole file, naming it in the error.
-pub fn read_file(path: &std::path::Path) -> Result<Vec<u8>, Error> {
-    std::fs::read(path).map_err(|error| Error::Read {
-        path: path.to_path_buf(),
-        error,
-    })
-}

@@ -7,7 +7,7 @@ use webpki::{
     RevocationOptionsBuilder, UnknownStatusPolicy,
 };
 
-use crate::{Error, read_file};
+use crate::Error;
 
 /// Why a peer's certificate chain was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,8 +63,8 @@ impl TrustStore {
     /// Loads trust anchors from `trust_pem` (one or more CA certificates) and the CRLs in
     /// `crls_pem`, if given. Errors name the file.
     pub fn load(trust_pem: &Path, crls_pem: Option<&Path>) -> Result<Self, Error> {
-        let trust = read_file(trust_pem)?;
-        let crls = crls_pem.map(read_file).transpose()?;
+        let trust = hypha_files::read(trust_pem)?;
+        let crls = crls_pem.map(hypha_files::read).transpose()?;
         let trust_name = trust_pem.display().to_string();
         let crls_name = crls_pem
             .map(|p| p.display().to_string())

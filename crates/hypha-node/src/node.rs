@@ -95,7 +95,11 @@ pub(crate) fn load_identity(
 ) -> Result<(NodeIdentity, Arc<TrustStore>), Error> {
     let identity = NodeIdentity::load(&network.cert_pem, &network.key_pem).map_err(|e| {
         let key = match &e {
-            hypha_certs::Error::Read { path, .. } if *path == network.key_pem => "key_pem",
+            hypha_certs::Error::File(hypha_files::Error::Read { path, .. })
+                if *path == network.key_pem =>
+            {
+                "key_pem"
+            }
             hypha_certs::Error::Malformed { what, .. }
                 if *what == network.key_pem.display().to_string() =>
             {
@@ -112,7 +116,7 @@ pub(crate) fn load_identity(
     })?;
     let trust = TrustStore::load(&network.trust_pem, network.crls_pem.as_deref()).map_err(|e| {
         let key = match &e {
-            hypha_certs::Error::Read { path, .. }
+            hypha_certs::Error::File(hypha_files::Error::Read { path, .. })
                 if Some(path.as_path()) == network.crls_pem.as_deref() =>
             {
                 "crls_pem"
