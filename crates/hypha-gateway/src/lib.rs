@@ -6,6 +6,7 @@
 //! is the shared network stack with the relay server switched on.
 
 use hypha_config::{Schema, network, telemetry};
+use hypha_messages::market::WORKER_TOPIC;
 use hypha_node::{Error, Node, RunArgs};
 
 /// The default listen address: a fixed port, because nodes are configured with it.
@@ -35,7 +36,21 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
     {
         tracing::info!("nodes can join with gateway_addresses = [\"{address}/p2p/{peer_id}\"]");
     }
-    hypha_node::shutdown_signal().await;
+    // Workers usually reach the network only through gateways, so a gateway joins the market
+    // topic to relay advertisements between schedulers and workers; it reads none of them.
+    let mut market = node
+        .network
+        .subscribe(WORKER_TOPIC, 16)
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))?;
+    let shutdown = hypha_node::shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(_) = market.recv() => {}
+        }
+    }
     tracing::info!("shutting down");
     node.network.shutdown().await;
     Ok(())

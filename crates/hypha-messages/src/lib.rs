@@ -42,6 +42,21 @@ pub enum Request {
     Health,
     /// The manifest of a dataset the node serves (data nodes).
     Manifest { dataset: String },
+    /// A worker offers to take an advertised task (worker → scheduler; answered `Ack`).
+    Offer(market::Offer),
+    /// A scheduler accepts an offer, renews or releases a lease (scheduler → worker; answered
+    /// `Lease` or `Ack`).
+    Lease(market::LeaseRequest),
+    /// A scheduler starts a job under a lease it holds (scheduler → worker; answered `Ack`).
+    Dispatch(job::JobSpec),
+    /// A scheduler stops a job it dispatched (scheduler → worker; answered `Ack`).
+    Cancel { job: String },
+    /// A worker reports what became of a job (worker → scheduler; answered `Ack`).
+    JobStatus(job::StatusReport),
+    /// An executor's status through the job bridge's `/status/send`, forwarded to the job's
+    /// scheduler, whose answer goes back to the executor (worker → scheduler; answered
+    /// `ExecutorStatus`). Both payloads are JSON documents.
+    ExecutorStatus { job: String, payload: String },
 }
 
 /// Every response a node can send.
@@ -50,6 +65,12 @@ pub enum Request {
 pub enum Response {
     Health(health::Status),
     Manifest(hypha_dataset::Manifest),
+    /// The request was taken; nothing more to say.
+    Ack,
+    Lease(market::LeaseGrant),
+    ExecutorStatus {
+        payload: String,
+    },
     Error(Error),
 }
 
@@ -72,6 +93,18 @@ pub enum ErrorCode {
     BadRequest,
     /// The node failed while serving the request.
     Internal,
+    /// What the request names existed once and is gone (an expired lease, a finished job), or
+    /// belongs to someone else.
+    Gone,
+}
+
+impl Error {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Error {
+            code,
+            message: message.into(),
+        }
+    }
 }
 
 pub mod health {
@@ -95,63 +128,5 @@ pub mod health {
     }
 }
 
-pub mod market {
-    //! The resource market: schedulers advertise work on gossipsub topic [`WORKER_TOPIC`],
-    //! workers answer with offers over request-response, schedulers accept and renew leases.
-    //!
-    //! Every message carries the market protocol version ([`MARKET_VERSION`]); a node ignores
-    //! advertisements of a version it does not speak.
-
-    use serde::{Deserialize, Serialize};
-
-    /// The gossipsub topic task advertisements travel on.
-    pub const WORKER_TOPIC: &str = "hypha/worker";
-    /// The version of the market messages below.
-    pub const MARKET_VERSION: u16 = 1;
-
-    /// Resources in the seed's units: CPU cores, memory, storage and GPU memory in GB.
-    #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-    pub struct Resources {
-        pub cpu: f64,
-        pub memory: f64,
-        pub storage: f64,
-        pub gpu: f64,
-    }
-
-    /// Which executor a task needs.
-    #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-    pub struct ExecutorRef {
-        /// `train`, `inference`, `aggregate`, …
-        pub class: String,
-        /// `diloco-transformer`, `parameter-server`, …
-        pub name: String,
-    }
-
-    /// A scheduler looking for a worker.
-    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-    pub struct Advertisement {
-        pub version: u16,
-        /// Unique per advertisement; offers refer to it.
-        pub id: String,
-        pub resources: Resources,
-        pub executor: ExecutorRef,
-        /// What the scheduler pays for the resources asked, per lease period.
-        pub bid: f64,
-        /// Unix time (ms) after which the advertisement is void.
-        pub deadline_ms: u64,
-    }
-
-    /// A worker's answer to an advertisement.
-    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-    pub struct Offer {
-        pub version: u16,
-        pub advertisement: String,
-        /// Identifies the temporary lease held for this offer.
-        pub lease: String,
-        pub price: f64,
-        /// What the worker reserves: the request (flexible) or everything it has (whole).
-        pub resources: Resources,
-        /// Unix time (ms) until which the worker holds the resources for this offer.
-        pub expires_ms: u64,
-    }
-}
+pub mod job;
+pub mod market;

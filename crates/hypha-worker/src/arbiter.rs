@@ -55,6 +55,20 @@ pub enum Dropped {
     Insufficient,
 }
 
+impl Dropped {
+    /// A short name for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dropped::PastDeadline => "past_deadline",
+            Dropped::OtherVersion => "other_version",
+            Dropped::UnknownExecutor => "unknown_executor",
+            Dropped::BelowFloor => "below_floor",
+            Dropped::BelowPrice => "below_price",
+            Dropped::Insufficient => "insufficient",
+        }
+    }
+}
+
 /// What to offer for an advertisement.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Quote {

@@ -127,6 +127,13 @@ impl LeaseManager {
         }
     }
 
+    /// Whether `id` is a live, accepted lease at `now`.
+    pub fn is_accepted(&self, id: LeaseId, now: Instant) -> bool {
+        self.leases
+            .get(&id)
+            .is_some_and(|l| l.stage == Stage::Renewable && l.expires > now)
+    }
+
     /// Ends a lease early (its job finished, its offer was declined).
     pub fn release(&mut self, id: LeaseId) -> Option<Lease> {
         self.leases.remove(&id)

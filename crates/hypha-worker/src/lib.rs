@@ -1,15 +1,22 @@
-//! Hypha workers.
-//!
-//! So far the market side, as plain state machines with the clock passed in (so that every
-//! decision is testable without waiting):
+//! Hypha workers: they bid for work, hold leases, run executors and serve each job its bridge.
 //!
 //! - [`arbiter`]: which advertisements to answer and with what offer, under the `[offer]`
 //!   settings (`price`, `floor`, `strategy = "whole" | "flexible"`).
 //! - [`lease`]: reservations of the worker's resources: a short temporary lease per open offer
 //!   (no double booking), a renewable lease once accepted, expiry on a monotonic clock.
+//! - [`jobs`]: work directories, executor processes, cancellation (SIGTERM, then SIGKILL).
+//! - [`bridge`]: the job bridge, HTTP over each job's Unix socket.
+//! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
+//! - [`config`]: the worker's keys.
 //!
-//! The node that drives them over the network, jobs, executors and the job bridge come next.
+//! The market and lease logic are plain state machines with the clock passed in, so every
+//! decision is testable without waiting. This crate knows nothing of how schedulers choose.
 
 pub mod arbiter;
+pub mod bridge;
+pub mod config;
+pub mod jobs;
 pub mod lease;
+mod metrics;
+pub mod node;
 pub mod resources;

@@ -1,0 +1,477 @@
+//! Finding, leasing and keeping workers: the scheduler's side of the market.
+//!
+//! [`Allocator::allocate`] advertises on gossip, collects the offers that come back for a
+//! window, and chooses: at most one offer per worker, the cheapest **per weighted resource
+//! unit** first ([`Weights`]), until it has as many workers as it needs. It accepts those
+//! (in parallel), releases the offers it did not take so their workers are free at once, and
+//! advertises again while workers are missing, until its deadline.
+//!
+//! [`Allocator::keep`] then renews each lease at a third of its period, so two renewals can
+//! fail before the worker gives up on it; a lease that cannot be renewed is reported as lost,
+//! and the caller replaces the worker (advertising again) while the rest of the job goes on.
+//!
+//! Double booking is prevented on the worker's side: a worker holds every offer's resources
+//! under a temporary lease until it is accepted or lapses, and answers lease requests only from
+//! the scheduler the offer went to.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use hypha_messages::{
+    Request, Response,
+    market::{
+        Advertisement, ExecutorRef, LeaseGrant, LeaseRequest, MARKET_VERSION, Offer, Resources,
+        WORKER_TOPIC,
+    },
+};
+use hypha_network::{Network, NetworkError};
+use libp2p::PeerId;
+use tokio::sync::mpsc;
+
+/// How much one unit of each resource weighs when offers are compared by price per unit.
+/// The defaults make one CPU core, 4 GB of memory, 100 GB of storage and 1 GB of GPU memory
+/// one unit each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    pub cpu: f64,
+    pub memory: f64,
+    pub storage: f64,
+    pub gpu: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            cpu: 1.0,
+            memory: 0.25,
+            storage: 0.01,
+            gpu: 1.0,
+        }
+    }
+}
+
+impl Weights {
+    /// The weighted size of `resources`.
+    pub fn units(&self, r: &Resources) -> f64 {
+        r.cpu * self.cpu + r.memory * self.memory + r.storage * self.storage + r.gpu * self.gpu
+    }
+}
+
+/// What the scheduler wants from each worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerRequest {
+    pub executor: ExecutorRef,
+    pub resources: Resources,
+    /// The most the scheduler pays per worker and lease period.
+    pub bid: f64,
+}
+
+/// How the allocator paces itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    /// How long offers are collected after an advertisement before choosing.
+    pub window: Duration,
+    /// How long an advertisement stands; workers drop it afterwards.
+    pub advertisement_lifetime: Duration,
+    /// How often to advertise again while workers are missing.
+    pub readvertise: Duration,
+    /// How long [`Allocator::allocate`] tries before it gives up.
+    pub timeout: Duration,
+    pub weights: Weights,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            window: Duration::from_millis(200),
+            advertisement_lifetime: Duration::from_secs(5),
+            readvertise: Duration::from_secs(2),
+            timeout: Duration::from_secs(60),
+            weights: Weights::default(),
+        }
+    }
+}
+
+/// A worker leased to the scheduler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Leased {
+    pub peer: PeerId,
+    pub lease: u64,
+    pub price: f64,
+    pub resources: Resources,
+    /// How long the worker holds the lease without renewal.
+    pub period: Duration,
+}
+
+/// Why allocation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AllocationError {
+    #[error(
+        "found {found} of {wanted} workers for {executor} within {timeout:?}: are enough workers \
+         with that executor online, with the resources asked, at or below the bid?"
+    )]
+    NotEnough {
+        found: usize,
+        wanted: usize,
+        executor: ExecutorRef,
+        timeout: Duration,
+    },
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+}
+
+/// A worker's lease that stopped being renewable.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lost {
+    pub peer: PeerId,
+    pub lease: u64,
+    pub reason: String,
+}
+
+/// An offer and the worker that made it.
+pub type OfferFrom = (PeerId, Offer);
+
+type OfferRoutes = Arc<Mutex<HashMap<String, mpsc::Sender<(PeerId, Offer)>>>>;
+
+/// The scheduler's side of the market. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    network: Network,
+    settings: Settings,
+    routes: OfferRoutes,
+}
+
+impl Allocator {
+    pub fn new(network: Network, settings: Settings) -> Self {
+        Allocator {
+            network,
+            settings,
+            routes: Arc::default(),
+        }
+    }
+
+    /// Hands an inbound offer to the allocation waiting for it. Returns false when none is
+    /// (the advertisement is closed): the caller answers so, and the worker frees its hold.
+    pub fn offer_arrived(&self, peer: PeerId, offer: Offer) -> bool {
+        let Ok(routes) = self.routes.lock() else {
+            return false;
+        };
+        match routes.get(&offer.advertisement) {
+            // A full queue means far more offers than anyone will take; dropping one lets its
+            // hold lapse on the worker.
+            Some(route) => route.try_send((peer, offer)).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Leases `count` workers for `request`, none of them in `exclude`.
+    pub async fn allocate(
+        &self,
+        request: &WorkerRequest,
+        count: usize,
+        exclude: &HashSet<PeerId>,
+    ) -> Result<Vec<Leased>, AllocationError> {
+        let started = Instant::now();
+        let deadline = started + self.settings.timeout;
+        let mut leased: Vec<Leased> = Vec::new();
+        while leased.len() < count {
+            let now = Instant::now();
+            if now >= deadline {
+                self.release_all(&leased).await;
+                return Err(AllocationError::NotEnough {
+                    found: leased.len(),
+                    wanted: count,
+                    executor: request.executor.clone(),
+                    timeout: self.settings.timeout,
+                });
+            }
+            let taken: HashSet<PeerId> = leased
+                .iter()
+                .map(|l| l.peer)
+                .chain(exclude.iter().copied())
+                .collect();
+            let round_end = (now + self.settings.readvertise).min(deadline);
+            let more = self
+                .round(request, count - leased.len(), &taken, round_end)
+                .await?;
+            leased.extend(more);
+        }
+        tracing::info!(workers = leased.len(), elapsed = ?started.elapsed(), "workers leased");
+        Ok(leased)
+    }
+
+    /// One advertisement: publish, collect offers, choose, accept.
+    async fn round(
+        &self,
+        request: &WorkerRequest,
+        needed: usize,
+        taken: &HashSet<PeerId>,
+        round_end: Instant,
+    ) -> Result<Vec<Leased>, AllocationError> {
+        let id = uuid::Uuid::new_v4().to_string();
+        let (tx, mut offers) = mpsc::channel(1024);
+        if let Ok(mut routes) = self.routes.lock() {
+            routes.insert(id.clone(), tx);
+        }
+        let _route = RouteGuard {
+            routes: self.routes.clone(),
+            id: id.clone(),
+        };
+        let advertisement = Advertisement {
+            version: MARKET_VERSION,
+            id: id.clone(),
+            resources: request.resources,
+            executor: request.executor.clone(),
+            bid: request.bid,
+            deadline_ms: unix_ms() + millis(self.settings.advertisement_lifetime),
+        };
+        self.publish(&advertisement, round_end).await?;
+        let window_end = (Instant::now() + self.settings.window).min(round_end);
+
+        let mut received: Vec<(PeerId, Offer)> = Vec::new();
+        loop {
+            // Choose once the window is over and enough offers are in, or when the round ends.
+            let enough = distinct_peers(&received, taken) >= needed;
+            let until = if enough { window_end } else { round_end };
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            match tokio::time::timeout(until - now, offers.recv()).await {
+                Ok(Some(offer)) => received.push(offer),
+                Ok(None) | Err(_) => {
+                    if Instant::now() >= until {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(_route);
+        // Offers that raced the route's removal still hold resources; they lapse on the
+        // worker by themselves.
+        while let Ok(offer) = offers.try_recv() {
+            received.push(offer);
+        }
+        let (chosen, declined) =
+            choose(received, needed, taken, request.bid, &self.settings.weights);
+        for (peer, offer) in declined {
+            self.release(peer, offer.lease);
+        }
+        let accepts = chosen.into_iter().map(|(peer, offer)| {
+            let network = self.network.clone();
+            async move {
+                match network
+                    .request(
+                        peer,
+                        Request::Lease(LeaseRequest::Accept { lease: offer.lease }),
+                    )
+                    .await
+                {
+                    Ok(Response::Lease(LeaseGrant {
+                        lease,
+                        expires_in_ms,
+                    })) => Some(Leased {
+                        peer,
+                        lease,
+                        price: offer.price,
+                        resources: offer.resources,
+                        period: Duration::from_millis(expires_in_ms),
+                    }),
+                    Ok(_) => None,
+                    Err(e) => {
+                        tracing::info!(%peer, error = %e, "accepting the offer failed");
+                        None
+                    }
+                }
+            }
+        });
+        Ok(futures::future::join_all(accepts)
+            .await
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    async fn publish(&self, ad: &Advertisement, until: Instant) -> Result<(), AllocationError> {
+        // Gossipsub refuses to publish until it knows a peer on the topic, which takes a
+        // moment after joining; keep trying until the round is over.
+        loop {
+            match self.network.publish(WORKER_TOPIC, ad.to_gossip()).await {
+                Ok(()) => return Ok(()),
+                Err(NetworkError::Gossip(reason)) if Instant::now() < until => {
+                    tracing::debug!(%reason, "advertisement not published yet");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(NetworkError::Gossip(_)) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Gives a lease back without waiting for the answer.
+    pub fn release(&self, peer: PeerId, lease: u64) {
+        let network = self.network.clone();
+        tokio::spawn(async move {
+            let _ = network
+                .request(peer, Request::Lease(LeaseRequest::Release { lease }))
+                .await;
+        });
+    }
+
+    async fn release_all(&self, leased: &[Leased]) {
+        for l in leased {
+            self.release(l.peer, l.lease);
+        }
+    }
+
+    /// Renews `leased` until the returned handle is dropped or released; reports on `lost`
+    /// when it cannot be renewed before it lapses.
+    pub fn keep(&self, leased: &Leased, lost: mpsc::Sender<Lost>) -> Kept {
+        let network = self.network.clone();
+        let (peer, lease, period) = (leased.peer, leased.lease, leased.period);
+        let task = tokio::spawn(async move {
+            let mut expires = Instant::now() + period;
+            let mut interval = period / 3;
+            let mut failures = 0u32;
+            loop {
+                tokio::time::sleep(interval).await;
+                match network
+                    .request(peer, Request::Lease(LeaseRequest::Renew { lease }))
+                    .await
+                {
+                    Ok(Response::Lease(grant)) => {
+                        let period = Duration::from_millis(grant.expires_in_ms);
+                        expires = Instant::now() + period;
+                        interval = period / 3;
+                        failures = 0;
+                    }
+                    result => {
+                        let (reason, refused) = match result {
+                            Err(NetworkError::Remote { error, .. }) => (error.to_string(), true),
+                            Err(e) => (e.to_string(), false),
+                            Ok(_) => ("unexpected answer to a renewal".to_string(), true),
+                        };
+                        failures += 1;
+                        let left = expires.saturating_duration_since(Instant::now());
+                        // A refusal is final. An unreachable worker gets one more try, sooner:
+                        // a dropped connection may come back, but two failures in a row mean
+                        // the worker is gone, and replacing it early keeps the job going.
+                        if refused || failures >= 2 || left < Duration::from_millis(100) {
+                            let _ = lost
+                                .send(Lost {
+                                    peer,
+                                    lease,
+                                    reason,
+                                })
+                                .await;
+                            return;
+                        }
+                        tracing::info!(%peer, lease, %reason, "renewal failed; retrying");
+                        interval = (left / 4).max(Duration::from_millis(50));
+                    }
+                }
+            }
+        });
+        Kept {
+            task,
+            allocator: self.clone(),
+            peer,
+            lease,
+        }
+    }
+}
+
+/// Renewal of one lease; dropping it stops renewing (the lease then lapses on the worker).
+#[derive(Debug)]
+pub struct Kept {
+    task: tokio::task::JoinHandle<()>,
+    allocator: Allocator,
+    peer: PeerId,
+    lease: u64,
+}
+
+impl Kept {
+    /// Stops renewing and gives the lease back now.
+    pub fn release(self) {
+        self.task.abort();
+        self.allocator.release(self.peer, self.lease);
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct RouteGuard {
+    routes: OfferRoutes,
+    id: String,
+}
+
+impl Drop for RouteGuard {
+    fn drop(&mut self) {
+        if let Ok(mut routes) = self.routes.lock() {
+            routes.remove(&self.id);
+        }
+    }
+}
+
+fn distinct_peers(offers: &[(PeerId, Offer)], taken: &HashSet<PeerId>) -> usize {
+    offers
+        .iter()
+        .map(|(p, _)| p)
+        .filter(|p| !taken.contains(p))
+        .collect::<HashSet<_>>()
+        .len()
+}
+
+/// Splits `offers` into the `needed` cheapest per weighted unit (one per peer, none from
+/// `taken`, none above `bid`) and the rest.
+pub fn choose(
+    offers: Vec<OfferFrom>,
+    needed: usize,
+    taken: &HashSet<PeerId>,
+    bid: f64,
+    weights: &Weights,
+) -> (Vec<OfferFrom>, Vec<OfferFrom>) {
+    let per_unit = |o: &Offer| {
+        let units = weights.units(&o.resources);
+        if units > 0.0 {
+            o.price / units
+        } else {
+            f64::INFINITY
+        }
+    };
+    let mut candidates = offers;
+    candidates.sort_by(|(pa, a), (pb, b)| {
+        per_unit(a)
+            .total_cmp(&per_unit(b))
+            .then(a.price.total_cmp(&b.price))
+            .then(pa.cmp(pb))
+    });
+    let mut chosen = Vec::new();
+    let mut declined = Vec::new();
+    let mut peers: HashSet<PeerId> = taken.clone();
+    for (peer, offer) in candidates {
+        if chosen.len() < needed && offer.price <= bid && peers.insert(peer) {
+            chosen.push((peer, offer));
+        } else {
+            declined.push((peer, offer));
+        }
+    }
+    (chosen, declined)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, millis)
+}

@@ -1,0 +1,15 @@
+//! Hypha schedulers: they find and lease workers and run jobs on them.
+//!
+//! - [`allocator`]: the scheduler's side of the market: advertise, collect offers, choose the
+//!   cheapest per weighted resource unit (one offer per worker), accept, keep leases renewed,
+//!   report workers that are lost.
+//! - [`spec`]: the job file.
+//! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
+//! - [`node`]: the `hypha-scheduler` program's commands.
+//!
+//! This crate knows how to choose and drive workers, not how they run executors.
+
+pub mod allocator;
+pub mod node;
+pub mod run;
+pub mod spec;

@@ -1,0 +1,38 @@
+//! `hypha-scheduler`: see the `hypha_scheduler` library.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hypha_node::{InitArgs, ProbeArgs};
+
+/// The Hypha scheduler: leases workers on the market and runs jobs on them.
+///
+/// Start with `hypha-scheduler init`, set the certificate paths and gateway_addresses, write a
+/// job file, then `hypha-scheduler run --config scheduler.toml --job job.toml`.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write a commented config file holding every key with its default.
+    Init(InitArgs),
+    /// Lease workers for a job file and run it until every worker's share finished.
+    Run(hypha_scheduler::node::RunJobArgs),
+    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
+    Probe(ProbeArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let schema = hypha_scheduler::node::schema();
+    hypha_node::report(match cli.command {
+        Command::Init(args) => hypha_node::init(&schema, &args),
+        Command::Run(args) => hypha_scheduler::node::run(&args).await,
+        Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+    })
+}

@@ -1,0 +1,443 @@
+//! Running a job file: lease workers, dispatch the executor to each, follow the statuses,
+//! replace workers that are lost or whose job fails, until every worker's share finished.
+//!
+//! Each worker's share of the job is a *slot*. A slot is done when its executor exits with
+//! code 0. When its job fails (non-zero exit, killed, refused) or its worker is lost (a lease
+//! renewal is refused or the lease lapses), the slot is given to a newly leased worker, up to
+//! `max_attempts` starts per slot; the other slots carry on meanwhile.
+//!
+//! What happens is reported as [`Event`]s: one line each on the console and, when asked,
+//! one JSON object per line in an events file.
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::Write,
+    path::Path,
+};
+
+use hypha_messages::{
+    Error as RemoteError, ErrorCode, Request, Response,
+    job::{JobSpec, JobStatus, StatusReport},
+};
+use hypha_network::{InboundRequest, Network};
+use libp2p::PeerId;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::{
+    allocator::{AllocationError, Allocator, Kept, Leased, Lost, WorkerRequest},
+    spec::JobFile,
+};
+
+/// Something that happened to the job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Event {
+    Leased {
+        slot: usize,
+        peer: String,
+        lease: u64,
+        price: f64,
+    },
+    Dispatched {
+        slot: usize,
+        job: String,
+        peer: String,
+    },
+    Status {
+        slot: usize,
+        job: String,
+        peer: String,
+        status: JobStatus,
+    },
+    ExecutorStatus {
+        job: String,
+        payload: serde_json::Value,
+    },
+    Lost {
+        slot: usize,
+        peer: String,
+        reason: String,
+    },
+    Done {
+        ok: bool,
+        message: String,
+    },
+}
+
+/// Where events go.
+#[derive(Debug)]
+pub struct EventLog {
+    file: Option<std::fs::File>,
+}
+
+impl EventLog {
+    /// Events on the console only.
+    pub fn console() -> Self {
+        EventLog { file: None }
+    }
+
+    /// Events on the console and, as JSON lines, in `path` (created or truncated).
+    pub fn with_file(path: &Path) -> std::io::Result<Self> {
+        Ok(EventLog {
+            file: Some(std::fs::File::create(path)?),
+        })
+    }
+
+    fn record(&mut self, event: Event) {
+        match &event {
+            Event::Leased {
+                slot, peer, price, ..
+            } => {
+                tracing::info!(slot, %peer, price, "worker leased")
+            }
+            Event::Dispatched { slot, job, peer } => {
+                tracing::info!(slot, %job, %peer, "job dispatched")
+            }
+            Event::Status {
+                slot, job, status, ..
+            } => {
+                tracing::info!(slot, %job, ?status, "job status")
+            }
+            Event::ExecutorStatus { job, payload } => {
+                tracing::debug!(%job, %payload, "executor status")
+            }
+            Event::Lost { slot, peer, reason } => {
+                tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
+            }
+            Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
+        }
+        let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": event });
+        if let Some(file) = &mut self.file
+            && let Ok(line) = serde_json::to_string(&stamped)
+        {
+            // Each line is written whole and flushed so that a reader never sees half an
+            // event, even if the scheduler dies.
+            let _ = writeln!(file, "{line}").and_then(|_| file.flush());
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Why a job did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Allocation(#[from] AllocationError),
+    #[error("slot {slot} failed {attempts} times; last: {last}")]
+    Exhausted {
+        slot: usize,
+        attempts: u32,
+        last: String,
+    },
+    #[error("stopped before the job completed")]
+    Interrupted,
+}
+
+struct Running {
+    slot: usize,
+    peer: PeerId,
+    lease: u64,
+    kept: Kept,
+}
+
+struct Slot {
+    attempts: u32,
+    done: bool,
+}
+
+/// Answers what reaches a scheduler from the network: offers go to the allocator, job
+/// statuses to `statuses`, executor statuses to `executor_statuses` (answered with an
+/// acknowledgement).
+pub fn route_inbound(
+    mut inbound: mpsc::Receiver<InboundRequest>,
+    allocator: Allocator,
+    statuses: mpsc::Sender<(PeerId, StatusReport)>,
+    executor_statuses: mpsc::Sender<(String, serde_json::Value)>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(request) = inbound.recv().await {
+            let peer = request.peer;
+            let response = match request.request {
+                Request::Offer(offer) => {
+                    if allocator.offer_arrived(peer, offer) {
+                        Response::Ack
+                    } else {
+                        Response::Error(RemoteError::new(
+                            ErrorCode::Gone,
+                            "that advertisement is closed",
+                        ))
+                    }
+                }
+                Request::JobStatus(report) => match statuses.try_send((peer, report)) {
+                    Ok(()) => Response::Ack,
+                    Err(_) => Response::Error(RemoteError::new(ErrorCode::Busy, "try again")),
+                },
+                Request::ExecutorStatus { job, payload } => {
+                    match serde_json::from_str::<serde_json::Value>(&payload) {
+                        Ok(payload) => {
+                            let _ = executor_statuses.try_send((job, payload));
+                            Response::ExecutorStatus {
+                                payload: r#"{"received":true}"#.into(),
+                            }
+                        }
+                        Err(e) => Response::Error(RemoteError::new(
+                            ErrorCode::BadRequest,
+                            format!("the status is not JSON: {e}"),
+                        )),
+                    }
+                }
+                _ => Response::Error(RemoteError::new(
+                    ErrorCode::Unsupported,
+                    "schedulers answer health, offers and job statuses",
+                )),
+            };
+            let _ = request.responder.respond(response).await;
+        }
+    })
+}
+
+/// Runs `spec` to completion (or until `shutdown`).
+pub async fn run_job(
+    network: Network,
+    inbound: mpsc::Receiver<InboundRequest>,
+    allocator: Allocator,
+    spec: JobFile,
+    mut events: EventLog,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), RunError> {
+    let (status_tx, mut statuses) = mpsc::channel(256);
+    let (executor_tx, mut executor_statuses) = mpsc::channel(256);
+    let router = route_inbound(inbound, allocator.clone(), status_tx, executor_tx);
+    let task = uuid::Uuid::new_v4().to_string();
+    let request = WorkerRequest {
+        executor: spec.executor.clone(),
+        resources: spec.resources,
+        bid: spec.bid,
+    };
+    let (lost_tx, mut lost) = mpsc::channel::<Lost>(64);
+    let (replaced_tx, mut replaced) =
+        mpsc::channel::<(usize, Result<Vec<Leased>, AllocationError>)>(64);
+    let mut slots: Vec<Slot> = (0..spec.workers)
+        .map(|_| Slot {
+            attempts: 0,
+            done: false,
+        })
+        .collect();
+    let mut running: HashMap<String, Running> = HashMap::new();
+    let mut job = Job {
+        network: network.clone(),
+        allocator: allocator.clone(),
+        spec: &spec,
+        task: &task,
+        lost_tx,
+    };
+
+    tokio::pin!(shutdown);
+    let nobody = HashSet::new();
+    let initial = tokio::select! {
+        leased = allocator.allocate(&request, spec.workers, &nobody) => leased?,
+        _ = &mut shutdown => return Err(RunError::Interrupted),
+    };
+    for (slot, leased) in initial.into_iter().enumerate() {
+        if let Some(reason) = job
+            .start(slot, leased, &mut slots, &mut running, &mut events)
+            .await
+        {
+            job.retry(slot, reason, &slots, &running, &request, &replaced_tx)?;
+        }
+    }
+
+    let outcome = 'events: loop {
+        if slots.iter().all(|s| s.done) {
+            break Ok(());
+        }
+        tokio::select! {
+            _ = &mut shutdown => break Err(RunError::Interrupted),
+            Some((peer, report)) = statuses.recv() => {
+                let Some(run) = running.get(&report.job) else { continue };
+                if run.peer != peer {
+                    continue;
+                }
+                let slot = run.slot;
+                events.record(Event::Status {
+                    slot,
+                    job: report.job.clone(),
+                    peer: peer.to_string(),
+                    status: report.status.clone(),
+                });
+                let failure = match &report.status {
+                    JobStatus::Running => continue,
+                    JobStatus::Finished { exit_code: 0 } => None,
+                    JobStatus::Finished { exit_code } => Some(format!("exit code {exit_code}")),
+                    JobStatus::Failed { reason, .. } => Some(reason.clone()),
+                };
+                if let Some(run) = running.remove(&report.job) {
+                    run.kept.release();
+                }
+                match failure {
+                    None => slots[slot].done = true,
+                    Some(reason) => {
+                        if let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx) {
+                            break Err(e);
+                        }
+                    }
+                }
+            }
+            Some(lost) = lost.recv() => {
+                let Some(id) = running
+                    .iter()
+                    .find(|(_, r)| r.peer == lost.peer && r.lease == lost.lease)
+                    .map(|(id, _)| id.clone())
+                else {
+                    continue;
+                };
+                let Some(run) = running.remove(&id) else { continue };
+                events.record(Event::Lost {
+                    slot: run.slot,
+                    peer: lost.peer.to_string(),
+                    reason: lost.reason.clone(),
+                });
+                if let Err(e) = job.retry(run.slot, lost.reason, &slots, &running, &request, &replaced_tx) {
+                    break Err(e);
+                }
+            }
+            Some((slot, leased)) = replaced.recv() => match leased {
+                Ok(leased) => {
+                    for leased in leased {
+                        if let Some(reason) = job.start(slot, leased, &mut slots, &mut running, &mut events).await
+                            && let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx)
+                        {
+                            break 'events Err(e);
+                        }
+                    }
+                }
+                Err(e) => break Err(e.into()),
+            },
+            Some((id, payload)) = executor_statuses.recv() => {
+                if running.contains_key(&id) {
+                    events.record(Event::ExecutorStatus { job: id, payload });
+                }
+            }
+        }
+    };
+    for (id, run) in running.drain() {
+        let _ = network.request(run.peer, Request::Cancel { job: id }).await;
+        run.kept.release();
+    }
+    events.record(Event::Done {
+        ok: outcome.is_ok(),
+        message: match &outcome {
+            Ok(()) => format!("all {} workers finished", spec.workers),
+            Err(e) => e.to_string(),
+        },
+    });
+    router.abort();
+    outcome
+}
+
+struct Job<'a> {
+    network: Network,
+    allocator: Allocator,
+    spec: &'a JobFile,
+    task: &'a str,
+    lost_tx: mpsc::Sender<Lost>,
+}
+
+impl Job<'_> {
+    /// Dispatches the slot's executor on a leased worker; returns why not, when it failed.
+    async fn start(
+        &mut self,
+        slot: usize,
+        leased: Leased,
+        slots: &mut [Slot],
+        running: &mut HashMap<String, Running>,
+        events: &mut EventLog,
+    ) -> Option<String> {
+        slots[slot].attempts += 1;
+        events.record(Event::Leased {
+            slot,
+            peer: leased.peer.to_string(),
+            lease: leased.lease,
+            price: leased.price,
+        });
+        let kept = self.allocator.keep(&leased, self.lost_tx.clone());
+        let id = uuid::Uuid::new_v4().to_string();
+        let spec = JobSpec {
+            id: id.clone(),
+            task: self.task.to_string(),
+            lease: leased.lease,
+            executor: self.spec.executor.clone(),
+            config: self.spec.config_json(),
+            secrets: self.spec.secrets.clone(),
+        };
+        running.insert(
+            id.clone(),
+            Running {
+                slot,
+                peer: leased.peer,
+                lease: leased.lease,
+                kept,
+            },
+        );
+        match self
+            .network
+            .request(leased.peer, Request::Dispatch(spec))
+            .await
+        {
+            Ok(_) => {
+                events.record(Event::Dispatched {
+                    slot,
+                    job: id,
+                    peer: leased.peer.to_string(),
+                });
+                None
+            }
+            Err(e) => {
+                if let Some(run) = running.remove(&id) {
+                    run.kept.release();
+                }
+                let reason = format!("dispatch failed: {e}");
+                events.record(Event::Lost {
+                    slot,
+                    peer: leased.peer.to_string(),
+                    reason: reason.clone(),
+                });
+                Some(reason)
+            }
+        }
+    }
+
+    /// Gives `slot` to a new worker in the background, unless it has had its attempts.
+    fn retry(
+        &self,
+        slot: usize,
+        reason: String,
+        slots: &[Slot],
+        running: &HashMap<String, Running>,
+        request: &WorkerRequest,
+        replaced: &mpsc::Sender<(usize, Result<Vec<Leased>, AllocationError>)>,
+    ) -> Result<(), RunError> {
+        if slots[slot].attempts >= self.spec.max_attempts {
+            return Err(RunError::Exhausted {
+                slot,
+                attempts: slots[slot].attempts,
+                last: reason,
+            });
+        }
+        let busy: HashSet<PeerId> = running.values().map(|r| r.peer).collect();
+        let allocator = self.allocator.clone();
+        let request = request.clone();
+        let replaced = replaced.clone();
+        tokio::spawn(async move {
+            let leased = allocator.allocate(&request, 1, &busy).await;
+            let _ = replaced.send((slot, leased)).await;
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,144 @@
+//! The job file a scheduler runs (`hypha-scheduler run --job job.toml`).
+//!
+//! ```toml
+//! workers = 3          # how many workers run the executor at once
+//! bid = 100.0          # the most paid per worker and lease period
+//! max_attempts = 3     # how often one worker's share may be started before the job fails
+//!
+//! [executor]
+//! class = "train"
+//! name = "diloco-transformer"
+//!
+//! [resources]          # what each worker must offer
+//! cpu = 2
+//! memory = 4
+//!
+//! [config]             # handed to the executor as JSON ({JOB_JSON}'s "config")
+//! epochs = 1
+//!
+//! [secrets]            # reach the worker, never an executor's argv or environment
+//! hf_token = "hf_..."
+//! ```
+
+use std::{collections::BTreeMap, path::Path};
+
+use hypha_messages::market::{ExecutorRef, Resources};
+use serde::Deserialize;
+
+/// A parsed job file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    pub workers: usize,
+    pub bid: f64,
+    #[serde(default = "default_attempts")]
+    pub max_attempts: u32,
+    pub executor: ExecutorRef,
+    #[serde(default)]
+    pub resources: Resources,
+    #[serde(default)]
+    pub config: toml::Table,
+    #[serde(default)]
+    pub secrets: BTreeMap<String, String>,
+}
+
+fn default_attempts() -> u32 {
+    3
+}
+
+/// A job file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("cannot read job file {path}: {error}")]
+    Read { path: String, error: std::io::Error },
+    #[error("job file {path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl JobFile {
+    pub fn load(path: &Path) -> Result<Self, SpecError> {
+        let text = std::fs::read_to_string(path).map_err(|error| SpecError::Read {
+            path: path.display().to_string(),
+            error,
+        })?;
+        Self::parse(&path.display().to_string(), &text)
+    }
+
+    /// Parses and checks a job file; errors name the file, the line and the key.
+    pub fn parse(path: &str, text: &str) -> Result<Self, SpecError> {
+        let invalid = |message: String| SpecError::Invalid {
+            path: path.to_string(),
+            message,
+        };
+        let spec: JobFile = toml::from_str(text).map_err(|e| {
+            let position = e
+                .span()
+                .map(|span| {
+                    let line = text[..span.start.min(text.len())].lines().count().max(1);
+                    format!("line {line}: ")
+                })
+                .unwrap_or_default();
+            invalid(format!("{position}{}", e.message()))
+        })?;
+        if spec.workers == 0 {
+            return Err(invalid("workers must be 1 or more".into()));
+        }
+        if !spec.bid.is_finite() || spec.bid <= 0.0 {
+            return Err(invalid(format!(
+                "bid = {} must be a positive number",
+                spec.bid
+            )));
+        }
+        if spec.max_attempts == 0 {
+            return Err(invalid("max_attempts must be 1 or more".into()));
+        }
+        for (key, value) in [
+            ("resources.cpu", spec.resources.cpu),
+            ("resources.memory", spec.resources.memory),
+            ("resources.storage", spec.resources.storage),
+            ("resources.gpu", spec.resources.gpu),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(invalid(format!("{key} = {value} must be 0 or more")));
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The executor's settings as JSON.
+    pub fn config_json(&self) -> String {
+        serde_json::to_string(&self.config).unwrap_or_else(|_| "{}".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_job_file_parses_and_bad_ones_name_the_problem() {
+        let spec = JobFile::parse(
+            "job.toml",
+            "workers = 2\nbid = 50\n[executor]\nclass = \"train\"\nname = \"x\"\n[resources]\ncpu = 1\n[config]\nsteps = 3\n",
+        )
+        .unwrap();
+        assert_eq!(spec.workers, 2);
+        assert_eq!(spec.config_json(), r#"{"steps":3}"#);
+        let err = JobFile::parse(
+            "job.toml",
+            "workers = 2\nbid = 50\nbdi = 3\n[executor]\nclass = \"a\"\nname = \"b\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 3") && err.contains("bdi"), "{err}");
+        let err = JobFile::parse(
+            "job.toml",
+            "workers = 0\nbid = 1\n[executor]\nclass = \"a\"\nname = \"b\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("workers must be 1 or more"), "{err}");
+    }
+}

@@ -1,0 +1,542 @@
+//! The market with real processes of the real binaries: a gateway, workers and schedulers on
+//! loopback TCP with real certificates.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Mutex, OnceLock, mpsc},
+    time::{Duration, Instant},
+};
+
+use hypha_certs::authority::{self, Authority, Validity};
+
+/// The path of one of the workspace's binaries, built on first use when a plain
+/// `cargo test -p hypha-scheduler` did not build it.
+fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let dir = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = dir.join(name);
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
+    if !built.contains(name) {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "--package", name, "--bin", name])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building {name}");
+        built.insert(name.to_string());
+    }
+    path
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    org: Authority,
+    gateway: Option<Proc>,
+    gateway_address: String,
+}
+
+impl Cluster {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = authority::create_root("Market Root", Validity::days(5)).unwrap();
+        let org = authority::create_org(&root, "Market Org", Validity::days(5)).unwrap();
+        std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
+        let mut cluster = Cluster {
+            dir,
+            org,
+            gateway: None,
+            gateway_address: String::new(),
+        };
+        let config = cluster.config("gateway", "");
+        let mut gateway = Proc::start(
+            &bin("hypha-gateway"),
+            &["run", "--config"],
+            &config,
+            "gateway",
+        );
+        let line = gateway.wait_for("nodes can join with gateway_addresses");
+        let start = line.find("[\"").unwrap() + 2;
+        let end = line[start..].find('"').unwrap() + start;
+        cluster.gateway_address = line[start..end].to_string();
+        cluster.gateway = Some(gateway);
+        cluster
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Certificates for `name` and a config joining the gateway, with `extra` appended.
+    /// Returns the config's path.
+    fn config(&self, name: &str, extra: &str) -> PathBuf {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
+        std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
+        let gateways = if self.gateway_address.is_empty() {
+            String::new()
+        } else {
+            format!("gateway_addresses = [\"{}\"]\n", self.gateway_address)
+        };
+        let path = self.path(&format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{gateways}{extra}"
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    fn peer_id(&self, name: &str) -> String {
+        let chain = std::fs::read(self.path(&format!("{name}-cert.pem"))).unwrap();
+        let key = std::fs::read(self.path(&format!("{name}-key.pem"))).unwrap();
+        hypha_certs::NodeIdentity::from_pem(&chain, &key)
+            .unwrap()
+            .peer_id()
+            .to_string()
+    }
+
+    /// Starts a worker whose executor `sh` runs `script` in the job's directory.
+    fn worker(&self, name: &str, offer: &str, resources: &str, script: &str) -> Proc {
+        let work = self.path(&format!("{name}-work"));
+        let extra = format!(
+            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\nlease_ms = 3000\n{offer}\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
+            work.display()
+        );
+        let config = self.config(name, &extra);
+        let mut worker = Proc::start(&bin("hypha-worker"), &["run", "--config"], &config, name);
+        worker.wait_for("worker ready for advertisements");
+        worker
+    }
+
+    fn job(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.path(&format!("{name}-job.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Starts a scheduler running `job`; its events go to `<name>-events.jsonl`.
+    fn scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
+        let config = self.config(name, "");
+        let events = self.path(&format!("{name}-events.jsonl"));
+        let proc = Proc::start_with(
+            &bin("hypha-scheduler"),
+            &[
+                "run".as_ref(),
+                "--job".as_ref(),
+                job.as_os_str(),
+                "--events".as_ref(),
+                events.as_os_str(),
+                "--config".as_ref(),
+                config.as_os_str(),
+            ],
+            name,
+        );
+        (proc, events)
+    }
+}
+
+/// A running program whose stderr is collected line by line; killed when dropped.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    name: String,
+}
+
+impl Proc {
+    fn start(bin: &Path, args: &[&str], config: &Path, name: &str) -> Self {
+        let mut all: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+        all.push(config.as_os_str());
+        Self::start_with(bin, &all, name)
+    }
+
+    fn start_with(bin: &Path, args: &[&std::ffi::OsStr], name: &str) -> Self {
+        let mut child = Command::new(bin)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+
+    fn wait_for(&mut self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) {
+                        return line;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!(
+            "{} never logged {needle:?}; it logged:\n{}",
+            self.name,
+            self.seen.join("\n")
+        );
+    }
+
+    /// Waits for the process to exit; returns its success and everything it logged.
+    fn wait(&mut self, limit: Duration) -> (bool, Vec<String>) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.seen.push(line);
+                }
+                return (status.success(), self.seen.clone());
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {limit:?}; it logged:\n{}",
+                self.name,
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn events(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn of_kind<'a>(events: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    events
+        .iter()
+        .filter(|e| e["event"]["kind"] == kind)
+        .collect()
+}
+
+const FINISH: &str = "echo running in \"$1\"; test -S \"$2\" && test \"$(stat -c %a \"$1\")\" = 700 || exit 9; sleep 0.5; exit 0";
+
+#[test]
+fn the_cheapest_offers_per_unit_win_and_statuses_reach_the_scheduler() {
+    let cluster = Cluster::new();
+    // bid 100 for 1 core and 1 GB. Expected, by price per weighted unit (core = 1, 4 GB = 1):
+    // cheap-whole offers 8 cores + 16 GB for 100 (8.3/unit), mid-whole 4 cores + 8 GB for 100
+    // (16.7/unit), flexible mirrors the bid for exactly 1 core + 1 GB (80/unit); greedy asks
+    // 150 (over the bid, declined) and picky's floor 120 is above the bid (no offer).
+    let _workers: Vec<Proc> = [
+        (
+            "cheap-whole",
+            "strategy = \"whole\"\nprice = 50.0",
+            "cpu = 8\nmemory = 16",
+        ),
+        (
+            "mid-whole",
+            "strategy = \"whole\"\nprice = 60.0",
+            "cpu = 4\nmemory = 8",
+        ),
+        (
+            "flexible",
+            "strategy = \"flexible\"\nprice = 80.0",
+            "cpu = 2\nmemory = 2",
+        ),
+        (
+            "greedy",
+            "strategy = \"whole\"\nprice = 150.0",
+            "cpu = 16\nmemory = 64",
+        ),
+        (
+            "picky",
+            "strategy = \"flexible\"\nprice = 10.0\nfloor = 120.0",
+            "cpu = 4\nmemory = 4",
+        ),
+    ]
+    .into_iter()
+    .map(|(name, offer, resources)| cluster.worker(name, offer, resources, FINISH))
+    .collect();
+    let job = cluster.job(
+        "three",
+        "workers = 3\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\nmemory = 1\n[config]\ngreeting = \"hello\"\n",
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, logs) = scheduler.wait(Duration::from_secs(60));
+    assert!(ok, "the scheduler failed:\n{}", logs.join("\n"));
+    let events = events(&events_path);
+
+    let leased: HashSet<String> = of_kind(&events, "leased")
+        .iter()
+        .map(|e| e["event"]["peer"].as_str().unwrap().to_string())
+        .collect();
+    let expected: HashSet<String> = ["cheap-whole", "mid-whole", "flexible"]
+        .iter()
+        .map(|n| cluster.peer_id(n))
+        .collect();
+    assert_eq!(leased, expected, "the three cheapest per unit win");
+
+    let finished: Vec<_> = of_kind(&events, "status")
+        .into_iter()
+        .filter(|e| e["event"]["status"]["Finished"]["exit_code"] == 0)
+        .collect();
+    assert_eq!(
+        finished.len(),
+        3,
+        "three exit codes reached the scheduler: {events:#?}"
+    );
+    let done = of_kind(&events, "done");
+    assert_eq!(done[0]["event"]["ok"], true);
+
+    // The executor saw its work directory, socket and job; its output went to its log.
+    let work = cluster.path("cheap-whole-work");
+    let job_dir = std::fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("hypha-")
+        })
+        .unwrap();
+    let stdout = std::fs::read_to_string(job_dir.join("stdout.log")).unwrap();
+    assert!(stdout.contains("running in"), "{stdout}");
+    let job_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job_dir.join("job.json")).unwrap()).unwrap();
+    assert_eq!(job_json["config"]["greeting"], "hello");
+    assert!(
+        !job_dir.join("bridge.sock").exists(),
+        "the socket goes with the job"
+    );
+}
+
+#[test]
+fn a_killed_worker_is_replaced_and_a_killed_scheduler_frees_its_workers() {
+    let cluster = Cluster::new();
+    // Each executor records its pid, then works for a while.
+    let script = "echo $$ > \"$1/pid\"; sleep 6; exit 0";
+    let mut workers: HashMap<String, Proc> = ["w1", "w2", "w3"]
+        .into_iter()
+        .map(|name| {
+            (
+                cluster.peer_id_after(name, |c| {
+                    c.worker(
+                        name,
+                        "strategy = \"whole\"\nprice = 10.0",
+                        "cpu = 1\nmemory = 1",
+                        script,
+                    )
+                }),
+                name,
+            )
+        })
+        .map(|((peer, proc), _)| (peer, proc))
+        .collect();
+    let job = cluster.job(
+        "two",
+        "workers = 2\nbid = 100.0\nmax_attempts = 2\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n",
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let dispatched = wait_for_events(&events_path, "dispatched", 2);
+    let victim = dispatched[0]["event"]["peer"].as_str().unwrap().to_string();
+    let killed_at = Instant::now();
+    workers.get_mut(&victim).unwrap().kill();
+    let redispatched = wait_for_events(&events_path, "dispatched", 3);
+    let replaced_after = killed_at.elapsed();
+    assert!(
+        replaced_after < Duration::from_millis(3000 + 1500),
+        "replaced after {replaced_after:?}, more than one lease period (3 s) and an allocation"
+    );
+    let replacement = redispatched[2]["event"]["peer"].as_str().unwrap();
+    assert_ne!(replacement, victim);
+    assert_eq!(
+        redispatched[2]["event"]["slot"],
+        dispatched[0]["event"]["slot"]
+    );
+    let (ok, logs) = scheduler.wait(Duration::from_secs(60));
+    assert!(ok, "the job goes on and completes:\n{}", logs.join("\n"));
+    drop(workers);
+
+    // A scheduler killed mid-job: its workers stop the job within a lease period.
+    let cluster = Cluster::new();
+    let script = "echo $$ > \"$1/pid\"; exec sleep 60";
+    let mut workers: Vec<Proc> = ["v1", "v2"]
+        .into_iter()
+        .map(|name| {
+            cluster.worker(
+                name,
+                "strategy = \"whole\"\nprice = 10.0",
+                "cpu = 1\nmemory = 1",
+                script,
+            )
+        })
+        .collect();
+    let job = cluster.job(
+        "forever",
+        "workers = 2\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"sh\"\n",
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("doomed", &job);
+    wait_for_events(&events_path, "dispatched", 2);
+    let pids: Vec<i32> = ["v1", "v2"]
+        .iter()
+        .map(|name| wait_for_pid(&cluster.path(&format!("{name}-work"))))
+        .collect();
+    scheduler.kill();
+    for worker in &mut workers {
+        worker.wait_for("lease lapsed without renewal");
+        worker.wait_for("job failed");
+    }
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid),
+            "executor {pid} outlived its lease"
+        );
+    }
+}
+
+impl Cluster {
+    fn peer_id_after(&self, name: &str, start: impl FnOnce(&Self) -> Proc) -> (String, Proc) {
+        let proc = start(self);
+        (self.peer_id(name), proc)
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+}
+
+fn wait_for_pid(work: &Path) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        for entry in std::fs::read_dir(work).into_iter().flatten().flatten() {
+            if let Ok(text) = std::fs::read_to_string(entry.path().join("pid"))
+                && let Ok(pid) = text.trim().parse()
+            {
+                return pid;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no executor wrote its pid under {}", work.display());
+}
+
+fn wait_for_events(path: &Path, kind: &str, count: usize) -> Vec<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let all = events(path);
+        let matching: Vec<serde_json::Value> = of_kind(&all, kind).into_iter().cloned().collect();
+        if matching.len() >= count {
+            return matching;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {count} {kind} events: {all:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn competing_schedulers_never_share_a_worker() {
+    let cluster = Cluster::new();
+    let _workers: Vec<Proc> = ["c1", "c2", "c3"]
+        .into_iter()
+        .map(|name| {
+            cluster.worker(
+                name,
+                "strategy = \"whole\"\nprice = 10.0",
+                "cpu = 1\nmemory = 1",
+                "sleep 1; exit 0",
+            )
+        })
+        .collect();
+    let job = "workers = 2\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"sh\"\n";
+    let (mut a, a_events) = cluster.scheduler("a", &cluster.job("a", job));
+    let (mut b, b_events) = cluster.scheduler("b", &cluster.job("b", job));
+    let (a_ok, a_logs) = a.wait(Duration::from_secs(90));
+    let (b_ok, b_logs) = b.wait(Duration::from_secs(90));
+    assert!(a_ok, "{}", a_logs.join("\n"));
+    assert!(b_ok, "{}", b_logs.join("\n"));
+
+    // Each scheduler's hold on a worker runs from its lease to its job's end; no worker is
+    // held by both at once.
+    let holds = |path: &Path| -> Vec<(String, u64, u64)> {
+        let all = events(path);
+        of_kind(&all, "leased")
+            .iter()
+            .map(|leased| {
+                let peer = leased["event"]["peer"].as_str().unwrap().to_string();
+                let start = leased["time_ms"].as_u64().unwrap();
+                let end = all
+                    .iter()
+                    .filter(|e| {
+                        e["event"]["kind"] == "status"
+                            && e["event"]["peer"] == peer.as_str()
+                            && e["event"]["status"].get("Finished").is_some()
+                            && e["time_ms"].as_u64().unwrap() >= start
+                    })
+                    .map(|e| e["time_ms"].as_u64().unwrap())
+                    .min()
+                    .unwrap();
+                (peer, start, end)
+            })
+            .collect()
+    };
+    let (a_holds, b_holds) = (holds(&a_events), holds(&b_events));
+    assert_eq!(
+        a_holds.len() + b_holds.len(),
+        4,
+        "both got their two workers"
+    );
+    for (peer, a_start, a_end) in &a_holds {
+        for (other, b_start, b_end) in &b_holds {
+            if peer == other {
+                assert!(
+                    a_end <= b_start || b_end <= a_start,
+                    "{peer} was held by both schedulers at once"
+                );
+            }
+        }
+    }
+}

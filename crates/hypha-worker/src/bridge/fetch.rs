@@ -1,0 +1,198 @@
+//! `POST /resources/fetch`: bringing resources into the job's directory.
+//!
+//! - `{"type": "Uri", "value": "https://…"}`: one HTTP(S) download, named after the URL's last
+//!   path segment.
+//! - `{"type": "HuggingFace", "repository": "org/model", "revision": "main", "filenames": [...]}`:
+//!   files of a Hub repository through the Hub's HTTP file API
+//!   (`{endpoint}/{repository}/resolve/{revision}/{filename}`). The endpoint is `HF_ENDPOINT`
+//!   (default <https://huggingface.co>); the token is the request's `token`, else the job's
+//!   secret `hf_token`, else the worker's `HF_TOKEN`.
+//!
+//! Downloads stream to a temporary file in the destination directory while their SHA-256 is
+//! computed, are fsynced and renamed into place: an interrupted download never leaves a
+//! partial file under the final name.
+
+use std::{ffi::OsStr, io::Write, path::Path};
+
+use axum::http::StatusCode;
+use futures::StreamExt;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
+
+/// Where a resource comes from (the seed's reference types; lower-case names are accepted too).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type")]
+pub enum Reference {
+    #[serde(alias = "uri", alias = "Url", alias = "url")]
+    Uri { value: String },
+    #[serde(alias = "huggingface")]
+    HuggingFace {
+        repository: String,
+        #[serde(default)]
+        revision: Option<String>,
+        filenames: Vec<String>,
+        #[serde(default)]
+        token: Option<String>,
+    },
+    #[serde(alias = "peers")]
+    Peers {},
+    #[serde(alias = "scheduler")]
+    Scheduler {},
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FetchRequest {
+    pub fetch: Reference,
+    pub out_dir: String,
+}
+
+pub(super) async fn fetch(
+    bridge: &Bridge,
+    request: FetchRequest,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    let out_dir = paths::check(&request.out_dir)?;
+    match request.fetch {
+        Reference::Uri { value } => {
+            let url = reqwest::Url::parse(&value)
+                .map_err(|e| BridgeError::bad_request(format!("{value:?} is not a URL: {e}")))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(BridgeError::bad_request(format!(
+                    "{value:?}: only http and https URLs can be fetched"
+                )));
+            }
+            let name = url
+                .path_segments()
+                .and_then(|mut s| s.next_back())
+                .filter(|s| !s.is_empty())
+                .unwrap_or("download")
+                .to_string();
+            let relative = out_dir.join(paths::check(&name)?);
+            let entry = download(bridge, url, None, &relative, "uri").await?;
+            Ok(vec![entry])
+        }
+        Reference::HuggingFace {
+            repository,
+            revision,
+            filenames,
+            token,
+        } => {
+            if repository
+                .split('/')
+                .any(|p| p.is_empty() || p == "." || p == "..")
+            {
+                return Err(BridgeError::bad_request(format!(
+                    "{repository:?} is not a Hub repository (write it as \"org/name\")"
+                )));
+            }
+            if filenames.is_empty() {
+                return Err(BridgeError::bad_request(
+                    "name at least one file in \"filenames\"",
+                ));
+            }
+            let revision = revision.unwrap_or_else(|| "main".to_string());
+            let token = token
+                .or_else(|| bridge.context.secrets.get("hf_token").cloned())
+                .or_else(|| bridge.shared.settings.hf_token.clone());
+            let endpoint = bridge.shared.settings.hf_endpoint.trim_end_matches('/');
+            let mut entries = Vec::with_capacity(filenames.len());
+            for filename in &filenames {
+                let relative = out_dir.join(paths::check(filename)?);
+                let url = format!("{endpoint}/{repository}/resolve/{revision}/{filename}");
+                let url = reqwest::Url::parse(&url)
+                    .map_err(|e| BridgeError::bad_request(format!("{url:?}: {e}")))?;
+                let mut entry =
+                    download(bridge, url, token.as_deref(), &relative, "huggingface").await?;
+                entry
+                    .metadata
+                    .insert("repository".into(), repository.clone().into());
+                entry
+                    .metadata
+                    .insert("revision".into(), revision.clone().into());
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+        Reference::Peers { .. } | Reference::Scheduler { .. } => Err(BridgeError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported",
+            "this worker fetches Uri and HuggingFace references; peers and scheduler data come in a later version",
+        )),
+    }
+}
+
+async fn download(
+    bridge: &Bridge,
+    url: reqwest::Url,
+    token: Option<&str>,
+    relative: &Path,
+    source: &str,
+) -> Result<FileEntry, BridgeError> {
+    let upstream = |message: String| BridgeError::new(StatusCode::BAD_GATEWAY, "upstream", message);
+    let mut request = bridge.shared.http.get(url.clone());
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|e| upstream(format!("cannot fetch {url}: {e}")))?;
+    let status = response.status();
+    if !status.is_success() {
+        let hint = match status.as_u16() {
+            401 | 403 => {
+                " (a private or gated repository needs a token: the request's \"token\", the job's hf_token secret, or HF_TOKEN)"
+            }
+            404 => " (check the repository, revision and file name)",
+            _ => "",
+        };
+        return Err(upstream(format!("{url} answered {status}{hint}")));
+    }
+    let (Some(parent), Some(name)) = (relative.parent(), relative.file_name()) else {
+        return Err(BridgeError::bad_request("the destination names no file"));
+    };
+    let parent_fd = if parent.as_os_str().is_empty() {
+        bridge.dir.create_dir_all(Path::new("."))?
+    } else {
+        bridge.dir.create_dir_all(parent)?
+    };
+    let io = |e: std::io::Error| {
+        BridgeError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            format!("writing {}: {e}", relative.display()),
+        )
+    };
+    let (mut file, temp) = paths::JobDir::create_temp(&parent_fd, name).map_err(io)?;
+    let mut hasher = Sha256::new();
+    let mut size = 0u64;
+    let mut body = response.bytes_stream();
+    let written: Result<(), BridgeError> = async {
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| upstream(format!("{url}: download broke off: {e}")))?;
+            hasher.update(&chunk);
+            size += chunk.len() as u64;
+            file.write_all(&chunk).map_err(io)?;
+        }
+        file.sync_all().map_err(io)?;
+        paths::JobDir::publish(&parent_fd, &temp, name as &OsStr).map_err(io)
+    }
+    .await;
+    if let Err(e) = written {
+        paths::JobDir::discard(&parent_fd, &temp);
+        return Err(e);
+    }
+    Ok(FileEntry {
+        path: relative.display().to_string(),
+        size,
+        checksum: format!("sha256:{}", hex::encode(hasher.finalize())),
+        metadata: [
+            ("source".to_string(), serde_json::Value::from(source)),
+            ("url".to_string(), url.to_string().into()),
+            ("timestamp".to_string(), timestamp().into()),
+        ]
+        .into_iter()
+        .collect(),
+    })
+}

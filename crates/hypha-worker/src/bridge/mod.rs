@@ -1,0 +1,300 @@
+//! The job bridge: HTTP/1.1 over each job's Unix socket, the interface of seed 003.
+//!
+//! | endpoint | what it does |
+//! |---|---|
+//! | `POST /resources/fetch` | downloads HTTP(S) URLs or Hugging Face files into the job's directory |
+//! | `POST /status/send` | forwards a JSON status to the job's scheduler and returns its answer |
+//! | `GET /openapi.json` | describes all of it |
+//!
+//! Every response that names a file gives its `path` (relative to the job's directory),
+//! `size`, `checksum` (`sha256:<hex>`) and `metadata`. Errors are JSON:
+//! `{"code": "path_refused", "message": "..."}` with a fitting HTTP status. Request bodies are
+//! limited to [`MAX_BODY_BYTES`]. Every path an executor names is confined to its job's
+//! directory ([`paths`]).
+//!
+//! Each job has its own socket (mode 0600, inside the job's 0700 directory) and its own
+//! server, which knows only that job: a job cannot name another job's files or inbox.
+
+mod fetch;
+pub mod paths;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::SystemTime,
+};
+
+use axum::{
+    Json, Router,
+    body::Body,
+    extract::State,
+    http::StatusCode,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use hypha_messages::Request;
+use hypha_network::Network;
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use self::paths::{JobDir, PathError};
+
+/// The largest request body the bridge reads.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// The Hugging Face endpoint used unless `HF_ENDPOINT` says otherwise.
+pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
+
+/// Settings of every job's bridge.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Where Hugging Face repositories are fetched from (`HF_ENDPOINT`, as the Hub's own tools
+    /// read it: a mirror or a private hub).
+    pub hf_endpoint: String,
+    /// A token sent to the Hub when the job brings none (`HF_TOKEN`).
+    pub hf_token: Option<String>,
+}
+
+impl Settings {
+    /// Reads `HF_ENDPOINT` and `HF_TOKEN`.
+    pub fn from_env() -> Self {
+        Settings {
+            hf_endpoint: std::env::var("HF_ENDPOINT")
+                .ok()
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string()),
+            hf_token: std::env::var("HF_TOKEN").ok().filter(|v| !v.is_empty()),
+        }
+    }
+}
+
+/// What all jobs' bridges share.
+#[derive(Debug)]
+pub struct Shared {
+    network: Network,
+    settings: Settings,
+    http: reqwest::Client,
+}
+
+impl Shared {
+    pub fn new(network: Network, settings: Settings) -> Self {
+        let http = reqwest::Client::builder()
+            .user_agent(concat!("hypha-worker/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(std::time::Duration::from_secs(30))
+            .build()
+            .unwrap_or_default();
+        Shared {
+            network,
+            settings,
+            http,
+        }
+    }
+}
+
+/// The one job a bridge serves.
+#[derive(Debug, Clone)]
+pub struct BridgeContext {
+    pub job: String,
+    pub task: String,
+    pub scheduler: PeerId,
+    pub dir: PathBuf,
+    pub secrets: BTreeMap<String, String>,
+}
+
+struct Bridge {
+    shared: Arc<Shared>,
+    context: BridgeContext,
+    dir: JobDir,
+}
+
+/// A running bridge; [`stop`](BridgeHandle::stop) it when the job ends.
+#[derive(Debug)]
+pub struct BridgeHandle {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BridgeHandle {
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// Starts a job's bridge on a new Unix socket at `socket` (mode 0600).
+pub fn serve(
+    shared: Arc<Shared>,
+    context: BridgeContext,
+    socket: &Path,
+) -> std::io::Result<BridgeHandle> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = JobDir::open(&context.dir)?;
+    // The socket lives in the job's 0700 directory, so nobody else can reach it even in the
+    // moment between bind and chmod.
+    let listener = tokio::net::UnixListener::bind(socket)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    let bridge = Arc::new(Bridge {
+        shared,
+        context,
+        dir,
+    });
+    let router = Router::new()
+        .route("/resources/fetch", post(fetch_handler))
+        .route("/status/send", post(status_send))
+        .route("/openapi.json", get(openapi))
+        .fallback(not_found)
+        .with_state(bridge);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "job bridge stopped");
+        }
+    });
+    Ok(BridgeHandle { stop, task })
+}
+
+/// An error answered to the executor as JSON.
+#[derive(Debug)]
+pub struct BridgeError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl BridgeError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        BridgeError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+}
+
+impl From<PathError> for BridgeError {
+    fn from(e: PathError) -> Self {
+        match e {
+            PathError::Refused { .. } => {
+                Self::new(StatusCode::FORBIDDEN, "path_refused", e.to_string())
+            }
+            PathError::Io { ref error, .. } if error.kind() == std::io::ErrorKind::NotFound => {
+                Self::new(StatusCode::NOT_FOUND, "not_found", e.to_string())
+            }
+            PathError::Io { .. } => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string())
+            }
+        }
+    }
+}
+
+impl IntoResponse for BridgeError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(serde_json::json!({ "code": self.code, "message": self.message })),
+        )
+            .into_response()
+    }
+}
+
+/// Reads a JSON body of at most [`MAX_BODY_BYTES`].
+async fn json_body<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, BridgeError> {
+    let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| {
+            BridgeError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("request bodies are limited to {MAX_BODY_BYTES} bytes"),
+            )
+        })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| BridgeError::bad_request(format!("the body is not the expected JSON: {e}")))
+}
+
+/// A file the bridge wrote or read for the executor.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileEntry {
+    /// Relative to the job's directory.
+    pub path: String,
+    pub size: u64,
+    /// `sha256:<hex>`.
+    pub checksum: String,
+    pub metadata: BTreeMap<String, serde_json::Value>,
+}
+
+fn timestamp() -> String {
+    time::OffsetDateTime::from(SystemTime::now())
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+async fn fetch_handler(
+    State(bridge): State<Arc<Bridge>>,
+    body: Body,
+) -> Result<Json<Vec<FileEntry>>, BridgeError> {
+    let request: fetch::FetchRequest = json_body(body).await?;
+    fetch::fetch(&bridge, request).await.map(Json)
+}
+
+async fn status_send(
+    State(bridge): State<Arc<Bridge>>,
+    body: Body,
+) -> Result<Response, BridgeError> {
+    let payload: serde_json::Value = json_body(body).await?;
+    let answer = bridge
+        .shared
+        .network
+        .request(
+            bridge.context.scheduler,
+            Request::ExecutorStatus {
+                job: bridge.context.job.clone(),
+                payload: payload.to_string(),
+            },
+        )
+        .await
+        .map_err(|e| {
+            BridgeError::new(
+                StatusCode::BAD_GATEWAY,
+                "scheduler_unreachable",
+                format!("the job's scheduler did not take the status: {e}"),
+            )
+        })?;
+    match answer {
+        hypha_messages::Response::ExecutorStatus { payload } => Ok((
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            payload,
+        )
+            .into_response()),
+        _ => Err(BridgeError::new(
+            StatusCode::BAD_GATEWAY,
+            "scheduler_unreachable",
+            "the scheduler answered with something other than a status",
+        )),
+    }
+}
+
+async fn not_found() -> BridgeError {
+    BridgeError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such endpoint; GET /openapi.json lists them",
+    )
+}
+
+async fn openapi() -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        include_str!("openapi.json"),
+    )
+}

@@ -1,0 +1,322 @@
+//! The worker's settings: which keys it accepts and what they mean once checked.
+
+use std::{path::PathBuf, time::Duration};
+
+use hypha_config::{ConfigError, DefaultValue, Key, Kind, Loaded, Schema, network, telemetry};
+use hypha_messages::market::{ExecutorRef, Resources};
+use serde::Deserialize;
+
+use crate::arbiter::{Pricing, Strategy};
+
+static RESOURCE_KEYS: [Key; 4] = [
+    Key {
+        name: "cpu",
+        kind: Kind::Float,
+        default: DefaultValue::Value("1"),
+        doc: "CPU cores offered to jobs.",
+    },
+    Key {
+        name: "memory",
+        kind: Kind::Float,
+        default: DefaultValue::Value("1"),
+        doc: "Memory offered to jobs, in GB.",
+    },
+    Key {
+        name: "storage",
+        kind: Kind::Float,
+        default: DefaultValue::Value("10"),
+        doc: "Disk space under work_dir offered to jobs, in GB.",
+    },
+    Key {
+        name: "gpu",
+        kind: Kind::Float,
+        default: DefaultValue::Value("0"),
+        doc: "GPU memory offered to jobs, in GB.",
+    },
+];
+
+static OFFER_KEYS: [Key; 6] = [
+    Key {
+        name: "price",
+        kind: Kind::Float,
+        default: DefaultValue::Value("100.0"),
+        doc: "The ask for the whole worker per lease period. `whole` offers at max(bid, price); `flexible` needs bid >= price x the largest share of any resource asked.",
+    },
+    Key {
+        name: "floor",
+        kind: Kind::Float,
+        default: DefaultValue::Value("0.0"),
+        doc: "The hard minimum bid: advertisements bidding less are dropped without an answer.",
+    },
+    Key {
+        name: "strategy",
+        kind: Kind::String,
+        default: DefaultValue::Value(r#""flexible""#),
+        doc: "\"flexible\": offer exactly the resources asked at the bid, several jobs at once. \"whole\": offer all resources as one unit at max(bid, price), one scheduler at a time.",
+    },
+    Key {
+        name: "window_ms",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("50"),
+        doc: "How long advertisements are collected before they are evaluated together, so that competing schedulers are compared rather than served first come.",
+    },
+    Key {
+        name: "hold_ms",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("5000"),
+        doc: "How long resources stay reserved for an open offer; the scheduler must accept within this time.",
+    },
+    Key {
+        name: "lease_ms",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("10000"),
+        doc: "How long an accepted lease lasts without renewal. A job whose lease lapses is stopped and its resources freed, so a vanished scheduler holds a worker for at most this long.",
+    },
+];
+
+static EXECUTOR_KEYS: [Key; 5] = [
+    Key {
+        name: "class",
+        kind: Kind::String,
+        default: DefaultValue::Required {
+            example: r#""train""#,
+        },
+        doc: "The job category schedulers ask for: train, inference, aggregate, ...",
+    },
+    Key {
+        name: "name",
+        kind: Kind::String,
+        default: DefaultValue::Required {
+            example: r#""diloco-transformer""#,
+        },
+        doc: "The executor variant schedulers ask for.",
+    },
+    Key {
+        name: "runtime",
+        kind: Kind::String,
+        default: DefaultValue::Required {
+            example: r#""process""#,
+        },
+        doc: "\"process\" runs cmd with args; \"parameter-server\" is built in and takes no cmd.",
+    },
+    Key {
+        name: "cmd",
+        kind: Kind::String,
+        default: DefaultValue::Unset {
+            example: r#""python3""#,
+        },
+        doc: "The program a process executor runs: a name looked up in PATH, or an absolute path.",
+    },
+    Key {
+        name: "args",
+        kind: Kind::StringList,
+        default: DefaultValue::Value("[]"),
+        doc: "Its arguments; {SOCKET_PATH}, {WORK_DIR} and {JOB_JSON} are replaced by the job's bridge socket, work directory and specification (JSON, without secrets).",
+    },
+];
+
+/// Every key a worker accepts.
+pub fn schema() -> Schema {
+    let mut keys = network::keys();
+    keys.extend(telemetry::keys());
+    keys.extend([
+        Key {
+            name: "work_dir",
+            kind: Kind::Path,
+            default: DefaultValue::Required {
+                example: r#""/var/hypha/work""#,
+            },
+            doc: "Where jobs run: each gets a directory hypha-{uuid} (mode 0700) with its bridge socket and logs. Created if missing.",
+        },
+        Key {
+            name: "kill_grace_ms",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("5000"),
+            doc: "How long a cancelled executor has between SIGTERM and SIGKILL.",
+        },
+        Key {
+            name: "resources",
+            kind: Kind::Table(&RESOURCE_KEYS),
+            default: DefaultValue::Value("{}"),
+            doc: "What this worker offers to schedulers.",
+        },
+        Key {
+            name: "offer",
+            kind: Kind::Table(&OFFER_KEYS),
+            default: DefaultValue::Value("{}"),
+            doc: "How this worker prices and bundles its resources.",
+        },
+        Key {
+            name: "executors",
+            kind: Kind::TableArray(&EXECUTOR_KEYS),
+            default: DefaultValue::Value("[]"),
+            doc: "The executors this worker runs; a worker only answers advertisements for one of them.",
+        },
+    ]);
+    Schema::new("hypha-worker", keys)
+}
+
+/// How an executor runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Runtime {
+    /// A program, started once per job.
+    Process { cmd: String, args: Vec<String> },
+    /// The built-in DiLoCo parameter server.
+    ParameterServer,
+}
+
+/// One configured executor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Executor {
+    pub executor: ExecutorRef,
+    pub runtime: Runtime,
+}
+
+/// A worker's checked settings.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub work_dir: PathBuf,
+    pub capacity: Resources,
+    pub pricing: Pricing,
+    pub window: Duration,
+    pub hold: Duration,
+    pub lease: Duration,
+    pub kill_grace: Duration,
+    pub executors: Vec<Executor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Raw {
+    work_dir: PathBuf,
+    kill_grace_ms: i64,
+    resources: Resources,
+    offer: RawOffer,
+    #[serde(default)]
+    executors: Vec<RawExecutor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawOffer {
+    price: f64,
+    floor: f64,
+    strategy: String,
+    window_ms: i64,
+    hold_ms: i64,
+    lease_ms: i64,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawExecutor {
+    class: String,
+    name: String,
+    runtime: String,
+    cmd: Option<String>,
+    #[serde(default)]
+    args: Vec<String>,
+}
+
+impl WorkerConfig {
+    /// Checks the worker's keys in `loaded`; every error names the key and the fix.
+    pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        let raw: Raw = loaded.section()?;
+        let millis = |key: &str, value: i64| -> Result<Duration, ConfigError> {
+            u64::try_from(value)
+                .ok()
+                .filter(|v| *v > 0)
+                .map(Duration::from_millis)
+                .ok_or_else(|| {
+                    loaded.error(
+                        key,
+                        format!("{value} is not a positive number of milliseconds"),
+                        "use a duration of 1 ms or more",
+                    )
+                })
+        };
+        for (key, value) in [
+            ("resources.cpu", raw.resources.cpu),
+            ("resources.memory", raw.resources.memory),
+            ("resources.storage", raw.resources.storage),
+            ("resources.gpu", raw.resources.gpu),
+            ("offer.price", raw.offer.price),
+            ("offer.floor", raw.offer.floor),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(loaded.error(
+                    key,
+                    format!("{value} is negative or not a number"),
+                    "use 0 or a positive number",
+                ));
+            }
+        }
+        let strategy = match raw.offer.strategy.as_str() {
+            "whole" => Strategy::Whole,
+            "flexible" => Strategy::Flexible,
+            other => {
+                return Err(loaded.error(
+                    "offer.strategy",
+                    format!("{other:?} is not a strategy"),
+                    "use \"whole\" or \"flexible\"",
+                ));
+            }
+        };
+        let hold = millis("offer.hold_ms", raw.offer.hold_ms)?;
+        let lease = millis("offer.lease_ms", raw.offer.lease_ms)?;
+        let mut executors: Vec<Executor> = Vec::new();
+        for (i, e) in raw.executors.into_iter().enumerate() {
+            let key = format!("executors[{i}]");
+            let executor = ExecutorRef {
+                class: e.class,
+                name: e.name,
+            };
+            if executors.iter().any(|known| known.executor == executor) {
+                return Err(loaded.error(
+                    &key,
+                    format!("executor {executor} is configured twice"),
+                    "give each [[executors]] entry its own class and name",
+                ));
+            }
+            let runtime = match (e.runtime.as_str(), e.cmd) {
+                ("process", Some(cmd)) if !cmd.trim().is_empty() => {
+                    Runtime::Process { cmd, args: e.args }
+                }
+                ("process", _) => {
+                    return Err(loaded.error(
+                        &key,
+                        format!("process executor {executor} has no cmd"),
+                        "add cmd = \"program\" (and args = [...]) to this [[executors]] entry",
+                    ));
+                }
+                ("parameter-server", None) => Runtime::ParameterServer,
+                ("parameter-server", Some(_)) => {
+                    return Err(loaded.error(
+                        &key,
+                        "the parameter-server runtime is built in and takes no cmd",
+                        "remove cmd and args from this [[executors]] entry",
+                    ));
+                }
+                (other, _) => {
+                    return Err(loaded.error(
+                        &key,
+                        format!("{other:?} is not a runtime"),
+                        "use runtime = \"process\" or runtime = \"parameter-server\"",
+                    ));
+                }
+            };
+            executors.push(Executor { executor, runtime });
+        }
+        Ok(WorkerConfig {
+            work_dir: raw.work_dir,
+            capacity: raw.resources,
+            pricing: Pricing {
+                price: raw.offer.price,
+                floor: raw.offer.floor,
+                strategy,
+            },
+            window: millis("offer.window_ms", raw.offer.window_ms)?,
+            hold,
+            lease,
+            kill_grace: millis("kill_grace_ms", raw.kill_grace_ms)?,
+            executors,
+        })
+    }
+}

@@ -1,0 +1,460 @@
+//! Running jobs: a work directory per job, an executor per job, cancellation that always ends.
+//!
+//! Each job gets `work_dir/hypha-{uuid}` (mode 0700) holding:
+//!
+//! - `job.json`: the job specification without its secrets (also passed as `{JOB_JSON}`),
+//! - `secrets.json` (0600, only when the job has secrets): read by the executor if it needs
+//!   them; secrets never appear in argv or in any process's environment,
+//! - `bridge.sock` (0600): the job bridge, removed when the job ends,
+//! - `stdout.log`, `stderr.log`: everything the executor printed.
+//!
+//! An executor runs in its own process group, so that cancelling a job reaches every process it
+//! started (`uv` → `python` → …): SIGTERM to the group, then SIGKILL after the grace period.
+//! Work directories stay after the job ends so that logs and outputs can be inspected.
+
+use std::{
+    collections::HashMap,
+    fs::{DirBuilder, File},
+    io::{BufRead, BufReader, Seek, SeekFrom},
+    os::unix::fs::DirBuilderExt,
+    path::{Path, PathBuf},
+    process::{ExitStatus, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use hypha_files::{Mode, write_atomic};
+use hypha_messages::{
+    job::{JobSpec, JobStatus},
+    market::ExecutorRef,
+};
+use libp2p::PeerId;
+use nix::{sys::signal::Signal, unistd::Pid};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    bridge::{self, BridgeContext},
+    config::{Executor, Runtime},
+    metrics,
+};
+
+/// How many lines of an executor's stderr a failure report carries.
+pub const STDERR_TAIL_LINES: usize = 20;
+
+/// A job that ended, for the node to report and account.
+#[derive(Debug)]
+pub struct Ended {
+    pub job: String,
+    pub lease: u64,
+    pub scheduler: PeerId,
+    pub status: JobStatus,
+}
+
+/// Why a job did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("job id {0:?} is not a UUID")]
+    BadId(String),
+    #[error("job {0} is already running here")]
+    Duplicate(String),
+    #[error("this worker has no executor {0}")]
+    UnknownExecutor(ExecutorRef),
+    #[error("cannot prepare the job's directory {path}: {error}")]
+    Directory {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error(transparent)]
+    File(#[from] hypha_files::Error),
+    #[error("cannot start the job bridge: {0}")]
+    Bridge(std::io::Error),
+}
+
+struct Running {
+    lease: u64,
+    scheduler: PeerId,
+    cancel: Option<oneshot::Sender<String>>,
+}
+
+/// The jobs of one worker. Owned by the worker's node loop; every job's supervisor reports
+/// its end on the channel given to [`JobManager::new`].
+pub struct JobManager {
+    work_dir: PathBuf,
+    executors: HashMap<ExecutorRef, Runtime>,
+    kill_grace: Duration,
+    bridge: Arc<bridge::Shared>,
+    ended: mpsc::Sender<Ended>,
+    running: HashMap<String, Running>,
+}
+
+impl std::fmt::Debug for JobManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobManager")
+            .field("work_dir", &self.work_dir)
+            .field("running", &self.running.len())
+            .finish()
+    }
+}
+
+impl JobManager {
+    pub fn new(
+        work_dir: PathBuf,
+        executors: &[Executor],
+        kill_grace: Duration,
+        bridge: Arc<bridge::Shared>,
+        ended: mpsc::Sender<Ended>,
+    ) -> Self {
+        JobManager {
+            work_dir,
+            executors: executors
+                .iter()
+                .map(|e| (e.executor.clone(), e.runtime.clone()))
+                .collect(),
+            kill_grace,
+            bridge,
+            ended,
+            running: HashMap::new(),
+        }
+    }
+
+    /// How many jobs are running.
+    pub fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    /// The scheduler a running job belongs to.
+    pub fn scheduler_of(&self, job: &str) -> Option<PeerId> {
+        self.running.get(job).map(|r| r.scheduler)
+    }
+
+    /// The running jobs under `lease`.
+    pub fn jobs_under(&self, lease: u64) -> Vec<String> {
+        self.running
+            .iter()
+            .filter(|(_, r)| r.lease == lease)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Prepares the job's directory and bridge and starts its executor. The job's end arrives
+    /// later as an [`Ended`].
+    pub fn start(&mut self, spec: JobSpec, scheduler: PeerId) -> Result<(), StartError> {
+        let id = uuid::Uuid::try_parse(&spec.id)
+            .map_err(|_| StartError::BadId(spec.id.clone()))?
+            .hyphenated()
+            .to_string();
+        if self.running.contains_key(&id) {
+            return Err(StartError::Duplicate(id));
+        }
+        let runtime = self
+            .executors
+            .get(&spec.executor)
+            .ok_or_else(|| StartError::UnknownExecutor(spec.executor.clone()))?
+            .clone();
+        let dir = self.work_dir.join(format!("hypha-{id}"));
+        DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|error| StartError::Directory {
+                path: dir.clone(),
+                error,
+            })?;
+        let job_json = job_json(&id, &spec);
+        write_atomic(
+            &dir.join("job.json"),
+            job_json.as_bytes(),
+            Mode::Private,
+            false,
+        )?;
+        if !spec.secrets.is_empty() {
+            let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
+            write_atomic(&dir.join("secrets.json"), &secrets, Mode::Private, false)?;
+        }
+        let socket = dir.join("bridge.sock");
+        let bridge = bridge::serve(
+            self.bridge.clone(),
+            BridgeContext {
+                job: id.clone(),
+                task: spec.task.clone(),
+                scheduler,
+                dir: dir.clone(),
+                secrets: spec.secrets.clone(),
+            },
+            &socket,
+        )
+        .map_err(StartError::Bridge)?;
+
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        self.running.insert(
+            id.clone(),
+            Running {
+                lease: spec.lease,
+                scheduler,
+                cancel: Some(cancel_tx),
+            },
+        );
+        metrics::job_started();
+        let supervisor = Supervisor {
+            job: id,
+            lease: spec.lease,
+            scheduler,
+            dir,
+            kill_grace: self.kill_grace,
+            ended: self.ended.clone(),
+            started: Instant::now(),
+        };
+        let span = tracing::info_span!("job", job = %supervisor.job, executor = %spec.executor);
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let status = supervisor.run(runtime, &job_json, &socket, cancel_rx).await;
+                bridge.stop().await;
+                let _ = std::fs::remove_file(&socket);
+                supervisor.finish(status).await;
+            },
+            span,
+        ));
+        Ok(())
+    }
+
+    /// Stops a job: SIGTERM, then SIGKILL after the grace period. Its end arrives as an
+    /// [`Ended`] like any other.
+    pub fn cancel(&mut self, job: &str, reason: impl Into<String>) {
+        if let Some(cancel) = self.running.get_mut(job).and_then(|r| r.cancel.take()) {
+            let _ = cancel.send(reason.into());
+        }
+    }
+
+    /// Forgets a job that ended; called by the node when it handles the [`Ended`].
+    pub fn remove(&mut self, job: &str) {
+        self.running.remove(job);
+    }
+
+    /// Cancels every job (shutdown).
+    pub fn cancel_all(&mut self, reason: &str) {
+        let jobs: Vec<String> = self.running.keys().cloned().collect();
+        for job in jobs {
+            self.cancel(&job, reason);
+        }
+    }
+}
+
+struct Supervisor {
+    job: String,
+    lease: u64,
+    scheduler: PeerId,
+    dir: PathBuf,
+    kill_grace: Duration,
+    ended: mpsc::Sender<Ended>,
+    started: Instant,
+}
+
+impl Supervisor {
+    async fn run(
+        &self,
+        runtime: Runtime,
+        job_json: &str,
+        socket: &Path,
+        cancel: oneshot::Receiver<String>,
+    ) -> JobStatus {
+        match runtime {
+            Runtime::Process { cmd, args } => {
+                self.run_process(&cmd, &args, job_json, socket, cancel)
+                    .await
+            }
+            Runtime::ParameterServer => JobStatus::Failed {
+                reason: "the built-in parameter server has no aggregation algorithm in this \
+                         version of hypha-worker; it arrives with DiLoCo training"
+                    .into(),
+                stderr_tail: Vec::new(),
+            },
+        }
+    }
+
+    async fn run_process(
+        &self,
+        cmd: &str,
+        args: &[String],
+        job_json: &str,
+        socket: &Path,
+        cancel: oneshot::Receiver<String>,
+    ) -> JobStatus {
+        let args = substitute(args, socket, &self.dir, job_json);
+        let logs = File::create(self.dir.join("stdout.log"))
+            .and_then(|out| Ok((out, File::create(self.dir.join("stderr.log"))?)));
+        let (stdout, stderr) = match logs {
+            Ok(files) => files,
+            Err(e) => return failed(format!("cannot create the job's log files: {e}"), vec![]),
+        };
+        let mut command = tokio::process::Command::new(cmd);
+        command
+            .args(&args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                return failed(
+                    format!("cannot start executor {cmd:?}: {e} (is it installed and in PATH?)"),
+                    vec![],
+                );
+            }
+        };
+        let pid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .map(Pid::from_raw);
+        tracing::info!(pid = ?pid, "executor started");
+        self.report(JobStatus::Running).await;
+
+        let exit = tokio::select! {
+            exit = child.wait() => exit,
+            reason = cancel => {
+                let reason = reason.unwrap_or_else(|_| "the worker is shutting down".into());
+                tracing::info!(%reason, "stopping executor");
+                signal_group(pid, Signal::SIGTERM);
+                let exit = match tokio::time::timeout(self.kill_grace, child.wait()).await {
+                    Ok(exit) => exit,
+                    Err(_) => {
+                        tracing::warn!(grace = ?self.kill_grace, "executor ignored SIGTERM; killing it");
+                        signal_group(pid, Signal::SIGKILL);
+                        child.wait().await
+                    }
+                };
+                // Whatever the leader did, nothing of the job may outlive it.
+                signal_group(pid, Signal::SIGKILL);
+                return failed(
+                    format!("cancelled: {reason}{}", describe_exit(exit.ok())),
+                    self.stderr_tail(),
+                );
+            }
+        };
+        signal_group(pid, Signal::SIGKILL);
+        match exit {
+            Ok(status) => match status.code() {
+                Some(exit_code) => JobStatus::Finished { exit_code },
+                None => failed(
+                    format!("executor{}", describe_exit(Some(status))),
+                    self.stderr_tail(),
+                ),
+            },
+            Err(e) => failed(
+                format!("lost track of the executor: {e}"),
+                self.stderr_tail(),
+            ),
+        }
+    }
+
+    fn stderr_tail(&self) -> Vec<String> {
+        last_lines(&self.dir.join("stderr.log"), STDERR_TAIL_LINES)
+    }
+
+    async fn report(&self, status: JobStatus) {
+        // Running is reported through the same channel as the end, so the scheduler sees
+        // them in order.
+        let _ = self
+            .ended
+            .send(Ended {
+                job: self.job.clone(),
+                lease: self.lease,
+                scheduler: self.scheduler,
+                status,
+            })
+            .await;
+    }
+
+    async fn finish(self, status: JobStatus) {
+        match &status {
+            JobStatus::Finished { exit_code } => tracing::info!(exit_code, "job finished"),
+            JobStatus::Failed { reason, .. } => tracing::warn!(%reason, "job failed"),
+            JobStatus::Running => {}
+        }
+        metrics::job_ended(&status, self.started.elapsed());
+        self.report(status).await;
+    }
+}
+
+fn failed(reason: String, stderr_tail: Vec<String>) -> JobStatus {
+    JobStatus::Failed {
+        reason,
+        stderr_tail,
+    }
+}
+
+fn describe_exit(status: Option<ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => format!(" (exit code {code})"),
+            (None, Some(signal)) => format!(
+                " (killed by {})",
+                Signal::try_from(signal)
+                    .map_or_else(|_| format!("signal {signal}"), |s| s.to_string())
+            ),
+            (None, None) => String::new(),
+        },
+        None => String::new(),
+    }
+}
+
+fn signal_group(pid: Option<Pid>, signal: Signal) {
+    if let Some(pid) = pid {
+        // ESRCH (the group is gone) is the expected outcome once the job has ended.
+        let _ = nix::sys::signal::killpg(pid, signal);
+    }
+}
+
+/// What an executor is told about its job (`{JOB_JSON}`, `job.json`): everything but the
+/// secrets, with the executor's settings as a JSON value.
+fn job_json(id: &str, spec: &JobSpec) -> String {
+    let config = serde_json::from_str::<serde_json::Value>(&spec.config)
+        .unwrap_or_else(|_| serde_json::Value::String(spec.config.clone()));
+    serde_json::json!({
+        "id": id,
+        "task": spec.task,
+        "lease": spec.lease,
+        "executor": spec.executor,
+        "config": config,
+        "secrets_file": (!spec.secrets.is_empty()).then_some("secrets.json"),
+    })
+    .to_string()
+}
+
+/// Replaces the seed's placeholders in executor arguments.
+pub fn substitute(args: &[String], socket: &Path, work_dir: &Path, job_json: &str) -> Vec<String> {
+    args.iter()
+        .map(|a| {
+            a.replace("{SOCKET_PATH}", &socket.to_string_lossy())
+                .replace("{WORK_DIR}", &work_dir.to_string_lossy())
+                .replace("{JOB_JSON}", job_json)
+        })
+        .collect()
+}
+
+/// The last `n` lines of a file, reading at most its last 64 KiB.
+fn last_lines(path: &Path, n: usize) -> Vec<String> {
+    const TAIL_BYTES: u64 = 64 * 1024;
+    let Ok(mut file) = File::open(path) else {
+        return Vec::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if file
+        .seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))
+        .is_err()
+    {
+        return Vec::new();
+    }
+    let lines: Vec<String> = BufReader::new(file)
+        .split(b'\n')
+        .filter_map(Result::ok)
+        .map(|l| String::from_utf8_lossy(&l).into_owned())
+        .collect();
+    lines[lines.len().saturating_sub(n)..].to_vec()
+}

@@ -1,0 +1,38 @@
+//! `hypha-worker`: see the `hypha_worker` library.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hypha_node::{InitArgs, ProbeArgs, RunArgs};
+
+/// The Hypha worker: bids for jobs advertised by schedulers and runs them with its executors.
+///
+/// Start with `hypha-worker init`, set the certificate paths, gateway_addresses, work_dir,
+/// [resources], [offer] and [[executors]], then `hypha-worker run --config worker.toml`.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write a commented config file holding every key with its default.
+    Init(InitArgs),
+    /// Run the worker.
+    Run(RunArgs),
+    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
+    Probe(ProbeArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let schema = hypha_worker::config::schema();
+    hypha_node::report(match cli.command {
+        Command::Init(args) => hypha_node::init(&schema, &args),
+        Command::Run(args) => hypha_worker::node::run(&args).await,
+        Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+    })
+}
