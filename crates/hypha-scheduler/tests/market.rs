@@ -14,8 +14,10 @@ use std::{
 
 use hypha_certs::authority::{self, Authority, Validity};
 
-/// The path of one of the workspace's binaries, built on first use when a plain
-/// `cargo test -p hypha-scheduler` did not build it.
+/// The path of one of the workspace's binaries. `cargo test --workspace` (the README's test
+/// command) builds them all before any test runs; a plain `cargo test -p hypha-scheduler`
+/// does not, so a missing one is built here. (Building unconditionally would re-resolve
+/// features for that one package and relink it on every run.)
 fn bin(name: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let dir = std::env::current_exe()
@@ -27,7 +29,7 @@ fn bin(name: &str) -> PathBuf {
         .to_path_buf();
     let path = dir.join(name);
     let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
-    if !built.contains(name) {
+    if !path.exists() && !built.contains(name) {
         let status = Command::new(env!("CARGO"))
             .args(["build", "--quiet", "--package", name, "--bin", name])
             .status()
