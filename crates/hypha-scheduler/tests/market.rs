@@ -542,3 +542,225 @@ fn competing_schedulers_never_share_a_worker() {
         }
     }
 }
+
+/// A tiny HTTP server standing in for the Hugging Face Hub and a plain web server: answers
+/// `/org/model/resolve/main/config.json` and `/files/data.bin`, records the Authorization
+/// headers it saw.
+fn fake_hub() -> (u16, std::sync::Arc<Mutex<Vec<String>>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { break };
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let text = String::from_utf8_lossy(&request).to_string();
+            for line in text.lines() {
+                if line.to_ascii_lowercase().starts_with("authorization:") {
+                    record.lock().unwrap().push(line.to_string());
+                }
+            }
+            let path = text.split_whitespace().nth(1).unwrap_or("").to_string();
+            let (status, body): (&str, &[u8]) = match path.as_str() {
+                "/org/model/resolve/main/config.json" => ("200 OK", b"{\"hidden\": 8}"),
+                "/files/data.bin" => ("200 OK", b"0123456789"),
+                _ => ("404 Not Found", b"not here"),
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(body);
+        }
+    });
+    (port, seen)
+}
+
+#[test]
+fn an_executor_uses_every_bridge_endpoint_and_path_attacks_are_refused() {
+    let (port, authorizations) = fake_hub();
+    let cluster = Cluster::new();
+    // The executor: curl over the job's socket; one result line per call.
+    let script = format!(
+        r#"D="$1"; S="$2"; R="$D/results.txt"
+call() {{ code=$(curl -s -o "$D/resp.json" -w '%{{http_code}}' --unix-socket "$S" -X POST -H 'content-type: application/json' --data "$3" "http://bridge$2"); echo "$1 $code $(cat "$D/resp.json")" >> "$R"; }}
+call hf /resources/fetch '{{"fetch":{{"type":"HuggingFace","repository":"org/model","filenames":["config.json"]}},"out_dir":"models"}}'
+call uri /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/files/data.bin"}},"out_dir":"data"}}'
+call missing /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/nothing"}},"out_dir":"data"}}'
+call status /status/send '{{"loss":1.5,"step":3}}'
+call malformed /status/send 'not json'
+ln -s /etc "$D/link"
+mkdir "$D/swap"
+call swap-before /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/files/data.bin"}},"out_dir":"swap"}}'
+rm -rf "$D/swap"; ln -s "$(dirname "$D")" "$D/swap"
+for p in /etc ../x a/../../x .. %2e%2e/x x/%2E%2E/y 'a\\b' link link/sub swap ../hypha-other/in . ''; do
+  call "attack:$p" /resources/fetch "{{\"fetch\":{{\"type\":\"Uri\",\"value\":\"http://127.0.0.1:{port}/files/data.bin\"}},\"out_dir\":\"$p\"}}"
+done
+code=$(curl -s -o "$D/openapi.json" -w '%{{http_code}}' --unix-socket "$S" http://bridge/openapi.json); echo "openapi $code" >> "$R"
+exit 0"#
+    );
+    let _worker = cluster.worker_with_env(
+        "bridge-worker",
+        &script,
+        &[("HF_ENDPOINT", format!("http://127.0.0.1:{port}"))],
+    );
+    let job = cluster.job(
+        "bridge",
+        "workers = 1\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"sh\"\n[secrets]\nhf_token = \"hf_secret_token\"\n",
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, logs) = scheduler.wait(Duration::from_secs(60));
+    assert!(ok, "{}", logs.join("\n"));
+
+    let work = cluster.path("bridge-worker-work");
+    let job_dir = std::fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("hypha-")
+        })
+        .unwrap();
+    let results = std::fs::read_to_string(job_dir.join("results.txt")).unwrap();
+    let line = |name: &str| -> (String, String) {
+        let l = results
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no result for {name}:\n{results}"));
+        let mut parts = l.splitn(3, ' ');
+        parts.next();
+        (
+            parts.next().unwrap().to_string(),
+            parts.next().unwrap_or("").to_string(),
+        )
+    };
+
+    let (code, body) = line("hf");
+    assert_eq!(code, "200", "{body}");
+    let entries: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(entries[0]["path"], "models/config.json");
+    assert_eq!(entries[0]["size"], 13);
+    assert!(
+        entries[0]["checksum"]
+            .as_str()
+            .unwrap()
+            .starts_with("sha256:")
+    );
+    assert_eq!(entries[0]["metadata"]["source"], "huggingface");
+    assert_eq!(
+        std::fs::read_to_string(job_dir.join("models/config.json")).unwrap(),
+        "{\"hidden\": 8}"
+    );
+    assert!(
+        authorizations
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|a| a.ends_with("Bearer hf_secret_token")),
+        "the job's hf_token secret reaches the Hub"
+    );
+    let job_json = std::fs::read_to_string(job_dir.join("job.json")).unwrap();
+    assert!(
+        !job_json.contains("hf_secret_token"),
+        "secrets stay out of {{JOB_JSON}}"
+    );
+
+    let (code, body) = line("uri");
+    assert_eq!(code, "200", "{body}");
+    let entries: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // sha256("0123456789")
+    assert_eq!(
+        entries[0]["checksum"],
+        "sha256:84d89877f0d4041efb6bf91a16f0248f2fd573e6af05c19f96bedb9f882f7882"
+    );
+    assert_eq!(line("missing").0, "502");
+    let (code, body) = line("status");
+    assert_eq!(code, "200");
+    assert_eq!(
+        body, r#"{"received":true}"#,
+        "the scheduler's answer comes back"
+    );
+    let statuses = of_kind(&events(&events_path), "executor_status")
+        .into_iter()
+        .map(|e| e["event"]["payload"]["loss"].as_f64().unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(statuses, vec![1.5], "the status reached the scheduler");
+    assert_eq!(line("malformed").0, "400");
+    assert_eq!(line("swap-before").0, "200");
+
+    let attacks: Vec<&str> = results
+        .lines()
+        .filter(|l| l.starts_with("attack:"))
+        .collect();
+    assert!(attacks.len() >= 10, "{results}");
+    for attack in &attacks {
+        let code = attack.split(' ').nth(1).unwrap();
+        assert!(code == "403" || code == "400", "not refused: {attack}");
+        assert!(
+            attack.contains("\"code\""),
+            "errors are JSON with a code: {attack}"
+        );
+    }
+    assert!(!work.join("data.bin").exists() && !Path::new("/etc/data.bin").exists());
+    assert_eq!(line("openapi").0, "200");
+    let openapi: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job_dir.join("openapi.json")).unwrap())
+            .unwrap();
+    assert!(openapi["paths"]["/resources/fetch"].is_object());
+}
+
+impl Cluster {
+    fn worker_with_env(&self, name: &str, script: &str, env: &[(&str, String)]) -> Proc {
+        let work = self.path(&format!("{name}-work"));
+        let extra = format!(
+            "work_dir = \"{}\"\n[offer]\nlease_ms = 3000\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
+            work.display()
+        );
+        let config = self.config(name, &extra);
+        let mut command_env: Vec<(&str, &str)> =
+            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        command_env.push(("RUST_LOG", "info"));
+        let mut worker = Proc::start_env(&bin("hypha-worker"), &config, name, &command_env);
+        worker.wait_for("worker ready for advertisements");
+        worker
+    }
+}
+
+impl Proc {
+    fn start_env(bin: &Path, config: &Path, name: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = Command::new(bin)
+            .args(["run".as_ref(), "--config".as_ref(), config.as_os_str()])
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+}
