@@ -74,7 +74,11 @@ impl JobFile {
             let position = e
                 .span()
                 .map(|span| {
-                    let line = text[..span.start.min(text.len())].lines().count().max(1);
+                    let line = text.as_bytes()[..span.start.min(text.len())]
+                        .iter()
+                        .filter(|b| **b == b'\n')
+                        .count()
+                        + 1;
                     format!("line {line}: ")
                 })
                 .unwrap_or_default();
