@@ -165,9 +165,13 @@ impl Proc {
     }
 
     fn start_with(bin: &Path, args: &[&std::ffi::OsStr], name: &str) -> Self {
+        Self::spawn(bin, args, &[("RUST_LOG", "info")], name)
+    }
+
+    fn spawn(bin: &Path, args: &[&std::ffi::OsStr], env: &[(&str, &str)], name: &str) -> Self {
         let mut child = Command::new(bin)
             .args(args)
-            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -732,35 +736,9 @@ impl Cluster {
         let mut command_env: Vec<(&str, &str)> =
             env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         command_env.push(("RUST_LOG", "info"));
-        let mut worker = Proc::start_env(&bin("hypha-worker"), &config, name, &command_env);
+        let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
+        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
         worker.wait_for("worker ready for advertisements");
         worker
-    }
-}
-
-impl Proc {
-    fn start_env(bin: &Path, config: &Path, name: &str, env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(bin)
-            .args(["run".as_ref(), "--config".as_ref(), config.as_os_str()])
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Proc {
-            child,
-            lines,
-            seen: Vec::new(),
-            name: name.to_string(),
-        }
     }
 }
