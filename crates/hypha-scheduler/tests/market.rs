@@ -111,13 +111,29 @@ impl Cluster {
 
     /// Starts a worker whose executor `sh` runs `script` in the job's directory.
     fn worker(&self, name: &str, offer: &str, resources: &str, script: &str) -> Proc {
+        self.worker_with_env(name, offer, resources, script, &[])
+    }
+
+    /// [`worker`](Self::worker) with extra environment variables.
+    fn worker_with_env(
+        &self,
+        name: &str,
+        offer: &str,
+        resources: &str,
+        script: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
         let work = self.path(&format!("{name}-work"));
         let extra = format!(
             "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\nlease_ms = 3000\n{offer}\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
             work.display()
         );
         let config = self.config(name, &extra);
-        let mut worker = Proc::start(&bin("hypha-worker"), &["run", "--config"], &config, name);
+        let mut command_env: Vec<(&str, &str)> =
+            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        command_env.push(("RUST_LOG", "info"));
+        let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
+        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
         worker.wait_for("worker ready for advertisements");
         worker
     }
@@ -249,6 +265,20 @@ impl Drop for Proc {
     }
 }
 
+/// The one job directory a worker made under its work_dir.
+fn job_dir(work: &Path) -> PathBuf {
+    std::fs::read_dir(work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("hypha-")
+        })
+        .unwrap()
+}
+
 fn events(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -336,16 +366,7 @@ fn the_cheapest_offers_per_unit_win_and_statuses_reach_the_scheduler() {
 
     // The executor saw its work directory, socket and job; its output went to its log.
     let work = cluster.path("cheap-whole-work");
-    let job_dir = std::fs::read_dir(&work)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("hypha-")
-        })
-        .unwrap();
+    let job_dir = job_dir(&work);
     let stdout = std::fs::read_to_string(job_dir.join("stdout.log")).unwrap();
     assert!(stdout.contains("running in"), "{stdout}");
     let job_json: serde_json::Value =
@@ -615,6 +636,8 @@ exit 0"#
     );
     let _worker = cluster.worker_with_env(
         "bridge-worker",
+        "",
+        "",
         &script,
         &[("HF_ENDPOINT", format!("http://127.0.0.1:{port}"))],
     );
@@ -627,16 +650,7 @@ exit 0"#
     assert!(ok, "{}", logs.join("\n"));
 
     let work = cluster.path("bridge-worker-work");
-    let job_dir = std::fs::read_dir(&work)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("hypha-")
-        })
-        .unwrap();
+    let job_dir = job_dir(&work);
     let results = std::fs::read_to_string(job_dir.join("results.txt")).unwrap();
     let line = |name: &str| -> (String, String) {
         let l = results
@@ -723,22 +737,4 @@ exit 0"#
         serde_json::from_str(&std::fs::read_to_string(job_dir.join("openapi.json")).unwrap())
             .unwrap();
     assert!(openapi["paths"]["/resources/fetch"].is_object());
-}
-
-impl Cluster {
-    fn worker_with_env(&self, name: &str, script: &str, env: &[(&str, String)]) -> Proc {
-        let work = self.path(&format!("{name}-work"));
-        let extra = format!(
-            "work_dir = \"{}\"\n[offer]\nlease_ms = 3000\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
-            work.display()
-        );
-        let config = self.config(name, &extra);
-        let mut command_env: Vec<(&str, &str)> =
-            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        command_env.push(("RUST_LOG", "info"));
-        let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
-        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
-        worker.wait_for("worker ready for advertisements");
-        worker
-    }
 }
