@@ -21,7 +21,7 @@
 //! its other clients; a transfer can resume at any offset on any provider. Non-goals: ranges
 //! that end before the file does; several slices per stream.
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+pub use hypha_network::frame::{FrameError, MAX_FRAME, read_frame, write_frame};
 use serde::{Deserialize, Serialize};
 
 /// The protocol's name.
@@ -29,9 +29,6 @@ pub const PROTOCOL_NAME: &str = "/hypha/slice/1.0.0";
 /// The protocol, for opening and accepting streams.
 pub const PROTOCOL: hypha_network::StreamProtocol =
     hypha_network::StreamProtocol::new(PROTOCOL_NAME);
-
-/// The largest request or header frame either side accepts.
-pub const MAX_FRAME: usize = 4 * 1024;
 
 /// Asks for one slice from `offset` on.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,50 +86,6 @@ impl ServeError {
             message: message.into(),
         }
     }
-}
-
-/// A frame could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    #[error("connection: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
-    #[error("malformed frame: {0}")]
-    Malformed(String),
-}
-
-/// Writes a length-prefixed JSON frame.
-pub async fn write_frame<T: Serialize>(
-    io: &mut (impl AsyncWrite + Unpin),
-    value: &T,
-) -> Result<(), FrameError> {
-    let json = serde_json::to_vec(value).map_err(|e| FrameError::Malformed(e.to_string()))?;
-    if json.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge(json.len()));
-    }
-    let mut frame = Vec::with_capacity(4 + json.len());
-    frame.extend_from_slice(&(json.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&json);
-    io.write_all(&frame).await?;
-    io.flush().await?;
-    Ok(())
-}
-
-/// Reads a length-prefixed JSON frame, refusing lengths above [`MAX_FRAME`] before reading
-/// the body.
-pub async fn read_frame<T: for<'de> Deserialize<'de>>(
-    io: &mut (impl AsyncRead + Unpin),
-) -> Result<T, FrameError> {
-    let mut length = [0u8; 4];
-    io.read_exact(&mut length).await?;
-    let length = u32::from_be_bytes(length) as usize;
-    if length > MAX_FRAME {
-        return Err(FrameError::TooLarge(length));
-    }
-    let mut body = vec![0u8; length];
-    io.read_exact(&mut body).await?;
-    serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
 }
 
 /// The DHT key under which providers of `dataset` announce themselves.

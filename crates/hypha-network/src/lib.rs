@@ -21,6 +21,7 @@ pub mod address_filter;
 pub mod behaviour;
 mod client;
 mod event_loop;
+pub mod frame;
 pub mod muxer;
 pub mod rpc;
 mod settings;
