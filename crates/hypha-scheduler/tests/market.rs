@@ -738,3 +738,187 @@ exit 0"#
             .unwrap();
     assert!(openapi["paths"]["/resources/fetch"].is_object());
 }
+
+/// The executor of [`jobs_of_a_task_exchange_files_and_other_jobs_see_none`]: `exchange` jobs
+/// swap files with the peer named in `$C/peer-for-$ME` through every peer endpoint;
+/// the `bystander` job, another task on the same worker, waits for files that never come.
+const EXCHANGE: &str = r#"D="$1"; S="$2"; R="$D/results.txt"
+call() { code=$(curl -s -o "$D/resp.json" -w '%{http_code}' --unix-socket "$S" -X POST -H 'content-type: application/json' --data "$3" "http://bridge$2"); echo "$1 $code $(cat "$D/resp.json")" >> "$R"; }
+if grep -q '"role":"bystander"' "$D/job.json"; then
+  touch "$C/go"
+  curl -s -m 6 -o "$D/resp.json" --unix-socket "$S" -X POST -H 'content-type: application/json' --data '{"fetch":{"type":"Peers","peers":[]},"out_dir":"in"}' http://bridge/resources/fetch
+  echo "bystander $?" >> "$R"
+  exit 0
+fi
+while [ ! -f "$C/go" ]; do sleep 0.1; done
+PEER=$(cat "$C/peer-for-$ME")
+echo "hello from $ME" > "$D/mine.txt"
+curl -s -N -m 30 --unix-socket "$S" -X POST -H 'content-type: application/json' --data '{"receive":{"type":"Peers","peers":["'$PEER'"],"strategy":"One"},"out_dir":"in"}' http://bridge/resources/receive > "$D/events.txt" &
+call send /resources/send '{"send":{"type":"Peers","peers":["'$PEER'"],"strategy":"All"},"path":"mine.txt"}'
+wait
+echo "round two from $ME" > "$D/second.txt"
+call send2 /resources/send '{"send":{"type":"Peers","peers":["'$PEER'"],"strategy":"Random"},"path":"second.txt"}'
+call fetch /resources/fetch '{"fetch":{"type":"Peers","peers":["'$PEER'"],"strategy":"All"},"out_dir":"in"}'
+call bad-peer /resources/send '{"send":{"type":"Peers","peers":["not-a-peer"]},"path":"mine.txt"}'
+call no-peers /resources/send '{"send":{"type":"Peers","peers":[]},"path":"mine.txt"}'
+call send-up /resources/send '{"send":{"type":"Peers","peers":["'$PEER'"]},"path":"../job.json"}'
+call send-absolute /resources/send '{"send":{"type":"Peers","peers":["'$PEER'"]},"path":"/etc/passwd"}'
+call receive-up /resources/receive '{"receive":{"type":"Peers"},"out_dir":"../x"}'
+exit 0"#;
+
+/// Every result line of a job's `results.txt` whose name is `name`: (HTTP code, body).
+fn result(job_dir: &Path, name: &str) -> (String, String) {
+    let results = std::fs::read_to_string(job_dir.join("results.txt")).unwrap_or_default();
+    let line = results
+        .lines()
+        .find(|l| l.starts_with(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no result for {name} in {}:\n{results}", job_dir.display()));
+    let mut parts = line.splitn(3, ' ');
+    parts.next();
+    (
+        parts.next().unwrap_or("").to_string(),
+        parts.next().unwrap_or("").to_string(),
+    )
+}
+
+/// The job directories under `work` whose job.json has `config.role == role`.
+fn job_dirs_with_role(work: &Path, role: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            std::fs::read_to_string(p.join("job.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .is_some_and(|j| j["config"]["role"] == role)
+        })
+        .collect()
+}
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if entry.file_type().unwrap().is_dir() {
+            files.extend(files_under(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+#[test]
+fn jobs_of_a_task_exchange_files_and_other_jobs_see_none() {
+    let cluster = Cluster::new();
+    let c = cluster.path("").display().to_string();
+    // a has room for one job, b for two: the exchange task takes both, the bystander task
+    // then lands next to it on b.
+    let start = |name: &str, cpu: &str| {
+        cluster.worker_with_env(
+            name,
+            "strategy = \"flexible\"\nprice = 1.0",
+            &format!("cpu = {cpu}"),
+            EXCHANGE,
+            &[("C", c.clone()), ("ME", name.to_string())],
+        )
+    };
+    let (a_id, _a) = cluster.peer_id_after("a", |_| start("a", "1"));
+    let (b_id, _b) = cluster.peer_id_after("b", |_| start("b", "2"));
+    std::fs::write(cluster.path("peer-for-a"), &b_id).unwrap();
+    std::fs::write(cluster.path("peer-for-b"), &a_id).unwrap();
+
+    let job = |name: &str, workers: u32, role: &str| {
+        cluster.job(
+            name,
+            &format!(
+                "workers = {workers}\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n[config]\nrole = \"{role}\"\n"
+            ),
+        )
+    };
+    let (mut exchange, exchange_events) =
+        cluster.scheduler("exchange-scheduler", &job("exchange", 2, "exchange"));
+    wait_for_events(&exchange_events, "dispatched", 2);
+    let (mut bystander, _) =
+        cluster.scheduler("bystander-scheduler", &job("bystander", 1, "bystander"));
+    let (ok, logs) = exchange.wait(Duration::from_secs(60));
+    assert!(ok, "{}", logs.join("\n"));
+    let (ok, logs) = bystander.wait(Duration::from_secs(60));
+    assert!(ok, "{}", logs.join("\n"));
+
+    for (me, peer) in [("a", &b_id), ("b", &a_id)] {
+        let dirs = job_dirs_with_role(&cluster.path(&format!("{me}-work")), "exchange");
+        assert_eq!(dirs.len(), 1, "one exchange job on {me}");
+        let dir = &dirs[0];
+        let other = if me == "a" { "b" } else { "a" };
+
+        let (code, body) = result(dir, "send");
+        assert_eq!(code, "200", "{me} send: {body}");
+        let sent: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let text = format!("hello from {me}\n");
+        assert_eq!(sent["path"], "mine.txt");
+        assert_eq!(sent["size"], text.len());
+        assert_eq!(
+            sent["checksum"],
+            format!(
+                "sha256:{}",
+                hex::encode(<sha2::Sha256 as sha2::Digest>::digest(text.as_bytes()))
+            )
+        );
+        assert_eq!(sent["metadata"]["peers"], serde_json::json!([peer]));
+
+        // The event stream: one event with the sequence as its id, the file in out_dir.
+        let events = std::fs::read_to_string(dir.join("events.txt")).unwrap();
+        assert!(events.contains("id: 0"), "{me} events: {events}");
+        let data = events
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or_else(|| panic!("{me} got no event: {events:?}"));
+        let event: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(event["path"], "in/0-mine.txt");
+        assert_eq!(event["from_peer"], peer.as_str());
+        assert_eq!(event["sequence"], 0);
+        assert_eq!(
+            std::fs::read_to_string(dir.join("in/0-mine.txt")).unwrap(),
+            format!("hello from {other}\n")
+        );
+
+        assert_eq!(result(dir, "send2").0, "200");
+        let (code, body) = result(dir, "fetch");
+        assert_eq!(code, "200", "{me} fetch: {body}");
+        let fetched: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(fetched[0]["path"], "in/1-second.txt");
+        assert_eq!(fetched[0]["metadata"]["from_peer"], peer.as_str());
+        assert_eq!(
+            std::fs::read_to_string(dir.join("in/1-second.txt")).unwrap(),
+            format!("round two from {other}\n")
+        );
+
+        for (name, expected) in [
+            ("bad-peer", "400"),
+            ("no-peers", "400"),
+            ("send-up", "403"),
+            ("send-absolute", "403"),
+            ("receive-up", "403"),
+        ] {
+            let (code, body) = result(dir, name);
+            assert_eq!(code, expected, "{me} {name}: {body}");
+            assert!(body.contains("\"code\""), "{me} {name}: {body}");
+        }
+    }
+
+    // The bystander shared worker b with an exchange job the whole time, yet its fetch
+    // waited in vain (curl's exit code 28: timed out) and nothing reached its directory.
+    let bystanders = job_dirs_with_role(&cluster.path("b-work"), "bystander");
+    assert_eq!(bystanders.len(), 1, "the bystander ran on b");
+    let results = std::fs::read_to_string(bystanders[0].join("results.txt")).unwrap();
+    assert_eq!(results.trim(), "bystander 28");
+    for file in files_under(&bystanders[0]) {
+        let bytes = std::fs::read(&file).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&bytes).contains("from a"),
+            "{} holds what a sent to another task",
+            file.display()
+        );
+    }
+}

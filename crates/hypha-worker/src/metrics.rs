@@ -1,4 +1,5 @@
-//! The worker's OpenTelemetry instruments (seed 003): jobs and leases.
+//! The worker's OpenTelemetry instruments (seed 003): jobs, leases, offers and the bytes
+//! jobs send each other.
 //!
 //! Instruments come from the global meter provider, which telemetry sets up when metrics are
 //! exported; otherwise they are no-ops.
@@ -21,6 +22,7 @@ struct Instruments {
     lease_expirations: Counter<u64>,
     offers: Counter<u64>,
     advertisements: Counter<u64>,
+    resource_bytes: Counter<u64>,
 }
 
 fn meter() -> Meter {
@@ -68,6 +70,13 @@ fn instruments() -> &'static Instruments {
             advertisements: m
                 .u64_counter("hypha.worker.advertisements")
                 .with_description("Advertisements evaluated, by outcome (offered or why dropped)")
+                .build(),
+            resource_bytes: m
+                .u64_counter("hypha.worker.resources.bytes")
+                .with_unit("By")
+                .with_description(
+                    "Bytes of resources moved between jobs, by direction (sent, received)",
+                )
                 .build(),
         }
     })
@@ -126,4 +135,10 @@ pub(crate) fn advertisement(outcome: &'static str) {
     instruments()
         .advertisements
         .add(1, &[KeyValue::new("outcome", outcome)]);
+}
+
+pub(crate) fn resource_bytes(direction: &'static str, bytes: u64) {
+    instruments()
+        .resource_bytes
+        .add(bytes, &[KeyValue::new("direction", direction)]);
 }

@@ -80,6 +80,10 @@ pub async fn serve(
     let (ended_tx, ended) = mpsc::channel(64);
     let (internal_tx, internal) = mpsc::channel(256);
     let shared = Arc::new(bridge::Shared::new(network.clone(), bridge));
+    tokio::spawn({
+        let shared = shared.clone();
+        async move { shared.receive_transfers().await }
+    });
     let executors: Vec<String> = config
         .executors
         .iter()

@@ -2,6 +2,8 @@
 //!
 //! - `{"type": "Uri", "value": "https://…"}`: one HTTP(S) download, named after the URL's last
 //!   path segment.
+//! - `{"type": "Peers", "peers": [...], "strategy": "All"}`: files other jobs of the task sent
+//!   (see [`peers`](super::peers)).
 //! - `{"type": "HuggingFace", "repository": "org/model", "revision": "main", "filenames": [...]}`:
 //!   files of a Hub repository through the Hub's HTTP file API
 //!   (`{endpoint}/{repository}/resolve/{revision}/{filename}`). The endpoint is `HF_ENDPOINT`
@@ -37,7 +39,12 @@ pub enum Reference {
         token: Option<String>,
     },
     #[serde(alias = "peers")]
-    Peers {},
+    Peers {
+        #[serde(default)]
+        peers: Vec<String>,
+        #[serde(default)]
+        strategy: super::peers::Strategy,
+    },
     #[serde(alias = "scheduler")]
     Scheduler {},
 }
@@ -54,6 +61,9 @@ pub(super) async fn fetch(
 ) -> Result<Vec<FileEntry>, BridgeError> {
     let out_dir = paths::check(&request.out_dir)?;
     match request.fetch {
+        Reference::Peers { peers, strategy } => {
+            super::peers::fetch(bridge, &peers, strategy, &request.out_dir).await
+        }
         Reference::Uri { value } => {
             let url = reqwest::Url::parse(&value)
                 .map_err(|e| BridgeError::bad_request(format!("{value:?} is not a URL: {e}")))?;
@@ -114,10 +124,10 @@ pub(super) async fn fetch(
             }
             Ok(entries)
         }
-        Reference::Peers { .. } | Reference::Scheduler { .. } => Err(BridgeError::new(
+        Reference::Scheduler { .. } => Err(BridgeError::new(
             StatusCode::NOT_IMPLEMENTED,
             "unsupported",
-            "this worker fetches Uri and HuggingFace references; peers and scheduler data come in a later version",
+            "this worker fetches Uri, HuggingFace and Peers references; data from the scheduler comes with the data-pipeline version",
         )),
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! | endpoint | what it does |
 //! |---|---|
-//! | `POST /resources/fetch` | downloads HTTP(S) URLs or Hugging Face files into the job's directory |
+//! | `POST /resources/fetch` | downloads HTTP(S) URLs or Hugging Face files into the job's directory, or waits for files peers sent |
+//! | `POST /resources/send` | sends a file to the jobs of the same task on other workers ([`peers`]) |
+//! | `POST /resources/receive` | streams the files peers send, as Server-Sent Events with sequence numbers |
 //! | `POST /status/send` | forwards a JSON status to the job's scheduler and returns its answer |
 //! | `GET /openapi.json` | describes all of it |
 //!
@@ -13,10 +15,13 @@
 //! directory ([`paths`]).
 //!
 //! Each job has its own socket (mode 0600, inside the job's 0700 directory) and its own
-//! server, which knows only that job: a job cannot name another job's files or inbox.
+//! server, which knows only that job: a job cannot name another job's files or inbox, and
+//! what peers send reaches only the jobs of the task it was sent to ([`transfer`]).
 
 mod fetch;
 pub mod paths;
+mod peers;
+pub mod transfer;
 
 use std::{
     collections::BTreeMap,
@@ -37,9 +42,12 @@ use hypha_messages::Request;
 use hypha_network::Network;
 use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
-use self::paths::{JobDir, PathError};
+use self::{
+    paths::{JobDir, PathError},
+    transfer::{Inbox, Inboxes, Registration},
+};
 
 /// The largest request body the bridge reads.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -75,6 +83,7 @@ pub struct Shared {
     network: Network,
     settings: Settings,
     http: reqwest::Client,
+    inboxes: Arc<Inboxes>,
 }
 
 impl Shared {
@@ -88,7 +97,13 @@ impl Shared {
             network,
             settings,
             http,
+            inboxes: Arc::default(),
         }
+    }
+
+    /// Receives what peers send to this worker's jobs, until the network stops.
+    pub async fn receive_transfers(&self) {
+        transfer::serve(self.network.clone(), self.inboxes.clone()).await;
     }
 }
 
@@ -105,19 +120,30 @@ pub struct BridgeContext {
 struct Bridge {
     shared: Arc<Shared>,
     context: BridgeContext,
-    dir: JobDir,
+    dir: Arc<JobDir>,
+    registration: Registration,
+    /// Cancelled when the job ends: ends event streams and waits so the server can stop.
+    stopping: CancellationToken,
+}
+
+impl Bridge {
+    fn inbox(&self) -> &Inbox {
+        self.registration.inbox()
+    }
 }
 
 /// A running bridge; [`stop`](BridgeHandle::stop) it when the job ends.
 #[derive(Debug)]
 pub struct BridgeHandle {
-    stop: oneshot::Sender<()>,
+    stopping: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl BridgeHandle {
+    /// Stops serving: open event streams and waits end, and the job's inbox closes (files
+    /// still waiting in it stay in its staging directory).
     pub async fn stop(self) {
-        let _ = self.stop.send(());
+        self.stopping.cancel();
         let _ = self.task.await;
     }
 }
@@ -129,34 +155,42 @@ pub fn serve(
     socket: &Path,
 ) -> std::io::Result<BridgeHandle> {
     use std::os::unix::fs::PermissionsExt;
-    let dir = JobDir::open(&context.dir)?;
+    let dir = Arc::new(JobDir::open(&context.dir)?);
     // The socket lives in the job's 0700 directory, so nobody else can reach it even in the
     // moment between bind and chmod.
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    let registration = shared
+        .inboxes
+        .open(&context.task, &context.job, dir.clone());
+    let stopping = CancellationToken::new();
     let bridge = Arc::new(Bridge {
         shared,
         context,
         dir,
+        registration,
+        stopping: stopping.clone(),
     });
     let router = Router::new()
         .route("/resources/fetch", post(fetch_handler))
+        .route("/resources/send", post(send_handler))
+        .route("/resources/receive", post(receive_handler))
         .route("/status/send", post(status_send))
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .with_state(bridge);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let served = axum::serve(listener, router)
-            .with_graceful_shutdown(async {
-                let _ = stopped.await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::warn!(error = %e, "job bridge stopped");
+    let task = tokio::spawn({
+        let stopping = stopping.clone();
+        async move {
+            let served = axum::serve(listener, router)
+                .with_graceful_shutdown(stopping.cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                tracing::warn!(error = %e, "job bridge stopped");
+            }
         }
     });
-    Ok(BridgeHandle { stop, task })
+    Ok(BridgeHandle { stopping, task })
 }
 
 /// An error answered to the executor as JSON.
@@ -245,6 +279,22 @@ async fn fetch_handler(
 ) -> Result<Json<Vec<FileEntry>>, BridgeError> {
     let request: fetch::FetchRequest = json_body(body).await?;
     fetch::fetch(&bridge, request).await.map(Json)
+}
+
+async fn send_handler(
+    State(bridge): State<Arc<Bridge>>,
+    body: Body,
+) -> Result<Json<FileEntry>, BridgeError> {
+    let request: peers::SendRequest = json_body(body).await?;
+    peers::send(&bridge, request).await.map(Json)
+}
+
+async fn receive_handler(
+    State(bridge): State<Arc<Bridge>>,
+    body: Body,
+) -> Result<Response, BridgeError> {
+    let request: peers::ReceiveRequest = json_body(body).await?;
+    peers::receive(bridge, request).map(IntoResponse::into_response)
 }
 
 async fn status_send(

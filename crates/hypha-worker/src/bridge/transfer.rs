@@ -1,0 +1,575 @@
+//! Resources sent between the jobs of one task on different workers: the
+//! `/hypha/resource/1.0.0` protocol on `libp2p-stream`, and each job's inbox.
+//!
+//! ```text
+//! sender → receiver   header:  frame {"task": "…", "name": "gradients.safetensors", "size": 123}
+//! receiver → sender   answer:  frame "ready", or {"refused": {"code": "no_job", "message": "…"}}
+//! sender → receiver   exactly `size` bytes, then frame {"sha256": "<hex>"}
+//! receiver → sender   answer:  frame {"received": {"jobs": 1}}, or {"refused": {…}}
+//! ```
+//!
+//! (Frames are [`hypha_network::frame`]s.) The receiver answers before any bytes move, so a
+//! refusal never costs the sender an upload. A transfer is addressed to a **task**, never to a
+//! job or a path: the sending job's task comes from its job spec, not from the executor, so a
+//! job can only ever reach the jobs of its own task, and the receiving worker delivers into
+//! the inboxes of exactly those jobs. Other jobs on the worker never see the file.
+//!
+//! The bytes are staged in the job's directory under [`STAGING_DIR`] (opened beneath the job
+//! directory like every other path, so an executor cannot redirect them), checked against the
+//! sender's SHA-256, fsynced, and only then queued. The executor takes them with
+//! `/resources/receive` or `/resources/fetch` (type `Peers`), which rename them into its
+//! `out_dir` as `{sequence}-{name}`: the sequence number makes names from several peers, or
+//! several rounds, distinct.
+//!
+//! Limits, and what happens at them: at most [`MAX_CONCURRENT`] transfers are received at
+//! once (more are refused `busy`), at most [`MAX_WAITING`] files wait in one inbox (more are
+//! refused `inbox_full`), a header must arrive within [`HEADER_TIMEOUT`] and the bytes may stall
+//! for at most [`STALL_TIMEOUT`]. A sender retries `no_job` (its peer's job may not have
+//! started yet), `busy` and `inbox_full` for up to [`SEND_PATIENCE`].
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    ffi::{OsStr, OsString},
+    os::unix::ffi::OsStrExt,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use hypha_network::{
+    Network, NetworkError, PeerId, StreamProtocol,
+    frame::{FrameError, read_frame, write_frame},
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    sync::{Notify, Semaphore},
+};
+
+use super::paths::{JobDir, PathError};
+use crate::metrics;
+
+/// The protocol's name.
+pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.0.0");
+/// Where received files wait, relative to the job's directory.
+pub const STAGING_DIR: &str = ".hypha/inbox";
+/// Transfers received at the same time; more are refused `busy`.
+pub const MAX_CONCURRENT: usize = 32;
+/// Files waiting in one job's inbox; more are refused `inbox_full` until the job takes some.
+pub const MAX_WAITING: usize = 256;
+/// How long a sender has to send its header.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the bytes of a transfer may make no progress.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`.
+pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
+
+const CHUNK: usize = 256 * 1024;
+
+/// What a transfer carries, sent before its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Header {
+    /// The task whose jobs receive the file.
+    pub task: String,
+    /// The file's name: one path component.
+    pub name: String,
+    pub size: u64,
+}
+
+/// Sent after the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Trailer {
+    /// SHA-256 of the bytes, hex.
+    pub sha256: String,
+}
+
+/// The receiver's answer to a header, and again to the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Answer {
+    Ready,
+    Received { jobs: usize },
+    Refused(Refusal),
+}
+
+/// Why a receiver did not take a transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct Refusal {
+    pub code: RefusalCode,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalCode {
+    /// The header was malformed, too large, or named no plain file.
+    BadRequest,
+    /// No job of the task runs on the receiving worker.
+    NoJob,
+    /// Every job of the task has [`MAX_WAITING`] files waiting.
+    InboxFull,
+    /// The receiver is at [`MAX_CONCURRENT`] transfers.
+    Busy,
+    /// The bytes did not match the size or checksum announced.
+    Corrupt,
+    /// The receiver could not store the file.
+    Io,
+}
+
+impl RefusalCode {
+    /// Whether the same transfer may succeed a little later.
+    fn is_transient(self) -> bool {
+        matches!(
+            self,
+            RefusalCode::NoJob | RefusalCode::Busy | RefusalCode::InboxFull
+        )
+    }
+}
+
+impl Refusal {
+    fn new(code: RefusalCode, message: impl Into<String>) -> Self {
+        Refusal {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A file that arrived for a job and waits for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrived {
+    /// Per job, from 0, in order of arrival.
+    pub sequence: u64,
+    pub from: PeerId,
+    pub name: String,
+    pub size: u64,
+    /// `sha256:<hex>`.
+    pub checksum: String,
+    /// The file's name in [`STAGING_DIR`].
+    staged: OsString,
+}
+
+/// One job's inbox.
+#[derive(Debug)]
+pub struct Inbox {
+    job: String,
+    dir: Arc<JobDir>,
+    state: Mutex<InboxState>,
+    arrived: Notify,
+}
+
+#[derive(Debug, Default)]
+struct InboxState {
+    next_sequence: u64,
+    waiting: VecDeque<Arrived>,
+}
+
+impl Inbox {
+    fn has_room(&self) -> bool {
+        self.lock().waiting.len() < MAX_WAITING
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboxState> {
+        // A panic while holding the lock leaves a consistent queue behind: take it anyway.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self, from: PeerId, name: &str, size: u64, checksum: &str, staged: OsString) {
+        let mut state = self.lock();
+        let sequence = state.next_sequence;
+        state.next_sequence += 1;
+        state.waiting.push_back(Arrived {
+            sequence,
+            from,
+            name: name.to_string(),
+            size,
+            checksum: checksum.to_string(),
+            staged,
+        });
+        drop(state);
+        self.arrived.notify_waiters();
+    }
+
+    /// Waits for the oldest file sent by one of `from` (by anyone when `from` is empty) and
+    /// takes it out of the queue.
+    pub async fn next(&self, from: &HashSet<PeerId>) -> Arrived {
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            // Register before looking, so a push between the look and the wait is not missed.
+            notified.as_mut().enable();
+            {
+                let mut state = self.lock();
+                let position = state
+                    .waiting
+                    .iter()
+                    .position(|a| from.is_empty() || from.contains(&a.from));
+                if let Some(arrived) = position.and_then(|i| state.waiting.remove(i)) {
+                    return arrived;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Moves a taken file into `out_dir` (relative to the job's directory) as
+    /// `{sequence}-{name}` and returns that path.
+    pub fn deliver(&self, arrived: &Arrived, out_dir: &Path) -> Result<String, PathError> {
+        let staging = self.dir.create_dir_all(Path::new(STAGING_DIR))?;
+        let target_dir = self.dir.create_dir_all(out_dir)?;
+        let name = format!("{}-{}", arrived.sequence, arrived.name);
+        let target = out_dir.join(&name);
+        let io = |error: rustix::io::Errno| PathError::Io {
+            path: target.display().to_string(),
+            error: error.into(),
+        };
+        rustix::fs::renameat(&staging, &arrived.staged, &target_dir, name.as_str()).map_err(io)?;
+        rustix::fs::fsync(&target_dir).map_err(io)?;
+        Ok(target.display().to_string())
+    }
+
+    /// The job this inbox belongs to.
+    pub fn job(&self) -> &str {
+        &self.job
+    }
+}
+
+/// The inboxes of every job on this worker, by task.
+#[derive(Debug, Default)]
+pub struct Inboxes {
+    by_task: Mutex<HashMap<String, Vec<Arc<Inbox>>>>,
+}
+
+impl Inboxes {
+    /// Opens the inbox of `job`; it receives what is sent to `task` until the returned
+    /// registration is dropped.
+    pub fn open(self: &Arc<Self>, task: &str, job: &str, dir: Arc<JobDir>) -> Registration {
+        let inbox = Arc::new(Inbox {
+            job: job.to_string(),
+            dir,
+            state: Mutex::default(),
+            arrived: Notify::new(),
+        });
+        self.lock()
+            .entry(task.to_string())
+            .or_default()
+            .push(inbox.clone());
+        Registration {
+            inboxes: self.clone(),
+            task: task.to_string(),
+            inbox,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<Arc<Inbox>>>> {
+        self.by_task.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn of_task(&self, task: &str) -> Vec<Arc<Inbox>> {
+        self.lock().get(task).cloned().unwrap_or_default()
+    }
+}
+
+/// A job's place among the [`Inboxes`]; dropping it closes the inbox.
+#[derive(Debug)]
+pub struct Registration {
+    inboxes: Arc<Inboxes>,
+    task: String,
+    inbox: Arc<Inbox>,
+}
+
+impl Registration {
+    pub fn inbox(&self) -> &Arc<Inbox> {
+        &self.inbox
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut by_task = self.inboxes.lock();
+        if let Some(inboxes) = by_task.get_mut(&self.task) {
+            inboxes.retain(|i| !Arc::ptr_eq(i, &self.inbox));
+            if inboxes.is_empty() {
+                by_task.remove(&self.task);
+            }
+        }
+    }
+}
+
+/// Receives transfers for this worker's jobs until the network stops accepting streams.
+pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
+    let mut incoming = match network.accept_streams(PROTOCOL) {
+        Ok(incoming) => incoming,
+        Err(e) => {
+            tracing::warn!(error = %e, "peers cannot send resources to this worker's jobs");
+            return;
+        }
+    };
+    let slots = Arc::new(Semaphore::new(MAX_CONCURRENT));
+    while let Some((peer, mut stream)) = incoming.next().await {
+        let inboxes = inboxes.clone();
+        let slot = slots.clone().try_acquire_owned();
+        tokio::spawn(async move {
+            let answer = match slot {
+                Ok(_slot) => match receive(peer, &mut stream, &inboxes).await {
+                    Ok(jobs) => Answer::Received { jobs },
+                    Err(refusal) => {
+                        tracing::debug!(%peer, %refusal, "resource transfer refused");
+                        Answer::Refused(refusal)
+                    }
+                },
+                Err(_) => Answer::Refused(Refusal::new(
+                    RefusalCode::Busy,
+                    format!("this worker receives {MAX_CONCURRENT} transfers at most at once"),
+                )),
+            };
+            let _ = write_frame(&mut stream, &answer).await;
+            let _ = stream.close().await;
+        });
+    }
+}
+
+/// Receives one transfer into the inboxes of its task's jobs; returns how many took it.
+async fn receive(
+    peer: PeerId,
+    stream: &mut hypha_network::Stream,
+    inboxes: &Inboxes,
+) -> Result<usize, Refusal> {
+    let header: Header = tokio::time::timeout(HEADER_TIMEOUT, read_frame(stream))
+        .await
+        .map_err(|_| Refusal::new(RefusalCode::BadRequest, "no header within 10 s"))?
+        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+    check_name(&header.name)?;
+    let targets: Vec<Arc<Inbox>> = inboxes.of_task(&header.task);
+    if targets.is_empty() {
+        return Err(Refusal::new(
+            RefusalCode::NoJob,
+            format!("no job of task {} runs on this worker", header.task),
+        ));
+    }
+    let targets: Vec<Arc<Inbox>> = targets.into_iter().filter(|i| i.has_room()).collect();
+    let Some(first) = targets.first() else {
+        return Err(Refusal::new(
+            RefusalCode::InboxFull,
+            format!(
+                "the jobs of task {} have {MAX_WAITING} files waiting",
+                header.task
+            ),
+        ));
+    };
+    write_frame(stream, &Answer::Ready)
+        .await
+        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+
+    let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
+    let staging = first
+        .dir
+        .create_dir_all(Path::new(STAGING_DIR))
+        .map_err(|e| io(&e))?;
+    let (file, temp) =
+        JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
+    let received = receive_bytes(stream, file, header.size).await;
+    let checksum = match received {
+        Ok(checksum) => checksum,
+        Err(refusal) => {
+            JobDir::discard(&staging, &temp);
+            return Err(refusal);
+        }
+    };
+    metrics::resource_bytes("received", header.size);
+    let temp = OsString::from(OsStr::from_bytes(&temp));
+    // Other jobs of the task on this worker get hard links (same bytes, their own names),
+    // all made before any job is told, so none can move the file away first.
+    let mut staged = vec![(first.clone(), temp.clone())];
+    for inbox in &targets[1..] {
+        match link_into(&staging, &temp, inbox, &header.name) {
+            Ok(link) => staged.push((inbox.clone(), link)),
+            Err(e) => {
+                tracing::warn!(job = inbox.job(), error = %e, "cannot hand a received file to a job")
+            }
+        }
+    }
+    let delivered = staged.len();
+    for (inbox, name) in staged {
+        inbox.push(peer, &header.name, header.size, &checksum, name);
+    }
+    tracing::debug!(%peer, task = header.task, name = header.name, size = header.size, jobs = delivered, "resource received");
+    Ok(delivered)
+}
+
+/// Reads exactly `size` bytes and the trailer into `file`; returns `sha256:<hex>` when the
+/// trailer's checksum matches.
+async fn receive_bytes(
+    stream: &mut hypha_network::Stream,
+    file: std::fs::File,
+    size: u64,
+) -> Result<String, Refusal> {
+    let corrupt = |m: String| Refusal::new(RefusalCode::Corrupt, m);
+    let mut file = tokio::fs::File::from_std(file);
+    let mut hasher = Sha256::new();
+    let mut left = size;
+    let mut buffer = vec![0u8; CHUNK];
+    while left > 0 {
+        let want = buffer
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        let read = tokio::time::timeout(STALL_TIMEOUT, stream.read(&mut buffer[..want]))
+            .await
+            .map_err(|_| corrupt(format!("the bytes stalled for {STALL_TIMEOUT:?}")))?
+            .map_err(|e| corrupt(format!("the transfer broke off: {e}")))?;
+        if read == 0 {
+            return Err(corrupt(format!(
+                "the transfer ended after {} of {size} bytes",
+                size - left
+            )));
+        }
+        hasher.update(&buffer[..read]);
+        file.write_all(&buffer[..read])
+            .await
+            .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+        left -= read as u64;
+    }
+    let trailer: Trailer = tokio::time::timeout(STALL_TIMEOUT, read_frame(stream))
+        .await
+        .map_err(|_| corrupt("no checksum after the bytes".into()))?
+        .map_err(|e| corrupt(format!("no checksum after the bytes: {e}")))?;
+    let actual = hex::encode(hasher.finalize());
+    if !trailer.sha256.eq_ignore_ascii_case(&actual) {
+        return Err(corrupt(format!(
+            "the bytes hash to {actual}, the sender announced {}",
+            trailer.sha256
+        )));
+    }
+    file.sync_all()
+        .await
+        .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+    Ok(format!("sha256:{actual}"))
+}
+
+fn link_into(
+    staging: &std::os::fd::OwnedFd,
+    staged: &OsStr,
+    inbox: &Inbox,
+    name: &str,
+) -> Result<OsString, PathError> {
+    let theirs = inbox.dir.create_dir_all(Path::new(STAGING_DIR))?;
+    let link = format!(".hypha-linked-{:016x}-{name}", rand::random::<u64>());
+    rustix::fs::linkat(
+        staging,
+        staged,
+        &theirs,
+        link.as_str(),
+        rustix::fs::AtFlags::empty(),
+    )
+    .map_err(|e| PathError::Io {
+        path: link.clone(),
+        error: e.into(),
+    })?;
+    Ok(OsString::from(link))
+}
+
+/// A name must be one plain path component, so that it can only ever name a file in the
+/// directory it is delivered to.
+fn check_name(name: &str) -> Result<(), Refusal> {
+    let single = super::paths::check(name)
+        .map(|p| p.components().count() == 1)
+        .unwrap_or(false);
+    if single && name.len() <= 255 {
+        Ok(())
+    } else {
+        Err(Refusal::new(
+            RefusalCode::BadRequest,
+            format!("{name:?} is not a plain file name"),
+        ))
+    }
+}
+
+/// A transfer that did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("{0}")]
+    Network(#[from] NetworkError),
+    #[error("the exchange broke off: {0}")]
+    Frame(#[from] FrameError),
+    #[error("reading the file: {0}")]
+    File(std::io::Error),
+    #[error("the peer refused it: {0}")]
+    Refused(Refusal),
+    #[error("the peer answered out of turn")]
+    Protocol,
+}
+
+/// Sends `size` bytes of `file` to the jobs of `task` on `peer`, retrying transient
+/// refusals for up to [`SEND_PATIENCE`]; returns `sha256:<hex>` of what was sent.
+pub async fn send(
+    network: &Network,
+    peer: PeerId,
+    header: &Header,
+    file: std::fs::File,
+) -> Result<String, SendError> {
+    let give_up = tokio::time::Instant::now() + SEND_PATIENCE;
+    let mut backoff = Duration::from_millis(100);
+    let mut stream = loop {
+        let mut stream = network.open_stream(peer, PROTOCOL).await?;
+        write_frame(&mut stream, header).await?;
+        match read_frame::<Answer>(&mut stream).await? {
+            Answer::Ready => break stream,
+            Answer::Refused(refusal)
+                if refusal.code.is_transient()
+                    && tokio::time::Instant::now() + backoff < give_up =>
+            {
+                tracing::debug!(%peer, %refusal, "resource transfer refused for now; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
+            Answer::Received { .. } => return Err(SendError::Protocol),
+        }
+    };
+    let mut file = tokio::fs::File::from_std(file);
+    let mut hasher = Sha256::new();
+    let mut left = header.size;
+    let mut buffer = vec![0u8; CHUNK];
+    while left > 0 {
+        let want = buffer
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        let read = file
+            .read(&mut buffer[..want])
+            .await
+            .map_err(SendError::File)?;
+        if read == 0 {
+            return Err(SendError::File(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the file shrank while it was sent",
+            )));
+        }
+        hasher.update(&buffer[..read]);
+        stream
+            .write_all(&buffer[..read])
+            .await
+            .map_err(|e| SendError::Frame(e.into()))?;
+        left -= read as u64;
+    }
+    let sha256 = hex::encode(hasher.finalize());
+    write_frame(
+        &mut stream,
+        &Trailer {
+            sha256: sha256.clone(),
+        },
+    )
+    .await?;
+    match read_frame::<Answer>(&mut stream).await? {
+        Answer::Received { .. } => {
+            metrics::resource_bytes("sent", header.size);
+            Ok(format!("sha256:{sha256}"))
+        }
+        Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
+        Answer::Ready => Err(SendError::Protocol),
+    }
+}
