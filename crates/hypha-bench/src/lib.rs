@@ -17,6 +17,8 @@ pub enum Suite {
     Transport,
     /// Slices from a data node to 1, 4 and 16 concurrent verified fetchers, against raw TLS.
     Dataserve,
+    /// Time from advertisement to N leased and dispatched workers, N = 4, 16, 64.
+    Allocation,
 }
 
 impl Suite {
@@ -24,6 +26,7 @@ impl Suite {
         match self {
             Suite::Transport => "transport",
             Suite::Dataserve => "dataserve",
+            Suite::Allocation => "allocation",
         }
     }
 }
@@ -61,6 +64,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
             match suite {
                 Suite::Transport => suites::transport::run(quick).await,
                 Suite::Dataserve => suites::dataserve::run(quick).await,
+                Suite::Allocation => suites::allocation::run(quick).await,
             }
         })
         .await

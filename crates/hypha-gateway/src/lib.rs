@@ -7,6 +7,7 @@
 
 use hypha_config::{Schema, network, telemetry};
 use hypha_messages::market::WORKER_TOPIC;
+use hypha_network::{Network, NetworkError};
 use hypha_node::{Error, Node, RunArgs};
 
 /// The default listen address: a fixed port, because nodes are configured with it.
@@ -23,6 +24,7 @@ pub fn schema() -> Schema {
 pub async fn run(args: &RunArgs) -> Result<(), Error> {
     let node = Node::start("gateway", &schema(), args, |settings| {
         settings.relay_server = true;
+        settings.gossip_hub = true;
         // Gateways are the relay; listening through another gateway's relay would be circular.
         settings.relay_circuit = false;
     })
@@ -36,22 +38,29 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
     {
         tracing::info!("nodes can join with gateway_addresses = [\"{address}/p2p/{peer_id}\"]");
     }
-    // Workers usually reach the network only through gateways, so a gateway joins the market
-    // topic to relay advertisements between schedulers and workers; it reads none of them.
-    let mut market = node
-        .network
-        .subscribe(WORKER_TOPIC, 16)
+    serve(&node.network, hypha_node::shutdown_signal())
         .await
         .map_err(|e| Error::Failed(e.to_string()))?;
-    let shutdown = hypha_node::shutdown_signal();
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            Some(_) = market.recv() => {}
-        }
-    }
     tracing::info!("shutting down");
     node.network.shutdown().await;
     Ok(())
+}
+
+/// Does a gateway's work on a started network (started with `relay_server` and `gossip_hub`)
+/// until `shutdown`
+/// resolves.
+pub async fn serve(
+    network: &Network,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), NetworkError> {
+    // Workers usually reach the network only through gateways, so a gateway joins the market
+    // topic to relay advertisements between schedulers and workers; it reads none of them.
+    let mut market = network.subscribe(WORKER_TOPIC, 16).await?;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            Some(_) = market.recv() => {}
+        }
+    }
 }

@@ -304,6 +304,10 @@ impl Network {
     /// Sends a request and waits for the answer. The current span's trace context travels with
     /// it. A [`Response::Error`] from the peer comes back as [`NetworkError::Remote`].
     pub async fn request(&self, peer: PeerId, request: Request) -> Result<Response, NetworkError> {
+        // request-response dials only the addresses the swarm already has; connecting first
+        // reaches a peer known only to the DHT or only through a relay, as streams do. (A
+        // worker answering an advertisement knows no more of the scheduler than its ID.)
+        self.connect(peer).await?;
         let trace = hypha_telemetry::propagation::inject(&tracing::Span::current());
         let request = Envelope::new(request, trace);
         match self

@@ -415,7 +415,8 @@ async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
     })
     .await;
 
-    b.connect(a.local_peer_id()).await.unwrap();
+    // No connect first: a request finds its way like a stream does (known addresses, the DHT,
+    // then the relay), since b knows nothing of a but its ID.
     let status = b.health(a.local_peer_id()).await.unwrap();
     assert_eq!(status.kind, "worker");
 

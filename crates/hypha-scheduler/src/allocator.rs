@@ -29,7 +29,7 @@ use hypha_messages::{
 };
 use hypha_network::{Network, NetworkError};
 use libp2p::PeerId;
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, task::JoinSet};
 
 /// How much one unit of each resource weighs when offers are compared by price per unit.
 /// The defaults make one CPU core, 4 GB of memory, 100 GB of storage and 1 GB of GPU memory
@@ -142,6 +142,9 @@ pub struct Allocator {
     network: Network,
     settings: Settings,
     routes: OfferRoutes,
+    /// Releases on their way to workers, so that [`settle`](Allocator::settle) can see them
+    /// out before the network stops.
+    releases: Arc<Mutex<JoinSet<()>>>,
 }
 
 impl Allocator {
@@ -150,6 +153,7 @@ impl Allocator {
             network,
             settings,
             routes: Arc::default(),
+            releases: Arc::default(),
         }
     }
 
@@ -311,14 +315,28 @@ impl Allocator {
         }
     }
 
-    /// Gives a lease back without waiting for the answer.
+    /// Gives a lease back without waiting for the answer ([`settle`](Self::settle) waits).
     pub fn release(&self, peer: PeerId, lease: u64) {
         let network = self.network.clone();
-        tokio::spawn(async move {
+        let mut releases = self.releases.lock().unwrap_or_else(|p| p.into_inner());
+        while releases.try_join_next().is_some() {}
+        releases.spawn(async move {
             let _ = network
                 .request(peer, Request::Lease(LeaseRequest::Release { lease }))
                 .await;
         });
+    }
+
+    /// Waits up to `limit` for every release to reach its worker, so that a scheduler that
+    /// stops right after its job frees its workers at once instead of letting their leases
+    /// lapse.
+    pub async fn settle(&self, limit: Duration) {
+        let mut pending =
+            std::mem::take(&mut *self.releases.lock().unwrap_or_else(|p| p.into_inner()));
+        let all = async { while pending.join_next().await.is_some() {} };
+        if tokio::time::timeout(limit, all).await.is_err() {
+            tracing::debug!("some lease releases did not complete; those leases will lapse");
+        }
     }
 
     async fn release_all(&self, leased: &[Leased]) {

@@ -13,6 +13,7 @@ use std::{
     collections::{HashMap, HashSet},
     io::Write,
     path::Path,
+    time::Duration,
 };
 
 use hypha_messages::{
@@ -28,6 +29,9 @@ use crate::{
     allocator::{AllocationError, Allocator, Kept, Leased, Lost, WorkerRequest},
     spec::JobFile,
 };
+
+/// How long a finished job waits for its lease releases to reach the workers.
+const RELEASE_LIMIT: Duration = Duration::from_secs(5);
 
 /// Something that happened to the job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -65,23 +69,35 @@ pub enum Event {
     },
 }
 
-/// Where events go.
+/// Where events go: always the console; optionally a JSON-lines file and an observer.
 #[derive(Debug)]
 pub struct EventLog {
     file: Option<std::fs::File>,
+    observer: Option<mpsc::Sender<Event>>,
 }
 
 impl EventLog {
     /// Events on the console only.
     pub fn console() -> Self {
-        EventLog { file: None }
+        EventLog {
+            file: None,
+            observer: None,
+        }
     }
 
     /// Events on the console and, as JSON lines, in `path` (created or truncated).
     pub fn with_file(path: &Path) -> std::io::Result<Self> {
         Ok(EventLog {
             file: Some(std::fs::File::create(path)?),
+            observer: None,
         })
+    }
+
+    /// Also hands every event to `observer` (a progress display, a benchmark). The job never
+    /// waits for it: when its queue is full, the event is dropped for the observer.
+    pub fn observed_by(mut self, observer: mpsc::Sender<Event>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     fn record(&mut self, event: Event) {
@@ -107,13 +123,16 @@ impl EventLog {
             }
             Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
         }
-        let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": event });
+        let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": &event });
         if let Some(file) = &mut self.file
             && let Ok(line) = serde_json::to_string(&stamped)
         {
             // Each line is written whole and flushed so that a reader never sees half an
             // event, even if the scheduler dies.
             let _ = writeln!(file, "{line}").and_then(|_| file.flush());
+        }
+        if let Some(observer) = &self.observer {
+            let _ = observer.try_send(event);
         }
     }
 }
@@ -244,13 +263,12 @@ pub async fn run_job(
         leased = allocator.allocate(&request, spec.workers, &nobody) => leased?,
         _ = &mut shutdown => return Err(RunError::Interrupted),
     };
-    for (slot, leased) in initial.into_iter().enumerate() {
-        if let Some(reason) = job
-            .start(slot, leased, &mut slots, &mut running, &mut events)
-            .await
-        {
-            job.retry(slot, reason, &slots, &running, &request, &replaced_tx)?;
-        }
+    let initial = initial.into_iter().enumerate().collect();
+    for (slot, reason) in job
+        .start(initial, &mut slots, &mut running, &mut events)
+        .await
+    {
+        job.retry(slot, reason, &slots, &running, &request, &replaced_tx)?;
     }
 
     let outcome = 'events: loop {
@@ -309,10 +327,9 @@ pub async fn run_job(
             }
             Some((slot, leased)) = replaced.recv() => match leased {
                 Ok(leased) => {
-                    for leased in leased {
-                        if let Some(reason) = job.start(slot, leased, &mut slots, &mut running, &mut events).await
-                            && let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx)
-                        {
+                    let batch = leased.into_iter().map(|l| (slot, l)).collect();
+                    for (slot, reason) in job.start(batch, &mut slots, &mut running, &mut events).await {
+                        if let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx) {
                             break 'events Err(e);
                         }
                     }
@@ -330,6 +347,7 @@ pub async fn run_job(
         let _ = network.request(run.peer, Request::Cancel { job: id }).await;
         run.kept.release();
     }
+    allocator.settle(RELEASE_LIMIT).await;
     events.record(Event::Done {
         ok: outcome.is_ok(),
         message: match &outcome {
@@ -351,66 +369,76 @@ struct Job<'a> {
 
 impl Job<'_> {
     /// Dispatches the slot's executor on a leased worker; returns why not, when it failed.
+    /// Takes up leased workers: records them, keeps their leases, and dispatches their jobs
+    /// all at once. Returns the slots whose dispatch failed, with why.
     async fn start(
         &mut self,
-        slot: usize,
-        leased: Leased,
+        batch: Vec<(usize, Leased)>,
         slots: &mut [Slot],
         running: &mut HashMap<String, Running>,
         events: &mut EventLog,
-    ) -> Option<String> {
-        slots[slot].attempts += 1;
-        events.record(Event::Leased {
-            slot,
-            peer: leased.peer.to_string(),
-            lease: leased.lease,
-            price: leased.price,
-        });
-        let kept = self.allocator.keep(&leased, self.lost_tx.clone());
-        let id = uuid::Uuid::new_v4().to_string();
-        let spec = JobSpec {
-            id: id.clone(),
-            task: self.task.to_string(),
-            lease: leased.lease,
-            executor: self.spec.executor.clone(),
-            config: self.spec.config_json(),
-            secrets: self.spec.secrets.clone(),
-        };
-        running.insert(
-            id.clone(),
-            Running {
+    ) -> Vec<(usize, String)> {
+        let mut dispatches = Vec::with_capacity(batch.len());
+        for (slot, leased) in batch {
+            slots[slot].attempts += 1;
+            events.record(Event::Leased {
                 slot,
-                peer: leased.peer,
+                peer: leased.peer.to_string(),
                 lease: leased.lease,
-                kept,
+                price: leased.price,
+            });
+            let kept = self.allocator.keep(&leased, self.lost_tx.clone());
+            let id = uuid::Uuid::new_v4().to_string();
+            let spec = JobSpec {
+                id: id.clone(),
+                task: self.task.to_string(),
+                lease: leased.lease,
+                executor: self.spec.executor.clone(),
+                config: self.spec.config_json(),
+                secrets: self.spec.secrets.clone(),
+            };
+            running.insert(
+                id.clone(),
+                Running {
+                    slot,
+                    peer: leased.peer,
+                    lease: leased.lease,
+                    kept,
+                },
+            );
+            dispatches.push((slot, id, leased.peer, spec));
+        }
+        let network = &self.network;
+        let results = futures::future::join_all(dispatches.into_iter().map(
+            |(slot, id, peer, spec)| async move {
+                let result = network.request(peer, Request::Dispatch(spec)).await;
+                (slot, id, peer, result)
             },
-        );
-        match self
-            .network
-            .request(leased.peer, Request::Dispatch(spec))
-            .await
-        {
-            Ok(_) => {
-                events.record(Event::Dispatched {
+        ))
+        .await;
+        let mut failed = Vec::new();
+        for (slot, id, peer, result) in results {
+            match result {
+                Ok(_) => events.record(Event::Dispatched {
                     slot,
                     job: id,
-                    peer: leased.peer.to_string(),
-                });
-                None
-            }
-            Err(e) => {
-                if let Some(run) = running.remove(&id) {
-                    run.kept.release();
+                    peer: peer.to_string(),
+                }),
+                Err(e) => {
+                    if let Some(run) = running.remove(&id) {
+                        run.kept.release();
+                    }
+                    let reason = format!("dispatch failed: {e}");
+                    events.record(Event::Lost {
+                        slot,
+                        peer: peer.to_string(),
+                        reason: reason.clone(),
+                    });
+                    failed.push((slot, reason));
                 }
-                let reason = format!("dispatch failed: {e}");
-                events.record(Event::Lost {
-                    slot,
-                    peer: leased.peer.to_string(),
-                    reason: reason.clone(),
-                });
-                Some(reason)
             }
         }
+        failed
     }
 
     /// Gives `slot` to a new worker in the background, unless it has had its attempts.

@@ -303,7 +303,7 @@ fn the_cheapest_offers_per_unit_win_and_statuses_reach_the_scheduler() {
     // cheap-whole offers 8 cores + 16 GB for 100 (8.3/unit), mid-whole 4 cores + 8 GB for 100
     // (16.7/unit), flexible mirrors the bid for exactly 1 core + 1 GB (80/unit); greedy asks
     // 150 (over the bid, declined) and picky's floor 120 is above the bid (no offer).
-    let _workers: Vec<Proc> = [
+    let mut workers: Vec<Proc> = [
         (
             "cheap-whole",
             "strategy = \"whole\"\nprice = 50.0",
@@ -341,6 +341,11 @@ fn the_cheapest_offers_per_unit_win_and_statuses_reach_the_scheduler() {
     let (ok, logs) = scheduler.wait(Duration::from_secs(60));
     assert!(ok, "the scheduler failed:\n{}", logs.join("\n"));
     let events = events(&events_path);
+    // A scheduler that is done gives its leases back before it exits: its workers are free
+    // at once instead of when the leases lapse.
+    for winner in &mut workers[..3] {
+        winner.wait_for("lease released");
+    }
 
     let leased: HashSet<String> = of_kind(&events, "leased")
         .iter()

@@ -354,6 +354,7 @@ impl Worker {
                 self.owners.remove(&lease);
                 if self.leases.release(lease).is_some() {
                     metrics::leases_changed(-1);
+                    tracing::info!(scheduler = %peer, lease, "lease released");
                 }
                 for job in self.jobs.jobs_under(lease) {
                     self.jobs.cancel(&job, "its lease was released");

@@ -4,7 +4,7 @@ use std::{sync::Arc, time::Instant};
 
 use hypha_certs::{
     NodeIdentity, TrustStore,
-    authority::{self, Validity},
+    authority::{self, Authority, Validity},
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -22,27 +22,26 @@ pub(crate) struct Pki {
     pub(crate) client: NodeIdentity,
     /// The server's chain and key as PEM, for a server in another process.
     pub(crate) server_pem: (String, String),
+    org: Authority,
 }
 
 impl Pki {
     pub(crate) fn new() -> anyhow::Result<Self> {
         let root = authority::create_root("Bench Root", Validity::days(1))?;
         let org = authority::create_org(&root, "Bench Org", Validity::days(1))?;
-        let node = |name: &str| -> anyhow::Result<(NodeIdentity, (String, String))> {
-            let n = authority::create_node(&org, name, &["localhost".into()], Validity::days(1))?;
-            let pem = (n.chain_pem(), n.key_pem());
-            Ok((
-                NodeIdentity::from_pem(pem.0.as_bytes(), pem.1.as_bytes())?,
-                pem,
-            ))
-        };
-        let (server, server_pem) = node("server")?;
+        let (server, server_pem) = node(&org, "server")?;
         Ok(Pki {
             root_pem: root.cert_pem(),
             server,
-            client: node("client")?.0,
+            client: node(&org, "client")?.0,
             server_pem,
+            org,
         })
+    }
+
+    /// A further node of the same organisation.
+    pub(crate) fn identity(&self, name: &str) -> anyhow::Result<NodeIdentity> {
+        Ok(node(&self.org, name)?.0)
     }
 
     pub(crate) fn trust(&self) -> anyhow::Result<Arc<TrustStore>> {
@@ -51,6 +50,15 @@ impl Pki {
             &[],
         )?))
     }
+}
+
+fn node(org: &Authority, name: &str) -> anyhow::Result<(NodeIdentity, (String, String))> {
+    let n = authority::create_node(org, name, &["localhost".into()], Validity::days(1))?;
+    let pem = (n.chain_pem(), n.key_pem());
+    Ok((
+        NodeIdentity::from_pem(pem.0.as_bytes(), pem.1.as_bytes())?,
+        pem,
+    ))
 }
 
 /// Reads a stream to its end and returns how many bytes it carried.

@@ -1,3 +1,4 @@
+pub(crate) mod allocation;
 pub(crate) mod ceilings;
 pub(crate) mod dataserve;
 pub(crate) mod transport;
