@@ -24,7 +24,6 @@ pub fn schema() -> Schema {
 pub async fn run(args: &RunArgs) -> Result<(), Error> {
     let node = Node::start("gateway", &schema(), args, |settings| {
         settings.relay_server = true;
-        settings.gossip_hub = true;
         // Gateways are the relay; listening through another gateway's relay would be circular.
         settings.relay_circuit = false;
     })
@@ -46,8 +45,7 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
     Ok(())
 }
 
-/// Does a gateway's work on a started network (started with `relay_server` and `gossip_hub`)
-/// until `shutdown`
+/// Does a gateway's work on a started network (started with `relay_server`) until `shutdown`
 /// resolves.
 pub async fn serve(
     network: &Network,

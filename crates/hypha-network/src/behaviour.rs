@@ -20,9 +20,6 @@ pub const IDENTIFY_PROTOCOL: &str = "/hypha/id/1.0.0";
 pub const PROVIDER_RECORD_TTL: Duration = Duration::from_secs(60 * 60);
 /// How often a node republishes the provider records it holds, well inside their TTL.
 pub const PROVIDER_PUBLICATION_INTERVAL: Duration = Duration::from_secs(20 * 60);
-/// A gossip hub's mesh degree: every subscriber it is connected to (see
-/// [`Settings::gossip_hub`]).
-const HUB_MESH: usize = 100_000;
 
 #[derive(NetworkBehaviour)]
 pub(crate) struct Behaviour {
@@ -69,14 +66,7 @@ impl Behaviour {
         // are small enough that client-only nodes would leave the DHT thin.
         kad.set_mode(Some(kad::Mode::Server));
 
-        let mut gossipsub_config = gossipsub::ConfigBuilder::default();
-        if settings.gossip_hub {
-            gossipsub_config
-                .mesh_n_low(HUB_MESH)
-                .mesh_n(HUB_MESH)
-                .mesh_n_high(HUB_MESH);
-        }
-        let gossipsub_config = gossipsub_config
+        let gossipsub_config = gossipsub::ConfigBuilder::default()
             .validation_mode(gossipsub::ValidationMode::Strict)
             .heartbeat_interval(Duration::from_millis(500))
             .max_transmit_size(1024 * 1024)

@@ -21,11 +21,6 @@ pub struct Settings {
     pub relay_circuit: bool,
     /// Serve as a relay for others (gateways). Default: off.
     pub relay_server: bool,
-    /// Keep every subscriber of a topic in this node's gossipsub mesh (gateways). Most nodes
-    /// connect only to gateways, so a gateway that meshed with just a dozen of them (the
-    /// default degree) would reach the rest only through lazy gossip, heartbeats later or,
-    /// beyond the gossip window, never. Default: off.
-    pub gossip_hub: bool,
     /// How long a connection with nothing to do stays open. Default: 5 minutes.
     pub idle_connection_timeout: Duration,
     /// Inbound requests queued for the application before new ones are answered `Busy`.
@@ -44,7 +39,6 @@ impl Settings {
             exclude_cidr: Vec::new(),
             relay_circuit: true,
             relay_server: false,
-            gossip_hub: false,
             idle_connection_timeout: Duration::from_secs(300),
             inbound_request_queue: 256,
         }

@@ -222,7 +222,6 @@ async fn start_node(
     settings.gateway_addresses = gateway.into_iter().cloned().collect();
     settings.relay_circuit = false;
     settings.relay_server = gateway.is_none();
-    settings.gossip_hub = gateway.is_none();
     Ok(hypha_network::start(settings, &pki.identity(name)?, pki.trust()?).await?)
 }
 
