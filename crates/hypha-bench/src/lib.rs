@@ -19,6 +19,8 @@ pub enum Suite {
     Dataserve,
     /// Time from advertisement to N leased and dispatched workers, N = 4, 16, 64.
     Allocation,
+    /// Durable slice assignments and acknowledgements per second of the scheduler's ledger.
+    Ledger,
 }
 
 impl Suite {
@@ -27,6 +29,7 @@ impl Suite {
             Suite::Transport => "transport",
             Suite::Dataserve => "dataserve",
             Suite::Allocation => "allocation",
+            Suite::Ledger => "ledger",
         }
     }
 }
@@ -65,6 +68,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Transport => suites::transport::run(quick).await,
                 Suite::Dataserve => suites::dataserve::run(quick).await,
                 Suite::Allocation => suites::allocation::run(quick).await,
+                Suite::Ledger => suites::ledger::run(quick).await,
             }
         })
         .await

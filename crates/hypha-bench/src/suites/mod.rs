@@ -1,4 +1,5 @@
 pub(crate) mod allocation;
 pub(crate) mod ceilings;
 pub(crate) mod dataserve;
+pub(crate) mod ledger;
 pub(crate) mod transport;
