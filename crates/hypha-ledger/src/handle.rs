@@ -1,11 +1,13 @@
-//! [`LedgerHandle`]: a [`Ledger`] run as an actor with group commit.
+//! [`LedgerHandle`]: a [`Ledger`] run as an actor with pipelined group commit.
 //!
-//! The actor takes every command waiting in its queue (up to [`MAX_BATCH`]), applies them in
-//! memory, commits all their transitions in one `redb` transaction on a blocking thread, and
-//! only then answers their callers. One fsync thus serves hundreds of callers under load and
-//! one caller at no extra delay when idle. While a commit runs, new commands queue; the queue
-//! holds [`QUEUE`] commands and callers wait for room when it is full, so a flood of callers
-//! slows down instead of growing memory. Once a second the actor returns the slices of lapsed
+//! The actor applies commands in memory as they arrive and commits their transitions in
+//! batches on a blocking thread, one commit at a time and in order: while one commit is on its
+//! way to disk, everything that arrives is applied and waits for the next. A caller is answered
+//! only once the commit holding its transitions has returned, so no answer ever reports
+//! something the file does not hold, and the state machine never waits for the disk. One
+//! fsync thus serves every caller that arrived during the previous one. The queue holds
+//! [`QUEUE`] commands and callers wait for room when it is full, so a flood of callers slows
+//! down instead of growing memory. Once a second the actor returns the slices of lapsed
 //! leases.
 //!
 //! A failed commit stops the actor: its memory may be ahead of its file, so it answers
@@ -18,11 +20,14 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::{
+    sync::{mpsc, oneshot},
+    task::JoinHandle,
+};
 
 use crate::{CheckpointToken, Consumed, Error, Grant, IterationSpec, Ledger, Progress, SliceKey};
 
-/// The most commands one commit serves.
+/// The most commands taken from the queue in one go.
 const MAX_BATCH: usize = 4096;
 /// Commands that may wait for the actor.
 const QUEUE: usize = 8192;
@@ -257,68 +262,70 @@ fn execute(ledger: &mut Ledger, command: Command, now: u64) -> Answer {
 }
 
 async fn run(mut ledger: Ledger, mut commands: mpsc::Receiver<Command>) {
+    let store = ledger.store();
     let mut expiry = tokio::time::interval(EXPIRY_TICK);
     expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut answers = Vec::new();
+    // Answers whose transitions are applied in memory and wait for the next commit.
+    let mut waiting: Vec<Answer> = Vec::new();
+    // The commit on its way to disk, and the answers it will release.
+    let mut committing: Option<(JoinHandle<Result<(), Error>>, Vec<Answer>)> = None;
+    let mut open = true;
     loop {
         tokio::select! {
-            command = commands.recv() => {
-                let Some(command) = command else { break };
-                let now = now_ms();
-                answers.push(execute(&mut ledger, command, now));
-                while answers.len() < MAX_BATCH {
-                    let Ok(command) = commands.try_recv() else { break };
-                    answers.push(execute(&mut ledger, command, now));
+            command = commands.recv(), if open => match command {
+                Some(command) => {
+                    let now = now_ms();
+                    waiting.push(execute(&mut ledger, command, now));
+                    while waiting.len() < MAX_BATCH {
+                        let Ok(command) = commands.try_recv() else { break };
+                        waiting.push(execute(&mut ledger, command, now));
+                    }
                 }
-            }
-            _ = expiry.tick() => {
+                None => open = false,
+            },
+            _ = expiry.tick(), if open => {
                 let returned = ledger.expire(now_ms());
                 if returned > 0 {
                     tracing::info!(returned, "slices of lapsed leases are available again");
                 }
             }
+            outcome = async { (&mut committing.as_mut()?.0).await.ok() }, if committing.is_some() => {
+                let committed = matches!(outcome, Some(Ok(())));
+                if let Some((_, answers)) = committing.take() {
+                    for answer in answers {
+                        answer.send(committed);
+                    }
+                }
+                if !committed {
+                    let error = match outcome {
+                        Some(Err(error)) => error.to_string(),
+                        _ => "the commit thread failed".to_string(),
+                    };
+                    tracing::error!(%error, "the ledger could not commit and stops; reopen it to continue from its last commit");
+                    for answer in waiting.drain(..) {
+                        answer.send(false);
+                    }
+                    return;
+                }
+            }
         }
-        match flush(ledger).await {
-            Some(flushed) => {
-                ledger = flushed;
-                for answer in answers.drain(..) {
+        // One commit at a time, in order; whatever arrives meanwhile is applied in memory and
+        // goes into the next one.
+        if committing.is_none() {
+            let writes = ledger.take_writes();
+            if writes.is_empty() {
+                // Nothing to make durable (progress, renewals, empty grants): answer now.
+                for answer in waiting.drain(..) {
                     answer.send(true);
                 }
-            }
-            None => {
-                for answer in answers.drain(..) {
-                    answer.send(false);
-                }
-                commands.close();
-                while let Some(command) = commands.recv().await {
-                    drop(command);
-                }
-                return;
+            } else {
+                let store = store.clone();
+                let commit = tokio::task::spawn_blocking(move || store.commit(&writes));
+                committing = Some((commit, std::mem::take(&mut waiting)));
             }
         }
-    }
-}
-
-/// Commits on a blocking thread so the fsync never holds up the runtime; `None` when the
-/// commit failed (the ledger is dropped: its memory may be ahead of its file).
-async fn flush(mut ledger: Ledger) -> Option<Ledger> {
-    if ledger.pending() == 0 {
-        return Some(ledger);
-    }
-    let outcome = tokio::task::spawn_blocking(move || {
-        let result = ledger.flush();
-        (ledger, result)
-    })
-    .await;
-    match outcome {
-        Ok((ledger, Ok(()))) => Some(ledger),
-        Ok((_, Err(error))) => {
-            tracing::error!(%error, "the ledger could not commit and stops; reopen it to continue from its last commit");
-            None
-        }
-        Err(error) => {
-            tracing::error!(%error, "the ledger's commit thread failed; reopen it to continue from its last commit");
-            None
+        if !open && committing.is_none() && waiting.is_empty() {
+            return;
         }
     }
 }

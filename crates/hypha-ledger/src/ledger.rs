@@ -3,6 +3,7 @@
 use std::{
     collections::{BTreeSet, HashMap, HashSet, VecDeque},
     path::Path,
+    sync::{Arc, Mutex},
 };
 
 use serde::Serialize;
@@ -10,7 +11,7 @@ use serde::Serialize;
 use crate::{
     CheckpointToken, Error, IterationSpec, ReturnReason, SliceKey,
     permutation::permutation,
-    store::{Kind, Loaded, Record, Store},
+    store::{Kind, Loaded, Record, Store, Writes},
 };
 
 /// How far into an epoch's remaining order [`Ledger::assign`] looks for slices the worker
@@ -30,11 +31,10 @@ const RATE_WINDOW_MS: u64 = 30_000;
 pub struct Ledger {
     spec: IterationSpec,
     id: String,
-    store: StoreDebug,
+    store: SharedStore,
     lease_ms: u64,
     workers: Vec<String>,
     worker_numbers: HashMap<String, u32>,
-    new_workers: Vec<(u32, String)>,
     epochs: Vec<Epoch>,
     /// Per worker: when its lease on its ASSIGNED slices ends.
     leases: HashMap<u32, u64>,
@@ -43,13 +43,23 @@ pub struct Ledger {
     /// Per worker and round: the slices CONSUMED into it.
     rounds: HashMap<(u32, u64), BTreeSet<SliceKey>>,
     stats: HashMap<u32, WorkerStats>,
-    pending: Vec<Record>,
+    /// Applied in memory, not yet committed.
+    writes: Writes,
 }
 
-/// `Store` holds a `redb::Database`, which is not `Debug`.
-struct StoreDebug(Store);
+/// The store, shareable with the thread that commits while the ledger goes on in memory
+/// (see [`crate::LedgerHandle`]). Commits are serialised by the ledger's owner; the mutex only
+/// satisfies the borrow checker across threads.
+#[derive(Clone)]
+pub(crate) struct SharedStore(Arc<Mutex<Store>>);
 
-impl std::fmt::Debug for StoreDebug {
+impl SharedStore {
+    pub fn commit(&self, writes: &Writes) -> Result<(), Error> {
+        self.0.lock().map_err(|_| Error::Stopped)?.commit(writes)
+    }
+}
+
+impl std::fmt::Debug for SharedStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Store")
     }
@@ -235,17 +245,16 @@ impl Ledger {
         Self {
             spec,
             id,
-            store: StoreDebug(store),
+            store: SharedStore(Arc::new(Mutex::new(store))),
             lease_ms,
             workers: Vec::new(),
             worker_numbers: HashMap::new(),
-            new_workers: Vec::new(),
             epochs: Vec::new(),
             leases: HashMap::new(),
             held: HashMap::new(),
             rounds: HashMap::new(),
             stats: HashMap::new(),
-            pending: Vec::new(),
+            writes: Writes::default(),
         }
     }
 
@@ -527,15 +536,23 @@ impl Ledger {
 
     /// How many transitions wait for [`Ledger::flush`].
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        self.writes.records.len()
     }
 
-    /// Makes every transition so far durable, in one transaction.
+    /// Makes every transition so far durable, in one transaction. After a failed flush the
+    /// ledger's memory is ahead of its file: drop it and reopen the file.
     pub fn flush(&mut self) -> Result<(), Error> {
-        self.store.0.commit(&self.new_workers, &self.pending)?;
-        self.new_workers.clear();
-        self.pending.clear();
-        Ok(())
+        let writes = self.take_writes();
+        self.store.commit(&writes)
+    }
+
+    /// Hands over what waits to be committed, for a commit elsewhere.
+    pub(crate) fn take_writes(&mut self) -> Writes {
+        std::mem::take(&mut self.writes)
+    }
+
+    pub(crate) fn store(&self) -> SharedStore {
+        self.store.clone()
     }
 
     fn worker_number(&mut self, worker: &str) -> u32 {
@@ -545,7 +562,7 @@ impl Ledger {
         let number = self.workers.len() as u32;
         self.workers.push(worker.to_string());
         self.worker_numbers.insert(worker.to_string(), number);
-        self.new_workers.push((number, worker.to_string()));
+        self.writes.workers.push((number, worker.to_string()));
         number
     }
 
@@ -592,7 +609,7 @@ impl Ledger {
 
     /// Queues a transition for the store and applies it.
     fn record(&mut self, record: Record) {
-        self.pending.push(record);
+        self.writes.records.push(record);
         self.apply(record);
     }
 

@@ -124,6 +124,19 @@ pub(crate) struct Store {
     next_seq: u64,
 }
 
+/// Transitions and newly seen workers waiting to be committed together.
+#[derive(Debug, Default)]
+pub(crate) struct Writes {
+    pub workers: Vec<(u32, String)>,
+    pub records: Vec<Record>,
+}
+
+impl Writes {
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty() && self.records.is_empty()
+    }
+}
+
 impl Store {
     /// Creates a ledger file for a new iteration; refuses to touch an existing one.
     pub fn create(path: &Path, spec: &IterationSpec, id: &str) -> Result<Self, Error> {
@@ -161,14 +174,14 @@ impl Store {
     }
 
     /// Writes one batch of new workers and transitions in one durable transaction.
-    pub fn commit(
-        &mut self,
-        new_workers: &[(u32, String)],
-        records: &[Record],
-    ) -> Result<(), Error> {
-        if new_workers.is_empty() && records.is_empty() {
+    pub fn commit(&mut self, writes: &Writes) -> Result<(), Error> {
+        if writes.is_empty() {
             return Ok(());
         }
+        let Writes {
+            workers: new_workers,
+            records,
+        } = writes;
         let mut txn = self.db.begin_write().map_err(redb::Error::from)?;
         txn.set_durability(Durability::Immediate)
             .map_err(redb::Error::from)?;
