@@ -261,14 +261,16 @@ fn execute(ledger: &mut Ledger, command: Command, now: u64) -> Answer {
     }
 }
 
+/// A commit on its way to disk, and the answers it will release.
+type Committing = (JoinHandle<Result<(), Error>>, Vec<Answer>);
+
 async fn run(mut ledger: Ledger, mut commands: mpsc::Receiver<Command>) {
     let store = ledger.store();
     let mut expiry = tokio::time::interval(EXPIRY_TICK);
     expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Answers whose transitions are applied in memory and wait for the next commit.
     let mut waiting: Vec<Answer> = Vec::new();
-    // The commit on its way to disk, and the answers it will release.
-    let mut committing: Option<(JoinHandle<Result<(), Error>>, Vec<Answer>)> = None;
+    let mut committing: Option<Committing> = None;
     let mut open = true;
     loop {
         tokio::select! {
