@@ -1,4 +1,5 @@
-//! The human-facing commands of `hypha-data`: `prepare`, `inspect`, `verify`, `fetch`.
+//! The human-facing commands of `hypha-data`: `prepare`, `inspect`, `verify`, `fetch`,
+//! `iterate`.
 
 use std::{io::IsTerminal, path::PathBuf};
 
@@ -243,6 +244,36 @@ pub struct FetchArgs {
 }
 
 /// How long `fetch` looks for providers before giving up.
+/// The providers of `dataset`, and its manifest from the first of them that sends it.
+async fn find_dataset(
+    client: &DataClient,
+    dataset: &str,
+) -> Result<(Vec<hypha_network::PeerId>, hypha_dataset::Manifest), Error> {
+    let failed = |e: crate::FetchError| Error::Failed(e.to_string());
+    // A data node that has just started may not have announced itself yet: look for a while.
+    let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
+    let providers = loop {
+        match client.providers(dataset).await {
+            Ok(providers) => break providers,
+            Err(crate::FetchError::NoProviders { .. })
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(failed(e)),
+        }
+    };
+    for peer in &providers {
+        if let Ok(manifest) = client.manifest(*peer, dataset).await {
+            return Ok((providers, manifest));
+        }
+    }
+    Err(Error::Failed(format!(
+        "none of the {} providers of {dataset:?} sent its manifest",
+        providers.len()
+    )))
+}
+
 const PROVIDER_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Finds the dataset's providers, fetches the manifest and the slice, verifies it, writes it.
@@ -263,33 +294,7 @@ pub async fn fetch(args: &FetchArgs) -> Result<(), Error> {
 
 async fn fetch_with(client: &DataClient, args: &FetchArgs) -> Result<(), Error> {
     let failed = |e: crate::FetchError| Error::Failed(e.to_string());
-    // A data node that has just started may not have announced itself yet: look for a while.
-    let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
-    let providers = loop {
-        match client.providers(&args.dataset).await {
-            Ok(providers) => break providers,
-            Err(crate::FetchError::NoProviders { .. })
-                if tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            }
-            Err(e) => return Err(failed(e)),
-        }
-    };
-    let mut manifest = None;
-    for peer in &providers {
-        if let Ok(m) = client.manifest(*peer, &args.dataset).await {
-            manifest = Some(m);
-            break;
-        }
-    }
-    let manifest = manifest.ok_or_else(|| {
-        Error::Failed(format!(
-            "none of the {} providers of {:?} sent its manifest",
-            providers.len(),
-            args.dataset
-        ))
-    })?;
+    let (providers, manifest) = find_dataset(client, &args.dataset).await?;
     let entry = usize::try_from(args.slice)
         .ok()
         .and_then(|i| manifest.slices.get(i))
@@ -344,4 +349,187 @@ fn human_bytes(bytes: u64) -> String {
     } else {
         format!("{value:.1} {}", UNITS[unit])
     }
+}
+
+/// `hypha-data iterate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IterateArgs {
+    /// The dataset's name, as announced in the DHT.
+    #[arg(long)]
+    pub dataset: String,
+    /// The iteration: clients that name the same one share it, and each slice of each epoch
+    /// goes to exactly one of them. A data node keeps its iterations across restarts.
+    #[arg(long, default_value = "default")]
+    pub iteration: String,
+    /// Epochs the iteration runs (fixed by whoever starts it; later clients must agree).
+    #[arg(long, default_value_t = 1)]
+    pub epochs: u32,
+    /// Fixes each epoch's order (fixed by whoever starts the iteration).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The data node to iterate (a peer ID); default: the first provider found.
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Slices asked for at a time.
+    #[arg(long, default_value_t = 4)]
+    pub batch: u32,
+    /// Stop after this many slices (default: until the iteration is done).
+    #[arg(long)]
+    pub limit: Option<u64>,
+    /// Download each slice, verified, into this directory as e{epoch}-{file}.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// This client's name in the iteration (default: a random one). A client that restarts
+    /// under the same name picks up the slices it held.
+    #[arg(long)]
+    pub client: Option<String>,
+    /// A config file for the certificate and gateways (a data node's config works).
+    #[arg(short, long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub overrides: Overrides,
+}
+
+/// Iterates a data node's own slices (`cluster_sync = false`): asks the node for slices in
+/// batches, downloads each when asked to, reports it consumed with the next request, and
+/// prints one line per slice: `epoch E slice S samples N [path]`.
+pub async fn iterate(args: &IterateArgs) -> Result<(), Error> {
+    if args.batch == 0 {
+        return Err(Error::BadInput(
+            "--batch 0: ask for at least one slice at a time".into(),
+        ));
+    }
+    let schema = crate::node::client_schema();
+    let network = hypha_node::start_client(
+        "iterate",
+        &schema,
+        args.config.as_deref(),
+        &args.overrides,
+        true,
+    )
+    .await?;
+    let result = iterate_with(&DataClient::new(network.clone()), &network, args).await;
+    network.shutdown().await;
+    result
+}
+
+async fn iterate_with(
+    client: &DataClient,
+    network: &hypha_network::Network,
+    args: &IterateArgs,
+) -> Result<(), Error> {
+    use hypha_messages::{
+        Request, Response,
+        iterate::{IterateRequest, IterateStatus},
+    };
+
+    let (providers, manifest) = find_dataset(client, &args.dataset).await?;
+    let node = match &args.node {
+        Some(node) => {
+            let node: hypha_network::PeerId = node
+                .parse()
+                .map_err(|e| Error::BadInput(format!("--node {node:?} is not a peer ID: {e}")))?;
+            if !providers.contains(&node) {
+                return Err(Error::Failed(format!(
+                    "{node} does not announce {:?}; its providers are {}",
+                    args.dataset,
+                    providers
+                        .iter()
+                        .map(|p| p.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            node
+        }
+        None => providers[0],
+    };
+    if let Some(dir) = &args.output {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::BadInput(format!("--output {}: {e}", dir.display())))?;
+    }
+    let consumer = args
+        .client
+        .clone()
+        .unwrap_or_else(|| format!("iterate-{}", &uuid_like()));
+    let mut consumed = Vec::new();
+    let mut taken = 0u64;
+    loop {
+        let remaining = args.limit.map_or(u64::MAX, |limit| limit - taken);
+        let want = u64::from(args.batch).min(remaining) as u32;
+        let request = IterateRequest {
+            iteration: args.iteration.clone(),
+            dataset: args.dataset.clone(),
+            consumer: consumer.clone(),
+            epochs: args.epochs,
+            seed: args.seed,
+            want,
+            cached: Vec::new(),
+            consumed: std::mem::take(&mut consumed),
+            round: 0,
+            completed_round: None,
+        };
+        let grant = match network.request(node, Request::Iterate(request)).await {
+            Ok(Response::Iterate(grant)) => grant,
+            Ok(Response::Error(e)) => return Err(Error::Failed(format!("{node}: {}", e.message))),
+            Ok(other) => {
+                return Err(Error::Failed(format!(
+                    "{node} answered {other:?} to an iterate request"
+                )));
+            }
+            Err(e) => return Err(Error::Failed(format!("{node}: {e}"))),
+        };
+        for refused in &grant.refused {
+            eprintln!(
+                "warning: epoch {} slice {} was taken by another client while this one held it",
+                refused.epoch, refused.slice
+            );
+        }
+        if want == 0 {
+            return Ok(());
+        }
+        for slice in &grant.slices {
+            let entry = usize::try_from(slice.slice)
+                .ok()
+                .and_then(|i| manifest.slices.get(i))
+                .ok_or_else(|| {
+                    Error::Failed(format!(
+                        "{node} granted slice {} of a dataset with {} slices",
+                        slice.slice,
+                        manifest.slices.len()
+                    ))
+                })?;
+            let mut line = format!(
+                "epoch {} slice {} samples {}",
+                slice.epoch, slice.slice, slice.samples
+            );
+            if let Some(dir) = &args.output {
+                let dest = dir.join(format!("e{}-{}", slice.epoch, entry.file));
+                client
+                    .fetch_slice(&args.dataset, entry, &[node], &dest)
+                    .await
+                    .map_err(|e| Error::Failed(e.to_string()))?;
+                line.push(' ');
+                line.push_str(&dest.display().to_string());
+            }
+            println!("{line}");
+            consumed.push(slice.key());
+            taken += 1;
+        }
+        match grant.status {
+            IterateStatus::Granted => {}
+            IterateStatus::Wait { retry_ms } => {
+                tokio::time::sleep(std::time::Duration::from_millis(retry_ms)).await;
+            }
+            IterateStatus::Finished => return Ok(()),
+        }
+    }
+}
+
+/// Eight hex digits from the clock and the process ID: enough to tell concurrent clients apart.
+fn uuid_like() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("{:08x}", nanos ^ std::process::id().rotate_left(16))
 }

@@ -6,6 +6,8 @@
 //!   request costs its own stream only.
 //! - [`DataClient`]: finds providers in the DHT, fetches manifests, and downloads slices with
 //!   verification, resumption and fallback.
+//! - [`iteration`]: exactly-once iteration over a ledger, for schedulers (`cluster_sync =
+//!   true`) and for a data node's own clients (`cluster_sync = false`).
 //! - [`commands`]: `inspect`, `verify` and `fetch` for humans.
 //! - [`node`]: the `hypha-data run` node: announces every dataset as a Kademlia provider record,
 //!   answers manifest requests, serves slices, follows changes on disk.
@@ -13,6 +15,7 @@
 mod catalog;
 mod client;
 pub mod commands;
+pub mod iteration;
 pub mod node;
 pub mod protocol;
 pub mod server;

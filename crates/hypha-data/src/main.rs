@@ -38,6 +38,8 @@ enum Command {
     },
     /// Fetch one slice from the network, verified, into a file.
     Fetch(hypha_data::commands::FetchArgs),
+    /// Iterate a data node's slices exactly once among all clients naming the same iteration.
+    Iterate(hypha_data::commands::IterateArgs),
 }
 
 #[tokio::main]
@@ -52,5 +54,6 @@ async fn main() -> ExitCode {
         Command::Inspect { path } => hypha_data::commands::inspect(&path),
         Command::Verify { path } => hypha_data::commands::verify_dataset(&path),
         Command::Fetch(args) => hypha_data::commands::fetch(&args).await,
+        Command::Iterate(args) => hypha_data::commands::iterate(&args).await,
     })
 }

@@ -12,7 +12,12 @@ use hypha_network::{InboundRequest, Network};
 use hypha_node::{Error, Node, RunArgs};
 use serde::Deserialize;
 
-use crate::{Catalog, protocol::provider_key, server};
+use hypha_dataset::Manifest;
+
+use crate::{Catalog, iteration::NodeIterations, protocol::provider_key, server};
+
+/// Requests (manifests, iterations) a data node answers at the same time.
+const ANSWERING: usize = 256;
 
 /// How often a data node looks for datasets added, changed or removed on disk.
 pub const REFRESH_INTERVAL: Duration = Duration::from_secs(5);
@@ -29,6 +34,14 @@ pub fn schema() -> Schema {
                 example: r#""/var/hypha/datasets/imagenet-1k""#,
             },
             doc: "The dataset to serve: a directory of slice files, announced under the directory's name. A directory whose sub-directories are datasets serves each of them. Changes on disk are picked up while running.",
+        },
+        Key {
+            name: "iteration_dir",
+            kind: Kind::Path,
+            default: DefaultValue::Unset {
+                example: r#""/var/hypha/iterations""#,
+            },
+            doc: "Where the ledgers of the iterations this node runs for its own clients (cluster_sync = false; `hypha-data iterate`) are kept, so that they survive restarts. Unset: a .hypha-iterations directory inside dataset_path.",
         },
         Key {
             name: "max_concurrent_slices",
@@ -66,6 +79,7 @@ pub fn client_schema() -> Schema {
 #[derive(Debug, Deserialize)]
 struct DataConfig {
     dataset_path: PathBuf,
+    iteration_dir: Option<PathBuf>,
     max_concurrent_slices: i64,
     max_slices_per_peer: i64,
 }
@@ -101,10 +115,14 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         ))
     })?;
     let node = Node::start_with("data", loaded, |_| {}).await?;
+    let iteration_dir = config
+        .iteration_dir
+        .unwrap_or_else(|| config.dataset_path.join(".hypha-iterations"));
     serve(
         node.network.clone(),
         node.inbound,
         Arc::new(RwLock::new(catalog)),
+        iteration_dir,
         limits,
         REFRESH_INTERVAL,
         hypha_node::shutdown_signal(),
@@ -114,13 +132,15 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
 }
 
 /// Does a data node's work on a started network until `shutdown` resolves: announces every
-/// dataset, serves slices and manifests, looks at the disk every `refresh` for changes; then
+/// dataset, serves slices and manifests, runs its clients' iterations (ledgers in
+/// `iteration_dir`), looks at the disk every `refresh` for changes; then
 /// withdraws the announcements (from its own store: Kademlia has no remote withdrawal, so
 /// other nodes' copies lapse with their TTL) and stops the network.
 pub async fn serve(
     network: Network,
     mut inbound: tokio::sync::mpsc::Receiver<InboundRequest>,
     catalog: Arc<RwLock<Catalog>>,
+    iteration_dir: PathBuf,
     limits: server::Limits,
     refresh: Duration,
     shutdown: impl std::future::Future<Output = ()>,
@@ -134,13 +154,24 @@ pub async fn serve(
         .await;
     let server = tokio::spawn(server::serve(network.clone(), catalog.clone(), limits));
 
+    let iterations = Arc::new(NodeIterations::new(iteration_dir, network.local_peer_id()));
+    let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
     let mut refresh = tokio::time::interval(refresh);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            Some(request) = inbound.recv() => answer(request, &catalog).await,
+            Some(request) = inbound.recv() => {
+                // Iterations wait for their ledger's commits: requests are answered
+                // concurrently, at most ANSWERING at once (the inbound queue fills behind).
+                let Ok(permit) = answering.clone().acquire_owned().await else { break };
+                let (catalog, iterations) = (catalog.clone(), iterations.clone());
+                tokio::spawn(async move {
+                    answer(request, &catalog, &iterations).await;
+                    drop(permit);
+                });
+            }
             _ = refresh.tick() => follow_disk(&network, &catalog).await,
         }
     }
@@ -182,19 +213,46 @@ async fn follow_disk(network: &Network, catalog: &RwLock<Catalog>) {
     }
 }
 
-async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>) {
-    let response = match &request.request {
-        Request::Manifest { dataset } => match catalog.read().ok().and_then(|c| c.get(dataset)) {
-            Some(d) => Response::Manifest(d.manifest().clone()),
-            None => Response::Error(hypha_messages::Error {
-                code: ErrorCode::BadRequest,
-                message: format!("this node does not serve {dataset:?}"),
-            }),
-        },
-        _ => Response::Error(hypha_messages::Error {
-            code: ErrorCode::Unsupported,
-            message: "data nodes answer health and manifest requests".into(),
-        }),
+async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>, iterations: &NodeIterations) {
+    let manifest = |dataset: &str| -> Result<Manifest, hypha_messages::Error> {
+        catalog
+            .read()
+            .ok()
+            .and_then(|c| c.get(dataset).map(|d| d.manifest().clone()))
+            .ok_or_else(|| {
+                hypha_messages::Error::new(
+                    ErrorCode::BadRequest,
+                    format!("this node does not serve {dataset:?}"),
+                )
+            })
     };
+    let response = match &request.request {
+        Request::Manifest { dataset } => manifest(dataset).map(Response::Manifest),
+        Request::Iterate(iterate) => {
+            let service = match manifest(&iterate.dataset) {
+                Ok(manifest) => iterations.service(iterate, &manifest).await,
+                Err(e) => Err(e),
+            };
+            match service {
+                Ok(service) => service
+                    .iterate(&request.peer, iterate)
+                    .await
+                    .map(Response::Iterate),
+                Err(e) => Err(e),
+            }
+        }
+        Request::Progress { iteration } => match iterations.running(iteration).await {
+            Some(service) => service.progress().await.map(Response::Progress),
+            None => Err(hypha_messages::Error::new(
+                ErrorCode::BadRequest,
+                format!("no iteration {iteration:?} runs on this node"),
+            )),
+        },
+        _ => Err(hypha_messages::Error::new(
+            ErrorCode::Unsupported,
+            "data nodes answer health, manifest, iterate and progress requests",
+        )),
+    };
+    let response = response.unwrap_or_else(Response::Error);
     let _ = request.responder.respond(response).await;
 }

@@ -48,6 +48,43 @@ fn snappy_slice(values: &[u8]) -> Vec<u8> {
     slice::encode(&tensors, slice::Encoding::Snappy).unwrap()
 }
 
+/// Starts `hypha-data run --config config` and waits for its address; returns the process,
+/// its stderr lines (those read so far, and a channel for the rest) and `address/p2p/id`.
+fn start_node(config: &Path) -> (KillOnDrop, mpsc::Receiver<String>, Vec<String>, String) {
+    let mut node = KillOnDrop(
+        Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let (tx, lines) = mpsc::channel();
+    let stderr = node.0.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut address, mut peer, mut seen) = (None, None, Vec::new());
+    while address.is_none() || peer.is_none() {
+        let line = lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{seen:#?}"));
+        if let Some(a) = line.split("listening address=").nth(1) {
+            address = Some(a.trim().to_string());
+        }
+        if let Some(p) = line.split("peer_id=").nth(1) {
+            peer = Some(p.split_whitespace().next().unwrap().to_string());
+        }
+        seen.push(line);
+    }
+    let node_address = format!("{}/p2p/{}", address.unwrap(), peer.unwrap());
+    (node, lines, seen, node_address)
+}
+
 #[test]
 fn serve_fetch_inspect_and_verify() {
     let tmp = tempfile::tempdir().unwrap();
@@ -83,37 +120,7 @@ fn serve_fetch_inspect_and_verify() {
     );
     assert!(text.contains("tokens") && text.contains("U8"), "{text}");
 
-    let mut node = KillOnDrop(
-        Command::new(BIN)
-            .args(["run", "--config"])
-            .arg(dir.join("data.toml"))
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let (tx, lines) = mpsc::channel();
-    let stderr = node.0.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let (mut address, mut peer, mut seen) = (None, None, Vec::new());
-    while address.is_none() || peer.is_none() {
-        let line = lines
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("{seen:#?}"));
-        if let Some(a) = line.split("listening address=").nth(1) {
-            address = Some(a.trim().to_string());
-        }
-        if let Some(p) = line.split("peer_id=").nth(1) {
-            peer = Some(p.split_whitespace().next().unwrap().to_string());
-        }
-        seen.push(line);
-    }
-    let node_address = format!("{}/p2p/{}", address.unwrap(), peer.unwrap());
+    let (mut node, lines, seen, node_address) = start_node(&dir.join("data.toml"));
 
     let flags = |cmd: &mut Command| {
         cmd.arg("--cert-pem")
@@ -253,4 +260,121 @@ fn prepare_writes_a_dataset_that_serves_and_refuses_to_overwrite() {
     let out = run();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+}
+
+#[test]
+fn clients_of_one_iteration_get_disjoint_slices_covering_the_node_each_epoch() {
+    const SLICES: u64 = 30;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    certificates(dir);
+    let data = dir.join("tokens");
+    std::fs::create_dir(&data).unwrap();
+    for i in 0..SLICES {
+        std::fs::write(
+            data.join(format!("slice-{i}.safetensors")),
+            snappy_slice(&[i as u8; 512]),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        dir.join("data.toml"),
+        "cert_pem = \"data-cert.pem\"\nkey_pem = \"data-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\ndataset_path = \"tokens\"\niteration_dir = \"iterations\"\n",
+    )
+    .unwrap();
+    let (_node, _lines, _seen, node_address) = start_node(&dir.join("data.toml"));
+
+    let client = |name: &str| {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "iterate",
+            "--dataset",
+            "tokens",
+            "--iteration",
+            "run-1",
+            "--epochs",
+            "2",
+            "--seed",
+            "9",
+            "--batch",
+            "3",
+            "--client",
+            name,
+            "--gateway",
+            &node_address,
+            "--cert-pem",
+        ])
+        .arg(dir.join("fetcher-cert.pem"))
+        .arg("--key-pem")
+        .arg(dir.join("fetcher-key.pem"))
+        .arg("--trust-pem")
+        .arg(dir.join("root.pem"))
+        .arg("--output")
+        .arg(dir.join(name))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let (a, b) = (client("a"), client("b"));
+    let outputs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+
+    // (epoch, slice) → how many clients got it.
+    let mut got = std::collections::HashMap::<(u32, u64), u32>::new();
+    for (name, out) in ["a", "b"].iter().zip(&outputs) {
+        assert!(out.status.success(), "{out:?}");
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(words[0], "epoch", "{line}");
+            let (epoch, slice) = (words[1].parse().unwrap(), words[3].parse::<u64>().unwrap());
+            *got.entry((epoch, slice)).or_default() += 1;
+            // The slice arrived, byte-exact.
+            let path = Path::new(words[6]);
+            assert!(path.starts_with(dir.join(name)), "{line}");
+            assert_eq!(
+                std::fs::read(path).unwrap(),
+                std::fs::read(data.join(format!("slice-{slice}.safetensors"))).unwrap()
+            );
+        }
+    }
+    for epoch in 0..2 {
+        for slice in 0..SLICES {
+            assert_eq!(
+                got.get(&(epoch, slice)),
+                Some(&1),
+                "epoch {epoch} slice {slice}"
+            );
+        }
+    }
+    assert_eq!(got.len() as u64, 2 * SLICES);
+
+    // The iteration is done for latecomers too.
+    let out = client("c").wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.is_empty(), "{out:?}");
+    // A client that disagrees about the iteration is told why.
+    let mut wrong = Command::new(BIN);
+    wrong
+        .args([
+            "iterate",
+            "--dataset",
+            "tokens",
+            "--iteration",
+            "run-1",
+            "--epochs",
+            "3",
+            "--gateway",
+            &node_address,
+            "--cert-pem",
+        ])
+        .arg(dir.join("fetcher-cert.pem"))
+        .arg("--key-pem")
+        .arg(dir.join("fetcher-key.pem"))
+        .arg("--trust-pem")
+        .arg(dir.join("root.pem"));
+    let out = wrong.output().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("for 2 epochs with seed 9"),
+        "{out:?}"
+    );
 }

@@ -72,6 +72,7 @@ async fn data_node(
         network.clone(),
         inbound,
         catalog,
+        root.join(".hypha-iterations"),
         limits,
         Duration::from_millis(200),
         async {

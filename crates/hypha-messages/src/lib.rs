@@ -57,6 +57,12 @@ pub enum Request {
     /// scheduler, whose answer goes back to the executor (worker → scheduler; answered
     /// `ExecutorStatus`). Both payloads are JSON documents.
     ExecutorStatus { job: String, payload: String },
+    /// Reports on slices and asks for more, from an iteration's ledger (worker → scheduler
+    /// with `cluster_sync = true`, client → data node with `cluster_sync = false`; answered
+    /// `Iterate`).
+    Iterate(iterate::IterateRequest),
+    /// Where an iteration stands (anyone → the ledger's node; answered `Progress`).
+    Progress { iteration: String },
 }
 
 /// Every response a node can send.
@@ -71,6 +77,8 @@ pub enum Response {
     ExecutorStatus {
         payload: String,
     },
+    Iterate(iterate::IterateGrant),
+    Progress(iterate::IterationProgress),
     Error(Error),
 }
 
@@ -128,5 +136,6 @@ pub mod health {
     }
 }
 
+pub mod iterate;
 pub mod job;
 pub mod market;

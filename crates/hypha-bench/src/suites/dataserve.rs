@@ -296,6 +296,7 @@ pub fn child_main(args: &[String]) -> anyhow::Result<()> {
             network,
             inbound,
             catalog,
+            Path::new(dataset).join(".hypha-iterations"),
             hypha_data::server::Limits::default(),
             hypha_data::node::REFRESH_INTERVAL,
             stdin_closed,

@@ -1,0 +1,117 @@
+//! Iterating a dataset exactly once: asking the iteration's ledger for slices and reporting on
+//! them.
+//!
+//! With `cluster_sync = true` the ledger is the scheduler's and the askers are the jobs of its
+//! task; with `cluster_sync = false` the ledger is a data node's own and the askers are its
+//! clients. Either way one [`IterateRequest`] both reports (slices consumed, a round that
+//! reached the model) and asks (more slices), so a consumer needs one round trip per step.
+
+use serde::{Deserialize, Serialize};
+
+/// One slice in one epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SliceRef {
+    pub epoch: u32,
+    pub slice: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IterateRequest {
+    /// The iteration: a scheduler's task, or a name a data node's clients share.
+    pub iteration: String,
+    pub dataset: String,
+    /// Who asks, within the asking peer: a job's id on a worker, a client's name.
+    pub consumer: String,
+    /// The iteration the asker expects; a ledger that iterates otherwise refuses.
+    pub epochs: u32,
+    pub seed: u64,
+    /// Slices wanted now; 0 only reports.
+    pub want: u32,
+    /// Slice numbers the asker holds already; preferred among the next ones.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cached: Vec<u64>,
+    /// Slices whose samples went into round `round`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub consumed: Vec<SliceRef>,
+    #[serde(default)]
+    pub round: u64,
+    /// A round of the asker's that reached the model, for iterations without a parameter
+    /// server to say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_round: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IterateGrant {
+    /// Slices now assigned to the asker, in the order to use them.
+    pub slices: Vec<GrantedSlice>,
+    /// Reported slices the asker may not count (its lease lapsed and another took them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<SliceRef>,
+    pub status: IterateStatus,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IterateStatus {
+    /// Slices were granted (or none were wanted).
+    Granted,
+    /// Nothing is free now but slices others hold may come back: ask again after `retry_ms`.
+    Wait { retry_ms: u64 },
+    /// Every slice is used or on its way to it: the asker is done.
+    Finished,
+}
+
+/// A slice handed out, with what the asker needs to fetch and check it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantedSlice {
+    pub epoch: u32,
+    pub slice: u64,
+    pub samples: u64,
+    /// The slice file's size and BLAKE3 (hex), as its manifest lists them.
+    pub size: u64,
+    pub blake3: String,
+    /// Peers that hold it, the one to try first first.
+    pub providers: Vec<String>,
+}
+
+impl GrantedSlice {
+    pub fn key(&self) -> SliceRef {
+        SliceRef {
+            epoch: self.epoch,
+            slice: self.slice,
+        }
+    }
+}
+
+/// Where an iteration stands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IterationProgress {
+    pub iteration: String,
+    pub dataset: String,
+    pub finished: bool,
+    pub epochs: Vec<EpochCounts>,
+    pub consumers: Vec<ConsumerRate>,
+}
+
+/// One epoch's slices by state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochCounts {
+    pub epoch: u32,
+    pub available: u64,
+    pub assigned: u64,
+    pub consumed: u64,
+    pub used: u64,
+}
+
+/// One consumer's share and pace (rates over the last 30 s).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConsumerRate {
+    pub consumer: String,
+    pub assigned: u64,
+    pub consumed: u64,
+    pub used: u64,
+    pub samples_used: u64,
+    pub slices_per_s: f64,
+    pub samples_per_s: f64,
+}
