@@ -22,7 +22,8 @@ pub struct IterateRequest {
     pub dataset: String,
     /// Who asks, within the asking peer: a job's id on a worker, a client's name.
     pub consumer: String,
-    /// The iteration the asker expects; a ledger that iterates otherwise refuses.
+    /// The iteration the asker expects; a ledger that iterates otherwise refuses. Epochs 0
+    /// takes the ledger's epochs and seed, whatever they are.
     pub epochs: u32,
     pub seed: u64,
     /// Slices wanted now; 0 only reports.

@@ -4,12 +4,15 @@
 //!   cheapest per weighted resource unit (one offer per worker), accept, keep leases renewed,
 //!   report workers that are lost.
 //! - [`spec`]: the job file.
+//! - [`data`]: a job's dataset iteration (`cluster_sync = true`): the scheduler's ledger hands
+//!   every slice to exactly one job.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //!
 //! This crate knows how to choose and drive workers, not how they run executors.
 
 pub mod allocator;
+pub mod data;
 pub mod node;
 pub mod run;
 pub mod spec;

@@ -13,6 +13,7 @@ use std::{
     collections::{HashMap, HashSet},
     io::Write,
     path::Path,
+    sync::Arc,
     time::Duration,
 };
 
@@ -27,8 +28,12 @@ use tokio::sync::mpsc;
 
 use crate::{
     allocator::{AllocationError, Allocator, Kept, Leased, Lost, WorkerRequest},
+    data::JobData,
     spec::JobFile,
 };
+
+/// Iterate and progress requests a scheduler answers at the same time.
+const ANSWERING: usize = 256;
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
@@ -156,6 +161,12 @@ pub enum RunError {
     },
     #[error("stopped before the job completed")]
     Interrupted,
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    #[error(
+        "every executor exited, but the iteration still has slices that were never used; executors should fetch from their \"data\" reference until it answers that the data is done"
+    )]
+    Unfinished,
 }
 
 struct Running {
@@ -178,10 +189,36 @@ pub fn route_inbound(
     allocator: Allocator,
     statuses: mpsc::Sender<(PeerId, StatusReport)>,
     executor_statuses: mpsc::Sender<(String, serde_json::Value)>,
+    data: Option<JobData>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        // Iterate and progress requests wait for the ledger: they are answered concurrently,
+        // at most ANSWERING at once; the inbound queue fills behind them.
+        let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
         while let Some(request) = inbound.recv().await {
             let peer = request.peer;
+            if let (Request::Iterate(_) | Request::Progress { .. }, Some(data)) =
+                (&request.request, &data)
+            {
+                let Ok(permit) = answering.clone().acquire_owned().await else {
+                    break;
+                };
+                let service = data.service().clone();
+                tokio::spawn(async move {
+                    let response = match &request.request {
+                        Request::Iterate(iterate) => {
+                            service.iterate(&peer, iterate).await.map(Response::Iterate)
+                        }
+                        _ => service.progress().await.map(Response::Progress),
+                    };
+                    let _ = request
+                        .responder
+                        .respond(response.unwrap_or_else(Response::Error))
+                        .await;
+                    drop(permit);
+                });
+                continue;
+            }
             let response = match request.request {
                 Request::Offer(offer) => {
                     if allocator.offer_arrived(peer, offer) {
@@ -213,7 +250,7 @@ pub fn route_inbound(
                 }
                 _ => Response::Error(RemoteError::new(
                     ErrorCode::Unsupported,
-                    "schedulers answer health, offers and job statuses",
+                    "schedulers answer health, offers, job statuses and, for jobs with data, iterate and progress requests",
                 )),
             };
             let _ = request.responder.respond(response).await;
@@ -230,10 +267,24 @@ pub async fn run_job(
     mut events: EventLog,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
+    let task = uuid::Uuid::new_v4().to_string();
+    tokio::pin!(shutdown);
+    let data = match (&spec.data, spec.ledger_path()) {
+        (Some(data), Some(ledger)) => tokio::select! {
+            started = JobData::start(&network, data, &ledger, &task) => Some(started?),
+            _ = &mut shutdown => return Err(RunError::Interrupted),
+        },
+        _ => None,
+    };
     let (status_tx, mut statuses) = mpsc::channel(256);
     let (executor_tx, mut executor_statuses) = mpsc::channel(256);
-    let router = route_inbound(inbound, allocator.clone(), status_tx, executor_tx);
-    let task = uuid::Uuid::new_v4().to_string();
+    let router = route_inbound(
+        inbound,
+        allocator.clone(),
+        status_tx,
+        executor_tx,
+        data.clone(),
+    );
     let request = WorkerRequest {
         executor: spec.executor.clone(),
         resources: spec.resources,
@@ -254,10 +305,10 @@ pub async fn run_job(
         allocator: allocator.clone(),
         spec: &spec,
         task: &task,
+        config: spec.config_json(data.as_ref().map(JobData::reference)),
         lost_tx,
     };
 
-    tokio::pin!(shutdown);
     let nobody = HashSet::new();
     let initial = tokio::select! {
         leased = allocator.allocate(&request, spec.workers, &nobody) => leased?,
@@ -273,7 +324,10 @@ pub async fn run_job(
 
     let outcome = 'events: loop {
         if slots.iter().all(|s| s.done) {
-            break Ok(());
+            match &data {
+                Some(data) if !data.finished().await => break Err(RunError::Unfinished),
+                _ => break Ok(()),
+            }
         }
         tokio::select! {
             _ = &mut shutdown => break Err(RunError::Interrupted),
@@ -297,6 +351,9 @@ pub async fn run_job(
                 };
                 if let Some(run) = running.remove(&report.job) {
                     run.kept.release();
+                    if let Some(data) = &data {
+                        data.release(&run.peer, &report.job).await;
+                    }
                 }
                 match failure {
                     None => slots[slot].done = true,
@@ -316,6 +373,9 @@ pub async fn run_job(
                     continue;
                 };
                 let Some(run) = running.remove(&id) else { continue };
+                if let Some(data) = &data {
+                    data.release(&run.peer, &id).await;
+                }
                 events.record(Event::Lost {
                     slot: run.slot,
                     peer: lost.peer.to_string(),
@@ -344,8 +404,13 @@ pub async fn run_job(
         }
     };
     for (id, run) in running.drain() {
-        let _ = network.request(run.peer, Request::Cancel { job: id }).await;
+        let _ = network
+            .request(run.peer, Request::Cancel { job: id.clone() })
+            .await;
         run.kept.release();
+        if let Some(data) = &data {
+            data.release(&run.peer, &id).await;
+        }
     }
     allocator.settle(RELEASE_LIMIT).await;
     events.record(Event::Done {
@@ -364,6 +429,8 @@ struct Job<'a> {
     allocator: Allocator,
     spec: &'a JobFile,
     task: &'a str,
+    /// The executor's config, the data reference included.
+    config: String,
     lost_tx: mpsc::Sender<Lost>,
 }
 
@@ -394,7 +461,7 @@ impl Job<'_> {
                 task: self.task.to_string(),
                 lease: leased.lease,
                 executor: self.spec.executor.clone(),
-                config: self.spec.config_json(),
+                config: self.config.clone(),
                 secrets: self.spec.secrets.clone(),
             };
             running.insert(

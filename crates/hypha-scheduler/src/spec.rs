@@ -18,9 +18,22 @@
 //!
 //! [secrets]            # reach the worker, never an executor's argv or environment
 //! hf_token = "hf_..."
+//!
+//! [data]               # the dataset the job iterates, each slice used once per epoch
+//! dataset = "digits"
+//! epochs = 2
+//! seed = 7             # fixes each epoch's order
+//! cluster_sync = true  # the scheduler's ledger hands out every slice (the default)
+//! ledger = "digits.ledger"  # default: next to the job file, named after it
 //! ```
+//!
+//! With `[data]`, the executor's config gains `"data"`: the reference to hand the job bridge's
+//! `/resources/fetch` for the next slice (`{"type": "Scheduler", "peer": …, "dataset": …}`).
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use hypha_messages::market::{ExecutorRef, Resources};
 use serde::Deserialize;
@@ -40,6 +53,35 @@ pub struct JobFile {
     pub config: toml::Table,
     #[serde(default)]
     pub secrets: BTreeMap<String, String>,
+    #[serde(default)]
+    pub data: Option<DataSpec>,
+}
+
+/// The dataset a job iterates.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    pub dataset: String,
+    #[serde(default = "default_epochs")]
+    pub epochs: u32,
+    #[serde(default)]
+    pub seed: u64,
+    /// `true`: this scheduler's ledger hands out every slice once across all workers and data
+    /// nodes. `false`: each data node hands out its own slices (`hypha-data iterate`), which
+    /// is exactly-once only when one data node serves the dataset.
+    #[serde(default = "default_cluster_sync")]
+    pub cluster_sync: bool,
+    /// Where the ledger is kept; a scheduler restarted with the same job file resumes it.
+    #[serde(default)]
+    pub ledger: Option<PathBuf>,
+}
+
+fn default_epochs() -> u32 {
+    1
+}
+
+fn default_cluster_sync() -> bool {
+    true
 }
 
 fn default_attempts() -> u32 {
@@ -56,12 +98,23 @@ pub enum SpecError {
 }
 
 impl JobFile {
+    /// Reads a job file; a relative `data.ledger` is taken relative to the file, and an
+    /// absent one becomes `{file stem}.ledger` beside it.
     pub fn load(path: &Path) -> Result<Self, SpecError> {
         let text = std::fs::read_to_string(path).map_err(|error| SpecError::Read {
             path: path.display().to_string(),
             error,
         })?;
-        Self::parse(&path.display().to_string(), &text)
+        let mut spec = Self::parse(&path.display().to_string(), &text)?;
+        if let Some(data) = &mut spec.data {
+            let dir = path.parent().unwrap_or(Path::new(""));
+            let ledger = data.ledger.take().unwrap_or_else(|| {
+                let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+                PathBuf::from(format!("{stem}.ledger"))
+            });
+            data.ledger = Some(dir.join(ledger));
+        }
+        Ok(spec)
     }
 
     /// Parses and checks a job file; errors name the file, the line and the key.
@@ -93,6 +146,19 @@ impl JobFile {
                 spec.bid
             )));
         }
+        if let Some(data) = &spec.data {
+            if data.dataset.is_empty() {
+                return Err(invalid("data.dataset names no dataset".into()));
+            }
+            if data.epochs == 0 {
+                return Err(invalid("data.epochs must be 1 or more".into()));
+            }
+            if !data.cluster_sync {
+                return Err(invalid(
+                    "data.cluster_sync = false: this scheduler runs iterations itself; drop the key, or have executors iterate a data node with `hypha-data iterate`".into(),
+                ));
+            }
+        }
         if spec.max_attempts == 0 {
             return Err(invalid("max_attempts must be 1 or more".into()));
         }
@@ -109,9 +175,24 @@ impl JobFile {
         Ok(spec)
     }
 
-    /// The executor's settings as JSON.
-    pub fn config_json(&self) -> String {
-        serde_json::to_string(&self.config).unwrap_or_else(|_| "{}".into())
+    /// The executor's settings as JSON, with `data` (the reference to fetch slices with)
+    /// when the job iterates a dataset.
+    pub fn config_json(&self, data: Option<&serde_json::Value>) -> String {
+        let mut config = serde_json::to_value(&self.config).unwrap_or_default();
+        if let (Some(data), Some(object)) = (data, config.as_object_mut()) {
+            object.insert("data".into(), data.clone());
+        }
+        serde_json::to_string(&config).unwrap_or_else(|_| "{}".into())
+    }
+
+    /// Where the job's ledger is kept (see [`JobFile::load`]).
+    pub fn ledger_path(&self) -> Option<PathBuf> {
+        let data = self.data.as_ref()?;
+        Some(
+            data.ledger
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(format!("{}.ledger", data.dataset))),
+        )
     }
 }
 
@@ -129,7 +210,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(spec.workers, 2);
-        assert_eq!(spec.config_json(), r#"{"steps":3}"#);
+        assert_eq!(spec.config_json(None), r#"{"steps":3}"#);
         let err = JobFile::parse(
             "job.toml",
             "workers = 2\nbid = 50\nbdi = 3\n[executor]\nclass = \"a\"\nname = \"b\"\n",

@@ -1,0 +1,180 @@
+//! A job's data with `cluster_sync = true`: the scheduler finds the dataset's data nodes,
+//! learns which slices each holds, and runs the iteration's ledger, which hands every slice of
+//! every epoch to exactly one job.
+//!
+//! Workers ask through the job bridge's `Scheduler` reference; each grant names the data
+//! nodes that hold the slice, rotated so replicas share the load. Slices of a job that ends,
+//! fails or loses its worker go back to the ledger ([`JobData::release`]).
+
+use std::{path::Path, time::Duration};
+
+use hypha_data::{
+    DataClient,
+    iteration::{IterationService, LEASE_MS, SliceSource, spec_of},
+};
+use hypha_dataset::Manifest;
+use hypha_ledger::{Ledger, LedgerHandle};
+use hypha_network::{Network, PeerId};
+
+use crate::spec::DataSpec;
+
+/// How long a scheduler looks for the dataset's providers before giving up.
+const PROVIDER_WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("no data node announces {dataset:?} (looked for {}s): {detail}", PROVIDER_WAIT.as_secs())]
+    NoProviders { dataset: String, detail: String },
+    #[error("none of the {count} data nodes announcing {dataset:?} sent its manifest")]
+    NoManifest { dataset: String, count: usize },
+    #[error("the ledger at {path}: {error}")]
+    Ledger {
+        path: String,
+        error: hypha_ledger::Error,
+    },
+}
+
+/// The iteration a job runs.
+#[derive(Debug, Clone)]
+pub struct JobData {
+    service: IterationService,
+    /// What executors hand `/resources/fetch` for their next slice.
+    reference: serde_json::Value,
+}
+
+impl JobData {
+    /// Finds the dataset, then opens (or resumes) the ledger at `ledger` for iteration `task`.
+    pub async fn start(
+        network: &Network,
+        spec: &DataSpec,
+        ledger: &Path,
+        task: &str,
+    ) -> Result<Self, DataError> {
+        let client = DataClient::new(network.clone());
+        let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
+        let providers = loop {
+            match client.providers(&spec.dataset).await {
+                Ok(providers) => break providers,
+                Err(error) if tokio::time::Instant::now() >= deadline => {
+                    return Err(DataError::NoProviders {
+                        dataset: spec.dataset.clone(),
+                        detail: error.to_string(),
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        };
+        let mut manifests = Vec::new();
+        for peer in &providers {
+            match client.manifest(*peer, &spec.dataset).await {
+                Ok(manifest) => manifests.push((*peer, manifest)),
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "a data node did not send its manifest; not using it")
+                }
+            }
+        }
+        let Some((sources, manifest)) = merge(&manifests) else {
+            return Err(DataError::NoManifest {
+                dataset: spec.dataset.clone(),
+                count: providers.len(),
+            });
+        };
+        let iteration = spec_of(&manifest, spec.epochs, spec.seed);
+        let path = ledger.to_path_buf();
+        let opened = tokio::task::spawn_blocking(move || {
+            Ledger::open_or_create(&path, iteration, LEASE_MS, unix_ms())
+        })
+        .await
+        .map_err(|_| hypha_ledger::Error::Stopped)
+        .and_then(|r| r)
+        .map_err(|error| DataError::Ledger {
+            path: ledger.display().to_string(),
+            error,
+        })?;
+        let progress = opened.progress(unix_ms());
+        tracing::info!(
+            dataset = %spec.dataset,
+            slices = manifest.slices.len(),
+            data_nodes = manifests.len(),
+            used = progress.epochs.iter().map(|e| e.used).sum::<u64>(),
+            ledger = %ledger.display(),
+            "iteration ready"
+        );
+        let (handle, _task) = LedgerHandle::spawn(opened);
+        let reference = serde_json::json!({
+            "type": "Scheduler",
+            "peer": network.local_peer_id().to_string(),
+            "dataset": spec.dataset,
+            "epochs": spec.epochs,
+            "seed": spec.seed,
+        });
+        Ok(Self {
+            service: IterationService::new(task.to_string(), handle, sources, false),
+            reference,
+        })
+    }
+
+    pub fn service(&self) -> &IterationService {
+        &self.service
+    }
+
+    pub fn reference(&self) -> &serde_json::Value {
+        &self.reference
+    }
+
+    pub fn ledger(&self) -> &LedgerHandle {
+        self.service.ledger()
+    }
+
+    /// Job `job` on `peer` has ended or is gone: what it held and did not see used goes back.
+    pub async fn release(&self, peer: &PeerId, job: &str) {
+        let consumer = IterationService::consumer_name(peer, job);
+        match self.ledger().release_worker(&consumer).await {
+            Ok(0) => {}
+            Ok(returned) => {
+                tracing::info!(%job, returned, "slices of an ended job are available again")
+            }
+            Err(error) => tracing::warn!(%job, %error, "could not return an ended job's slices"),
+        }
+    }
+
+    /// Every slice of every epoch is used.
+    pub async fn finished(&self) -> bool {
+        self.ledger()
+            .progress()
+            .await
+            .is_ok_and(|progress| progress.finished)
+    }
+}
+
+/// The slices to iterate and who holds each: the first manifest's slices, each with every
+/// data node whose manifest lists the same file with the same hash at the same place (full
+/// replicas, and nodes holding a leading part).
+fn merge(manifests: &[(PeerId, Manifest)]) -> Option<(Vec<SliceSource>, Manifest)> {
+    let (_, first) = manifests.first()?;
+    let sources = first
+        .slices
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| SliceSource {
+            size: entry.size,
+            blake3: entry.blake3.clone(),
+            providers: manifests
+                .iter()
+                .filter(|(_, m)| {
+                    m.slices
+                        .get(index)
+                        .is_some_and(|e| e.file == entry.file && e.blake3 == entry.blake3)
+                })
+                .map(|(peer, _)| *peer)
+                .collect(),
+        })
+        .collect();
+    Some((sources, first.clone()))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
