@@ -51,6 +51,25 @@ pub struct FetchReport {
     pub resumed: u32,
 }
 
+/// What names a slice on the wire and checks it on arrival: its index in the dataset and the
+/// size and BLAKE3 (hex) of its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceId {
+    pub index: u64,
+    pub size: u64,
+    pub blake3: String,
+}
+
+impl From<&SliceEntry> for SliceId {
+    fn from(entry: &SliceEntry) -> Self {
+        Self {
+            index: entry.index,
+            size: entry.size,
+            blake3: entry.blake3.clone(),
+        }
+    }
+}
+
 /// Fetches datasets' slices from data nodes over a node's network.
 #[derive(Debug, Clone)]
 pub struct DataClient {
@@ -108,10 +127,11 @@ impl DataClient {
     pub async fn fetch_slice(
         &self,
         dataset: &str,
-        entry: &SliceEntry,
+        entry: impl Into<SliceId>,
         providers: &[PeerId],
         dest: &Path,
     ) -> Result<FetchReport, FetchError> {
+        let entry = &entry.into();
         let write_err = |error| FetchError::Write {
             path: dest.to_path_buf(),
             error,
@@ -207,7 +227,7 @@ impl DataClient {
         &self,
         peer: PeerId,
         dataset: &str,
-        entry: &SliceEntry,
+        entry: &SliceId,
         transfer: &mut Transfer,
         file: &mut tokio::fs::File,
     ) -> Result<(), Failure> {

@@ -21,4 +21,4 @@ pub mod protocol;
 pub mod server;
 
 pub use catalog::{Catalog, Changes};
-pub use client::{DataClient, FetchError, FetchReport};
+pub use client::{DataClient, FetchError, FetchReport, SliceId};

@@ -56,11 +56,15 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         );
     }
     let node = Node::start_with("worker", loaded, |_| {}).await?;
+    let bridge = bridge::Settings {
+        slice_dir: config.work_dir.join(".slices"),
+        ..bridge::Settings::from_env()
+    };
     serve(
         node.network,
         node.inbound,
         config,
-        bridge::Settings::from_env(),
+        bridge,
         hypha_node::shutdown_signal(),
     )
     .await

@@ -10,6 +10,9 @@
 //!   (default <https://huggingface.co>); the token is the request's `token`, else the job's
 //!   secret `hf_token`, else the worker's `HF_TOKEN`.
 //!
+//! - `{"type": "Scheduler", "peer": "…", "dataset": "…"}`: the next slice of the job's
+//!   dataset (see [`data`](super::data)).
+//!
 //! Downloads stream to a temporary file in the destination directory while their SHA-256 is
 //! computed, are fsynced and renamed into place: an interrupted download never leaves a
 //! partial file under the final name.
@@ -46,7 +49,7 @@ pub enum Reference {
         strategy: super::peers::Strategy,
     },
     #[serde(alias = "scheduler")]
-    Scheduler {},
+    Scheduler(super::data::SchedulerReference),
 }
 
 #[derive(Debug, Deserialize)]
@@ -124,11 +127,7 @@ pub(super) async fn fetch(
             }
             Ok(entries)
         }
-        Reference::Scheduler { .. } => Err(BridgeError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            "unsupported",
-            "this worker fetches Uri, HuggingFace and Peers references; data from the scheduler comes with the data-pipeline version",
-        )),
+        Reference::Scheduler(reference) => super::data::fetch(bridge, reference, &out_dir).await,
     }
 }
 

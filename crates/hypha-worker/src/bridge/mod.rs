@@ -5,6 +5,7 @@
 //! | `POST /resources/fetch` | downloads HTTP(S) URLs or Hugging Face files into the job's directory, or waits for files peers sent |
 //! | `POST /resources/send` | sends a file to the jobs of the same task on other workers ([`peers`]) |
 //! | `POST /resources/receive` | streams the files peers send, as Server-Sent Events with sequence numbers |
+//! | `POST /data/consumed` | tells the job's scheduler which slices went into which round ([`data`]) |
 //! | `POST /status/send` | forwards a JSON status to the job's scheduler and returns its answer |
 //! | `GET /openapi.json` | describes all of it |
 //!
@@ -18,6 +19,7 @@
 //! server, which knows only that job: a job cannot name another job's files or inbox, and
 //! what peers send reaches only the jobs of the task it was sent to ([`transfer`]).
 
+mod data;
 mod fetch;
 pub mod paths;
 mod peers;
@@ -62,6 +64,8 @@ pub struct Settings {
     pub hf_endpoint: String,
     /// A token sent to the Hub when the job brings none (`HF_TOKEN`).
     pub hf_token: Option<String>,
+    /// Where slices are staged on their way into jobs, outside every job's directory.
+    pub slice_dir: PathBuf,
 }
 
 impl Settings {
@@ -73,6 +77,7 @@ impl Settings {
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string()),
             hf_token: std::env::var("HF_TOKEN").ok().filter(|v| !v.is_empty()),
+            slice_dir: std::env::temp_dir().join("hypha-slices"),
         }
     }
 }
@@ -175,6 +180,7 @@ pub fn serve(
         .route("/resources/fetch", post(fetch_handler))
         .route("/resources/send", post(send_handler))
         .route("/resources/receive", post(receive_handler))
+        .route("/data/consumed", post(consumed_handler))
         .route("/status/send", post(status_send))
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
@@ -295,6 +301,14 @@ async fn receive_handler(
 ) -> Result<Response, BridgeError> {
     let request: peers::ReceiveRequest = json_body(body).await?;
     peers::receive(bridge, request).map(IntoResponse::into_response)
+}
+
+async fn consumed_handler(
+    State(bridge): State<Arc<Bridge>>,
+    body: Body,
+) -> Result<Json<data::ConsumedAnswer>, BridgeError> {
+    let request: data::ConsumedRequest = json_body(body).await?;
+    data::consumed(&bridge, request).await.map(Json)
 }
 
 async fn status_send(

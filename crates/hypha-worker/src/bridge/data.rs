@@ -1,0 +1,276 @@
+//! Slices of the job's dataset, from the iteration its scheduler runs (`cluster_sync = true`).
+//!
+//! - `POST /resources/fetch` with `{"type": "Scheduler", "peer": …, "dataset": …}` (the
+//!   `data` reference the scheduler puts in the job's config) asks the scheduler's ledger for
+//!   the next slice, fetches it from a data node that holds it (verified against its BLAKE3,
+//!   another provider on failure), decompresses it and answers one entry:
+//!   `{out_dir}/e{epoch}-slice-{slice}.safetensors`, a plain SafeTensors file, with `epoch`,
+//!   `slice` and `samples` in its metadata. An empty list means the iteration is done: every
+//!   slice is used or held by jobs still running. While nothing is free the request waits.
+//! - `POST /data/consumed` with `{"slices": [{"epoch": 0, "slice": 7}], "round": 3}` tells the
+//!   ledger those slices' samples went into round 3; `"completed_round": 3` says round 3
+//!   reached the model (for jobs without a parameter server). The answer lists `refused`
+//!   slices, which the job held too long: another job has them now.
+//!
+//! Slices are staged in the worker's slice directory, outside every job's directory, so an
+//! executor cannot redirect the worker's writes.
+
+use std::{ffi::OsStr, io::Write, path::Path};
+
+use axum::http::StatusCode;
+use hypha_data::{DataClient, SliceId};
+use hypha_messages::{
+    Request, Response,
+    iterate::{GrantedSlice, IterateRequest, IterateStatus, SliceRef},
+};
+use hypha_network::PeerId;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
+
+/// Where a job's slices come from: the reference the scheduler hands its executors.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct SchedulerReference {
+    pub peer: String,
+    pub dataset: String,
+    /// 0: whatever the scheduler's iteration runs.
+    #[serde(default)]
+    pub epochs: u32,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `POST /data/consumed`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumedRequest {
+    #[serde(default)]
+    pub slices: Vec<SliceRef>,
+    #[serde(default)]
+    pub round: u64,
+    #[serde(default)]
+    pub completed_round: Option<u64>,
+    /// The reference the slices came from (the job's `data`).
+    pub data: SchedulerReferenceTagged,
+}
+
+/// The `data` reference as the job's config carries it, `type` included.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type")]
+pub enum SchedulerReferenceTagged {
+    #[serde(alias = "scheduler")]
+    Scheduler(SchedulerReference),
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConsumedAnswer {
+    pub refused: Vec<SliceRef>,
+}
+
+fn scheduler_unreachable(e: impl std::fmt::Display) -> BridgeError {
+    BridgeError::new(
+        StatusCode::BAD_GATEWAY,
+        "scheduler_unreachable",
+        format!("the job's scheduler did not answer: {e}"),
+    )
+}
+
+impl SchedulerReference {
+    fn scheduler(&self) -> Result<PeerId, BridgeError> {
+        self.peer.parse().map_err(|e| {
+            BridgeError::bad_request(format!("\"peer\": {:?} is not a peer ID: {e}", self.peer))
+        })
+    }
+
+    fn request(&self, bridge: &Bridge, want: u32) -> IterateRequest {
+        IterateRequest {
+            iteration: bridge.context.task.clone(),
+            dataset: self.dataset.clone(),
+            consumer: bridge.context.job.clone(),
+            epochs: self.epochs,
+            seed: self.seed,
+            want,
+            cached: Vec::new(),
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+        }
+    }
+}
+
+async fn ask(
+    bridge: &Bridge,
+    scheduler: PeerId,
+    request: IterateRequest,
+) -> Result<hypha_messages::iterate::IterateGrant, BridgeError> {
+    match bridge
+        .shared
+        .network
+        .request(scheduler, Request::Iterate(request))
+        .await
+        .map_err(scheduler_unreachable)?
+    {
+        Response::Iterate(grant) => Ok(grant),
+        Response::Error(e) => Err(BridgeError::new(
+            StatusCode::BAD_GATEWAY,
+            "scheduler_refused",
+            e.message,
+        )),
+        other => Err(scheduler_unreachable(format!(
+            "it answered {other:?} to an iterate request"
+        ))),
+    }
+}
+
+/// The next slice of the iteration into `out_dir`, or nothing when the iteration is done.
+pub(super) async fn fetch(
+    bridge: &Bridge,
+    reference: SchedulerReference,
+    out_dir: &Path,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    let scheduler = reference.scheduler()?;
+    let slice = loop {
+        let grant = ask(bridge, scheduler, reference.request(bridge, 1)).await?;
+        match grant.status {
+            IterateStatus::Finished => return Ok(Vec::new()),
+            IterateStatus::Wait { retry_ms } => {
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(retry_ms)) => continue,
+                    _ = bridge.stopping.cancelled() => {
+                        return Err(BridgeError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the job is ending"));
+                    }
+                }
+            }
+            IterateStatus::Granted => {}
+        }
+        if let Some(slice) = grant.slices.into_iter().next() {
+            break slice;
+        }
+    };
+    deliver(bridge, &reference.dataset, &slice, out_dir).await
+}
+
+/// Fetches `slice` from its providers, decodes it and writes it into the job's directory.
+async fn deliver(
+    bridge: &Bridge,
+    dataset: &str,
+    slice: &GrantedSlice,
+    out_dir: &Path,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    let providers: Vec<PeerId> = slice
+        .providers
+        .iter()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    let staging = bridge.shared.settings.slice_dir.clone();
+    std::fs::create_dir_all(&staging).map_err(|e| io_error(&staging, e))?;
+    let staged = staging.join(format!(
+        "{}-{}-e{}-s{}.slice",
+        bridge.context.job, dataset, slice.epoch, slice.slice
+    ));
+    let client = DataClient::new(bridge.shared.network.clone());
+    let report = client
+        .fetch_slice(
+            dataset,
+            SliceId {
+                index: slice.slice,
+                size: slice.size,
+                blake3: slice.blake3.clone(),
+            },
+            &providers,
+            &staged,
+        )
+        .await
+        .map_err(|e| {
+            BridgeError::new(
+                StatusCode::BAD_GATEWAY,
+                "data_unavailable",
+                format!(
+                    "epoch {} slice {} of {dataset:?}: {e}",
+                    slice.epoch, slice.slice
+                ),
+            )
+        })?;
+    let plain = tokio::task::spawn_blocking({
+        let staged = staged.clone();
+        move || -> Result<Vec<u8>, String> {
+            let bytes = std::fs::read(&staged).map_err(|e| e.to_string())?;
+            let _ = std::fs::remove_file(&staged);
+            let (_, plain) = hypha_dataset::slice::decode(&bytes).map_err(|e| e.to_string())?;
+            Ok(plain.into_owned())
+        }
+    })
+    .await
+    .map_err(|e| io_error(&staged, std::io::Error::other(e)))?
+    .map_err(|e| {
+        BridgeError::new(
+            StatusCode::BAD_GATEWAY,
+            "bad_slice",
+            format!(
+                "epoch {} slice {} of {dataset:?} is not a slice: {e}",
+                slice.epoch, slice.slice
+            ),
+        )
+    })?;
+
+    let name = format!("e{}-slice-{}.safetensors", slice.epoch, slice.slice);
+    let relative = out_dir.join(&name);
+    let parent = if out_dir.as_os_str().is_empty() {
+        bridge.dir.create_dir_all(Path::new("."))?
+    } else {
+        bridge.dir.create_dir_all(out_dir)?
+    };
+    let (mut file, temp) = paths::JobDir::create_temp(&parent, OsStr::new(&name))
+        .map_err(|e| io_error(&relative, e))?;
+    let written = file
+        .write_all(&plain)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| paths::JobDir::publish(&parent, &temp, OsStr::new(&name)));
+    if let Err(e) = written {
+        paths::JobDir::discard(&parent, &temp);
+        return Err(io_error(&relative, e));
+    }
+    Ok(vec![FileEntry {
+        path: relative.display().to_string(),
+        size: plain.len() as u64,
+        checksum: format!("sha256:{}", hex::encode(Sha256::digest(&plain))),
+        metadata: [
+            ("source", serde_json::Value::from("scheduler")),
+            ("dataset", dataset.into()),
+            ("epoch", slice.epoch.into()),
+            ("slice", slice.slice.into()),
+            ("samples", slice.samples.into()),
+            ("provider", report.provider.to_string().into()),
+            ("timestamp", timestamp().into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect(),
+    }])
+}
+
+/// `POST /data/consumed`.
+pub(super) async fn consumed(
+    bridge: &Bridge,
+    request: ConsumedRequest,
+) -> Result<ConsumedAnswer, BridgeError> {
+    let SchedulerReferenceTagged::Scheduler(reference) = request.data;
+    let scheduler = reference.scheduler()?;
+    let mut iterate = reference.request(bridge, 0);
+    iterate.consumed = request.slices;
+    iterate.round = request.round;
+    iterate.completed_round = request.completed_round;
+    let grant = ask(bridge, scheduler, iterate).await?;
+    Ok(ConsumedAnswer {
+        refused: grant.refused,
+    })
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> BridgeError {
+    BridgeError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "io",
+        format!("{}: {e}", path.display()),
+    )
+}
