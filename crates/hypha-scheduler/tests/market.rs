@@ -942,6 +942,7 @@ while :; do
   P=$(sed -n 's/.*"path":"\([^"]*\)".*/\1/p' "$D/resp.json")
   test -s "$D/$P" || exit 4
   echo "$E $N $P" >> "$D/used.txt"
+  if grep -q '"provider":"cache"' "$D/resp.json"; then echo "$E $N" >> "$D/cached.txt"; fi
   curl -sf -o /dev/null --unix-socket "$S" -X POST -H 'content-type: application/json' --data '{"slices":[{"epoch":'$E',"slice":'$N'}],"round":'$round',"completed_round":'$round',"data":'"$DATA"'}' http://bridge/data/consumed || exit 5
   round=$((round+1))
 done

@@ -135,6 +135,18 @@ pub fn schema() -> Schema {
             doc: "How long a cancelled executor has between SIGTERM and SIGKILL.",
         },
         Key {
+            name: "prefetch_bytes",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("1073741824"),
+            doc: "How many bytes of verified slices each job keeps ready ahead of its executor (at least one slice, whatever its size).",
+        },
+        Key {
+            name: "slice_cache_bytes",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("10737418240"),
+            doc: "The size of the worker's slice cache (work_dir/.slices): slices kept for later epochs and jobs, least recently used first out.",
+        },
+        Key {
             name: "resources",
             kind: Kind::Table(&RESOURCE_KEYS),
             default: DefaultValue::Value("{}"),
@@ -183,12 +195,16 @@ pub struct WorkerConfig {
     pub lease: Duration,
     pub kill_grace: Duration,
     pub executors: Vec<Executor>,
+    pub prefetch_bytes: u64,
+    pub slice_cache_bytes: u64,
 }
 
 #[derive(Debug, Deserialize)]
 struct Raw {
     work_dir: PathBuf,
     kill_grace_ms: i64,
+    prefetch_bytes: i64,
+    slice_cache_bytes: i64,
     resources: Resources,
     offer: RawOffer,
     #[serde(default)]
@@ -259,6 +275,15 @@ impl WorkerConfig {
                 ));
             }
         };
+        let bytes = |key: &str, value: i64| -> Result<u64, ConfigError> {
+            u64::try_from(value).ok().filter(|v| *v > 0).ok_or_else(|| {
+                loaded.error(
+                    key,
+                    format!("{value} is not a positive number of bytes"),
+                    "use a size of 1 byte or more",
+                )
+            })
+        };
         let hold = millis("offer.hold_ms", raw.offer.hold_ms)?;
         let lease = millis("offer.lease_ms", raw.offer.lease_ms)?;
         let mut executors: Vec<Executor> = Vec::new();
@@ -317,6 +342,8 @@ impl WorkerConfig {
             lease,
             kill_grace: millis("kill_grace_ms", raw.kill_grace_ms)?,
             executors,
+            prefetch_bytes: bytes("prefetch_bytes", raw.prefetch_bytes)?,
+            slice_cache_bytes: bytes("slice_cache_bytes", raw.slice_cache_bytes)?,
         })
     }
 }

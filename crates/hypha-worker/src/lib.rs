@@ -6,6 +6,7 @@
 //!   (no double booking), a renewable lease once accepted, expiry on a monotonic clock.
 //! - [`jobs`]: work directories, executor processes, cancellation (SIGTERM, then SIGKILL).
 //! - [`bridge`]: the job bridge, HTTP over each job's Unix socket.
+//! - [`slices`]: the data path: the slice cache and each job's prefetcher.
 //! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
 //! - [`config`]: the worker's keys.
 //!
@@ -20,3 +21,4 @@ pub mod lease;
 mod metrics;
 pub mod node;
 pub mod resources;
+pub mod slices;

@@ -1,5 +1,5 @@
-//! The worker's OpenTelemetry instruments (seed 003): jobs, leases, offers and the bytes
-//! jobs send each other.
+//! The worker's OpenTelemetry instruments (seed 003): jobs, leases, offers, the bytes jobs
+//! send each other, and the data path (slices by source, bytes fetched, prefetch depth).
 //!
 //! Instruments come from the global meter provider, which telemetry sets up when metrics are
 //! exported; otherwise they are no-ops.
@@ -23,6 +23,9 @@ struct Instruments {
     offers: Counter<u64>,
     advertisements: Counter<u64>,
     resource_bytes: Counter<u64>,
+    slices: Counter<u64>,
+    slice_bytes: Counter<u64>,
+    prefetch_depth: UpDownCounter<i64>,
 }
 
 fn meter() -> Meter {
@@ -70,6 +73,21 @@ fn instruments() -> &'static Instruments {
             advertisements: m
                 .u64_counter("hypha.worker.advertisements")
                 .with_description("Advertisements evaluated, by outcome (offered or why dropped)")
+                .build(),
+            slices: m
+                .u64_counter("hypha.worker.data.slices")
+                .with_description(
+                    "Slices made ready for jobs, by source: cache (a cache hit) or network",
+                )
+                .build(),
+            slice_bytes: m
+                .u64_counter("hypha.worker.data.bytes")
+                .with_unit("By")
+                .with_description("Bytes of slices fetched from data nodes")
+                .build(),
+            prefetch_depth: m
+                .i64_up_down_counter("hypha.worker.data.prefetch_depth")
+                .with_description("Slices fetched and waiting for their executors")
                 .build(),
             resource_bytes: m
                 .u64_counter("hypha.worker.resources.bytes")
@@ -141,4 +159,18 @@ pub(crate) fn resource_bytes(direction: &'static str, bytes: u64) {
     instruments()
         .resource_bytes
         .add(bytes, &[KeyValue::new("direction", direction)]);
+}
+
+/// A slice was made ready for a job, from `source` ("cache" or "network").
+pub fn slice_fetched(source: &'static str, bytes: u64) {
+    let i = instruments();
+    i.slices.add(1, &[KeyValue::new("source", source)]);
+    if bytes > 0 {
+        i.slice_bytes.add(bytes, &[]);
+    }
+}
+
+/// Slices waiting for executors went up or down by `delta`.
+pub fn prefetch_depth(delta: i64) {
+    instruments().prefetch_depth.add(delta, &[]);
 }

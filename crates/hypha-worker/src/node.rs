@@ -31,6 +31,7 @@ use crate::{
     jobs::{Ended, JobManager},
     lease::{LeaseId, LeaseManager, Stage},
     metrics,
+    slices::{self, SliceCache},
 };
 
 /// How many advertisements wait for evaluation at most; beyond that, new ones are dropped
@@ -55,16 +56,21 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
             "no [[executors]] configured: this worker will not answer any advertisement"
         );
     }
+    let cache_dir = slices::cache_dir(&config.work_dir);
+    let cache = SliceCache::open(cache_dir.clone(), config.slice_cache_bytes).map_err(|e| {
+        Error::from(loaded.error(
+            "work_dir",
+            format!("cannot use {} as the slice cache: {e}", cache_dir.display()),
+            "point work_dir at a directory this user may write",
+        ))
+    })?;
     let node = Node::start_with("worker", loaded, |_| {}).await?;
-    let bridge = bridge::Settings {
-        slice_dir: config.work_dir.join(".slices"),
-        ..bridge::Settings::from_env()
-    };
     serve(
         node.network,
         node.inbound,
         config,
-        bridge,
+        bridge::Settings::from_env(),
+        Arc::new(cache),
         hypha_node::shutdown_signal(),
     )
     .await
@@ -78,12 +84,18 @@ pub async fn serve(
     inbound: mpsc::Receiver<InboundRequest>,
     config: WorkerConfig,
     bridge: bridge::Settings,
+    cache: Arc<SliceCache>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), hypha_network::NetworkError> {
     let adverts = network.subscribe(WORKER_TOPIC, 256).await?;
     let (ended_tx, ended) = mpsc::channel(64);
     let (internal_tx, internal) = mpsc::channel(256);
-    let shared = Arc::new(bridge::Shared::new(network.clone(), bridge));
+    let shared = Arc::new(bridge::Shared::new(
+        network.clone(),
+        bridge,
+        cache,
+        config.prefetch_bytes,
+    ));
     tokio::spawn({
         let shared = shared.clone();
         async move { shared.receive_transfers().await }

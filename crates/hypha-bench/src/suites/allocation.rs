@@ -197,7 +197,13 @@ async fn start_worker(
                 args: Vec::new(),
             },
         }],
+        prefetch_bytes: 1 << 30,
+        slice_cache_bytes: 1 << 30,
     };
+    let cache = hypha_worker::slices::SliceCache::open(
+        hypha_worker::slices::cache_dir(&config.work_dir),
+        config.slice_cache_bytes,
+    )?;
     let stop = stop.clone();
     tokio::spawn(async move {
         hypha_worker::node::serve(
@@ -205,6 +211,7 @@ async fn start_worker(
             inbound,
             config,
             hypha_worker::bridge::Settings::from_env(),
+            std::sync::Arc::new(cache),
             stop.cancelled_owned(),
         )
         .await

@@ -12,22 +12,23 @@
 //!   reached the model (for jobs without a parameter server). The answer lists `refused`
 //!   slices, which the job held too long: another job has them now.
 //!
-//! Slices are staged in the worker's slice directory, outside every job's directory, so an
-//! executor cannot redirect the worker's writes.
+//! Slices come through the job's [`Prefetcher`], which keeps the next ones verified in the
+//! worker's slice cache (outside every job's directory, so an executor cannot redirect the
+//! worker's writes); each is checked again and decoded as the executor takes it.
 
 use std::{ffi::OsStr, io::Write, path::Path};
 
 use axum::http::StatusCode;
-use hypha_data::{DataClient, SliceId};
 use hypha_messages::{
     Request, Response,
-    iterate::{GrantedSlice, IterateRequest, IterateStatus, SliceRef},
+    iterate::{IterateRequest, SliceRef},
 };
 use hypha_network::PeerId;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
+use crate::slices::{self, Next, Prefetcher, Ready, Source};
 
 /// Where a job's slices come from: the reference the scheduler hands its executors.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -129,91 +130,57 @@ pub(super) async fn fetch(
     reference: SchedulerReference,
     out_dir: &Path,
 ) -> Result<Vec<FileEntry>, BridgeError> {
-    let scheduler = reference.scheduler()?;
-    let slice = loop {
-        let grant = ask(bridge, scheduler, reference.request(bridge, 1)).await?;
-        match grant.status {
-            IterateStatus::Finished => return Ok(Vec::new()),
-            IterateStatus::Wait { retry_ms } => {
-                tokio::select! {
-                    _ = tokio::time::sleep(std::time::Duration::from_millis(retry_ms)) => continue,
-                    _ = bridge.stopping.cancelled() => {
-                        return Err(BridgeError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the job is ending"));
-                    }
-                }
-            }
-            IterateStatus::Granted => {}
-        }
-        if let Some(slice) = grant.slices.into_iter().next() {
-            break slice;
+    let source = Source {
+        scheduler: reference.scheduler()?,
+        dataset: reference.dataset.clone(),
+        iteration: bridge.context.task.clone(),
+        consumer: bridge.context.job.clone(),
+        epochs: reference.epochs,
+        seed: reference.seed,
+    };
+    let mut prefetchers = bridge.prefetchers.lock().await;
+    let prefetcher = prefetchers.entry(source.clone()).or_insert_with(|| {
+        Prefetcher::start(
+            bridge.shared.network.clone(),
+            bridge.shared.cache.clone(),
+            source,
+            bridge.shared.prefetch_bytes,
+        )
+    });
+    let next = tokio::select! {
+        next = prefetcher.next() => next,
+        _ = bridge.stopping.cancelled() => {
+            return Err(BridgeError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the job is ending"));
         }
     };
-    deliver(bridge, &reference.dataset, &slice, out_dir).await
+    drop(prefetchers);
+    match next {
+        Next::Slice(ready) => deliver(bridge, &reference.dataset, ready, out_dir).await,
+        Next::Finished => Ok(Vec::new()),
+        Next::Failed(why) => Err(BridgeError::new(
+            StatusCode::BAD_GATEWAY,
+            "data_unavailable",
+            why,
+        )),
+    }
 }
 
-/// Fetches `slice` from its providers, decodes it and writes it into the job's directory.
+/// Checks and decodes a prefetched slice and writes it into the job's directory.
 async fn deliver(
     bridge: &Bridge,
     dataset: &str,
-    slice: &GrantedSlice,
+    ready: Ready,
     out_dir: &Path,
 ) -> Result<Vec<FileEntry>, BridgeError> {
-    let providers: Vec<PeerId> = slice
-        .providers
-        .iter()
-        .filter_map(|p| p.parse().ok())
-        .collect();
-    let staging = bridge.shared.settings.slice_dir.clone();
-    std::fs::create_dir_all(&staging).map_err(|e| io_error(&staging, e))?;
-    let staged = staging.join(format!(
-        "{}-{}-e{}-s{}.slice",
-        bridge.context.job, dataset, slice.epoch, slice.slice
-    ));
-    let client = DataClient::new(bridge.shared.network.clone());
-    let report = client
-        .fetch_slice(
-            dataset,
-            SliceId {
-                index: slice.slice,
-                size: slice.size,
-                blake3: slice.blake3.clone(),
-            },
-            &providers,
-            &staged,
-        )
-        .await
-        .map_err(|e| {
-            BridgeError::new(
-                StatusCode::BAD_GATEWAY,
-                "data_unavailable",
-                format!(
-                    "epoch {} slice {} of {dataset:?}: {e}",
-                    slice.epoch, slice.slice
-                ),
-            )
-        })?;
-    let plain = tokio::task::spawn_blocking({
-        let staged = staged.clone();
-        move || -> Result<Vec<u8>, String> {
-            let bytes = std::fs::read(&staged).map_err(|e| e.to_string())?;
-            let _ = std::fs::remove_file(&staged);
-            let (_, plain) = hypha_dataset::slice::decode(&bytes).map_err(|e| e.to_string())?;
-            Ok(plain.into_owned())
-        }
+    let cache = bridge.shared.cache.clone();
+    let (ready, plain) = tokio::task::spawn_blocking(move || {
+        let plain = slices::load(&cache, &ready);
+        (ready, plain)
     })
     .await
-    .map_err(|e| io_error(&staged, std::io::Error::other(e)))?
-    .map_err(|e| {
-        BridgeError::new(
-            StatusCode::BAD_GATEWAY,
-            "bad_slice",
-            format!(
-                "epoch {} slice {} of {dataset:?} is not a slice: {e}",
-                slice.epoch, slice.slice
-            ),
-        )
-    })?;
-
+    .map_err(|e| io_error(out_dir, std::io::Error::other(e)))?;
+    let plain = plain.map_err(|why| BridgeError::new(StatusCode::BAD_GATEWAY, "bad_slice", why))?;
+    let slice = &ready.slice;
     let name = format!("e{}-slice-{}.safetensors", slice.epoch, slice.slice);
     let relative = out_dir.join(&name);
     let parent = if out_dir.as_os_str().is_empty() {
@@ -231,6 +198,9 @@ async fn deliver(
         paths::JobDir::discard(&parent, &temp);
         return Err(io_error(&relative, e));
     }
+    let provider = ready
+        .provider
+        .map_or_else(|| "cache".to_string(), |p| p.to_string());
     Ok(vec![FileEntry {
         path: relative.display().to_string(),
         size: plain.len() as u64,
@@ -241,7 +211,7 @@ async fn deliver(
             ("epoch", slice.epoch.into()),
             ("slice", slice.slice.into()),
             ("samples", slice.samples.into()),
-            ("provider", report.provider.to_string().into()),
+            ("provider", provider.into()),
             ("timestamp", timestamp().into()),
         ]
         .into_iter()

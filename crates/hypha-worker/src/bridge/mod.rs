@@ -26,7 +26,7 @@ mod peers;
 pub mod transfer;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     sync::Arc,
     time::SystemTime,
@@ -46,6 +46,8 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use crate::slices::{Prefetcher, SliceCache, Source};
+
 use self::{
     paths::{JobDir, PathError},
     transfer::{Inbox, Inboxes, Registration},
@@ -64,8 +66,6 @@ pub struct Settings {
     pub hf_endpoint: String,
     /// A token sent to the Hub when the job brings none (`HF_TOKEN`).
     pub hf_token: Option<String>,
-    /// Where slices are staged on their way into jobs, outside every job's directory.
-    pub slice_dir: PathBuf,
 }
 
 impl Settings {
@@ -77,7 +77,6 @@ impl Settings {
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string()),
             hf_token: std::env::var("HF_TOKEN").ok().filter(|v| !v.is_empty()),
-            slice_dir: std::env::temp_dir().join("hypha-slices"),
         }
     }
 }
@@ -89,10 +88,19 @@ pub struct Shared {
     settings: Settings,
     http: reqwest::Client,
     inboxes: Arc<Inboxes>,
+    cache: Arc<SliceCache>,
+    prefetch_bytes: u64,
 }
 
 impl Shared {
-    pub fn new(network: Network, settings: Settings) -> Self {
+    /// `cache` holds the worker's slices; each job's prefetcher keeps up to `prefetch_bytes`
+    /// of them ready.
+    pub fn new(
+        network: Network,
+        settings: Settings,
+        cache: Arc<SliceCache>,
+        prefetch_bytes: u64,
+    ) -> Self {
         let http = reqwest::Client::builder()
             .user_agent(concat!("hypha-worker/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(std::time::Duration::from_secs(30))
@@ -103,6 +111,8 @@ impl Shared {
             settings,
             http,
             inboxes: Arc::default(),
+            cache,
+            prefetch_bytes,
         }
     }
 
@@ -129,6 +139,8 @@ struct Bridge {
     registration: Registration,
     /// Cancelled when the job ends: ends event streams and waits so the server can stop.
     stopping: CancellationToken,
+    /// The job's prefetchers, one per data source it reads.
+    prefetchers: tokio::sync::Mutex<HashMap<Source, Prefetcher>>,
 }
 
 impl Bridge {
@@ -175,6 +187,7 @@ pub fn serve(
         dir,
         registration,
         stopping: stopping.clone(),
+        prefetchers: tokio::sync::Mutex::default(),
     });
     let router = Router::new()
         .route("/resources/fetch", post(fetch_handler))

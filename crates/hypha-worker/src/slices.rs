@@ -1,0 +1,465 @@
+//! The worker's data path: a size-limited slice cache, and per job a prefetcher that keeps
+//! verified slices ready ahead of the executor.
+//!
+//! The cache holds slices as their data nodes serve them (Snappy-compressed or plain), one file
+//! per BLAKE3 hash, so a slice is fetched once however many epochs and jobs use it, and every
+//! use can check the bytes again against the hash the scheduler granted it with. It is filled
+//! only with verified, fsynced files and empties least recently used first when over its limit.
+//!
+//! A [`Prefetcher`] asks the scheduler's ledger for slices (telling it which slices the cache
+//! holds, so those are preferred), fetches them into the cache, and queues them for the
+//! executor, up to `prefetch_bytes` ahead (always at least one slice). When the queue is full it
+//! keeps the ledger's lease on the queued slices alive. It stops when the iteration is done or
+//! the job ends; queued slices the executor never took go back to the ledger when the scheduler
+//! releases the job.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use hypha_data::{DataClient, SliceId};
+use hypha_messages::{
+    Request, Response,
+    iterate::{GrantedSlice, IterateGrant, IterateRequest, IterateStatus},
+};
+use hypha_network::{Network, PeerId};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics;
+
+/// Slices asked for in one request at most.
+const MAX_BATCH: u32 = 8;
+/// Slices fetched at the same time by one prefetcher.
+const PARALLEL_FETCHES: usize = 2;
+/// How often a prefetcher whose queue is full tells the ledger it is alive (its lease is 60 s).
+const HEARTBEAT: Duration = Duration::from_secs(15);
+/// How long a prefetcher waits after a failed request before trying again.
+const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Verified slices kept on disk, at most `limit` bytes, least recently used first out.
+#[derive(Debug)]
+pub struct SliceCache {
+    dir: PathBuf,
+    limit: u64,
+    state: Mutex<CacheState>,
+}
+
+#[derive(Debug, Default)]
+struct CacheState {
+    /// BLAKE3 → (size, last use).
+    files: HashMap<String, (u64, u64)>,
+    /// Per dataset, the slice numbers whose files are here, with their hash.
+    slices: HashMap<String, HashMap<u64, String>>,
+    total: u64,
+    clock: u64,
+}
+
+impl SliceCache {
+    /// Opens the cache in `dir`, adopting the files a previous run left (their slice numbers
+    /// are learnt again as slices are granted).
+    pub fn open(dir: PathBuf, limit: u64) -> std::io::Result<Self> {
+        std::fs::create_dir_all(&dir)?;
+        let mut state = CacheState::default();
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(hash) = name.strip_suffix(".slice") else {
+                // Leftovers of interrupted fetches.
+                if name.starts_with(".hypha-slice-") {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+                continue;
+            };
+            let size = entry.metadata()?.len();
+            state.files.insert(hash.to_string(), (size, 0));
+            state.total += size;
+        }
+        Ok(Self {
+            dir,
+            limit,
+            state: Mutex::new(state),
+        })
+    }
+
+    fn path(&self, blake3: &str) -> PathBuf {
+        self.dir.join(format!("{blake3}.slice"))
+    }
+
+    /// The cached file of `slice`, if the cache holds it.
+    fn lookup(&self, dataset: &str, slice: &GrantedSlice) -> Option<PathBuf> {
+        let mut state = self.state.lock().ok()?;
+        state.clock += 1;
+        let clock = state.clock;
+        let (size, used) = state.files.get_mut(&slice.blake3)?;
+        if *size != slice.size {
+            return None;
+        }
+        *used = clock;
+        state
+            .slices
+            .entry(dataset.to_string())
+            .or_default()
+            .insert(slice.slice, slice.blake3.clone());
+        Some(self.path(&slice.blake3))
+    }
+
+    /// Records a verified file now at `self.path(hash)`, and makes room.
+    fn insert(&self, dataset: &str, slice: &GrantedSlice) {
+        let Ok(mut state) = self.state.lock() else {
+            return;
+        };
+        state.clock += 1;
+        let clock = state.clock;
+        if state
+            .files
+            .insert(slice.blake3.clone(), (slice.size, clock))
+            .is_none()
+        {
+            state.total += slice.size;
+        }
+        state
+            .slices
+            .entry(dataset.to_string())
+            .or_default()
+            .insert(slice.slice, slice.blake3.clone());
+        while state.total > self.limit && state.files.len() > 1 {
+            let Some(oldest) = state
+                .files
+                .iter()
+                .filter(|(hash, _)| **hash != slice.blake3)
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(hash, _)| hash.clone())
+            else {
+                break;
+            };
+            if let Some((size, _)) = state.files.remove(&oldest) {
+                state.total -= size;
+            }
+            for slices in state.slices.values_mut() {
+                slices.retain(|_, hash| *hash != oldest);
+            }
+            let _ = std::fs::remove_file(self.path(&oldest));
+        }
+    }
+
+    /// Forgets a file that failed its check.
+    fn remove(&self, blake3: &str) {
+        if let Ok(mut state) = self.state.lock()
+            && let Some((size, _)) = state.files.remove(blake3)
+        {
+            state.total -= size;
+            for slices in state.slices.values_mut() {
+                slices.retain(|_, hash| hash != blake3);
+            }
+        }
+        let _ = std::fs::remove_file(self.path(blake3));
+    }
+
+    /// The slice numbers of `dataset` the cache holds.
+    fn held(&self, dataset: &str) -> Vec<u64> {
+        self.state
+            .lock()
+            .ok()
+            .and_then(|state| {
+                state
+                    .slices
+                    .get(dataset)
+                    .map(|s| s.keys().copied().collect())
+            })
+            .unwrap_or_default()
+    }
+
+    /// Bytes held.
+    pub fn size(&self) -> u64 {
+        self.state.lock().map_or(0, |state| state.total)
+    }
+}
+
+/// Where a job's slices come from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Source {
+    pub scheduler: PeerId,
+    pub dataset: String,
+    /// The scheduler's iteration (the job's task).
+    pub iteration: String,
+    /// The job, as the ledger knows it.
+    pub consumer: String,
+    pub epochs: u32,
+    pub seed: u64,
+}
+
+/// A slice ready for the executor: verified, in the cache.
+#[derive(Debug)]
+pub struct Ready {
+    pub slice: GrantedSlice,
+    pub path: PathBuf,
+    /// Which data node sent it, or `None` when the cache had it.
+    pub provider: Option<PeerId>,
+    /// Holds the slice's share of the prefetch budget until the executor takes it.
+    _budget: OwnedSemaphorePermit,
+}
+
+/// What the executor gets next.
+#[derive(Debug)]
+pub enum Next {
+    Slice(Ready),
+    /// The iteration is done.
+    Finished,
+    /// The prefetcher could not get a slice; it goes on trying.
+    Failed(String),
+}
+
+/// Keeps one job's next slices ready; stops when dropped.
+#[derive(Debug)]
+pub struct Prefetcher {
+    queue: mpsc::Receiver<Next>,
+    finished: bool,
+    stop: CancellationToken,
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Prefetcher {
+    /// Starts prefetching for `source`, at most `budget` bytes ahead.
+    pub fn start(network: Network, cache: Arc<SliceCache>, source: Source, budget: u64) -> Self {
+        // The budget counts KiB so that any realistic budget fits a semaphore.
+        let budget_kib = usize::try_from(budget.div_ceil(1024))
+            .unwrap_or(Semaphore::MAX_PERMITS)
+            .clamp(1, Semaphore::MAX_PERMITS);
+        let (sender, queue) = mpsc::channel(1024);
+        let stop = CancellationToken::new();
+        let run = Run {
+            client: DataClient::new(network.clone()),
+            network,
+            cache,
+            source,
+            budget: Arc::new(Semaphore::new(budget_kib)),
+            budget_kib,
+            slice_kib: AtomicU64::new(u64::MAX),
+            queue: sender,
+        };
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    _ = run.run() => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+        });
+        Self {
+            queue,
+            finished: false,
+            stop,
+        }
+    }
+
+    /// The next slice, waiting while none is ready.
+    pub async fn next(&mut self) -> Next {
+        if self.finished {
+            return Next::Finished;
+        }
+        match self.queue.recv().await {
+            Some(Next::Slice(ready)) => {
+                metrics::prefetch_depth(-1);
+                Next::Slice(ready)
+            }
+            Some(Next::Failed(why)) => Next::Failed(why),
+            Some(Next::Finished) | None => {
+                self.finished = true;
+                Next::Finished
+            }
+        }
+    }
+}
+
+struct Run {
+    network: Network,
+    client: DataClient,
+    cache: Arc<SliceCache>,
+    source: Source,
+    budget: Arc<Semaphore>,
+    budget_kib: usize,
+    /// The size of recent slices, in KiB; `u64::MAX` until the first grant, so that the
+    /// first request asks for one slice.
+    slice_kib: AtomicU64,
+    queue: mpsc::Sender<Next>,
+}
+
+impl Run {
+    async fn run(self) {
+        loop {
+            // Room for at least one more slice (a slice larger than the whole budget takes
+            // all of it).
+            let first = loop {
+                tokio::select! {
+                    permit = self.budget.clone().acquire_owned() => match permit {
+                        Ok(permit) => break permit,
+                        Err(_) => return,
+                    },
+                    _ = tokio::time::sleep(HEARTBEAT) => {
+                        // Full: keep the lease on what is queued.
+                        let _ = self.ask(0).await;
+                    }
+                }
+            };
+            drop(first);
+            // Ask for as many as fit, going by the slices seen so far, so that granted slices
+            // rarely wait for budget (while they wait, their lease is not renewed).
+            let free_kib = self.budget.available_permits().max(1) as u64;
+            let want = (free_kib / self.slice_kib.load(Ordering::Relaxed).max(1))
+                .clamp(1, u64::from(MAX_BATCH)) as u32;
+            let grant = match self.ask(want).await {
+                Ok(grant) => grant,
+                Err(why) => {
+                    if self.queue.send(Next::Failed(why)).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(BACKOFF).await;
+                    continue;
+                }
+            };
+            match grant.status {
+                IterateStatus::Finished => {
+                    let _ = self.queue.send(Next::Finished).await;
+                    return;
+                }
+                IterateStatus::Wait { retry_ms } => {
+                    tokio::time::sleep(Duration::from_millis(retry_ms)).await;
+                    continue;
+                }
+                IterateStatus::Granted => {}
+            }
+            if let Some(largest) = grant.slices.iter().map(|s| s.size.div_ceil(1024)).max() {
+                self.slice_kib.store(largest, Ordering::Relaxed);
+            }
+            let fetches = grant.slices.into_iter().map(|slice| self.fetch(slice));
+            let mut fetched =
+                futures::StreamExt::buffered(futures::stream::iter(fetches), PARALLEL_FETCHES);
+            while let Some(next) = futures::StreamExt::next(&mut fetched).await {
+                if matches!(next, Next::Slice(_)) {
+                    metrics::prefetch_depth(1);
+                }
+                if self.queue.send(next).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Asks the ledger for `want` slices (0: only renews the lease).
+    async fn ask(&self, want: u32) -> Result<IterateGrant, String> {
+        let request = IterateRequest {
+            iteration: self.source.iteration.clone(),
+            dataset: self.source.dataset.clone(),
+            consumer: self.source.consumer.clone(),
+            epochs: self.source.epochs,
+            seed: self.source.seed,
+            want,
+            cached: if want > 0 {
+                self.cache.held(&self.source.dataset)
+            } else {
+                Vec::new()
+            },
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+        };
+        match self
+            .network
+            .request(self.source.scheduler, Request::Iterate(request))
+            .await
+        {
+            Ok(Response::Iterate(grant)) => Ok(grant),
+            Ok(Response::Error(e)) => Err(format!("the scheduler refused: {}", e.message)),
+            Ok(other) => Err(format!(
+                "the scheduler answered {other:?} to an iterate request"
+            )),
+            Err(e) => Err(format!("the scheduler did not answer: {e}")),
+        }
+    }
+
+    /// Takes a slice's share of the budget, then brings it into the cache (verified).
+    async fn fetch(&self, slice: GrantedSlice) -> Next {
+        let kib = usize::try_from(slice.size.div_ceil(1024))
+            .unwrap_or(usize::MAX)
+            .clamp(1, self.budget_kib);
+        let Ok(budget) = self.budget.clone().acquire_many_owned(kib as u32).await else {
+            return Next::Failed("the job is ending".into());
+        };
+        let dataset = &self.source.dataset;
+        if let Some(path) = self.cache.lookup(dataset, &slice) {
+            metrics::slice_fetched("cache", 0);
+            return Next::Slice(Ready {
+                slice,
+                path,
+                provider: None,
+                _budget: budget,
+            });
+        }
+        let providers: Vec<PeerId> = slice
+            .providers
+            .iter()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        let path = self.cache.path(&slice.blake3);
+        let id = SliceId {
+            index: slice.slice,
+            size: slice.size,
+            blake3: slice.blake3.clone(),
+        };
+        match self
+            .client
+            .fetch_slice(dataset, id, &providers, &path)
+            .await
+        {
+            Ok(report) => {
+                self.cache.insert(dataset, &slice);
+                metrics::slice_fetched("network", slice.size);
+                Next::Slice(Ready {
+                    slice,
+                    path,
+                    provider: Some(report.provider),
+                    _budget: budget,
+                })
+            }
+            Err(e) => Next::Failed(format!(
+                "epoch {} slice {} of {dataset:?}: {e}",
+                slice.epoch, slice.slice
+            )),
+        }
+    }
+}
+
+/// Reads a cached slice, checks it against its hash and decodes it to plain SafeTensors. A
+/// file that fails the check leaves the cache.
+pub fn load(cache: &SliceCache, ready: &Ready) -> Result<Vec<u8>, String> {
+    let bytes = std::fs::read(&ready.path).map_err(|e| format!("{}: {e}", ready.path.display()))?;
+    if bytes.len() as u64 != ready.slice.size
+        || blake3::hash(&bytes).to_hex().as_str() != ready.slice.blake3
+    {
+        cache.remove(&ready.slice.blake3);
+        return Err(format!(
+            "the cached copy of slice {} failed its check and was dropped; fetch again",
+            ready.slice.slice
+        ));
+    }
+    let (_, plain) = hypha_dataset::slice::decode(&bytes).map_err(|e| e.to_string())?;
+    Ok(plain.into_owned())
+}
+
+/// Where a worker keeps its cache.
+pub fn cache_dir(work_dir: &Path) -> PathBuf {
+    work_dir.join(".slices")
+}
