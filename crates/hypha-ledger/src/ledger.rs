@@ -450,6 +450,16 @@ impl Ledger {
         keys.len()
     }
 
+    /// Every worker is gone (a scheduler resuming its iteration after a restart runs none of
+    /// the jobs that held slices): everything ASSIGNED or CONSUMED becomes AVAILABLE again.
+    pub fn release_all(&mut self, now_ms: u64) -> usize {
+        let workers = self.workers.clone();
+        workers
+            .iter()
+            .map(|worker| self.release_worker(worker, now_ms))
+            .sum()
+    }
+
     /// Returns the ASSIGNED slices of every worker whose lease ended before `now_ms`.
     pub fn expire(&mut self, now_ms: u64) -> usize {
         let lapsed: Vec<u32> = self

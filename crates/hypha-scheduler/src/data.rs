@@ -82,7 +82,18 @@ impl JobData {
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
         let opened = tokio::task::spawn_blocking(move || {
-            Ledger::open_or_create(&path, iteration, LEASE_MS, unix_ms())
+            let mut ledger = Ledger::open_or_create(&path, iteration, LEASE_MS, unix_ms())?;
+            // A resumed iteration's holders were jobs of an earlier run of this scheduler,
+            // none of which it runs now: what they held and did not see used goes back.
+            let returned = ledger.release_all(unix_ms());
+            ledger.flush()?;
+            if returned > 0 {
+                tracing::info!(
+                    returned,
+                    "slices held by the previous run are available again"
+                );
+            }
+            Ok(ledger)
         })
         .await
         .map_err(|_| hypha_ledger::Error::Stopped)

@@ -1,0 +1,297 @@
+//! What the scheduler's process tests share: building the binaries, a cluster of real
+//! processes (gateway, workers, schedulers, data nodes) with real certificates, and reading
+//! what they leave behind.
+
+#![allow(dead_code)] // each test binary uses its own part
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::{
+    collections::HashSet,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Mutex, OnceLock, mpsc},
+    time::{Duration, Instant},
+};
+
+use hypha_certs::authority::{self, Authority, Validity};
+
+/// The path of one of the workspace's binaries. `cargo test --workspace` (the README's test
+/// command) builds them all before any test runs; a plain `cargo test -p hypha-scheduler`
+/// does not, so a missing one is built here. (Building unconditionally would re-resolve
+/// features for that one package and relink it on every run.)
+pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let dir = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = dir.join(name);
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
+    if !path.exists() && !built.contains(name) {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "--package", name, "--bin", name])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building {name}");
+        built.insert(name.to_string());
+    }
+    path
+}
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub org: Authority,
+    pub gateway: Option<Proc>,
+    pub gateway_address: String,
+}
+
+impl Cluster {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = authority::create_root("Market Root", Validity::days(5)).unwrap();
+        let org = authority::create_org(&root, "Market Org", Validity::days(5)).unwrap();
+        std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
+        let mut cluster = Cluster {
+            dir,
+            org,
+            gateway: None,
+            gateway_address: String::new(),
+        };
+        let config = cluster.config("gateway", "");
+        let mut gateway = Proc::start(
+            &bin("hypha-gateway"),
+            &["run", "--config"],
+            &config,
+            "gateway",
+        );
+        let line = gateway.wait_for("nodes can join with gateway_addresses");
+        let start = line.find("[\"").unwrap() + 2;
+        let end = line[start..].find('"').unwrap() + start;
+        cluster.gateway_address = line[start..end].to_string();
+        cluster.gateway = Some(gateway);
+        cluster
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Certificates for `name` and a config joining the gateway, with `extra` appended.
+    /// Returns the config's path.
+    pub fn config(&self, name: &str, extra: &str) -> PathBuf {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
+        std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
+        let gateways = if self.gateway_address.is_empty() {
+            String::new()
+        } else {
+            format!("gateway_addresses = [\"{}\"]\n", self.gateway_address)
+        };
+        let path = self.path(&format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{gateways}{extra}"
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    pub fn peer_id(&self, name: &str) -> String {
+        let chain = std::fs::read(self.path(&format!("{name}-cert.pem"))).unwrap();
+        let key = std::fs::read(self.path(&format!("{name}-key.pem"))).unwrap();
+        hypha_certs::NodeIdentity::from_pem(&chain, &key)
+            .unwrap()
+            .peer_id()
+            .to_string()
+    }
+
+    /// Starts a worker whose executor `sh` runs `script` in the job's directory.
+    pub fn worker(&self, name: &str, offer: &str, resources: &str, script: &str) -> Proc {
+        self.worker_with_env(name, offer, resources, script, &[])
+    }
+
+    /// [`worker`](Self::worker) with extra environment variables.
+    pub fn worker_with_env(
+        &self,
+        name: &str,
+        offer: &str,
+        resources: &str,
+        script: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
+        let work = self.path(&format!("{name}-work"));
+        let extra = format!(
+            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\nlease_ms = 3000\n{offer}\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
+            work.display()
+        );
+        let config = self.config(name, &extra);
+        let mut command_env: Vec<(&str, &str)> =
+            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        command_env.push(("RUST_LOG", "info"));
+        let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
+        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
+        worker.wait_for("worker ready for advertisements");
+        worker
+    }
+
+    pub fn job(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.path(&format!("{name}-job.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Starts a scheduler running `job`; its events go to `<name>-events.jsonl`.
+    pub fn scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
+        let config = self.config(name, "");
+        let events = self.path(&format!("{name}-events.jsonl"));
+        let proc = Proc::start_with(
+            &bin("hypha-scheduler"),
+            &[
+                "run".as_ref(),
+                "--job".as_ref(),
+                job.as_os_str(),
+                "--events".as_ref(),
+                events.as_os_str(),
+                "--config".as_ref(),
+                config.as_os_str(),
+            ],
+            name,
+        );
+        (proc, events)
+    }
+}
+
+/// A running program whose stderr is collected line by line; killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn start(bin: &Path, args: &[&str], config: &Path, name: &str) -> Self {
+        let mut all: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+        all.push(config.as_os_str());
+        Self::start_with(bin, &all, name)
+    }
+
+    pub fn start_with(bin: &Path, args: &[&std::ffi::OsStr], name: &str) -> Self {
+        Self::spawn(bin, args, &[("RUST_LOG", "info")], name)
+    }
+
+    pub fn spawn(bin: &Path, args: &[&std::ffi::OsStr], env: &[(&str, &str)], name: &str) -> Self {
+        let mut child = Command::new(bin)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+
+    pub fn wait_for(&mut self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) {
+                        return line;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!(
+            "{} never logged {needle:?}; it logged:\n{}",
+            self.name,
+            self.seen.join("\n")
+        );
+    }
+
+    /// Waits for the process to exit; returns its success and everything it logged.
+    pub fn wait(&mut self, limit: Duration) -> (bool, Vec<String>) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.seen.push(line);
+                }
+                return (status.success(), self.seen.clone());
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {limit:?}; it logged:\n{}",
+                self.name,
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The one job directory a worker made under its work_dir.
+pub fn job_dir(work: &Path) -> PathBuf {
+    std::fs::read_dir(work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("hypha-")
+        })
+        .unwrap()
+}
+
+pub fn events(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+pub fn of_kind<'a>(events: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    events
+        .iter()
+        .filter(|e| e["event"]["kind"] == kind)
+        .collect()
+}
