@@ -5,9 +5,129 @@
 
 mod common;
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
 use common::*;
+use hypha_dataset::slice::{self, Dtype, Encoding, Tensors};
+use hypha_ledger::{Event, ReturnReason};
+
+/// Writes a dataset of `count` Snappy slices into `dir`; returns each slice's plain form.
+fn write_dataset(dir: &Path, count: u64) -> Vec<Vec<u8>> {
+    std::fs::create_dir_all(dir).unwrap();
+    (0..count)
+        .map(|i| {
+            let tensors = Tensors::new()
+                .with("x", Dtype::U8, vec![4, 8], vec![i as u8; 32])
+                .unwrap()
+                .with("id", Dtype::U64, vec![1], i.to_le_bytes().to_vec())
+                .unwrap();
+            std::fs::write(
+                dir.join(format!("slice-{i}.safetensors")),
+                slice::encode(&tensors, Encoding::Snappy).unwrap(),
+            )
+            .unwrap();
+            slice::encode(&tensors, Encoding::Plain).unwrap()
+        })
+        .collect()
+}
+
+/// A data node serving `dataset_path`, announced.
+fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
+    let config = cluster.config(
+        name,
+        &format!(
+            "dataset_path = {dataset_path:?}
+"
+        ),
+    );
+    let mut node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, name);
+    node.wait_for("announced");
+    node
+}
+
+/// A job of `workers` workers running [`ITERATE`] over `dataset`.
+fn iterate_job(
+    cluster: &Cluster,
+    name: &str,
+    workers: usize,
+    dataset: &str,
+    epochs: u32,
+) -> PathBuf {
+    cluster.job(
+        name,
+        &format!(
+            "workers = {workers}\nbid = 50\nmax_attempts = 5\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n[data]\ndataset = \"{dataset}\"\nepochs = {epochs}\nseed = 7\n"
+        ),
+    )
+}
+
+/// How often the ledger at `path` recorded each (epoch, slice) USED, and the reasons slices
+/// went back to AVAILABLE.
+fn audit(path: &Path) -> (HashMap<(u32, u64), u32>, Vec<ReturnReason>) {
+    let audit = hypha_ledger::read_audit(path).unwrap();
+    let mut used = HashMap::new();
+    let mut returned = Vec::new();
+    for record in &audit.records {
+        match &record.event {
+            Event::Used { .. } => {
+                *used
+                    .entry((record.key.epoch, record.key.slice))
+                    .or_default() += 1;
+            }
+            Event::Returned { reason, .. } => returned.push(*reason),
+            _ => {}
+        }
+    }
+    (used, returned)
+}
+
+fn assert_each_used_once(used: &HashMap<(u32, u64), u32>, epochs: u32, slices: u64) {
+    for epoch in 0..epochs {
+        for slice in 0..slices {
+            assert_eq!(
+                used.get(&(epoch, slice)),
+                Some(&1),
+                "epoch {epoch} slice {slice}"
+            );
+        }
+    }
+    assert_eq!(used.len() as u64, u64::from(epochs) * slices);
+}
+
+/// Slices the executors of every worker whose work directory is under the cluster noted in
+/// their `used.txt` so far.
+fn executor_uses(cluster: &Cluster) -> usize {
+    let mut count = 0;
+    for entry in std::fs::read_dir(cluster.path("")).unwrap() {
+        let work = entry.unwrap().path();
+        if !work.to_string_lossy().ends_with("-work") {
+            continue;
+        }
+        for job in std::fs::read_dir(&work).into_iter().flatten() {
+            let used = job.unwrap().path().join("used.txt");
+            count += std::fs::read_to_string(used)
+                .unwrap_or_default()
+                .lines()
+                .count();
+        }
+    }
+    count
+}
+
+fn wait_for_uses(cluster: &Cluster, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while executor_uses(cluster) < count {
+        assert!(
+            Instant::now() < deadline,
+            "the executors never used {count} slices"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
 
 /// An executor that takes slices through the bridge until the iteration is done, checks each
 /// is a plain SafeTensors file, notes it in `used.txt` and reports it consumed into a round
@@ -31,34 +151,14 @@ exit 0"#;
 
 #[test]
 fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch() {
-    use hypha_dataset::slice::{self, Dtype, Encoding, Tensors};
     const SLICES: u64 = 12;
     let cluster = Cluster::new();
-    let data = cluster.path("digits");
-    std::fs::create_dir(&data).unwrap();
-    let mut plain = Vec::new();
-    for i in 0..SLICES {
-        let tensors = Tensors::new()
-            .with("x", Dtype::U8, vec![4, 8], vec![i as u8; 32])
-            .unwrap();
-        plain.push(slice::encode(&tensors, Encoding::Plain).unwrap());
-        std::fs::write(
-            data.join(format!("slice-{i}.safetensors")),
-            slice::encode(&tensors, Encoding::Snappy).unwrap(),
-        )
-        .unwrap();
-    }
-    let config = cluster.config("data", &format!("dataset_path = {:?}\n", data));
-    let mut data_node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, "data");
-    data_node.wait_for("announced");
-
+    let plain = write_dataset(&cluster.path("digits"), SLICES);
+    let _data_node = data_node(&cluster, "data", &cluster.path("digits"));
     let _workers: Vec<Proc> = (0..2)
         .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
         .collect();
-    let job = cluster.job(
-        "iterate",
-        "workers = 2\nbid = 50\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n[data]\ndataset = \"digits\"\nepochs = 2\nseed = 7\n",
-    );
+    let job = iterate_job(&cluster, "iterate", 2, "digits", 2);
     let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
     let (ok, log) = scheduler.wait(Duration::from_secs(90));
     assert!(ok, "{}", log.join("\n"));
@@ -95,15 +195,73 @@ fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch(
     }
 
     // What the ledger recorded: the same, each slice USED once.
-    let audit = hypha_ledger::read_audit(&cluster.path("iterate-job.ledger")).unwrap();
-    let mut used = HashMap::<(u32, u64), u32>::new();
-    for record in &audit.records {
-        if let hypha_ledger::Event::Used { .. } = record.event {
-            *used
-                .entry((record.key.epoch, record.key.slice))
-                .or_default() += 1;
-        }
-    }
-    assert_eq!(used.len() as u64, 2 * SLICES);
-    assert!(used.values().all(|&n| n == 1), "{used:?}");
+    let (used, _) = audit(&cluster.path("iterate-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+}
+
+#[test]
+fn workers_and_a_data_node_killed_mid_iteration_leave_every_slice_used_once_per_epoch() {
+    const SLICES: u64 = 500;
+    let cluster = Cluster::new();
+    write_dataset(&cluster.path("a/tokens"), SLICES);
+    write_dataset(&cluster.path("b/tokens"), SLICES);
+    let mut replicas = vec![
+        data_node(&cluster, "d0", &cluster.path("a/tokens")),
+        data_node(&cluster, "d1", &cluster.path("b/tokens")),
+    ];
+    let mut workers: Vec<Proc> = (0..4)
+        .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
+        .collect();
+    let job = iterate_job(&cluster, "chaos", 4, "tokens", 2);
+    let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
+
+    wait_for_uses(&cluster, 150);
+    workers[1].kill();
+    workers.push(cluster.worker("w4", "price = 10", "cpu = 1", ITERATE));
+    wait_for_uses(&cluster, 400);
+    replicas[0].kill();
+    workers[2].kill();
+    workers.push(cluster.worker("w5", "price = 10", "cpu = 1", ITERATE));
+
+    let (ok, log) = scheduler.wait(Duration::from_secs(180));
+    assert!(ok, "{}", log.join("\n"));
+    let (used, returned) = audit(&cluster.path("chaos-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+    assert!(
+        returned.contains(&ReturnReason::WorkerLost),
+        "the killed workers' slices went back: {returned:?}"
+    );
+}
+
+#[test]
+fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lost() {
+    const SLICES: u64 = 200;
+    let cluster = Cluster::new();
+    write_dataset(&cluster.path("tokens"), SLICES);
+    let _data_node = data_node(&cluster, "data", &cluster.path("tokens"));
+    let _workers: Vec<Proc> = (0..2)
+        .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
+        .collect();
+    let job = iterate_job(&cluster, "resume", 2, "tokens", 2);
+    let (mut first, _) = cluster.scheduler("first", &job);
+    wait_for_uses(&cluster, 80);
+    first.kill();
+    let (used_before, _) = audit(&cluster.path("resume-job.ledger"));
+    assert!(!used_before.is_empty(), "nothing was used before the kill");
+    assert!(
+        (used_before.len() as u64) < 2 * SLICES,
+        "the first run finished"
+    );
+
+    // The workers' leases lapse (3 s) and a new run of the same job file takes them again.
+    let (mut second, _) = cluster.scheduler("second", &job);
+    let (ok, log) = second.wait(Duration::from_secs(120));
+    assert!(ok, "{}", log.join("\n"));
+    assert!(
+        log.iter().any(|l| l.contains("iteration ready")),
+        "{}",
+        log.join("\n")
+    );
+    let (used, _) = audit(&cluster.path("resume-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
 }
