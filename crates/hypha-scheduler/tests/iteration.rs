@@ -205,7 +205,7 @@ fn workers_and_a_data_node_killed_mid_iteration_leave_every_slice_used_once_per_
     let cluster = Cluster::new();
     write_dataset(&cluster.path("a/tokens"), SLICES);
     write_dataset(&cluster.path("b/tokens"), SLICES);
-    let mut replicas = vec![
+    let mut replicas = [
         data_node(&cluster, "d0", &cluster.path("a/tokens")),
         data_node(&cluster, "d1", &cluster.path("b/tokens")),
     ];
