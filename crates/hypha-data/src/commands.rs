@@ -533,3 +533,110 @@ fn uuid_like() -> String {
         .map_or(0, |d| d.subsec_nanos());
     format!("{:08x}", nanos ^ std::process::id().rotate_left(16))
 }
+
+/// `progress`: where an iteration stands, asked of the node that runs its ledger.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProgressArgs {
+    #[command(flatten)]
+    pub node: hypha_node::ProbeArgs,
+    /// The iteration (a data node's iterations have names; a scheduler answers for the one it
+    /// runs whatever is given).
+    #[arg(long, default_value = "")]
+    pub iteration: String,
+    /// Print the answer as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Asks the node at `args.node.address` where an iteration stands and prints it: per epoch the
+/// slices available, assigned, consumed and used; per consumer its share and pace.
+pub async fn progress(schema: &hypha_config::Schema, args: &ProgressArgs) -> Result<(), Error> {
+    use hypha_messages::{Request, Response};
+
+    let address: hypha_network::Multiaddr = args.node.address.parse().map_err(|e| {
+        Error::BadInput(format!(
+            "address {:?}: {e}; write it like /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...",
+            args.node.address
+        ))
+    })?;
+    let network = hypha_node::start_client(
+        "progress",
+        schema,
+        args.node.config.as_deref(),
+        &args.node.overrides,
+        false,
+    )
+    .await?;
+    let ask = async {
+        let peer = network.dial(address.clone()).await?;
+        network
+            .request(
+                peer,
+                Request::Progress {
+                    iteration: args.iteration.clone(),
+                },
+            )
+            .await
+    };
+    let outcome =
+        tokio::time::timeout(std::time::Duration::from_secs(args.node.timeout), ask).await;
+    network.shutdown().await;
+    let progress = match outcome {
+        Err(_) => {
+            return Err(Error::Failed(format!(
+                "{address}: no answer within {} s",
+                args.node.timeout
+            )));
+        }
+        Ok(Err(e)) => return Err(Error::Failed(format!("{address}: unreachable: {e}"))),
+        Ok(Ok(Response::Progress(progress))) => progress,
+        Ok(Ok(Response::Error(e))) => {
+            return Err(Error::Failed(format!("{address}: {}", e.message)));
+        }
+        Ok(Ok(other)) => {
+            return Err(Error::Failed(format!(
+                "{address} answered {other:?} to a progress request"
+            )));
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&progress).map_err(|e| Error::Failed(e.to_string()))?
+        );
+        return Ok(());
+    }
+    println!(
+        "iteration {} of {:?}: {}",
+        progress.iteration,
+        progress.dataset,
+        if progress.finished {
+            "finished"
+        } else {
+            "running"
+        }
+    );
+    println!(
+        "{:>6} {:>10} {:>10} {:>10} {:>10}",
+        "epoch", "available", "assigned", "consumed", "used"
+    );
+    for e in &progress.epochs {
+        println!(
+            "{:>6} {:>10} {:>10} {:>10} {:>10}",
+            e.epoch, e.available, e.assigned, e.consumed, e.used
+        );
+    }
+    if !progress.consumers.is_empty() {
+        println!(
+            "{:<60} {:>8} {:>8} {:>8} {:>9} {:>10}",
+            "consumer", "assigned", "consumed", "used", "slices/s", "samples/s"
+        );
+        for c in &progress.consumers {
+            println!(
+                "{:<60} {:>8} {:>8} {:>8} {:>9.2} {:>10.1}",
+                c.consumer, c.assigned, c.consumed, c.used, c.slices_per_s, c.samples_per_s
+            );
+        }
+    }
+    Ok(())
+}

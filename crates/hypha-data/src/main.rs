@@ -40,6 +40,8 @@ enum Command {
     Fetch(hypha_data::commands::FetchArgs),
     /// Iterate a data node's slices exactly once among all clients naming the same iteration.
     Iterate(hypha_data::commands::IterateArgs),
+    /// Show where an iteration on a data node stands: per epoch and per client.
+    Progress(hypha_data::commands::ProgressArgs),
 }
 
 #[tokio::main]
@@ -55,5 +57,8 @@ async fn main() -> ExitCode {
         Command::Verify { path } => hypha_data::commands::verify_dataset(&path),
         Command::Fetch(args) => hypha_data::commands::fetch(&args).await,
         Command::Iterate(args) => hypha_data::commands::iterate(&args).await,
+        Command::Progress(args) => {
+            hypha_data::commands::progress(&hypha_data::node::client_schema(), &args).await
+        }
     })
 }

@@ -33,14 +33,14 @@ pub use address_filter::ExcludedRanges;
 pub use client::{GossipMessage, InboundRequest, Network, NetworkError, Responder};
 use futures::StreamExt;
 use hypha_certs::{NodeIdentity, TrustStore};
+pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
 use libp2p::{
-    Multiaddr, Swarm, Transport as _,
+    Swarm, Transport as _,
     core::{transport::OrTransport, upgrade::Version},
     dns, relay,
     swarm::SwarmEvent,
     tcp,
 };
-pub use libp2p::{PeerId, Stream, StreamProtocol};
 pub use settings::Settings;
 use tokio::sync::mpsc;
 

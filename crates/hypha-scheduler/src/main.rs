@@ -24,6 +24,9 @@ enum Command {
     Run(hypha_scheduler::node::RunJobArgs),
     /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
     Probe(ProbeArgs),
+    /// Show where a running scheduler's iteration stands: slices per epoch and state, and
+    /// each job's share and pace.
+    Progress(hypha_data::commands::ProgressArgs),
 }
 
 #[tokio::main]
@@ -34,5 +37,6 @@ async fn main() -> ExitCode {
         Command::Init(args) => hypha_node::init(&schema, &args),
         Command::Run(args) => hypha_scheduler::node::run(&args).await,
         Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+        Command::Progress(args) => hypha_data::commands::progress(&schema, &args).await,
     })
 }

@@ -23,7 +23,7 @@ fn write_dataset(dir: &Path, count: u64) -> Vec<Vec<u8>> {
             let tensors = Tensors::new()
                 .with("x", Dtype::U8, vec![4, 8], vec![i as u8; 32])
                 .unwrap()
-                .with("id", Dtype::U64, vec![1], i.to_le_bytes().to_vec())
+                .with("id", Dtype::U64, vec![4], i.to_le_bytes().repeat(4))
                 .unwrap();
             std::fs::write(
                 dir.join(format!("slice-{i}.safetensors")),
@@ -244,7 +244,55 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
         .collect();
     let job = iterate_job(&cluster, "resume", 2, "tokens", 2);
     let (mut first, _) = cluster.scheduler("first", &job);
+    let listening = first.wait_for("listening");
+    let address = listening
+        .split("address=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
     wait_for_uses(&cluster, 80);
+
+    // Anyone in the network can ask how far it got.
+    let observer = cluster.config("observer", "");
+    let out = std::process::Command::new(bin("hypha-scheduler"))
+        .args([
+            "progress",
+            &format!("{address}/p2p/{}", cluster.peer_id("first")),
+            "--json",
+            "--config",
+        ])
+        .arg(&observer)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let progress: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(progress["dataset"], "tokens");
+    assert_eq!(progress["epochs"].as_array().unwrap().len(), 2);
+    let epoch0 = &progress["epochs"][0];
+    let total: u64 = ["available", "assigned", "consumed", "used"]
+        .iter()
+        .map(|k| epoch0[k].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, SLICES, "{progress}");
+    assert!(epoch0["used"].as_u64().unwrap() > 0, "{progress}");
+    let consumers = progress["consumers"].as_array().unwrap();
+    assert_eq!(consumers.len(), 2, "{progress}");
+    // Prefetching stays bounded: no job hoards the epoch.
+    assert!(
+        consumers
+            .iter()
+            .all(|c| c["assigned"].as_u64().unwrap() <= 16),
+        "{progress}"
+    );
+    assert!(
+        consumers
+            .iter()
+            .all(|c| c["samples_per_s"].as_f64().unwrap() > 0.0),
+        "{progress}"
+    );
     first.kill();
     let (used_before, _) = audit(&cluster.path("resume-job.ledger"));
     assert!(!used_before.is_empty(), "nothing was used before the kill");

@@ -8,7 +8,7 @@
 //!
 //! A [`Prefetcher`] asks the scheduler's ledger for slices (telling it which slices the cache
 //! holds, so those are preferred), fetches them into the cache, and queues them for the
-//! executor, up to `prefetch_bytes` ahead (always at least one slice). When the queue is full it
+//! executor, up to `prefetch_bytes` and [`MAX_AHEAD`] slices ahead (always at least one). When the queue is full it
 //! keeps the ledger's lease on the queued slices alive. It stops when the iteration is done or
 //! the job ends; queued slices the executor never took go back to the ledger when the scheduler
 //! releases the job.
@@ -36,6 +36,10 @@ use crate::metrics;
 
 /// Slices asked for in one request at most.
 const MAX_BATCH: u32 = 8;
+/// Slices a job's prefetcher holds ahead of its executor at most, whatever their size: enough
+/// to ride out a slow fetch, few enough that a slow worker does not hoard slices the others
+/// could use.
+const MAX_AHEAD: usize = 16;
 /// Slices fetched at the same time by one prefetcher.
 const PARALLEL_FETCHES: usize = 2;
 /// How often a prefetcher whose queue is full tells the ledger it is alive (its lease is 60 s).
@@ -202,8 +206,10 @@ pub struct Ready {
     pub path: PathBuf,
     /// Which data node sent it, or `None` when the cache had it.
     pub provider: Option<PeerId>,
-    /// Holds the slice's share of the prefetch budget until the executor takes it.
+    /// Hold the slice's share of the prefetch budget and its place ahead until the executor
+    /// takes it.
     _budget: OwnedSemaphorePermit,
+    _ahead: OwnedSemaphorePermit,
 }
 
 /// What the executor gets next.
@@ -246,6 +252,7 @@ impl Prefetcher {
             source,
             budget: Arc::new(Semaphore::new(budget_kib)),
             budget_kib,
+            ahead: Arc::new(Semaphore::new(MAX_AHEAD)),
             slice_kib: AtomicU64::new(u64::MAX),
             queue: sender,
         };
@@ -291,6 +298,7 @@ struct Run {
     source: Source,
     budget: Arc<Semaphore>,
     budget_kib: usize,
+    ahead: Arc<Semaphore>,
     /// The size of recent slices, in KiB; `u64::MAX` until the first grant, so that the
     /// first request asks for one slice.
     slice_kib: AtomicU64,
@@ -302,23 +310,26 @@ impl Run {
         loop {
             // Room for at least one more slice (a slice larger than the whole budget takes
             // all of it).
-            let first = loop {
+            let room = async {
+                let ahead = self.ahead.clone().acquire_owned().await;
+                let budget = self.budget.clone().acquire_owned().await;
+                ahead.is_ok() && budget.is_ok()
+            };
+            tokio::pin!(room);
+            loop {
                 tokio::select! {
-                    permit = self.budget.clone().acquire_owned() => match permit {
-                        Ok(permit) => break permit,
-                        Err(_) => return,
-                    },
+                    open = &mut room => if open { break } else { return },
                     _ = tokio::time::sleep(HEARTBEAT) => {
                         // Full: keep the lease on what is queued.
                         let _ = self.ask(0).await;
                     }
                 }
-            };
-            drop(first);
+            }
             // Ask for as many as fit, going by the slices seen so far, so that granted slices
-            // rarely wait for budget (while they wait, their lease is not renewed).
+            // rarely wait for room (while they wait, their lease is not renewed).
             let free_kib = self.budget.available_permits().max(1) as u64;
             let want = (free_kib / self.slice_kib.load(Ordering::Relaxed).max(1))
+                .min(self.ahead.available_permits() as u64)
                 .clamp(1, u64::from(MAX_BATCH)) as u32;
             let grant = match self.ask(want).await {
                 Ok(grant) => grant,
@@ -395,7 +406,10 @@ impl Run {
         let kib = usize::try_from(slice.size.div_ceil(1024))
             .unwrap_or(usize::MAX)
             .clamp(1, self.budget_kib);
-        let Ok(budget) = self.budget.clone().acquire_many_owned(kib as u32).await else {
+        let (Ok(ahead), Ok(budget)) = (
+            self.ahead.clone().acquire_owned().await,
+            self.budget.clone().acquire_many_owned(kib as u32).await,
+        ) else {
             return Next::Failed("the job is ending".into());
         };
         let dataset = &self.source.dataset;
@@ -406,6 +420,7 @@ impl Run {
                 path,
                 provider: None,
                 _budget: budget,
+                _ahead: ahead,
             });
         }
         let providers: Vec<PeerId> = slice
@@ -432,6 +447,7 @@ impl Run {
                     path,
                     provider: Some(report.provider),
                     _budget: budget,
+                    _ahead: ahead,
                 })
             }
             Err(e) => Next::Failed(format!(
