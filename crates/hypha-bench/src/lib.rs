@@ -21,6 +21,8 @@ pub enum Suite {
     Allocation,
     /// Durable slice assignments and acknowledgements per second of the scheduler's ledger.
     Ledger,
+    /// The share of a slow executor's time spent waiting for prefetched slices.
+    Prefetch,
 }
 
 impl Suite {
@@ -30,6 +32,7 @@ impl Suite {
             Suite::Dataserve => "dataserve",
             Suite::Allocation => "allocation",
             Suite::Ledger => "ledger",
+            Suite::Prefetch => "prefetch",
         }
     }
 }
@@ -69,6 +72,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Dataserve => suites::dataserve::run(quick).await,
                 Suite::Allocation => suites::allocation::run(quick).await,
                 Suite::Ledger => suites::ledger::run(quick).await,
+                Suite::Prefetch => suites::prefetch::run(quick).await,
             }
         })
         .await

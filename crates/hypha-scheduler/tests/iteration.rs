@@ -280,11 +280,11 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
     assert!(epoch0["used"].as_u64().unwrap() > 0, "{progress}");
     let consumers = progress["consumers"].as_array().unwrap();
     assert_eq!(consumers.len(), 2, "{progress}");
-    // Prefetching stays bounded: no job hoards the epoch.
+    // Prefetching stays bounded: no job hoards the epoch (16 ahead, 1 in the executor's hands).
     assert!(
         consumers
             .iter()
-            .all(|c| c["assigned"].as_u64().unwrap() <= 16),
+            .all(|c| c["assigned"].as_u64().unwrap() <= 17),
         "{progress}"
     );
     assert!(

@@ -7,14 +7,20 @@
 //! only with verified, fsynced files and empties least recently used first when over its limit.
 //!
 //! A [`Prefetcher`] asks the scheduler's ledger for slices (telling it which slices the cache
-//! holds, so those are preferred), fetches them into the cache, and queues them for the
-//! executor, up to `prefetch_bytes` and [`MAX_AHEAD`] slices ahead (always at least one). When the queue is full it
+//! holds, so those are preferred), fetches them into the cache, decodes each to a plain
+//! SafeTensors file in its private staging directory (fsynced, SHA-256 computed), and queues
+//! them for the executor, up to `prefetch_bytes` and [`MAX_AHEAD`] slices ahead (always at
+//! least one). Handing a slice over is then one rename ([`Ready::place`]): the executor waits
+//! for nothing the prefetcher could have done earlier. When the queue is full it
 //! keeps the ledger's lease on the queued slices alive. It stops when the iteration is done or
 //! the job ends; queued slices the executor never took go back to the ledger when the scheduler
 //! releases the job.
 
 use std::{
     collections::HashMap,
+    ffi::OsStr,
+    io::Write,
+    os::fd::OwnedFd,
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
@@ -29,10 +35,15 @@ use hypha_messages::{
     iterate::{GrantedSlice, IterateGrant, IterateRequest, IterateStatus},
 };
 use hypha_network::{Network, PeerId};
+use rustix::fs::{Mode, OFlags};
+use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics;
+
+/// The directory under the cache where prefetchers stage decoded slices.
+const STAGING: &str = "staging";
 
 /// Slices asked for in one request at most.
 const MAX_BATCH: u32 = 8;
@@ -70,6 +81,8 @@ impl SliceCache {
     /// are learnt again as slices are granted).
     pub fn open(dir: PathBuf, limit: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(&dir)?;
+        // Staged slices of jobs that ended with an earlier run.
+        let _ = std::fs::remove_dir_all(dir.join(STAGING));
         let mut state = CacheState::default();
         for entry in std::fs::read_dir(&dir)? {
             let entry = entry?;
@@ -199,23 +212,51 @@ pub struct Source {
     pub seed: u64,
 }
 
-/// A slice ready for the executor: verified, in the cache.
+/// A slice ready for the executor: verified, decoded to plain SafeTensors and fsynced in the
+/// prefetcher's staging directory, so that handing it over is one rename.
 #[derive(Debug)]
 pub struct Ready {
     pub slice: GrantedSlice,
-    pub path: PathBuf,
     /// Which data node sent it, or `None` when the cache had it.
     pub provider: Option<PeerId>,
+    /// The plain file's size and SHA-256 (hex).
+    pub size: u64,
+    pub sha256: String,
+    staged: String,
+    staging: Arc<Staging>,
     /// Hold the slice's share of the prefetch budget and its place ahead until the executor
     /// takes it.
     _budget: OwnedSemaphorePermit,
     _ahead: OwnedSemaphorePermit,
 }
 
+impl Ready {
+    /// Moves the plain file to `name` in the directory `parent` (on the same file system as
+    /// the worker's `work_dir`). The file was fsynced when staged; the rename is not, since a
+    /// crash ends the job that would read it anyway.
+    pub fn place(self, parent: &OwnedFd, name: &OsStr) -> std::io::Result<()> {
+        rustix::fs::renameat(&self.staging.fd, self.staged.as_str(), parent, name)?;
+        Ok(())
+    }
+}
+
+/// A prefetcher's private directory under the cache, removed with the prefetcher.
+#[derive(Debug)]
+struct Staging {
+    path: PathBuf,
+    fd: OwnedFd,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
 /// What the executor gets next.
 #[derive(Debug)]
 pub enum Next {
-    Slice(Ready),
+    Slice(Box<Ready>),
     /// The iteration is done.
     Finished,
     /// The prefetcher could not get a slice; it goes on trying.
@@ -238,7 +279,23 @@ impl Drop for Prefetcher {
 
 impl Prefetcher {
     /// Starts prefetching for `source`, at most `budget` bytes ahead.
-    pub fn start(network: Network, cache: Arc<SliceCache>, source: Source, budget: u64) -> Self {
+    pub fn start(
+        network: Network,
+        cache: Arc<SliceCache>,
+        source: Source,
+        budget: u64,
+    ) -> std::io::Result<Self> {
+        let path = cache
+            .dir
+            .join(STAGING)
+            .join(format!("{:016x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&path)?;
+        let fd = rustix::fs::open(
+            &path,
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let staging = Arc::new(Staging { path, fd });
         // The budget counts KiB so that any realistic budget fits a semaphore.
         let budget_kib = usize::try_from(budget.div_ceil(1024))
             .unwrap_or(Semaphore::MAX_PERMITS)
@@ -255,6 +312,7 @@ impl Prefetcher {
             ahead: Arc::new(Semaphore::new(MAX_AHEAD)),
             slice_kib: AtomicU64::new(u64::MAX),
             queue: sender,
+            staging,
         };
         tokio::spawn({
             let stop = stop.clone();
@@ -265,11 +323,11 @@ impl Prefetcher {
                 }
             }
         });
-        Self {
+        Ok(Self {
             queue,
             finished: false,
             stop,
-        }
+        })
     }
 
     /// The next slice, waiting while none is ready.
@@ -303,6 +361,7 @@ struct Run {
     /// first request asks for one slice.
     slice_kib: AtomicU64,
     queue: mpsc::Sender<Next>,
+    staging: Arc<Staging>,
 }
 
 impl Run {
@@ -413,15 +472,27 @@ impl Run {
             return Next::Failed("the job is ending".into());
         };
         let dataset = &self.source.dataset;
+        // A cached copy is checked again; one that fails leaves the cache and is fetched.
         if let Some(path) = self.cache.lookup(dataset, &slice) {
-            metrics::slice_fetched("cache", 0);
-            return Next::Slice(Ready {
-                slice,
-                path,
-                provider: None,
-                _budget: budget,
-                _ahead: ahead,
-            });
+            match self.stage(&path, &slice, true).await {
+                Ok((size, sha256, staged)) => {
+                    metrics::slice_fetched("cache", 0);
+                    return Next::Slice(Box::new(Ready {
+                        slice,
+                        provider: None,
+                        size,
+                        sha256,
+                        staged,
+                        staging: self.staging.clone(),
+                        _budget: budget,
+                        _ahead: ahead,
+                    }));
+                }
+                Err(why) => {
+                    tracing::warn!(slice = slice.slice, %why, "dropped a cached slice; fetching it again");
+                    self.cache.remove(&slice.blake3);
+                }
+            }
         }
         let providers: Vec<PeerId> = slice
             .providers
@@ -434,45 +505,67 @@ impl Run {
             size: slice.size,
             blake3: slice.blake3.clone(),
         };
-        match self
+        let report = match self
             .client
             .fetch_slice(dataset, id, &providers, &path)
             .await
         {
-            Ok(report) => {
-                self.cache.insert(dataset, &slice);
-                metrics::slice_fetched("network", slice.size);
-                Next::Slice(Ready {
-                    slice,
-                    path,
-                    provider: Some(report.provider),
-                    _budget: budget,
-                    _ahead: ahead,
-                })
+            Ok(report) => report,
+            Err(e) => {
+                return Next::Failed(format!(
+                    "epoch {} slice {} of {dataset:?}: {e}",
+                    slice.epoch, slice.slice
+                ));
             }
-            Err(e) => Next::Failed(format!(
-                "epoch {} slice {} of {dataset:?}: {e}",
-                slice.epoch, slice.slice
-            )),
+        };
+        self.cache.insert(dataset, &slice);
+        metrics::slice_fetched("network", slice.size);
+        match self.stage(&path, &slice, false).await {
+            Ok((size, sha256, staged)) => Next::Slice(Box::new(Ready {
+                slice,
+                provider: Some(report.provider),
+                size,
+                sha256,
+                staged,
+                staging: self.staging.clone(),
+                _budget: budget,
+                _ahead: ahead,
+            })),
+            Err(why) => Next::Failed(why),
         }
     }
-}
 
-/// Reads a cached slice, checks it against its hash and decodes it to plain SafeTensors. A
-/// file that fails the check leaves the cache.
-pub fn load(cache: &SliceCache, ready: &Ready) -> Result<Vec<u8>, String> {
-    let bytes = std::fs::read(&ready.path).map_err(|e| format!("{}: {e}", ready.path.display()))?;
-    if bytes.len() as u64 != ready.slice.size
-        || blake3::hash(&bytes).to_hex().as_str() != ready.slice.blake3
-    {
-        cache.remove(&ready.slice.blake3);
-        return Err(format!(
-            "the cached copy of slice {} failed its check and was dropped; fetch again",
-            ready.slice.slice
-        ));
+    /// Decodes the cached file at `path` into the staging directory (checking its hash first
+    /// when `check`); returns the plain file's size, SHA-256 and name.
+    async fn stage(
+        &self,
+        path: &Path,
+        slice: &GrantedSlice,
+        check: bool,
+    ) -> Result<(u64, String, String), String> {
+        let path = path.to_path_buf();
+        let blake3 = slice.blake3.clone();
+        let name = format!("e{}-slice-{}.safetensors", slice.epoch, slice.slice);
+        let dir = self.staging.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            if check && blake3::hash(&bytes).to_hex().as_str() != blake3 {
+                return Err(format!("{} does not match its hash", path.display()));
+            }
+            let (_, plain) =
+                hypha_dataset::slice::decode(&bytes).map_err(|e| format!("not a slice: {e}"))?;
+            let staged = dir.join(&name);
+            let mut file =
+                std::fs::File::create(&staged).map_err(|e| format!("{}: {e}", staged.display()))?;
+            file.write_all(&plain)
+                .and_then(|()| file.sync_all())
+                .map_err(|e| format!("{}: {e}", staged.display()))?;
+            let sha256 = hex::encode(Sha256::digest(&plain));
+            Ok((plain.len() as u64, sha256, name))
+        })
+        .await
+        .map_err(|e| e.to_string())?
     }
-    let (_, plain) = hypha_dataset::slice::decode(&bytes).map_err(|e| e.to_string())?;
-    Ok(plain.into_owned())
 }
 
 /// Where a worker keeps its cache.

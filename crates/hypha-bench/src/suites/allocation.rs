@@ -219,7 +219,8 @@ async fn start_worker(
     Ok(())
 }
 
-async fn start_node(
+/// A node on loopback; with a gateway it joins it, without it serves as one (relay server).
+pub(crate) async fn start_node(
     pki: &Pki,
     name: &str,
     gateway: Option<&Multiaddr>,

@@ -2,4 +2,5 @@ pub(crate) mod allocation;
 pub(crate) mod ceilings;
 pub(crate) mod dataserve;
 pub(crate) mod ledger;
+pub(crate) mod prefetch;
 pub(crate) mod transport;

@@ -12,11 +12,12 @@
 //!   reached the model (for jobs without a parameter server). The answer lists `refused`
 //!   slices, which the job held too long: another job has them now.
 //!
-//! Slices come through the job's [`Prefetcher`], which keeps the next ones verified in the
-//! worker's slice cache (outside every job's directory, so an executor cannot redirect the
-//! worker's writes); each is checked again and decoded as the executor takes it.
+//! Slices come through the job's [`Prefetcher`], which keeps the next ones verified, decoded
+//! and fsynced in its staging directory under the worker's slice cache (outside every job's
+//! directory, so an executor cannot redirect the worker's writes); handing one over is a
+//! rename into the job's directory.
 
-use std::{ffi::OsStr, io::Write, path::Path};
+use std::{ffi::OsStr, path::Path};
 
 use axum::http::StatusCode;
 use hypha_messages::{
@@ -25,10 +26,9 @@ use hypha_messages::{
 };
 use hypha_network::PeerId;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
-use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
-use crate::slices::{self, Next, Prefetcher, Ready, Source};
+use super::{Bridge, BridgeError, FileEntry, timestamp};
+use crate::slices::{Next, Prefetcher, Ready, Source};
 
 /// Where a job's slices come from: the reference the scheduler hands its executors.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -139,14 +139,18 @@ pub(super) async fn fetch(
         seed: reference.seed,
     };
     let mut prefetchers = bridge.prefetchers.lock().await;
-    let prefetcher = prefetchers.entry(source.clone()).or_insert_with(|| {
-        Prefetcher::start(
-            bridge.shared.network.clone(),
-            bridge.shared.cache.clone(),
-            source,
-            bridge.shared.prefetch_bytes,
-        )
-    });
+    let prefetcher = match prefetchers.entry(source.clone()) {
+        std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+        std::collections::hash_map::Entry::Vacant(entry) => entry.insert(
+            Prefetcher::start(
+                bridge.shared.network.clone(),
+                bridge.shared.cache.clone(),
+                source,
+                bridge.shared.prefetch_bytes,
+            )
+            .map_err(|e| io_error(Path::new("the slice cache"), e))?,
+        ),
+    };
     let next = tokio::select! {
         next = prefetcher.next() => next,
         _ = bridge.stopping.cancelled() => {
@@ -155,7 +159,7 @@ pub(super) async fn fetch(
     };
     drop(prefetchers);
     match next {
-        Next::Slice(ready) => deliver(bridge, &reference.dataset, ready, out_dir).await,
+        Next::Slice(ready) => deliver(bridge, &reference.dataset, *ready, out_dir),
         Next::Finished => Ok(Vec::new()),
         Next::Failed(why) => Err(BridgeError::new(
             StatusCode::BAD_GATEWAY,
@@ -165,22 +169,14 @@ pub(super) async fn fetch(
     }
 }
 
-/// Checks and decodes a prefetched slice and writes it into the job's directory.
-async fn deliver(
+/// Moves a prefetched slice into the job's directory.
+fn deliver(
     bridge: &Bridge,
     dataset: &str,
     ready: Ready,
     out_dir: &Path,
 ) -> Result<Vec<FileEntry>, BridgeError> {
-    let cache = bridge.shared.cache.clone();
-    let (ready, plain) = tokio::task::spawn_blocking(move || {
-        let plain = slices::load(&cache, &ready);
-        (ready, plain)
-    })
-    .await
-    .map_err(|e| io_error(out_dir, std::io::Error::other(e)))?;
-    let plain = plain.map_err(|why| BridgeError::new(StatusCode::BAD_GATEWAY, "bad_slice", why))?;
-    let slice = &ready.slice;
+    let slice = ready.slice.clone();
     let name = format!("e{}-slice-{}.safetensors", slice.epoch, slice.slice);
     let relative = out_dir.join(&name);
     let parent = if out_dir.as_os_str().is_empty() {
@@ -188,23 +184,17 @@ async fn deliver(
     } else {
         bridge.dir.create_dir_all(out_dir)?
     };
-    let (mut file, temp) = paths::JobDir::create_temp(&parent, OsStr::new(&name))
-        .map_err(|e| io_error(&relative, e))?;
-    let written = file
-        .write_all(&plain)
-        .and_then(|()| file.sync_all())
-        .and_then(|()| paths::JobDir::publish(&parent, &temp, OsStr::new(&name)));
-    if let Err(e) = written {
-        paths::JobDir::discard(&parent, &temp);
-        return Err(io_error(&relative, e));
-    }
     let provider = ready
         .provider
         .map_or_else(|| "cache".to_string(), |p| p.to_string());
+    let (size, sha256) = (ready.size, ready.sha256.clone());
+    ready
+        .place(&parent, OsStr::new(&name))
+        .map_err(|e| io_error(&relative, e))?;
     Ok(vec![FileEntry {
         path: relative.display().to_string(),
-        size: plain.len() as u64,
-        checksum: format!("sha256:{}", hex::encode(Sha256::digest(&plain))),
+        size,
+        checksum: format!("sha256:{sha256}"),
         metadata: [
             ("source", serde_json::Value::from("scheduler")),
             ("dataset", dataset.into()),
