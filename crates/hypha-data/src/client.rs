@@ -56,6 +56,8 @@ pub struct FetchReport {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceId {
     pub index: u64,
+    /// When set, the slice is asked for by file name (datasets sharded over data nodes).
+    pub file: Option<String>,
     pub size: u64,
     pub blake3: String,
 }
@@ -64,6 +66,7 @@ impl From<&SliceEntry> for SliceId {
     fn from(entry: &SliceEntry) -> Self {
         Self {
             index: entry.index,
+            file: None,
             size: entry.size,
             blake3: entry.blake3.clone(),
         }
@@ -240,6 +243,7 @@ impl DataClient {
             dataset: dataset.to_string(),
             slice: entry.index,
             offset: transfer.offset,
+            file: entry.file.clone(),
         };
         protocol::write_frame(&mut stream, &request)
             .await

@@ -38,6 +38,7 @@ const RETRY_MS: u64 = 500;
 /// Where one slice can be fetched from.
 #[derive(Debug, Clone)]
 pub struct SliceSource {
+    pub file: String,
     pub size: u64,
     pub blake3: String,
     pub providers: Vec<PeerId>,
@@ -188,6 +189,7 @@ impl IterationService {
         GrantedSlice {
             epoch: key.epoch,
             slice: key.slice,
+            file: source.map(|s| s.file.clone()).unwrap_or_default(),
             samples,
             size: source.map_or(0, |s| s.size),
             blake3: source.map(|s| s.blake3.clone()).unwrap_or_default(),
@@ -294,6 +296,7 @@ impl NodeIterations {
             .slices
             .iter()
             .map(|s| SliceSource {
+                file: s.file.clone(),
                 size: s.size,
                 blake3: s.blake3.clone(),
                 providers: vec![self.this_node],

@@ -5,6 +5,7 @@
 //! ```text
 //! client → server   request:  u32 big-endian length (≤ 4 KiB), then JSON
 //!                             {"dataset": "imagenet-1k", "slice": 7, "offset": 0}
+//!                             ("file": "slice-0007.safetensors" names it by file instead)
 //! server → client   header:   u32 big-endian length (≤ 4 KiB), then JSON, either
 //!                             {"ok": {"size": 12345, "blake3": "…", "offset": 0}}
 //!                             followed by exactly size − offset bytes of the slice file
@@ -36,6 +37,10 @@ pub const PROTOCOL: hypha_network::StreamProtocol =
 pub struct SliceRequest {
     pub dataset: String,
     pub slice: u64,
+    /// Names the slice by its file instead of its number: data nodes that each hold part of
+    /// a dataset number their slices differently, but a slice's file name is the same on all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
     #[serde(default)]
     pub offset: u64,
 }
@@ -71,6 +76,8 @@ pub enum ErrorCode {
     UnknownDataset,
     /// `slice` is not below the dataset's slice count.
     SliceOutOfRange,
+    /// No slice of the dataset has the requested `file`.
+    UnknownSlice,
     /// `offset` is past the end of the slice.
     OffsetOutOfRange,
     /// The server is at its limits; try another provider or later.

@@ -181,21 +181,32 @@ async fn serve_one(
         .await;
     };
     let count = dataset.manifest().slices.len() as u64;
-    let (Some(entry), Some(path)) = (
-        usize::try_from(request.slice)
+    let found = match &request.file {
+        Some(file) => dataset
+            .manifest()
+            .slices
+            .iter()
+            .find(|e| &e.file == file)
+            .map(|e| (e, dataset.root().join(&e.file)))
+            .ok_or((
+                ErrorCode::UnknownSlice,
+                format!("{:?} has no slice file {file:?}", request.dataset),
+            )),
+        None => usize::try_from(request.slice)
             .ok()
-            .and_then(|i| dataset.manifest().slices.get(i)),
-        dataset.slice_path(request.slice),
-    ) else {
-        return refuse(
-            &mut stream,
-            ErrorCode::SliceOutOfRange,
-            &format!(
-                "slice {} requested; {:?} has slices 0..{count}",
-                request.slice, request.dataset
-            ),
-        )
-        .await;
+            .and_then(|i| dataset.manifest().slices.get(i))
+            .zip(dataset.slice_path(request.slice))
+            .ok_or((
+                ErrorCode::SliceOutOfRange,
+                format!(
+                    "slice {} requested; {:?} has slices 0..{count}",
+                    request.slice, request.dataset
+                ),
+            )),
+    };
+    let (entry, path) = match found {
+        Ok(found) => found,
+        Err((code, message)) => return refuse(&mut stream, code, &message).await,
     };
     if request.offset > entry.size {
         return refuse(

@@ -310,6 +310,7 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
             dataset: "nope".into(),
             slice: 0,
             offset: 0,
+            file: None,
         }),
         ErrorCode::UnknownDataset,
     ));
@@ -318,6 +319,7 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
             dataset: "text".into(),
             slice: 4,
             offset: 0,
+            file: None,
         }),
         ErrorCode::SliceOutOfRange,
     ));
@@ -326,6 +328,7 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
             dataset: "text".into(),
             slice: u64::MAX,
             offset: 0,
+            file: None,
         }),
         ErrorCode::SliceOutOfRange,
     ));
@@ -333,7 +336,17 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
         frame(&SliceRequest {
             dataset: "text".into(),
             slice: 0,
+            offset: 0,
+            file: Some("../../etc/passwd".into()),
+        }),
+        ErrorCode::UnknownSlice,
+    ));
+    abuse.push((
+        frame(&SliceRequest {
+            dataset: "text".into(),
+            slice: 0,
             offset: u64::MAX,
+            file: None,
         }),
         ErrorCode::OffsetOutOfRange,
     ));
@@ -398,6 +411,7 @@ async fn a_peer_over_its_limit_is_told_busy() {
         dataset: "d".into(),
         slice: 0,
         offset: 0,
+        file: None,
     };
     let mut stream = client_net.open_stream(peer, PROTOCOL).await.unwrap();
     protocol::write_frame(&mut stream, &request).await.unwrap();

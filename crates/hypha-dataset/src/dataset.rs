@@ -190,8 +190,14 @@ pub fn slice_files(root: &Path) -> Result<Vec<String>, Error> {
             path: root.to_path_buf(),
         });
     }
-    files.sort_by(|a, b| (slice_number(a), a).cmp(&(slice_number(b), b)));
+    files.sort_by(|a, b| slice_order(a, b));
     Ok(files)
+}
+
+/// The order of slice files: by the number in their names (`slice-9` before `slice-10`), then
+/// by name.
+pub fn slice_order(a: &str, b: &str) -> std::cmp::Ordering {
+    (slice_number(a), a).cmp(&(slice_number(b), b))
 }
 
 /// The last run of digits in a file's stem.

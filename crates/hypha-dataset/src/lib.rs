@@ -35,6 +35,6 @@ pub mod prepare;
 pub mod slice;
 mod verify;
 
-pub use dataset::{Dataset, Error, MANIFEST_FILE, slice_files};
+pub use dataset::{Dataset, Error, MANIFEST_FILE, slice_files, slice_order};
 pub use manifest::{Manifest, SliceEntry, TensorSpec};
 pub use verify::{Problem, verify};

@@ -68,6 +68,8 @@ pub enum IterateStatus {
 pub struct GrantedSlice {
     pub epoch: u32,
     pub slice: u64,
+    /// The slice's file: how to ask providers for it, whatever number they give it.
+    pub file: String,
     pub samples: u64,
     /// The slice file's size and BLAKE3 (hex), as its manifest lists them.
     pub size: u64,

@@ -1,18 +1,18 @@
 //! A job's data with `cluster_sync = true`: the scheduler finds the dataset's data nodes,
-//! learns which slices each holds, and runs the iteration's ledger, which hands every slice of
-//! every epoch to exactly one job.
+//! learns which slices each holds (each may hold all of them or a shard), and runs the
+//! iteration's ledger, which hands every slice of every epoch to exactly one job.
 //!
 //! Workers ask through the job bridge's `Scheduler` reference; each grant names the data
 //! nodes that hold the slice, rotated so replicas share the load. Slices of a job that ends,
 //! fails or loses its worker go back to the ledger ([`JobData::release`]).
 
-use std::{path::Path, time::Duration};
+use std::{collections::HashMap, path::Path, time::Duration};
 
 use hypha_data::{
     DataClient,
     iteration::{IterationService, LEASE_MS, SliceSource, spec_of},
 };
-use hypha_dataset::Manifest;
+use hypha_dataset::{Manifest, SliceEntry, slice_order};
 use hypha_ledger::{Ledger, LedgerHandle};
 use hypha_network::{Network, PeerId};
 
@@ -73,7 +73,7 @@ impl JobData {
                 }
             }
         }
-        let Some((sources, manifest)) = merge(&manifests) else {
+        let Some((sources, manifest)) = merge(&spec.dataset, &manifests) else {
             return Err(DataError::NoManifest {
                 dataset: spec.dataset.clone(),
                 count: providers.len(),
@@ -158,30 +158,53 @@ impl JobData {
     }
 }
 
-/// The slices to iterate and who holds each: the first manifest's slices, each with every
-/// data node whose manifest lists the same file with the same hash at the same place (full
-/// replicas, and nodes holding a leading part).
-fn merge(manifests: &[(PeerId, Manifest)]) -> Option<(Vec<SliceSource>, Manifest)> {
+/// The slices to iterate and who holds each: every slice file any data node lists, in
+/// numeric file order, with the nodes that hold that file with the same hash. Replicas (nodes
+/// with every slice) and shards (nodes with some) both work, since slices are matched by file
+/// name, not by the number each node gives them. A node whose copy of a file has another hash
+/// than the first node's that listed it is not used for that slice.
+fn merge(dataset: &str, manifests: &[(PeerId, Manifest)]) -> Option<(Vec<SliceSource>, Manifest)> {
     let (_, first) = manifests.first()?;
-    let sources = first
-        .slices
+    let mut by_file: HashMap<&str, (&SliceEntry, Vec<PeerId>)> = HashMap::new();
+    for (peer, manifest) in manifests {
+        for entry in &manifest.slices {
+            match by_file.get_mut(entry.file.as_str()) {
+                None => {
+                    by_file.insert(&entry.file, (entry, vec![*peer]));
+                }
+                Some((known, holders)) if known.blake3 == entry.blake3 => holders.push(*peer),
+                Some(_) => tracing::warn!(
+                    %peer,
+                    file = %entry.file,
+                    "a data node's copy of a slice differs from another's; not fetching it there"
+                ),
+            }
+        }
+    }
+    let mut files: Vec<(&str, (&SliceEntry, Vec<PeerId>))> = by_file.into_iter().collect();
+    files.sort_by(|a, b| slice_order(a.0, b.0));
+    let sources = files
         .iter()
-        .enumerate()
-        .map(|(index, entry)| SliceSource {
+        .map(|(file, (entry, holders))| SliceSource {
+            file: (*file).to_string(),
             size: entry.size,
             blake3: entry.blake3.clone(),
-            providers: manifests
-                .iter()
-                .filter(|(_, m)| {
-                    m.slices
-                        .get(index)
-                        .is_some_and(|e| e.file == entry.file && e.blake3 == entry.blake3)
-                })
-                .map(|(peer, _)| *peer)
-                .collect(),
+            providers: holders.clone(),
         })
         .collect();
-    Some((sources, first.clone()))
+    let merged = Manifest {
+        format: first.format.clone(),
+        name: dataset.to_string(),
+        slices: files
+            .iter()
+            .enumerate()
+            .map(|(index, (_, (entry, _)))| SliceEntry {
+                index: index as u64,
+                ..(*entry).clone()
+            })
+            .collect(),
+    };
+    Some((sources, merged))
 }
 
 fn unix_ms() -> u64 {

@@ -15,10 +15,11 @@ use common::*;
 use hypha_dataset::slice::{self, Dtype, Encoding, Tensors};
 use hypha_ledger::{Event, ReturnReason};
 
-/// Writes a dataset of `count` Snappy slices into `dir`; returns each slice's plain form.
-fn write_dataset(dir: &Path, count: u64) -> Vec<Vec<u8>> {
+/// Writes Snappy slices `slices` of a dataset into `dir` (as `slice-{i}.safetensors`);
+/// returns each slice's plain form.
+fn write_dataset(dir: &Path, slices: std::ops::Range<u64>) -> Vec<Vec<u8>> {
     std::fs::create_dir_all(dir).unwrap();
-    (0..count)
+    slices
         .map(|i| {
             let tensors = Tensors::new()
                 .with("x", Dtype::U8, vec![4, 8], vec![i as u8; 32])
@@ -118,6 +119,32 @@ fn executor_uses(cluster: &Cluster) -> usize {
     count
 }
 
+/// Asserts that the executors of workers `w0..w{workers}` took every slice of every epoch
+/// once, each as its plain file.
+fn assert_executors_saw_each_once(
+    cluster: &Cluster,
+    workers: usize,
+    plain: &[Vec<u8>],
+    epochs: u32,
+) {
+    let mut seen = HashMap::<(u32, u64), u32>::new();
+    for i in 0..workers {
+        let dir = job_dir(&cluster.path(&format!("w{i}-work")));
+        let used = std::fs::read_to_string(dir.join("used.txt")).unwrap_or_default();
+        for line in used.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let (epoch, slice) = (words[0].parse().unwrap(), words[1].parse::<u64>().unwrap());
+            *seen.entry((epoch, slice)).or_default() += 1;
+            assert_eq!(
+                std::fs::read(dir.join(words[2])).unwrap(),
+                plain[slice as usize],
+                "{line}"
+            );
+        }
+    }
+    assert_each_used_once(&seen, epochs, plain.len() as u64);
+}
+
 fn wait_for_uses(cluster: &Cluster, count: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while executor_uses(cluster) < count {
@@ -153,7 +180,7 @@ exit 0"#;
 fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch() {
     const SLICES: u64 = 12;
     let cluster = Cluster::new();
-    let plain = write_dataset(&cluster.path("digits"), SLICES);
+    let plain = write_dataset(&cluster.path("digits"), 0..SLICES);
     let _data_node = data_node(&cluster, "data", &cluster.path("digits"));
     let _workers: Vec<Proc> = (0..2)
         .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
@@ -169,30 +196,21 @@ fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch(
     );
 
     // What the executors saw: every slice of every epoch once, as the plain file.
-    let mut seen = HashMap::<(u32, u64), u32>::new();
-    for i in 0..2 {
-        let dir = job_dir(&cluster.path(&format!("w{i}-work")));
-        let used = std::fs::read_to_string(dir.join("used.txt")).unwrap_or_default();
-        for line in used.lines() {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            let (epoch, slice) = (words[0].parse().unwrap(), words[1].parse::<u64>().unwrap());
-            *seen.entry((epoch, slice)).or_default() += 1;
-            assert_eq!(
-                std::fs::read(dir.join(words[2])).unwrap(),
-                plain[slice as usize],
-                "{line}"
-            );
-        }
-    }
-    for epoch in 0..2 {
-        for slice in 0..SLICES {
-            assert_eq!(
-                seen.get(&(epoch, slice)),
-                Some(&1),
-                "epoch {epoch} slice {slice}"
-            );
-        }
-    }
+    assert_executors_saw_each_once(&cluster, 2, &plain, 2);
+    // Epoch 1 found slices in the workers' caches (the ledger prefers what a worker holds);
+    // epoch 0 could not.
+    let cached: Vec<String> = (0..2)
+        .flat_map(|i| {
+            let dir = job_dir(&cluster.path(&format!("w{i}-work")));
+            std::fs::read_to_string(dir.join("cached.txt"))
+                .unwrap_or_default()
+                .lines()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(!cached.is_empty(), "no slice came from a cache");
+    assert!(cached.iter().all(|l| l.starts_with("1 ")), "{cached:?}");
 
     // What the ledger recorded: the same, each slice USED once.
     let (used, _) = audit(&cluster.path("iterate-job.ledger"));
@@ -200,11 +218,42 @@ fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch(
 }
 
 #[test]
+fn a_dataset_sharded_over_data_nodes_is_iterated_whole() {
+    // Three data nodes: two shards, and a third holding a replica of the second shard only.
+    // Each numbers its slices from 0; the scheduler matches them by file.
+    let cluster = Cluster::new();
+    let mut plain = write_dataset(&cluster.path("a/shards"), 0..6);
+    plain.extend(write_dataset(&cluster.path("b/shards"), 6..14));
+    write_dataset(&cluster.path("c/shards"), 6..14);
+    let _nodes = [
+        data_node(&cluster, "d0", &cluster.path("a/shards")),
+        data_node(&cluster, "d1", &cluster.path("b/shards")),
+        data_node(&cluster, "d2", &cluster.path("c/shards")),
+    ];
+    let _workers: Vec<Proc> = (0..2)
+        .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
+        .collect();
+    let job = iterate_job(&cluster, "shards", 2, "shards", 1);
+    let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
+    let (ok, log) = scheduler.wait(Duration::from_secs(90));
+    assert!(ok, "{}", log.join("\n"));
+    assert!(
+        log.iter()
+            .any(|l| l.contains("iteration ready") && l.contains("slices=14")),
+        "{}",
+        log.join("\n")
+    );
+    assert_executors_saw_each_once(&cluster, 2, &plain, 1);
+    let (used, _) = audit(&cluster.path("shards-job.ledger"));
+    assert_each_used_once(&used, 1, 14);
+}
+
+#[test]
 fn workers_and_a_data_node_killed_mid_iteration_leave_every_slice_used_once_per_epoch() {
     const SLICES: u64 = 500;
     let cluster = Cluster::new();
-    write_dataset(&cluster.path("a/tokens"), SLICES);
-    write_dataset(&cluster.path("b/tokens"), SLICES);
+    write_dataset(&cluster.path("a/tokens"), 0..SLICES);
+    write_dataset(&cluster.path("b/tokens"), 0..SLICES);
     let mut replicas = [
         data_node(&cluster, "d0", &cluster.path("a/tokens")),
         data_node(&cluster, "d1", &cluster.path("b/tokens")),
@@ -237,7 +286,7 @@ fn workers_and_a_data_node_killed_mid_iteration_leave_every_slice_used_once_per_
 fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lost() {
     const SLICES: u64 = 200;
     let cluster = Cluster::new();
-    write_dataset(&cluster.path("tokens"), SLICES);
+    write_dataset(&cluster.path("tokens"), 0..SLICES);
     let _data_node = data_node(&cluster, "data", &cluster.path("tokens"));
     let _workers: Vec<Proc> = (0..2)
         .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))

@@ -502,6 +502,7 @@ impl Run {
         let path = self.cache.path(&slice.blake3);
         let id = SliceId {
             index: slice.slice,
+            file: Some(slice.file.clone()),
             size: slice.size,
             blake3: slice.blake3.clone(),
         };

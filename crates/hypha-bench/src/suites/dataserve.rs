@@ -175,6 +175,7 @@ async fn time_to_first_byte(
         dataset: DATASET.into(),
         slice: 0,
         offset: 0,
+        file: None,
     };
     protocol::write_frame(&mut stream, &request).await?;
     let header: SliceHeader = protocol::read_frame(&mut stream).await?;

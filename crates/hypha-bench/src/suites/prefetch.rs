@@ -93,6 +93,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             .slices
             .iter()
             .map(|s| SliceSource {
+                file: s.file.clone(),
                 size: s.size,
                 blake3: s.blake3.clone(),
                 providers: vec![data.local_peer_id()],
