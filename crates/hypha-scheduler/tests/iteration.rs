@@ -14,6 +14,7 @@ use std::{
 use common::*;
 use hypha_dataset::slice::{self, Dtype, Encoding, Tensors};
 use hypha_ledger::{Event, ReturnReason};
+use hypha_telemetry::testing::{Collector, Point};
 
 /// Writes Snappy slices `slices` of a dataset into `dir` (as `slice-{i}.safetensors`);
 /// returns each slice's plain form.
@@ -182,8 +183,19 @@ fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch(
     let cluster = Cluster::new();
     let plain = write_dataset(&cluster.path("digits"), 0..SLICES);
     let _data_node = data_node(&cluster, "data", &cluster.path("digits"));
+    // The workers export their metrics to a collector of the test's.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let collector = runtime.block_on(Collector::start()).unwrap();
+    let telemetry = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_string()),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "300".to_string()),
+    ];
     let _workers: Vec<Proc> = (0..2)
-        .map(|i| cluster.worker(&format!("w{i}"), "price = 10", "cpu = 1", ITERATE))
+        .map(|i| {
+            let name = format!("w{i}");
+            cluster.worker_with_env(&name, "price = 10", "cpu = 1", ITERATE, &telemetry)
+        })
         .collect();
     let job = iterate_job(&cluster, "iterate", 2, "digits", 2);
     let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
@@ -211,6 +223,37 @@ fn workers_iterate_the_schedulers_ledger_and_every_slice_is_used_once_per_epoch(
         .collect();
     assert!(!cached.is_empty(), "no slice came from a cache");
     assert!(cached.iter().all(|l| l.starts_with("1 ")), "{cached:?}");
+
+    // The data path's metrics reached the collector: slices from the network and from the
+    // cache, bytes fetched, the prefetch depth.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let wanted = |points: &[Point]| {
+        let positive = |metric: &str, source: Option<&str>| {
+            points.iter().any(|p| {
+                p.metric == metric
+                    && p.value > 0.0
+                    && source.is_none_or(|s| p.attributes.contains(&("source".into(), s.into())))
+            })
+        };
+        positive("hypha.worker.data.slices", Some("network"))
+            && positive("hypha.worker.data.slices", Some("cache"))
+            && positive("hypha.worker.data.bytes", None)
+            && points
+                .iter()
+                .any(|p| p.metric == "hypha.worker.data.prefetch_depth")
+    };
+    while !wanted(&collector.metric_points()) {
+        assert!(
+            Instant::now() < deadline,
+            "{:#?}",
+            collector
+                .metric_points()
+                .iter()
+                .filter(|p| p.metric.starts_with("hypha.worker.data"))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // What the ledger recorded: the same, each slice USED once.
     let (used, _) = audit(&cluster.path("iterate-job.ledger"));

@@ -13,6 +13,8 @@ mod init;
 pub mod metrics;
 pub mod propagation;
 mod settings;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use init::{Error, Guard, init};
 pub use settings::{Protocol, Sampler, Settings, TelemetryKeys};

@@ -2,84 +2,20 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::sync::{Arc, Mutex};
-
-use hypha_telemetry::{Settings, TelemetryKeys, metrics, propagation};
+use hypha_telemetry::{
+    Settings, TelemetryKeys, metrics, propagation,
+    testing::{Collector, Export},
+};
 use opentelemetry_proto::tonic::collector::{
     logs::v1::ExportLogsServiceRequest, metrics::v1::ExportMetricsServiceRequest,
     trace::v1::ExportTraceServiceRequest,
 };
 use prost::Message;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-
-#[derive(Debug, Clone)]
-struct Export {
-    path: String,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-/// A minimal OTLP/HTTP collector: accepts POSTs, records them, answers 200.
-async fn collector() -> (u16, Arc<Mutex<Vec<Export>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let received = Arc::new(Mutex::new(Vec::new()));
-    let sink = received.clone();
-    tokio::spawn(async move {
-        loop {
-            let (socket, _) = listener.accept().await.unwrap();
-            let sink = sink.clone();
-            tokio::spawn(async move {
-                let mut reader = BufReader::new(socket);
-                loop {
-                    let mut request_line = String::new();
-                    if reader.read_line(&mut request_line).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let path = request_line
-                        .split_whitespace()
-                        .nth(1)
-                        .unwrap_or("")
-                        .to_string();
-                    let mut headers = Vec::new();
-                    let mut length = 0usize;
-                    loop {
-                        let mut line = String::new();
-                        reader.read_line(&mut line).await.unwrap();
-                        let line = line.trim_end();
-                        if line.is_empty() {
-                            break;
-                        }
-                        if let Some((k, v)) = line.split_once(':') {
-                            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_string());
-                            if k == "content-length" {
-                                length = v.parse().unwrap();
-                            }
-                            headers.push((k, v));
-                        }
-                    }
-                    let mut body = vec![0u8; length];
-                    reader.read_exact(&mut body).await.unwrap();
-                    sink.lock().unwrap().push(Export {
-                        path,
-                        headers,
-                        body,
-                    });
-                    reader
-                        .get_mut()
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n")
-                        .await
-                        .unwrap();
-                }
-            });
-        }
-    });
-    (port, received)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traces_metrics_and_logs_reach_an_otlp_http_collector() {
-    let (port, received) = collector().await;
+    let collector = Collector::start().await.unwrap();
+    let port = collector.port;
     let keys = TelemetryKeys {
         endpoint: Some(format!("http://127.0.0.1:{port}")),
         headers: Some("x-hypha-test=yes".into()),
@@ -114,7 +50,7 @@ async fn traces_metrics_and_logs_reach_an_otlp_http_collector() {
         .await
         .unwrap();
 
-    let exports = received.lock().unwrap().clone();
+    let exports = collector.exports();
     let find = |path: &str| -> Vec<Export> {
         exports.iter().filter(|e| e.path == path).cloned().collect()
     };
