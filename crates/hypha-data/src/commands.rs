@@ -418,10 +418,7 @@ async fn iterate_with(
     network: &hypha_network::Network,
     args: &IterateArgs,
 ) -> Result<(), Error> {
-    use hypha_messages::{
-        Request, Response,
-        iterate::{IterateRequest, IterateStatus},
-    };
+    use hypha_messages::iterate::{IterateRequest, IterateStatus};
 
     let (providers, manifest) = find_dataset(client, &args.dataset).await?;
     let node = match &args.node {
@@ -469,16 +466,9 @@ async fn iterate_with(
             round: 0,
             completed_round: None,
         };
-        let grant = match network.request(node, Request::Iterate(request)).await {
-            Ok(Response::Iterate(grant)) => grant,
-            Ok(Response::Error(e)) => return Err(Error::Failed(format!("{node}: {}", e.message))),
-            Ok(other) => {
-                return Err(Error::Failed(format!(
-                    "{node} answered {other:?} to an iterate request"
-                )));
-            }
-            Err(e) => return Err(Error::Failed(format!("{node}: {e}"))),
-        };
+        let grant = crate::iteration::ask(network, node, request)
+            .await
+            .map_err(|e| Error::Failed(e.to_string()))?;
         for refused in &grant.refused {
             eprintln!(
                 "warning: epoch {} slice {} was taken by another client while this one held it",

@@ -236,6 +236,38 @@ impl IterationService {
     }
 }
 
+/// Why an iterate request got no grant.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error("{peer} did not answer: {error}")]
+    Unreachable {
+        peer: PeerId,
+        error: hypha_network::NetworkError,
+    },
+    #[error("{peer} refused: {message}")]
+    Refused { peer: PeerId, message: String },
+    #[error("{peer} answered an iterate request with something else than a grant")]
+    Unexpected { peer: PeerId },
+}
+
+/// Sends `request` to `peer`, the node that runs the iteration's ledger, and returns its grant.
+pub async fn ask(
+    network: &hypha_network::Network,
+    peer: PeerId,
+    request: IterateRequest,
+) -> Result<IterateGrant, AskError> {
+    use hypha_messages::{Request, Response};
+    match network.request(peer, Request::Iterate(request)).await {
+        Ok(Response::Iterate(grant)) => Ok(grant),
+        Ok(Response::Error(e)) => Err(AskError::Refused {
+            peer,
+            message: e.message,
+        }),
+        Ok(_) => Err(AskError::Unexpected { peer }),
+        Err(error) => Err(AskError::Unreachable { peer, error }),
+    }
+}
+
 /// The iteration spec for `manifest`.
 pub fn spec_of(manifest: &Manifest, epochs: u32, seed: u64) -> IterationSpec {
     IterationSpec {

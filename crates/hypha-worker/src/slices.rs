@@ -30,10 +30,7 @@ use std::{
 };
 
 use hypha_data::{DataClient, SliceId};
-use hypha_messages::{
-    Request, Response,
-    iterate::{GrantedSlice, IterateGrant, IterateRequest, IterateStatus},
-};
+use hypha_messages::iterate::{GrantedSlice, IterateGrant, IterateRequest, IterateStatus};
 use hypha_network::{Network, PeerId};
 use rustix::fs::{Mode, OFlags};
 use sha2::{Digest, Sha256};
@@ -446,18 +443,9 @@ impl Run {
             round: 0,
             completed_round: None,
         };
-        match self
-            .network
-            .request(self.source.scheduler, Request::Iterate(request))
+        hypha_data::iteration::ask(&self.network, self.source.scheduler, request)
             .await
-        {
-            Ok(Response::Iterate(grant)) => Ok(grant),
-            Ok(Response::Error(e)) => Err(format!("the scheduler refused: {}", e.message)),
-            Ok(other) => Err(format!(
-                "the scheduler answered {other:?} to an iterate request"
-            )),
-            Err(e) => Err(format!("the scheduler did not answer: {e}")),
-        }
+            .map_err(|e| format!("the job's scheduler {e}"))
     }
 
     /// Takes a slice's share of the budget, then brings it into the cache (verified).

@@ -20,10 +20,8 @@
 use std::{ffi::OsStr, path::Path};
 
 use axum::http::StatusCode;
-use hypha_messages::{
-    Request, Response,
-    iterate::{IterateRequest, SliceRef},
-};
+use hypha_data::iteration::AskError;
+use hypha_messages::iterate::{IterateRequest, SliceRef};
 use hypha_network::PeerId;
 use serde::{Deserialize, Serialize};
 
@@ -69,14 +67,6 @@ pub struct ConsumedAnswer {
     pub refused: Vec<SliceRef>,
 }
 
-fn scheduler_unreachable(e: impl std::fmt::Display) -> BridgeError {
-    BridgeError::new(
-        StatusCode::BAD_GATEWAY,
-        "scheduler_unreachable",
-        format!("the job's scheduler did not answer: {e}"),
-    )
-}
-
 impl SchedulerReference {
     fn scheduler(&self) -> Result<PeerId, BridgeError> {
         self.peer.parse().map_err(|e| {
@@ -105,23 +95,18 @@ async fn ask(
     scheduler: PeerId,
     request: IterateRequest,
 ) -> Result<hypha_messages::iterate::IterateGrant, BridgeError> {
-    match bridge
-        .shared
-        .network
-        .request(scheduler, Request::Iterate(request))
+    hypha_data::iteration::ask(&bridge.shared.network, scheduler, request)
         .await
-        .map_err(scheduler_unreachable)?
-    {
-        Response::Iterate(grant) => Ok(grant),
-        Response::Error(e) => Err(BridgeError::new(
-            StatusCode::BAD_GATEWAY,
-            "scheduler_refused",
-            e.message,
-        )),
-        other => Err(scheduler_unreachable(format!(
-            "it answered {other:?} to an iterate request"
-        ))),
-    }
+        .map_err(|e| match e {
+            AskError::Refused { message, .. } => {
+                BridgeError::new(StatusCode::BAD_GATEWAY, "scheduler_refused", message)
+            }
+            other => BridgeError::new(
+                StatusCode::BAD_GATEWAY,
+                "scheduler_unreachable",
+                format!("the job's scheduler {other}"),
+            ),
+        })
 }
 
 /// The next slice of the iteration into `out_dir`, or nothing when the iteration is done.
