@@ -1,0 +1,45 @@
+//! DiLoCo's outer loop, as a parameter server computes it.
+//!
+//! Each round, every worker trains its copy of the global model θ for some inner steps and
+//! sends a *pseudo-gradient* Δᵢ = θ − θᵢ together with the number of samples nᵢ it trained on.
+//! The parameter server averages them weighted by samples, Δ = Σ nᵢΔᵢ / Σ nᵢ, which is right
+//! for any number of workers (the reference system's pairwise `(a + b) / 2` is not beyond two),
+//! and applies Δ as the gradient of an outer SGD step with Nesterov momentum, with exactly the
+//! arithmetic of `torch.optim.SGD(nesterov=True, dampening=0, weight_decay=0)`:
+//!
+//! ```text
+//! b₁ = g,  bₜ = μ·bₜ₋₁ + g          (the momentum buffer)
+//! θ ← θ − η·(g + μ·bₜ)
+//! ```
+//!
+//! - [`Accumulator`]: adds updates as they arrive and keeps only the running weighted sum, so
+//!   the server holds one sum and the update being added, whatever the number of workers.
+//! - [`OuterOptimizer`]: the Nesterov step and its momentum buffers.
+//! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
+//!   in; each tensor written back in the dtype it came in).
+//!
+//! This crate knows tensors and files; it knows nothing of networks, rounds or workers.
+
+mod accumulate;
+mod optimizer;
+mod tensors;
+
+pub use accumulate::Accumulator;
+pub use optimizer::OuterOptimizer;
+pub use tensors::{Tensor, Tensors};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("not a SafeTensors file: {0}")]
+    Format(String),
+    #[error("tensor {name:?} is {dtype}; pseudo-gradients and models must be F32, F64 or BF16")]
+    Dtype { name: String, dtype: String },
+    #[error("tensor {name:?}: {problem}")]
+    Mismatch { name: String, problem: String },
+    #[error("weight {0} is not a positive number of samples")]
+    Weight(f64),
+    #[error("no update was added")]
+    Empty,
+    #[error(transparent)]
+    File(#[from] hypha_files::Error),
+}
