@@ -44,6 +44,22 @@ pub struct SliceSource {
     pub providers: Vec<PeerId>,
 }
 
+impl SliceSource {
+    /// Every slice of `manifest`, each held by `node` alone.
+    pub fn all_held_by(manifest: &Manifest, node: PeerId) -> Vec<Self> {
+        manifest
+            .slices
+            .iter()
+            .map(|s| Self {
+                file: s.file.clone(),
+                size: s.size,
+                blake3: s.blake3.clone(),
+                providers: vec![node],
+            })
+            .collect()
+    }
+}
+
 /// One iteration's ledger, answering requests.
 #[derive(Debug, Clone)]
 pub struct IterationService {
@@ -324,16 +340,7 @@ impl NodeIterations {
             )
         })?;
         let (handle, _task) = LedgerHandle::spawn(ledger);
-        let sources = manifest
-            .slices
-            .iter()
-            .map(|s| SliceSource {
-                file: s.file.clone(),
-                size: s.size,
-                blake3: s.blake3.clone(),
-                providers: vec![self.this_node],
-            })
-            .collect();
+        let sources = SliceSource::all_held_by(manifest, self.this_node);
         let service = IterationService::new(request.iteration.clone(), handle, sources, true);
         open.insert(key, service.clone());
         Ok(service)

@@ -36,6 +36,18 @@ fn certificates(dir: &Path) {
     }
 }
 
+/// A dataset directory of `count` Snappy slices, slice i holding `len` bytes of value i.
+fn write_dataset(dir: &Path, count: u8, len: usize) {
+    std::fs::create_dir(dir).unwrap();
+    for i in 0..count {
+        std::fs::write(
+            dir.join(format!("slice-{i}.safetensors")),
+            snappy_slice(&vec![i; len]),
+        )
+        .unwrap();
+    }
+}
+
 fn snappy_slice(values: &[u8]) -> Vec<u8> {
     let tensors = slice::Tensors::new()
         .with(
@@ -91,14 +103,7 @@ fn serve_fetch_inspect_and_verify() {
     let dir = tmp.path();
     certificates(dir);
     let data = dir.join("wikitext");
-    std::fs::create_dir(&data).unwrap();
-    for i in 0..3u8 {
-        std::fs::write(
-            data.join(format!("slice-{i}.safetensors")),
-            snappy_slice(&[i; 4096]),
-        )
-        .unwrap();
-    }
+    write_dataset(&data, 3, 4096);
     std::fs::write(
         dir.join("data.toml"),
         "cert_pem = \"data-cert.pem\"\nkey_pem = \"data-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\ndataset_path = \"wikitext\"\n",
@@ -269,14 +274,7 @@ fn clients_of_one_iteration_get_disjoint_slices_covering_the_node_each_epoch() {
     let dir = tmp.path();
     certificates(dir);
     let data = dir.join("tokens");
-    std::fs::create_dir(&data).unwrap();
-    for i in 0..SLICES {
-        std::fs::write(
-            data.join(format!("slice-{i}.safetensors")),
-            snappy_slice(&[i as u8; 512]),
-        )
-        .unwrap();
-    }
+    write_dataset(&data, SLICES as u8, 512);
     std::fs::write(
         dir.join("data.toml"),
         "cert_pem = \"data-cert.pem\"\nkey_pem = \"data-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\ndataset_path = \"tokens\"\niteration_dir = \"iterations\"\n",

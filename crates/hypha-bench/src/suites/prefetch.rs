@@ -89,16 +89,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             60_000,
         )?;
         let (handle, _task) = LedgerHandle::spawn(ledger);
-        let sources = manifest
-            .slices
-            .iter()
-            .map(|s| SliceSource {
-                file: s.file.clone(),
-                size: s.size,
-                blake3: s.blake3.clone(),
-                providers: vec![data.local_peer_id()],
-            })
-            .collect();
+        let sources = SliceSource::all_held_by(&manifest, data.local_peer_id());
         services.insert(
             iteration.clone(),
             IterationService::new(iteration, handle, sources, false),
