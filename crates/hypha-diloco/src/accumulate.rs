@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::{Error, Tensor, Tensors};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::{Error, Tensor, Tensors, tensors::decode};
 
 /// The running sum Σ nᵢΔᵢ and Σ nᵢ of one round's updates. Holds one sum per parameter,
 /// whatever the number of updates; each update can be dropped once added.
@@ -18,31 +20,22 @@ impl Accumulator {
         Self::default()
     }
 
+    /// An accumulator that takes only updates with exactly `model`'s tensors and shapes.
+    pub fn shaped_like(model: &Tensors) -> Self {
+        let mut accumulator = Self::new();
+        accumulator.create(model.shapes());
+        accumulator
+    }
+
     /// Adds one worker's pseudo-gradient, weighted by the samples it trained on. The first
     /// update fixes the tensors' names and shapes; every later one must have the same, or it
     /// is refused and the sum is left as it was.
     pub fn add(&mut self, update: &Tensors, weight: f64) -> Result<(), Error> {
-        if !weight.is_finite() || weight <= 0.0 {
-            return Err(Error::Weight(weight));
-        }
-        if self.updates == 0 {
-            self.sums = update
-                .0
-                .iter()
-                .map(|(name, t)| {
-                    let values = vec![0.0; t.values.len()];
-                    (
-                        name.clone(),
-                        Tensor {
-                            values,
-                            ..t.clone()
-                        },
-                    )
-                })
-                .collect();
-        } else {
-            check_same(&self.sums, update)?;
-        }
+        let shapes = update
+            .0
+            .iter()
+            .map(|(n, t)| (n.as_str(), &t.shape[..], t.dtype));
+        self.prepare(shapes, weight)?;
         let w = weight as f32;
         for (name, tensor) in &update.0 {
             if let Some(sum) = self.sums.get_mut(name) {
@@ -51,9 +44,69 @@ impl Accumulator {
                 }
             }
         }
+        self.added(weight);
+        Ok(())
+    }
+
+    /// [`add`](Self::add) straight from a SafeTensors file's bytes, converting each value as
+    /// it is added: the update is never held decoded, so the server's memory is the sum plus
+    /// the bytes of the update being read.
+    pub fn add_safetensors(&mut self, bytes: &[u8], weight: f64) -> Result<(), Error> {
+        let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
+        let views: Vec<_> = file.iter().collect();
+        for (name, view) in &views {
+            if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
+                return Err(Error::Dtype {
+                    name: (*name).to_string(),
+                    dtype: view.dtype().to_string(),
+                });
+            }
+        }
+        let shapes = views.iter().map(|(n, v)| (*n, v.shape(), v.dtype()));
+        self.prepare(shapes, weight)?;
+        let w = weight as f32;
+        for (name, view) in &views {
+            if let Some(sum) = self.sums.get_mut(*name) {
+                decode(view.dtype(), view.data(), |i, v| sum.values[i] += w * v);
+            }
+        }
+        self.added(weight);
+        Ok(())
+    }
+
+    /// Checks an update's weight, names and shapes; the first update creates the sums.
+    fn prepare<'a>(
+        &mut self,
+        shapes: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>,
+        weight: f64,
+    ) -> Result<(), Error> {
+        if !weight.is_finite() || weight <= 0.0 {
+            return Err(Error::Weight(weight));
+        }
+        if self.sums.is_empty() {
+            self.create(shapes);
+            return Ok(());
+        }
+        check_same(&self.sums, shapes)
+    }
+
+    fn create<'a>(&mut self, shapes: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>) {
+        self.sums = shapes
+            .map(|(name, shape, dtype)| {
+                let len = shape.iter().product();
+                let tensor = Tensor {
+                    shape: shape.to_vec(),
+                    values: vec![0.0; len],
+                    dtype,
+                };
+                (name.to_string(), tensor)
+            })
+            .collect();
+    }
+
+    fn added(&mut self, weight: f64) {
         self.weight += weight;
         self.updates += 1;
-        Ok(())
     }
 
     /// How many updates were added.
@@ -66,44 +119,51 @@ impl Accumulator {
         self.weight
     }
 
-    /// Σ nᵢΔᵢ / Σ nᵢ.
-    pub fn mean(mut self) -> Result<Tensors, Error> {
+    /// Σ nᵢΔᵢ / Σ nᵢ; the accumulator is left empty, shaped as before.
+    pub fn mean(&mut self) -> Result<Tensors, Error> {
         if self.updates == 0 {
             return Err(Error::Empty);
         }
         let scale = (1.0 / self.weight) as f32;
-        for sum in self.sums.values_mut() {
-            for s in &mut sum.values {
-                *s *= scale;
+        let mut mean = self.sums.clone();
+        for (sum, mean) in self.sums.values_mut().zip(mean.values_mut()) {
+            for (s, m) in sum.values.iter_mut().zip(&mut mean.values) {
+                *m *= scale;
+                *s = 0.0;
             }
         }
-        Ok(Tensors(self.sums))
+        self.weight = 0.0;
+        self.updates = 0;
+        Ok(Tensors(mean))
     }
 }
 
-/// Refuses `update` unless it has exactly the tensors and shapes of `known`.
-pub(crate) fn check_same(known: &BTreeMap<String, Tensor>, update: &Tensors) -> Result<(), Error> {
-    for (name, tensor) in &update.0 {
+/// Refuses an update unless it has exactly the tensors and shapes of `known`.
+pub(crate) fn check_same<'a>(
+    known: &BTreeMap<String, Tensor>,
+    update: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>,
+) -> Result<(), Error> {
+    let mut seen = std::collections::HashSet::new();
+    for (name, shape, _) in update {
         match known.get(name) {
             None => {
                 return Err(Error::Mismatch {
-                    name: name.clone(),
+                    name: name.to_string(),
                     problem: "is not a parameter of the model".into(),
                 });
             }
-            Some(expected) if expected.shape != tensor.shape => {
+            Some(expected) if expected.shape != shape => {
                 return Err(Error::Mismatch {
-                    name: name.clone(),
-                    problem: format!(
-                        "has shape {:?}; the model's is {:?}",
-                        tensor.shape, expected.shape
-                    ),
+                    name: name.to_string(),
+                    problem: format!("has shape {shape:?}; the model's is {:?}", expected.shape),
                 });
             }
-            Some(_) => {}
+            Some(_) => {
+                seen.insert(name);
+            }
         }
     }
-    if let Some(missing) = known.keys().find(|name| !update.0.contains_key(*name)) {
+    if let Some(missing) = known.keys().find(|name| !seen.contains(name.as_str())) {
         return Err(Error::Mismatch {
             name: missing.clone(),
             problem: "is missing from the update".into(),

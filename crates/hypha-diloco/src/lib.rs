@@ -18,15 +18,18 @@
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
 //!
-//! This crate knows tensors and files; it knows nothing of networks, rounds or workers.
+//! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint.
+//!
+//! This crate knows tensors, files and rounds; it knows nothing of networks or schedulers.
 
 mod accumulate;
 mod optimizer;
+pub mod server;
 mod tensors;
 
 pub use accumulate::Accumulator;
 pub use optimizer::OuterOptimizer;
-pub use tensors::{Tensor, Tensors};
+pub use tensors::{Metadata, Tensor, Tensors, metadata};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -34,7 +34,7 @@ impl OuterOptimizer {
 
     /// θ ← θ − η·(g + μ·b), with b = g on the first step and b = μ·b + g after.
     pub fn step(&mut self, model: &mut Tensors, gradient: &Tensors) -> Result<(), Error> {
-        check_same(&model.0, gradient)?;
+        check_same(&model.0, gradient.shapes())?;
         let (lr, mu) = (self.learning_rate, self.momentum);
         for (name, parameter) in &mut model.0 {
             let Some(grad) = gradient.0.get(name) else {

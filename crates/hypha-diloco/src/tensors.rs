@@ -19,21 +19,28 @@ pub struct Tensor {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Tensors(pub BTreeMap<String, Tensor>);
 
+/// A SafeTensors file's `__metadata__`: free-form strings.
+pub type Metadata = BTreeMap<String, String>;
+
 impl Tensors {
     /// Reads a SafeTensors file's bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
         let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
         let mut tensors = BTreeMap::new();
-        for (name, view) in file.tensors() {
-            let values = to_f32(&name, &view)?;
-            tensors.insert(
-                name,
-                Tensor {
-                    shape: view.shape().to_vec(),
-                    values,
-                    dtype: view.dtype(),
-                },
-            );
+        for (name, view) in file.iter() {
+            let mut values = vec![0.0; view.shape().iter().product()];
+            if !decode(view.dtype(), view.data(), |i, v| values[i] = v) {
+                return Err(Error::Dtype {
+                    name: name.to_string(),
+                    dtype: view.dtype().to_string(),
+                });
+            }
+            let tensor = Tensor {
+                shape: view.shape().to_vec(),
+                values,
+                dtype: view.dtype(),
+            };
+            tensors.insert(name.to_string(), tensor);
         }
         Ok(Self(tensors))
     }
@@ -42,8 +49,15 @@ impl Tensors {
         Self::from_bytes(&hypha_files::read(path)?)
     }
 
-    /// The SafeTensors form, each tensor in its own dtype.
-    pub fn to_bytes(&self) -> Result<Vec<u8>, Error> {
+    /// Each tensor's name, shape and dtype.
+    pub(crate) fn shapes(&self) -> impl Iterator<Item = (&str, &[usize], Dtype)> {
+        self.0
+            .iter()
+            .map(|(name, t)| (name.as_str(), &t.shape[..], t.dtype))
+    }
+
+    /// The SafeTensors form, each tensor in its own dtype, with `metadata`.
+    pub fn to_bytes(&self, metadata: &Metadata) -> Result<Vec<u8>, Error> {
         let encoded: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = self
             .0
             .iter()
@@ -57,39 +71,62 @@ impl Tensors {
                     .map_err(|e| Error::Format(e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        safetensors::serialize(views, None).map_err(|e| Error::Format(e.to_string()))
+        let metadata = (!metadata.is_empty()).then(|| {
+            metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        });
+        safetensors::serialize(views, metadata).map_err(|e| Error::Format(e.to_string()))
     }
 
     /// Writes the file atomically (temporary file, fsync, rename).
-    pub fn save(&self, path: &Path) -> Result<(), Error> {
-        hypha_files::write_atomic(path, &self.to_bytes()?, hypha_files::Mode::Private, true)?;
+    pub fn save(&self, path: &Path, metadata: &Metadata) -> Result<(), Error> {
+        let bytes = self.to_bytes(metadata)?;
+        hypha_files::write_atomic(path, &bytes, hypha_files::Mode::Private, true)?;
         Ok(())
     }
 }
 
-fn to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, Error> {
-    let data = view.data();
-    Ok(match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F64 => data
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
-            .collect(),
-        // bfloat16 is the upper half of an f32.
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
-            .collect(),
-        other => {
-            return Err(Error::Dtype {
-                name: name.to_string(),
-                dtype: other.to_string(),
-            });
+/// The `__metadata__` of a SafeTensors file's bytes (empty when it has none).
+pub fn metadata(bytes: &[u8]) -> Result<Metadata, Error> {
+    let (_, header) =
+        SafeTensors::read_metadata(bytes).map_err(|e| Error::Format(e.to_string()))?;
+    Ok(header
+        .metadata()
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect())
+}
+
+/// Calls `put(i, value)` for every value of little-endian `data` in `dtype`; false when
+/// `dtype` is none of F32, F64 and BF16.
+pub(crate) fn decode(dtype: Dtype, data: &[u8], mut put: impl FnMut(usize, f32)) -> bool {
+    match dtype {
+        Dtype::F32 => {
+            for (i, b) in data.chunks_exact(4).enumerate() {
+                put(i, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
         }
-    })
+        Dtype::F64 => {
+            for (i, b) in data.chunks_exact(8).enumerate() {
+                let v = f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                put(i, v as f32);
+            }
+        }
+        // bfloat16 is the upper half of an f32.
+        Dtype::BF16 => {
+            for (i, b) in data.chunks_exact(2).enumerate() {
+                put(
+                    i,
+                    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16),
+                );
+            }
+        }
+        _ => return false,
+    }
+    true
 }
 
 fn from_f32(tensor: &Tensor) -> Vec<u8> {

@@ -111,10 +111,38 @@ fn tensors_round_trip_through_safetensors_in_their_dtype() {
             dtype: Dtype::BF16,
         },
     );
-    let bytes = model.to_bytes().unwrap();
+    let metadata = BTreeMap::from([("hypha.round".to_string(), "3".to_string())]);
+    let bytes = model.to_bytes(&metadata).unwrap();
     let back = Tensors::from_bytes(&bytes).unwrap();
     assert_eq!(back, model);
+    assert_eq!(hypha_diloco::metadata(&bytes).unwrap(), metadata);
     let view = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(view.tensor("b").unwrap().dtype(), Dtype::BF16);
     assert!(Tensors::from_bytes(b"not safetensors").is_err());
+}
+
+#[test]
+fn updates_added_from_their_bytes_sum_like_decoded_ones() {
+    let updates: [(&[f32], f64); 3] = [(&[1.0, 2.0], 1.0), (&[3.0, 6.0], 3.0), (&[-1.0, 0.5], 4.0)];
+    let mut from_bytes = Accumulator::new();
+    for (update, weight) in updates {
+        let bytes = tensors(update).to_bytes(&BTreeMap::new()).unwrap();
+        from_bytes.add_safetensors(&bytes, weight).unwrap();
+    }
+    assert_eq!(values(&from_bytes.mean().unwrap()), mean(&updates));
+    // A BF16 update adds as its f32 value; a misshapen one is refused and changes nothing.
+    let mut acc = Accumulator::new();
+    let mut half = tensors(&[1.5, -2.0]);
+    half.0.get_mut("w").unwrap().dtype = Dtype::BF16;
+    acc.add_safetensors(&half.to_bytes(&BTreeMap::new()).unwrap(), 2.0)
+        .unwrap();
+    let wrong = tensors(&[1.0, 2.0, 3.0])
+        .to_bytes(&BTreeMap::new())
+        .unwrap();
+    assert!(matches!(
+        acc.add_safetensors(&wrong, 1.0),
+        Err(Error::Mismatch { .. })
+    ));
+    assert_eq!(acc.updates(), 1);
+    assert_close(&values(&acc.mean().unwrap()), &[1.5, -2.0]);
 }

@@ -149,6 +149,28 @@ impl JobData {
         }
     }
 
+    /// Round `round` of job `job` on `peer` reached the model (`commit`: its slices are
+    /// used) or was left out (its slices are available again).
+    pub async fn settle_round(
+        &self,
+        peer: &PeerId,
+        job: &str,
+        round: u64,
+        commit: bool,
+    ) -> Result<(), hypha_ledger::Error> {
+        let consumer = IterationService::consumer_name(peer, job);
+        let ledger = self.ledger();
+        let slices = if commit {
+            ledger.commit_round(&consumer, round).await?
+        } else {
+            ledger.drop_round(&consumer, round).await?
+        };
+        if !commit && !slices.is_empty() {
+            tracing::info!(%job, round, returned = slices.len(), "a round left out: its slices are available again");
+        }
+        Ok(())
+    }
+
     /// Every slice of every epoch is used.
     pub async fn finished(&self) -> bool {
         self.ledger()

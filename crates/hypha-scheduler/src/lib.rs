@@ -6,6 +6,9 @@
 //! - [`spec`]: the job file.
 //! - [`data`]: a job's dataset iteration (`cluster_sync = true`): the scheduler's ledger hands
 //!   every slice to exactly one job.
+//! - [`rounds`]: DiLoCo rounds: batch targets from trainers' speeds, when the parameter
+//!   server closes a round, which rounds' slices become used.
+//! - [`training`]: a DiLoCo job's statuses, ledger settlements and metrics file.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //!
@@ -14,5 +17,7 @@
 pub mod allocator;
 pub mod data;
 pub mod node;
+pub mod rounds;
 pub mod run;
 pub mod spec;
+pub mod training;

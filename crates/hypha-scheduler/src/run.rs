@@ -24,12 +24,13 @@ use hypha_messages::{
 use hypha_network::{InboundRequest, Network};
 use libp2p::PeerId;
 use serde::Serialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     allocator::{AllocationError, Allocator, Kept, Leased, Lost, WorkerRequest},
     data::JobData,
     spec::JobFile,
+    training::Training,
 };
 
 /// Iterate and progress requests a scheduler answers at the same time.
@@ -67,6 +68,13 @@ pub enum Event {
         slot: usize,
         peer: String,
         reason: String,
+    },
+    /// The parameter server applied a DiLoCo round.
+    Round {
+        round: u64,
+        trainers: usize,
+        samples: u64,
+        loss: Option<f64>,
     },
     Done {
         ok: bool,
@@ -126,6 +134,21 @@ impl EventLog {
             Event::Lost { slot, peer, reason } => {
                 tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
             }
+            Event::Round {
+                round,
+                trainers,
+                samples,
+                loss,
+            } => match loss {
+                Some(loss) => tracing::info!(
+                    round,
+                    trainers,
+                    samples,
+                    loss = format!("{loss:.4}"),
+                    "round applied"
+                ),
+                None => tracing::info!(round, trainers, samples, "round applied"),
+            },
             Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
         }
         let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": &event });
@@ -164,6 +187,12 @@ pub enum RunError {
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
     #[error(
+        "the parameter server on {peer} is gone ({reason}); the global model of the last round is in its checkpoint there (parameter-server.safetensors in the job's directory)"
+    )]
+    ServerLost { peer: String, reason: String },
+    #[error("the job file's [diloco] metrics file {path}: {error}")]
+    Metrics { path: String, error: std::io::Error },
+    #[error(
         "every executor exited, but the iteration still has slices that were never used; executors should fetch from their \"data\" reference until it answers that the data is done"
     )]
     Unfinished,
@@ -181,14 +210,20 @@ struct Slot {
     done: bool,
 }
 
+/// An executor's status and where its answer goes.
+pub type ExecutorStatus = (String, serde_json::Value, oneshot::Sender<String>);
+
+/// What an executor status is answered with when nobody has more to say.
+const RECEIVED: &str = r#"{"received":true}"#;
+
 /// Answers what reaches a scheduler from the network: offers go to the allocator, job
-/// statuses to `statuses`, executor statuses to `executor_statuses` (answered with an
-/// acknowledgement).
+/// statuses to `statuses`, executor statuses to `executor_statuses`, whose answer goes back
+/// to the executor.
 pub fn route_inbound(
     mut inbound: mpsc::Receiver<InboundRequest>,
     allocator: Allocator,
     statuses: mpsc::Sender<(PeerId, StatusReport)>,
-    executor_statuses: mpsc::Sender<(String, serde_json::Value)>,
+    executor_statuses: mpsc::Sender<ExecutorStatus>,
     data: Option<JobData>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -237,9 +272,23 @@ pub fn route_inbound(
                 Request::ExecutorStatus { job, payload } => {
                     match serde_json::from_str::<serde_json::Value>(&payload) {
                         Ok(payload) => {
-                            let _ = executor_statuses.try_send((job, payload));
-                            Response::ExecutorStatus {
-                                payload: r#"{"received":true}"#.into(),
+                            let (answer_tx, answer) = oneshot::channel();
+                            if executor_statuses
+                                .try_send((job, payload, answer_tx))
+                                .is_err()
+                            {
+                                Response::Error(RemoteError::new(ErrorCode::Busy, "try again"))
+                            } else {
+                                // The job's loop answers; the router goes on meanwhile.
+                                tokio::spawn(async move {
+                                    let payload =
+                                        answer.await.unwrap_or_else(|_| RECEIVED.to_string());
+                                    let _ = request
+                                        .responder
+                                        .respond(Response::ExecutorStatus { payload })
+                                        .await;
+                                });
+                                continue;
                             }
                         }
                         Err(e) => Response::Error(RemoteError::new(
@@ -276,8 +325,24 @@ pub async fn run_job(
         },
         _ => None,
     };
+    let mut training = match (&spec.diloco, &data) {
+        (Some(diloco), Some(data)) => {
+            let path = diloco
+                .metrics
+                .clone()
+                .unwrap_or_else(|| "metrics.jsonl".into());
+            let started = Training::new(diloco.plan(), data.clone(), &path).map_err(|error| {
+                RunError::Metrics {
+                    path: path.display().to_string(),
+                    error,
+                }
+            })?;
+            Some(started)
+        }
+        _ => None,
+    };
     let (status_tx, mut statuses) = mpsc::channel(256);
-    let (executor_tx, mut executor_statuses) = mpsc::channel(256);
+    let (executor_tx, mut executor_statuses) = mpsc::channel::<ExecutorStatus>(256);
     let router = route_inbound(
         inbound,
         allocator.clone(),
@@ -285,15 +350,29 @@ pub async fn run_job(
         executor_tx,
         data.clone(),
     );
-    let request = WorkerRequest {
-        executor: spec.executor.clone(),
-        resources: spec.resources,
-        bid: spec.bid,
+    let trainer = Role {
+        request: WorkerRequest {
+            executor: spec.executor.clone(),
+            resources: spec.resources,
+            bid: spec.bid,
+        },
+        config: spec.trainer_config(data.as_ref().map(JobData::reference)),
     };
+    let server = spec.diloco.as_ref().map(|diloco| Role {
+        request: WorkerRequest {
+            executor: diloco.parameter_server.executor.clone(),
+            resources: diloco.parameter_server.resources,
+            bid: diloco.parameter_server.bid,
+        },
+        config: diloco.server_config(),
+    });
     let (lost_tx, mut lost) = mpsc::channel::<Lost>(64);
     let (replaced_tx, mut replaced) =
         mpsc::channel::<(usize, Result<Vec<Leased>, AllocationError>)>(64);
-    let mut slots: Vec<Slot> = (0..spec.workers)
+    // Slots 0..workers are the executors (trainers); a DiLoCo job's parameter server is the
+    // slot after them.
+    let slot_count = spec.workers + usize::from(server.is_some());
+    let mut slots: Vec<Slot> = (0..slot_count)
         .map(|_| Slot {
             attempts: 0,
             done: false,
@@ -305,27 +384,48 @@ pub async fn run_job(
         allocator: allocator.clone(),
         spec: &spec,
         task: &task,
-        config: spec.config_json(data.as_ref().map(JobData::reference)),
+        trainer,
+        server,
         lost_tx,
     };
 
-    let nobody = HashSet::new();
-    let initial = tokio::select! {
-        leased = allocator.allocate(&request, spec.workers, &nobody) => leased?,
+    // The parameter server first, so that no worker is leased as both.
+    let mut initial = Vec::new();
+    if let Some(server) = &job.server {
+        let nobody = HashSet::new();
+        let leased = tokio::select! {
+            leased = allocator.allocate(&server.request, 1, &nobody) => leased?,
+            _ = &mut shutdown => return Err(RunError::Interrupted),
+        };
+        initial.extend(leased.into_iter().map(|l| (spec.workers, l)));
+    }
+    let taken: HashSet<PeerId> = initial.iter().map(|(_, l)| l.peer).collect();
+    let trainers = tokio::select! {
+        leased = allocator.allocate(&job.trainer.request, spec.workers, &taken) => leased?,
         _ = &mut shutdown => return Err(RunError::Interrupted),
     };
-    let initial = initial.into_iter().enumerate().collect();
+    initial.extend(trainers.into_iter().enumerate());
     for (slot, reason) in job
-        .start(initial, &mut slots, &mut running, &mut events)
+        .start(
+            initial,
+            &mut slots,
+            &mut running,
+            &mut training,
+            &mut events,
+        )
         .await
     {
-        job.retry(slot, reason, &slots, &running, &request, &replaced_tx)?;
+        job.retry(slot, reason, &slots, &running, &replaced_tx)?;
     }
 
+    // A DiLoCo job with a number of rounds ends with its rounds, data left or not.
+    let ends_with_data = spec.diloco.as_ref().is_none_or(|d| d.rounds.is_none());
     let outcome = 'events: loop {
         if slots.iter().all(|s| s.done) {
             match &data {
-                Some(data) if !data.finished().await => break Err(RunError::Unfinished),
+                Some(data) if ends_with_data && !data.finished().await => {
+                    break Err(RunError::Unfinished);
+                }
                 _ => break Ok(()),
             }
         }
@@ -354,11 +454,15 @@ pub async fn run_job(
                     if let Some(data) = &data {
                         data.release(&run.peer, &report.job).await;
                     }
+                    let server = training.as_mut().is_some_and(|t| t.ended(&report.job));
+                    if let (true, Some(reason)) = (server, &failure) {
+                        break Err(RunError::ServerLost { peer: peer.to_string(), reason: reason.clone() });
+                    }
                 }
                 match failure {
                     None => slots[slot].done = true,
                     Some(reason) => {
-                        if let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx) {
+                        if let Err(e) = job.retry(slot, reason, &slots, &running, &replaced_tx) {
                             break Err(e);
                         }
                     }
@@ -381,24 +485,49 @@ pub async fn run_job(
                     peer: lost.peer.to_string(),
                     reason: lost.reason.clone(),
                 });
-                if let Err(e) = job.retry(run.slot, lost.reason, &slots, &running, &request, &replaced_tx) {
+                if training.as_mut().is_some_and(|t| t.ended(&id)) {
+                    break Err(RunError::ServerLost { peer: lost.peer.to_string(), reason: lost.reason });
+                }
+                if let Err(e) = job.retry(run.slot, lost.reason, &slots, &running, &replaced_tx) {
                     break Err(e);
                 }
             }
             Some((slot, leased)) = replaced.recv() => match leased {
                 Ok(leased) => {
                     let batch = leased.into_iter().map(|l| (slot, l)).collect();
-                    for (slot, reason) in job.start(batch, &mut slots, &mut running, &mut events).await {
-                        if let Err(e) = job.retry(slot, reason, &slots, &running, &request, &replaced_tx) {
+                    for (slot, reason) in job.start(batch, &mut slots, &mut running, &mut training, &mut events).await {
+                        if let Err(e) = job.retry(slot, reason, &slots, &running, &replaced_tx) {
                             break 'events Err(e);
                         }
                     }
                 }
                 Err(e) => break Err(e.into()),
             },
-            Some((id, payload)) = executor_statuses.recv() => {
-                if running.contains_key(&id) {
-                    events.record(Event::ExecutorStatus { job: id, payload });
+            Some((id, payload, answer)) = executor_statuses.recv() => {
+                if !running.contains_key(&id) {
+                    let _ = answer.send(RECEIVED.to_string());
+                    continue;
+                }
+                let answered = match training.as_mut() {
+                    Some(training) => training.status(&id, &payload).await,
+                    None => None,
+                };
+                match answered {
+                    Some(answered) => {
+                        let _ = answer.send(answered.payload);
+                        if let Some(applied) = answered.applied {
+                            events.record(Event::Round {
+                                round: applied.round,
+                                trainers: applied.included.len(),
+                                samples: applied.samples,
+                                loss: applied.loss,
+                            });
+                        }
+                    }
+                    None => {
+                        let _ = answer.send(RECEIVED.to_string());
+                        events.record(Event::ExecutorStatus { job: id, payload });
+                    }
                 }
             }
         }
@@ -416,7 +545,13 @@ pub async fn run_job(
     events.record(Event::Done {
         ok: outcome.is_ok(),
         message: match &outcome {
-            Ok(()) => format!("all {} workers finished", spec.workers),
+            Ok(()) => match &spec.diloco {
+                Some(_) => format!(
+                    "{} trainers and the parameter server finished",
+                    spec.workers
+                ),
+                None => format!("all {} workers finished", spec.workers),
+            },
             Err(e) => e.to_string(),
         },
     });
@@ -424,17 +559,31 @@ pub async fn run_job(
     outcome
 }
 
+/// What one kind of slot asks of a worker, and the config its executor gets.
+struct Role {
+    request: WorkerRequest,
+    config: String,
+}
+
 struct Job<'a> {
     network: Network,
     allocator: Allocator,
     spec: &'a JobFile,
     task: &'a str,
-    /// The executor's config, the data reference included.
-    config: String,
+    trainer: Role,
+    /// A DiLoCo job's parameter server: the slot after the trainers.
+    server: Option<Role>,
     lost_tx: mpsc::Sender<Lost>,
 }
 
 impl Job<'_> {
+    fn role(&self, slot: usize) -> &Role {
+        match &self.server {
+            Some(server) if slot == self.spec.workers => server,
+            _ => &self.trainer,
+        }
+    }
+
     /// Dispatches the slot's executor on a leased worker; returns why not, when it failed.
     /// Takes up leased workers: records them, keeps their leases, and dispatches their jobs
     /// all at once. Returns the slots whose dispatch failed, with why.
@@ -443,6 +592,7 @@ impl Job<'_> {
         batch: Vec<(usize, Leased)>,
         slots: &mut [Slot],
         running: &mut HashMap<String, Running>,
+        training: &mut Option<Training>,
         events: &mut EventLog,
     ) -> Vec<(usize, String)> {
         let mut dispatches = Vec::with_capacity(batch.len());
@@ -456,12 +606,13 @@ impl Job<'_> {
             });
             let kept = self.allocator.keep(&leased, self.lost_tx.clone());
             let id = uuid::Uuid::new_v4().to_string();
+            let role = self.role(slot);
             let spec = JobSpec {
                 id: id.clone(),
                 task: self.task.to_string(),
                 lease: leased.lease,
-                executor: self.spec.executor.clone(),
-                config: self.config.clone(),
+                executor: role.request.executor.clone(),
+                config: role.config.clone(),
                 secrets: self.spec.secrets.clone(),
             };
             running.insert(
@@ -486,11 +637,20 @@ impl Job<'_> {
         let mut failed = Vec::new();
         for (slot, id, peer, result) in results {
             match result {
-                Ok(_) => events.record(Event::Dispatched {
-                    slot,
-                    job: id,
-                    peer: peer.to_string(),
-                }),
+                Ok(_) => {
+                    if let Some(training) = training.as_mut() {
+                        if slot == self.spec.workers {
+                            training.server_started(&id, peer);
+                        } else {
+                            training.trainer_started(&id, peer);
+                        }
+                    }
+                    events.record(Event::Dispatched {
+                        slot,
+                        job: id,
+                        peer: peer.to_string(),
+                    });
+                }
                 Err(e) => {
                     if let Some(run) = running.remove(&id) {
                         run.kept.release();
@@ -515,7 +675,6 @@ impl Job<'_> {
         reason: String,
         slots: &[Slot],
         running: &HashMap<String, Running>,
-        request: &WorkerRequest,
         replaced: &mpsc::Sender<(usize, Result<Vec<Leased>, AllocationError>)>,
     ) -> Result<(), RunError> {
         if slots[slot].attempts >= self.spec.max_attempts {
@@ -527,7 +686,7 @@ impl Job<'_> {
         }
         let busy: HashSet<PeerId> = running.values().map(|r| r.peer).collect();
         let allocator = self.allocator.clone();
-        let request = request.clone();
+        let request = self.role(slot).request.clone();
         let replaced = replaced.clone();
         tokio::spawn(async move {
             let leased = allocator.allocate(&request, 1, &busy).await;

@@ -27,6 +27,29 @@
 //! ledger = "digits.ledger"  # default: next to the job file, named after it
 //! ```
 //!
+//! A DiLoCo job adds a parameter server and rounds (see [`rounds`](crate::rounds)); the
+//! executors are its trainers:
+//!
+//! ```toml
+//! [diloco]
+//! rounds = 20              # stop after this many rounds (default: when the data is done)
+//! samples_per_round = 4096 # over all trainers together
+//! batch_size = 32
+//! round_seconds = 60       # the longest a round is planned to take
+//! quorum = 0.5             # after that (plus a quarter), close with this share of trainers
+//! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
+//! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
+//! outer = { learning_rate = 0.7, momentum = 0.9 }
+//!
+//! [diloco.parameter_server]
+//! bid = 50.0
+//! executor = { class = "aggregate", name = "parameter-server" }
+//! resources = { cpu = 1, memory = 2 }
+//! ```
+//!
+//! Trainers' config gains `"diloco": {"batch_size", "inner"}`; the parameter server's is
+//! `{"outer": …}`.
+//!
 //! With `[data]`, the executor's config gains `"data"`: the reference to hand the job bridge's
 //! `/resources/fetch` for the next slice (`{"type": "Scheduler", "peer": …, "dataset": …}`).
 
@@ -36,7 +59,7 @@ use std::{
 };
 
 use hypha_messages::market::{ExecutorRef, Resources};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// A parsed job file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -55,6 +78,88 @@ pub struct JobFile {
     pub secrets: BTreeMap<String, String>,
     #[serde(default)]
     pub data: Option<DataSpec>,
+    #[serde(default)]
+    pub diloco: Option<DilocoSpec>,
+}
+
+/// DiLoCo training: rounds, optimizers and the parameter server.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DilocoSpec {
+    #[serde(default)]
+    pub rounds: Option<u64>,
+    pub samples_per_round: u64,
+    pub batch_size: u64,
+    #[serde(default = "default_round_seconds")]
+    pub round_seconds: f64,
+    #[serde(default = "default_quorum")]
+    pub quorum: f64,
+    /// Where trainers' reports and closed rounds are written as JSON lines.
+    #[serde(default)]
+    pub metrics: Option<PathBuf>,
+    #[serde(default)]
+    pub inner: InnerOptimizer,
+    #[serde(default)]
+    pub outer: OuterOptimizer,
+    pub parameter_server: ServerSpec,
+}
+
+/// The trainers' AdamW.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InnerOptimizer {
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+}
+
+impl Default for InnerOptimizer {
+    fn default() -> Self {
+        // DiLoCo's paper trains its inner loop with AdamW at these betas.
+        Self {
+            learning_rate: 1e-3,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+        }
+    }
+}
+
+/// The parameter server's SGD with Nesterov momentum.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OuterOptimizer {
+    pub learning_rate: f64,
+    pub momentum: f64,
+}
+
+impl Default for OuterOptimizer {
+    fn default() -> Self {
+        // The DiLoCo paper's outer settings.
+        Self {
+            learning_rate: 0.7,
+            momentum: 0.9,
+        }
+    }
+}
+
+/// The worker the parameter server runs on.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSpec {
+    pub bid: f64,
+    pub executor: ExecutorRef,
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+fn default_round_seconds() -> f64 {
+    60.0
+}
+
+fn default_quorum() -> f64 {
+    0.5
 }
 
 /// The dataset a job iterates.
@@ -106,13 +211,18 @@ impl JobFile {
             error,
         })?;
         let mut spec = Self::parse(&path.display().to_string(), &text)?;
-        if let Some(data) = &mut spec.data {
-            let dir = path.parent().unwrap_or(Path::new(""));
-            let ledger = data.ledger.take().unwrap_or_else(|| {
+        let dir = path.parent().unwrap_or(Path::new(""));
+        let beside = |given: Option<PathBuf>, suffix: &str| {
+            dir.join(given.unwrap_or_else(|| {
                 let stem = path.file_stem().unwrap_or_default().to_string_lossy();
-                PathBuf::from(format!("{stem}.ledger"))
-            });
-            data.ledger = Some(dir.join(ledger));
+                PathBuf::from(format!("{stem}.{suffix}"))
+            }))
+        };
+        if let Some(data) = &mut spec.data {
+            data.ledger = Some(beside(data.ledger.take(), "ledger"));
+        }
+        if let Some(diloco) = &mut spec.diloco {
+            diloco.metrics = Some(beside(diloco.metrics.take(), "metrics.jsonl"));
         }
         Ok(spec)
     }
@@ -159,6 +269,14 @@ impl JobFile {
                 ));
             }
         }
+        if let Some(diloco) = &spec.diloco {
+            diloco.check().map_err(invalid)?;
+            if spec.data.is_none() {
+                return Err(invalid(
+                    "[diloco] trains on a dataset: add a [data] section naming it".into(),
+                ));
+            }
+        }
         if spec.max_attempts == 0 {
             return Err(invalid("max_attempts must be 1 or more".into()));
         }
@@ -173,6 +291,23 @@ impl JobFile {
             }
         }
         Ok(spec)
+    }
+
+    /// A trainer's settings as JSON: the executor's config, with `data` (see
+    /// [`config_json`](Self::config_json)) and, for DiLoCo jobs, `diloco`.
+    pub fn trainer_config(&self, data: Option<&serde_json::Value>) -> String {
+        let config = self.config_json(data);
+        let Some(diloco) = &self.diloco else {
+            return config;
+        };
+        let mut config: serde_json::Value = serde_json::from_str(&config).unwrap_or_default();
+        if let Some(object) = config.as_object_mut() {
+            object.insert(
+                "diloco".into(),
+                serde_json::json!({"batch_size": diloco.batch_size, "inner": diloco.inner}),
+            );
+        }
+        config.to_string()
     }
 
     /// The executor's settings as JSON, with `data` (the reference to fetch slices with)
@@ -193,6 +328,58 @@ impl JobFile {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(format!("{}.ledger", data.dataset))),
         )
+    }
+}
+
+impl DilocoSpec {
+    fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("diloco.samples_per_round", self.samples_per_round as f64),
+            ("diloco.batch_size", self.batch_size as f64),
+            ("diloco.round_seconds", self.round_seconds),
+            ("diloco.inner.learning_rate", self.inner.learning_rate),
+            ("diloco.outer.learning_rate", self.outer.learning_rate),
+            ("diloco.parameter_server.bid", self.parameter_server.bid),
+        ];
+        for (key, value) in positive {
+            if !value.is_finite() || value <= 0.0 {
+                return Err(format!("{key} = {value} must be a positive number"));
+            }
+        }
+        if self.rounds == Some(0) {
+            return Err("diloco.rounds = 0: give 1 or more, or leave it out to train until the data is done".into());
+        }
+        let fractions = [
+            ("diloco.quorum", self.quorum),
+            ("diloco.outer.momentum", self.outer.momentum),
+            ("diloco.inner.beta1", self.inner.beta1),
+            ("diloco.inner.beta2", self.inner.beta2),
+        ];
+        for (key, value) in fractions {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(format!("{key} = {value} must be between 0 and 1"));
+            }
+        }
+        if self.quorum == 0.0 {
+            return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
+        }
+        Ok(())
+    }
+
+    /// How rounds are planned and closed.
+    pub fn plan(&self) -> crate::rounds::RoundPlan {
+        crate::rounds::RoundPlan {
+            rounds: self.rounds,
+            samples_per_round: self.samples_per_round,
+            batch_size: self.batch_size,
+            round_ms: (self.round_seconds * 1000.0) as u64,
+            quorum: self.quorum,
+        }
+    }
+
+    /// The parameter server's config.
+    pub fn server_config(&self) -> String {
+        serde_json::json!({ "outer": self.outer }).to_string()
     }
 }
 

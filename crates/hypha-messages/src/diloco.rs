@@ -1,0 +1,192 @@
+//! DiLoCo rounds: what trainers and the parameter server tell the scheduler, and what it
+//! answers.
+//!
+//! Both travel as the JSON payloads of [`Request::ExecutorStatus`](crate::Request) and its
+//! answer: a trainer (a process executor) sends a [`Status::Trainer`] through the job bridge's
+//! `POST /status/send` and reads the [`TrainerOrder`] in the response; the built-in parameter
+//! server sends a [`Status::ParameterServer`] and gets a [`ServerOrder`].
+//!
+//! ```text
+//! trainer            scheduler                 parameter server
+//!   │ status (no round) ─▶│                            │
+//!   │◀─ Join{ps} ─────────│                            │
+//!   │ model (kind=model, its own initial θ) ──────────▶│ adopts the first one it gets
+//!   │◀──────────────────────── global θ (kind=model, round r) ──│
+//!   │ status (round r, batches, batch_ms, loss) ─▶│    │
+//!   │◀─ Train{round r, batches: target} ───────────│   │  … until batches ≥ target
+//!   │ POST /data/consumed (slices, round r)        │   │
+//!   │ pseudo-gradient (kind=pseudo_gradient, round r, samples) ─▶│
+//!   │                    │◀─ status (arrived) ───────────│
+//!   │                    │── Close{round r, send_to} ───▶│ weighted mean, Nesterov step,
+//!   │◀──────────────────────── global θ (round r+1) ─────────────│ checkpoint
+//!   │                    │◀─ status (applied r, included) ─│ → ledger: round r of each
+//!   │                    │                               │   included trainer is USED
+//! ```
+//!
+//! Files between trainers and the parameter server go over the resource protocol
+//! (`/resources/send`, `/resources/fetch` with `{"type": "Peers"}`); what a file is travels in
+//! its SafeTensors metadata under the [`meta`] keys.
+
+use serde::{Deserialize, Serialize};
+
+/// SafeTensors metadata keys (`__metadata__`) on the files of a DiLoCo job.
+pub mod meta {
+    /// [`KIND_MODEL`] or [`KIND_PSEUDO_GRADIENT`].
+    pub const KIND: &str = "hypha.kind";
+    /// A model's round is the round it is the starting point of; a pseudo-gradient's is the
+    /// round it was trained in.
+    pub const ROUND: &str = "hypha.round";
+    /// The samples a pseudo-gradient was trained on: its weight in the mean.
+    pub const SAMPLES: &str = "hypha.samples";
+    pub const KIND_MODEL: &str = "model";
+    pub const KIND_PSEUDO_GRADIENT: &str = "pseudo_gradient";
+}
+
+/// A DiLoCo status, as sent to the scheduler.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "diloco", rename_all = "snake_case")]
+pub enum Status {
+    Trainer(TrainerStatus),
+    ParameterServer(ServerStatus),
+}
+
+/// Where a trainer stands in its round.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerStatus {
+    /// The round it trains, that is the round of the global model it holds; `None` before it
+    /// holds one.
+    #[serde(default)]
+    pub round: Option<u64>,
+    /// Batches and samples trained so far in this round.
+    #[serde(default)]
+    pub batches: u64,
+    #[serde(default)]
+    pub samples: u64,
+    /// Mean wall time of its recent batches (data wait included): the scheduler's measure of
+    /// its speed.
+    #[serde(default)]
+    pub batch_ms: Option<f64>,
+    /// Mean training loss of this round's batches so far.
+    #[serde(default)]
+    pub loss: Option<f64>,
+    /// Its data reference answered that every slice is used or taken.
+    #[serde(default)]
+    pub data_done: bool,
+    /// Evaluation loss and accuracy of the global model it holds, when it measured them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<Evaluation>,
+}
+
+/// An evaluation of a model on held-out data.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Evaluation {
+    pub loss: f64,
+    /// For classifiers: the fraction of correct predictions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
+}
+
+/// The scheduler's answer to a trainer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum TrainerOrder {
+    /// Send your initial model to the parameter server, then fetch the global model from it.
+    Join { parameter_server: String },
+    /// Train round `round` until `batches` batches are done in it, then send the
+    /// pseudo-gradient. A target at or below the batches already done means: sync now.
+    Train {
+        round: u64,
+        batches: u64,
+        parameter_server: String,
+    },
+    /// Nothing to do yet (the parameter server is not there); ask again after `retry_ms`.
+    Wait { retry_ms: u64 },
+    /// Training is over: exit successfully.
+    Done,
+}
+
+/// What the parameter server holds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerStatus {
+    /// The round it collects pseudo-gradients for; `None` before it holds a model.
+    #[serde(default)]
+    pub round: Option<u64>,
+    /// Pseudo-gradients of this round taken so far.
+    #[serde(default)]
+    pub arrived: Vec<Arrival>,
+    /// Pseudo-gradients that came for a round already closed, since the last status.
+    #[serde(default)]
+    pub dropped: Vec<Late>,
+    /// The last round it applied, with whose updates.
+    #[serde(default)]
+    pub applied: Option<Applied>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arrival {
+    pub peer: String,
+    pub samples: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Late {
+    pub peer: String,
+    pub round: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    pub round: u64,
+    pub included: Vec<String>,
+}
+
+/// The scheduler's answer to the parameter server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum ServerOrder {
+    /// Keep collecting.
+    Wait,
+    /// Close `round` with what arrived, step, checkpoint, and send the new global model to
+    /// `send_to` (every trainer of the job, contributors or not).
+    Close { round: u64, send_to: Vec<String> },
+    /// Training is over: write the final model and exit successfully.
+    Done,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn statuses_and_orders_read_as_documented() {
+        let status: Status = serde_json::from_str(
+            r#"{"diloco": "trainer", "round": 2, "batches": 5, "samples": 160, "batch_ms": 41.5, "loss": 0.7}"#,
+        )
+        .unwrap();
+        let Status::Trainer(trainer) = status else {
+            panic!("a trainer's status")
+        };
+        assert_eq!((trainer.round, trainer.samples), (Some(2), 160));
+        let order = serde_json::to_value(TrainerOrder::Train {
+            round: 2,
+            batches: 9,
+            parameter_server: "ps".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            order,
+            serde_json::json!({"action": "train", "round": 2, "batches": 9, "parameter_server": "ps"})
+        );
+        let order: ServerOrder =
+            serde_json::from_str(r#"{"action": "close", "round": 0, "send_to": ["a"]}"#).unwrap();
+        assert_eq!(
+            order,
+            ServerOrder::Close {
+                round: 0,
+                send_to: vec!["a".into()]
+            }
+        );
+    }
+}

@@ -1,0 +1,526 @@
+//! DiLoCo rounds as the scheduler drives them: who trains which round for how many batches,
+//! when the parameter server closes a round, and which trainers' slices each round makes used.
+//!
+//! The messages are those of [`hypha_messages::diloco`]. This is a plain state machine with
+//! the clock passed in; [`run`](crate::run) feeds it statuses and carries out what it returns.
+//!
+//! **Adaptive rounds.** A round aims at `samples_per_round` samples over all trainers. From
+//! the batch times trainers report, the scheduler predicts when the round's samples will be
+//! done if everyone keeps their pace, bounded by `round_seconds`, and gives each trainer a
+//! batch target it reaches by then: fast and slow trainers finish together and none idles. A
+//! trainer that has not reported a batch time yet gets an even share.
+//!
+//! **Closing.** A round closes when every trainer of the round has sent its pseudo-gradient,
+//! or, once `round_seconds` (plus a grace of a quarter of it) have passed since the round
+//! began, with at least `quorum` of them. Trainers that are lost leave the round at once.
+//!
+//! **Data.** A trainer reports the slices of round `r` consumed before it sends the round's
+//! pseudo-gradient. When the server applies round `r`, the round's slices of each included
+//! trainer are made used ([`Settle::Commit`]); a trainer that was not included learns it when
+//! it reports a later round, and its round-`r` slices go back to the ledger ([`Settle::Drop`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use hypha_messages::diloco::{ServerOrder, ServerStatus, TrainerOrder, TrainerStatus};
+
+/// How a round is planned and closed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundPlan {
+    /// Stop after this many rounds; `None`: when the data is done.
+    pub rounds: Option<u64>,
+    pub samples_per_round: u64,
+    pub batch_size: u64,
+    /// The longest a round is planned to take.
+    pub round_ms: u64,
+    /// The share of a round's trainers it may close with once its time is up.
+    pub quorum: f64,
+}
+
+/// What the ledger must do with a trainer's round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settle {
+    /// The round reached the model: its slices are used.
+    Commit { job: String, round: u64 },
+    /// The round was left out: its slices are available again.
+    Drop { job: String, round: u64 },
+}
+
+/// How long a trainer that finds no parameter server waits before asking again.
+const RETRY_MS: u64 = 500;
+
+#[derive(Debug)]
+struct Trainer {
+    peer: String,
+    status: TrainerStatus,
+    /// Rounds before this one are settled in the ledger.
+    settled_below: u64,
+}
+
+/// A round the server applied.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct AppliedRound {
+    pub round: u64,
+    pub included: Vec<String>,
+    /// Samples of the included trainers, as they last reported them.
+    pub samples: u64,
+    /// Mean training loss over the included trainers, weighted by samples.
+    pub loss: Option<f64>,
+}
+
+/// The rounds of one DiLoCo job.
+#[derive(Debug)]
+pub struct Rounds {
+    plan: RoundPlan,
+    /// The round being trained and collected.
+    round: u64,
+    started_ms: Option<u64>,
+    trainers: HashMap<String, Trainer>,
+    server: Option<String>,
+    /// Peers whose pseudo-gradients of `round` the server holds.
+    arrived: HashSet<String>,
+    /// A close was ordered for this round and is not applied yet.
+    closing: Option<u64>,
+    included: BTreeMap<u64, HashSet<String>>,
+    done: bool,
+}
+
+impl Rounds {
+    pub fn new(plan: RoundPlan) -> Self {
+        Self {
+            plan,
+            round: 0,
+            started_ms: None,
+            trainers: HashMap::new(),
+            server: None,
+            arrived: HashSet::new(),
+            closing: None,
+            included: BTreeMap::new(),
+            done: false,
+        }
+    }
+
+    /// The round being trained.
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+
+    /// Training is over: every trainer and the server are told to finish.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
+    pub fn server_started(&mut self, peer: String) {
+        self.server = Some(peer);
+    }
+
+    pub fn server_lost(&mut self) {
+        self.server = None;
+    }
+
+    pub fn trainer_started(&mut self, job: String, peer: String) {
+        let trainer = Trainer {
+            peer,
+            status: TrainerStatus::default(),
+            settled_below: self.round,
+        };
+        self.trainers.insert(job, trainer);
+    }
+
+    /// A trainer's job ended or its worker is gone; the ledger returns its slices by itself.
+    pub fn trainer_ended(&mut self, job: &str) {
+        self.trainers.remove(job);
+    }
+
+    /// A trainer's status: what it should do next, and what the ledger must settle.
+    pub fn trainer_status(
+        &mut self,
+        job: &str,
+        status: TrainerStatus,
+        now_ms: u64,
+    ) -> (TrainerOrder, Vec<Settle>) {
+        let mut settle = Vec::new();
+        if !self.trainers.contains_key(job) {
+            // Not (or no longer) one of this job's trainers.
+            return (TrainerOrder::Done, settle);
+        }
+        if self.done {
+            return (TrainerOrder::Done, settle);
+        }
+        let Some(server) = self.server.clone() else {
+            return (TrainerOrder::Wait { retry_ms: RETRY_MS }, settle);
+        };
+        let Some(round) = status.round else {
+            return (
+                TrainerOrder::Join {
+                    parameter_server: server,
+                },
+                settle,
+            );
+        };
+        if let Some(trainer) = self.trainers.get_mut(job) {
+            for closed in trainer.settled_below..round.min(self.round) {
+                let included = self
+                    .included
+                    .get(&closed)
+                    .is_some_and(|peers| peers.contains(&trainer.peer));
+                if !included {
+                    settle.push(Settle::Drop {
+                        job: job.to_string(),
+                        round: closed,
+                    });
+                }
+            }
+            trainer.settled_below = trainer.settled_below.max(round.min(self.round));
+            trainer.status = status.clone();
+        }
+        if round == self.round && self.started_ms.is_none() {
+            self.started_ms = Some(now_ms);
+        }
+        let sync_now = round != self.round || self.closing == Some(round) || status.data_done;
+        let batches = if sync_now {
+            status.batches
+        } else {
+            self.target(&status, now_ms)
+        };
+        let order = TrainerOrder::Train {
+            round,
+            batches,
+            parameter_server: server,
+        };
+        (order, settle)
+    }
+
+    /// The batches `status`'s trainer should have done when the round ends.
+    fn target(&self, status: &TrainerStatus, now_ms: u64) -> u64 {
+        let plan = &self.plan;
+        let in_round: Vec<&TrainerStatus> = self
+            .trainers
+            .values()
+            .map(|t| &t.status)
+            .filter(|s| s.round == Some(self.round))
+            .collect();
+        let count = self.trainers.len().max(1) as u64;
+        let even = plan
+            .samples_per_round
+            .div_ceil(plan.batch_size.max(1) * count)
+            .max(1);
+        let Some(batch_ms) = status.batch_ms.filter(|ms| *ms > 0.0) else {
+            return even.max(status.batches + 1);
+        };
+        let rates: Vec<f64> = in_round
+            .iter()
+            .filter_map(|s| s.batch_ms.filter(|ms| *ms > 0.0))
+            .map(|ms| plan.batch_size as f64 * 1000.0 / ms)
+            .collect();
+        let known: f64 = rates.iter().sum();
+        let unknown = in_round.len().saturating_sub(rates.len()) as f64;
+        let throughput = known + unknown * known / rates.len().max(1) as f64;
+        let done: u64 = in_round.iter().map(|s| s.samples).sum();
+        let remaining = plan.samples_per_round.saturating_sub(done) as f64;
+        let bound_ms = self.started_ms.map_or(plan.round_ms, |start| {
+            (start + plan.round_ms).saturating_sub(now_ms)
+        }) as f64;
+        let left_ms = (remaining / throughput * 1000.0).min(bound_ms);
+        let more = (left_ms / batch_ms).floor() as u64;
+        (status.batches + more).max(1)
+    }
+
+    /// The server's status: what it should do next, and what the ledger must settle.
+    pub fn server_status(
+        &mut self,
+        status: ServerStatus,
+        now_ms: u64,
+    ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
+        let mut settle = Vec::new();
+        let mut applied_round = None;
+        if let Some(applied) = status.applied
+            && self.closing == Some(applied.round)
+        {
+            let included: HashSet<String> = applied.included.iter().cloned().collect();
+            let mut samples = 0;
+            let mut weighted_loss = (0.0, 0u64);
+            for (job, trainer) in &mut self.trainers {
+                if included.contains(&trainer.peer) {
+                    settle.push(Settle::Commit {
+                        job: job.clone(),
+                        round: applied.round,
+                    });
+                    trainer.settled_below = trainer.settled_below.max(applied.round + 1);
+                    samples += trainer.status.samples;
+                    if let Some(loss) = trainer.status.loss {
+                        weighted_loss.0 += loss * trainer.status.samples as f64;
+                        weighted_loss.1 += trainer.status.samples;
+                    }
+                }
+            }
+            let everyone_out_of_data = !self.trainers.is_empty()
+                && self
+                    .trainers
+                    .values()
+                    .all(|t| t.status.data_done && t.status.round == Some(applied.round));
+            self.included.insert(applied.round, included);
+            self.closing = None;
+            self.round = applied.round + 1;
+            self.started_ms = None;
+            self.arrived.clear();
+            self.done = self.plan.rounds.is_some_and(|n| self.round >= n) || everyone_out_of_data;
+            applied_round = Some(AppliedRound {
+                round: applied.round,
+                included: applied.included,
+                samples,
+                loss: (weighted_loss.1 > 0).then(|| weighted_loss.0 / weighted_loss.1 as f64),
+            });
+        }
+        if self.done {
+            return (ServerOrder::Done, settle, applied_round);
+        }
+        if status.round == Some(self.round) {
+            self.arrived = status.arrived.iter().map(|a| a.peer.clone()).collect();
+        }
+        let send_to = || self.trainers.values().map(|t| t.peer.clone()).collect();
+        if self.closing == Some(self.round) {
+            let order = ServerOrder::Close {
+                round: self.round,
+                send_to: send_to(),
+            };
+            return (order, settle, applied_round);
+        }
+        if status.round == Some(self.round) && self.should_close(now_ms) {
+            self.closing = Some(self.round);
+            let order = ServerOrder::Close {
+                round: self.round,
+                send_to: send_to(),
+            };
+            return (order, settle, applied_round);
+        }
+        (ServerOrder::Wait, settle, applied_round)
+    }
+
+    fn should_close(&self, now_ms: u64) -> bool {
+        if self.arrived.is_empty() {
+            return false;
+        }
+        let expected: Vec<&Trainer> = self
+            .trainers
+            .values()
+            .filter(|t| t.status.round == Some(self.round))
+            .filter(|t| !(t.status.data_done && t.status.samples == 0))
+            .collect();
+        if expected.iter().all(|t| self.arrived.contains(&t.peer)) {
+            return true;
+        }
+        let grace = self.plan.round_ms / 4;
+        let overdue = self
+            .started_ms
+            .is_some_and(|start| now_ms >= start + self.plan.round_ms + grace);
+        let needed = (self.plan.quorum * expected.len() as f64).ceil() as usize;
+        overdue && self.arrived.len() >= needed.max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use hypha_messages::diloco::{Applied, Arrival};
+
+    use super::*;
+
+    fn plan() -> RoundPlan {
+        RoundPlan {
+            rounds: Some(2),
+            samples_per_round: 1200,
+            batch_size: 10,
+            round_ms: 10_000,
+            quorum: 0.5,
+        }
+    }
+
+    fn status(round: u64, batches: u64, batch_ms: Option<f64>) -> TrainerStatus {
+        TrainerStatus {
+            round: Some(round),
+            batches,
+            samples: batches * 10,
+            batch_ms,
+            ..TrainerStatus::default()
+        }
+    }
+
+    fn target(order: TrainerOrder) -> u64 {
+        match order {
+            TrainerOrder::Train { batches, .. } => batches,
+            other => panic!("expected a batch target, got {other:?}"),
+        }
+    }
+
+    fn rounds_with(trainers: &[(&str, &str)]) -> Rounds {
+        let mut rounds = Rounds::new(plan());
+        rounds.server_started("ps".into());
+        for (job, peer) in trainers {
+            rounds.trainer_started(job.to_string(), peer.to_string());
+        }
+        rounds
+    }
+
+    fn server(round: u64, arrived: &[&str], applied: Option<(u64, &[&str])>) -> ServerStatus {
+        ServerStatus {
+            round: Some(round),
+            arrived: arrived
+                .iter()
+                .map(|p| Arrival {
+                    peer: p.to_string(),
+                    samples: 100,
+                })
+                .collect(),
+            dropped: vec![],
+            applied: applied.map(|(round, included)| Applied {
+                round,
+                included: included.iter().map(|p| p.to_string()).collect(),
+            }),
+        }
+    }
+
+    #[test]
+    fn trainers_join_then_get_targets_that_make_fast_and_slow_finish_together() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        let (order, _) = rounds.trainer_status("a", TrainerStatus::default(), 0);
+        assert_eq!(
+            order,
+            TrainerOrder::Join {
+                parameter_server: "ps".into()
+            }
+        );
+        // Before anyone reports a batch time: an even share, 1200 / 10 / 2 = 60 batches.
+        assert_eq!(
+            target(rounds.trainer_status("a", status(0, 0, None), 0).0),
+            60
+        );
+        rounds.trainer_status("b", status(0, 0, None), 0);
+        // a does a batch in 100 ms, b in 300 ms: 100 + 33.3 samples/s, 1200 − 40 samples left
+        // → 8.7 s more; a gets ≈ 87 more batches, b ≈ 29: each ends at the same time.
+        rounds.trainer_status("b", status(0, 1, Some(300.0)), 300);
+        let a = target(rounds.trainer_status("a", status(0, 3, Some(100.0)), 300).0);
+        let b = target(rounds.trainer_status("b", status(0, 1, Some(300.0)), 300).0);
+        assert!((88..=90).contains(&a), "a: {a}");
+        assert!((29..=31).contains(&b), "b: {b}");
+        let (a_ms, b_ms) = ((a - 3) as f64 * 100.0, (b - 1) as f64 * 300.0);
+        assert!((a_ms - b_ms).abs() <= 300.0, "{a_ms} vs {b_ms}");
+    }
+
+    #[test]
+    fn a_round_is_bounded_in_time() {
+        let mut rounds = rounds_with(&[("a", "pa")]);
+        rounds.trainer_status("a", status(0, 0, None), 0);
+        // 1 s per batch would need 120 s; the round may take 10 s.
+        let t = target(
+            rounds
+                .trainer_status("a", status(0, 2, Some(1000.0)), 2000)
+                .0,
+        );
+        assert_eq!(t, 2 + 8);
+    }
+
+    #[test]
+    fn a_round_closes_when_all_arrived_and_commits_only_the_included() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        rounds.trainer_status("a", status(0, 5, Some(100.0)), 0);
+        rounds.trainer_status("b", status(0, 5, Some(100.0)), 0);
+        let (order, _, _) = rounds.server_status(server(0, &["pa"], None), 100);
+        assert_eq!(order, ServerOrder::Wait);
+        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 200);
+        let ServerOrder::Close {
+            round: 0,
+            mut send_to,
+        } = order
+        else {
+            panic!("expected a close, got {order:?}")
+        };
+        send_to.sort();
+        assert_eq!(send_to, ["pa", "pb"]);
+        // While the close is pending, trainers are told to sync.
+        assert_eq!(
+            target(rounds.trainer_status("a", status(0, 7, Some(100.0)), 250).0),
+            7
+        );
+        let (_, settle, applied) =
+            rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 300);
+        assert_eq!(settle.len(), 2);
+        assert_eq!(applied.unwrap().samples, 120);
+        assert_eq!(rounds.round(), 1);
+        // Round 1 is the last: once applied, everyone is done.
+        rounds.trainer_status("a", status(1, 1, Some(100.0)), 400);
+        rounds.server_status(server(1, &["pa"], None), 500);
+        rounds.trainer_ended("b");
+        let (order, _, _) = rounds.server_status(server(1, &["pa"], None), 600);
+        assert!(
+            matches!(order, ServerOrder::Close { round: 1, .. }),
+            "{order:?}"
+        );
+        let (order, _, _) = rounds.server_status(server(2, &[], Some((1, &["pa"]))), 700);
+        assert_eq!(order, ServerOrder::Done);
+        assert_eq!(
+            rounds.trainer_status("a", status(2, 0, None), 800).0,
+            TrainerOrder::Done
+        );
+    }
+
+    #[test]
+    fn a_straggler_is_left_out_after_the_deadline_and_its_slices_go_back() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
+        for job in ["a", "b", "c"] {
+            rounds.trainer_status(job, status(0, 1, Some(100.0)), 0);
+        }
+        // Two of three arrived: not before 10 s + 2.5 s grace, then with quorum 0.5.
+        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 12_000);
+        assert_eq!(order, ServerOrder::Wait);
+        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 12_500);
+        assert!(matches!(order, ServerOrder::Close { round: 0, .. }));
+        let (_, settle, _) = rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 12_600);
+        assert_eq!(settle.len(), 2);
+        // c still trains round 0: told to sync now; its update will be late. When it reports
+        // round 1, its round 0 goes back to the ledger.
+        assert_eq!(
+            target(
+                rounds
+                    .trainer_status("c", status(0, 90, Some(100.0)), 12_700)
+                    .0
+            ),
+            90
+        );
+        let (_, settle) = rounds.trainer_status("c", status(1, 0, None), 13_000);
+        assert_eq!(
+            settle,
+            vec![Settle::Drop {
+                job: "c".into(),
+                round: 0
+            }]
+        );
+        // Settled once only.
+        assert!(
+            rounds
+                .trainer_status("c", status(1, 1, Some(100.0)), 13_100)
+                .1
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_lost_trainer_leaves_the_round_at_once() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
+        rounds.trainer_status("b", status(0, 1, Some(100.0)), 0);
+        assert_eq!(
+            rounds.server_status(server(0, &["pa"], None), 100).0,
+            ServerOrder::Wait
+        );
+        rounds.trainer_ended("b");
+        let (order, _, _) = rounds.server_status(server(0, &["pa"], None), 200);
+        assert_eq!(
+            order,
+            ServerOrder::Close {
+                round: 0,
+                send_to: vec!["pa".into()]
+            }
+        );
+    }
+}

@@ -1,0 +1,161 @@
+//! A DiLoCo job's side of the run loop: answers trainers' and the parameter server's statuses
+//! from its [`Rounds`], settles rounds in the ledger, and writes the metrics file.
+//!
+//! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
+//! trainer's report (round, batches, samples, batch time, loss, evaluation) and
+//! `{"kind": "round", …}` for every round the parameter server applied. Each line is written
+//! whole and flushed, so it can be followed while the job runs.
+
+use std::{collections::HashMap, io::Write, path::Path};
+
+use hypha_messages::diloco::{ServerOrder, Status, TrainerOrder};
+use hypha_network::PeerId;
+use serde::Serialize;
+
+use crate::{
+    data::JobData,
+    rounds::{AppliedRound, RoundPlan, Rounds, Settle},
+};
+
+/// A DiLoCo job's rounds, ledger and metrics.
+#[derive(Debug)]
+pub struct Training {
+    rounds: Rounds,
+    data: JobData,
+    metrics: std::fs::File,
+    peers: HashMap<String, PeerId>,
+    server: Option<String>,
+    round_started_ms: u64,
+}
+
+/// What a status was answered with, for the run loop to report.
+#[derive(Debug)]
+pub struct Answered {
+    pub payload: String,
+    pub applied: Option<AppliedRound>,
+}
+
+impl Training {
+    /// Starts with round 0; the metrics file at `metrics` is created or truncated.
+    pub fn new(plan: RoundPlan, data: JobData, metrics: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            rounds: Rounds::new(plan),
+            data,
+            metrics: std::fs::File::create(metrics)?,
+            peers: HashMap::new(),
+            server: None,
+            round_started_ms: unix_ms(),
+        })
+    }
+
+    pub fn trainer_started(&mut self, job: &str, peer: PeerId) {
+        self.peers.insert(job.to_string(), peer);
+        self.rounds
+            .trainer_started(job.to_string(), peer.to_string());
+    }
+
+    pub fn server_started(&mut self, job: &str, peer: PeerId) {
+        self.server = Some(job.to_string());
+        self.peers.insert(job.to_string(), peer);
+        self.rounds.server_started(peer.to_string());
+    }
+
+    /// A job of the training ended or lost its worker; true when it was the parameter server.
+    pub fn ended(&mut self, job: &str) -> bool {
+        self.peers.remove(job);
+        if self.server.as_deref() == Some(job) {
+            self.server = None;
+            self.rounds.server_lost();
+            return true;
+        }
+        self.rounds.trainer_ended(job);
+        false
+    }
+
+    /// Every round is trained.
+    pub fn done(&self) -> bool {
+        self.rounds.done()
+    }
+
+    /// The answer to job `job`'s status, or `None` when it is not a DiLoCo status.
+    pub async fn status(&mut self, job: &str, payload: &serde_json::Value) -> Option<Answered> {
+        let status: Status = serde_json::from_value(payload.clone()).ok()?;
+        let now = unix_ms();
+        let (answer, settle, applied) = match status {
+            Status::Trainer(status) => {
+                self.record(&TrainerLine {
+                    kind: "trainer",
+                    time_ms: now,
+                    job,
+                    status: &status,
+                });
+                let (order, settle) = self.rounds.trainer_status(job, status, now);
+                (serde_json::to_string(&order), settle, None)
+            }
+            Status::ParameterServer(status) if self.server.as_deref() == Some(job) => {
+                let (order, settle, applied) = self.rounds.server_status(status, now);
+                (serde_json::to_string(&order), settle, applied)
+            }
+            Status::ParameterServer(_) => (serde_json::to_string(&ServerOrder::Done), vec![], None),
+        };
+        for settle in settle {
+            self.settle(settle).await;
+        }
+        if let Some(applied) = &applied {
+            self.record(&RoundLine {
+                kind: "round",
+                time_ms: now,
+                seconds: now.saturating_sub(self.round_started_ms) as f64 / 1000.0,
+                applied,
+            });
+            self.round_started_ms = now;
+        }
+        let payload = answer.unwrap_or_else(|_| {
+            serde_json::to_string(&TrainerOrder::Wait { retry_ms: 1000 }).unwrap_or_default()
+        });
+        Some(Answered { payload, applied })
+    }
+
+    async fn settle(&self, settle: Settle) {
+        let (job, round, commit) = match &settle {
+            Settle::Commit { job, round } => (job, *round, true),
+            Settle::Drop { job, round } => (job, *round, false),
+        };
+        let Some(peer) = self.peers.get(job) else {
+            return;
+        };
+        if let Err(error) = self.data.settle_round(peer, job, round, commit).await {
+            tracing::warn!(%job, round, %error, "could not settle a round's slices in the ledger");
+        }
+    }
+
+    fn record(&mut self, line: &impl Serialize) {
+        if let Ok(line) = serde_json::to_string(line) {
+            let _ = writeln!(self.metrics, "{line}").and_then(|_| self.metrics.flush());
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct TrainerLine<'a> {
+    kind: &'static str,
+    time_ms: u64,
+    job: &'a str,
+    #[serde(flatten)]
+    status: &'a hypha_messages::diloco::TrainerStatus,
+}
+
+#[derive(Serialize)]
+struct RoundLine<'a> {
+    kind: &'static str,
+    time_ms: u64,
+    seconds: f64,
+    #[serde(flatten)]
+    applied: &'a AppliedRound,
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
