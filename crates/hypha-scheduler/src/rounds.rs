@@ -176,6 +176,10 @@ impl Rounds {
         if round == self.round && self.started_ms.is_none() {
             self.started_ms = Some(now_ms);
         }
+        if self.out_of_data() {
+            self.done = true;
+            return (TrainerOrder::Done, settle);
+        }
         let sync_now = round != self.round || self.closing == Some(round) || status.data_done;
         let batches = if sync_now {
             status.batches
@@ -294,6 +298,16 @@ impl Rounds {
             return (order, settle, applied_round);
         }
         (ServerOrder::Wait, settle, applied_round)
+    }
+
+    /// Every trainer is in the current round with nothing trained and no data left, and
+    /// nothing arrived for it: there is no round left to train.
+    fn out_of_data(&self) -> bool {
+        self.closing.is_none()
+            && self.arrived.is_empty()
+            && self.trainers.values().all(|t| {
+                t.status.round == Some(self.round) && t.status.data_done && t.status.samples == 0
+            })
     }
 
     fn should_close(&self, now_ms: u64) -> bool {
@@ -501,6 +515,26 @@ mod tests {
                 .trainer_status("c", status(1, 1, Some(100.0)), 13_100)
                 .1
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn training_ends_when_every_trainer_is_out_of_data() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        let out = TrainerStatus {
+            round: Some(0),
+            data_done: true,
+            ..TrainerStatus::default()
+        };
+        let (order, _) = rounds.trainer_status("a", out.clone(), 0);
+        assert!(
+            matches!(order, TrainerOrder::Train { .. }),
+            "b may still have data: {order:?}"
+        );
+        assert_eq!(rounds.trainer_status("b", out, 10).0, TrainerOrder::Done);
+        assert_eq!(
+            rounds.server_status(server(0, &[], None), 20).0,
+            ServerOrder::Done
         );
     }
 

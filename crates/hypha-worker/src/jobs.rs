@@ -36,6 +36,7 @@ use crate::{
     bridge::{self, BridgeContext},
     config::{Executor, Runtime},
     metrics,
+    parameter_server::ServerJob,
 };
 
 /// How many lines of an executor's stderr a failure report carries.
@@ -188,6 +189,18 @@ impl JobManager {
         )
         .map_err(StartError::Bridge)?;
 
+        let launch = match runtime {
+            Runtime::Process { cmd, args } => Launch::Process { cmd, args },
+            Runtime::ParameterServer => Launch::ParameterServer(Box::new(ServerJob {
+                network: self.bridge.network().clone(),
+                scheduler,
+                job: id.clone(),
+                task: spec.task.clone(),
+                dir: dir.clone(),
+                inbox: bridge.inbox().clone(),
+                config: serde_json::from_str(&spec.config).unwrap_or_default(),
+            })),
+        };
         let (cancel_tx, cancel_rx) = oneshot::channel();
         self.running.insert(
             id.clone(),
@@ -210,7 +223,7 @@ impl JobManager {
         let span = tracing::info_span!("job", job = %supervisor.job, executor = %spec.executor);
         tokio::spawn(tracing::Instrument::instrument(
             async move {
-                let status = supervisor.run(runtime, &job_json, &socket, cancel_rx).await;
+                let status = supervisor.run(launch, &job_json, &socket, cancel_rx).await;
                 bridge.stop().await;
                 let _ = std::fs::remove_file(&socket);
                 supervisor.finish(status).await;
@@ -242,6 +255,12 @@ impl JobManager {
     }
 }
 
+/// What a job runs.
+enum Launch {
+    Process { cmd: String, args: Vec<String> },
+    ParameterServer(Box<ServerJob>),
+}
+
 struct Supervisor {
     job: String,
     lease: u64,
@@ -255,22 +274,20 @@ struct Supervisor {
 impl Supervisor {
     async fn run(
         &self,
-        runtime: Runtime,
+        launch: Launch,
         job_json: &str,
         socket: &Path,
         cancel: oneshot::Receiver<String>,
     ) -> JobStatus {
-        match runtime {
-            Runtime::Process { cmd, args } => {
+        match launch {
+            Launch::Process { cmd, args } => {
                 self.run_process(&cmd, &args, job_json, socket, cancel)
                     .await
             }
-            Runtime::ParameterServer => JobStatus::Failed {
-                reason: "the built-in parameter server has no aggregation algorithm in this \
-                         version of hypha-worker; it arrives with DiLoCo training"
-                    .into(),
-                stderr_tail: Vec::new(),
-            },
+            Launch::ParameterServer(server) => {
+                self.report(JobStatus::Running).await;
+                server.run(cancel).await
+            }
         }
     }
 

@@ -6,6 +6,7 @@
 //!   (no double booking), a renewable lease once accepted, expiry on a monotonic clock.
 //! - [`jobs`]: work directories, executor processes, cancellation (SIGTERM, then SIGKILL).
 //! - [`bridge`]: the job bridge, HTTP over each job's Unix socket.
+//! - [`parameter_server`]: the built-in DiLoCo parameter server (`runtime = "parameter-server"`).
 //! - [`slices`]: the data path: the slice cache and each job's prefetcher.
 //! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
 //! - [`config`]: the worker's keys.
@@ -20,5 +21,6 @@ pub mod jobs;
 pub mod lease;
 mod metrics;
 pub mod node;
+pub mod parameter_server;
 pub mod resources;
 pub mod slices;

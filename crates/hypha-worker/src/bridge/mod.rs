@@ -116,6 +116,11 @@ impl Shared {
         }
     }
 
+    /// The worker's network.
+    pub fn network(&self) -> &Network {
+        &self.network
+    }
+
     /// Receives what peers send to this worker's jobs, until the network stops.
     pub async fn receive_transfers(&self) {
         transfer::serve(self.network.clone(), self.inboxes.clone()).await;
@@ -154,9 +159,15 @@ impl Bridge {
 pub struct BridgeHandle {
     stopping: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    inbox: Arc<Inbox>,
 }
 
 impl BridgeHandle {
+    /// What peers sent to the job: built-in runtimes take it from here directly.
+    pub fn inbox(&self) -> &Arc<Inbox> {
+        &self.inbox
+    }
+
     /// Stops serving: open event streams and waits end, and the job's inbox closes (files
     /// still waiting in it stay in its staging directory).
     pub async fn stop(self) {
@@ -181,6 +192,7 @@ pub fn serve(
         .inboxes
         .open(&context.task, &context.job, dir.clone());
     let stopping = CancellationToken::new();
+    let inbox = registration.inbox().clone();
     let bridge = Arc::new(Bridge {
         shared,
         context,
@@ -209,7 +221,11 @@ pub fn serve(
             }
         }
     });
-    Ok(BridgeHandle { stopping, task })
+    Ok(BridgeHandle {
+        stopping,
+        task,
+        inbox,
+    })
 }
 
 /// An error answered to the executor as JSON.

@@ -1,0 +1,28 @@
+//! Hypha's reference executor: a process executor that trains small models with DiLoCo on
+//! the CPU, talking to its worker only through the job bridge.
+//!
+//! - [`bridge`]: JSON over HTTP/1.1 on the job's Unix socket.
+//! - [`model`]: the model families (an MLP classifier, a small decoder-only transformer) on
+//!   candle, with seeded parameters and SafeTensors in and out.
+//! - [`train`]: the trainer's loop: orders from the scheduler, AdamW inner steps on the job's
+//!   slices, pseudo-gradients to the parameter server, global models back.
+//! - [`synthetic`]: learnable datasets made from a seed, for the quickstart and tests.
+//!
+//! A worker runs it as
+//!
+//! ```toml
+//! [[executors]]
+//! class = "train"
+//! name = "diloco"
+//! runtime = "process"
+//! cmd = "hypha-executor"
+//! args = ["train", "--socket", "{SOCKET_PATH}", "--work-dir", "{WORK_DIR}", "--job", "{JOB_JSON}"]
+//! ```
+//!
+//! This crate knows models, the bridge's endpoints and DiLoCo's messages; it knows nothing of
+//! networks, leases or ledgers.
+
+pub mod bridge;
+pub mod model;
+pub mod synthetic;
+pub mod train;

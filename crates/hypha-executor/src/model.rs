@@ -1,0 +1,360 @@
+//! The two model families the reference executor trains, on candle's CPU backend:
+//!
+//! - `{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 4}`: a classifier of feature
+//!   vectors (two hidden ReLU layers). Slices hold `inputs` (F32, `[n, inputs]`) and `labels`
+//!   (U32 or I64, `[n]`).
+//! - `{"type": "transformer", "vocab": 32, "context": 16, "dim": 64, "heads": 4, "layers": 2}`:
+//!   a small decoder-only transformer (pre-norm blocks, causal self-attention, learned
+//!   positions) predicting each next token. Slices hold `tokens` (U32 or I64,
+//!   `[n, context + 1]`).
+//!
+//! Parameters are created from a seed, so the same spec and seed give the same model on every
+//! machine; they travel as SafeTensors through [`hypha_diloco::Tensors`].
+
+use std::collections::{BTreeMap, HashMap};
+
+use candle_core::{D, DType, Device, Tensor, Var};
+use candle_nn::{Embedding, LayerNorm, Linear, Module, VarBuilder, VarMap};
+use hypha_diloco::Metadata;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+/// A model family and its sizes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ModelSpec {
+    Mlp {
+        inputs: usize,
+        hidden: usize,
+        classes: usize,
+    },
+    Transformer {
+        vocab: usize,
+        context: usize,
+        dim: usize,
+        heads: usize,
+        layers: usize,
+    },
+}
+
+/// Why a model could not be built, run or loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Tensors(#[from] hypha_diloco::Error),
+    #[error("{0}")]
+    Spec(String),
+    #[error("the batch has no {0:?} tensor; this model reads {1}")]
+    Missing(&'static str, &'static str),
+}
+
+/// A batch of samples: the tensors of a slice, some rows of them.
+pub type Batch = HashMap<String, Tensor>;
+
+/// A model with its parameters.
+pub struct Model {
+    spec: ModelSpec,
+    vars: VarMap,
+    net: Net,
+}
+
+#[derive(Debug)]
+enum Net {
+    Mlp([Linear; 3]),
+    Transformer(Transformer),
+}
+
+#[derive(Debug)]
+struct Transformer {
+    tokens: Embedding,
+    positions: Embedding,
+    blocks: Vec<Block>,
+    norm: LayerNorm,
+    head: Linear,
+    heads: usize,
+}
+
+#[derive(Debug)]
+struct Block {
+    norm1: LayerNorm,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    out: Linear,
+    norm2: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// A model of `spec` with parameters drawn from `seed`.
+    pub fn new(spec: &ModelSpec, seed: u64) -> Result<Self, ModelError> {
+        let vars = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+        let net = match *spec {
+            ModelSpec::Mlp {
+                inputs,
+                hidden,
+                classes,
+            } => {
+                if inputs == 0 || hidden == 0 || classes < 2 {
+                    return Err(ModelError::Spec(
+                        "an mlp needs inputs ≥ 1, hidden ≥ 1 and classes ≥ 2".into(),
+                    ));
+                }
+                Net::Mlp([
+                    candle_nn::linear(inputs, hidden, vb.pp("l1"))?,
+                    candle_nn::linear(hidden, hidden, vb.pp("l2"))?,
+                    candle_nn::linear(hidden, classes, vb.pp("l3"))?,
+                ])
+            }
+            ModelSpec::Transformer {
+                vocab,
+                context,
+                dim,
+                heads,
+                layers,
+            } => {
+                if heads == 0 || dim % heads != 0 || vocab < 2 || context == 0 {
+                    return Err(ModelError::Spec(format!(
+                        "a transformer needs vocab ≥ 2, context ≥ 1 and dim ({dim}) divisible by heads ({heads})"
+                    )));
+                }
+                let blocks = (0..layers)
+                    .map(|i| {
+                        let vb = vb.pp(format!("block{i}"));
+                        Ok(Block {
+                            norm1: candle_nn::layer_norm(dim, 1e-5, vb.pp("norm1"))?,
+                            query: candle_nn::linear(dim, dim, vb.pp("query"))?,
+                            key: candle_nn::linear(dim, dim, vb.pp("key"))?,
+                            value: candle_nn::linear(dim, dim, vb.pp("value"))?,
+                            out: candle_nn::linear(dim, dim, vb.pp("out"))?,
+                            norm2: candle_nn::layer_norm(dim, 1e-5, vb.pp("norm2"))?,
+                            up: candle_nn::linear(dim, 4 * dim, vb.pp("up"))?,
+                            down: candle_nn::linear(4 * dim, dim, vb.pp("down"))?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, candle_core::Error>>()?;
+                Net::Transformer(Transformer {
+                    tokens: candle_nn::embedding(vocab, dim, vb.pp("tokens"))?,
+                    positions: candle_nn::embedding(context, dim, vb.pp("positions"))?,
+                    blocks,
+                    norm: candle_nn::layer_norm(dim, 1e-5, vb.pp("norm"))?,
+                    head: candle_nn::linear(dim, vocab, vb.pp("head"))?,
+                    heads,
+                })
+            }
+        };
+        let model = Self {
+            spec: spec.clone(),
+            vars,
+            net,
+        };
+        model.initialise(seed)?;
+        Ok(model)
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The trainable parameters, in name order.
+    pub fn parameters(&self) -> Vec<Var> {
+        self.named().into_values().collect()
+    }
+
+    fn named(&self) -> BTreeMap<String, Var> {
+        let data = self
+            .vars
+            .data()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
+    /// Draws every parameter from `seed`: weights uniform in ±1/√fan_in, biases 0, layer-norm
+    /// scales 1.
+    fn initialise(&self, seed: u64) -> Result<(), ModelError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        for (name, var) in self.named() {
+            let dims = var.dims().to_vec();
+            let count: usize = dims.iter().product();
+            let values: Vec<f32> = if name.contains("norm") && name.ends_with(".weight") {
+                vec![1.0; count]
+            } else if name.ends_with(".bias") {
+                vec![0.0; count]
+            } else {
+                let bound = 1.0 / (*dims.last().unwrap_or(&1) as f32).sqrt();
+                (0..count)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect()
+            };
+            var.set(&Tensor::from_vec(values, dims, &Device::Cpu)?)?;
+        }
+        Ok(())
+    }
+
+    /// The mean loss over `batch` (cross-entropy of the labels, or of each next token).
+    pub fn loss(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        let (logits, targets) = self.logits(batch)?;
+        Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
+    }
+
+    /// Loss and, for classifiers, accuracy over `batch`, without gradients.
+    pub fn evaluate(&self, batch: &Batch) -> Result<(f64, f64), ModelError> {
+        let (logits, targets) = self.logits(batch)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &targets)?.to_scalar::<f32>()?;
+        let predicted = logits.argmax(D::Minus1)?;
+        let correct = predicted
+            .eq(&targets)?
+            .to_dtype(DType::F32)?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        Ok((f64::from(loss), f64::from(correct)))
+    }
+
+    /// Logits `[rows, classes]` and the targets `[rows]` (U32) they are scored against.
+    fn logits(&self, batch: &Batch) -> Result<(Tensor, Tensor), ModelError> {
+        match &self.net {
+            Net::Mlp(layers) => {
+                let inputs = batch
+                    .get("inputs")
+                    .ok_or(ModelError::Missing("inputs", "inputs and labels"))?
+                    .to_dtype(DType::F32)?;
+                let labels = batch
+                    .get("labels")
+                    .ok_or(ModelError::Missing("labels", "inputs and labels"))?
+                    .to_dtype(DType::U32)?;
+                let hidden = layers[0].forward(&inputs)?.relu()?;
+                let hidden = layers[1].forward(&hidden)?.relu()?;
+                Ok((layers[2].forward(&hidden)?, labels))
+            }
+            Net::Transformer(net) => {
+                let tokens = batch
+                    .get("tokens")
+                    .ok_or(ModelError::Missing("tokens", "tokens"))?
+                    .to_dtype(DType::U32)?;
+                let (rows, width) = tokens.dims2()?;
+                let length = width.saturating_sub(1);
+                let inputs = tokens.narrow(1, 0, length)?;
+                let targets = tokens.narrow(1, 1, length)?.flatten_all()?;
+                let logits = net.forward(&inputs)?;
+                let vocab = logits.dim(D::Minus1)?;
+                Ok((logits.reshape((rows * length, vocab))?, targets))
+            }
+        }
+    }
+
+    /// The parameters as SafeTensors with `metadata`.
+    pub fn to_bytes(&self, metadata: &Metadata) -> Result<Vec<u8>, ModelError> {
+        Ok(self.tensors()?.to_bytes(metadata)?)
+    }
+
+    /// The parameters as named f32 tensors.
+    pub fn tensors(&self) -> Result<hypha_diloco::Tensors, ModelError> {
+        let mut tensors = BTreeMap::new();
+        for (name, var) in self.named() {
+            let tensor = hypha_diloco::Tensor {
+                shape: var.dims().to_vec(),
+                values: var.flatten_all()?.to_vec1::<f32>()?,
+                dtype: safetensors::Dtype::F32,
+            };
+            tensors.insert(name, tensor);
+        }
+        Ok(hypha_diloco::Tensors(tensors))
+    }
+
+    /// Sets every parameter from `tensors`, which must hold exactly this model's.
+    pub fn load(&self, tensors: &hypha_diloco::Tensors) -> Result<(), ModelError> {
+        let named = self.named();
+        if named.len() != tensors.0.len() {
+            return Err(ModelError::Spec(format!(
+                "the model file has {} tensors; this {:?} model has {}",
+                tensors.0.len(),
+                self.spec,
+                named.len()
+            )));
+        }
+        for (name, var) in named {
+            let tensor = tensors.0.get(&name).ok_or_else(|| {
+                ModelError::Spec(format!("the model file has no parameter {name:?}"))
+            })?;
+            if tensor.shape != var.dims() {
+                return Err(ModelError::Spec(format!(
+                    "parameter {name:?} is {:?} in the file and {:?} in the model",
+                    tensor.shape,
+                    var.dims()
+                )));
+            }
+            var.set(&Tensor::from_slice(
+                &tensor.values,
+                var.dims(),
+                &Device::Cpu,
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
+impl Transformer {
+    fn forward(&self, inputs: &Tensor) -> Result<Tensor, candle_core::Error> {
+        let (_, length) = inputs.dims2()?;
+        let positions = Tensor::arange(0u32, length as u32, &Device::Cpu)?;
+        let mut x = self
+            .tokens
+            .forward(inputs)?
+            .broadcast_add(&self.positions.forward(&positions)?)?;
+        let mask = causal_mask(length)?;
+        for block in &self.blocks {
+            x = (&x + block.attend(&block.norm1.forward(&x)?, self.heads, &mask)?)?;
+            let hidden = block.up.forward(&block.norm2.forward(&x)?)?.gelu()?;
+            x = (&x + block.down.forward(&hidden)?)?;
+        }
+        self.head.forward(&self.norm.forward(&x)?)
+    }
+}
+
+impl Block {
+    fn attend(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        mask: &Tensor,
+    ) -> Result<Tensor, candle_core::Error> {
+        let (batch, length, dim) = x.dims3()?;
+        let size = dim / heads;
+        let split = |t: Tensor| {
+            t.reshape((batch, length, heads, size))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let query = split(self.query.forward(x)?)?;
+        let key = split(self.key.forward(x)?)?;
+        let value = split(self.value.forward(x)?)?;
+        let scores = (query.matmul(&key.t()?)? / (size as f64).sqrt())?.broadcast_add(mask)?;
+        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
+        let mixed = weights
+            .matmul(&value)?
+            .transpose(1, 2)?
+            .reshape((batch, length, dim))?;
+        self.out.forward(&mixed)
+    }
+}
+
+/// 0 where a position may look (itself and before), −∞ after.
+fn causal_mask(length: usize) -> Result<Tensor, candle_core::Error> {
+    let values: Vec<f32> = (0..length)
+        .flat_map(|i| (0..length).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(values, (length, length), &Device::Cpu)
+}

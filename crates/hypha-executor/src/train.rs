@@ -1,0 +1,445 @@
+//! A DiLoCo trainer: the loop of a training job, driven by its scheduler's orders
+//! ([`hypha_messages::diloco`]).
+//!
+//! 1. Ask the scheduler (`/status/send`). `join`: send the freshly made model to the parameter
+//!    server, then take the global model it answers with.
+//! 2. `train`: run AdamW steps on batches of the job's slices (`/resources/fetch` with the
+//!    job's `data` reference) until the round's batch target; report every
+//!    [`REPORT_EVERY`] (batch time, loss) and take the new target.
+//! 3. At the target, finish the slice being read (so that each slice's samples go into one
+//!    round), tell the ledger which slices the round consumed (`/data/consumed`), send the
+//!    pseudo-gradient θ_global − θ_local with its round and sample count to the parameter
+//!    server, and wait for the next global model. AdamW's moments carry over from round to
+//!    round, as in DiLoCo.
+//! 4. `done`: exit.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use hypha_diloco::{Metadata, Tensors};
+use hypha_messages::{
+    diloco::{Status, TrainerOrder, TrainerStatus, meta},
+    iterate::SliceRef,
+};
+use serde::Deserialize;
+
+use crate::{
+    bridge::{Bridge, BridgeError},
+    model::{Batch, Model, ModelError, ModelSpec},
+};
+
+/// How often a trainer reports while it trains.
+pub const REPORT_EVERY: Duration = Duration::from_millis(200);
+
+/// The job's config, as the scheduler writes it (other keys are ignored).
+#[derive(Debug, Clone, Deserialize)]
+pub struct JobConfig {
+    pub model: ModelSpec,
+    /// Seeds the model's parameters.
+    #[serde(default)]
+    pub seed: u64,
+    /// Where slices come from: handed to `/resources/fetch` as it is.
+    pub data: serde_json::Value,
+    pub diloco: TrainerSettings,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct TrainerSettings {
+    pub batch_size: usize,
+    pub inner: Inner,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct Inner {
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+}
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Bridge(#[from] BridgeError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tensors(#[from] hypha_diloco::Error),
+    #[error("{0}")]
+    Protocol(String),
+    #[error("cannot use {path}: {error}")]
+    File {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+}
+
+impl From<candle_core::Error> for TrainError {
+    fn from(error: candle_core::Error) -> Self {
+        Self::Model(error.into())
+    }
+}
+
+/// A file the bridge answers with.
+#[derive(Debug, Deserialize)]
+struct FileEntry {
+    path: String,
+    #[serde(default)]
+    metadata: BTreeMap<String, serde_json::Value>,
+}
+
+/// One training job.
+#[derive(Debug)]
+pub struct Trainer {
+    bridge: Bridge,
+    dir: PathBuf,
+    config: JobConfig,
+    model: Model,
+    optimizer: AdamW,
+    /// The global model this round started from.
+    global: Tensors,
+    round: Option<u64>,
+    data: Reader,
+    stats: RoundStats,
+}
+
+#[derive(Debug, Default)]
+struct RoundStats {
+    batches: u64,
+    samples: u64,
+    loss_sum: f64,
+    batch_ms: Option<f64>,
+    consumed: Vec<SliceRef>,
+}
+
+impl Trainer {
+    /// A trainer for the job whose bridge is at `socket` and directory is `dir`.
+    pub fn new(socket: &Path, dir: &Path, config: JobConfig) -> Result<Self, TrainError> {
+        let model = Model::new(&config.model, config.seed)?;
+        let inner = config.diloco.inner;
+        let optimizer = AdamW::new(
+            model.parameters(),
+            ParamsAdamW {
+                lr: inner.learning_rate,
+                beta1: inner.beta1,
+                beta2: inner.beta2,
+                eps: 1e-8,
+                weight_decay: inner.weight_decay,
+            },
+        )?;
+        let global = model.tensors()?;
+        let bridge = Bridge::new(socket);
+        Ok(Self {
+            data: Reader::new(bridge.clone(), dir, config.data.clone()),
+            bridge,
+            dir: dir.to_path_buf(),
+            config,
+            model,
+            optimizer,
+            global,
+            round: None,
+            stats: RoundStats::default(),
+        })
+    }
+
+    /// Trains until the scheduler says training is over.
+    pub fn run(mut self) -> Result<(), TrainError> {
+        let mut order: Option<TrainerOrder> = None;
+        let mut reported = Instant::now();
+        loop {
+            let target_reached = matches!(
+                order,
+                Some(TrainerOrder::Train { batches, .. }) if self.stats.batches >= batches
+            );
+            if order.is_none() || target_reached || reported.elapsed() >= REPORT_EVERY {
+                order = Some(self.report()?);
+                reported = Instant::now();
+            }
+            match order.clone() {
+                None | Some(TrainerOrder::Done) => return Ok(()),
+                Some(TrainerOrder::Wait { retry_ms }) => {
+                    std::thread::sleep(Duration::from_millis(retry_ms.clamp(10, 5000)));
+                    order = None;
+                }
+                Some(TrainerOrder::Join { parameter_server }) => {
+                    self.join(&parameter_server)?;
+                    order = None;
+                }
+                Some(TrainerOrder::Train {
+                    round,
+                    batches,
+                    parameter_server,
+                }) => {
+                    if self.round != Some(round) {
+                        order = None;
+                        continue;
+                    }
+                    // Finish the slice being read before syncing: its samples go into one round.
+                    let wants_more = self.stats.batches < batches || self.data.in_slice();
+                    if wants_more && self.train_batch()? {
+                        continue;
+                    }
+                    if self.stats.samples == 0 && self.data.done {
+                        // Nothing trained and nothing left: wait to be told the end.
+                        std::thread::sleep(REPORT_EVERY);
+                        order = None;
+                        continue;
+                    }
+                    self.sync(&parameter_server)?;
+                    order = None;
+                }
+            }
+        }
+    }
+
+    fn report(&self) -> Result<TrainerOrder, TrainError> {
+        let stats = &self.stats;
+        let status = Status::Trainer(TrainerStatus {
+            round: self.round,
+            batches: stats.batches,
+            samples: stats.samples,
+            batch_ms: stats.batch_ms,
+            loss: (stats.batches > 0).then(|| stats.loss_sum / stats.batches as f64),
+            data_done: self.data.done && !self.data.in_slice(),
+            eval: None,
+        });
+        Ok(self.bridge.post("/status/send", &status)?)
+    }
+
+    /// One AdamW step on the next batch; false when the data is done.
+    fn train_batch(&mut self) -> Result<bool, TrainError> {
+        let started = Instant::now();
+        let next = self.data.next_batch(self.config.diloco.batch_size)?;
+        self.stats.consumed.append(&mut self.data.finished);
+        let Some((batch, rows)) = next else {
+            return Ok(false);
+        };
+        let loss = self.model.loss(&batch)?;
+        self.optimizer.backward_step(&loss)?;
+        let loss = f64::from(loss.to_scalar::<f32>()?);
+        let elapsed = started.elapsed().as_secs_f64() * 1000.0;
+        let stats = &mut self.stats;
+        stats.batches += 1;
+        stats.samples += rows as u64;
+        stats.loss_sum += loss;
+        // A moving average: recent batches count most, one slow batch does not swing it.
+        stats.batch_ms = Some(
+            stats
+                .batch_ms
+                .map_or(elapsed, |ms| 0.7 * ms + 0.3 * elapsed),
+        );
+        Ok(true)
+    }
+
+    /// Sends the initial model to the parameter server and takes the global one.
+    fn join(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+        let metadata = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
+            (meta::ROUND.to_string(), "0".to_string()),
+        ]);
+        let bytes = self.model.to_bytes(&metadata)?;
+        self.send(parameter_server, "initial-model.safetensors", &bytes)?;
+        self.receive(parameter_server)
+    }
+
+    /// Ends the round: consumed slices to the ledger, the pseudo-gradient to the parameter
+    /// server, then the next global model.
+    fn sync(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+        let round = self.round.unwrap_or(0);
+        if !self.stats.consumed.is_empty() {
+            let consumed = serde_json::json!({
+                "slices": self.stats.consumed,
+                "round": round,
+                "data": self.config.data,
+            });
+            let _: serde_json::Value = self.bridge.post("/data/consumed", &consumed)?;
+        }
+        if self.stats.samples > 0 {
+            let mut delta = self.global.clone();
+            let local = self.model.tensors()?;
+            for (name, tensor) in &mut delta.0 {
+                if let Some(trained) = local.0.get(name) {
+                    for (g, l) in tensor.values.iter_mut().zip(&trained.values) {
+                        *g -= l;
+                    }
+                }
+            }
+            let metadata = Metadata::from([
+                (
+                    meta::KIND.to_string(),
+                    meta::KIND_PSEUDO_GRADIENT.to_string(),
+                ),
+                (meta::ROUND.to_string(), round.to_string()),
+                (meta::SAMPLES.to_string(), self.stats.samples.to_string()),
+            ]);
+            let name = format!("pseudo-gradient-{round}.safetensors");
+            self.send(parameter_server, &name, &delta.to_bytes(&metadata)?)?;
+        }
+        self.receive(parameter_server)
+    }
+
+    fn send(&self, peer: &str, name: &str, bytes: &[u8]) -> Result<(), TrainError> {
+        let outbox = self.dir.join("outbox");
+        let path = outbox.join(name);
+        let file_error = |error| TrainError::File {
+            path: path.clone(),
+            error,
+        };
+        std::fs::create_dir_all(&outbox).map_err(file_error)?;
+        std::fs::write(&path, bytes).map_err(file_error)?;
+        let request = serde_json::json!({
+            "send": {"type": "Peers", "peers": [peer], "strategy": "All"},
+            "path": format!("outbox/{name}"),
+        });
+        let _: serde_json::Value = self.bridge.post("/resources/send", &request)?;
+        let _ = std::fs::remove_file(&path);
+        Ok(())
+    }
+
+    /// Waits for the parameter server's next global model and starts a round from it.
+    fn receive(&mut self, peer: &str) -> Result<(), TrainError> {
+        let request = serde_json::json!({
+            "fetch": {"type": "Peers", "peers": [peer]},
+            "out_dir": "models",
+        });
+        let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
+        let entry = entries
+            .first()
+            .ok_or_else(|| TrainError::Protocol("the parameter server sent no model".into()))?;
+        let path = self.dir.join(&entry.path);
+        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+            path: path.clone(),
+            error,
+        })?;
+        let _ = std::fs::remove_file(&path);
+        let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
+        let global = Tensors::from_bytes(&bytes)?;
+        self.model.load(&global)?;
+        self.global = global;
+        self.round = Some(round);
+        self.stats = RoundStats {
+            batch_ms: self.stats.batch_ms,
+            ..RoundStats::default()
+        };
+        Ok(())
+    }
+}
+
+/// The job's slices, read batch by batch.
+#[derive(Debug)]
+struct Reader {
+    bridge: Bridge,
+    dir: PathBuf,
+    reference: serde_json::Value,
+    current: Option<Slice>,
+    /// Slices read to their end, not yet reported.
+    finished: Vec<SliceRef>,
+    done: bool,
+}
+
+#[derive(Debug)]
+struct Slice {
+    tensors: Batch,
+    rows: usize,
+    next: usize,
+    id: SliceRef,
+}
+
+impl Reader {
+    fn new(bridge: Bridge, dir: &Path, reference: serde_json::Value) -> Self {
+        Self {
+            bridge,
+            dir: dir.to_path_buf(),
+            reference,
+            current: None,
+            finished: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// A slice is being read and has rows left.
+    fn in_slice(&self) -> bool {
+        self.current.as_ref().is_some_and(|s| s.next < s.rows)
+    }
+
+    /// The next batch of at most `size` rows, never across two slices, with its row count;
+    /// `None` when the data is done. Slices read to their end go to `finished`.
+    fn next_batch(&mut self, size: usize) -> Result<Option<(Batch, usize)>, TrainError> {
+        while !self.in_slice() {
+            self.current = self.fetch()?;
+            match &self.current {
+                None => return Ok(None),
+                // An empty slice is read as soon as it arrives.
+                Some(slice) if slice.rows == 0 => self.finished.push(slice.id),
+                Some(_) => {}
+            }
+        }
+        let Some(slice) = self.current.as_mut() else {
+            return Ok(None);
+        };
+        let take = size.max(1).min(slice.rows - slice.next);
+        let mut batch = Batch::new();
+        for (name, tensor) in &slice.tensors {
+            batch.insert(name.clone(), tensor.narrow(0, slice.next, take)?);
+        }
+        slice.next += take;
+        if slice.next == slice.rows {
+            self.finished.push(slice.id);
+        }
+        Ok(Some((batch, take)))
+    }
+
+    fn fetch(&mut self) -> Result<Option<Slice>, TrainError> {
+        if self.done {
+            return Ok(None);
+        }
+        let request = serde_json::json!({"fetch": self.reference, "out_dir": "slices"});
+        let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
+        let Some(entry) = entries.first() else {
+            self.done = true;
+            return Ok(None);
+        };
+        let number = |key: &str| {
+            entry
+                .metadata
+                .get(key)
+                .and_then(serde_json::Value::as_u64)
+                .ok_or_else(|| {
+                    TrainError::Protocol(format!(
+                        "the slice {} has no {key:?} in its metadata",
+                        entry.path
+                    ))
+                })
+        };
+        let id = SliceRef {
+            epoch: u32::try_from(number("epoch")?).unwrap_or(u32::MAX),
+            slice: number("slice")?,
+        };
+        let path = self.dir.join(&entry.path);
+        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+        let _ = std::fs::remove_file(&path);
+        let rows = tensors
+            .values()
+            .next()
+            .and_then(|t| t.dims().first().copied())
+            .unwrap_or(0);
+        if tensors.values().any(|t| t.dims().first() != Some(&rows)) {
+            return Err(TrainError::Protocol(format!(
+                "the slice {} has tensors with different numbers of rows",
+                entry.path
+            )));
+        }
+        Ok(Some(Slice {
+            tensors: tensors.into_iter().collect(),
+            rows,
+            next: 0,
+            id,
+        }))
+    }
+}

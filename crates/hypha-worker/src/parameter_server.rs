@@ -1,0 +1,317 @@
+//! The built-in parameter server (`runtime = "parameter-server"`): DiLoCo's outer loop as a
+//! job.
+//!
+//! It takes files from the job's inbox (what the task's trainers send over the resource
+//! protocol, see [`transfer`](crate::bridge::transfer)): a trainer's initial model (adopted
+//! when the server has none; answered with the current global model either way) and
+//! pseudo-gradients (added to the round they were trained for, as they arrive, or dropped
+//! when that round is closed). It reports to the job's scheduler after every file and every
+//! [`REPORT_EVERY`], and does what the answer says: wait, close the round (weighted mean,
+//! Nesterov step, checkpoint, new global model to every trainer), or finish.
+//!
+//! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
+//! momentum, round; written atomically after every round), `models/round-{r}.safetensors`
+//! (the global model each round starts from, as sent), `final.safetensors` (the model when
+//! training is over).
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use hypha_diloco::{
+    OuterOptimizer,
+    server::{ParameterServer, Taken, round_of, samples_of},
+};
+use hypha_messages::{
+    Request, Response,
+    diloco::{Applied, Arrival, Late, ServerOrder, ServerStatus, Status, meta},
+    job::JobStatus,
+};
+use hypha_network::{Network, PeerId};
+use serde::Deserialize;
+use tokio::sync::oneshot;
+
+use crate::bridge::transfer::{self, Header, Inbox};
+
+/// How often the server reports when nothing arrives.
+pub const REPORT_EVERY: Duration = Duration::from_millis(250);
+/// The checkpoint, in the job's directory.
+pub const CHECKPOINT: &str = "parameter-server.safetensors";
+/// The model when training is over, in the job's directory.
+pub const FINAL_MODEL: &str = "final.safetensors";
+
+/// The parameter server's config (the scheduler's `{"outer": …}`).
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct Config {
+    outer: Outer,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct Outer {
+    learning_rate: f32,
+    momentum: f32,
+}
+
+/// One parameter-server job.
+#[derive(Debug)]
+pub struct ServerJob {
+    pub network: Network,
+    pub scheduler: PeerId,
+    pub job: String,
+    pub task: String,
+    pub dir: PathBuf,
+    pub inbox: Arc<Inbox>,
+    /// The job's config as the scheduler sent it.
+    pub config: serde_json::Value,
+}
+
+/// Why the server stopped before training was over.
+#[derive(Debug, thiserror::Error)]
+enum ServerError {
+    #[error(
+        "the job's config is not a parameter server's ({0}); it needs {{\"outer\": {{\"learning_rate\": …, \"momentum\": …}}}}"
+    )]
+    Config(serde_json::Error),
+    #[error(transparent)]
+    Diloco(#[from] hypha_diloco::Error),
+    #[error("cannot write {path}: {error}")]
+    Write { path: String, error: std::io::Error },
+}
+
+impl ServerJob {
+    /// Serves until the scheduler says training is over, or `cancel` fires.
+    pub async fn run(self, cancel: oneshot::Receiver<String>) -> JobStatus {
+        tokio::pin!(cancel);
+        let result = tokio::select! {
+            result = self.serve() => result,
+            reason = &mut cancel => {
+                let reason = reason.unwrap_or_else(|_| "the worker is shutting down".into());
+                return JobStatus::Failed { reason: format!("cancelled: {reason}"), stderr_tail: vec![] };
+            }
+        };
+        match result {
+            Ok(()) => JobStatus::Finished { exit_code: 0 },
+            Err(error) => JobStatus::Failed {
+                reason: error.to_string(),
+                stderr_tail: vec![],
+            },
+        }
+    }
+
+    async fn serve(&self) -> Result<(), ServerError> {
+        let config: Config =
+            serde_json::from_value(self.config.clone()).map_err(ServerError::Config)?;
+        let optimizer = OuterOptimizer::new(config.outer.learning_rate, config.outer.momentum);
+        let mut server = ParameterServer::resume(&self.dir.join(CHECKPOINT), optimizer)?;
+        let mut dropped = Vec::new();
+        let mut applied = None;
+        let mut report = tokio::time::interval(REPORT_EVERY);
+        report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let anyone = HashSet::new();
+        loop {
+            tokio::select! {
+                arrived = self.inbox.next(&anyone) => {
+                    self.take(&mut server, &arrived, &mut dropped).await;
+                }
+                _ = report.tick() => {}
+            }
+            let status = ServerStatus {
+                round: server.round(),
+                arrived: server
+                    .arrived()
+                    .iter()
+                    .map(|(peer, samples)| Arrival {
+                        peer: peer.clone(),
+                        samples: *samples,
+                    })
+                    .collect(),
+                dropped: std::mem::take(&mut dropped),
+                applied: applied.clone(),
+            };
+            match self.report(status).await {
+                Some(ServerOrder::Wait) | None => {}
+                Some(ServerOrder::Close { round, send_to }) => {
+                    if server.round() == Some(round) {
+                        applied = Some(self.close(&mut server, &send_to)?);
+                    }
+                }
+                Some(ServerOrder::Done) => {
+                    let path = self.dir.join(FINAL_MODEL);
+                    let bytes = server.model_bytes()?;
+                    hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, true)
+                        .map_err(hypha_diloco::Error::from)?;
+                    tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Takes one file from the inbox: a model offered by a trainer that joins, or a
+    /// pseudo-gradient.
+    async fn take(
+        &self,
+        server: &mut ParameterServer,
+        arrived: &transfer::Arrived,
+        dropped: &mut Vec<Late>,
+    ) {
+        let from = arrived.from.to_string();
+        let bytes = match self.inbox.deliver(arrived, Path::new("received")) {
+            Ok(path) => {
+                let path = self.dir.join(path);
+                let bytes = std::fs::read(&path);
+                let _ = std::fs::remove_file(&path);
+                bytes
+            }
+            Err(error) => Err(std::io::Error::other(error.to_string())),
+        };
+        let bytes = match bytes {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                tracing::warn!(%from, %error, "could not read a file a trainer sent");
+                return;
+            }
+        };
+        let metadata = hypha_diloco::metadata(&bytes).unwrap_or_default();
+        match metadata.get(meta::KIND).map(String::as_str) {
+            Some(meta::KIND_MODEL) => match server.offer(&bytes) {
+                Ok(adopted) => {
+                    if adopted {
+                        tracing::info!(%from, "adopted the first trainer's initial model as the global model");
+                    }
+                    // A joining trainer starts from the current global model.
+                    if let Err(error) = self.send_model(server, std::slice::from_ref(&from)) {
+                        tracing::warn!(%from, %error, "could not send the global model");
+                    }
+                }
+                Err(error) => tracing::warn!(%from, %error, "refused a trainer's model"),
+            },
+            Some(meta::KIND_PSEUDO_GRADIENT) => {
+                let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
+                    (Ok(round), Ok(samples)) => (round, samples),
+                    (Err(error), _) | (_, Err(error)) => {
+                        tracing::warn!(%from, %error, "refused a pseudo-gradient");
+                        return;
+                    }
+                };
+                // Adding walks the whole model: keep it off the runtime's async threads.
+                let taken =
+                    tokio::task::block_in_place(|| server.add(&from, &bytes, round, samples));
+                match taken {
+                    Ok(Taken::Added) => {
+                        tracing::debug!(%from, round, samples, "pseudo-gradient added")
+                    }
+                    Ok(Taken::Late { round }) => {
+                        tracing::info!(%from, round, "a pseudo-gradient for a closed round: dropped");
+                        dropped.push(Late { peer: from, round });
+                    }
+                    Ok(Taken::Duplicate) => {
+                        tracing::warn!(%from, round, "a second pseudo-gradient for one round: dropped")
+                    }
+                    Err(error) => tracing::warn!(%from, %error, "refused a pseudo-gradient"),
+                }
+            }
+            other => {
+                tracing::warn!(%from, kind = ?other, "a file that is neither a model nor a pseudo-gradient: ignored")
+            }
+        }
+    }
+
+    /// Closes the round: step, checkpoint, and the new model to `send_to`.
+    fn close(
+        &self,
+        server: &mut ParameterServer,
+        send_to: &[String],
+    ) -> Result<Applied, ServerError> {
+        let closed = tokio::task::block_in_place(|| {
+            let closed = server.close()?;
+            server.checkpoint(&self.dir.join(CHECKPOINT))?;
+            Ok::<_, hypha_diloco::Error>(closed)
+        })?;
+        tracing::info!(
+            round = closed.round,
+            trainers = closed.included.len(),
+            samples = closed.samples,
+            "round closed"
+        );
+        if let Err(error) = self.send_model(server, send_to) {
+            tracing::warn!(%error, "could not send the new global model");
+        }
+        Ok(Applied {
+            round: closed.round,
+            included: closed.included,
+        })
+    }
+
+    /// Writes the global model for its round (once) and sends it to `peers` in the
+    /// background: a slow trainer does not hold up the others or the server.
+    fn send_model(&self, server: &ParameterServer, peers: &[String]) -> Result<(), ServerError> {
+        let round = server.round().unwrap_or(0);
+        let name = format!("round-{round}.safetensors");
+        let path = self.dir.join("models").join(&name);
+        if !path.exists() {
+            let bytes = tokio::task::block_in_place(|| server.model_bytes())?;
+            let write = |error| ServerError::Write {
+                path: path.display().to_string(),
+                error,
+            };
+            std::fs::create_dir_all(self.dir.join("models")).map_err(write)?;
+            hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, false)
+                .map_err(hypha_diloco::Error::from)?;
+        }
+        for peer in peers {
+            let Ok(peer) = peer.parse::<PeerId>() else {
+                tracing::warn!(%peer, "the scheduler named a trainer that is not a peer ID");
+                continue;
+            };
+            let network = self.network.clone();
+            let path = path.clone();
+            let header = Header {
+                task: self.task.clone(),
+                name: name.clone(),
+                size: path.metadata().map(|m| m.len()).unwrap_or(0),
+            };
+            tokio::spawn(async move {
+                let sent = match std::fs::File::open(&path) {
+                    Ok(file) => transfer::send(&network, peer, &header, file)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(error) = sent {
+                    tracing::warn!(%peer, round, %error, "a trainer did not take the global model");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends a status to the scheduler; its order, or `None` when it could not be asked.
+    async fn report(&self, status: ServerStatus) -> Option<ServerOrder> {
+        let payload = serde_json::to_string(&Status::ParameterServer(status)).ok()?;
+        let request = Request::ExecutorStatus {
+            job: self.job.clone(),
+            payload,
+        };
+        match self.network.request(self.scheduler, request).await {
+            Ok(Response::ExecutorStatus { payload }) => match serde_json::from_str(&payload) {
+                Ok(order) => Some(order),
+                Err(error) => {
+                    tracing::warn!(%error, %payload, "the scheduler's answer is not a parameter-server order");
+                    None
+                }
+            },
+            Ok(other) => {
+                tracing::warn!(answer = ?other, "the scheduler did not take the status");
+                None
+            }
+            Err(error) => {
+                tracing::debug!(%error, "the scheduler is unreachable; trying again");
+                None
+            }
+        }
+    }
+}
