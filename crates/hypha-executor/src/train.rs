@@ -6,6 +6,7 @@
 //! 2. `train`: run AdamW steps on batches of the job's slices (`/resources/fetch` with the
 //!    job's `data` reference) until the round's batch target; report every
 //!    [`REPORT_EVERY`] (batch time, loss) and take the new target.
+//!    When no slice is free for [`DATA_WAIT`], the round ends early for this trainer.
 //! 3. At the target, finish the slice being read (so that each slice's samples go into one
 //!    round), tell the ledger which slices the round consumed (`/data/consumed`), send the
 //!    pseudo-gradient θ_global − θ_local with its round and sample count to the parameter
@@ -35,6 +36,9 @@ use crate::{
 
 /// How often a trainer reports while it trains.
 pub const REPORT_EVERY: Duration = Duration::from_millis(200);
+/// How long a trainer waits for a slice while none is free before it syncs what it has: the
+/// slices it lacks may be held by trainers that are waiting for this round to close.
+pub const DATA_WAIT: Duration = Duration::from_secs(1);
 
 /// The job's config, as the scheduler writes it (other keys are ignored).
 #[derive(Debug, Clone, Deserialize)]
@@ -182,14 +186,17 @@ impl Trainer {
                     }
                     // Finish the slice being read before syncing: its samples go into one round.
                     let wants_more = self.stats.batches < batches || self.data.in_slice();
-                    if wants_more && self.train_batch()? {
-                        continue;
-                    }
-                    if self.stats.samples == 0 && self.data.done {
-                        // Nothing trained and nothing left: wait to be told the end.
-                        std::thread::sleep(REPORT_EVERY);
-                        order = None;
-                        continue;
+                    if wants_more {
+                        if self.train_batch()? {
+                            continue;
+                        }
+                        if self.stats.samples == 0 {
+                            // Nothing trained and nothing free: wait for slices to come back
+                            // or to be told the end.
+                            std::thread::sleep(REPORT_EVERY);
+                            order = None;
+                            continue;
+                        }
                     }
                     self.sync(&parameter_server)?;
                     order = None;
@@ -206,7 +213,7 @@ impl Trainer {
             samples: stats.samples,
             batch_ms: stats.batch_ms,
             loss: (stats.batches > 0).then(|| stats.loss_sum / stats.batches as f64),
-            data_done: self.data.done && !self.data.in_slice(),
+            data_done: self.data.out_of_data(),
             eval: None,
         });
         Ok(self.bridge.post("/status/send", &status)?)
@@ -280,6 +287,10 @@ impl Trainer {
             ]);
             let name = format!("pseudo-gradient-{round}.safetensors");
             self.send(parameter_server, &name, &delta.to_bytes(&metadata)?)?;
+            eprintln!(
+                "round {round}: pseudo-gradient of {} samples ({} batches) sent",
+                self.stats.samples, self.stats.batches
+            );
         }
         self.receive(parameter_server)
     }
@@ -323,6 +334,7 @@ impl Trainer {
         self.model.load(&global)?;
         self.global = global;
         self.round = Some(round);
+        eprintln!("round {round}: global model received");
         self.stats = RoundStats {
             batch_ms: self.stats.batch_ms,
             ..RoundStats::default()
@@ -340,7 +352,10 @@ struct Reader {
     current: Option<Slice>,
     /// Slices read to their end, not yet reported.
     finished: Vec<SliceRef>,
+    /// The iteration is done: every slice is used or held by another job.
     done: bool,
+    /// No slice was free on the last try; others hold the rest for now.
+    waiting: bool,
 }
 
 #[derive(Debug)]
@@ -360,7 +375,13 @@ impl Reader {
             current: None,
             finished: Vec::new(),
             done: false,
+            waiting: false,
         }
+    }
+
+    /// Nothing left to read now.
+    fn out_of_data(&self) -> bool {
+        (self.done || self.waiting) && !self.in_slice()
     }
 
     /// A slice is being read and has rows left.
@@ -399,8 +420,22 @@ impl Reader {
         if self.done {
             return Ok(None);
         }
-        let request = serde_json::json!({"fetch": self.reference, "out_dir": "slices"});
-        let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
+        let request = serde_json::json!({
+            "fetch": self.reference,
+            "out_dir": "slices",
+            "wait_ms": DATA_WAIT.as_millis() as u64,
+        });
+        let entries: Vec<FileEntry> = match self.bridge.post("/resources/fetch", &request) {
+            Ok(entries) => entries,
+            Err(BridgeError::Status {
+                status: 503, body, ..
+            }) if body.contains("data_wait") => {
+                self.waiting = true;
+                return Ok(None);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        self.waiting = false;
         let Some(entry) = entries.first() else {
             self.done = true;
             return Ok(None);

@@ -10,7 +10,7 @@
 //! batch target it reaches by then: fast and slow trainers finish together and none idles. A
 //! trainer that has not reported a batch time yet gets an even share.
 //!
-//! **Closing.** A round closes when every trainer of the round has sent its pseudo-gradient,
+//! **Closing.** A round closes when every trainer holding a model has sent its pseudo-gradient,
 //! or, once `round_seconds` (plus a grace of a quarter of it) have passed since the round
 //! began, with at least `quorum` of them. Trainers that are lost leave the round at once.
 //!
@@ -52,6 +52,8 @@ const RETRY_MS: u64 = 500;
 struct Trainer {
     peer: String,
     status: TrainerStatus,
+    /// The last loss it reported: (round, loss, samples), kept past the round's end.
+    last_loss: Option<(u64, f64, u64)>,
     /// Rounds before this one are settled in the ledger.
     settled_below: u64,
 }
@@ -76,8 +78,8 @@ pub struct Rounds {
     started_ms: Option<u64>,
     trainers: HashMap<String, Trainer>,
     server: Option<String>,
-    /// Peers whose pseudo-gradients of `round` the server holds.
-    arrived: HashSet<String>,
+    /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
+    arrived: HashMap<String, u64>,
     /// A close was ordered for this round and is not applied yet.
     closing: Option<u64>,
     included: BTreeMap<u64, HashSet<String>>,
@@ -92,7 +94,7 @@ impl Rounds {
             started_ms: None,
             trainers: HashMap::new(),
             server: None,
-            arrived: HashSet::new(),
+            arrived: HashMap::new(),
             closing: None,
             included: BTreeMap::new(),
             done: false,
@@ -121,6 +123,7 @@ impl Rounds {
         let trainer = Trainer {
             peer,
             status: TrainerStatus::default(),
+            last_loss: None,
             settled_below: self.round,
         };
         self.trainers.insert(job, trainer);
@@ -157,6 +160,15 @@ impl Rounds {
                 settle,
             );
         };
+        if round > self.round {
+            // The server sent the next model before its status said it applied the round.
+            return (
+                TrainerOrder::Wait {
+                    retry_ms: RETRY_MS / 5,
+                },
+                settle,
+            );
+        }
         if let Some(trainer) = self.trainers.get_mut(job) {
             for closed in trainer.settled_below..round.min(self.round) {
                 let included = self
@@ -171,6 +183,9 @@ impl Rounds {
                 }
             }
             trainer.settled_below = trainer.settled_below.max(round.min(self.round));
+            if let Some(loss) = status.loss {
+                trainer.last_loss = Some((round, loss, status.samples));
+            }
             trainer.status = status.clone();
         }
         if round == self.round && self.started_ms.is_none() {
@@ -180,9 +195,12 @@ impl Rounds {
             self.done = true;
             return (TrainerOrder::Done, settle);
         }
-        let sync_now = round != self.round || self.closing == Some(round) || status.data_done;
-        let batches = if sync_now {
+        let batches = if round != self.round || self.closing == Some(round) {
+            // Behind, or the round is closing: sync now.
             status.batches
+        } else if status.data_done {
+            // Out of data: sync what it has; with nothing, keep asking for slices.
+            status.batches + u64::from(status.samples == 0)
         } else {
             self.target(&status, now_ms)
         };
@@ -241,7 +259,7 @@ impl Rounds {
             && self.closing == Some(applied.round)
         {
             let included: HashSet<String> = applied.included.iter().cloned().collect();
-            let mut samples = 0;
+            let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
             let mut weighted_loss = (0.0, 0u64);
             for (job, trainer) in &mut self.trainers {
                 if included.contains(&trainer.peer) {
@@ -250,10 +268,11 @@ impl Rounds {
                         round: applied.round,
                     });
                     trainer.settled_below = trainer.settled_below.max(applied.round + 1);
-                    samples += trainer.status.samples;
-                    if let Some(loss) = trainer.status.loss {
-                        weighted_loss.0 += loss * trainer.status.samples as f64;
-                        weighted_loss.1 += trainer.status.samples;
+                    if let Some((round, loss, samples)) = trainer.last_loss
+                        && round == applied.round
+                    {
+                        weighted_loss.0 += loss * samples as f64;
+                        weighted_loss.1 += samples;
                     }
                 }
             }
@@ -279,7 +298,11 @@ impl Rounds {
             return (ServerOrder::Done, settle, applied_round);
         }
         if status.round == Some(self.round) {
-            self.arrived = status.arrived.iter().map(|a| a.peer.clone()).collect();
+            self.arrived = status
+                .arrived
+                .iter()
+                .map(|a| (a.peer.clone(), a.samples))
+                .collect();
         }
         let send_to = || self.trainers.values().map(|t| t.peer.clone()).collect();
         if self.closing == Some(self.round) {
@@ -314,13 +337,15 @@ impl Rounds {
         if self.arrived.is_empty() {
             return false;
         }
+        // Every trainer that holds a model trains this round, even one that has not taken
+        // this round's model yet; one out of data with nothing trained sends nothing.
         let expected: Vec<&Trainer> = self
             .trainers
             .values()
-            .filter(|t| t.status.round == Some(self.round))
+            .filter(|t| t.status.round.is_some())
             .filter(|t| !(t.status.data_done && t.status.samples == 0))
             .collect();
-        if expected.iter().all(|t| self.arrived.contains(&t.peer)) {
+        if expected.iter().all(|t| self.arrived.contains_key(&t.peer)) {
             return true;
         }
         let grace = self.plan.round_ms / 4;
@@ -459,7 +484,7 @@ mod tests {
         let (_, settle, applied) =
             rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 300);
         assert_eq!(settle.len(), 2);
-        assert_eq!(applied.unwrap().samples, 120);
+        assert_eq!(applied.unwrap().samples, 200, "as the server counted them");
         assert_eq!(rounds.round(), 1);
         // Round 1 is the last: once applied, everyone is done.
         rounds.trainer_status("a", status(1, 1, Some(100.0)), 400);
@@ -476,6 +501,20 @@ mod tests {
             rounds.trainer_status("a", status(2, 0, None), 800).0,
             TrainerOrder::Done
         );
+    }
+
+    #[test]
+    fn a_trainer_ahead_of_the_applied_round_waits() {
+        let mut rounds = rounds_with(&[("a", "pa")]);
+        rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
+        rounds.server_status(server(0, &["pa"], None), 10);
+        // The model of round 1 reached the trainer before the server reported round 0 applied.
+        assert!(matches!(
+            rounds.trainer_status("a", status(1, 0, None), 20).0,
+            TrainerOrder::Wait { .. }
+        ));
+        rounds.server_status(server(1, &[], Some((0, &["pa"]))), 30);
+        assert!(target(rounds.trainer_status("a", status(1, 0, None), 40).0) > 0);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::{
 
 use common::*;
 use hypha_dataset::slice::{self, Dtype, Encoding, Tensors};
-use hypha_ledger::{Event, ReturnReason};
+use hypha_ledger::ReturnReason;
 use hypha_telemetry::testing::{Collector, Point};
 
 /// Writes Snappy slices `slices` of a dataset into `dir` (as `slice-{i}.safetensors`);
@@ -37,20 +37,6 @@ fn write_dataset(dir: &Path, slices: std::ops::Range<u64>) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// A data node serving `dataset_path`, announced.
-fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
-    let config = cluster.config(
-        name,
-        &format!(
-            "dataset_path = {dataset_path:?}
-"
-        ),
-    );
-    let mut node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, name);
-    node.wait_for("announced");
-    node
-}
-
 /// A job of `workers` workers running [`ITERATE`] over `dataset`.
 fn iterate_job(
     cluster: &Cluster,
@@ -65,39 +51,6 @@ fn iterate_job(
             "workers = {workers}\nbid = 50\nmax_attempts = 5\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n[data]\ndataset = \"{dataset}\"\nepochs = {epochs}\nseed = 7\n"
         ),
     )
-}
-
-/// How often the ledger at `path` recorded each (epoch, slice) USED, and the reasons slices
-/// went back to AVAILABLE.
-fn audit(path: &Path) -> (HashMap<(u32, u64), u32>, Vec<ReturnReason>) {
-    let audit = hypha_ledger::read_audit(path).unwrap();
-    let mut used = HashMap::new();
-    let mut returned = Vec::new();
-    for record in &audit.records {
-        match &record.event {
-            Event::Used { .. } => {
-                *used
-                    .entry((record.key.epoch, record.key.slice))
-                    .or_default() += 1;
-            }
-            Event::Returned { reason, .. } => returned.push(*reason),
-            _ => {}
-        }
-    }
-    (used, returned)
-}
-
-fn assert_each_used_once(used: &HashMap<(u32, u64), u32>, epochs: u32, slices: u64) {
-    for epoch in 0..epochs {
-        for slice in 0..slices {
-            assert_eq!(
-                used.get(&(epoch, slice)),
-                Some(&1),
-                "epoch {epoch} slice {slice}"
-            );
-        }
-    }
-    assert_eq!(used.len() as u64, u64::from(epochs) * slices);
 }
 
 /// Slices the executors of every worker whose work directory is under the cluster noted in

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -15,6 +15,7 @@ use std::{
 };
 
 use hypha_certs::authority::{self, Authority, Validity};
+use hypha_ledger::{Event, ReturnReason};
 
 /// The path of one of the workspace's binaries. `cargo test --workspace` (the README's test
 /// command) builds them all before any test runs; a plain `cargo test -p hypha-scheduler`
@@ -125,9 +126,24 @@ impl Cluster {
         script: &str,
         env: &[(&str, String)],
     ) -> Proc {
+        let executors = format!(
+            "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n"
+        );
+        self.worker_with_executors(name, offer, resources, &executors, env)
+    }
+
+    /// Starts a worker with `executors` (`[[executors]]` tables) and extra environment.
+    pub fn worker_with_executors(
+        &self,
+        name: &str,
+        offer: &str,
+        resources: &str,
+        executors: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
         let work = self.path(&format!("{name}-work"));
         let extra = format!(
-            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\nlease_ms = 3000\n{offer}\n[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n",
+            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\nlease_ms = 3000\n{offer}\n{executors}",
             work.display()
         );
         let config = self.config(name, &extra);
@@ -232,10 +248,16 @@ impl Proc {
         );
     }
 
-    /// Waits for the process to exit; returns its success and everything it logged.
+    /// Waits for the process to exit; returns its success and everything it logged. A
+    /// process still running at the limit is killed and reported as failed.
     pub fn wait(&mut self, limit: Duration) -> (bool, Vec<String>) {
         let deadline = Instant::now() + limit;
         loop {
+            if Instant::now() >= deadline {
+                self.kill();
+                self.seen
+                    .push(format!("(killed: still running after {limit:?})"));
+            }
             if let Some(status) = self.child.try_wait().unwrap() {
                 while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
                     self.seen.push(line);
@@ -245,12 +267,6 @@ impl Proc {
             while let Ok(line) = self.lines.try_recv() {
                 self.seen.push(line);
             }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not finish within {limit:?}; it logged:\n{}",
-                self.name,
-                self.seen.join("\n")
-            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -279,6 +295,53 @@ pub fn job_dir(work: &Path) -> PathBuf {
                 .starts_with("hypha-")
         })
         .unwrap()
+}
+
+/// A data node serving `dataset_path`, announced.
+pub fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
+    let config = cluster.config(
+        name,
+        &format!(
+            "dataset_path = {dataset_path:?}
+"
+        ),
+    );
+    let mut node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, name);
+    node.wait_for("announced");
+    node
+}
+
+/// How often the ledger at `path` recorded each (epoch, slice) USED, and the reasons slices
+/// went back to AVAILABLE.
+pub fn audit(path: &Path) -> (HashMap<(u32, u64), u32>, Vec<ReturnReason>) {
+    let audit = hypha_ledger::read_audit(path).unwrap();
+    let mut used = HashMap::new();
+    let mut returned = Vec::new();
+    for record in &audit.records {
+        match &record.event {
+            Event::Used { .. } => {
+                *used
+                    .entry((record.key.epoch, record.key.slice))
+                    .or_default() += 1;
+            }
+            Event::Returned { reason, .. } => returned.push(*reason),
+            _ => {}
+        }
+    }
+    (used, returned)
+}
+
+pub fn assert_each_used_once(used: &HashMap<(u32, u64), u32>, epochs: u32, slices: u64) {
+    for epoch in 0..epochs {
+        for slice in 0..slices {
+            assert_eq!(
+                used.get(&(epoch, slice)),
+                Some(&1),
+                "epoch {epoch} slice {slice}"
+            );
+        }
+    }
+    assert_eq!(used.len() as u64, u64::from(epochs) * slices);
 }
 
 pub fn events(path: &Path) -> Vec<serde_json::Value> {

@@ -6,7 +6,8 @@
 //!   another provider on failure), decompresses it and answers one entry:
 //!   `{out_dir}/e{epoch}-slice-{slice}.safetensors`, a plain SafeTensors file, with `epoch`,
 //!   `slice` and `samples` in its metadata. An empty list means the iteration is done: every
-//!   slice is used or held by jobs still running. While nothing is free the request waits.
+//!   slice is used or held by jobs still running. While nothing is free the request waits,
+//!   at most `wait_ms` when the request gives it (then: 503 `data_wait`).
 //! - `POST /data/consumed` with `{"slices": [{"epoch": 0, "slice": 7}], "round": 3}` tells the
 //!   ledger those slices' samples went into round 3; `"completed_round": 3` says round 3
 //!   reached the model (for jobs without a parameter server). The answer lists `refused`
@@ -114,6 +115,7 @@ pub(super) async fn fetch(
     bridge: &Bridge,
     reference: SchedulerReference,
     out_dir: &Path,
+    wait: Option<std::time::Duration>,
 ) -> Result<Vec<FileEntry>, BridgeError> {
     let source = Source {
         scheduler: reference.scheduler()?,
@@ -136,10 +138,24 @@ pub(super) async fn fetch(
             .map_err(|e| io_error(Path::new("the slice cache"), e))?,
         ),
     };
+    // Waiting on the prefetcher's queue can be given up without losing a slice.
+    let patience = async {
+        match wait {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => std::future::pending().await,
+        }
+    };
     let next = tokio::select! {
         next = prefetcher.next() => next,
         _ = bridge.stopping.cancelled() => {
             return Err(BridgeError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "the job is ending"));
+        }
+        _ = patience => {
+            return Err(BridgeError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "data_wait",
+                "no slice is free now: the rest are held by running jobs; ask again later",
+            ));
         }
     };
     drop(prefetchers);

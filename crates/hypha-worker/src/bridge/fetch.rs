@@ -11,7 +11,8 @@
 //!   secret `hf_token`, else the worker's `HF_TOKEN`.
 //!
 //! - `{"type": "Scheduler", "peer": "…", "dataset": "…"}`: the next slice of the job's
-//!   dataset (see [`data`](super::data)).
+//!   dataset (see [`data`](super::data)); with `"wait_ms"` beside `fetch`, the request waits
+//!   at most that long while no slice is free, then answers 503 `data_wait`.
 //!
 //! Downloads stream to a temporary file in the destination directory while their SHA-256 is
 //! computed, are fsynced and renamed into place: an interrupted download never leaves a
@@ -56,6 +57,9 @@ pub enum Reference {
 pub struct FetchRequest {
     pub fetch: Reference,
     pub out_dir: String,
+    /// For `Scheduler` references: how long to wait while no slice is free.
+    #[serde(default)]
+    pub wait_ms: Option<u64>,
 }
 
 pub(super) async fn fetch(
@@ -127,7 +131,10 @@ pub(super) async fn fetch(
             }
             Ok(entries)
         }
-        Reference::Scheduler(reference) => super::data::fetch(bridge, reference, &out_dir).await,
+        Reference::Scheduler(reference) => {
+            let wait = request.wait_ms.map(std::time::Duration::from_millis);
+            super::data::fetch(bridge, reference, &out_dir, wait).await
+        }
     }
 }
 

@@ -25,7 +25,8 @@
 //! once (more are refused `busy`), at most [`MAX_WAITING`] files wait in one inbox (more are
 //! refused `inbox_full`), a header must arrive within [`HEADER_TIMEOUT`] and the bytes may stall
 //! for at most [`STALL_TIMEOUT`]. A sender retries `no_job` (its peer's job may not have
-//! started yet), `busy` and `inbox_full` for up to [`SEND_PATIENCE`].
+//! started yet), `busy`, `inbox_full` and exchanges that broke off for up to
+//! [`SEND_PATIENCE`].
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -44,7 +45,7 @@ use hypha_network::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    io::{AsyncReadExt as _, AsyncSeekExt as _, AsyncWriteExt as _},
     sync::{Notify, Semaphore},
 };
 
@@ -504,8 +505,26 @@ pub enum SendError {
     Protocol,
 }
 
-/// Sends `size` bytes of `file` to the jobs of `task` on `peer`, retrying transient
-/// refusals for up to [`SEND_PATIENCE`]; returns `sha256:<hex>` of what was sent.
+impl SendError {
+    /// Worth another try: a refusal the receiver expects to lift, or an exchange that broke
+    /// off (a connection replaced mid-transfer, say).
+    fn is_transient(&self) -> bool {
+        match self {
+            SendError::Refused(refusal) => refusal.code.is_transient(),
+            SendError::Network(_) | SendError::Frame(_) => true,
+            SendError::File(_) | SendError::Protocol => false,
+        }
+    }
+}
+
+/// Sends `size` bytes of `file` to the jobs of `task` on `peer`, trying again for up to
+/// [`SEND_PATIENCE`] while the peer refuses for now or the exchange breaks off; returns
+/// `sha256:<hex>` of what was sent.
+///
+/// A receiver delivers a file only once its checksum matched, so a retried transfer is
+/// delivered once, unless the receiver's last answer was lost after it delivered: then the
+/// receiving job sees the file twice (DiLoCo's parameter server drops a second update of a
+/// round from the same peer).
 pub async fn send(
     network: &Network,
     peer: PeerId,
@@ -514,24 +533,38 @@ pub async fn send(
 ) -> Result<String, SendError> {
     let give_up = tokio::time::Instant::now() + SEND_PATIENCE;
     let mut backoff = Duration::from_millis(100);
-    let mut stream = loop {
-        let mut stream = network.open_stream(peer, PROTOCOL).await?;
-        write_frame(&mut stream, header).await?;
-        match read_frame::<Answer>(&mut stream).await? {
-            Answer::Ready => break stream,
-            Answer::Refused(refusal)
-                if refusal.code.is_transient()
-                    && tokio::time::Instant::now() + backoff < give_up =>
+    let mut file = tokio::fs::File::from_std(file);
+    loop {
+        file.seek(std::io::SeekFrom::Start(0))
+            .await
+            .map_err(SendError::File)?;
+        match attempt(network, peer, header, &mut file).await {
+            Err(error)
+                if error.is_transient() && tokio::time::Instant::now() + backoff < give_up =>
             {
-                tracing::debug!(%peer, %refusal, "resource transfer refused for now; retrying");
+                tracing::debug!(%peer, %error, "resource transfer did not go through; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }
-            Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
-            Answer::Received { .. } => return Err(SendError::Protocol),
+            outcome => return outcome,
         }
-    };
-    let mut file = tokio::fs::File::from_std(file);
+    }
+}
+
+/// One try of [`send`].
+async fn attempt(
+    network: &Network,
+    peer: PeerId,
+    header: &Header,
+    file: &mut tokio::fs::File,
+) -> Result<String, SendError> {
+    let mut stream = network.open_stream(peer, PROTOCOL).await?;
+    write_frame(&mut stream, header).await?;
+    match read_frame::<Answer>(&mut stream).await? {
+        Answer::Ready => {}
+        Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
+        Answer::Received { .. } => return Err(SendError::Protocol),
+    }
     let mut hasher = Sha256::new();
     let mut left = header.size;
     let mut buffer = vec![0u8; CHUNK];

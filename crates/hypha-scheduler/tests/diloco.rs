@@ -1,0 +1,214 @@
+//! DiLoCo end to end with real processes: a data node serving a learnable dataset, workers
+//! running the reference executor (`hypha-executor train`), a worker running the built-in
+//! parameter server, and the scheduler driving rounds; also with a trainer SIGKILLed
+//! mid-round.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+mod common;
+
+use std::{path::PathBuf, time::Duration};
+
+use common::*;
+use hypha_executor::{
+    model::{Model, ModelSpec},
+    synthetic::Synthetic,
+};
+use hypha_ledger::ReturnReason;
+
+const MODEL: ModelSpec = ModelSpec::Mlp {
+    inputs: 16,
+    hidden: 32,
+    classes: 4,
+};
+const SLICES: u64 = 24;
+
+/// A cluster with the dataset `blobs` on a data node and a parameter-server worker.
+fn cluster() -> (Cluster, Proc, Proc) {
+    let cluster = Cluster::new();
+    let dataset = cluster.path("data/blobs");
+    Synthetic::for_model(&MODEL)
+        .write(&dataset, SLICES as usize, 64, 0)
+        .unwrap();
+    let data = data_node(&cluster, "data", &cluster.path("data"));
+    let server = cluster.worker_with_executors(
+        "ps",
+        "price = 5\n",
+        "cpu = 1\nmemory = 1\n",
+        "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n",
+        &[],
+    );
+    (cluster, data, server)
+}
+
+fn trainer(cluster: &Cluster, name: &str) -> Proc {
+    let executor = format!(
+        "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n",
+        bin("hypha-executor").display().to_string()
+    );
+    cluster.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
+}
+
+fn job(cluster: &Cluster, name: &str, workers: usize, epochs: u32) -> PathBuf {
+    cluster.job(
+        name,
+        &format!(
+            "workers = {workers}\nbid = 50\nmax_attempts = 3\n\
+             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+             [resources]\ncpu = 1\n\
+             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 32, classes = 4 }}\n\
+             [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
+             [diloco]\nsamples_per_round = 384\nbatch_size = 32\nround_seconds = 5\n\
+             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
+        ),
+    )
+}
+
+fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Evaluation loss of a model file, or of the model every trainer starts from.
+fn evaluation_loss(weights: Option<PathBuf>) -> f64 {
+    let model = Model::new(&MODEL, 1).unwrap();
+    if let Some(path) = weights {
+        model
+            .load(&hypha_diloco::Tensors::load(&path).unwrap())
+            .unwrap();
+    }
+    let held_out = Synthetic::for_model(&MODEL).batch(1024, 1 << 40).unwrap();
+    model.evaluate(&held_out).unwrap().0
+}
+
+/// What the executors and workers said, for a failed test's message.
+fn diagnostics(cluster: &Cluster, procs: &mut [&mut Proc]) -> String {
+    let mut out = String::new();
+    for proc in procs.iter_mut() {
+        while let Ok(line) = proc.lines.try_recv() {
+            proc.seen.push(line);
+        }
+        out += &format!("--- {}\n{}\n", proc.name, proc.seen.join("\n"));
+    }
+    for entry in std::fs::read_dir(cluster.path("")).unwrap() {
+        let work = entry.unwrap().path();
+        if work.to_string_lossy().ends_with("-work") {
+            for job in std::fs::read_dir(&work).into_iter().flatten() {
+                let log = job.unwrap().path().join("stderr.log");
+                if let Ok(text) = std::fs::read_to_string(&log) {
+                    out += &format!("--- {}\n{text}\n", log.display());
+                }
+            }
+        }
+    }
+    out
+}
+
+fn no_errors(name: &str, lines: &[String]) {
+    let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
+    assert!(errors.is_empty(), "{name} logged errors: {errors:#?}");
+}
+
+#[test]
+fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_falls() {
+    let (cluster, _data, mut server) = cluster();
+    let mut trainers: Vec<Proc> = (0..3)
+        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .collect();
+    let job = job(&cluster, "train", 3, 2);
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    if !ok {
+        let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+        procs.push(&mut server);
+        panic!(
+            "the scheduler failed:\n{}\n{}",
+            lines.join("\n"),
+            diagnostics(&cluster, &mut procs)
+        );
+    }
+    no_errors("the scheduler", &lines);
+
+    // Rounds were applied and reported: in the events and in the metrics file.
+    let events = events(&events_path);
+    let rounds = of_kind(&events, "round");
+    assert!(rounds.len() >= 3, "{} rounds", rounds.len());
+    let metrics = lines_of(&cluster.path("train-job.metrics.jsonl"));
+    let applied: Vec<_> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    assert_eq!(applied.len(), rounds.len());
+    assert!(
+        metrics
+            .iter()
+            .any(|m| m["kind"] == "trainer" && m["loss"].is_f64())
+    );
+    // Every round but possibly the last (the data running out) has all three trainers.
+    assert!(
+        applied
+            .iter()
+            .any(|r| r["included"].as_array().unwrap().len() == 3)
+    );
+
+    // Each slice was trained exactly once per epoch; nothing went back to the ledger.
+    let (used, returned) = audit(&cluster.path("train-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+    assert!(returned.is_empty(), "{returned:?}");
+
+    // The parameter server wrote the final model; it is better than the starting one.
+    let ps_dir = job_dir(&cluster.path("ps-work"));
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(ps_dir.join("final.safetensors")));
+    assert!(after < 0.5 * before, "evaluation loss {before} → {after}");
+    assert!(ps_dir.join("parameter-server.safetensors").exists());
+
+    for (i, trainer) in trainers.iter_mut().enumerate() {
+        trainer.kill();
+        no_errors(&format!("trainer{i}"), &trainer.seen);
+    }
+    server.kill();
+    no_errors("the parameter server's worker", &server.seen);
+}
+
+#[test]
+fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
+    let (cluster, _data, _server) = cluster();
+    let mut trainers: Vec<Proc> = (0..3)
+        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .collect();
+    let job = job(&cluster, "chaos", 2, 2);
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    // Once a round is applied, kill a trainer that holds a job.
+    scheduler.wait_for("round applied");
+    let victim = (0..3)
+        .find(|i| {
+            std::fs::read_dir(cluster.path(&format!("trainer{i}-work"))).is_ok_and(|dir| {
+                dir.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("hypha-"))
+            })
+        })
+        .unwrap();
+    trainers[victim].child.kill().unwrap();
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    assert!(ok, "the scheduler failed:\n{}", lines.join("\n"));
+
+    let events = events(&events_path);
+    let killed_at = events
+        .iter()
+        .position(|e| e["event"]["kind"] == "lost")
+        .expect("the killed trainer is reported lost");
+    assert!(
+        events[killed_at..]
+            .iter()
+            .any(|e| e["event"]["kind"] == "round"),
+        "rounds go on after the kill"
+    );
+    let (used, returned) = audit(&cluster.path("chaos-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+    assert!(
+        returned.contains(&ReturnReason::WorkerLost),
+        "the killed trainer's slices went back: {returned:?}"
+    );
+}
