@@ -23,6 +23,8 @@ pub enum Suite {
     Ledger,
     /// The share of a slow executor's time spent waiting for prefetched slices.
     Prefetch,
+    /// Parameter-server aggregation against memcpy, its peak memory, DiLoCo's traffic.
+    Diloco,
 }
 
 impl Suite {
@@ -33,6 +35,7 @@ impl Suite {
             Suite::Allocation => "allocation",
             Suite::Ledger => "ledger",
             Suite::Prefetch => "prefetch",
+            Suite::Diloco => "diloco",
         }
     }
 }
@@ -42,6 +45,9 @@ pub fn run_child(args: &[String]) -> Option<anyhow::Result<()>> {
     match args.split_first() {
         Some((command, rest)) if command == suites::dataserve::CHILD_COMMAND => {
             Some(suites::dataserve::child_main(rest))
+        }
+        Some((command, rest)) if command == suites::diloco::CHILD_COMMAND => {
+            Some(suites::diloco::child_main(rest))
         }
         _ => None,
     }
@@ -73,6 +79,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Allocation => suites::allocation::run(quick).await,
                 Suite::Ledger => suites::ledger::run(quick).await,
                 Suite::Prefetch => suites::prefetch::run(quick).await,
+                Suite::Diloco => suites::diloco::run(quick).await,
             }
         })
         .await

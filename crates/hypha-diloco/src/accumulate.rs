@@ -67,7 +67,9 @@ impl Accumulator {
         let w = weight as f32;
         for (name, view) in &views {
             if let Some(sum) = self.sums.get_mut(*name) {
-                decode(view.dtype(), view.data(), |i, v| sum.values[i] += w * v);
+                decode(view.dtype(), view.data(), &mut sum.values, |s, v| {
+                    *s += w * v
+                });
             }
         }
         self.added(weight);
@@ -119,17 +121,17 @@ impl Accumulator {
         self.weight
     }
 
-    /// Σ nᵢΔᵢ / Σ nᵢ; the accumulator is left empty, shaped as before.
+    /// Σ nᵢΔᵢ / Σ nᵢ, computed in place: the accumulator is left empty and unshaped (the next
+    /// update shapes it again).
     pub fn mean(&mut self) -> Result<Tensors, Error> {
         if self.updates == 0 {
             return Err(Error::Empty);
         }
         let scale = (1.0 / self.weight) as f32;
-        let mut mean = self.sums.clone();
-        for (sum, mean) in self.sums.values_mut().zip(mean.values_mut()) {
-            for (s, m) in sum.values.iter_mut().zip(&mut mean.values) {
-                *m *= scale;
-                *s = 0.0;
+        let mut mean = std::mem::take(&mut self.sums);
+        for tensor in mean.values_mut() {
+            for value in &mut tensor.values {
+                *value *= scale;
             }
         }
         self.weight = 0.0;

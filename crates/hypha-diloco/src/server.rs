@@ -137,6 +137,8 @@ impl ParameterServer {
         }
         let gradient = self.sum.mean()?;
         self.optimizer.step(model, &gradient)?;
+        drop(gradient);
+        self.sum = Accumulator::shaped_like(model);
         let arrived = std::mem::take(&mut self.arrived);
         let closed = Closed {
             round: self.round,

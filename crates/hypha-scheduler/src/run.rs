@@ -331,12 +331,14 @@ pub async fn run_job(
                 .metrics
                 .clone()
                 .unwrap_or_else(|| "metrics.jsonl".into());
-            let started = Training::new(diloco.plan(), data.clone(), &path).map_err(|error| {
-                RunError::Metrics {
-                    path: path.display().to_string(),
-                    error,
-                }
-            })?;
+            let forward = diloco.forward.as_deref();
+            let started =
+                Training::new(diloco.plan(), data.clone(), &path, forward).map_err(|error| {
+                    RunError::Metrics {
+                        path: path.display().to_string(),
+                        error,
+                    }
+                })?;
             Some(started)
         }
         _ => None,
@@ -542,6 +544,9 @@ pub async fn run_job(
         }
     }
     allocator.settle(RELEASE_LIMIT).await;
+    if let Some(training) = training {
+        training.finish().await;
+    }
     events.record(Event::Done {
         ok: outcome.is_ok(),
         message: match &outcome {

@@ -38,6 +38,7 @@
 //! round_seconds = 60       # the longest a round is planned to take
 //! quorum = 0.5             # after that (plus a quarter), close with this share of trainers
 //! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
+//! forward = "http://127.0.0.1:8080/metrics"  # also POST each metrics line there (optional)
 //! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
 //! outer = { learning_rate = 0.7, momentum = 0.9 }
 //!
@@ -97,6 +98,9 @@ pub struct DilocoSpec {
     /// Where trainers' reports and closed rounds are written as JSON lines.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
+    /// An HTTP(S) URL each metrics line is also POSTed to, as JSON (a status bridge).
+    #[serde(default)]
+    pub forward: Option<String>,
     #[serde(default)]
     pub inner: InnerOptimizer,
     #[serde(default)]
@@ -360,6 +364,16 @@ impl DilocoSpec {
                 return Err(format!("{key} = {value} must be between 0 and 1"));
             }
         }
+        if let Some(url) = &self.forward {
+            match reqwest::Url::parse(url) {
+                Ok(parsed) if matches!(parsed.scheme(), "http" | "https") => {}
+                _ => {
+                    return Err(format!(
+                        "diloco.forward = {url:?} is not an http(s) URL; write it like \"http://127.0.0.1:8080/metrics\""
+                    ));
+                }
+            }
+        }
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
@@ -412,5 +426,40 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("workers must be 1 or more"), "{err}");
+    }
+
+    #[test]
+    fn diloco_job_files_parse_and_bad_settings_name_their_key() {
+        let base = "workers = 3\nbid = 50\n[executor]\nclass = \"train\"\nname = \"diloco\"\n[config]\nseed = 1\n[data]\ndataset = \"blobs\"\n";
+        let diloco = "[diloco]\nsamples_per_round = 512\nbatch_size = 32\n[diloco.parameter_server]\nbid = 10\nexecutor = { class = \"aggregate\", name = \"parameter-server\" }\n";
+        let spec = JobFile::parse("job.toml", &format!("{base}{diloco}")).unwrap();
+        let d = spec.diloco.as_ref().unwrap();
+        assert_eq!(
+            (d.round_seconds, d.quorum, d.outer.momentum),
+            (60.0, 0.5, 0.9)
+        );
+        let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
+        assert_eq!(trainer["diloco"]["batch_size"], 32);
+        assert_eq!(trainer["seed"], 1);
+        assert_eq!(
+            d.server_config(),
+            r#"{"outer":{"learning_rate":0.7,"momentum":0.9}}"#
+        );
+
+        let bad = |extra: &str| {
+            let text = format!("{base}{diloco}")
+                .replace("batch_size = 32\n", &format!("batch_size = 32\n{extra}\n"));
+            JobFile::parse("job.toml", &text).unwrap_err().to_string()
+        };
+        assert!(bad("quorum = 1.5").contains("diloco.quorum = 1.5"));
+        assert!(bad("forward = \"ftp://x\"").contains("diloco.forward"));
+        assert!(bad("rounds = 0").contains("diloco.rounds = 0"));
+        let err = JobFile::parse(
+            "job.toml",
+            &format!("{base}{diloco}").replace("[data]\ndataset = \"blobs\"\n", ""),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("add a [data] section"), "{err}");
     }
 }

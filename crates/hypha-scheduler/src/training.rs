@@ -4,7 +4,10 @@
 //! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
 //! trainer's report (round, batches, samples, batch time, loss, evaluation) and
 //! `{"kind": "round", …}` for every round the parameter server applied. Each line is written
-//! whole and flushed, so it can be followed while the job runs.
+//! whole and flushed, so it can be followed while the job runs. With `forward`, each line is
+//! also POSTed to that URL as JSON by a background task; when the URL cannot keep up (more
+//! than [`FORWARD_QUEUE`] lines waiting), lines are dropped for it, never for the file, and
+//! the job never waits for it.
 
 use std::{collections::HashMap, io::Write, path::Path};
 
@@ -17,12 +20,22 @@ use crate::{
     rounds::{AppliedRound, RoundPlan, Rounds, Settle},
 };
 
+/// Metrics lines waiting for the `forward` URL; more are dropped.
+pub const FORWARD_QUEUE: usize = 1024;
+/// How long a finished job waits for the `forward` URL to take the lines still queued.
+pub const FORWARD_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A DiLoCo job's rounds, ledger and metrics.
 #[derive(Debug)]
 pub struct Training {
     rounds: Rounds,
     data: JobData,
     metrics: std::fs::File,
+    forward: Option<(
+        tokio::sync::mpsc::Sender<String>,
+        tokio::task::JoinHandle<()>,
+    )>,
+    dropped: u64,
     peers: HashMap<String, PeerId>,
     server: Option<String>,
     round_started_ms: u64,
@@ -36,12 +49,20 @@ pub struct Answered {
 }
 
 impl Training {
-    /// Starts with round 0; the metrics file at `metrics` is created or truncated.
-    pub fn new(plan: RoundPlan, data: JobData, metrics: &Path) -> std::io::Result<Self> {
+    /// Starts with round 0; the metrics file at `metrics` is created or truncated, and each
+    /// line is also POSTed to `forward`.
+    pub fn new(
+        plan: RoundPlan,
+        data: JobData,
+        metrics: &Path,
+        forward: Option<&str>,
+    ) -> std::io::Result<Self> {
         Ok(Self {
             rounds: Rounds::new(plan),
             data,
             metrics: std::fs::File::create(metrics)?,
+            forward: forward.map(forwarder),
+            dropped: 0,
             peers: HashMap::new(),
             server: None,
             round_started_ms: unix_ms(),
@@ -70,6 +91,16 @@ impl Training {
         }
         self.rounds.trainer_ended(job);
         false
+    }
+
+    /// Gives the forward URL up to [`FORWARD_FLUSH`] to take the lines still queued.
+    pub async fn finish(self) {
+        if let Some((lines, task)) = self.forward {
+            drop(lines);
+            if tokio::time::timeout(FORWARD_FLUSH, task).await.is_err() {
+                tracing::warn!("the metrics URL did not take the last lines in time");
+            }
+        }
     }
 
     /// Every round is trained.
@@ -130,10 +161,59 @@ impl Training {
     }
 
     fn record(&mut self, line: &impl Serialize) {
-        if let Ok(line) = serde_json::to_string(line) {
-            let _ = writeln!(self.metrics, "{line}").and_then(|_| self.metrics.flush());
+        let Ok(line) = serde_json::to_string(line) else {
+            return;
+        };
+        let _ = writeln!(self.metrics, "{line}").and_then(|_| self.metrics.flush());
+        if let Some((forward, _)) = &self.forward
+            && forward.try_send(line).is_err()
+        {
+            self.dropped += 1;
+            if self.dropped % 100 == 1 {
+                tracing::warn!(
+                    dropped = self.dropped,
+                    "the metrics URL does not keep up; lines are dropped for it (the metrics file has them all)"
+                );
+            }
         }
     }
+}
+
+/// POSTs every line it is given to `url`, in order, until the sender is dropped.
+fn forwarder(
+    url: &str,
+) -> (
+    tokio::sync::mpsc::Sender<String>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (lines, mut queue) = tokio::sync::mpsc::channel::<String>(FORWARD_QUEUE);
+    let url = url.to_string();
+    let task = tokio::spawn(async move {
+        let client = reqwest::Client::new();
+        let mut failing = false;
+        while let Some(line) = queue.recv().await {
+            let sent = client
+                .post(&url)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(line)
+                .send()
+                .await
+                .and_then(reqwest::Response::error_for_status);
+            match sent {
+                Ok(_) if failing => {
+                    tracing::info!(%url, "the metrics URL takes lines again");
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err(error) if !failing => {
+                    tracing::warn!(%url, %error, "cannot forward metrics; the metrics file has them");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+    });
+    (lines, task)
 }
 
 #[derive(Serialize)]

@@ -7,7 +7,13 @@
 
 mod common;
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpListener,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use common::*;
 use hypha_executor::{
@@ -49,7 +55,7 @@ fn trainer(cluster: &Cluster, name: &str) -> Proc {
     cluster.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
 }
 
-fn job(cluster: &Cluster, name: &str, workers: usize, epochs: u32) -> PathBuf {
+fn job(cluster: &Cluster, name: &str, workers: usize, epochs: u32, extra: &str) -> PathBuf {
     cluster.job(
         name,
         &format!(
@@ -59,10 +65,52 @@ fn job(cluster: &Cluster, name: &str, workers: usize, epochs: u32) -> PathBuf {
              [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 32, classes = 4 }}\n\
              [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
              [diloco]\nsamples_per_round = 384\nbatch_size = 32\nround_seconds = 5\n\
-             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n{extra}\
              [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
         ),
     )
+}
+
+/// An HTTP server on 127.0.0.1 that answers every POST with 200 and keeps its JSON body.
+fn http_collector() -> (String, Arc<Mutex<Vec<serde_json::Value>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+    let bodies = Arc::new(Mutex::new(Vec::new()));
+    let kept = bodies.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().map_while(Result::ok) {
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut stream = stream;
+                loop {
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(value) = lower.strip_prefix("content-length:") {
+                            length = value.trim().parse().unwrap();
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).unwrap();
+                    kept.lock()
+                        .unwrap()
+                        .push(serde_json::from_slice(&body).unwrap());
+                    stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                        .unwrap();
+                }
+            });
+        }
+    });
+    (url, bodies)
 }
 
 fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
@@ -119,7 +167,14 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
     let mut trainers: Vec<Proc> = (0..3)
         .map(|i| trainer(&cluster, &format!("trainer{i}")))
         .collect();
-    let job = job(&cluster, "train", 3, 2);
+    let (forward, forwarded) = http_collector();
+    let job = job(
+        &cluster,
+        "train",
+        3,
+        2,
+        &format!("forward = \"{forward}\"\n"),
+    );
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(120));
     if !ok {
@@ -151,6 +206,15 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
             .iter()
             .any(|r| r["included"].as_array().unwrap().len() == 3)
     );
+    // The same lines reached the forward URL.
+    let forwarded = forwarded.lock().unwrap().clone();
+    let forwarded_rounds = forwarded.iter().filter(|l| l["kind"] == "round").count();
+    assert_eq!(
+        forwarded_rounds,
+        applied.len(),
+        "{} lines forwarded",
+        forwarded.len()
+    );
 
     // Each slice was trained exactly once per epoch; nothing went back to the ledger.
     let (used, returned) = audit(&cluster.path("train-job.ledger"));
@@ -178,7 +242,7 @@ fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
     let mut trainers: Vec<Proc> = (0..3)
         .map(|i| trainer(&cluster, &format!("trainer{i}")))
         .collect();
-    let job = job(&cluster, "chaos", 2, 2);
+    let job = job(&cluster, "chaos", 2, 2, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     // Once a round is applied, kill a trainer that holds a job.
     scheduler.wait_for("round applied");

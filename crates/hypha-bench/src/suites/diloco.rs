@@ -1,0 +1,185 @@
+//! `diloco`: the parameter server's aggregation speed and memory, and DiLoCo's traffic.
+//!
+//! - **Aggregation**: 4 pseudo-gradients of 100 M f32 parameters (400 MB each, as SafeTensors
+//!   bytes in memory) added into the weighted sum the way the parameter server adds them
+//!   ([`Accumulator::add_safetensors`]); `aggregate_gb_per_s` is update bytes added per second.
+//!   The ceiling is `memcpy_gb_per_s`, copying a 400 MB buffer in the same run;
+//!   `ratios.aggregate_vs_memcpy` compares the two (target ≥ 0.5).
+//! - **Memory**: a child process runs a parameter server ([`ParameterServer`]) through one
+//!   round of 2 and of 8 updates of a 25 M-parameter model read from files, as a worker's
+//!   parameter server reads them from its inbox, and reports its peak RSS (`VmHWM`):
+//!   `ps_peak_rss_mb_2` and `ps_peak_rss_mb_8` must be about the same.
+//! - **Traffic**: bytes one trainer sends and receives per round (its pseudo-gradient and the
+//!   new model, as serialized) against per-step data-parallel training, which all-reduces a
+//!   gradient every step: a ring all-reduce moves 2·(N−1)/N model sizes per worker per step.
+//!   `ratios.traffic_vs_data_parallel` is DiLoCo's bytes over data parallelism's for the same
+//!   steps (N = 4 workers, 100 inner steps per round).
+
+use std::{collections::BTreeMap, path::Path, time::Instant};
+
+use anyhow::Context;
+use hypha_diloco::{Accumulator, OuterOptimizer, Tensor, Tensors, server::ParameterServer};
+use safetensors::Dtype;
+
+use crate::Report;
+
+/// The helper process that measures a parameter server's memory.
+pub(crate) const CHILD_COMMAND: &str = "__diloco-server";
+const UPDATES: usize = 4;
+const INNER_STEPS: f64 = 100.0;
+const WORKERS: f64 = 4.0;
+
+pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
+    let parameters = if quick { 25_000_000 } else { 100_000_000 };
+    let update = model(parameters, 0.5).to_bytes(&BTreeMap::new())?;
+
+    let memcpy = tokio::task::spawn_blocking({
+        let update = update.clone();
+        move || memcpy_gb_per_s(&update)
+    })
+    .await?;
+    let (aggregate, update) = tokio::task::spawn_blocking(move || {
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            let mut sum = Accumulator::new();
+            let started = Instant::now();
+            for _ in 0..UPDATES {
+                sum.add_safetensors(&update, 64.0)?;
+            }
+            let elapsed = started.elapsed().as_secs_f64();
+            std::hint::black_box(sum.mean()?);
+            times.push(elapsed);
+        }
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let rate = (UPDATES * update.len()) as f64 / best / 1e9;
+        anyhow::Ok((rate, update))
+    })
+    .await??;
+
+    let tmp = tempfile::tempdir()?;
+    let server_parameters = if quick { 5_000_000 } else { 25_000_000 };
+    let model_bytes = model(server_parameters, 0.0).to_bytes(&BTreeMap::new())?;
+    std::fs::write(tmp.path().join("model.safetensors"), &model_bytes)?;
+    let gradient = model(server_parameters, 0.01).to_bytes(&BTreeMap::new())?;
+    for i in 0..8 {
+        std::fs::write(
+            tmp.path().join(format!("update-{i}.safetensors")),
+            &gradient,
+        )?;
+    }
+    let rss_2 = server_peak_rss_mb(tmp.path(), 2)?;
+    let rss_8 = server_peak_rss_mb(tmp.path(), 8)?;
+
+    // Per round a trainer sends its pseudo-gradient and receives the model: both are one
+    // serialized model.
+    let diloco_bytes = 2.0 * update.len() as f64;
+    let data_parallel_bytes = INNER_STEPS * 2.0 * (WORKERS - 1.0) / WORKERS * update.len() as f64;
+
+    let mut report = Report::default();
+    report
+        .metrics
+        .insert("parameters".into(), parameters as f64);
+    report
+        .metrics
+        .insert("aggregate_gb_per_s".into(), aggregate);
+    report.metrics.insert("memcpy_gb_per_s".into(), memcpy);
+    report.metrics.insert("ps_peak_rss_mb_2".into(), rss_2);
+    report.metrics.insert("ps_peak_rss_mb_8".into(), rss_8);
+    report
+        .metrics
+        .insert("ps_model_mb".into(), model_bytes.len() as f64 / 1e6);
+    report
+        .metrics
+        .insert("round_bytes_per_trainer_mb".into(), diloco_bytes / 1e6);
+    report.metrics.insert(
+        "data_parallel_bytes_per_worker_mb".into(),
+        data_parallel_bytes / 1e6,
+    );
+    report
+        .ratios
+        .insert("aggregate_vs_memcpy".into(), aggregate / memcpy);
+    report.ratios.insert("ps_rss_8_vs_2".into(), rss_8 / rss_2);
+    report.ratios.insert(
+        "traffic_vs_data_parallel".into(),
+        diloco_bytes / data_parallel_bytes,
+    );
+    Ok(report)
+}
+
+/// A model of `parameters` f32 values, all `value`, in tensors of 1 M.
+fn model(parameters: usize, value: f32) -> Tensors {
+    const CHUNK: usize = 1_000_000;
+    let mut tensors = BTreeMap::new();
+    let mut left = parameters;
+    let mut index = 0;
+    while left > 0 {
+        let len = left.min(CHUNK);
+        let tensor = Tensor {
+            shape: vec![len],
+            values: vec![value; len],
+            dtype: Dtype::F32,
+        };
+        tensors.insert(format!("layer{index:04}.weight"), tensor);
+        left -= len;
+        index += 1;
+    }
+    Tensors(tensors)
+}
+
+/// Copies `bytes` into a second buffer, best of five, in GB/s.
+fn memcpy_gb_per_s(bytes: &[u8]) -> f64 {
+    let mut target = vec![0u8; bytes.len()];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let started = Instant::now();
+        target.copy_from_slice(bytes);
+        std::hint::black_box(&target);
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    bytes.len() as f64 / best / 1e9
+}
+
+/// Runs a parameter server through a round of `updates` updates in a child process; its
+/// peak RSS in MB.
+fn server_peak_rss_mb(dir: &Path, updates: usize) -> anyhow::Result<f64> {
+    let output = std::process::Command::new(std::env::current_exe()?)
+        .arg(CHILD_COMMAND)
+        .arg(dir)
+        .arg(updates.to_string())
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "the parameter-server process failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout)?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("the parameter-server process printed {text:?}"))
+}
+
+/// The child: a parameter server adopts `dir/model.safetensors`, adds `updates` updates read
+/// one at a time from `dir`, closes the round and checkpoints; prints its peak RSS in MB.
+pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
+    let [dir, updates] = args else {
+        anyhow::bail!("usage: {CHILD_COMMAND} DIR UPDATES");
+    };
+    let dir = Path::new(dir);
+    let updates: usize = updates.parse()?;
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9));
+    server.offer(&std::fs::read(dir.join("model.safetensors"))?)?;
+    for i in 0..updates {
+        let bytes = std::fs::read(dir.join(format!("update-{i}.safetensors")))?;
+        server.add(&format!("trainer-{i}"), &bytes, 0, 64)?;
+    }
+    server.close()?;
+    server.checkpoint(&dir.join(format!("checkpoint-{updates}.safetensors")))?;
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    println!("{}", kb / 1000.0);
+    Ok(())
+}
