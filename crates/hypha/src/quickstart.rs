@@ -1,0 +1,487 @@
+//! `hypha quickstart`: a complete training network on this machine, as real processes of the
+//! real binaries, in one command.
+//!
+//! In a new directory it makes a certificate authority and a certificate per node, writes a
+//! learnable dataset (blobs for an MLP), starts a gateway, a data node, a parameter-server
+//! worker and three trainer workers (`hypha-executor`), runs a DiLoCo job with
+//! `hypha-scheduler`, then writes `model.safetensors` (the final global model),
+//! `metrics.jsonl` (every trainer report and round) and `loss.svg` (loss per round), prints the
+//! evaluation loss and accuracy before and after, and stops every process. Logs of each process
+//! are in `logs/`.
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead, BufReader, Seek},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use hypha_certs::authority::{self, Validity};
+use hypha_executor::{
+    model::{Model, ModelSpec},
+    synthetic::Synthetic,
+};
+
+/// What the quickstart trains.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The directory it creates and works in.
+    pub dir: PathBuf,
+    pub trainers: usize,
+    pub rounds: u64,
+    pub slices: usize,
+    pub samples_per_slice: usize,
+    pub samples_per_round: u64,
+    /// Where the Hypha binaries are (by default, beside this one).
+    pub bin_dir: PathBuf,
+}
+
+/// What the quickstart measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub loss_before: f64,
+    pub accuracy_before: f64,
+    pub loss_after: f64,
+    pub accuracy_after: f64,
+    pub rounds: usize,
+    pub seconds: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QuickstartError {
+    #[error("{0} exists and is not empty: choose another --dir or remove it")]
+    NotEmpty(PathBuf),
+    #[error("cannot write {path}: {error}")]
+    Write {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error(
+        "cannot start {program} (is it built? `cargo build --release` makes all of them): {error}"
+    )]
+    Start {
+        program: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{name} did not get ready within {seconds} s; its log: {log}")]
+    NotReady {
+        name: String,
+        seconds: u64,
+        log: PathBuf,
+    },
+    #[error("the training job failed; see {log}")]
+    Job { log: PathBuf },
+    #[error(transparent)]
+    Certs(#[from] hypha_certs::Error),
+    #[error(transparent)]
+    Dataset(#[from] hypha_executor::synthetic::SyntheticError),
+    #[error(transparent)]
+    Model(#[from] hypha_executor::model::ModelError),
+    #[error(transparent)]
+    Tensors(#[from] hypha_diloco::Error),
+    #[error("evaluating: {0}")]
+    Evaluate(#[from] candle_core::Error),
+}
+
+/// The model the quickstart trains.
+pub const MODEL: ModelSpec = ModelSpec::Mlp {
+    inputs: 16,
+    hidden: 64,
+    classes: 4,
+};
+/// Seeds the model's initial parameters.
+const MODEL_SEED: u64 = 1;
+/// How long a node may take to start.
+const READY: Duration = Duration::from_secs(60);
+
+/// A child process, stopped when dropped.
+struct Node {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs the quickstart; `progress` is told each round's number and loss as it is applied.
+pub fn run(
+    settings: &Settings,
+    mut progress: impl FnMut(&str),
+) -> Result<Summary, QuickstartError> {
+    let started = Instant::now();
+    let dir = &settings.dir;
+    if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
+        return Err(QuickstartError::NotEmpty(dir.clone()));
+    }
+    for sub in ["", "certs", "logs", "data", "work"] {
+        let path = dir.join(sub);
+        std::fs::create_dir_all(&path).map_err(|error| QuickstartError::Write { path, error })?;
+    }
+    let dir = std::fs::canonicalize(dir).map_err(|error| QuickstartError::Write {
+        path: dir.clone(),
+        error,
+    })?;
+    progress("making certificates");
+    let certs = Certs::new(&dir)?;
+    progress("writing the dataset");
+    let dataset = dir.join("data/blobs");
+    Synthetic::for_model(&MODEL).write(&dataset, settings.slices, settings.samples_per_slice, 0)?;
+
+    progress("starting the gateway");
+    let gateway_config = certs.config("gateway", "")?;
+    let mut nodes = Vec::new();
+    let gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
+    let line = wait_for(&gateway, "nodes can join with gateway_addresses")?;
+    let gateway_address = line
+        .split("[\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_default()
+        .to_string();
+    nodes.push(gateway);
+    let join = format!("gateway_addresses = [\"{gateway_address}\"]\n");
+
+    progress("starting the data node, the parameter server and the trainers");
+    let data_config = certs.config(
+        "data",
+        &format!("{join}dataset_path = {:?}\n", dir.join("data")),
+    )?;
+    let data = start(settings, &dir, "data", "hypha-data", &data_config)?;
+    let executor = settings.bin_dir.join("hypha-executor");
+    let mut workers = vec![("parameter-server".to_string(), SERVER_EXECUTOR.to_string())];
+    for i in 0..settings.trainers {
+        let trainer = format!(
+            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n",
+            executor.display().to_string()
+        );
+        workers.push((format!("trainer-{i}"), trainer));
+    }
+    let mut started_workers = Vec::new();
+    for (name, executors) in &workers {
+        let work = dir.join("work").join(name);
+        let config = certs.config(
+            name,
+            &format!(
+                "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
+                work
+            ),
+        )?;
+        started_workers.push(start(settings, &dir, name, "hypha-worker", &config)?);
+    }
+    wait_for(&data, "announced")?;
+    nodes.push(data);
+    for worker in started_workers {
+        wait_for(&worker, "worker ready for advertisements")?;
+        nodes.push(worker);
+    }
+
+    let job = dir.join("job.toml");
+    write(&job, &job_file(settings))?;
+    let scheduler_config = certs.config("scheduler", &join)?;
+    progress("training");
+    let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job)?;
+    let metrics = dir.join("job.metrics.jsonl");
+    let mut follow = Follow::default();
+    let status = loop {
+        for (round, loss) in follow.rounds(&metrics) {
+            progress(&format!("round {round} applied, training loss {loss:.4}"));
+        }
+        match scheduler.child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
+            Err(_) => {
+                return Err(QuickstartError::Job {
+                    log: scheduler.log.clone(),
+                });
+            }
+        }
+    };
+    for (round, loss) in follow.rounds(&metrics) {
+        progress(&format!("round {round} applied, training loss {loss:.4}"));
+    }
+    if !status.success() {
+        return Err(QuickstartError::Job {
+            log: scheduler.log.clone(),
+        });
+    }
+    drop(scheduler);
+    drop(nodes);
+
+    let final_model =
+        find_final(&dir.join("work/parameter-server")).ok_or_else(|| QuickstartError::Job {
+            log: dir.join("logs/parameter-server.log"),
+        })?;
+    let model_path = dir.join("model.safetensors");
+    std::fs::copy(&final_model, &model_path).map_err(|error| QuickstartError::Write {
+        path: model_path.clone(),
+        error,
+    })?;
+    let metrics_path = dir.join("metrics.jsonl");
+    std::fs::rename(&metrics, &metrics_path).map_err(|error| QuickstartError::Write {
+        path: metrics_path,
+        error,
+    })?;
+    write(&dir.join("loss.svg"), &loss_plot(&follow.losses))?;
+
+    let held_out = Synthetic::for_model(&MODEL).batch(4096, 1 << 40)?;
+    let before = Model::new(&MODEL, MODEL_SEED)?;
+    let (loss_before, accuracy_before) = before.evaluate(&held_out)?;
+    let after = Model::new(&MODEL, MODEL_SEED)?;
+    after.load(&hypha_diloco::Tensors::load(&model_path)?)?;
+    let (loss_after, accuracy_after) = after.evaluate(&held_out)?;
+    Ok(Summary {
+        loss_before,
+        accuracy_before,
+        loss_after,
+        accuracy_after,
+        rounds: follow.losses.len(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+const SERVER_EXECUTOR: &str = "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n";
+
+fn job_file(settings: &Settings) -> String {
+    let ModelSpec::Mlp {
+        inputs,
+        hidden,
+        classes,
+    } = MODEL
+    else {
+        unreachable!("the quickstart trains an MLP")
+    };
+    format!(
+        "# The quickstart's DiLoCo job (see the README's \"DiLoCo training\").\n\
+         workers = {trainers}\nbid = 10\n\
+         [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+         [resources]\ncpu = 1\n\
+         [config]\nseed = {MODEL_SEED}\nmodel = {{ type = \"mlp\", inputs = {inputs}, hidden = {hidden}, classes = {classes} }}\n\
+         [data]\ndataset = \"blobs\"\nepochs = 100\nseed = 7\n\
+         [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = 32\nround_seconds = 10\n\
+         inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+         [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
+        trainers = settings.trainers,
+        rounds = settings.rounds,
+        samples = settings.samples_per_round,
+    )
+}
+
+/// The certificates of the quickstart's nodes.
+struct Certs {
+    dir: PathBuf,
+    org: authority::Authority,
+}
+
+impl Certs {
+    fn new(dir: &Path) -> Result<Self, QuickstartError> {
+        let root = authority::create_root("Hypha Quickstart Root", Validity::days(2))?;
+        let org = authority::create_org(&root, "Hypha Quickstart", Validity::days(2))?;
+        write(&dir.join("certs/root.pem"), &root.cert_pem())?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            org,
+        })
+    }
+
+    /// A certificate for `name` and its config with `extra`; the config's path.
+    fn config(&self, name: &str, extra: &str) -> Result<PathBuf, QuickstartError> {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(2))?;
+        let certs = self.dir.join("certs");
+        write(&certs.join(format!("{name}-cert.pem")), &node.chain_pem())?;
+        write(&certs.join(format!("{name}-key.pem")), &node.key_pem())?;
+        let path = self.dir.join(format!("{name}.toml"));
+        write(
+            &path,
+            &format!(
+                "cert_pem = \"certs/{name}-cert.pem\"\nkey_pem = \"certs/{name}-key.pem\"\ntrust_pem = \"certs/root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{extra}"
+            ),
+        )?;
+        Ok(path)
+    }
+}
+
+fn write(path: &Path, text: &str) -> Result<(), QuickstartError> {
+    hypha_files::write_atomic(path, text.as_bytes(), hypha_files::Mode::Private, false).map_err(
+        |error| QuickstartError::Write {
+            path: path.to_path_buf(),
+            error: std::io::Error::other(error.to_string()),
+        },
+    )
+}
+
+fn spawn(
+    settings: &Settings,
+    dir: &Path,
+    name: &str,
+    program: &str,
+    args: &[&std::ffi::OsStr],
+) -> Result<Node, QuickstartError> {
+    let program = settings.bin_dir.join(program);
+    let log = dir.join("logs").join(format!("{name}.log"));
+    let file = std::fs::File::create(&log).map_err(|error| QuickstartError::Write {
+        path: log.clone(),
+        error,
+    })?;
+    let child = Command::new(&program)
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file)
+        .spawn()
+        .map_err(|error| QuickstartError::Start { program, error })?;
+    Ok(Node {
+        name: name.to_string(),
+        child,
+        log,
+    })
+}
+
+fn start(
+    settings: &Settings,
+    dir: &Path,
+    name: &str,
+    program: &str,
+    config: &Path,
+) -> Result<Node, QuickstartError> {
+    spawn(
+        settings,
+        dir,
+        name,
+        program,
+        &["run".as_ref(), "--config".as_ref(), config.as_os_str()],
+    )
+}
+
+fn start_scheduler(
+    settings: &Settings,
+    dir: &Path,
+    config: &Path,
+    job: &Path,
+) -> Result<Node, QuickstartError> {
+    let args = [
+        "run".as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--job".as_ref(),
+        job.as_os_str(),
+    ];
+    spawn(settings, dir, "scheduler", "hypha-scheduler", &args)
+}
+
+/// Waits until `node`'s log has a line containing `needle`; that line.
+fn wait_for(node: &Node, needle: &str) -> Result<String, QuickstartError> {
+    let deadline = Instant::now() + READY;
+    while Instant::now() < deadline {
+        if let Ok(file) = std::fs::File::open(&node.log)
+            && let Some(line) = BufReader::new(file)
+                .lines()
+                .map_while(Result::ok)
+                .find(|l| l.contains(needle))
+        {
+            return Ok(line);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(QuickstartError::NotReady {
+        name: node.name.clone(),
+        seconds: READY.as_secs(),
+        log: node.log.clone(),
+    })
+}
+
+/// Reads the metrics file as it grows.
+#[derive(Debug, Default)]
+struct Follow {
+    offset: u64,
+    losses: Vec<(u64, f64)>,
+}
+
+impl Follow {
+    /// The rounds applied since the last call, with their training loss.
+    fn rounds(&mut self, path: &Path) -> Vec<(u64, f64)> {
+        let Ok(mut file) = std::fs::File::open(path) else {
+            return Vec::new();
+        };
+        if file.seek(std::io::SeekFrom::Start(self.offset)).is_err() {
+            return Vec::new();
+        }
+        let mut new = Vec::new();
+        let mut reader = BufReader::new(file);
+        let mut line = String::new();
+        while reader.read_line(&mut line).unwrap_or(0) > 0 {
+            if !line.ends_with('\n') {
+                break; // half a line: read it whole next time
+            }
+            self.offset += line.len() as u64;
+            if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
+                && value["kind"] == "round"
+                && let (Some(round), Some(loss)) = (value["round"].as_u64(), value["loss"].as_f64())
+            {
+                new.push((round, loss));
+            }
+            line.clear();
+        }
+        self.losses.extend(&new);
+        new
+    }
+}
+
+/// The final model the parameter server wrote under its work directory.
+fn find_final(work: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(work)
+        .ok()?
+        .flatten()
+        .map(|e| e.path().join("final.safetensors"))
+        .find(|p| p.exists())
+}
+
+/// Training loss per round as an SVG line chart.
+pub fn loss_plot(losses: &[(u64, f64)]) -> String {
+    let (width, height, margin) = (640.0, 360.0, 48.0);
+    let max_round = losses.iter().map(|(r, _)| *r).max().unwrap_or(1).max(1) as f64;
+    let max_loss = losses.iter().map(|(_, l)| *l).fold(0.0, f64::max).max(1e-9);
+    let x = |round: u64| margin + round as f64 / max_round * (width - 2.0 * margin);
+    let y = |loss: f64| height - margin - loss / max_loss * (height - 2.0 * margin);
+    let mut points = String::new();
+    for (round, loss) in losses {
+        let _ = write!(points, "{:.1},{:.1} ", x(*round), y(*loss));
+    }
+    format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<line x1="{margin}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>
+<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{bottom}" stroke="black"/>
+<text x="{mid}" y="{label_y}" text-anchor="middle">round (0 to {max_round})</text>
+<text x="12" y="{mid_y}" transform="rotate(-90 12 {mid_y})" text-anchor="middle">training loss (0 to {max_loss:.3})</text>
+<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/>
+</svg>
+"##,
+        bottom = height - margin,
+        right = width - margin,
+        mid = width / 2.0,
+        label_y = height - 12.0,
+        mid_y = height / 2.0,
+    )
+}
