@@ -1,0 +1,186 @@
+//! What a node remembers between runs, in an embedded ACID store (`redb`) in its cache
+//! directory: the artifacts it completed (to reuse them while the origin still describes them
+//! the same way) and the verified chunks of unfinished ones (to resume them).
+//!
+//! A chunk is recorded after its bytes were written but before they are synced; on resume
+//! every recorded chunk is hashed again, so a crash between the two costs that chunk, never a
+//! corrupt file.
+
+use std::path::{Path, PathBuf};
+
+use redb::{ReadableDatabase, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    manifest::{ArtifactId, Manifest},
+    request::Request,
+};
+
+/// Completed artifacts by destination path: JSON [`Record`]s.
+const COMPLETED: TableDefinition<&str, &[u8]> = TableDefinition::new("completed");
+/// Verified chunks of unfinished artifacts: (artifact id, chunk) → BLAKE3.
+const CHUNKS: TableDefinition<(&[u8], u32), &[u8]> = TableDefinition::new("chunks");
+
+/// The cache could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("cache {path}: {reason}")]
+    Open { path: PathBuf, reason: String },
+    #[error("cache: {0}")]
+    Store(String),
+}
+
+impl<E: Into<redb::Error>> From<E> for CacheError {
+    fn from(error: E) -> Self {
+        CacheError::Store(error.into().to_string())
+    }
+}
+
+/// A completed artifact.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    pub request: Request,
+    pub manifest: Manifest,
+    /// BLAKE3 of every chunk, hex, in chunk order.
+    pub hashes: Vec<String>,
+    /// Whether the archive was unpacked into `request.unpack`'s destination.
+    pub unpacked: bool,
+}
+
+impl Record {
+    /// Whether `request` is satisfied by what is on disk: the files, or the tree this record's
+    /// archive was unpacked into when `request` asks for that same unpack.
+    pub fn satisfies(&self, request: &Request) -> bool {
+        self.unpacked_as(request) || self.files_present()
+    }
+
+    /// Whether the archive was unpacked as `request` asks, and the tree is still there.
+    pub fn unpacked_as(&self, request: &Request) -> bool {
+        self.unpacked
+            && request.unpack.is_some()
+            && self.request.unpack == request.unpack
+            && request
+                .unpack
+                .as_ref()
+                .is_some_and(|u| u.destination.is_dir())
+    }
+
+    /// Whether every file is on disk at its size, so this node can serve it.
+    pub fn files_present(&self) -> bool {
+        (0..self.manifest.files.len()).all(|i| {
+            std::fs::metadata(self.manifest.target(&self.request, i))
+                .is_ok_and(|m| m.is_file() && m.len() == self.manifest.files[i].size)
+        })
+    }
+
+    /// The chunk hashes as bytes, if they are well-formed and complete.
+    pub fn chunk_hashes(&self) -> Option<Vec<[u8; 32]>> {
+        if self.hashes.len() != self.manifest.chunk_count() as usize {
+            return None;
+        }
+        self.hashes
+            .iter()
+            .map(|h| {
+                let mut bytes = [0u8; 32];
+                hex::decode_to_slice(h, &mut bytes).ok().map(|()| bytes)
+            })
+            .collect()
+    }
+}
+
+/// A node's artifact cache. One process at a time may use a cache directory.
+#[derive(Debug)]
+pub struct Cache {
+    db: redb::Database,
+}
+
+impl Cache {
+    /// Opens (or creates) the cache in `dir`.
+    pub fn open(dir: &Path) -> Result<Cache, CacheError> {
+        let path = dir.join("artifacts.redb");
+        let open_error = |reason: String| CacheError::Open {
+            path: path.clone(),
+            reason,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| open_error(e.to_string()))?;
+        let db = redb::Database::create(&path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => {
+                open_error("in use by another process; give each node its own work_dir".into())
+            }
+            e => open_error(e.to_string()),
+        })?;
+        let txn = db.begin_write()?;
+        txn.open_table(COMPLETED)?;
+        txn.open_table(CHUNKS)?;
+        txn.commit()?;
+        Ok(Cache { db })
+    }
+
+    fn key(request: &Request) -> String {
+        request.destination.to_string_lossy().into_owned()
+    }
+
+    /// The completed artifact last written to `request`'s destination, if any.
+    pub fn completed(&self, request: &Request) -> Result<Option<Record>, CacheError> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(COMPLETED)?;
+        let Some(value) = table.get(Self::key(request).as_str())? else {
+            return Ok(None);
+        };
+        // A record this version cannot read is treated as absent: the artifact is refetched.
+        Ok(serde_json::from_slice::<Record>(value.value())
+            .ok()
+            .map(|mut r| {
+                r.manifest = r.manifest.recut();
+                r
+            }))
+    }
+
+    /// Records a completed artifact and forgets its chunk-level progress.
+    pub fn record_completed(&self, record: &Record) -> Result<(), CacheError> {
+        let json = serde_json::to_vec(record).map_err(|e| CacheError::Store(e.to_string()))?;
+        let txn = self.db.begin_write()?;
+        {
+            let mut table = txn.open_table(COMPLETED)?;
+            table.insert(Self::key(&record.request).as_str(), json.as_slice())?;
+            let mut chunks = txn.open_table(CHUNKS)?;
+            let id: &[u8] = &record.manifest.id.0;
+            chunks.retain_in((id, 0)..=(id, u32::MAX), |_, _| false)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Records a chunk written and verified.
+    pub fn record_chunk(
+        &self,
+        id: ArtifactId,
+        chunk: u32,
+        hash: &[u8; 32],
+    ) -> Result<(), CacheError> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut chunks = txn.open_table(CHUNKS)?;
+            chunks.insert((id.0.as_slice(), chunk), hash.as_slice())?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// The chunks recorded for `id`.
+    pub fn chunks(&self, id: ArtifactId) -> Result<Vec<(u32, [u8; 32])>, CacheError> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(CHUNKS)?;
+        let id: &[u8] = &id.0;
+        let mut out = Vec::new();
+        for row in table.range((id, 0)..=(id, u32::MAX))? {
+            let (key, value) = row?;
+            let mut hash = [0u8; 32];
+            if value.value().len() == 32 {
+                hash.copy_from_slice(value.value());
+                out.push((key.value().1, hash));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,500 @@
+//! [`Distributor`]: a node's handle on artifact distribution: fetch, seed, settle.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, Weak},
+    time::Duration,
+};
+
+use futures::StreamExt;
+use hypha_network::{Network, NetworkError};
+use tokio::sync::{mpsc, watch};
+
+use crate::{
+    Settings,
+    assembly::Assembly,
+    cache::{Cache, CacheError, Record},
+    manifest::{ArtifactId, Manifest},
+    origin::{Origin, OriginError, Origins},
+    protocol::{CHUNK_PROTOCOL, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame, write_frame},
+    request::Request,
+    swarm::{self, Context, Event, Failure, Holding, Progress},
+    unpack::{UnpackError, unpack},
+};
+
+/// How long a peer may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A fetch failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error(transparent)]
+    Origin(#[from] OriginError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Unpack(#[from] UnpackError),
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("artifact {artifact}: {reason}")]
+    Failed {
+        artifact: ArtifactId,
+        reason: String,
+    },
+    #[error("artifact {artifact} changed at the origin twice while being fetched: {reason}")]
+    Changed {
+        artifact: ArtifactId,
+        reason: String,
+    },
+    #[error("{destination}: the same artifact is already being fetched to {other} on this node")]
+    Busy {
+        destination: PathBuf,
+        other: PathBuf,
+    },
+}
+
+/// How one fetch behaves.
+#[derive(Debug, Clone, Default)]
+pub struct FetchOptions {
+    /// Members (this node included) to wait for, at most `Settings::join_timeout`, before
+    /// pulling anything from the origin, so that the first chunks are not pulled by whoever
+    /// happened to start first. 0 or 1: start at once.
+    pub expect: usize,
+    /// Receives this node's view of the distribution as it changes.
+    pub progress: Option<watch::Sender<Progress>>,
+}
+
+/// A completed fetch.
+#[derive(Debug, Clone)]
+pub struct Fetched {
+    pub artifact: ArtifactId,
+    /// The files, at their destinations.
+    pub files: Vec<PathBuf>,
+    /// Where the archive was unpacked, if asked.
+    pub unpacked: Option<PathBuf>,
+    /// Served from this node's cache without a transfer.
+    pub from_cache: bool,
+    pub progress: Progress,
+}
+
+/// A node's artifact distribution. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Distributor {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    network: Network,
+    origins: Origins,
+    cache: Arc<Cache>,
+    settings: Settings,
+    swarms: Mutex<HashMap<ArtifactId, Member>>,
+}
+
+/// A swarm this node is in.
+#[derive(Debug)]
+struct Member {
+    events: mpsc::Sender<Event>,
+    holding: Arc<Holding>,
+    progress: watch::Receiver<Progress>,
+    destination: PathBuf,
+}
+
+impl Inner {
+    fn swarms(&self) -> std::sync::MutexGuard<'_, HashMap<ArtifactId, Member>> {
+        self.swarms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+async fn blocking<T: Send + 'static, E: From<std::io::Error> + Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e).into()))
+}
+
+impl Distributor {
+    /// Starts serving the artifact protocols on `network`, with the cache in `cache_dir`.
+    pub fn start(
+        network: Network,
+        origins: Origins,
+        cache_dir: &Path,
+        settings: Settings,
+    ) -> Result<Distributor, FetchError> {
+        let cache = Arc::new(Cache::open(cache_dir)?);
+        let swarm_streams = network.accept_streams(SWARM_PROTOCOL)?;
+        let chunk_streams = network.accept_streams(CHUNK_PROTOCOL)?;
+        let inner = Arc::new(Inner {
+            network,
+            origins,
+            cache,
+            settings,
+            swarms: Mutex::default(),
+        });
+        tokio::spawn(accept_swarm_streams(swarm_streams, Arc::downgrade(&inner)));
+        tokio::spawn(accept_chunk_streams(chunk_streams, Arc::downgrade(&inner)));
+        Ok(Distributor { inner })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    /// Fetches `request`: from the cache if the origin still describes it the same way, else
+    /// with every other node fetching the same version. If the origin's object changes
+    /// mid-way, the fetch starts once more on the new version, then gives up.
+    ///
+    /// After it returns, this node keeps serving the artifact to the others until
+    /// [`leave`](Self::leave) or until the distributor is dropped.
+    pub async fn fetch(
+        &self,
+        request: &Request,
+        options: &FetchOptions,
+    ) -> Result<Fetched, FetchError> {
+        match self.fetch_once(request, options).await {
+            Err(FetchError::Changed { artifact, reason }) => {
+                tracing::warn!(%artifact, uri = %request.uri, "{reason}; starting again on the new version");
+                self.fetch_once(request, options).await
+            }
+            other => other,
+        }
+    }
+
+    async fn fetch_once(
+        &self,
+        request: &Request,
+        options: &FetchOptions,
+    ) -> Result<Fetched, FetchError> {
+        let origin = self.inner.origins.get(&request.profile)?;
+        let files = origin.resolve(request).await?;
+        let manifest = Arc::new(Manifest::new(
+            origin.url(),
+            self.inner.settings.chunk_size,
+            files,
+        ));
+        let id = manifest.id;
+
+        let cache = self.inner.cache.clone();
+        let lookup = request.clone();
+        let record = blocking(move || cache.completed(&lookup)).await?;
+        if let Some(record) =
+            record.filter(|r| r.manifest.same_files(&manifest) && r.satisfies(request))
+        {
+            tracing::info!(artifact = %id, destination = %request.destination.display(), "cached, and the origin still has this version");
+            if record.files_present() && !self.inner.swarms().contains_key(&id) {
+                self.seed(&record, origin.clone(), manifest.clone()).await;
+            }
+            let unpacked = self.unpack_if_asked(request, record).await?;
+            let progress = self
+                .inner
+                .swarms()
+                .get(&id)
+                .map(|m| m.progress.borrow().clone())
+                .unwrap_or_default();
+            return Ok(Fetched {
+                artifact: id,
+                files: (0..manifest.files.len())
+                    .map(|i| manifest.target(request, i))
+                    .collect(),
+                unpacked,
+                from_cache: true,
+                progress,
+            });
+        }
+
+        let mut progress = self
+            .join(request, origin.clone(), manifest.clone(), options.expect)
+            .await?;
+        let outcome = loop {
+            let current = progress.borrow_and_update().clone();
+            if let Some(sender) = &options.progress {
+                sender.send_replace(current.clone());
+            }
+            if let Some(failure) = current.failure {
+                break Err(failure);
+            }
+            if current.complete {
+                break Ok(current);
+            }
+            if progress.changed().await.is_err() {
+                break Err(Failure::Failed("the swarm stopped".into()));
+            }
+        };
+        let current = match outcome {
+            Ok(current) => current,
+            Err(failure) => {
+                self.leave(id);
+                return Err(match failure {
+                    Failure::Changed(reason) => FetchError::Changed {
+                        artifact: id,
+                        reason,
+                    },
+                    Failure::Failed(reason) => FetchError::Failed {
+                        artifact: id,
+                        reason,
+                    },
+                });
+            }
+        };
+        let record = Record {
+            request: request.clone(),
+            manifest: (*manifest).clone(),
+            hashes: Vec::new(),
+            unpacked: false,
+        };
+        let unpacked = self.unpack_if_asked(request, record).await?;
+        Ok(Fetched {
+            artifact: id,
+            files: (0..manifest.files.len())
+                .map(|i| manifest.target(request, i))
+                .collect(),
+            unpacked,
+            from_cache: false,
+            progress: current,
+        })
+    }
+
+    /// Joins (or finds) the swarm of `manifest`, resuming from chunks recorded in the cache.
+    async fn join(
+        &self,
+        request: &Request,
+        origin: Arc<Origin>,
+        manifest: Arc<Manifest>,
+        expect: usize,
+    ) -> Result<watch::Receiver<Progress>, FetchError> {
+        let id = manifest.id;
+        if let Some(progress) = self.existing(id, request)? {
+            return Ok(progress);
+        }
+        let create = (manifest.clone(), request.clone());
+        let assembly = Arc::new(blocking(move || Assembly::create(create.0, &create.1)).await?);
+        let holding = Arc::new(Holding::new(assembly, self.inner.settings.upload_slots));
+        let cache = self.inner.cache.clone();
+        let recorded = blocking(move || cache.chunks(id)).await?;
+        let resumed = if recorded.is_empty() {
+            0
+        } else {
+            let holding = holding.clone();
+            blocking(move || {
+                let mut resumed = 0;
+                for (chunk, hash) in recorded {
+                    let Some(span) = holding.assembly.manifest().chunk(chunk) else {
+                        continue;
+                    };
+                    if holding.assembly.hash_chunk(span)? == hash {
+                        holding.hold(chunk, hash);
+                        resumed += 1;
+                    }
+                }
+                Ok::<_, std::io::Error>(resumed)
+            })
+            .await?
+        };
+        if resumed > 0 {
+            tracing::info!(artifact = %id, resumed, "resuming with chunks verified from an earlier run");
+        }
+        Ok(self.register(request, origin, holding, expect, resumed))
+    }
+
+    /// The swarm of `id` this node is already in, if it is still fetching.
+    fn existing(
+        &self,
+        id: ArtifactId,
+        request: &Request,
+    ) -> Result<Option<watch::Receiver<Progress>>, FetchError> {
+        let mut swarms = self.inner.swarms();
+        // A finished swarm whose files did not satisfy the cache check lost them: start over.
+        if swarms
+            .get(&id)
+            .is_some_and(|m| m.progress.borrow().complete)
+        {
+            swarms.remove(&id);
+        }
+        match swarms.get(&id) {
+            Some(member) if member.destination != request.destination => Err(FetchError::Busy {
+                destination: request.destination.clone(),
+                other: member.destination.clone(),
+            }),
+            Some(member) => Ok(Some(member.progress.clone())),
+            None => Ok(None),
+        }
+    }
+
+    fn register(
+        &self,
+        request: &Request,
+        origin: Arc<Origin>,
+        holding: Arc<Holding>,
+        expect: usize,
+        resumed: u32,
+    ) -> watch::Receiver<Progress> {
+        let id = holding.assembly.manifest().id;
+        let context = Context {
+            network: self.inner.network.clone(),
+            origin,
+            cache: self.inner.cache.clone(),
+            settings: self.inner.settings.clone(),
+        };
+        let (events, progress) =
+            swarm::spawn(context, request.clone(), holding.clone(), expect, resumed);
+        self.inner.swarms().insert(
+            id,
+            Member {
+                events,
+                holding,
+                progress: progress.clone(),
+                destination: request.destination.clone(),
+            },
+        );
+        progress
+    }
+
+    /// Serves a cached artifact to others.
+    async fn seed(&self, record: &Record, origin: Arc<Origin>, manifest: Arc<Manifest>) {
+        let request = record.request.clone();
+        let hashes = if record.manifest.chunk_size == manifest.chunk_size {
+            record.chunk_hashes()
+        } else {
+            None
+        };
+        let opened = {
+            let manifest = manifest.clone();
+            let request = request.clone();
+            blocking(move || {
+                let assembly = Assembly::open_complete(manifest, &request)?;
+                let hashes = match hashes {
+                    Some(hashes) => hashes,
+                    None => assembly
+                        .manifest()
+                        .chunks()
+                        .iter()
+                        .map(|span| assembly.hash_chunk(*span))
+                        .collect::<Result<_, _>>()?,
+                };
+                Ok::<_, std::io::Error>((assembly, hashes))
+            })
+            .await
+        };
+        match opened {
+            Ok((assembly, hashes)) => {
+                let holding = Arc::new(Holding::new(
+                    Arc::new(assembly),
+                    self.inner.settings.upload_slots,
+                ));
+                for (chunk, hash) in hashes.into_iter().enumerate() {
+                    holding.hold(chunk as u32, hash);
+                }
+                self.register(&request, origin, holding, 1, 0);
+            }
+            Err(e) => tracing::warn!(artifact = %manifest.id, "cannot serve the cached files: {e}"),
+        }
+    }
+
+    /// Unpacks the archive as `request` asks, unless the cache says it already is.
+    async fn unpack_if_asked(
+        &self,
+        request: &Request,
+        mut record: Record,
+    ) -> Result<Option<PathBuf>, FetchError> {
+        let Some(options) = request.unpack.clone() else {
+            return Ok(None);
+        };
+        if record.unpacked_as(request) {
+            return Ok(Some(options.destination));
+        }
+        let archive = record.manifest.target(request, 0);
+        let cache = self.inner.cache.clone();
+        let destination = options.destination.clone();
+        let request = request.clone();
+        blocking(move || {
+            unpack(&archive, &options)?;
+            if let Some(done) = cache.completed(&request)? {
+                record = done;
+            }
+            record.request = request;
+            record.unpacked = true;
+            cache.record_completed(&record)?;
+            Ok::<_, FetchError>(())
+        })
+        .await?;
+        Ok(Some(destination))
+    }
+
+    /// Stops serving artifact `id` and leaves its swarm.
+    pub fn leave(&self, id: ArtifactId) {
+        self.inner.swarms().remove(&id);
+    }
+
+    /// Leaves every swarm.
+    pub fn leave_all(&self) {
+        self.inner.swarms().clear();
+    }
+
+    /// Waits until every member of every swarm this node is in says it holds everything, or
+    /// `timeout` passes. Returns whether they all did.
+    pub async fn settle(&self, timeout: Duration) -> bool {
+        let watches: Vec<watch::Receiver<Progress>> = self
+            .inner
+            .swarms()
+            .values()
+            .map(|m| m.progress.clone())
+            .collect();
+        let all = async {
+            for mut progress in watches {
+                if progress
+                    .wait_for(|p| p.complete && p.peers_done())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, all).await.is_ok()
+    }
+
+    /// This node's view of artifact `id`, while it is in its swarm.
+    pub fn progress(&self, id: ArtifactId) -> Option<watch::Receiver<Progress>> {
+        self.inner.swarms().get(&id).map(|m| m.progress.clone())
+    }
+}
+
+async fn accept_swarm_streams(mut incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+    while let Some((peer, mut stream)) = incoming.next().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let hello =
+                tokio::time::timeout(HELLO_TIMEOUT, read_frame::<SwarmMessage>(&mut stream)).await;
+            let Ok(Ok(SwarmMessage::Hello { artifact })) = hello else {
+                tracing::debug!(%peer, "swarm stream without a hello");
+                return;
+            };
+            let events = inner
+                .upgrade()
+                .and_then(|inner| inner.swarms().get(&artifact).map(|m| m.events.clone()));
+            let Some(events) = events else {
+                let _ = write_frame(&mut stream, &HelloReply::NotMember).await;
+                return;
+            };
+            if write_frame(&mut stream, &HelloReply::Welcome).await.is_ok() {
+                let _ = events.send(Event::Joined { peer, stream }).await;
+            }
+        });
+    }
+}
+
+async fn accept_chunk_streams(mut incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+    while let Some((peer, stream)) = incoming.next().await {
+        let inner = inner.clone();
+        tokio::spawn(swarm::serve_chunk(stream, peer, move |id| {
+            inner
+                .upgrade()
+                .and_then(|inner| inner.swarms().get(&id).map(|m| m.holding.clone()))
+        }));
+    }
+}

@@ -1,0 +1,70 @@
+//! Peer-to-peer artifact distribution: big files (model weights, environments, archives)
+//! reach many nodes with each chunk pulled from the origin once.
+//!
+//! - [`origin`]: named origins through `object_store` (S3 and S3-compatible, GCS, Azure,
+//!   HTTP(S), local files), reads pinned to the version an artifact was resolved at.
+//! - [`manifest`]: an artifact's files and chunks, and its content-derived [`ArtifactId`].
+//! - [`swarm`]: the coordinator-free exchange between the nodes fetching one artifact
+//!   ([`protocol`] on `libp2p-stream`): each chunk pulled from the origin by one node, shared
+//!   rarest first, every transfer checked against the chunk's BLAKE3.
+//! - [`assembly`]: files written in place from chunks, fsynced and renamed atomically.
+//! - [`cache`]: completed artifacts reused while the origin still describes them the same way;
+//!   partial ones resumed chunk by chunk.
+//! - [`unpack`]: tar, tar.gz and zip, refusing entries that would escape the destination.
+//! - [`Distributor`]: the handle a node uses: fetch, seed, settle.
+//!
+//! This crate knows nothing of jobs, workers or config files: nodes build [`Settings`] and
+//! [`Origins`] and hand in their [`Network`](hypha_network::Network).
+
+pub mod assembly;
+pub mod cache;
+mod distributor;
+pub mod manifest;
+pub mod origin;
+pub mod protocol;
+pub mod request;
+pub mod swarm;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod unpack;
+
+use std::time::Duration;
+
+pub use distributor::{Distributor, FetchError, FetchOptions, Fetched};
+pub use manifest::{ArtifactId, DEFAULT_CHUNK_SIZE, Manifest};
+pub use origin::{Origin, OriginError, Origins, Profile};
+pub use request::{Kind, Request, Unpack, UnpackMethod};
+pub use swarm::{PeerProgress, Progress};
+
+/// How a node takes part in distributions.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Bytes per chunk. Default: 16 MiB.
+    pub chunk_size: u64,
+    /// Chunks this node receives at once, from the origin and from peers together.
+    /// Default: 8.
+    pub download_slots: usize,
+    /// Chunks this node sends at once; further requests are answered `busy`. Default: 8.
+    pub upload_slots: usize,
+    /// Origin connections of all members of a swarm together: each of n members opens at
+    /// most `max(1, origin_connections / n)`. Default: 32.
+    pub origin_connections: usize,
+    /// The longest a fetch waits for the members it expects before it pulls from the origin.
+    /// Default: 10 s.
+    pub join_timeout: Duration,
+    /// How often the DHT is asked for the members of a swarm. Default: 500 ms.
+    pub discovery_interval: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            download_slots: 8,
+            upload_slots: 8,
+            origin_connections: 32,
+            join_timeout: Duration::from_secs(10),
+            discovery_interval: Duration::from_millis(500),
+        }
+    }
+}

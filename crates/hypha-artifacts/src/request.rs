@@ -1,0 +1,159 @@
+//! What a node is asked to fetch: an object or a prefix of a named origin, a destination, and
+//! optionally an archive to unpack.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The profile a request uses when it names none.
+pub const DEFAULT_PROFILE: &str = "default";
+
+/// One artifact to fetch, as job specs, the job bridge and the command line state it.
+///
+/// ```toml
+/// [[artifacts]]
+/// profile = "models"                   # default: "default"
+/// uri = "llama/pytorch_model.bin"      # a key under the profile's URL
+/// destination = "models/model.bin"
+///
+/// [[artifacts]]
+/// uri = "tokenizers/bert/"
+/// kind = "prefix"                      # every object under it, the tree kept
+/// destination = "tokenizer"
+///
+/// [[artifacts]]
+/// uri = "envs/python.tar.gz"
+/// destination = "envs/python.tar.gz"
+/// unpack = { destination = "envs/python" }   # method: auto (default), tar, tar_gz, zip
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    #[serde(default = "default_profile")]
+    pub profile: String,
+    /// The object's key, or the prefix, relative to the profile's URL.
+    pub uri: String,
+    #[serde(default)]
+    pub kind: Kind,
+    /// Where the object is written; for a prefix, the directory that receives the tree.
+    pub destination: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpack: Option<Unpack>,
+}
+
+fn default_profile() -> String {
+    DEFAULT_PROFILE.to_string()
+}
+
+/// Whether a request names one object or everything under a prefix.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    #[default]
+    Object,
+    Prefix,
+}
+
+/// Unpack the fetched archive into a directory of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Unpack {
+    pub destination: PathBuf,
+    #[serde(default)]
+    pub method: UnpackMethod,
+}
+
+/// How an archive is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnpackMethod {
+    /// By the file name (`.tar`, `.tar.gz`, `.tgz`, `.zip`), else by the first bytes.
+    #[default]
+    Auto,
+    Tar,
+    TarGz,
+    Zip,
+}
+
+impl Request {
+    /// The same request with relative destinations resolved against `base`.
+    pub fn resolved_against(mut self, base: &std::path::Path) -> Request {
+        if self.destination.is_relative() {
+            self.destination = base.join(&self.destination);
+        }
+        if let Some(unpack) = &mut self.unpack
+            && unpack.destination.is_relative()
+        {
+            unpack.destination = base.join(&unpack.destination);
+        }
+        self
+    }
+}
+
+/// Removes duplicates, keeping the first of each, so that several stages (or jobs) asking
+/// for the same artifact fetch it once.
+pub fn deduplicate(requests: impl IntoIterator<Item = Request>) -> Vec<Request> {
+    let mut seen = std::collections::HashSet::new();
+    requests
+        .into_iter()
+        .filter(|r| seen.insert(r.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_forms() {
+        #[derive(Deserialize)]
+        struct Spec {
+            artifacts: Vec<Request>,
+        }
+        let spec: Spec = toml::from_str(
+            r#"
+            [[artifacts]]
+            uri = "a.bin"
+            destination = "a.bin"
+            [[artifacts]]
+            profile = "models"
+            uri = "tok/"
+            kind = "prefix"
+            destination = "tok"
+            [[artifacts]]
+            uri = "env.tgz"
+            destination = "env.tgz"
+            unpack = { destination = "env", method = "tar_gz" }
+            "#,
+        )
+        .expect("valid");
+        assert_eq!(spec.artifacts[0].profile, "default");
+        assert_eq!(spec.artifacts[0].kind, Kind::Object);
+        assert_eq!(spec.artifacts[1].kind, Kind::Prefix);
+        assert_eq!(
+            spec.artifacts[2].unpack.as_ref().map(|u| u.method),
+            Some(UnpackMethod::TarGz)
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let err = toml::from_str::<Request>("uri = \"a\"\ndestination = \"a\"\nunpak = {}\n")
+            .expect_err("typo");
+        assert!(err.to_string().contains("unpak"), "{err}");
+    }
+
+    #[test]
+    fn duplicates_are_fetched_once() {
+        let a = Request {
+            profile: "default".into(),
+            uri: "a".into(),
+            kind: Kind::Object,
+            destination: "a".into(),
+            unpack: None,
+        };
+        let mut b = a.clone();
+        b.uri = "b".into();
+        assert_eq!(deduplicate([a.clone(), b.clone(), a.clone()]), vec![a, b]);
+    }
+}

@@ -1,0 +1,297 @@
+//! One node against a real S3 server: objects, prefixes, cache, resume, unpack.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use hypha_artifacts::{FetchError, FetchOptions, Unpack, UnpackMethod, testing::S3Server};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_and_a_prefix_arrive_byte_exact_and_the_origin_serves_each_byte_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let model = pattern(5 * 64 * 1024 + 123, 1);
+    s3.put("models/model.bin", model.clone()).await.unwrap();
+    let small: Vec<(String, Vec<u8>)> = (0..5)
+        .map(|i| {
+            (
+                format!("tok/{}/file-{i}.json", if i % 2 == 0 { "a" } else { "b" }),
+                pattern(1000 + i * 100, 10 + i as u64),
+            )
+        })
+        .collect();
+    for (key, bytes) in &small {
+        s3.put(key, bytes.clone()).await.unwrap();
+    }
+    s3.put("tokens-other/not-this.json", b"x".to_vec())
+        .await
+        .unwrap();
+
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "a",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+
+    let target = dir.path().join("out/model.bin");
+    let fetched = fetch(&node, &object("models/model.bin", &target), 1).await;
+    assert_eq!(std::fs::read(&target).unwrap(), model);
+    assert_eq!(fetched.progress.chunks, 6);
+    assert_eq!(fetched.progress.origin_bytes, model.len() as u64);
+    assert_eq!(s3.bytes_served(), model.len() as u64);
+    assert!(!fetched.from_cache);
+
+    let tree = dir.path().join("out/tok");
+    let before = s3.bytes_served();
+    let fetched = fetch(&node, &prefix("tok/", &tree), 1).await;
+    assert_eq!(fetched.files.len(), small.len());
+    for (key, bytes) in &small {
+        let relative = key.strip_prefix("tok/").unwrap();
+        assert_eq!(
+            &std::fs::read(tree.join(relative)).unwrap(),
+            bytes,
+            "{relative}"
+        );
+    }
+    let total: usize = small.iter().map(|(_, b)| b.len()).sum();
+    assert_eq!(s3.bytes_served() - before, total as u64);
+    // No part files are left behind.
+    let leftovers: Vec<_> = walk(&dir.path().join("out"))
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains("hypha-part"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_artifact_is_reused_until_the_origin_changes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let v1 = pattern(200_000, 1);
+    s3.put("m.bin", v1.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "a",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+    let target = dir.path().join("m.bin");
+    let request = object("m.bin", &target);
+
+    fetch(&node, &request, 1).await;
+    let served = s3.bytes_served();
+    let again = fetch(&node, &request, 1).await;
+    assert!(again.from_cache);
+    assert_eq!(
+        s3.bytes_served(),
+        served,
+        "a cache hit reads nothing from the origin"
+    );
+
+    // Same size, new content: the ETag tells.
+    let v2 = pattern(200_000, 2);
+    s3.put("m.bin", v2.clone()).await.unwrap();
+    let stale = fetch(&node, &request, 1).await;
+    assert!(!stale.from_cache);
+    assert_eq!(std::fs::read(&target).unwrap(), v2);
+    assert_eq!(s3.bytes_served(), served + v2.len() as u64);
+
+    // A deleted file is fetched again even though the record says complete.
+    std::fs::remove_file(&target).unwrap();
+    let refetched = fetch(&node, &request, 1).await;
+    assert!(!refetched.from_cache);
+    assert_eq!(std::fs::read(&target).unwrap(), v2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_fetch_resumes_from_its_verified_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 KiB chunks at 1 MiB/s: the first fetch is stopped after a few chunks.
+    let s3 = S3Server::start(&dir.path().join("s3"), Some(1024 * 1024))
+        .await
+        .unwrap();
+    let data = pattern(32 * 64 * 1024, 3);
+    s3.put("big.bin", data.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let target = dir.path().join("big.bin");
+    let request = object("big.bin", &target);
+    let mut one_slot = settings(64 * 1024);
+    one_slot.download_slots = 1;
+
+    let first = node(&pki, "a", &gateway_addr, &s3, dir.path(), one_slot.clone()).await;
+    let interrupted =
+        tokio::time::timeout(Duration::from_millis(800), fetch(&first, &request, 1)).await;
+    assert!(
+        interrupted.is_err(),
+        "the first fetch was meant to be cut short"
+    );
+    first.leave_all();
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let served_first = s3.bytes_served();
+    assert!(
+        !target.exists(),
+        "nothing appears at the destination before it is complete"
+    );
+
+    let second = node(&pki, "a", &gateway_addr, &s3, dir.path(), one_slot).await;
+    let fetched = fetch(&second, &request, 1).await;
+    assert_eq!(std::fs::read(&target).unwrap(), data);
+    assert!(
+        fetched.progress.resumed_chunks >= 4,
+        "{:?}",
+        fetched.progress
+    );
+    let chunk = 64 * 1024u64;
+    // Resumed chunks were not read again; at most the one in flight was.
+    assert_eq!(
+        fetched.progress.origin_bytes,
+        data.len() as u64 - fetched.progress.resumed_chunks as u64 * chunk
+    );
+    assert!(
+        s3.bytes_served() <= data.len() as u64 + chunk,
+        "{served_first} then {}",
+        s3.bytes_served()
+    );
+}
+
+fn tar_gz(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    for (name, bytes) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(bytes.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, name, *bytes).unwrap();
+    }
+    builder.into_inner().unwrap().finish().unwrap()
+}
+
+fn zip(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut writer = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for (name, bytes) in entries {
+        writer
+            .start_file(*name, zip::write::SimpleFileOptions::default())
+            .unwrap();
+        std::io::Write::write_all(&mut writer, bytes).unwrap();
+    }
+    writer.finish().unwrap().into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archives_unpack_and_stay_recognised_after_the_archive_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let files: [(&str, &[u8]); 2] = [
+        ("bin/run.sh", b"#!/bin/sh\necho hi\n"),
+        ("lib/data.txt", b"data"),
+    ];
+    s3.put("env.tar.gz", tar_gz(&files)).await.unwrap();
+    s3.put("env.zip", zip(&files)).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "a",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+
+    for (uri, method) in [
+        ("env.tar.gz", UnpackMethod::Auto),
+        ("env.zip", UnpackMethod::Auto),
+        ("env.zip", UnpackMethod::Zip),
+    ] {
+        let unpacked = dir.path().join(format!("unpacked-{uri}-{method:?}"));
+        let mut request = object(uri, &dir.path().join(uri));
+        request.unpack = Some(Unpack {
+            destination: unpacked.clone(),
+            method,
+        });
+        let fetched = fetch(&node, &request, 1).await;
+        assert_eq!(fetched.unpacked.as_deref(), Some(unpacked.as_path()));
+        for (name, bytes) in files {
+            assert_eq!(
+                std::fs::read(unpacked.join(name)).unwrap(),
+                bytes,
+                "{uri}: {name}"
+            );
+        }
+        // The archive may go; the unpacked tree still counts as the artifact.
+        std::fs::remove_file(dir.path().join(uri)).unwrap();
+        let served = s3.bytes_served();
+        let again = fetch(&node, &request, 1).await;
+        assert!(again.from_cache, "{uri}");
+        assert_eq!(s3.bytes_served(), served);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_profile_or_a_missing_object_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "a",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+    let mut request = object("nope.bin", &dir.path().join("nope.bin"));
+    let err = node
+        .fetch(&request, &FetchOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, FetchError::Origin(_)) && err.to_string().contains("nope.bin: not found"),
+        "{err}"
+    );
+    request.profile = "models".into();
+    let err = node
+        .fetch(&request, &FetchOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("no origin profile named \"models\""),
+        "{err}"
+    );
+}
