@@ -11,7 +11,10 @@ use std::{
     io,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use bytes::{Bytes, BytesMut};
@@ -31,6 +34,8 @@ pub struct Assembly {
     files: Vec<File>,
     parts: Vec<PathBuf>,
     targets: Vec<PathBuf>,
+    /// Per file: a background `fdatasync` is under way.
+    syncing: Vec<AtomicBool>,
 }
 
 fn with_path(path: &Path) -> impl FnOnce(io::Error) -> io::Error + '_ {
@@ -73,6 +78,7 @@ impl Assembly {
             targets.push(target);
         }
         Ok(Assembly {
+            syncing: files.iter().map(|_| AtomicBool::new(false)).collect(),
             manifest,
             files,
             parts,
@@ -90,6 +96,7 @@ impl Assembly {
             targets.push(target);
         }
         Ok(Assembly {
+            syncing: files.iter().map(|_| AtomicBool::new(false)).collect(),
             manifest,
             files,
             parts: Vec::new(),
@@ -135,6 +142,22 @@ impl Assembly {
             offset += block.len() as u64;
         }
         Ok(*hasher.finalize().as_bytes())
+    }
+
+    /// Starts writing `file`'s dirty pages to disk in the background unless that is already
+    /// under way, so that the sync at the end finds little left to do: without it a large
+    /// artifact's whole size is written out only after its last byte arrived.
+    pub fn write_back(self: &Arc<Self>, file: usize) {
+        if self.syncing[file].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let assembly = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = assembly.files[file].sync_data() {
+                tracing::debug!("background sync of {}: {e}", assembly.parts[file].display());
+            }
+            assembly.syncing[file].store(false, Ordering::Release);
+        });
     }
 
     /// Syncs every part file and renames it over its destination (blocking). The open handles
@@ -220,6 +243,7 @@ impl ChunkSink {
     /// Writes what is left and returns the chunk's BLAKE3; fails if bytes are missing.
     pub(crate) async fn finish(mut self) -> io::Result<[u8; 32]> {
         self.flush().await?;
+        self.assembly.write_back(self.chunk.file);
         if self.written != self.chunk.len {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,

@@ -15,7 +15,7 @@ use crate::{
     Settings,
     assembly::Assembly,
     cache::{Cache, CacheError, Record},
-    manifest::{ArtifactId, Manifest},
+    manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
     protocol::{CHUNK_PROTOCOL, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame, write_frame},
     request::Request,
@@ -172,11 +172,13 @@ impl Distributor {
     ) -> Result<Fetched, FetchError> {
         let origin = self.inner.origins.get(&request.profile)?;
         let files = origin.resolve(request).await?;
-        let manifest = Arc::new(Manifest::new(
-            origin.url(),
-            self.inner.settings.chunk_size,
-            files,
-        ));
+        let size = files.iter().map(|f| f.size).sum();
+        let chunk_size = self
+            .inner
+            .settings
+            .chunk_size
+            .unwrap_or_else(|| auto_chunk_size(size));
+        let manifest = Arc::new(Manifest::new(origin.url(), chunk_size, files));
         let id = manifest.id;
 
         let cache = self.inner.cache.clone();

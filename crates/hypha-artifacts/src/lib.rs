@@ -31,7 +31,7 @@ pub mod unpack;
 use std::time::Duration;
 
 pub use distributor::{Distributor, FetchError, FetchOptions, Fetched};
-pub use manifest::{ArtifactId, DEFAULT_CHUNK_SIZE, Manifest};
+pub use manifest::{ArtifactId, Manifest, auto_chunk_size};
 pub use origin::{Origin, OriginError, Origins, Profile};
 pub use request::{Kind, Request, Unpack, UnpackMethod};
 pub use swarm::{PeerProgress, Progress};
@@ -39,15 +39,19 @@ pub use swarm::{PeerProgress, Progress};
 /// How a node takes part in distributions.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Bytes per chunk. Default: 16 MiB.
-    pub chunk_size: u64,
+    /// Bytes per chunk; `None` (the default): [`auto_chunk_size`], about 256 chunks per
+    /// artifact within 1–64 MiB. Nodes share chunks only with nodes using the same size.
+    pub chunk_size: Option<u64>,
     /// Chunks this node receives at once, from the origin and from peers together.
     /// Default: 8.
     pub download_slots: usize,
     /// Chunks this node sends at once; further requests are answered `busy`. Default: 8.
     pub upload_slots: usize,
     /// Origin connections of all members of a swarm together: each of n members opens at
-    /// most `max(1, origin_connections / n)`. Default: 32.
+    /// most `max(1, origin_connections / n)`. Default: 16, two per node in a swarm of
+    /// eight, so that one request's latency hides behind another's transfer. Fewer connections finish chunks
+    /// one after another, so peers share early ones while later ones are still coming;
+    /// many finish them all together at the end.
     pub origin_connections: usize,
     /// The longest a fetch waits for the members it expects before it pulls from the origin.
     /// Default: 10 s.
@@ -59,10 +63,10 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            chunk_size: DEFAULT_CHUNK_SIZE,
+            chunk_size: None,
             download_slots: 8,
             upload_slots: 8,
-            origin_connections: 32,
+            origin_connections: 16,
             join_timeout: Duration::from_secs(10),
             discovery_interval: Duration::from_millis(500),
         }

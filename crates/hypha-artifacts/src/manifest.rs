@@ -11,9 +11,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::request::{Kind, Request};
 
-/// The default chunk size: large enough that per-chunk overheads vanish, small enough that
-/// every node has work early and a lost node costs little.
-pub const DEFAULT_CHUNK_SIZE: u64 = 16 * 1024 * 1024;
+/// Chunks an artifact is cut into when no chunk size is set: enough that every node of a
+/// swarm has several to pull from the origin and that the last ones, which have to travel to
+/// everyone after the origin is done, are a small share of the whole.
+const AUTO_CHUNKS: u64 = 256;
+/// Bounds of the automatic chunk size: below 1 MiB per-chunk costs show; above 64 MiB a lost
+/// node costs much.
+const AUTO_MIN: u64 = 1024 * 1024;
+const AUTO_MAX: u64 = 64 * 1024 * 1024;
+
+/// The chunk size for an artifact of `size` bytes: `size / 256` rounded up to a power of two,
+/// within 1–64 MiB. Every node computes the same from the same origin metadata.
+pub fn auto_chunk_size(size: u64) -> u64 {
+    size.div_ceil(AUTO_CHUNKS)
+        .next_power_of_two()
+        .clamp(AUTO_MIN, AUTO_MAX)
+}
 
 /// One file of an artifact, as the origin described it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -219,6 +232,14 @@ mod tests {
             Manifest::new("s3://c", 10, vec![file("a", 25, "x")]).id
         );
         assert!(a.same_files(&Manifest::new("s3://b", 11, vec![file("a", 25, "x")])));
+    }
+
+    #[test]
+    fn the_automatic_chunk_size_gives_a_few_hundred_chunks_within_bounds() {
+        assert_eq!(auto_chunk_size(0), 1024 * 1024);
+        assert_eq!(auto_chunk_size(256 * 1024 * 1024), 1024 * 1024);
+        assert_eq!(auto_chunk_size(4 << 30), 16 * 1024 * 1024);
+        assert_eq!(auto_chunk_size(1 << 40), 64 * 1024 * 1024);
     }
 
     #[test]

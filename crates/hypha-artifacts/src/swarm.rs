@@ -374,7 +374,7 @@ impl Actor {
             }
             Event::ReaderClosed { peer, generation } => {
                 if self.peers.get(&peer).and_then(|p| p.reader) == Some(generation) {
-                    tracing::info!(artifact = %self.manifest.id, %peer, "member left");
+                    tracing::debug!(artifact = %self.manifest.id, %peer, "member left");
                     self.forget(peer);
                 }
             }
@@ -473,7 +473,7 @@ impl Actor {
         let entry = self.peers.entry(peer).or_default();
         entry.reader = Some(generation);
         entry.left_alone_until = None;
-        tracing::info!(artifact = %self.manifest.id, %peer, "member joined");
+        tracing::debug!(artifact = %self.manifest.id, %peer, "member joined");
         tokio::spawn(read_from(peer, generation, stream, self.events_tx.clone()));
         self.connect(peer);
     }

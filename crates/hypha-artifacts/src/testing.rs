@@ -86,6 +86,10 @@ impl S3Server {
         self.served.load(Ordering::Relaxed)
     }
 
+    pub fn served_counter(&self) -> Arc<AtomicU64> {
+        self.served.clone()
+    }
+
     /// An origin profile for this server's bucket.
     pub fn profile(&self) -> Profile {
         Profile {

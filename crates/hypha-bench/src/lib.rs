@@ -25,6 +25,8 @@ pub enum Suite {
     Prefetch,
     /// Parameter-server aggregation against memcpy, its peak memory, DiLoCo's traffic.
     Diloco,
+    /// One artifact to N = 4 and 8 nodes from a throttled origin: origin bytes and time.
+    Distribute,
 }
 
 impl Suite {
@@ -36,6 +38,7 @@ impl Suite {
             Suite::Ledger => "ledger",
             Suite::Prefetch => "prefetch",
             Suite::Diloco => "diloco",
+            Suite::Distribute => "distribute",
         }
     }
 }
@@ -80,6 +83,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Ledger => suites::ledger::run(quick).await,
                 Suite::Prefetch => suites::prefetch::run(quick).await,
                 Suite::Diloco => suites::diloco::run(quick).await,
+                Suite::Distribute => suites::distribute::run(quick).await,
             }
         })
         .await

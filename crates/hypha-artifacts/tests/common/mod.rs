@@ -56,7 +56,7 @@ impl Pki {
 /// Settings small enough that test artifacts have many chunks.
 pub fn settings(chunk_size: u64) -> Settings {
     Settings {
-        chunk_size,
+        chunk_size: Some(chunk_size),
         download_slots: 4,
         upload_slots: 4,
         origin_connections: 16,
