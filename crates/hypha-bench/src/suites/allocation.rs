@@ -55,14 +55,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     let tmp = tempfile::tempdir()?;
     let stop = CancellationToken::new();
     let (gateway, _gateway_inbound) = start_node(&pki, "gateway", None).await?;
-    let gateway_address = gateway
-        .listen_addresses()
-        .await?
-        .into_iter()
-        .next()
-        .context("the gateway listens nowhere")?
-        .with_p2p(gateway.local_peer_id())
-        .map_err(|_| anyhow::anyhow!("the gateway's address takes no peer ID"))?;
+    let gateway_address = dial_address(&gateway).await?;
     tokio::spawn({
         let gateway = gateway.clone();
         let stop = stop.clone();
@@ -231,6 +224,17 @@ pub(crate) async fn start_node(
     settings.relay_circuit = false;
     settings.relay_server = gateway.is_none();
     Ok(hypha_network::start(settings, &pki.identity(name)?, pki.trust()?).await?)
+}
+
+/// The address others dial to reach `node`: its first listen address with its peer ID.
+pub(crate) async fn dial_address(node: &Network) -> anyhow::Result<Multiaddr> {
+    node.listen_addresses()
+        .await?
+        .into_iter()
+        .next()
+        .context("the node listens nowhere")?
+        .with_p2p(node.local_peer_id())
+        .map_err(|_| anyhow::anyhow!("the node's address takes no peer ID"))
 }
 
 /// The nearest-rank percentile `p` (0..=1) of `values`.

@@ -14,14 +14,16 @@
 
 use std::{sync::Arc, time::Duration};
 
-use anyhow::Context;
 use futures::StreamExt;
 use hypha_artifacts::{
     Distributor, FetchOptions, Kind, Origins, Request, Settings, testing::S3Server,
 };
 use tokio::time::Instant;
 
-use super::{allocation::start_node, ceilings::Pki};
+use super::{
+    allocation::{dial_address, start_node},
+    ceilings::Pki,
+};
 use crate::Report;
 
 const KEY: &str = "models/weights.bin";
@@ -99,14 +101,7 @@ async fn swarm(
     artifact_size: u64,
 ) -> anyhow::Result<Swarm> {
     let (gateway, _inbound) = start_node(pki, "gateway", None).await?;
-    let gateway_address = gateway
-        .listen_addresses()
-        .await?
-        .into_iter()
-        .next()
-        .context("the gateway listens nowhere")?
-        .with_p2p(gateway.local_peer_id())
-        .map_err(|_| anyhow::anyhow!("the gateway's address takes no peer ID"))?;
+    let gateway_address = dial_address(&gateway).await?;
     let mut nodes = Vec::new();
     for i in 0..n {
         let (network, _inbound) =
