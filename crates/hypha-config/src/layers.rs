@@ -235,6 +235,8 @@ impl<'s> Layers<'s> {
             ),
             Kind::Table(_)
             | Kind::TableArray(_)
+            | Kind::Map(_)
+            | Kind::StringMap
             | Kind::StringList
             | Kind::Multiaddrs
             | Kind::Cidrs => {
@@ -348,6 +350,18 @@ fn require(
             };
             for child in children {
                 require(child, &path, inner, origin)?;
+            }
+            Ok(())
+        }
+        (Kind::Map(children), _) => {
+            if let Some(toml::Value::Table(entries)) = table.get(key.name) {
+                for (name, entry) in entries {
+                    if let toml::Value::Table(inner) = entry {
+                        for child in children {
+                            require(child, &join(&path, name), inner, origin)?;
+                        }
+                    }
+                }
             }
             Ok(())
         }
@@ -499,6 +513,13 @@ fn check(
                     }
                 }
             }
+            (Kind::Map(children), toml::Value::Table(entries)) => {
+                for (name, entry) in entries {
+                    if let toml::Value::Table(inner) = entry {
+                        check(schema, children, inner, &join(&path, name), origin_of)?;
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -524,6 +545,13 @@ fn anchor_paths(keys: &[Key], table: &mut toml::Table, base: &Path) {
             (Kind::TableArray(children), toml::Value::Array(items)) => {
                 for item in items {
                     if let toml::Value::Table(inner) = item {
+                        anchor_paths(children, inner, base);
+                    }
+                }
+            }
+            (Kind::Map(children), toml::Value::Table(entries)) => {
+                for (_, entry) in entries.iter_mut() {
+                    if let toml::Value::Table(inner) = entry {
                         anchor_paths(children, inner, base);
                     }
                 }

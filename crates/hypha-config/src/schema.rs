@@ -19,7 +19,22 @@ pub enum Kind {
     Table(&'static [Key]),
     /// An array of tables (`[[executors]]`).
     TableArray(&'static [Key]),
+    /// Tables under names the user chooses, each holding these keys
+    /// (`[artifacts.profiles.models]`, `[artifacts.profiles.datasets]`).
+    Map(&'static [Key]),
+    /// Strings under names the user chooses (`options = { region = "eu-west-1" }`).
+    StringMap,
 }
+
+/// What any entry of a [`Kind::StringMap`] is.
+static STRING_ENTRY: Key = Key {
+    name: "*",
+    kind: Kind::String,
+    default: DefaultValue::Unset {
+        example: r#""value""#,
+    },
+    doc: "",
+};
 
 impl Kind {
     fn describe(self) -> &'static str {
@@ -34,6 +49,8 @@ impl Kind {
             Kind::Cidrs => "a list of CIDR ranges",
             Kind::Table(_) => "a table",
             Kind::TableArray(_) => "an array of tables",
+            Kind::Map(_) => "a table of named tables",
+            Kind::StringMap => "a table of strings",
         }
     }
 
@@ -50,6 +67,12 @@ impl Kind {
             (Kind::TableArray(_), toml::Value::Array(items)) => {
                 items.iter().all(|i| matches!(i, toml::Value::Table(_)))
             }
+            (Kind::Map(_), toml::Value::Table(entries)) => {
+                entries.values().all(|e| matches!(e, toml::Value::Table(_)))
+            }
+            (Kind::StringMap, toml::Value::Table(entries)) => entries
+                .values()
+                .all(|e| matches!(e, toml::Value::String(_))),
             _ => false,
         }
     }
@@ -125,15 +148,23 @@ impl Schema {
         &self.keys
     }
 
-    /// Finds a key by dotted path (`resources.cpu`); array indices are not part of paths here.
+    /// Finds a key by dotted path (`resources.cpu`, `artifacts.profiles.models.url`: entries
+    /// of a map take any name); array indices are not part of paths here.
     pub(crate) fn find(&self, path: &[&str]) -> Option<&Key> {
-        let (first, rest) = path.split_first()?;
+        let (first, mut rest) = path.split_first()?;
         let mut key = self.keys.iter().find(|k| k.name == *first)?;
-        for part in rest {
-            let (Kind::Table(children) | Kind::TableArray(children)) = key.kind else {
-                return None;
+        while let Some((part, tail)) = rest.split_first() {
+            (key, rest) = match key.kind {
+                Kind::Table(children) | Kind::TableArray(children) => {
+                    (children.iter().find(|k| k.name == *part)?, tail)
+                }
+                Kind::Map(children) => {
+                    let (field, tail) = tail.split_first()?;
+                    (children.iter().find(|k| k.name == *field)?, tail)
+                }
+                Kind::StringMap => (&STRING_ENTRY, tail),
+                _ => return None,
             };
-            key = children.iter().find(|k| k.name == *part)?;
         }
         Some(key)
     }
@@ -147,7 +178,7 @@ impl Schema {
         let (scalars, tables): (Vec<&Key>, Vec<&Key>) = self
             .keys
             .iter()
-            .partition(|k| !matches!(k.kind, Kind::Table(_) | Kind::TableArray(_)));
+            .partition(|k| !matches!(k.kind, Kind::Table(_) | Kind::TableArray(_) | Kind::Map(_)));
         for key in scalars {
             write_key(&mut out, key);
         }
@@ -158,9 +189,17 @@ impl Schema {
                 Kind::Table(children) => {
                     let _ = writeln!(out, "[{}]", key.name);
                     for child in children {
-                        write_key(&mut out, child);
+                        match child.kind {
+                            Kind::Map(entry) => {
+                                out.push('\n');
+                                write_doc(&mut out, child.doc);
+                                write_map(&mut out, &format!("{}.{}", key.name, child.name), entry);
+                            }
+                            _ => write_key(&mut out, child),
+                        }
                     }
                 }
+                Kind::Map(entry) => write_map(&mut out, key.name, entry),
                 Kind::TableArray(children) => {
                     let _ = writeln!(out, "[[{}]]", key.name);
                     for child in children {
@@ -177,6 +216,22 @@ impl Schema {
 fn write_doc(out: &mut String, doc: &str) {
     for line in wrap(doc, 96) {
         let _ = writeln!(out, "# {line}");
+    }
+}
+
+/// A map's entries take names the user chooses: shown as one commented example entry.
+fn write_map(out: &mut String, path: &str, entry: &[Key]) {
+    let _ = writeln!(out, "# [{path}.NAME]");
+    for key in entry {
+        for line in wrap(key.doc, 94) {
+            let _ = writeln!(out, "#   {line}");
+        }
+        let (example, note) = match key.default {
+            DefaultValue::Required { example } => (example, " (required)"),
+            DefaultValue::Value(value) => (value, ""),
+            DefaultValue::Unset { example } => (example, " (optional)"),
+        };
+        let _ = writeln!(out, "# {} = {example}{note}", key.name);
     }
 }
 

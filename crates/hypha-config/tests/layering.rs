@@ -299,3 +299,103 @@ fn template_lists_every_key_and_parses_back_to_the_defaults() {
     assert_eq!(w.resources.cpu, 4);
     assert!(network::NetworkConfig::from_loaded(&loaded).is_ok());
 }
+
+static STORE_KEYS: [Key; 2] = [
+    Key {
+        name: "url",
+        kind: Kind::String,
+        default: DefaultValue::Required {
+            example: r#""s3://bucket""#,
+        },
+        doc: "Where.",
+    },
+    Key {
+        name: "options",
+        kind: Kind::StringMap,
+        default: DefaultValue::Value("{}"),
+        doc: "How.",
+    },
+];
+
+fn schema_with_stores() -> Schema {
+    Schema::new(
+        "hypha-test",
+        vec![Key {
+            name: "stores",
+            kind: Kind::Map(&STORE_KEYS),
+            default: DefaultValue::Value("{}"),
+            doc: "Named stores.",
+        }],
+    )
+}
+
+#[derive(Debug, Deserialize)]
+struct Stores {
+    stores: std::collections::BTreeMap<String, Store>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Store {
+    url: String,
+    #[serde(default)]
+    options: std::collections::BTreeMap<String, String>,
+}
+
+#[test]
+fn named_tables_take_any_name_and_check_their_keys() {
+    let schema = schema_with_stores();
+    let text = "[stores.models]\nurl = \"s3://models\"\noptions = { region = \"eu-west-1\" }\n\n[stores.data]\nurl = \"gs://data\"\n";
+    let loaded = Layers::new(&schema)
+        .file_text("w.toml", text)
+        .unwrap()
+        .env(vars(&[(
+            "HYPHA_STORES__DATA__OPTIONS__ENDPOINT",
+            "http://x",
+        )]))
+        .unwrap()
+        .load()
+        .unwrap();
+    let stores: Stores = loaded.section().unwrap();
+    assert_eq!(stores.stores["models"].url, "s3://models");
+    assert_eq!(stores.stores["models"].options["region"], "eu-west-1");
+    assert_eq!(stores.stores["data"].url, "gs://data");
+    assert_eq!(stores.stores["data"].options["endpoint"], "http://x");
+    let template = schema.template();
+    assert!(
+        template.contains("# [stores.NAME]\n#   Where.\n# url = \"s3://bucket\" (required)\n"),
+        "{template}"
+    );
+    Layers::new(&schema)
+        .file_text("init.toml", &template)
+        .unwrap()
+        .load()
+        .unwrap();
+
+    let typo = "[stores.models]\nurl = \"s3://models\"\nregion = \"x\"\n";
+    let err = Layers::new(&schema).file_text("w.toml", typo).unwrap_err();
+    assert_eq!(err.key, "stores.models.region");
+    assert_eq!(
+        err.origin,
+        Origin::File {
+            path: "w.toml".into(),
+            line: 3,
+            column: 1
+        }
+    );
+
+    let missing = "[stores.models]\noptions = {}\n";
+    let err = Layers::new(&schema)
+        .file_text("w.toml", missing)
+        .unwrap()
+        .load()
+        .unwrap_err();
+    assert_eq!(err.key, "stores.models.url");
+    assert_eq!(err.problem, "required but not set");
+
+    let not_string = "[stores.models]\nurl = \"s3://m\"\noptions = { retries = 3 }\n";
+    let err = Layers::new(&schema)
+        .file_text("w.toml", not_string)
+        .unwrap_err();
+    assert_eq!(err.key, "stores.models.options");
+    assert!(err.problem.contains("a table of strings"), "{err}");
+}
