@@ -6,6 +6,7 @@
 //! written twice. When every chunk is in, the part files are fsynced and renamed over their
 //! destinations. Reads and writes of different chunks run in parallel on the same handles.
 
+use hypha_messages::artifact::Request;
 use std::{
     fs::{File, OpenOptions},
     io,
@@ -19,10 +20,7 @@ use std::{
 
 use bytes::{Bytes, BytesMut};
 
-use crate::{
-    manifest::{Chunk, Manifest},
-    request::Request,
-};
+use crate::manifest::{Chunk, Manifest};
 
 /// Bytes gathered before one write: large enough to amortise the blocking-pool hop.
 pub(crate) const IO_BLOCK: usize = 1024 * 1024;

@@ -6,15 +6,13 @@
 //! every recorded chunk is hashed again, so a crash between the two costs that chunk, never a
 //! corrupt file.
 
+use hypha_messages::artifact::Request;
 use std::path::{Path, PathBuf};
 
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    manifest::{ArtifactId, Manifest},
-    request::Request,
-};
+use crate::manifest::{ArtifactId, Manifest};
 
 /// Completed artifacts by destination path: JSON [`Record`]s.
 const COMPLETED: TableDefinition<&str, &[u8]> = TableDefinition::new("completed");

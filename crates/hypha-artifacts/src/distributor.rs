@@ -1,5 +1,6 @@
 //! [`Distributor`]: a node's handle on artifact distribution: fetch, seed, settle.
 
+use hypha_messages::artifact::Request;
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
@@ -18,7 +19,6 @@ use crate::{
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
     protocol::{CHUNK_PROTOCOL, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame, write_frame},
-    request::Request,
     swarm::{self, Context, Event, Failure, Holding, Progress},
     unpack::{UnpackError, unpack},
 };

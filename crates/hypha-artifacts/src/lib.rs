@@ -22,7 +22,6 @@ mod distributor;
 pub mod manifest;
 pub mod origin;
 pub mod protocol;
-pub mod request;
 pub mod swarm;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -31,9 +30,9 @@ pub mod unpack;
 use std::time::Duration;
 
 pub use distributor::{Distributor, FetchError, FetchOptions, Fetched};
+pub use hypha_messages::artifact::{self as request, Kind, Request, Unpack, UnpackMethod};
 pub use manifest::{ArtifactId, Manifest, auto_chunk_size};
 pub use origin::{Origin, OriginError, Origins, Profile};
-pub use request::{Kind, Request, Unpack, UnpackMethod};
 pub use swarm::{PeerProgress, Progress};
 
 /// How a node takes part in distributions.

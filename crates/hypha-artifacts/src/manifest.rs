@@ -9,7 +9,7 @@ use std::{fmt, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::request::{Kind, Request};
+use hypha_messages::artifact::{Kind, Request};
 
 /// Chunks an artifact is cut into when no chunk size is set: enough that every node of a
 /// swarm has several to pull from the origin and that the last ones, which have to travel to

@@ -11,6 +11,7 @@
 //! metadata is checked again, so an object replaced mid-way yields [`OriginError::Changed`]
 //! rather than bytes of two versions.
 
+use hypha_messages::artifact::{Kind, Request};
 use std::{
     collections::BTreeMap,
     fmt,
@@ -26,10 +27,7 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    manifest::FileEntry,
-    request::{Kind, Request},
-};
+use crate::manifest::FileEntry;
 
 /// A named store and how to reach it.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -17,6 +17,7 @@
 //! The actor owns all of this state; transfers, stream readers and writers are tasks that
 //! report back through one bounded queue, so the actor never waits on the network.
 
+use hypha_messages::artifact::Request;
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
@@ -44,7 +45,6 @@ use crate::{
         CHUNK_PROTOCOL, ChunkErrorCode, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL,
         SwarmMessage, provider_key, read_frame, write_frame,
     },
-    request::Request,
 };
 
 /// Events queued to a swarm's actor; senders wait when it is full.

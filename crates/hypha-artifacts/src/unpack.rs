@@ -13,7 +13,7 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-use crate::request::{Unpack, UnpackMethod};
+use hypha_messages::artifact::{Unpack, UnpackMethod};
 
 /// An archive could not be unpacked.
 #[derive(Debug, thiserror::Error)]

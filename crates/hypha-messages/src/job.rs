@@ -25,6 +25,15 @@ pub struct JobSpec {
     /// the job's behalf, and writes them to a file only the job's user can read.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secrets: BTreeMap<String, String>,
+    /// Artifacts the worker fetches into the job's directory before the executor starts
+    /// (destinations relative to it), shared peer to peer among the workers that need them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<crate::artifact::Request>,
+    /// How many workers of the job fetch these artifacts together (this one included): each
+    /// waits a moment for the others before reading from the origin, so that every chunk is
+    /// read once. 0: do not wait.
+    #[serde(default)]
+    pub artifact_peers: usize,
 }
 
 /// What became of a job.

@@ -136,6 +136,7 @@ pub mod health {
     }
 }
 
+pub mod artifact;
 pub mod diloco;
 pub mod iterate;
 pub mod job;

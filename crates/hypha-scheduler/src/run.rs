@@ -359,6 +359,7 @@ pub async fn run_job(
             bid: spec.bid,
         },
         config: spec.trainer_config(data.as_ref().map(JobData::reference)),
+        artifacts: spec.artifacts.clone(),
     };
     let server = spec.diloco.as_ref().map(|diloco| Role {
         request: WorkerRequest {
@@ -367,6 +368,8 @@ pub async fn run_job(
             bid: diloco.parameter_server.bid,
         },
         config: diloco.server_config(),
+        // The built-in parameter server runs no program that could read artifacts.
+        artifacts: Vec::new(),
     });
     let (lost_tx, mut lost) = mpsc::channel::<Lost>(64);
     let (replaced_tx, mut replaced) =
@@ -568,6 +571,7 @@ pub async fn run_job(
 struct Role {
     request: WorkerRequest,
     config: String,
+    artifacts: Vec<hypha_messages::artifact::Request>,
 }
 
 struct Job<'a> {
@@ -619,6 +623,12 @@ impl Job<'_> {
                 executor: role.request.executor.clone(),
                 config: role.config.clone(),
                 secrets: self.spec.secrets.clone(),
+                artifacts: role.artifacts.clone(),
+                artifact_peers: if role.artifacts.is_empty() {
+                    0
+                } else {
+                    self.spec.workers
+                },
             };
             running.insert(
                 id.clone(),

@@ -19,6 +19,16 @@
 //! [secrets]            # reach the worker, never an executor's argv or environment
 //! hf_token = "hf_..."
 //!
+//! [[artifacts]]        # fetched into each worker's job directory before the executor starts
+//! profile = "models"   # a profile of the worker's [artifacts.profiles] (default: "default")
+//! uri = "llama/weights.safetensors"
+//! destination = "model/weights.safetensors"
+//!
+//! [[artifacts]]
+//! uri = "envs/python.tar.gz"
+//! destination = "python.tar.gz"
+//! unpack = { destination = "python" }   # tar, tar.gz or zip; method = "auto" by default
+//!
 //! [data]               # the dataset the job iterates, each slice used once per epoch
 //! dataset = "digits"
 //! epochs = 2
@@ -59,7 +69,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use hypha_messages::market::{ExecutorRef, Resources};
+use hypha_messages::{
+    artifact,
+    market::{ExecutorRef, Resources},
+};
 use serde::{Deserialize, Serialize};
 
 /// A parsed job file.
@@ -77,6 +90,10 @@ pub struct JobFile {
     pub config: toml::Table,
     #[serde(default)]
     pub secrets: BTreeMap<String, String>,
+    /// What every worker of the job fetches before its executor starts (duplicates dropped;
+    /// destinations relative to the job's directory). See [`hypha_messages::artifact`].
+    #[serde(default)]
+    pub artifacts: Vec<artifact::Request>,
     #[serde(default)]
     pub data: Option<DataSpec>,
     #[serde(default)]
@@ -237,7 +254,7 @@ impl JobFile {
             path: path.to_string(),
             message,
         };
-        let spec: JobFile = toml::from_str(text).map_err(|e| {
+        let mut spec: JobFile = toml::from_str(text).map_err(|e| {
             let position = e
                 .span()
                 .map(|span| {
@@ -284,6 +301,12 @@ impl JobFile {
         if spec.max_attempts == 0 {
             return Err(invalid("max_attempts must be 1 or more".into()));
         }
+        for (i, request) in spec.artifacts.iter().enumerate() {
+            request
+                .check_destinations()
+                .map_err(|e| invalid(format!("artifacts[{i}]: {e}")))?;
+        }
+        spec.artifacts = artifact::deduplicate(std::mem::take(&mut spec.artifacts));
         for (key, value) in [
             ("resources.cpu", spec.resources.cpu),
             ("resources.memory", spec.resources.memory),

@@ -1,7 +1,8 @@
 //! The worker's settings: which keys it accepts and what they mean once checked.
 
-use std::{path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
+use hypha_artifacts::Profile;
 use hypha_config::{ConfigError, DefaultValue, Key, Kind, Loaded, Schema, network, telemetry};
 use hypha_messages::market::{ExecutorRef, Resources};
 use serde::Deserialize;
@@ -115,6 +116,72 @@ static EXECUTOR_KEYS: [Key; 5] = [
     },
 ];
 
+static PROFILE_KEYS: [Key; 2] = [
+    Key {
+        name: "url",
+        kind: Kind::String,
+        default: DefaultValue::Required {
+            example: r#""s3://bucket/prefix""#,
+        },
+        doc: "The store and the path under it that artifact URIs are relative to: s3://, gs://, az:// (or abfs://), http(s)://, file:///.",
+    },
+    Key {
+        name: "options",
+        kind: Kind::StringMap,
+        default: DefaultValue::Value("{}"),
+        doc: "object_store options: aws_access_key_id, aws_secret_access_key, aws_region, aws_endpoint, aws_allow_http, google_service_account, azure_storage_account_name, ... Unset ones come from AWS_*, GOOGLE_*, AZURE_* variables.",
+    },
+];
+
+static ARTIFACT_KEYS: [Key; 7] = [
+    Key {
+        name: "dir",
+        kind: Kind::Path,
+        default: DefaultValue::Unset {
+            example: r#""/var/hypha/artifacts""#,
+        },
+        doc: "Where fetched artifacts and their cache index live; job directories get hard links to them. Default: work_dir/.artifacts.",
+    },
+    Key {
+        name: "chunk_bytes",
+        kind: Kind::Integer,
+        default: DefaultValue::Unset {
+            example: "16777216",
+        },
+        doc: "Bytes per chunk. Default: about 256 chunks per artifact, within 1-64 MiB. Nodes share chunks only with nodes using the same size.",
+    },
+    Key {
+        name: "download_slots",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("8"),
+        doc: "Chunks this node receives at once, from the origin and from peers together.",
+    },
+    Key {
+        name: "upload_slots",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("8"),
+        doc: "Chunks this node sends to peers at once; further requests are answered busy.",
+    },
+    Key {
+        name: "origin_connections",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("16"),
+        doc: "Origin connections of all nodes fetching one artifact together; each of n nodes opens at most max(1, this / n).",
+    },
+    Key {
+        name: "join_timeout_ms",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("10000"),
+        doc: "The longest a fetch that expects other nodes waits for them before it reads from the origin.",
+    },
+    Key {
+        name: "profiles",
+        kind: Kind::Map(&PROFILE_KEYS),
+        default: DefaultValue::Value("{}"),
+        doc: "Named origins; requests name one with profile = \"NAME\" (default: \"default\").",
+    },
+];
+
 /// Every key a worker accepts.
 pub fn schema() -> Schema {
     let mut keys = network::keys();
@@ -159,6 +226,12 @@ pub fn schema() -> Schema {
             doc: "How this worker prices and bundles its resources.",
         },
         Key {
+            name: "artifacts",
+            kind: Kind::Table(&ARTIFACT_KEYS),
+            default: DefaultValue::Value("{}"),
+            doc: "Artifacts (weights, environments, archives) jobs and `hypha-worker fetch` bring in: each chunk read from the origin by one node and shared peer to peer.",
+        },
+        Key {
             name: "executors",
             kind: Kind::TableArray(&EXECUTOR_KEYS),
             default: DefaultValue::Value("[]"),
@@ -197,6 +270,16 @@ pub struct WorkerConfig {
     pub executors: Vec<Executor>,
     pub prefetch_bytes: u64,
     pub slice_cache_bytes: u64,
+    pub artifacts: ArtifactsConfig,
+}
+
+/// The `[artifacts]` section, checked.
+#[derive(Debug, Clone)]
+pub struct ArtifactsConfig {
+    /// Holds the fetched artifacts and their cache index.
+    pub dir: PathBuf,
+    pub settings: hypha_artifacts::Settings,
+    pub profiles: BTreeMap<String, Profile>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -207,6 +290,7 @@ struct Raw {
     slice_cache_bytes: i64,
     resources: Resources,
     offer: RawOffer,
+    artifacts: RawArtifacts,
     #[serde(default)]
     executors: Vec<RawExecutor>,
 }
@@ -219,6 +303,17 @@ struct RawOffer {
     window_ms: i64,
     hold_ms: i64,
     lease_ms: i64,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawArtifacts {
+    dir: Option<PathBuf>,
+    chunk_bytes: Option<i64>,
+    download_slots: i64,
+    upload_slots: i64,
+    origin_connections: i64,
+    join_timeout_ms: i64,
+    profiles: BTreeMap<String, Profile>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -284,6 +379,50 @@ impl WorkerConfig {
                 )
             })
         };
+        let count = |key: &str, value: i64| -> Result<usize, ConfigError> {
+            usize::try_from(value)
+                .ok()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| {
+                    loaded.error(
+                        key,
+                        format!("{value} is not a positive count"),
+                        "use 1 or more",
+                    )
+                })
+        };
+        let artifacts = ArtifactsConfig {
+            dir: raw
+                .artifacts
+                .dir
+                .unwrap_or_else(|| raw.work_dir.join(".artifacts")),
+            settings: hypha_artifacts::Settings {
+                chunk_size: raw
+                    .artifacts
+                    .chunk_bytes
+                    .map(|v| bytes("artifacts.chunk_bytes", v))
+                    .transpose()?,
+                download_slots: count("artifacts.download_slots", raw.artifacts.download_slots)?,
+                upload_slots: count("artifacts.upload_slots", raw.artifacts.upload_slots)?,
+                origin_connections: count(
+                    "artifacts.origin_connections",
+                    raw.artifacts.origin_connections,
+                )?,
+                join_timeout: millis("artifacts.join_timeout_ms", raw.artifacts.join_timeout_ms)?,
+                ..hypha_artifacts::Settings::default()
+            },
+            profiles: raw.artifacts.profiles,
+        };
+        // Build every origin now, so that a bad url or option is reported at start with its key.
+        for (name, profile) in &artifacts.profiles {
+            if let Err(e) = hypha_artifacts::Origin::new(name, profile) {
+                return Err(loaded.error(
+                    &format!("artifacts.profiles.{name}"),
+                    e.to_string(),
+                    "fix the url or the option (object_store's config key names), or remove the profile",
+                ));
+            }
+        }
         let hold = millis("offer.hold_ms", raw.offer.hold_ms)?;
         let lease = millis("offer.lease_ms", raw.offer.lease_ms)?;
         let mut executors: Vec<Executor> = Vec::new();
@@ -344,6 +483,7 @@ impl WorkerConfig {
             executors,
             prefetch_bytes: bytes("prefetch_bytes", raw.prefetch_bytes)?,
             slice_cache_bytes: bytes("slice_cache_bytes", raw.slice_cache_bytes)?,
+            artifacts,
         })
     }
 }

@@ -6,7 +6,9 @@
 //! - `secrets.json` (0600, only when the job has secrets): read by the executor if it needs
 //!   them; secrets never appear in argv or in any process's environment,
 //! - `bridge.sock` (0600): the job bridge, removed when the job ends,
-//! - `stdout.log`, `stderr.log`: everything the executor printed.
+//! - `stdout.log`, `stderr.log`: everything the executor printed,
+//! - the spec's `artifacts`, fetched (hard links into the worker's artifact store) before the
+//!   executor starts; a job whose artifacts cannot be fetched fails without starting.
 //!
 //! An executor runs in its own process group, so that cancelling a job reaches every process it
 //! started (`uv` → `python` → …): SIGTERM to the group, then SIGKILL after the grace period.
@@ -25,6 +27,7 @@ use std::{
 
 use hypha_files::{Mode, write_atomic};
 use hypha_messages::{
+    artifact,
     job::{JobSpec, JobStatus},
     market::ExecutorRef,
 };
@@ -33,7 +36,8 @@ use nix::{sys::signal::Signal, unistd::Pid};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    bridge::{self, BridgeContext},
+    artifacts::ArtifactStore,
+    bridge::{self, BridgeContext, paths::JobDir},
     config::{Executor, Runtime},
     metrics,
     parameter_server::ServerJob,
@@ -201,7 +205,12 @@ impl JobManager {
                 config: serde_json::from_str(&spec.config).unwrap_or_default(),
             })),
         };
-        let (cancel_tx, cancel_rx) = oneshot::channel();
+        let artifacts = Artifacts {
+            store: self.bridge.artifacts().clone(),
+            requests: spec.artifacts.clone(),
+            peers: spec.artifact_peers,
+        };
+        let (cancel_tx, mut cancel_rx) = oneshot::channel();
         self.running.insert(
             id.clone(),
             Running {
@@ -223,7 +232,10 @@ impl JobManager {
         let span = tracing::info_span!("job", job = %supervisor.job, executor = %spec.executor);
         tokio::spawn(tracing::Instrument::instrument(
             async move {
-                let status = supervisor.run(launch, &job_json, &socket, cancel_rx).await;
+                let status = match supervisor.provide(artifacts, &mut cancel_rx).await {
+                    Ok(()) => supervisor.run(launch, &job_json, &socket, cancel_rx).await,
+                    Err(status) => status,
+                };
                 bridge.stop().await;
                 let _ = std::fs::remove_file(&socket);
                 supervisor.finish(status).await;
@@ -271,7 +283,65 @@ struct Supervisor {
     started: Instant,
 }
 
+/// What a job needs in its directory before it starts.
+struct Artifacts {
+    store: Arc<ArtifactStore>,
+    requests: Vec<artifact::Request>,
+    /// Workers of the job fetching them too.
+    peers: usize,
+}
+
 impl Supervisor {
+    /// Fetches the job's artifacts into its directory; the status to report when that fails
+    /// or the job is cancelled meanwhile.
+    async fn provide(
+        &self,
+        artifacts: Artifacts,
+        cancel: &mut oneshot::Receiver<String>,
+    ) -> Result<(), JobStatus> {
+        if artifacts.requests.is_empty() {
+            return Ok(());
+        }
+        let job = JobDir::open(&self.dir)
+            .map(Arc::new)
+            .map_err(|e| failed(format!("cannot open the job's directory: {e}"), vec![]))?;
+        let started = Instant::now();
+        let all = async {
+            for request in &artifacts.requests {
+                if let Err(e) = request.check_destinations() {
+                    return Err(format!("artifact {}: {e}", request.uri));
+                }
+                let provided = artifacts
+                    .store
+                    .provide(request, job.clone(), artifacts.peers)
+                    .await
+                    .map_err(|e| format!("artifact {}: {e}", request.uri))?;
+                tracing::info!(
+                    uri = %request.uri,
+                    artifact = %provided.fetched.artifact,
+                    files = provided.files.len(),
+                    from_cache = provided.fetched.from_cache,
+                    "artifact ready"
+                );
+            }
+            Ok(())
+        };
+        tokio::select! {
+            done = all => {
+                done.map_err(|reason| failed(reason, vec![]))?;
+                tracing::info!(elapsed = ?started.elapsed(), "artifacts ready; starting the executor");
+                Ok(())
+            }
+            reason = cancel => Err(failed(
+                format!(
+                    "cancelled while fetching artifacts: {}",
+                    reason.unwrap_or_else(|_| "the worker is shutting down".into())
+                ),
+                vec![],
+            )),
+        }
+    }
+
     async fn run(
         &self,
         launch: Launch,

@@ -9,12 +9,15 @@
 //! - [`parameter_server`]: the built-in DiLoCo parameter server (`runtime = "parameter-server"`).
 //! - [`slices`]: the data path: the slice cache and each job's prefetcher.
 //! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
+//! - [`artifacts`]: artifacts jobs need, fetched peer to peer into the worker's store and
+//!   linked into job directories.
 //! - [`config`]: the worker's keys.
 //!
 //! The market and lease logic are plain state machines with the clock passed in, so every
 //! decision is testable without waiting. This crate knows nothing of how schedulers choose.
 
 pub mod arbiter;
+pub mod artifacts;
 pub mod bridge;
 pub mod config;
 pub mod jobs;

@@ -26,6 +26,7 @@ use tracing::Instrument;
 
 use crate::{
     arbiter::Arbiter,
+    artifacts::ArtifactStore,
     bridge,
     config::{WorkerConfig, schema},
     jobs::{Ended, JobManager},
@@ -77,6 +78,15 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
     .map_err(|e| Error::Failed(e.to_string()))
 }
 
+/// Why a worker could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Network(#[from] hypha_network::NetworkError),
+    #[error("artifacts: {0}")]
+    Artifacts(#[from] hypha_artifacts::FetchError),
+}
+
 /// Does a worker's work on a started network until `shutdown` resolves, then cancels its jobs
 /// and stops the network.
 pub async fn serve(
@@ -86,8 +96,9 @@ pub async fn serve(
     bridge: bridge::Settings,
     cache: Arc<SliceCache>,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), hypha_network::NetworkError> {
+) -> Result<(), ServeError> {
     let adverts = network.subscribe(WORKER_TOPIC, 256).await?;
+    let artifacts = Arc::new(ArtifactStore::start(network.clone(), &config.artifacts)?);
     let (ended_tx, ended) = mpsc::channel(64);
     let (internal_tx, internal) = mpsc::channel(256);
     let shared = Arc::new(bridge::Shared::new(
@@ -95,6 +106,7 @@ pub async fn serve(
         bridge,
         cache,
         config.prefetch_bytes,
+        artifacts,
     ));
     tokio::spawn({
         let shared = shared.clone();

@@ -165,6 +165,11 @@ async fn start_worker(
     let work_dir = tmp.join(format!("worker-{index}"));
     std::fs::create_dir_all(&work_dir)?;
     let config = WorkerConfig {
+        artifacts: hypha_worker::config::ArtifactsConfig {
+            dir: work_dir.join(".artifacts"),
+            settings: hypha_artifacts::Settings::default(),
+            profiles: Default::default(),
+        },
         work_dir,
         capacity: Resources {
             cpu: 4.0,

@@ -10,6 +10,15 @@
 //!   (default <https://huggingface.co>); the token is the request's `token`, else the job's
 //!   secret `hf_token`, else the worker's `HF_TOKEN`.
 //!
+//! - `{"type": "Artifact", "profile": "models", "uri": "llama/weights.bin"}`: an object of
+//!   one of the worker's artifact origins (`[artifacts.profiles]`; default profile
+//!   `"default"`), fetched peer to peer with the other workers that need it and placed at
+//!   `out_dir/{last segment of uri}` as a hard link into the worker's artifact store.
+//!   `"kind": "prefix"` places every object under the prefix, its tree kept, under
+//!   `out_dir/{last segment}`. `"unpack": "auto"` (or `"tar"`, `"tar_gz"`, `"zip"`) also
+//!   unpacks the archive into `out_dir/{name without .tar, .tar.gz, .tgz, .zip}` (or
+//!   `{name}.d` for other names).
+//!
 //! - `{"type": "Scheduler", "peer": "…", "dataset": "…"}`: the next slice of the job's
 //!   dataset (see [`data`](super::data)); with `"wait_ms"` beside `fetch`, the request waits
 //!   at most that long while no slice is free, then answers 503 `data_wait`.
@@ -24,6 +33,8 @@ use axum::http::StatusCode;
 use futures::StreamExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+
+use hypha_messages::artifact;
 
 use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
 
@@ -51,6 +62,20 @@ pub enum Reference {
     },
     #[serde(alias = "scheduler")]
     Scheduler(super::data::SchedulerReference),
+    #[serde(alias = "artifact")]
+    Artifact {
+        #[serde(default = "default_profile")]
+        profile: String,
+        uri: String,
+        #[serde(default)]
+        kind: artifact::Kind,
+        #[serde(default)]
+        unpack: Option<artifact::UnpackMethod>,
+    },
+}
+
+fn default_profile() -> String {
+    artifact::DEFAULT_PROFILE.to_string()
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,11 +156,95 @@ pub(super) async fn fetch(
             }
             Ok(entries)
         }
+        Reference::Artifact {
+            profile,
+            uri,
+            kind,
+            unpack,
+        } => {
+            let name = uri
+                .trim_end_matches('/')
+                .rsplit('/')
+                .next()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| BridgeError::bad_request(format!("{uri:?} names no object")))?;
+            let destination = out_dir.join(paths::check(name)?);
+            let unpack = unpack.map(|method| artifact::Unpack {
+                destination: out_dir.join(archive_stem(name)),
+                method,
+            });
+            let request = artifact::Request {
+                profile: profile.clone(),
+                uri: uri.clone(),
+                kind,
+                destination,
+                unpack,
+            };
+            let provided = bridge
+                .shared
+                .artifacts()
+                .provide(&request, bridge.dir.clone(), 0)
+                .await
+                .map_err(|e| {
+                    BridgeError::new(StatusCode::BAD_GATEWAY, "artifact", e.to_string())
+                })?;
+            let metadata: std::collections::BTreeMap<String, serde_json::Value> = [
+                ("source", serde_json::Value::from("artifact")),
+                ("profile", profile.into()),
+                ("uri", uri.into()),
+                ("artifact", provided.fetched.artifact.to_string().into()),
+                ("from_cache", provided.fetched.from_cache.into()),
+                ("timestamp", timestamp().into()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            tokio::task::spawn_blocking(move || {
+                provided
+                    .files
+                    .into_iter()
+                    .map(|(path, stored)| {
+                        let (size, checksum) = sha256_file(&stored).map_err(|e| {
+                            BridgeError::new(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                "io",
+                                format!("reading {}: {e}", path.display()),
+                            )
+                        })?;
+                        Ok(FileEntry {
+                            path: path.display().to_string(),
+                            size,
+                            checksum,
+                            metadata: metadata.clone(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>, BridgeError>>()
+            })
+            .await
+            .map_err(|e| BridgeError::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))?
+        }
         Reference::Scheduler(reference) => {
             let wait = request.wait_ms.map(std::time::Duration::from_millis);
             super::data::fetch(bridge, reference, &out_dir, wait).await
         }
     }
+}
+
+/// Where an archive is unpacked: its name without the archive extension, or with `.d`
+/// appended when it has none.
+fn archive_stem(name: &str) -> String {
+    [".tar.gz", ".tgz", ".tar", ".zip"]
+        .iter()
+        .find_map(|ext| name.strip_suffix(ext))
+        .filter(|stem| !stem.is_empty())
+        .map_or_else(|| format!("{name}.d"), str::to_string)
+}
+
+/// The size and `sha256:<hex>` of a file.
+fn sha256_file(path: &Path) -> std::io::Result<(u64, String)> {
+    let mut hasher = Sha256::new();
+    let size = std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    Ok((size, format!("sha256:{}", hex::encode(hasher.finalize()))))
 }
 
 async fn download(

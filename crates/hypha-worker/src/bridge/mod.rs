@@ -46,7 +46,10 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::slices::{Prefetcher, SliceCache, Source};
+use crate::{
+    artifacts::ArtifactStore,
+    slices::{Prefetcher, SliceCache, Source},
+};
 
 use self::{
     paths::{JobDir, PathError},
@@ -90,16 +93,18 @@ pub struct Shared {
     inboxes: Arc<Inboxes>,
     cache: Arc<SliceCache>,
     prefetch_bytes: u64,
+    artifacts: Arc<ArtifactStore>,
 }
 
 impl Shared {
     /// `cache` holds the worker's slices; each job's prefetcher keeps up to `prefetch_bytes`
-    /// of them ready.
+    /// of them ready. `artifacts` brings in what jobs name.
     pub fn new(
         network: Network,
         settings: Settings,
         cache: Arc<SliceCache>,
         prefetch_bytes: u64,
+        artifacts: Arc<ArtifactStore>,
     ) -> Self {
         let http = reqwest::Client::builder()
             .user_agent(concat!("hypha-worker/", env!("CARGO_PKG_VERSION")))
@@ -113,7 +118,13 @@ impl Shared {
             inboxes: Arc::default(),
             cache,
             prefetch_bytes,
+            artifacts,
         }
+    }
+
+    /// The worker's artifact store.
+    pub fn artifacts(&self) -> &Arc<ArtifactStore> {
+        &self.artifacts
     }
 
     /// The worker's network.

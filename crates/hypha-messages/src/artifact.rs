@@ -1,5 +1,6 @@
-//! What a node is asked to fetch: an object or a prefix of a named origin, a destination, and
-//! optionally an archive to unpack.
+//! Artifact requests: an object or a prefix of a named origin, a destination, and optionally
+//! an archive to unpack. Job files, job specs, the job bridge and `hypha-worker fetch` state
+//! them this way; `hypha-artifacts` fetches them.
 
 use std::path::PathBuf;
 
@@ -90,6 +91,33 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Checks that the destinations stay inside the directory they are relative to: no
+    /// absolute path, no `..`, not empty.
+    pub fn check_destinations(&self) -> Result<(), String> {
+        let unpack = self
+            .unpack
+            .as_ref()
+            .map(|u| ("unpack.destination", &u.destination));
+        for (key, path) in std::iter::once(("destination", &self.destination)).chain(unpack) {
+            let inside = path.components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::Normal(_) | std::path::Component::CurDir
+                )
+            }) && path
+                .components()
+                .any(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(format!(
+                    "{key} = {path:?} must be a relative path inside the job's directory (no leading /, no ..)"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Removes duplicates, keeping the first of each, so that several stages (or jobs) asking
 /// for the same artifact fetch it once.
 pub fn deduplicate(requests: impl IntoIterator<Item = Request>) -> Vec<Request> {
@@ -141,6 +169,25 @@ mod tests {
         let err = toml::from_str::<Request>("uri = \"a\"\ndestination = \"a\"\nunpak = {}\n")
             .expect_err("typo");
         assert!(err.to_string().contains("unpak"), "{err}");
+    }
+
+    #[test]
+    fn destinations_must_stay_inside() {
+        let mut request: Request =
+            toml::from_str("uri = \"a\"\ndestination = \"models/a.bin\"\n").expect("valid");
+        assert_eq!(request.check_destinations(), Ok(()));
+        for bad in ["/etc/passwd", "../a", "models/../../a", "", "."] {
+            request.destination = bad.into();
+            let err = request.check_destinations().expect_err(bad);
+            assert!(err.starts_with("destination = "), "{err}");
+        }
+        request.destination = "a.tgz".into();
+        request.unpack = Some(Unpack {
+            destination: "/tmp/x".into(),
+            method: UnpackMethod::Auto,
+        });
+        let err = request.check_destinations().expect_err("unpack outside");
+        assert!(err.starts_with("unpack.destination"), "{err}");
     }
 
     #[test]
