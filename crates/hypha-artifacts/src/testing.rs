@@ -107,6 +107,21 @@ impl S3Server {
         }
     }
 
+    /// The profile as a node config's `[artifacts.profiles.NAME]` table.
+    pub fn profile_toml(&self, name: &str) -> String {
+        let profile = self.profile();
+        let options: Vec<String> = profile
+            .options
+            .iter()
+            .map(|(k, v)| format!("{k} = {v:?}"))
+            .collect();
+        format!(
+            "[artifacts.profiles.{name}]\nurl = {:?}\noptions = {{ {} }}\n",
+            profile.url,
+            options.join(", ")
+        )
+    }
+
     /// Uploads an object through the S3 API (so the server records its ETag as S3 would).
     pub async fn put(&self, key: &str, bytes: Vec<u8>) -> Result<(), object_store::Error> {
         let (store, _) = object_store::parse_url_opts(
