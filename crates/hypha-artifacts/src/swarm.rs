@@ -275,7 +275,7 @@ pub(crate) fn spawn(
         me,
         offset: manifest.id.0[0] as usize,
         tie_break: rand::random(),
-        join_deadline: Instant::now() + context.settings.join_timeout,
+        join_deadline: Some(Instant::now() + context.settings.join_timeout),
         expect: expect.max(1),
         context,
         request,
@@ -301,7 +301,9 @@ struct Actor {
     me: PeerId,
     offset: usize,
     tie_break: u64,
-    join_deadline: Instant,
+    /// Until the expected members are there (or this passes), nothing is read from the
+    /// origin; `None` once they were: a member that dies later does not stop the others.
+    join_deadline: Option<Instant>,
     expect: usize,
     context: Context,
     request: Request,
@@ -671,8 +673,13 @@ impl Actor {
         }
         let slots = self.context.settings.download_slots.max(1);
         let members = self.members();
-        let joined = members.len() >= self.expect || Instant::now() >= self.join_deadline;
-        if joined {
+        if self
+            .join_deadline
+            .is_some_and(|deadline| members.len() >= self.expect || Instant::now() >= deadline)
+        {
+            self.join_deadline = None;
+        }
+        if self.join_deadline.is_none() {
             let origin_slots =
                 slots.min((self.context.settings.origin_connections / members.len()).max(1));
             while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {

@@ -165,3 +165,106 @@ destination = "model/model.bin"
         "S3 served {served} bytes; the job's artifacts are {once} bytes, the prefix {prefix_bytes}"
     );
 }
+
+/// A `hypha-worker fetch` process; its JSON summary goes to `{name}.json`, its log to
+/// `{name}.log`.
+fn fetch(cluster: &Cluster, s3: &S3Server, name: &str, args: &[&str]) -> std::process::Child {
+    let extra = format!(
+        "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\n{}",
+        s3.profile_toml("default")
+    );
+    let config = cluster.config(name, &extra);
+    Command::new(common::bin("hypha-worker"))
+        .arg("fetch")
+        .arg("--config")
+        .arg(&config)
+        .args(args)
+        .current_dir(cluster.dir.path())
+        .env("RUST_LOG", "info")
+        .stdout(std::fs::File::create(cluster.path(&format!("{name}.json"))).unwrap())
+        .stderr(std::fs::File::create(cluster.path(&format!("{name}.log"))).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+const CHUNK: usize = 1 << 20;
+
+#[test]
+fn a_node_killed_mid_way_costs_at_most_its_chunks_in_flight() {
+    const NODES: usize = 4;
+    const SIZE: usize = 24 * CHUNK;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let store = tempfile::tempdir().unwrap();
+    // 8 MiB/s: the origin alone needs 3 s for the object.
+    let s3 = runtime
+        .block_on(S3Server::start(store.path(), Some(8 << 20)))
+        .unwrap();
+    let object = pattern(SIZE, 11);
+    runtime
+        .block_on(s3.put("big/weights.bin", object.clone()))
+        .unwrap();
+    let cluster = Cluster::new();
+    let expect = NODES.to_string();
+    let mut nodes: Vec<(String, std::process::Child)> = (0..NODES)
+        .map(|i| {
+            let name = format!("fetch-{i}");
+            let destination = format!("{name}-weights.bin");
+            let args = [
+                "--expect",
+                expect.as_str(),
+                "--linger",
+                "10",
+                "big/weights.bin",
+                destination.as_str(),
+            ];
+            let child = fetch(&cluster, &s3, &name, &args);
+            (name, child)
+        })
+        .collect();
+    // Kill the last node once a third of the object has left the origin: it is pulling its
+    // share then.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while s3.bytes_served() < (SIZE / 3) as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the origin is not read"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (killed, mut victim) = nodes.pop().unwrap();
+    victim.kill().unwrap(); // SIGKILL
+    victim.wait().unwrap();
+    assert!(
+        !cluster.path(&format!("{killed}-weights.bin")).exists(),
+        "the killed node never finished"
+    );
+
+    let mut from_peers = 0;
+    for (name, mut child) in nodes {
+        let status = child.wait().unwrap();
+        let log = std::fs::read_to_string(cluster.path(&format!("{name}.log"))).unwrap();
+        assert!(status.success(), "{name} failed:\n{log}");
+        assert!(
+            !log.contains(" ERROR "),
+            "a successful fetch logs no errors:\n{log}"
+        );
+        let fetched = std::fs::read(cluster.path(&format!("{name}-weights.bin"))).unwrap();
+        assert!(fetched == object, "{name}: the file differs");
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(cluster.path(&format!("{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(summary["complete"], true, "{summary}");
+        assert_eq!(summary["chunks"], 24, "{summary}");
+        from_peers += summary["peer_chunks"].as_u64().unwrap();
+    }
+    assert!(from_peers > 0, "the survivors shared chunks");
+    // Each of the 4 nodes reads at most max(1, origin_connections / 4) = 4 chunks from the
+    // origin at once: the most the killed node can have had in flight.
+    let in_flight = 4 * CHUNK as u64;
+    let served = s3.bytes_served();
+    assert!(
+        served >= SIZE as u64 && served <= SIZE as u64 + in_flight,
+        "the origin served {served} bytes for a {SIZE}-byte object; at most {in_flight} more may be re-read"
+    );
+}

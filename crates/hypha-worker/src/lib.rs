@@ -11,6 +11,7 @@
 //! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
 //! - [`artifacts`]: artifacts jobs need, fetched peer to peer into the worker's store and
 //!   linked into job directories.
+//! - [`fetch_command`]: `hypha-worker fetch`, one artifact by hand with a live view.
 //! - [`config`]: the worker's keys.
 //!
 //! The market and lease logic are plain state machines with the clock passed in, so every
@@ -20,6 +21,7 @@ pub mod arbiter;
 pub mod artifacts;
 pub mod bridge;
 pub mod config;
+pub mod fetch_command;
 pub mod jobs;
 pub mod lease;
 mod metrics;

@@ -24,6 +24,12 @@ enum Command {
     Run(RunArgs),
     /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
     Probe(ProbeArgs),
+    /// Fetch an artifact from an [artifacts.profiles] origin, sharing chunks with every other
+    /// node fetching it; shows where chunks come from and prints a JSON summary.
+    ///
+    /// Example: `hypha-worker fetch --config worker.toml --profile models --expect 8
+    /// llama/weights.safetensors weights.safetensors`
+    Fetch(Box<hypha_worker::fetch_command::FetchArgs>),
 }
 
 #[tokio::main]
@@ -34,5 +40,6 @@ async fn main() -> ExitCode {
         Command::Init(args) => hypha_node::init(&schema, &args),
         Command::Run(args) => hypha_worker::node::run(&args).await,
         Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+        Command::Fetch(args) => hypha_worker::fetch_command::run(&args).await,
     })
 }
