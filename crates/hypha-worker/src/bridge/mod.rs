@@ -2,7 +2,7 @@
 //!
 //! | endpoint | what it does |
 //! |---|---|
-//! | `POST /resources/fetch` | downloads HTTP(S) URLs or Hugging Face files into the job's directory, or waits for files peers sent |
+//! | `POST /resources/fetch` | downloads HTTP(S) URLs, Hugging Face files or artifacts (peer to peer from the worker's origins) into the job's directory, or waits for files peers sent |
 //! | `POST /resources/send` | sends a file to the jobs of the same task on other workers ([`peers`]) |
 //! | `POST /resources/receive` | streams the files peers send, as Server-Sent Events with sequence numbers |
 //! | `POST /data/consumed` | tells the job's scheduler which slices went into which round ([`data`]) |
