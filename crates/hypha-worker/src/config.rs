@@ -487,3 +487,69 @@ impl WorkerConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use hypha_config::Layers;
+
+    use super::*;
+
+    const BASE: &str = "cert_pem = \"c.pem\"\nkey_pem = \"k.pem\"\ntrust_pem = \"r.pem\"\nwork_dir = \"/srv/work\"\n";
+
+    fn load(text: &str) -> Result<WorkerConfig, ConfigError> {
+        let schema = schema();
+        let loaded = Layers::new(&schema)
+            .file_text("/etc/hypha/worker.toml", text)?
+            .load()?;
+        WorkerConfig::from_loaded(&loaded)
+    }
+
+    #[test]
+    fn artifacts_have_defaults_and_named_profiles() {
+        let config = load(&format!(
+            "{BASE}[artifacts]\nupload_slots = 3\n[artifacts.profiles.models]\nurl = \"s3://models/llama\"\noptions = {{ aws_region = \"eu-west-1\" }}\n[artifacts.profiles.local]\nurl = \"file:///srv/artifacts\"\n"
+        ))
+        .unwrap();
+        let artifacts = &config.artifacts;
+        assert_eq!(artifacts.dir, PathBuf::from("/srv/work/.artifacts"));
+        assert_eq!(artifacts.settings.upload_slots, 3);
+        assert_eq!(artifacts.settings.download_slots, 8);
+        assert_eq!(artifacts.settings.chunk_size, None);
+        assert_eq!(
+            artifacts.profiles.keys().collect::<Vec<_>>(),
+            ["local", "models"]
+        );
+        assert_eq!(
+            artifacts.profiles["models"].options["aws_region"],
+            "eu-west-1"
+        );
+    }
+
+    #[test]
+    fn a_bad_profile_is_named_where_it_is_written() {
+        let err = load(&format!(
+            "{BASE}[artifacts.profiles.models]\nurl = \"s3://models\"\noptions = {{ aws_regoin = \"x\" }}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "artifacts.profiles.models");
+        assert!(
+            err.problem.contains("\"aws_regoin\" is not a S3 option"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().starts_with("/etc/hypha/worker.toml:5:"),
+            "{err}"
+        );
+
+        let err = load(&format!(
+            "{BASE}[artifacts.profiles.models]\noptions = {{}}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "artifacts.profiles.models.url");
+
+        let err = load(&format!("{BASE}[artifacts]\ndownload_slots = 0\n")).unwrap_err();
+        assert_eq!(err.key, "artifacts.download_slots");
+    }
+}
