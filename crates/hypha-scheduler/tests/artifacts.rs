@@ -92,6 +92,10 @@ unpack = { destination = "env" }
 [[artifacts]]
 uri = "model.bin"
 destination = "model/model.bin"
+
+[[artifacts]]
+uri = "model.bin"
+destination = "copy/same-object.bin"
 "#,
     );
     let (mut scheduler, _) = cluster.scheduler("scheduler", &job);
@@ -103,6 +107,10 @@ destination = "model/model.bin"
         let dir = job_dir(&cluster.path(&format!("{name}-work")));
         let fetched = std::fs::read(dir.join("model/model.bin")).unwrap();
         assert!(fetched == model, "{name}: model.bin differs");
+        assert!(
+            std::fs::read(dir.join("copy/same-object.bin")).unwrap() == model,
+            "{name}: the same object under another name"
+        );
         let metadata = std::fs::metadata(dir.join("model/model.bin")).unwrap();
         assert!(
             metadata.nlink() >= 2,
@@ -156,8 +164,8 @@ destination = "model/model.bin"
         assert_eq!(code, "502", "{name}: {body}");
         assert!(body.contains("no origin profile named"), "{name}: {body}");
     }
-    // The job's artifacts were read from the origin once in all (the duplicate request
-    // too); each executor's prefix fetch, made when it got there, at most once per worker.
+    // The job's artifacts were read from the origin once in all (the duplicate request and
+    // the same object under another name too); each executor's prefix fetch, made when it got there, at most once per worker.
     let once = (model.len() + archive.len()) as u64;
     let served = s3.bytes_served();
     assert!(

@@ -1,9 +1,9 @@
 //! Artifacts for jobs: fetched once per worker into its artifact store, shared with the other
 //! nodes fetching them (see `hypha_artifacts`), and hard-linked into job directories.
 //!
-//! Each distinct request (profile, URI, kind, file name, unpack method) has its own store
-//! directory `{artifacts.dir}/store/{key}`, so two jobs asking for the same artifact share one
-//! copy and one cache entry, and a later job finds it without a transfer while the origin still
+//! Each artifact (profile, URI, kind) has its own store directory
+//! `{artifacts.dir}/store/{key}`, so jobs asking for the same artifact under any names share
+//! one copy and one cache entry, and a later job finds it without a transfer while the origin still
 //! describes it the same way. Job directories get hard links, not copies: a 40 GB model costs
 //! no second 40 GB. Store files are made read-only so that a job cannot overwrite what other
 //! jobs (and peers) read; a job that wants to change a file replaces it in its own directory.
@@ -150,21 +150,20 @@ impl ArtifactStore {
 
     /// The same request with destinations in the store.
     fn in_store(&self, request: &Request) -> Request {
+        // Named after the object, so that unpacking by name sees its real extension.
         let name = request
-            .destination
-            .file_name()
-            .unwrap_or(OsStr::new("artifact"))
-            .to_owned();
+            .uri
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .filter(|s| !matches!(*s, "" | "." | ".."))
+            .unwrap_or("artifact");
+        // One store directory per artifact, whatever the jobs call it: a node is in one swarm
+        // per artifact, with one destination.
         let key = blake3::hash(
-            serde_json::json!([
-                request.profile,
-                request.uri,
-                request.kind,
-                name.to_string_lossy(),
-                request.unpack.as_ref().map(|u| u.method),
-            ])
-            .to_string()
-            .as_bytes(),
+            serde_json::json!([request.profile, request.uri, request.kind])
+                .to_string()
+                .as_bytes(),
         )
         .to_hex();
         let dir = self.store.join(&key.as_str()[..32]);
