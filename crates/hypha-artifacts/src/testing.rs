@@ -272,3 +272,17 @@ impl<S: futures::Stream + Unpin> futures::Stream for SyncStream<S> {
         std::pin::Pin::new(inner).poll_next(cx)
     }
 }
+
+/// Deterministic bytes that differ per seed and at every offset, so that a misplaced or mixed
+/// chunk shows.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}

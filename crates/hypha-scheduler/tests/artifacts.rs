@@ -9,21 +9,8 @@ mod common;
 use std::{os::unix::fs::MetadataExt, process::Command, time::Duration};
 
 use common::{Cluster, job_dir};
-use hypha_artifacts::testing::S3Server;
+use hypha_artifacts::testing::{S3Server, pattern};
 use sha2::{Digest, Sha256};
-
-/// Bytes that differ at every offset, so that a misplaced chunk shows.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
 
 /// Calls the bridge's Artifact fetch for a prefix and records the answer in results.txt.
 const EXECUTOR: &str = r#"D="$1"; S="$2"

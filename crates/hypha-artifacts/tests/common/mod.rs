@@ -105,18 +105,7 @@ pub fn prefix(uri: &str, destination: &Path) -> Request {
     }
 }
 
-/// Deterministic bytes that differ per seed.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
+pub use hypha_artifacts::testing::pattern;
 
 pub async fn fetch(node: &Distributor, request: &Request, expect: usize) -> Fetched {
     node.fetch(

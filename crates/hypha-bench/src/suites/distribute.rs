@@ -47,7 +47,8 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     for n in [4usize, 8] {
         let dir = tmp.path().join(format!("n{n}"));
         let s3 = S3Server::start(&dir.join("s3"), Some(bandwidth)).await?;
-        s3.put(KEY, artifact(size as usize)).await?;
+        s3.put(KEY, hypha_artifacts::testing::pattern(size as usize, 1))
+            .await?;
         let before = s3.bytes_served();
 
         let swarm = swarm(&pki, &s3, &dir, n, size).await?;
@@ -78,18 +79,6 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             .insert(format!("alone_completion_vs_floor_n{n}"), alone_s / floor);
     }
     Ok(report)
-}
-
-fn artifact(len: usize) -> Vec<u8> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
 }
 
 /// N distributors fetch the object together.
