@@ -50,8 +50,11 @@ fn part_path(target: &Path) -> PathBuf {
 
 impl Assembly {
     /// Opens (creating where missing) the part files of `manifest`'s files for `request`.
-    /// Bytes already in a part file are kept: the cache says which chunks they hold.
-    pub fn create(manifest: Arc<Manifest>, request: &Request) -> io::Result<Assembly> {
+    /// Bytes already in a part file are kept for resuming: the cache says which chunks they
+    /// hold. With `fresh` (nothing to resume), part files are new files: a part file left by
+    /// another version of the artifact may still be written by that version's last transfers
+    /// in this process, which must never land in this one.
+    pub fn create(manifest: Arc<Manifest>, request: &Request, fresh: bool) -> io::Result<Assembly> {
         let mut files = Vec::new();
         let mut parts = Vec::new();
         let mut targets = Vec::new();
@@ -60,6 +63,13 @@ impl Assembly {
             let part = part_path(&target);
             if let Some(dir) = part.parent() {
                 std::fs::create_dir_all(dir).map_err(with_path(dir))?;
+            }
+            if fresh {
+                match std::fs::remove_file(&part) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(with_path(&part)(e)),
+                }
             }
             let file = OpenOptions::new()
                 .read(true)

@@ -273,11 +273,12 @@ impl Distributor {
         if let Some(progress) = self.existing(id, request)? {
             return Ok(progress);
         }
-        let create = (manifest.clone(), request.clone());
-        let assembly = Arc::new(blocking(move || Assembly::create(create.0, &create.1)).await?);
-        let holding = Arc::new(Holding::new(assembly, self.inner.settings.upload_slots));
         let cache = self.inner.cache.clone();
         let recorded = blocking(move || cache.chunks(id)).await?;
+        let create = (manifest.clone(), request.clone(), recorded.is_empty());
+        let assembly =
+            Arc::new(blocking(move || Assembly::create(create.0, &create.1, create.2)).await?);
+        let holding = Arc::new(Holding::new(assembly, self.inner.settings.upload_slots));
         let resumed = if recorded.is_empty() {
             0
         } else {

@@ -53,6 +53,7 @@ impl S3Server {
         let fs = s3s_fs::FileSystem::new(root).map_err(|e| io::Error::other(format!("{e:?}")))?;
         let counted = Counted {
             fs,
+            writes: tokio::sync::RwLock::new(()),
             served: served.clone(),
             bucket: bandwidth.map(|rate| Arc::new(TokenBucket::new(rate))),
         };
@@ -180,8 +181,15 @@ impl TokenBucket {
 }
 
 /// `s3s-fs` with its object bodies counted and throttled.
+///
+/// `s3s-fs` opens an object's file, then reads its ETag from a separate metadata file, so a GET
+/// racing a PUT of the same key could answer the old bytes under the new ETag, which real S3
+/// never does. Writes take `writes` exclusively and reads share it, so every answer is one
+/// version's bytes with that version's metadata (the body is read from the file opened under
+/// the lock).
 struct Counted {
     fs: s3s_fs::FileSystem,
+    writes: tokio::sync::RwLock<()>,
     served: Arc<AtomicU64>,
     bucket: Option<Arc<TokenBucket>>,
 }
@@ -192,7 +200,10 @@ impl S3 for Counted {
         &self,
         req: S3Request<GetObjectInput>,
     ) -> S3Result<S3Response<GetObjectOutput>> {
-        let mut response = self.fs.get_object(req).await?;
+        let mut response = {
+            let _consistent = self.writes.read().await;
+            self.fs.get_object(req).await?
+        };
         if let Some(body) = response.output.body.take() {
             let served = self.served.clone();
             let bucket = self.bucket.clone();
@@ -221,6 +232,7 @@ impl S3 for Counted {
         &self,
         req: S3Request<HeadObjectInput>,
     ) -> S3Result<S3Response<HeadObjectOutput>> {
+        let _consistent = self.writes.read().await;
         self.fs.head_object(req).await
     }
 
@@ -228,6 +240,7 @@ impl S3 for Counted {
         &self,
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
+        let _exclusive = self.writes.write().await;
         self.fs.put_object(req).await
     }
 
@@ -235,6 +248,7 @@ impl S3 for Counted {
         &self,
         req: S3Request<DeleteObjectInput>,
     ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        let _exclusive = self.writes.write().await;
         self.fs.delete_object(req).await
     }
 
@@ -242,6 +256,7 @@ impl S3 for Counted {
         &self,
         req: S3Request<ListObjectsV2Input>,
     ) -> S3Result<S3Response<ListObjectsV2Output>> {
+        let _consistent = self.writes.read().await;
         self.fs.list_objects_v2(req).await
     }
 
