@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+hypha_network::global_allocator!();
+
 /// Hypha's benchmarks. Each suite measures its own ceiling in the same run (raw TCP, raw TLS,
 /// …), prints a table, and writes target/bench/SUITE.json.
 #[derive(Debug, Parser)]

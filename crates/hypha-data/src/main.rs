@@ -5,6 +5,8 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 use hypha_node::{InitArgs, ProbeArgs, RunArgs};
 
+hypha_network::global_allocator!();
+
 /// The Hypha data node: serves prepared datasets to workers.
 ///
 /// Start with `hypha-data init`, set dataset_path and the certificate paths, then

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use hypha_node::{InitArgs, ProbeArgs, RunArgs};
 
+hypha_network::global_allocator!();
+
 /// The Hypha gateway: entry point, DHT anchor and relay of a Hypha network.
 ///
 /// Start with `hypha-gateway init`, fill in the certificate paths, then

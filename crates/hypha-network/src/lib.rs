@@ -44,6 +44,24 @@ use libp2p::{
 pub use settings::Settings;
 use tokio::sync::mpsc;
 
+/// The allocator of [`global_allocator!`].
+#[doc(hidden)]
+pub use mimalloc::MiMalloc;
+
+/// Makes mimalloc the program's global allocator; every node binary declares it.
+///
+/// A bulk transfer allocates and frees a 1 MiB buffer per yamux frame on each side (the yamux
+/// crate copies every frame into a fresh `Vec`). glibc's malloc hands blocks of that size back to
+/// the kernel and faults them in again: 0.4 to 1.2 million page faults per 7 GiB over one
+/// stream, and half the throughput (BENCHMARKS.md, transport). mimalloc keeps and reuses them.
+#[macro_export]
+macro_rules! global_allocator {
+    () => {
+        #[global_allocator]
+        static GLOBAL_ALLOCATOR: $crate::MiMalloc = $crate::MiMalloc;
+    };
+}
+
 /// How long a connection may take from TCP connect to a multiplexed, authenticated connection.
 const UPGRADE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Commands queued from handles to the event loop; senders wait when it is full.

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use hypha_node::{InitArgs, ProbeArgs};
 
+hypha_network::global_allocator!();
+
 /// The Hypha scheduler: leases workers on the market and runs jobs on them.
 ///
 /// Start with `hypha-scheduler init`, set the certificate paths and gateway_addresses, write a

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use hypha_node::{InitArgs, ProbeArgs, RunArgs};
 
+hypha_network::global_allocator!();
+
 /// The Hypha worker: bids for jobs advertised by schedulers and runs them with its executors.
 ///
 /// Start with `hypha-worker init`, set the certificate paths, gateway_addresses, work_dir,

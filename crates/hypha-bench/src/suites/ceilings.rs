@@ -1,6 +1,7 @@
-//! Ceilings shared by suites: raw TCP and raw rustls TLS streams, and a throw-away PKI.
+//! Ceilings shared by suites: raw TCP and raw rustls TLS streams, the two ends of a transfer,
+//! and a throw-away PKI.
 
-use std::{sync::Arc, time::Instant};
+use std::{future::Future, sync::Arc, time::Instant};
 
 use hypha_certs::{
     NodeIdentity, TrustStore,
@@ -9,12 +10,81 @@ use hypha_certs::{
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
+    runtime::Runtime,
+    sync::oneshot,
+    task::JoinHandle,
 };
 
 use crate::mb_per_s;
 
 /// Bytes written and read at a time.
 pub(crate) const CHUNK: usize = 1024 * 1024;
+
+/// The two ends of a transfer, each on its own one-worker Tokio runtime, as two nodes on two
+/// machines would be: everything a side does (the application's reads or writes, the
+/// connection's framing and encryption) shares that side's one core, and the ceilings run on the
+/// same two runtimes.
+///
+/// On one shared runtime the comparison was not like with like: a raw TLS transfer is two
+/// tasks and always occupied both workers, while a libp2p transfer is four or more tasks that
+/// wake each other through Tokio's (unstealable) LIFO slot, so in some runs all of them ran on
+/// one worker and the other idled (`perf stat`: 1.0 CPUs used).
+pub(crate) struct Sides {
+    sender: Option<Runtime>,
+    receiver: Option<Runtime>,
+}
+
+impl Sides {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        let side = |name: &str| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name(name)
+                .enable_all()
+                .build()
+        };
+        Ok(Sides {
+            sender: Some(side("bench-sender")?),
+            receiver: Some(side("bench-receiver")?),
+        })
+    }
+
+    /// Runs `work` on the sending side.
+    pub(crate) fn sender<F>(&self, work: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        Self::runtime(&self.sender).spawn(work)
+    }
+
+    /// Runs `work` on the receiving side.
+    pub(crate) fn receiver<F>(&self, work: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        Self::runtime(&self.receiver).spawn(work)
+    }
+
+    fn runtime(side: &Option<Runtime>) -> &Runtime {
+        // Both are `Some` until `drop`.
+        side.as_ref().unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl Drop for Sides {
+    fn drop(&mut self) {
+        // A runtime dropped inside another runtime's task would panic; let its threads wind
+        // down on their own.
+        for runtime in [self.sender.take(), self.receiver.take()]
+            .into_iter()
+            .flatten()
+        {
+            runtime.shutdown_background();
+        }
+    }
+}
 
 pub(crate) struct Pki {
     pub(crate) root_pem: String,
@@ -90,24 +160,33 @@ pub(crate) async fn write_n(
     writer.shutdown().await
 }
 
-pub(crate) async fn raw_tcp(bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let receiver = tokio::spawn(async move {
+pub(crate) async fn raw_tcp(sides: &Sides, bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
+    let (address_tx, address_rx) = oneshot::channel();
+    let receiver = sides.receiver(async move {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let _ = address_tx.send(listener.local_addr()?);
         let (socket, _) = listener.accept().await?;
         drain(socket).await
     });
-    let mut socket = TcpStream::connect(addr).await?;
-    socket.set_nodelay(true)?;
-    let start = Instant::now();
-    write_n(&mut socket, bytes, payload).await?;
+    let address = address_rx.await?;
+    let payload = payload.to_vec();
+    let sender = sides.sender(async move {
+        let mut socket = TcpStream::connect(address).await?;
+        socket.set_nodelay(true)?;
+        let start = Instant::now();
+        write_n(&mut socket, bytes, &payload).await?;
+        // Kept open until the receiver has counted everything.
+        anyhow::Ok((start, socket))
+    });
+    let (start, socket) = sender.await??;
     let received = receiver.await??;
+    let elapsed = start.elapsed();
     drop(socket);
     anyhow::ensure!(
         received == bytes,
         "raw TCP lost bytes: {received} of {bytes}"
     );
-    Ok(mb_per_s(bytes, start.elapsed()))
+    Ok(mb_per_s(bytes, elapsed))
 }
 
 /// The cipher preference our transport uses, so the ceiling is the same cipher.
@@ -122,7 +201,12 @@ fn aes_first_provider() -> rustls::crypto::CryptoProvider {
     }
 }
 
-pub(crate) async fn raw_tls(bytes: u64, payload: &[u8], pki: &Pki) -> anyhow::Result<f64> {
+pub(crate) async fn raw_tls(
+    sides: &Sides,
+    bytes: u64,
+    payload: &[u8],
+    pki: &Pki,
+) -> anyhow::Result<f64> {
     let provider = Arc::new(aes_first_provider());
     let mut server_config = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -139,28 +223,36 @@ pub(crate) async fn raw_tls(bytes: u64, payload: &[u8], pki: &Pki) -> anyhow::Re
         .with_root_certificates(roots)
         .with_no_client_auth();
 
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config));
-    let receiver = tokio::spawn(async move {
+    let (address_tx, address_rx) = oneshot::channel();
+    let receiver = sides.receiver(async move {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let _ = address_tx.send(listener.local_addr()?);
         let (socket, _) = listener.accept().await?;
         socket.set_nodelay(true)?;
         let tls = acceptor.accept(socket).await?;
         drain(tls).await
     });
-    let socket = TcpStream::connect(addr).await?;
-    socket.set_nodelay(true)?;
-    let name = rustls::pki_types::ServerName::try_from("localhost")?;
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
-        .connect(name, socket)
-        .await?;
-    let start = Instant::now();
-    write_n(&mut tls, bytes, payload).await?;
+    let address = address_rx.await?;
+    let payload = payload.to_vec();
+    let sender = sides.sender(async move {
+        let socket = TcpStream::connect(address).await?;
+        socket.set_nodelay(true)?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
+            .connect(name, socket)
+            .await?;
+        let start = Instant::now();
+        write_n(&mut tls, bytes, &payload).await?;
+        anyhow::Ok((start, tls))
+    });
+    let (start, tls) = sender.await??;
     let received = receiver.await??;
+    let elapsed = start.elapsed();
     drop(tls);
     anyhow::ensure!(
         received == bytes,
         "raw TLS lost bytes: {received} of {bytes}"
     );
-    Ok(mb_per_s(bytes, start.elapsed()))
+    Ok(mb_per_s(bytes, elapsed))
 }

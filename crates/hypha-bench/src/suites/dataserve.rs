@@ -20,7 +20,7 @@ use hypha_data::{
 };
 use hypha_network::{PeerId, Settings};
 
-use super::ceilings::{Pki, raw_tls};
+use super::ceilings::{Pki, Sides, raw_tls};
 use crate::{Report, mb_per_s, median};
 
 const SLICES: usize = 16;
@@ -95,9 +95,10 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     let payload: Vec<u8> = (0..super::ceilings::CHUNK)
         .map(|i| (i % 251) as u8)
         .collect();
+    let sides = Sides::new()?;
     let mut tls = Vec::new();
     for _ in 0..3 {
-        tls.push(raw_tls((slice_mib * 4 * 1024 * 1024) as u64, &payload, &pki).await?);
+        tls.push(raw_tls(&sides, (slice_mib * 4 * 1024 * 1024) as u64, &payload, &pki).await?);
     }
     let tls = median(tls);
 

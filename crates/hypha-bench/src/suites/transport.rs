@@ -1,18 +1,23 @@
 //! `transport`: bulk throughput of one and four streams over our mutual-TLS + yamux stack,
 //! beside a raw TCP stream and a raw rustls TLS 1.3 stream (AES-128-GCM) on loopback.
 //!
-//! All four are measured in one process on one Tokio runtime, sender and receiver sharing the
-//! machine's cores, so the ratios compare like with like. Each figure is the median of several
-//! runs; a run times from the first byte written to the last byte counted by the receiver.
+//! All are measured in one process, every sending end on one one-worker runtime and every
+//! receiving end on another ([`Sides`]), so the ratios compare like with like. Each figure is the
+//! median of several rounds, each ratio the median of the rounds' ratios; a run times from the
+//! first byte written to the last byte counted by the receiver.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context;
 use futures::{AsyncWriteExt as _, StreamExt};
 use hypha_network::{Network, Settings, StreamProtocol};
-use tokio::sync::mpsc;
+use libp2p::swarm::SwarmEvent;
+use tokio::sync::{mpsc, oneshot};
 
-use super::ceilings::{CHUNK, Pki, drain, raw_tcp, raw_tls};
+use super::ceilings::{CHUNK, Pki, Sides, drain, raw_tcp, raw_tls};
 use crate::{Report, mb_per_s, median};
 const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/bench/transport/1");
 
@@ -24,66 +29,67 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     };
     let pki = Pki::new()?;
     let payload: Vec<u8> = (0..CHUNK).map(|i| (i % 251) as u8).collect();
+    let sides = Sides::new()?;
 
-    let mut tcp = Vec::new();
-    let mut tls = Vec::new();
+    let (client, server, mut received) = connected_pair(&sides, &pki).await?;
+    // One round measures everything back to back, and each ratio is the median of the rounds'
+    // ratios: load from outside the benchmark then shifts both sides of a ratio alike.
+    let mut rounds: Vec<BTreeMap<&str, f64>> = Vec::new();
     for _ in 0..runs {
-        tcp.push(raw_tcp(bytes, &payload).await?);
-        tls.push(raw_tls(bytes, &payload, &pki).await?);
-    }
-
-    let (client, server, mut received) = connected_pair(&pki).await?;
-    let mut one = Vec::new();
-    let mut four = Vec::new();
-    for _ in 0..runs {
-        one.push(streams(&client, &server, &mut received, bytes, 1, &payload).await?);
-        four.push(streams(&client, &server, &mut received, bytes, 4, &payload).await?);
+        let tls = raw_tls(&sides, bytes, &payload, &pki).await?;
+        let tcp = raw_tcp(&sides, bytes, &payload).await?;
+        let one = streams(&sides, &client, &server, &mut received, bytes, 1, &payload).await?;
+        let four = streams(&sides, &client, &server, &mut received, bytes, 4, &payload).await?;
+        let stock = stock_libp2p(&sides, bytes, &payload).await?;
+        rounds.push(BTreeMap::from([
+            ("raw_tcp_mb_s", tcp),
+            ("raw_tls_mb_s", tls),
+            ("one_stream_mb_s", one),
+            ("four_streams_mb_s", four),
+            ("stock_libp2p_one_stream_mb_s", stock),
+            ("one_stream_vs_raw_tls", one / tls),
+            ("four_streams_vs_raw_tls", four / tls),
+            ("raw_tls_vs_raw_tcp", tls / tcp),
+            ("stock_libp2p_vs_raw_tls", stock / tls),
+        ]));
     }
     client.shutdown().await;
     server.shutdown().await;
 
-    let mut stock = Vec::new();
-    for _ in 0..runs {
-        stock.push(stock_libp2p(bytes, &payload).await?);
-    }
-    let stock = median(stock);
-
     let mut report = Report::default();
-    let tcp = median(tcp);
-    let tls = median(tls);
-    let one = median(one);
-    let four = median(four);
     report.metrics.insert("bytes_per_run".into(), bytes as f64);
     report.metrics.insert("runs".into(), runs as f64);
-    report.metrics.insert("raw_tcp_mb_s".into(), tcp);
-    report.metrics.insert("raw_tls_mb_s".into(), tls);
-    report.metrics.insert("one_stream_mb_s".into(), one);
-    report.metrics.insert("four_streams_mb_s".into(), four);
-    report
-        .metrics
-        .insert("stock_libp2p_one_stream_mb_s".into(), stock);
-    report
-        .ratios
-        .insert("one_stream_vs_raw_tls".into(), one / tls);
-    report
-        .ratios
-        .insert("four_streams_vs_raw_tls".into(), four / tls);
-    report.ratios.insert("raw_tls_vs_raw_tcp".into(), tls / tcp);
-    report
-        .ratios
-        .insert("stock_libp2p_vs_raw_tls".into(), stock / tls);
+    for key in rounds[0].keys() {
+        let value = median(rounds.iter().map(|round| round[key]).collect());
+        let table = if key.contains("_vs_") {
+            &mut report.ratios
+        } else {
+            &mut report.metrics
+        };
+        table.insert(key.to_string(), value);
+    }
     Ok(report)
 }
 
-/// Two connected nodes; the server counts every stream of [`PROTOCOL`] and reports each total.
-async fn connected_pair(pki: &Pki) -> anyhow::Result<(Network, Network, mpsc::Receiver<u64>)> {
+/// Two connected nodes, the client on the sending side and the server on the receiving side;
+/// the server counts every stream of [`PROTOCOL`] and reports each total.
+async fn connected_pair(
+    sides: &Sides,
+    pki: &Pki,
+) -> anyhow::Result<(Network, Network, mpsc::Receiver<u64>)> {
     let mut server_settings = Settings::new("bench-server");
     server_settings.listen_addresses = vec!["/ip4/127.0.0.1/tcp/0".parse()?];
     server_settings.relay_circuit = false;
-    let (server, _) = hypha_network::start(server_settings, &pki.server, pki.trust()?).await?;
+    let (identity, trust) = (pki.server.clone(), pki.trust()?);
+    let (server, _) = sides
+        .receiver(async move { hypha_network::start(server_settings, &identity, trust).await })
+        .await??;
     let mut client_settings = Settings::new("bench-client");
     client_settings.relay_circuit = false;
-    let (client, _) = hypha_network::start(client_settings, &pki.client, pki.trust()?).await?;
+    let (identity, trust) = (pki.client.clone(), pki.trust()?);
+    let (client, _) = sides
+        .sender(async move { hypha_network::start(client_settings, &identity, trust).await })
+        .await??;
 
     let address = server
         .listen_addresses()
@@ -95,7 +101,7 @@ async fn connected_pair(pki: &Pki) -> anyhow::Result<(Network, Network, mpsc::Re
 
     let mut incoming = server.accept_streams(PROTOCOL)?;
     let (tx, received) = mpsc::channel(16);
-    tokio::spawn(async move {
+    sides.receiver(async move {
         while let Some((_, stream)) = incoming.next().await {
             let tx = tx.clone();
             tokio::spawn(async move {
@@ -109,6 +115,7 @@ async fn connected_pair(pki: &Pki) -> anyhow::Result<(Network, Network, mpsc::Re
 }
 
 async fn streams(
+    sides: &Sides,
     client: &Network,
     server: &Network,
     received: &mut mpsc::Receiver<u64>,
@@ -124,7 +131,7 @@ async fn streams(
     let start = Instant::now();
     let writers = opened.into_iter().map(|mut stream| {
         let payload = payload.to_vec();
-        tokio::spawn(async move {
+        sides.sender(async move {
             let mut left = per_stream;
             while left > 0 {
                 let n = left.min(payload.len() as u64) as usize;
@@ -153,74 +160,82 @@ async fn streams(
 
 /// One stream over stock libp2p-tls (self-signed libp2p certificates) and libp2p-yamux
 /// (16 KiB frames) from crates.io: what our transport replaces, measured for comparison.
-async fn stock_libp2p(bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
-    use futures::StreamExt as _;
-    use libp2p::swarm::SwarmEvent;
-
-    let build = || -> anyhow::Result<libp2p::Swarm<libp2p_stream::Behaviour>> {
-        Ok(libp2p::SwarmBuilder::with_new_identity()
-            .with_tokio()
-            .with_tcp(
-                libp2p::tcp::Config::default().nodelay(true),
-                libp2p::tls::Config::new,
-                libp2p::yamux::Config::default,
-            )?
-            .with_behaviour(|_| libp2p_stream::Behaviour::new())?
-            .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
-            .build())
-    };
-    let mut server = build()?;
-    let mut client = build()?;
-    server.listen_on("/ip4/127.0.0.1/tcp/0".parse()?)?;
-    let address = loop {
-        if let SwarmEvent::NewListenAddr { address, .. } = server.select_next_some().await {
-            break address;
-        }
-    };
-    let server_peer = *server.local_peer_id();
-    let mut incoming = server.behaviour().new_control().accept(PROTOCOL)?;
-    let mut control = client.behaviour().new_control();
-    let server_task = tokio::spawn(async move {
-        loop {
-            server.select_next_some().await;
-        }
-    });
-    client.dial(address)?;
-    loop {
-        match client.select_next_some().await {
-            SwarmEvent::ConnectionEstablished { .. } => break,
-            SwarmEvent::OutgoingConnectionError { error, .. } => {
-                anyhow::bail!("stock libp2p could not connect: {error}")
+async fn stock_libp2p(sides: &Sides, bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
+    let (listening_tx, listening_rx) = oneshot::channel();
+    let server = sides.receiver(async move {
+        let mut server = stock_swarm()?;
+        server.listen_on("/ip4/127.0.0.1/tcp/0".parse()?)?;
+        let address = loop {
+            if let SwarmEvent::NewListenAddr { address, .. } = server.select_next_some().await {
+                break address;
             }
-            _ => {}
-        }
-    }
-    let client_task = tokio::spawn(async move {
-        loop {
-            client.select_next_some().await;
-        }
-    });
-    let receiver = tokio::spawn(async move {
+        };
+        let mut incoming = server.behaviour().new_control().accept(PROTOCOL)?;
+        let _ = listening_tx.send((address, *server.local_peer_id()));
+        let swarm = tokio::spawn(async move {
+            loop {
+                server.select_next_some().await;
+            }
+        });
         let (_, stream) = incoming.next().await.context("no stream")?;
-        let stream = tokio_util::compat::FuturesAsyncReadCompatExt::compat(stream);
-        anyhow::Ok(drain(stream).await?)
+        let received = drain(tokio_util::compat::FuturesAsyncReadCompatExt::compat(
+            stream,
+        ))
+        .await;
+        swarm.abort();
+        anyhow::Ok(received?)
     });
-    let mut stream = control.open_stream(server_peer, PROTOCOL).await?;
-    let start = Instant::now();
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(payload.len() as u64) as usize;
-        stream.write_all(&payload[..n]).await?;
-        left -= n as u64;
-    }
-    stream.close().await?;
-    let received = receiver.await??;
+    let (address, server_peer) = listening_rx.await?;
+    let payload = payload.to_vec();
+    let client = sides.sender(async move {
+        let mut client = stock_swarm()?;
+        let mut control = client.behaviour().new_control();
+        client.dial(address)?;
+        loop {
+            match client.select_next_some().await {
+                SwarmEvent::ConnectionEstablished { .. } => break,
+                SwarmEvent::OutgoingConnectionError { error, .. } => {
+                    anyhow::bail!("stock libp2p could not connect: {error}")
+                }
+                _ => {}
+            }
+        }
+        let swarm = tokio::spawn(async move {
+            loop {
+                client.select_next_some().await;
+            }
+        });
+        let mut stream = control.open_stream(server_peer, PROTOCOL).await?;
+        let start = Instant::now();
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(payload.len() as u64) as usize;
+            stream.write_all(&payload[..n]).await?;
+            left -= n as u64;
+        }
+        stream.close().await?;
+        anyhow::Ok((start, swarm))
+    });
+    let (start, client_swarm) = client.await??;
+    let received = server.await??;
     let elapsed = start.elapsed();
-    server_task.abort();
-    client_task.abort();
+    client_swarm.abort();
     anyhow::ensure!(
         received == bytes,
         "stock libp2p lost bytes: {received} of {bytes}"
     );
     Ok(mb_per_s(bytes, elapsed))
+}
+
+fn stock_swarm() -> anyhow::Result<libp2p::Swarm<libp2p_stream::Behaviour>> {
+    Ok(libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            libp2p::tcp::Config::default().nodelay(true),
+            libp2p::tls::Config::new,
+            libp2p::yamux::Config::default,
+        )?
+        .with_behaviour(|_| libp2p_stream::Behaviour::new())?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build())
 }
