@@ -134,7 +134,6 @@ impl DataClient {
         providers: &[PeerId],
         dest: &Path,
     ) -> Result<FetchReport, FetchError> {
-        let entry = &entry.into();
         let write_err = |error| FetchError::Write {
             path: dest.to_path_buf(),
             error,
@@ -148,7 +147,49 @@ impl DataClient {
             .tempfile_in(dir)
             .map_err(write_err)?;
         let mut file = tokio::fs::File::from_std(partial.reopen().map_err(write_err)?);
+        let report = self
+            .fetch_into(dataset, &entry.into(), providers, &mut file)
+            .await
+            .map_err(|e| e.into_fetch_error(dest))?;
+        file.sync_all().await.map_err(write_err)?;
+        drop(file);
+        partial.persist(dest).map_err(|e| write_err(e.error))?;
+        Ok(report)
+    }
 
+    /// Fetches slice `entry` of `dataset` into `buffer` (cleared first), verified as
+    /// [`DataClient::fetch_slice`] verifies, with the same resumption and fallback: for
+    /// consumers that use a slice at once and keep nothing on disk. A buffer reused from slice
+    /// to slice spares the allocation and page faults of a fresh one each time.
+    pub async fn fetch_slice_to_vec(
+        &self,
+        dataset: &str,
+        entry: impl Into<SliceId>,
+        providers: &[PeerId],
+        buffer: &mut Vec<u8>,
+    ) -> Result<FetchReport, FetchError> {
+        let entry = entry.into();
+        buffer.clear();
+        // The size comes from the manifest, not from the provider; cap the up-front
+        // reservation anyway, so that a wrong manifest cannot make it huge. A buffer too small
+        // is replaced rather than grown: growing would copy its stale bytes.
+        let size = usize::try_from(entry.size.min(1 << 30)).unwrap_or(0);
+        if buffer.capacity() < size {
+            *buffer = Vec::with_capacity(size);
+        }
+        self.fetch_into(dataset, &entry, providers, buffer)
+            .await
+            .map_err(|e| e.into_fetch_error(Path::new("memory")))
+    }
+
+    /// The provider loop behind both fetches: fills `sink` with the verified slice.
+    async fn fetch_into(
+        &self,
+        dataset: &str,
+        entry: &SliceId,
+        providers: &[PeerId],
+        sink: &mut impl Sink,
+    ) -> Result<FetchReport, FetchIntoError> {
         let mut transfer = Transfer::default();
         let mut rejected: HashSet<PeerId> = HashSet::new();
         let mut failures = Vec::new();
@@ -162,7 +203,7 @@ impl DataClient {
             }
             let started_at = transfer.offset;
             let mut outcome = self
-                .receive(peer, dataset, entry, &mut transfer, &mut file)
+                .receive(peer, dataset, entry, &mut transfer, sink)
                 .await;
             let mut pause = NOT_ACCEPTED_PAUSE;
             for _ in 0..NOT_ACCEPTED_RETRIES {
@@ -172,7 +213,7 @@ impl DataClient {
                 tokio::time::sleep(pause).await;
                 pause *= 2;
                 outcome = self
-                    .receive(peer, dataset, entry, &mut transfer, &mut file)
+                    .receive(peer, dataset, entry, &mut transfer, sink)
                     .await;
             }
             bytes_received += transfer.offset - started_at;
@@ -180,9 +221,6 @@ impl DataClient {
                 Ok(()) if transfer.offset == entry.size => {
                     let hash = transfer.hasher.finalize().to_hex().to_string();
                     if hash == entry.blake3 {
-                        file.sync_all().await.map_err(write_err)?;
-                        drop(file);
-                        partial.persist(dest).map_err(|e| write_err(e.error))?;
                         return Ok(FetchReport {
                             provider: peer,
                             bytes_received,
@@ -195,8 +233,7 @@ impl DataClient {
                     failures.push(format!("{peer}: bytes do not match the manifest's BLAKE3"));
                     rejected.extend(transfer.contributors.drain());
                     transfer = Transfer::default();
-                    file.set_len(0).await.map_err(write_err)?;
-                    file = reopen_at_start(file).await.map_err(write_err)?;
+                    sink.clear().await.map_err(FetchIntoError::Local)?;
                 }
                 Ok(()) => {
                     resumed += 1;
@@ -215,24 +252,24 @@ impl DataClient {
                     }
                     failures.push(format!("{peer}: {reason} at byte {}", transfer.offset));
                 }
-                Err(Failure::Local(error)) => return Err(write_err(error)),
+                Err(Failure::Local(error)) => return Err(FetchIntoError::Local(error)),
             }
         }
-        Err(FetchError::Exhausted {
+        Err(FetchIntoError::Fetch(FetchError::Exhausted {
             dataset: dataset.to_string(),
             slice: entry.index,
             failures,
-        })
+        }))
     }
 
-    /// Receives what `peer` sends of the slice from `transfer.offset` on, appending to `file`.
+    /// Receives what `peer` sends of the slice from `transfer.offset` on, appending to `sink`.
     async fn receive(
         &self,
         peer: PeerId,
         dataset: &str,
         entry: &SliceId,
         transfer: &mut Transfer,
-        file: &mut tokio::fs::File,
+        sink: &mut impl Sink,
     ) -> Result<(), Failure> {
         let mut stream = self
             .network
@@ -285,7 +322,7 @@ impl DataClient {
             if n == 0 {
                 return Ok(());
             }
-            file.write_all(&buffer[..n]).await.map_err(Failure::Local)?;
+            sink.append(&buffer[..n]).await.map_err(Failure::Local)?;
             transfer.hasher.update(&buffer[..n]);
             transfer.offset += n as u64;
         }
@@ -323,8 +360,54 @@ enum Failure {
     Local(std::io::Error),
 }
 
-async fn reopen_at_start(mut file: tokio::fs::File) -> std::io::Result<tokio::fs::File> {
-    use tokio::io::AsyncSeekExt;
-    file.seek(std::io::SeekFrom::Start(0)).await?;
-    Ok(file)
+/// How [`DataClient::fetch_into`] failed: the fetch itself, or the sink it writes to (which
+/// the caller names).
+enum FetchIntoError {
+    Fetch(FetchError),
+    Local(std::io::Error),
+}
+
+impl FetchIntoError {
+    fn into_fetch_error(self, dest: &Path) -> FetchError {
+        match self {
+            FetchIntoError::Fetch(e) => e,
+            FetchIntoError::Local(error) => FetchError::Write {
+                path: dest.to_path_buf(),
+                error,
+            },
+        }
+    }
+}
+
+/// Where a slice's bytes go as they arrive.
+trait Sink {
+    /// Appends bytes after those already written.
+    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
+    /// Drops everything written, for a transfer that starts over.
+    async fn clear(&mut self) -> std::io::Result<()>;
+}
+
+impl Sink for tokio::fs::File {
+    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.write_all(bytes).await
+    }
+
+    async fn clear(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncSeekExt;
+        self.set_len(0).await?;
+        self.seek(std::io::SeekFrom::Start(0)).await?;
+        Ok(())
+    }
+}
+
+impl Sink for Vec<u8> {
+    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    async fn clear(&mut self) -> std::io::Result<()> {
+        Vec::clear(self);
+        Ok(())
+    }
 }

@@ -2,17 +2,13 @@
 
 use std::{
     collections::HashMap,
-    io::SeekFrom,
     sync::{Arc, Mutex, RwLock},
     time::Duration,
 };
 
 use futures::{AsyncWriteExt, StreamExt};
 use hypha_network::{Network, PeerId};
-use tokio::{
-    io::{AsyncReadExt, AsyncSeekExt},
-    sync::Semaphore,
-};
+use tokio::sync::Semaphore;
 
 use crate::{
     Catalog,
@@ -50,7 +46,8 @@ impl Default for Limits {
     }
 }
 
-/// Bytes read from disk and written to a stream at a time.
+/// Bytes read from disk and written to a stream at a time: a transfer's buffer, however large
+/// the slice.
 const CHUNK: usize = 256 * 1024;
 
 /// Serves slices of the datasets in `catalog` until the network stops accepting streams.
@@ -219,8 +216,8 @@ async fn serve_one(
         )
         .await;
     }
-    let mut file = match tokio::fs::File::open(&path).await {
-        Ok(file) => file,
+    let file = match tokio::fs::File::open(&path).await {
+        Ok(file) => file.into_std().await,
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "cannot read a slice");
             return refuse(
@@ -231,15 +228,6 @@ async fn serve_one(
             .await;
         }
     };
-    if let Err(e) = file.seek(SeekFrom::Start(request.offset)).await {
-        tracing::warn!(path = %path.display(), error = %e, "cannot seek in a slice");
-        return refuse(
-            &mut stream,
-            ErrorCode::Unavailable,
-            "the slice cannot be read",
-        )
-        .await;
-    }
     let header = SliceHeader::Ok {
         size: entry.size,
         blake3: entry.blake3.clone(),
@@ -248,18 +236,15 @@ async fn serve_one(
     if protocol::write_frame(&mut stream, &header).await.is_err() {
         return;
     }
-    let mut left = entry.size - request.offset;
-    let mut buffer = vec![0u8; CHUNK];
+    let mut reader = SliceReader::new(file, request.offset, entry.size);
     let mut sent = 0u64;
-    while left > 0 {
-        let want = buffer
-            .len()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
-        let n = match file.read(&mut buffer[..want]).await {
-            Ok(0) | Err(_) => break, // the file shrank or failed: the client's hash check catches it
-            Ok(n) => n,
-        };
-        match tokio::time::timeout(limits.stall_timeout, stream.write_all(&buffer[..n])).await {
+    // A read error or a file that shrank ends the stream early: the client's hash and size
+    // checks catch it and it goes to another provider.
+    while let Ok(chunk) = reader.next().await {
+        if chunk.is_empty() {
+            break;
+        }
+        match tokio::time::timeout(limits.stall_timeout, stream.write_all(chunk)).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => break, // the client went away
             Err(_) => {
@@ -267,8 +252,7 @@ async fn serve_one(
                 break;
             }
         }
-        left -= n as u64;
-        sent += n as u64;
+        sent += chunk.len() as u64;
     }
     hypha_telemetry::metrics::record_bytes(
         protocol::PROTOCOL_NAME,
@@ -276,6 +260,84 @@ async fn serve_one(
         sent,
     );
     let _ = stream.close().await;
+}
+
+/// Reads a slice file chunk by chunk into one buffer.
+///
+/// A chunk already in the page cache (the usual case for a node serving the same slices to
+/// many workers) is read on the async task with `preadv2(RWF_NOWAIT)`, which never waits for
+/// the disk; only a chunk that must come from the disk is read on a blocking thread. Reading
+/// every chunk on a blocking thread cost two thread switches per chunk, and those were the data
+/// node's largest cost (BENCHMARKS.md, dataserve).
+struct SliceReader {
+    file: Arc<std::fs::File>,
+    offset: u64,
+    end: u64,
+    buffer: Vec<u8>,
+}
+
+impl SliceReader {
+    /// Reads `file` from byte `offset` up to byte `end`.
+    fn new(file: std::fs::File, offset: u64, end: u64) -> Self {
+        SliceReader {
+            file: Arc::new(file),
+            offset,
+            end,
+            buffer: vec![0; CHUNK],
+        }
+    }
+
+    /// The next chunk; empty at the end, or when the file ended early.
+    async fn next(&mut self) -> std::io::Result<&[u8]> {
+        let want = usize::try_from(self.end.saturating_sub(self.offset))
+            .map_or(CHUNK, |left| left.min(CHUNK));
+        if want == 0 {
+            return Ok(&[]);
+        }
+        let read = match read_cached(&self.file, &mut self.buffer[..want], self.offset) {
+            Some(read) => read?,
+            None => {
+                let (file, offset) = (self.file.clone(), self.offset);
+                let mut buffer = std::mem::take(&mut self.buffer);
+                let (buffer, read) = tokio::task::spawn_blocking(move || {
+                    use std::os::unix::fs::FileExt;
+                    let read = file.read_at(&mut buffer[..want], offset);
+                    (buffer, read)
+                })
+                .await
+                .map_err(std::io::Error::other)?;
+                self.buffer = buffer;
+                read?
+            }
+        };
+        self.offset += read as u64;
+        Ok(&self.buffer[..read])
+    }
+}
+
+/// Reads from the page cache only: `None` when the bytes would have to come from the disk
+/// (or the kernel cannot tell), so that the caller reads them on a blocking thread.
+#[cfg(target_os = "linux")]
+fn read_cached(
+    file: &std::fs::File,
+    buffer: &mut [u8],
+    offset: u64,
+) -> Option<std::io::Result<usize>> {
+    use rustix::io::{Errno, ReadWriteFlags};
+    loop {
+        let mut slices = [std::io::IoSliceMut::new(buffer)];
+        return match rustix::io::preadv2(file, &mut slices, offset, ReadWriteFlags::NOWAIT) {
+            Ok(read) => Some(Ok(read)),
+            Err(Errno::INTR) => continue,
+            Err(Errno::AGAIN | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => None,
+            Err(e) => Some(Err(e.into())),
+        };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_cached(_: &std::fs::File, _: &mut [u8], _: u64) -> Option<std::io::Result<usize>> {
+    None
 }
 
 async fn refuse(stream: &mut hypha_network::Stream, code: ErrorCode, message: &str) {

@@ -181,9 +181,24 @@ async fn a_corrupted_copy_is_rejected_and_fetched_from_the_other_node() {
         "node A's bytes failed the hash"
     );
     assert_eq!(report.provider, node_b.local_peer_id());
-    assert_eq!(
-        std::fs::read(&dest).unwrap(),
-        std::fs::read(copy_b.join("slice-0001.safetensors")).unwrap()
+    let original = std::fs::read(copy_b.join("slice-0001.safetensors")).unwrap();
+    assert_eq!(std::fs::read(&dest).unwrap(), original);
+
+    // Into memory: node A's bytes are dropped from the buffer, not left in front of B's.
+    let mut buffer = Vec::new();
+    let report = client
+        .fetch_slice_to_vec(
+            "mnist",
+            &manifest.slices[1],
+            &[node_a.local_peer_id(), node_b.local_peer_id()],
+            &mut buffer,
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.rejected, vec![node_a.local_peer_id()]);
+    assert!(
+        buffer == original,
+        "the buffer holds exactly node B's slice"
     );
 }
 
@@ -356,12 +371,22 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
         let client = client.clone();
         let entry = manifest.slices[i % 4].clone();
         let dest = tmp.path().join(format!("fetch-{i}.safetensors"));
+        // Half to disk, half into memory through a buffer holding stale bytes.
         tasks.push(tokio::spawn(async move {
-            client
-                .fetch_slice("text", &entry, &[peer], &dest)
-                .await
-                .unwrap();
-            (entry.index, std::fs::read(&dest).unwrap())
+            if i % 2 == 0 {
+                client
+                    .fetch_slice("text", &entry, &[peer], &dest)
+                    .await
+                    .unwrap();
+                (entry.index, std::fs::read(&dest).unwrap())
+            } else {
+                let mut buffer = vec![0xAA; 100];
+                client
+                    .fetch_slice_to_vec("text", &entry, &[peer], &mut buffer)
+                    .await
+                    .unwrap();
+                (entry.index, buffer)
+            }
         }));
     }
     for (bytes, expected) in abuse {

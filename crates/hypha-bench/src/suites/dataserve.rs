@@ -1,5 +1,6 @@
 //! `dataserve`: slices fetched from a data node by 1, 4 and 16 concurrent fetchers, verified
-//! (BLAKE3) and written to disk as `DataClient` does, beside a raw rustls TLS stream.
+//! (BLAKE3), beside a raw rustls TLS stream; then the same fetches written to disk as workers
+//! write them (temporary file, fsync, rename), beside the disk's own durable write rate.
 //!
 //! The data node runs in a child process (this binary, re-executed), so its CPU time and peak
 //! memory are its own: read from `/proc/<pid>/stat` (user + system time, in clock ticks of
@@ -49,45 +50,74 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 
     let downloads = tmp.path().join("downloads");
     std::fs::create_dir(&downloads)?;
-    let cpu_before = child.cpu_seconds()?;
-    let mut bytes_served = 0u64;
+    let largest_slice = manifest.slices.iter().map(|e| e.size).max().unwrap_or(0) as usize;
     let mut report = Report::default();
-    for (concurrency, fetches) in [(1usize, 4usize), (4, SLICES), (16, SLICES)] {
-        let start = Instant::now();
-        let mut tasks = Vec::new();
-        for worker in 0..concurrency {
-            let client = client.clone();
-            let entries: Vec<_> = (worker..fetches)
-                .step_by(concurrency)
-                .map(|i| manifest.slices[i % manifest.slices.len()].clone())
-                .collect();
-            let dir = downloads.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut bytes = 0u64;
-                for entry in entries {
-                    let dest = dir.join(format!("{worker}-{}.safetensors", entry.index));
-                    client.fetch_slice(DATASET, &entry, &[peer], &dest).await?;
-                    std::fs::remove_file(&dest)?;
-                    bytes += entry.size;
-                }
-                anyhow::Ok(bytes)
-            }));
+    // CPU seconds of the data node and of this process (the fetcher) over the timed fetches
+    // into memory, and the bytes those fetches moved.
+    let (mut datanode_cpu, mut fetcher_cpu, mut bytes_in_memory) = (0.0, 0.0, 0u64);
+    for destination in [Destination::Memory, Destination::Disk] {
+        for concurrency in [1usize, 4, 16] {
+            let fetches = SLICES;
+            // A fetcher into memory reuses one buffer; it is allocated and touched before the
+            // clock starts, as it is after a consumer's first slice, so that the kernel's
+            // zeroing of fresh pages is not counted against the data node.
+            let mut buffers: Vec<Vec<u8>> = match destination {
+                Destination::Memory => (0..concurrency).map(|_| vec![1u8; largest_slice]).collect(),
+                Destination::Disk => Vec::new(),
+            };
+            let cpu_before = (child.cpu_seconds()?, cpu_seconds(std::process::id())?);
+            let start = Instant::now();
+            let mut tasks = Vec::new();
+            for worker in 0..concurrency {
+                let mut slice = buffers.pop().unwrap_or_default();
+                let client = client.clone();
+                let entries: Vec<_> = (worker..fetches)
+                    .step_by(concurrency)
+                    .map(|i| manifest.slices[i % manifest.slices.len()].clone())
+                    .collect();
+                let dir = downloads.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut bytes = 0u64;
+                    for entry in entries {
+                        match destination {
+                            Destination::Memory => {
+                                client
+                                    .fetch_slice_to_vec(DATASET, &entry, &[peer], &mut slice)
+                                    .await?;
+                                anyhow::ensure!(slice.len() as u64 == entry.size);
+                            }
+                            Destination::Disk => {
+                                let dest =
+                                    dir.join(format!("{worker}-{}.safetensors", entry.index));
+                                client.fetch_slice(DATASET, &entry, &[peer], &dest).await?;
+                                std::fs::remove_file(&dest)?;
+                            }
+                        }
+                        bytes += entry.size;
+                    }
+                    anyhow::Ok(bytes)
+                }));
+            }
+            let mut bytes = 0u64;
+            for task in tasks {
+                bytes += task.await??;
+            }
+            let elapsed = start.elapsed();
+            if let Destination::Memory = destination {
+                datanode_cpu += child.cpu_seconds()? - cpu_before.0;
+                fetcher_cpu += cpu_seconds(std::process::id())? - cpu_before.1;
+                bytes_in_memory += bytes;
+            }
+            let key = format!("c{concurrency}{}", destination.suffix());
+            report
+                .metrics
+                .insert(format!("{key}_mb_s"), mb_per_s(bytes, elapsed));
+            report.metrics.insert(
+                format!("{key}_slices_per_s"),
+                (fetches as f64) / elapsed.as_secs_f64(),
+            );
         }
-        let mut bytes = 0u64;
-        for task in tasks {
-            bytes += task.await??;
-        }
-        bytes_served += bytes;
-        report.metrics.insert(
-            format!("c{concurrency}_mb_s"),
-            mb_per_s(bytes, start.elapsed()),
-        );
-        report.metrics.insert(
-            format!("c{concurrency}_slices_per_s"),
-            (fetches as f64) / start.elapsed().as_secs_f64(),
-        );
     }
-    let cpu = child.cpu_seconds()? - cpu_before;
     let peak_rss_mb = child.peak_rss_mb()?;
     child.stop()?;
     network.shutdown().await;
@@ -97,17 +127,33 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         .collect();
     let sides = Sides::new()?;
     let mut tls = Vec::new();
+    let tls_bytes = (slice_mib * 4 * 1024 * 1024) as u64;
+    let cpu_before = cpu_seconds(std::process::id())?;
     for _ in 0..3 {
-        tls.push(raw_tls(&sides, (slice_mib * 4 * 1024 * 1024) as u64, &payload, &pki).await?);
+        tls.push(raw_tls(&sides, tls_bytes, &payload, &pki).await?);
     }
+    let tls_cpu = cpu_seconds(std::process::id())? - cpu_before;
     let tls = median(tls);
+    let slice_bytes = slice_mib * 1024 * 1024;
+    let disk =
+        tokio::task::spawn_blocking(move || disk_write_mb_s(&downloads, slice_bytes)).await??;
 
     report.metrics.insert("slice_mib".into(), slice_mib as f64);
+    report.metrics.insert("disk_write_mb_s".into(), disk);
     report.metrics.insert("raw_tls_mb_s".into(), tls);
     report.metrics.insert("ttfb_ms".into(), median(ttfb));
+    let per_gb = |cpu: f64, bytes: u64| cpu / (bytes as f64 / 1e9);
     report.metrics.insert(
         "datanode_cpu_s_per_gb".into(),
-        cpu / (bytes_served as f64 / 1e9),
+        per_gb(datanode_cpu, bytes_in_memory),
+    );
+    report.metrics.insert(
+        "fetcher_cpu_s_per_gb".into(),
+        per_gb(fetcher_cpu, bytes_in_memory),
+    );
+    report.metrics.insert(
+        "raw_tls_cpu_s_per_gb".into(),
+        per_gb(tls_cpu, 3 * tls_bytes),
     );
     report
         .metrics
@@ -115,8 +161,68 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     for c in [1, 4, 16] {
         let mb_s = report.metrics[&format!("c{c}_mb_s")];
         report.ratios.insert(format!("c{c}_vs_raw_tls"), mb_s / tls);
+        let mb_s = report.metrics[&format!("c{c}_disk_mb_s")];
+        report
+            .ratios
+            .insert(format!("c{c}_disk_vs_disk_write"), mb_s / disk);
     }
     Ok(report)
+}
+
+/// Where fetched slices go.
+#[derive(Debug, Clone, Copy)]
+enum Destination {
+    /// `DataClient::fetch_slice_to_vec`, one buffer per fetcher: the data node, the transport
+    /// and verification.
+    Memory,
+    /// `DataClient::fetch_slice`, as `hypha-data fetch` and workers: also a temporary file,
+    /// fsync and rename, so bounded by the disk.
+    Disk,
+}
+
+impl Destination {
+    fn suffix(self) -> &'static str {
+        match self {
+            Destination::Memory => "",
+            Destination::Disk => "_disk",
+        }
+    }
+}
+
+/// The disk's durable write rate, the ceiling of fetches to disk: `SLICES` files of
+/// `slice_bytes`, written 256 KiB at a time by four threads, each file fsynced.
+fn disk_write_mb_s(dir: &Path, slice_bytes: usize) -> anyhow::Result<f64> {
+    let block = vec![7u8; 256 * 1024];
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        let writers: Vec<_> = (0..4)
+            .map(|writer| {
+                let block = &block;
+                scope.spawn(move || -> std::io::Result<()> {
+                    for i in (writer..SLICES).step_by(4) {
+                        let path = dir.join(format!("ceiling-{i}"));
+                        let mut file = std::fs::File::create(&path)?;
+                        let mut left = slice_bytes;
+                        while left > 0 {
+                            let n = left.min(block.len());
+                            file.write_all(&block[..n])?;
+                            left -= n;
+                        }
+                        file.sync_all()?;
+                        std::fs::remove_file(&path)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer
+                .join()
+                .map_err(|_| anyhow::anyhow!("a disk writer panicked"))??;
+        }
+        anyhow::Ok(())
+    })?;
+    Ok(mb_per_s((SLICES * slice_bytes) as u64, start.elapsed()))
 }
 
 /// Writes `SLICES` plain SafeTensors slices of `bytes` each and their manifest.
@@ -187,6 +293,21 @@ async fn time_to_first_byte(
     Ok(start.elapsed())
 }
 
+/// User + system CPU seconds of process `pid`, all threads, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields.get(i).context("short /proc stat")?.parse::<f64>()?)
+    };
+    // utime and stime are fields 14 and 15 of the full line, 12 and 13 after ')'.
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
 /// The data node child process.
 struct DataNode {
     child: Child,
@@ -216,17 +337,7 @@ impl DataNode {
     }
 
     fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
-        // Fields after the command name (which may hold spaces) start at ')'.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest.split_whitespace().collect())
-            .unwrap_or_default();
-        let ticks = |i: usize| -> anyhow::Result<f64> {
-            Ok(fields.get(i).context("short /proc stat")?.parse::<f64>()?)
-        };
-        // utime and stime are fields 14 and 15 of the full line, 12 and 13 after ')'.
-        Ok((ticks(11)? + ticks(12)?) / 100.0)
+        cpu_seconds(self.child.id())
     }
 
     fn peak_rss_mb(&self) -> anyhow::Result<f64> {
