@@ -4,9 +4,9 @@
 //! token bucket on the object bytes it serves, shared by all connections: the origin's egress
 //! limit. Every node (gateway and N distributors, each with its own cache directory and its
 //! own mTLS network) runs in this process over loopback TCP with the default
-//! `hypha_artifacts::Settings` (16 MiB chunks). The clock starts when every node is asked to
-//! fetch (all at once, `expect = N`) and stops when the last one has its file, verified and
-//! renamed into place.
+//! `hypha_artifacts::Settings` (automatic chunk size: 1 MiB here). The clock starts when every
+//! node is asked to fetch (all at once, `expect = N`) and stops when the last one has its file,
+//! verified and renamed into place.
 //!
 //! The floor is the time the origin needs to send the artifact once: size ÷ bandwidth.
 //! Measured in the same run, every node downloading the object from the origin on its own
