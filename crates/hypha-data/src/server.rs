@@ -324,14 +324,16 @@ fn read_cached(
     offset: u64,
 ) -> Option<std::io::Result<usize>> {
     use rustix::io::{Errno, ReadWriteFlags};
+    let mut slices = [std::io::IoSliceMut::new(buffer)];
     loop {
-        let mut slices = [std::io::IoSliceMut::new(buffer)];
-        return match rustix::io::preadv2(file, &mut slices, offset, ReadWriteFlags::NOWAIT) {
-            Ok(read) => Some(Ok(read)),
-            Err(Errno::INTR) => continue,
-            Err(Errno::AGAIN | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => None,
-            Err(e) => Some(Err(e.into())),
-        };
+        match rustix::io::preadv2(file, &mut slices, offset, ReadWriteFlags::NOWAIT) {
+            Ok(read) => return Some(Ok(read)),
+            Err(Errno::INTR) => {}
+            // EAGAIN: not all in the cache. EOPNOTSUPP: the file system cannot tell. ENOSYS,
+            // EINVAL: a kernel before 4.14. The blocking read answers all of them.
+            Err(Errno::AGAIN | Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return None,
+            Err(e) => return Some(Err(e.into())),
+        }
     }
 }
 
@@ -344,4 +346,38 @@ async fn refuse(stream: &mut hypha_network::Stream, code: ErrorCode, message: &s
     let header = SliceHeader::Error(ServeError::new(code, message));
     let _ = protocol::write_frame(stream, &header).await;
     let _ = stream.close().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn read_all(reader: &mut SliceReader) -> Vec<u8> {
+        let mut read = Vec::new();
+        loop {
+            let chunk = reader.next().await.unwrap();
+            if chunk.is_empty() {
+                return read;
+            }
+            assert!(chunk.len() <= CHUNK);
+            read.extend_from_slice(chunk);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slice_reader_returns_the_bytes_from_its_offset_and_stops_where_the_file_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("slice");
+        let bytes: Vec<u8> = (0..CHUNK * 2 + 1234).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+
+        let open = || std::fs::File::open(&path).unwrap();
+        let offset = CHUNK as u64 - 10;
+        let mut reader = SliceReader::new(open(), offset, bytes.len() as u64);
+        assert!(read_all(&mut reader).await == bytes[offset as usize..]);
+
+        // The file shrank since the manifest was written: the bytes there are, then the end.
+        let mut reader = SliceReader::new(open(), 0, bytes.len() as u64 + 5000);
+        assert!(read_all(&mut reader).await == bytes);
+    }
 }
