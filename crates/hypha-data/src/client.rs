@@ -177,6 +177,7 @@ impl DataClient {
         if buffer.capacity() < size {
             *buffer = Vec::with_capacity(size);
         }
+        // Appending to a `Vec` cannot fail, so no `Write` error ever names this path.
         self.fetch_into(dataset, &entry, providers, buffer)
             .await
             .map_err(|e| e.into_fetch_error(Path::new("memory")))

@@ -202,12 +202,7 @@ fn disk_write_mb_s(dir: &Path, slice_bytes: usize) -> anyhow::Result<f64> {
                     for i in (writer..SLICES).step_by(4) {
                         let path = dir.join(format!("ceiling-{i}"));
                         let mut file = std::fs::File::create(&path)?;
-                        let mut left = slice_bytes;
-                        while left > 0 {
-                            let n = left.min(block.len());
-                            file.write_all(&block[..n])?;
-                            left -= n;
-                        }
+                        write_repeated(&mut file, block, slice_bytes)?;
                         file.sync_all()?;
                         std::fs::remove_file(&path)?;
                     }
@@ -223,6 +218,17 @@ fn disk_write_mb_s(dir: &Path, slice_bytes: usize) -> anyhow::Result<f64> {
         anyhow::Ok(())
     })?;
     Ok(mb_per_s((SLICES * slice_bytes) as u64, start.elapsed()))
+}
+
+/// Writes `len` bytes: `block` over and over, the last time cut short.
+fn write_repeated(file: &mut impl Write, block: &[u8], len: usize) -> std::io::Result<()> {
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(block.len());
+        file.write_all(&block[..n])?;
+        left -= n;
+    }
+    Ok(())
 }
 
 /// Writes `SLICES` plain SafeTensors slices of `bytes` each and their manifest.
@@ -242,12 +248,7 @@ fn write_dataset(dir: &Path, bytes: usize) -> anyhow::Result<()> {
         file.write_all(&(header.len() as u64).to_le_bytes())?;
         file.write_all(&header)?;
         file.write_all(&[i as u8; 8])?;
-        let mut left = bytes - 8;
-        while left > 0 {
-            let n = left.min(block.len());
-            file.write_all(&block[..n])?;
-            left -= n;
-        }
+        write_repeated(&mut file, &block, bytes - 8)?;
         file.flush()?;
     }
     hypha_dataset::Dataset::derive(dir)?.write_manifest()?;
