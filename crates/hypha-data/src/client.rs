@@ -146,13 +146,16 @@ impl DataClient {
             .prefix(".hypha-slice-")
             .tempfile_in(dir)
             .map_err(write_err)?;
-        let mut file = tokio::fs::File::from_std(partial.reopen().map_err(write_err)?);
+        let mut sink = FileSink {
+            file: tokio::fs::File::from_std(partial.reopen().map_err(write_err)?),
+            buffer: vec![0; RECEIVE_BLOCK],
+        };
         let report = self
-            .fetch_into(dataset, &entry.into(), providers, &mut file)
+            .fetch_into(dataset, &entry.into(), providers, &mut sink)
             .await
             .map_err(|e| e.into_fetch_error(dest))?;
-        file.sync_all().await.map_err(write_err)?;
-        drop(file);
+        sink.file.sync_all().await.map_err(write_err)?;
+        drop(sink);
         partial.persist(dest).map_err(|e| write_err(e.error))?;
         Ok(report)
     }
@@ -169,18 +172,11 @@ impl DataClient {
         buffer: &mut Vec<u8>,
     ) -> Result<FetchReport, FetchError> {
         let entry = entry.into();
-        buffer.clear();
-        // The size comes from the manifest, not from the provider; cap the up-front
-        // reservation anyway, so that a wrong manifest cannot make it huge. A buffer too small
-        // is replaced rather than grown: growing would copy its stale bytes.
-        let size = usize::try_from(entry.size.min(1 << 30)).unwrap_or(0);
-        if buffer.capacity() < size {
-            *buffer = Vec::with_capacity(size);
-        }
-        // Appending to a `Vec` cannot fail, so no `Write` error ever names this path.
-        self.fetch_into(dataset, &entry, providers, buffer)
-            .await
-            .map_err(|e| e.into_fetch_error(Path::new("memory")))
+        let mut sink = MemorySink::new(buffer, entry.size);
+        let outcome = self.fetch_into(dataset, &entry, providers, &mut sink).await;
+        sink.finish();
+        // Appending to memory cannot fail, so no `Write` error ever names this path.
+        outcome.map_err(|e| e.into_fetch_error(Path::new("memory")))
     }
 
     /// The provider loop behind both fetches: fills `sink` with the verified slice.
@@ -311,20 +307,19 @@ impl DataClient {
         }
         transfer.contributors.insert(peer);
         let start = transfer.offset;
-        let mut buffer = vec![0u8; 256 * 1024];
         while transfer.offset < entry.size {
-            let want = buffer
-                .len()
+            let want = RECEIVE_BLOCK
                 .min(usize::try_from(entry.size - transfer.offset).unwrap_or(usize::MAX));
+            let buffer = sink.next_block(want);
             let n = stream
-                .read(&mut buffer[..want])
+                .read(buffer)
                 .await
                 .map_err(|e| Failure::Broken(e.to_string()))?;
             if n == 0 {
                 return Ok(());
             }
-            sink.append(&buffer[..n]).await.map_err(Failure::Local)?;
             transfer.hasher.update(&buffer[..n]);
+            sink.commit(n).await.map_err(Failure::Local)?;
             transfer.offset += n as u64;
         }
         hypha_telemetry::metrics::record_bytes(
@@ -380,35 +375,92 @@ impl FetchIntoError {
     }
 }
 
-/// Where a slice's bytes go as they arrive.
+/// Bytes read from the stream per step: hashed while they are still in the CPU's cache.
+const RECEIVE_BLOCK: usize = 256 * 1024;
+
+/// Where a slice's bytes go as they arrive. The stream is read straight into the sink's own
+/// memory ([`Sink::next_block`]), so a sink that keeps the slice in memory copies nothing.
 trait Sink {
-    /// Appends bytes after those already written.
-    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
-    /// Drops everything written, for a transfer that starts over.
+    /// Memory for the next `len` bytes (at most), after those already committed.
+    fn next_block(&mut self, len: usize) -> &mut [u8];
+    /// Keeps the first `n` bytes of the last [`Sink::next_block`].
+    async fn commit(&mut self, n: usize) -> std::io::Result<()>;
+    /// Drops everything committed, for a transfer that starts over.
     async fn clear(&mut self) -> std::io::Result<()>;
 }
 
-impl Sink for tokio::fs::File {
-    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.write_all(bytes).await
+/// A slice on its way to a file: each block is read into `buffer`, then written.
+struct FileSink {
+    file: tokio::fs::File,
+    buffer: Vec<u8>,
+}
+
+impl Sink for FileSink {
+    fn next_block(&mut self, len: usize) -> &mut [u8] {
+        let len = len.min(self.buffer.len());
+        &mut self.buffer[..len]
+    }
+
+    async fn commit(&mut self, n: usize) -> std::io::Result<()> {
+        self.file.write_all(&self.buffer[..n]).await
     }
 
     async fn clear(&mut self) -> std::io::Result<()> {
         use tokio::io::AsyncSeekExt;
-        self.set_len(0).await?;
-        self.seek(std::io::SeekFrom::Start(0)).await?;
+        self.file.set_len(0).await?;
+        self.file.seek(std::io::SeekFrom::Start(0)).await?;
         Ok(())
     }
 }
 
-impl Sink for Vec<u8> {
-    async fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.extend_from_slice(bytes);
+/// A slice on its way into a caller's buffer, read in place: the buffer is sized to the slice
+/// up front and `filled` counts the bytes received.
+struct MemorySink<'a> {
+    buffer: &'a mut Vec<u8>,
+    filled: usize,
+}
+
+impl<'a> MemorySink<'a> {
+    fn new(buffer: &'a mut Vec<u8>, size: u64) -> Self {
+        // The size comes from the manifest, not from the provider; cap it anyway, so that a
+        // wrong manifest cannot make the buffer huge (a larger slice then grows it as it
+        // arrives). A buffer as long as the slice is reused as it is: its stale bytes are all
+        // overwritten, so it costs no pass to zero it. A shorter one with room is lengthened
+        // in place; one without room is replaced by fresh zeroed memory, which the allocator
+        // gets from the kernel already zeroed, where growing would copy the stale bytes.
+        let size = usize::try_from(size.min(1 << 30)).unwrap_or(0);
+        if buffer.len() >= size {
+            buffer.truncate(size);
+        } else if buffer.capacity() >= size {
+            buffer.resize(size, 0);
+        } else {
+            *buffer = vec![0; size];
+        }
+        MemorySink { buffer, filled: 0 }
+    }
+
+    /// Leaves the buffer holding exactly the bytes received.
+    fn finish(self) {
+        self.buffer.truncate(self.filled);
+    }
+}
+
+impl Sink for MemorySink<'_> {
+    fn next_block(&mut self, len: usize) -> &mut [u8] {
+        let end = self.filled + len;
+        if self.buffer.len() < end {
+            self.buffer.resize(end, 0);
+        }
+        &mut self.buffer[self.filled..end]
+    }
+
+    async fn commit(&mut self, n: usize) -> std::io::Result<()> {
+        self.filled += n;
         Ok(())
     }
 
     async fn clear(&mut self) -> std::io::Result<()> {
-        Vec::clear(self);
+        self.filled = 0;
         Ok(())
     }
 }

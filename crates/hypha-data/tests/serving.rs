@@ -366,12 +366,14 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
         ErrorCode::OffsetOutOfRange,
     ));
 
+    let largest = manifest.slices.iter().map(|e| e.size).max().unwrap() as usize;
     let mut tasks = Vec::new();
     for i in 0..32usize {
         let client = client.clone();
         let entry = manifest.slices[i % 4].clone();
         let dest = tmp.path().join(format!("fetch-{i}.safetensors"));
-        // Half to disk, half into memory through a buffer holding stale bytes.
+        // Half to disk, half into memory through buffers holding stale bytes: shorter than
+        // the slice, longer than it, and shorter with room to spare.
         tasks.push(tokio::spawn(async move {
             if i % 2 == 0 {
                 client
@@ -380,7 +382,15 @@ async fn many_fetchers_get_exact_bytes_while_bad_requests_get_errors() {
                     .unwrap();
                 (entry.index, std::fs::read(&dest).unwrap())
             } else {
-                let mut buffer = vec![0xAA; 100];
+                let mut buffer = match i % 3 {
+                    0 => vec![0xAA; 100],
+                    1 => vec![0xAA; largest + 4096],
+                    _ => {
+                        let mut spacious = Vec::with_capacity(2 * largest);
+                        spacious.resize(100, 0xAA);
+                        spacious
+                    }
+                };
                 client
                     .fetch_slice_to_vec("text", &entry, &[peer], &mut buffer)
                     .await

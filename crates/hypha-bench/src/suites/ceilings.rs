@@ -201,12 +201,56 @@ fn aes_first_provider() -> rustls::crypto::CryptoProvider {
     }
 }
 
+/// One raw rustls TLS 1.3 stream (our transport's cipher preference) carrying `bytes` of
+/// `payload`, memory to memory: MB/s.
 pub(crate) async fn raw_tls(
     sides: &Sides,
     bytes: u64,
     payload: &[u8],
     pki: &Pki,
 ) -> anyhow::Result<f64> {
+    let payload = payload.to_vec();
+    let received = raw_tls_transfer(
+        sides,
+        pki,
+        move |mut tls| async move {
+            write_n(&mut tls, bytes, &payload).await?;
+            Ok(tls)
+        },
+        drain,
+    )
+    .await?;
+    anyhow::ensure!(
+        received.count == bytes,
+        "raw TLS lost bytes: {} of {bytes}",
+        received.count
+    );
+    Ok(mb_per_s(bytes, received.elapsed))
+}
+
+/// What the receiving end of [`raw_tls_transfer`] returned, and when it returned it.
+pub(crate) struct Received<T> {
+    pub(crate) count: T,
+    pub(crate) elapsed: std::time::Duration,
+}
+
+/// One raw rustls TLS 1.3 connection over loopback between the two [`Sides`]: `send` runs on
+/// the sender with the client's stream (and returns it, so that it stays open until the
+/// receiver is done) and `receive` on the receiver with the server's. The clock starts once
+/// the handshake is done and stops when `receive` returns.
+pub(crate) async fn raw_tls_transfer<S, SF, R, RF, T>(
+    sides: &Sides,
+    pki: &Pki,
+    send: S,
+    receive: R,
+) -> anyhow::Result<Received<T>>
+where
+    S: FnOnce(tokio_rustls::client::TlsStream<TcpStream>) -> SF + Send + 'static,
+    SF: Future<Output = std::io::Result<tokio_rustls::client::TlsStream<TcpStream>>> + Send,
+    R: FnOnce(tokio_rustls::server::TlsStream<TcpStream>) -> RF + Send + 'static,
+    RF: Future<Output = std::io::Result<T>> + Send,
+    T: Send + 'static,
+{
     let provider = Arc::new(aes_first_provider());
     let mut server_config = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -231,28 +275,24 @@ pub(crate) async fn raw_tls(
         let (socket, _) = listener.accept().await?;
         socket.set_nodelay(true)?;
         let tls = acceptor.accept(socket).await?;
-        drain(tls).await
+        anyhow::Ok((receive(tls).await?, Instant::now()))
     });
     let address = address_rx.await?;
-    let payload = payload.to_vec();
     let sender = sides.sender(async move {
         let socket = TcpStream::connect(address).await?;
         socket.set_nodelay(true)?;
         let name = rustls::pki_types::ServerName::try_from("localhost")?;
-        let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
             .connect(name, socket)
             .await?;
         let start = Instant::now();
-        write_n(&mut tls, bytes, &payload).await?;
-        anyhow::Ok((start, tls))
+        anyhow::Ok((start, send(tls).await?))
     });
     let (start, tls) = sender.await??;
-    let received = receiver.await??;
-    let elapsed = start.elapsed();
+    let (count, end) = receiver.await??;
     drop(tls);
-    anyhow::ensure!(
-        received == bytes,
-        "raw TLS lost bytes: {received} of {bytes}"
-    );
-    Ok(mb_per_s(bytes, elapsed))
+    Ok(Received {
+        count,
+        elapsed: end - start,
+    })
 }
