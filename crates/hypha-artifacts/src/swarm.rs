@@ -56,6 +56,10 @@ const PEER_QUEUE: usize = 4096;
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often load is reported and stalled decisions are revisited.
 const TICK: Duration = Duration::from_millis(250);
+/// How often a chunk request that a holder dropped before answering is sent again, and the
+/// first pause (doubled each time): 5 tries over about 0.15 s.
+const NOT_ACCEPTED_ATTEMPTS: u32 = 5;
+const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 /// How long a peer that refused us (busy, not a member, unreachable) is left alone.
 const BACKOFF: Duration = Duration::from_secs(1);
 /// Origin reads of one chunk tried before the fetch fails.
@@ -162,7 +166,9 @@ impl Progress {
 /// What this node knows of one other member.
 #[derive(Debug, Clone, Serialize)]
 pub struct PeerProgress {
-    pub peer: String,
+    /// Kept as a `PeerId`, not text: progress is rebuilt on every event, and base58-encoding
+    /// every member each time cost more than the rest of the progress report.
+    pub peer: PeerId,
     pub held: u32,
     pub done: bool,
     /// It sent bytes that did not match their hash; it is not asked again.
@@ -840,7 +846,7 @@ impl Actor {
             .iter()
             .filter(|(_, p)| p.live())
             .map(|(id, p)| PeerProgress {
-                peer: id.to_string(),
+                peer: *id,
                 held: p.have.len() as u32,
                 done: p.done,
                 banned: p.banned,
@@ -895,21 +901,41 @@ async fn read_peer(
 ) -> Result<[u8; 32], PeerFailure> {
     let failed = |e: &dyn std::fmt::Display| PeerFailure::Failed(e.to_string());
     let span = holding.assembly.manifest().chunks()[chunk as usize];
-    let mut stream = network
-        .open_stream(peer, CHUNK_PROTOCOL)
-        .await
-        .map_err(|e| failed(&e))?;
     let request = ChunkRequest {
         artifact: holding.assembly.manifest().id,
         chunk,
     };
-    write_frame(&mut stream, &request)
-        .await
-        .map_err(|e| failed(&e))?;
-    let header: ChunkHeader = tokio::time::timeout(PEER_TIMEOUT, read_frame(&mut stream))
-        .await
-        .map_err(|_| failed(&"no answer"))?
-        .map_err(|e| failed(&e))?;
+    // `libp2p-stream` hands inbound streams to the holder through a one-slot queue and drops
+    // those that arrive while it is occupied, which a busy holder's many downloaders make
+    // likely; the request then fails before any answer. Asking again a moment later is far
+    // better than leaving the holder alone for `BACKOFF`: at the end of a distribution the
+    // last chunks have few holders.
+    let mut pause = NOT_ACCEPTED_PAUSE;
+    let mut attempt = 1;
+    let (mut stream, header) = loop {
+        let outcome = async {
+            let mut stream = network
+                .open_stream(peer, CHUNK_PROTOCOL)
+                .await
+                .map_err(|e| e.to_string())?;
+            write_frame(&mut stream, &request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let header: ChunkHeader = read_frame(&mut stream).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>((stream, header))
+        };
+        match tokio::time::timeout(PEER_TIMEOUT, outcome).await {
+            Ok(Ok(answered)) => break answered,
+            Ok(Err(reason)) if attempt < NOT_ACCEPTED_ATTEMPTS => {
+                tracing::trace!(%peer, chunk, attempt, "chunk request not accepted: {reason}");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            Ok(Err(reason)) => return Err(failed(&reason)),
+            Err(_) => return Err(failed(&"no answer")),
+        }
+    };
     match header {
         ChunkHeader::Ok { size } if size == span.len => {}
         ChunkHeader::Ok { size } => {

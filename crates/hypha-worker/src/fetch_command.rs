@@ -225,7 +225,7 @@ mod tests {
     #[test]
     fn the_view_names_every_source_and_the_members() {
         let member = |done, banned| PeerProgress {
-            peer: "12D3KooW".into(),
+            peer: hypha_network::PeerId::random(),
             held: 3,
             done,
             banned,
