@@ -7,7 +7,7 @@ use std::{
     time::SystemTime,
 };
 
-use hypha_dataset::{Dataset, MANIFEST_FILE, slice_files};
+use hypha_dataset::{Dataset, MANIFEST_FILE, ManifestSource, external_manifest_path, slice_files};
 
 /// What changed in a [`Catalog::refresh`].
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -19,9 +19,15 @@ pub struct Changes {
 
 /// The datasets under one path: the path itself when it holds slice files (one dataset, as
 /// `dataset_path` in the seed), otherwise each of its sub-directories that does.
+///
+/// A dataset without a stored manifest has one derived when it is opened, and stored (beside
+/// its slices, or under `manifest_dir` when its directory is read-only), so that a slice
+/// damaged later is refused by every fetcher and named by `hypha-data verify` instead of being
+/// described afresh.
 #[derive(Debug)]
 pub struct Catalog {
     root: PathBuf,
+    manifest_dir: Option<PathBuf>,
     datasets: BTreeMap<String, Entry>,
 }
 
@@ -36,11 +42,22 @@ struct Entry {
 type Stamp = Vec<(String, u64, Option<SystemTime>)>;
 
 impl Catalog {
-    /// Opens every dataset under `root`. A dataset that cannot be opened is an error here, so
-    /// a misconfigured node does not start.
+    /// Opens every dataset under `root`, storing derived manifests of read-only datasets in
+    /// [`hypha_dataset::default_manifest_dir`].
     pub fn open(root: &Path) -> Result<Self, hypha_dataset::Error> {
+        Self::open_with(root, hypha_dataset::default_manifest_dir())
+    }
+
+    /// Opens every dataset under `root`; derived manifests of read-only datasets are stored in
+    /// `manifest_dir`. A dataset that cannot be opened is an error here, so a misconfigured
+    /// node does not start.
+    pub fn open_with(
+        root: &Path,
+        manifest_dir: Option<PathBuf>,
+    ) -> Result<Self, hypha_dataset::Error> {
         let mut catalog = Catalog {
             root: root.to_path_buf(),
+            manifest_dir,
             datasets: BTreeMap::new(),
         };
         let dirs = dataset_dirs(root)?;
@@ -50,7 +67,7 @@ impl Catalog {
             });
         }
         for dir in dirs {
-            let dataset = Dataset::open(&dir)?;
+            let dataset = catalog.open_dataset(&dir)?;
             let stamp = stamp(&dir);
             catalog.datasets.insert(
                 dataset.name().to_string(),
@@ -72,15 +89,19 @@ impl Catalog {
         for dir in dirs {
             let name = dir_name(&dir);
             seen.push(name.clone());
-            let stamp = stamp(&dir);
-            if self.datasets.get(&name).is_some_and(|e| e.stamp == stamp) {
+            if self
+                .datasets
+                .get(&name)
+                .is_some_and(|e| e.stamp == stamp(&dir))
+            {
                 continue;
             }
-            match open_current(&dir, &stamp) {
+            match self.open_dataset(&dir) {
                 Ok(dataset) => {
                     let entry = Entry {
                         dataset: Arc::new(dataset),
-                        stamp,
+                        // Taken after the manifest was stored, which changes it.
+                        stamp: stamp(&dir),
                     };
                     if self.datasets.insert(name.clone(), entry).is_some() {
                         changes.changed.push(name);
@@ -109,6 +130,42 @@ impl Catalog {
         changes
     }
 
+    /// Opens one dataset; stores its manifest when it was derived, and says when damaged
+    /// slices kept the stored one.
+    fn open_dataset(&self, dir: &Path) -> Result<Dataset, hypha_dataset::Error> {
+        let external = self
+            .manifest_dir
+            .as_deref()
+            .map(|d| external_manifest_path(d, dir));
+        let dataset = Dataset::open_with(dir, external.as_deref())?;
+        match (dataset.source(), &external) {
+            (ManifestSource::Derived, Some(external)) => match dataset.store_manifest(external) {
+                Ok(path) => tracing::info!(
+                    dataset = %dataset.name(),
+                    manifest = %path.display(),
+                    "stored the manifest derived from the slices; fetchers and `hypha-data verify` check the slices against it"
+                ),
+                Err(e) => tracing::warn!(
+                    dataset = %dataset.name(),
+                    error = %e,
+                    "cannot store the manifest derived from the slices; a slice damaged later would be described afresh. Set manifest_dir to a writable directory"
+                ),
+            },
+            (ManifestSource::Derived, None) => tracing::warn!(
+                dataset = %dataset.name(),
+                "the manifest derived from the slices is not stored (no manifest_dir and no home directory)"
+            ),
+            (ManifestSource::Kept { path, problem }, _) => tracing::warn!(
+                dataset = %dataset.name(),
+                manifest = %path.display(),
+                %problem,
+                "slices changed on disk and cannot all be read; serving them against the stored manifest, so damaged ones are refused. Run `hypha-data verify`"
+            ),
+            (ManifestSource::Stored(_), _) => {}
+        }
+        Ok(dataset)
+    }
+
     /// The dataset called `name`.
     pub fn get(&self, name: &str) -> Option<Arc<Dataset>> {
         self.datasets.get(name).map(|e| e.dataset.clone())
@@ -117,26 +174,6 @@ impl Catalog {
     /// The names of every dataset served.
     pub fn names(&self) -> Vec<String> {
         self.datasets.keys().cloned().collect()
-    }
-}
-
-/// Opens a dataset that changed on disk. A stored manifest older than any slice describes the
-/// previous contents (a slice replaced by one of the same size passes its size check), so the
-/// manifest is derived afresh then.
-fn open_current(dir: &Path, stamp: &Stamp) -> Result<Dataset, hypha_dataset::Error> {
-    let manifest_time = stamp
-        .iter()
-        .find(|(file, _, _)| file == MANIFEST_FILE)
-        .and_then(|(_, _, modified)| *modified);
-    let newer_slice = stamp
-        .iter()
-        .filter(|(file, _, _)| file != MANIFEST_FILE)
-        .any(|(_, _, modified)| matches!((modified, manifest_time), (Some(s), Some(m)) if s > &m));
-    if newer_slice {
-        tracing::info!(dataset = %dir.display(), "slices are newer than manifest.json; deriving the manifest from the slices");
-        Dataset::derive(dir)
-    } else {
-        Dataset::open(dir)
     }
 }
 

@@ -193,29 +193,96 @@ fn same_schema(a: &[hypha_dataset::TensorSpec], b: &[hypha_dataset::TensorSpec])
         })
 }
 
-/// Checks every slice against the manifest; names each bad slice and fails if there is one.
-pub fn verify_dataset(path: &std::path::Path) -> Result<(), Error> {
-    let dataset = open(path)?;
-    let manifest = dataset.manifest();
-    let bar = progress_bar(manifest.size(), "verifying");
-    let problems = verify(&dataset, |entry| bar.inc(entry.size));
-    bar.finish_and_clear();
-    for problem in &problems {
-        println!("BAD  {problem}");
+/// `hypha-data verify`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct VerifyArgs {
+    /// The dataset directory.
+    pub path: PathBuf,
+    /// Where a data node stored the manifest of this dataset if its directory is read-only
+    /// (the node's `manifest_dir`; default: $XDG_STATE_HOME/hypha/manifests, else
+    /// ~/.local/state/hypha/manifests).
+    #[arg(long)]
+    pub manifest_dir: Option<PathBuf>,
+}
+
+/// Checks every slice against the stored manifest (the dataset's `manifest.json`, or the one
+/// a data node stored for it); names each damaged slice on its own `BAD` line, checks all the
+/// others, and fails if there is one. Without a stored manifest every slice is decoded
+/// instead, which finds truncated and undecodable slices but cannot see a changed value.
+pub fn verify_dataset(args: &VerifyArgs) -> Result<(), Error> {
+    let path = &args.path;
+    let external = args
+        .manifest_dir
+        .clone()
+        .or_else(hypha_dataset::default_manifest_dir)
+        .map(|dir| hypha_dataset::external_manifest_path(&dir, path));
+    let stored =
+        Dataset::stored(path, external.as_deref()).map_err(|e| Error::BadInput(e.to_string()))?;
+    let (count, mut bad, checked_against) = match &stored {
+        Some(dataset) => {
+            let manifest = dataset.manifest();
+            let bar = progress_bar(manifest.size(), "verifying");
+            let problems = verify(dataset, |entry| bar.inc(entry.size));
+            bar.finish_and_clear();
+            let mut bad: Vec<String> = problems.iter().map(ToString::to_string).collect();
+            let unlisted = hypha_dataset::unlisted_files(dataset)
+                .map_err(|e| Error::BadInput(e.to_string()))?;
+            bad.extend(unlisted.iter().map(|file| {
+                format!(
+                    "{file}: not in the manifest (added after it was written); run `hypha-data prepare` again, or delete the manifest to have it derived"
+                )
+            }));
+            let source = match dataset.source() {
+                hypha_dataset::ManifestSource::Stored(path) => path.display().to_string(),
+                _ => "its manifest".into(),
+            };
+            (manifest.slices.len(), bad, Some(source))
+        }
+        None => {
+            let size = hypha_dataset::slice_files(path)
+                .map_err(|e| Error::BadInput(e.to_string()))?
+                .iter()
+                .filter_map(|f| std::fs::metadata(path.join(f)).ok())
+                .map(|m| m.len())
+                .sum();
+            let bar = progress_bar(size, "decoding");
+            let (count, problems) = hypha_dataset::check_decodes(path, |bytes| bar.inc(bytes))
+                .map_err(|e| Error::BadInput(e.to_string()))?;
+            bar.finish_and_clear();
+            (
+                count,
+                problems.iter().map(ToString::to_string).collect(),
+                None,
+            )
+        }
+    };
+    bad.sort_by(|a, b| hypha_dataset::slice_order(a, b));
+    for line in &bad {
+        println!("BAD  {line}");
     }
-    if problems.is_empty() {
-        println!(
-            "ok   {} slices of {} verified ({})",
-            manifest.slices.len(),
-            manifest.name,
-            human_bytes(manifest.size())
-        );
+    let name = stored
+        .as_ref()
+        .map_or_else(|| path.display().to_string(), |d| d.name().to_string());
+    match &checked_against {
+        Some(manifest) if bad.is_empty() => {
+            println!("ok   {count} slices of {name} match {manifest}");
+        }
+        Some(_) => {}
+        None => {
+            if bad.is_empty() {
+                println!("ok   {count} slices of {name} decode");
+            }
+            println!(
+                "note: {name} has no stored manifest, so hashes could not be checked (a flipped bit that still decodes passes); `hypha-data prepare` writes one, and a data node stores one the first time it serves the dataset"
+            );
+        }
+    }
+    if bad.is_empty() {
         Ok(())
     } else {
         Err(Error::Failed(format!(
-            "{} of {} slices are damaged; restore them from another copy or prepare the dataset again",
-            problems.len(),
-            manifest.slices.len()
+            "{} of {count} slices are damaged; restore them from another copy or prepare the dataset again",
+            bad.len()
         )))
     }
 }
@@ -236,6 +303,10 @@ pub struct FetchArgs {
     /// Where to write the slice (default: <dataset>-<slice>.safetensors).
     #[arg(short, long)]
     pub output: Option<PathBuf>,
+    /// Write the bytes as the node stores them (raw Snappy for datasets made by the seed
+    /// recipe) instead of a plain SafeTensors file.
+    #[arg(long)]
+    pub raw: bool,
     /// A config file for the certificate and gateways (a data node's config works).
     #[arg(short, long)]
     pub config: Option<PathBuf>,
@@ -310,14 +381,28 @@ async fn fetch_with(client: &DataClient, args: &FetchArgs) -> Result<(), Error> 
         .output
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}-{}.safetensors", args.dataset, args.slice)));
+    let mut bytes = Vec::new();
     let report = client
-        .fetch_slice(&args.dataset, entry, &providers, &output)
+        .fetch_slice_to_vec(&args.dataset, entry, &providers, &mut bytes)
         .await
         .map_err(failed)?;
+    let (encoding, plain) = hypha_dataset::slice::decode(&bytes).map_err(|e| {
+        Error::Failed(format!(
+            "slice {} of {:?} matches its manifest but is not a slice: {e}",
+            args.slice, args.dataset
+        ))
+    })?;
+    let (written, form) = match (args.raw, encoding) {
+        (false, hypha_dataset::slice::Encoding::Snappy) => (&plain[..], "decompressed"),
+        (true, hypha_dataset::slice::Encoding::Snappy) => (&bytes[..], "raw Snappy"),
+        (_, hypha_dataset::slice::Encoding::Plain) => (&bytes[..], "plain"),
+    };
+    hypha_files::write_atomic(&output, written, hypha_files::Mode::Public, true)
+        .map_err(|e| Error::Failed(format!("{}: {e}", output.display())))?;
     println!(
-        "wrote {} ({}, BLAKE3 verified) from {}",
+        "wrote {} ({}, {form} SafeTensors, BLAKE3 verified) from {}",
         output.display(),
-        human_bytes(entry.size),
+        human_bytes(written.len() as u64),
         report.provider
     );
     Ok(())

@@ -33,12 +33,11 @@ enum Command {
         /// The dataset directory.
         path: PathBuf,
     },
-    /// Check every slice against the manifest (size and BLAKE3); exit 1 naming each bad slice.
-    Verify {
-        /// The dataset directory.
-        path: PathBuf,
-    },
-    /// Fetch one slice from the network, verified, into a file.
+    /// Check every slice against the stored manifest (size and BLAKE3), or decode every slice
+    /// when none is stored; one BAD line per damaged slice, exit 1 if there is one.
+    Verify(hypha_data::commands::VerifyArgs),
+    /// Fetch one slice from the network, verified, into a plain SafeTensors file (--raw keeps
+    /// the stored bytes).
     Fetch(hypha_data::commands::FetchArgs),
     /// Iterate a data node's slices exactly once among all clients naming the same iteration.
     Iterate(hypha_data::commands::IterateArgs),
@@ -56,7 +55,7 @@ async fn main() -> ExitCode {
         Command::Probe(args) => hypha_node::probe(&hypha_data::node::client_schema(), &args).await,
         Command::Prepare(args) => hypha_data::commands::prepare(&args),
         Command::Inspect { path } => hypha_data::commands::inspect(&path),
-        Command::Verify { path } => hypha_data::commands::verify_dataset(&path),
+        Command::Verify(args) => hypha_data::commands::verify_dataset(&args),
         Command::Fetch(args) => hypha_data::commands::fetch(&args).await,
         Command::Iterate(args) => hypha_data::commands::iterate(&args).await,
         Command::Progress(args) => {

@@ -44,6 +44,14 @@ pub fn schema() -> Schema {
             doc: "Where the ledgers of the iterations this node runs for its own clients (cluster_sync = false; `hypha-data iterate`) are kept, so that they survive restarts. Unset: a .hypha-iterations directory inside dataset_path.",
         },
         Key {
+            name: "manifest_dir",
+            kind: Kind::Path,
+            default: DefaultValue::Unset {
+                example: r#""/var/lib/hypha/manifests""#,
+            },
+            doc: "Where the node stores the manifest it derives for a dataset that has none (manifest.json: slice sizes and BLAKE3 hashes) when the dataset's own directory is read-only; with it stored, a slice damaged later is refused by fetchers and named by `hypha-data verify --manifest-dir`. Unset: $XDG_STATE_HOME/hypha/manifests, else ~/.local/state/hypha/manifests.",
+        },
+        Key {
             name: "max_concurrent_slices",
             kind: Kind::Integer,
             default: DefaultValue::Value("64"),
@@ -80,6 +88,7 @@ pub fn client_schema() -> Schema {
 struct DataConfig {
     dataset_path: PathBuf,
     iteration_dir: Option<PathBuf>,
+    manifest_dir: Option<PathBuf>,
     max_concurrent_slices: i64,
     max_slices_per_peer: i64,
 }
@@ -107,7 +116,11 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         per_peer: positive("max_slices_per_peer", config.max_slices_per_peer)?,
         ..server::Limits::default()
     };
-    let catalog = Catalog::open(&config.dataset_path).map_err(|e| {
+    let manifest_dir = config
+        .manifest_dir
+        .clone()
+        .or_else(hypha_dataset::default_manifest_dir);
+    let catalog = Catalog::open_with(&config.dataset_path, manifest_dir).map_err(|e| {
         Error::from(loaded.error(
             "dataset_path",
             e.to_string(),

@@ -142,26 +142,39 @@ fn serve_fetch_inspect_and_verify() {
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("serving wikitext"));
 
-    // The data node doubles as the fetcher's entry point into the DHT.
+    // The data node doubles as the fetcher's entry point into the DHT. The slice arrives as
+    // a plain SafeTensors file that any SafeTensors reader opens.
+    let fetch_slice = |index: &str, dest: &Path, extra: &[&str]| {
+        let mut fetch = Command::new(BIN);
+        fetch
+            .args([
+                "fetch",
+                "--dataset",
+                "wikitext",
+                "--slice",
+                index,
+                "--gateway",
+                &node_address,
+                "-o",
+            ])
+            .arg(dest)
+            .args(extra);
+        flags(&mut fetch);
+        fetch.output().unwrap()
+    };
     let dest = dir.join("got.safetensors");
-    let mut fetch = Command::new(BIN);
-    fetch
-        .args([
-            "fetch",
-            "--dataset",
-            "wikitext",
-            "--slice",
-            "2",
-            "--gateway",
-            &node_address,
-            "-o",
-        ])
-        .arg(&dest);
-    flags(&mut fetch);
-    let out = fetch.output().unwrap();
+    let out = fetch_slice("2", &dest, &[]);
+    assert!(out.status.success(), "{out:?}");
+    let bytes = std::fs::read(&dest).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tokens = tensors.tensor("tokens").unwrap();
+    assert_eq!(tokens.shape(), [4096]);
+    assert!(tokens.data().iter().all(|&b| b == 2));
+    let raw = dir.join("raw.safetensors");
+    let out = fetch_slice("2", &raw, &["--raw"]);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(
-        std::fs::read(&dest).unwrap(),
+        std::fs::read(&raw).unwrap(),
         std::fs::read(data.join("slice-2.safetensors")).unwrap()
     );
 
@@ -184,6 +197,15 @@ fn serve_fetch_inspect_and_verify() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("has slices 0..3"));
 
+    // The dataset came without a manifest: the node stored the one it derived, so a bit
+    // flipped after the first serve (silently: the file keeps its time) is refused by a
+    // fetcher and named by verify.
+    assert!(data.join(hypha_dataset::MANIFEST_FILE).exists());
+    flip_a_bit_silently(&data.join("slice-1.safetensors"));
+    let out = fetch_slice("1", &dir.join("bad.safetensors"), &[]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(!dir.join("bad.safetensors").exists());
+
     Command::new("kill")
         .args(["-TERM", &node.0.id().to_string()])
         .status()
@@ -195,18 +217,61 @@ fn serve_fetch_inspect_and_verify() {
         "{seen:#?}{rest:#?}"
     );
 
-    // verify: intact, then with one corrupted slice (exit 1, the slice named).
+    // verify: the flipped slice and a truncated one each on a BAD line, the third checked,
+    // exit 1.
+    let truncated = data.join("slice-2.safetensors");
+    let bytes = std::fs::read(&truncated).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() - 3]).unwrap();
     let out = Command::new(BIN).arg("verify").arg(&data).output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let manifest = hypha_dataset::Dataset::open(&data).unwrap();
-    manifest.write_manifest().unwrap();
-    let path = data.join("slice-1.safetensors");
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[10] ^= 1;
-    std::fs::write(&path, bytes).unwrap();
-    let out = Command::new(BIN).arg("verify").arg(&data).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("slice 1 (slice-1.safetensors)"));
+    let bad: Vec<&str> = stdout.lines().filter(|l| l.starts_with("BAD")).collect();
+    assert_eq!(bad.len(), 2, "{stdout}");
+    assert!(bad[0].contains("slice 1 (slice-1.safetensors)") && bad[0].contains("corrupted"));
+    assert!(bad[1].contains("slice 2 (slice-2.safetensors)") && bad[1].contains("truncated"));
+}
+
+/// Flips one bit in the middle of `path` and gives the file its old modification time back,
+/// as silent corruption on a disk does.
+fn flip_a_bit_silently(path: &Path) {
+    let modified = std::fs::metadata(path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(path, &bytes).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+}
+
+#[test]
+fn verify_without_a_manifest_names_each_undecodable_slice_and_checks_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("seed");
+    write_dataset(&data, 4, 1000);
+    let truncated = data.join("slice-1.safetensors");
+    let bytes = std::fs::read(&truncated).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let out = Command::new(BIN)
+        .arg("verify")
+        .arg(&data)
+        .args(["--manifest-dir"])
+        .arg(tmp.path().join("none"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let bad: Vec<&str> = stdout.lines().filter(|l| l.starts_with("BAD")).collect();
+    assert_eq!(bad.len(), 1, "{stdout}");
+    assert!(bad[0].contains("slice-1.safetensors") && bad[0].contains("undecodable"));
+    assert!(stdout.contains("no stored manifest"), "{stdout}");
+    assert!(
+        !data.join(hypha_dataset::MANIFEST_FILE).exists(),
+        "verify only reads"
+    );
 }
 
 #[test]

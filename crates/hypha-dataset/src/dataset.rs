@@ -40,44 +40,90 @@ pub struct Dataset {
     root: PathBuf,
     name: String,
     manifest: Manifest,
+    source: ManifestSource,
+}
+
+/// Where a dataset's manifest came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ManifestSource {
+    /// Read from this file: `manifest.json` in the dataset, or one stored for it elsewhere
+    /// (see [`Dataset::store_manifest`]).
+    Stored(PathBuf),
+    /// Derived from the slices now: the dataset has no stored manifest, or the stored one
+    /// describes other files than the directory holds.
+    Derived,
+    /// The slices changed on disk but could not all be described (`problem`): the manifest
+    /// stored at `path` is kept, so that the intact slices stay usable and the damaged one
+    /// fails its hash check wherever it is read.
+    Kept { path: PathBuf, problem: String },
 }
 
 impl Dataset {
-    /// Opens a dataset directory.
-    ///
-    /// The manifest is read from [`MANIFEST_FILE`] when present and consistent with the directory
-    /// (same slice files, same sizes); otherwise it is derived by reading every slice (in
-    /// parallel), which hashes and parses each file. Content changes that keep a file's size are
-    /// not detected here: they are what the hashes are for (`verify`, and every client).
+    /// Opens a dataset directory with its manifest: [`MANIFEST_FILE`] in the directory.
+    /// See [`Dataset::open_with`].
     pub fn open(root: &Path) -> Result<Self, Error> {
-        let files = slice_files(root)?;
-        let name = dataset_name(root);
-        let manifest_path = root.join(MANIFEST_FILE);
-        let manifest = match std::fs::read(&manifest_path) {
-            Ok(bytes) => {
-                let manifest = parse_manifest(&bytes, &manifest_path)?;
-                if consistent(&manifest, root, &files) {
-                    manifest
-                } else {
-                    derive(root, &name, &files)?
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => derive(root, &name, &files)?,
-            Err(error) => {
-                return Err(Error::Io {
-                    path: manifest_path,
-                    error,
-                });
-            }
-        };
-        Ok(Dataset {
-            root: root.to_path_buf(),
-            name,
-            manifest,
-        })
+        Self::open_with(root, None)
     }
 
-    /// Opens a dataset, deriving its manifest from the slices whatever `manifest.json` says.
+    /// Opens a dataset directory with its stored manifest: [`MANIFEST_FILE`] in the
+    /// directory, else the file `external` (where [`Dataset::store_manifest`] puts it for a
+    /// read-only dataset).
+    ///
+    /// The stored manifest is used when it lists exactly the directory's slice files and none
+    /// of them is newer than it. Otherwise the slices changed (added, removed, rewritten) and
+    /// the manifest is derived by reading every slice, in parallel, which hashes and parses
+    /// each; when that fails and a manifest is stored, the stored one is kept
+    /// ([`ManifestSource::Kept`]). A slice whose content changed while its time did not (a
+    /// flipped bit, a truncation that kept the time) is not detected here: that is what the
+    /// hashes are for (`verify`, and every client).
+    pub fn open_with(root: &Path, external: Option<&Path>) -> Result<Self, Error> {
+        let files = slice_files(root)?;
+        let name = dataset_name(root);
+        let stored = read_stored(root, external)?;
+        if let Some((path, manifest)) = &stored
+            && current(manifest, path, root, &files)
+        {
+            return Ok(Dataset {
+                root: root.to_path_buf(),
+                name,
+                manifest: manifest.clone(),
+                source: ManifestSource::Stored(path.clone()),
+            });
+        }
+        match (derive(root, &name, &files), stored) {
+            (Ok(manifest), _) => Ok(Dataset {
+                root: root.to_path_buf(),
+                name,
+                manifest,
+                source: ManifestSource::Derived,
+            }),
+            (Err(error), Some((path, manifest))) => Ok(Dataset {
+                root: root.to_path_buf(),
+                name,
+                manifest,
+                source: ManifestSource::Kept {
+                    path,
+                    problem: error.to_string(),
+                },
+            }),
+            (Err(error), None) => Err(error),
+        }
+    }
+
+    /// The dataset as its stored manifest describes it, whatever the directory holds now
+    /// (`None` when no manifest is stored): what `verify` checks the files against.
+    pub fn stored(root: &Path, external: Option<&Path>) -> Result<Option<Self>, Error> {
+        Ok(
+            read_stored(root, external)?.map(|(path, manifest)| Dataset {
+                root: root.to_path_buf(),
+                name: dataset_name(root),
+                manifest,
+                source: ManifestSource::Stored(path),
+            }),
+        )
+    }
+
+    /// Opens a dataset, deriving its manifest from the slices whatever is stored.
     pub fn derive(root: &Path) -> Result<Self, Error> {
         let files = slice_files(root)?;
         let name = dataset_name(root);
@@ -86,6 +132,7 @@ impl Dataset {
             root: root.to_path_buf(),
             name,
             manifest,
+            source: ManifestSource::Derived,
         })
     }
 
@@ -101,6 +148,10 @@ impl Dataset {
         &self.manifest
     }
 
+    pub fn source(&self) -> &ManifestSource {
+        &self.source
+    }
+
     /// The path of slice `index`, or `None` past the end.
     pub fn slice_path(&self, index: u64) -> Option<PathBuf> {
         let entry = self.manifest.slices.get(usize::try_from(index).ok()?)?;
@@ -109,18 +160,78 @@ impl Dataset {
 
     /// Writes the manifest to [`MANIFEST_FILE`] atomically.
     pub fn write_manifest(&self) -> Result<(), Error> {
+        self.write_manifest_to(&self.root.join(MANIFEST_FILE))
+    }
+
+    /// Stores the manifest so that later opens (and `verify`) check the slices against it:
+    /// in the dataset's directory, or at `external` when the directory cannot be written (a
+    /// read-only dataset). Returns where it went.
+    pub fn store_manifest(&self, external: &Path) -> Result<PathBuf, Error> {
+        let beside = self.root.join(MANIFEST_FILE);
+        match self.write_manifest_to(&beside) {
+            Ok(()) => Ok(beside),
+            Err(_) => {
+                if let Some(dir) = external.parent() {
+                    std::fs::create_dir_all(dir).map_err(|error| Error::Io {
+                        path: dir.to_path_buf(),
+                        error,
+                    })?;
+                }
+                self.write_manifest_to(external)?;
+                Ok(external.to_path_buf())
+            }
+        }
+    }
+
+    fn write_manifest_to(&self, path: &Path) -> Result<(), Error> {
         let json = serde_json::to_vec_pretty(&self.manifest).map_err(|e| Error::Manifest {
-            path: self.root.join(MANIFEST_FILE),
+            path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        hypha_files::write_atomic(
-            &self.root.join(MANIFEST_FILE),
-            &json,
-            hypha_files::Mode::Public,
-            true,
-        )?;
+        hypha_files::write_atomic(path, &json, hypha_files::Mode::Public, true)?;
         Ok(())
     }
+}
+
+/// Where the manifest of the dataset at `root` is stored under `dir` when the dataset's own
+/// directory cannot hold it: named after the dataset and its absolute path, so that two
+/// datasets of the same name never share one.
+pub fn external_manifest_path(dir: &Path, root: &Path) -> PathBuf {
+    let absolute = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    let digest = blake3::hash(absolute.as_os_str().as_encoded_bytes()).to_hex();
+    dir.join(format!("{}-{}.json", dataset_name(root), &digest[..16]))
+}
+
+/// Where manifests of read-only datasets are stored by default:
+/// `$XDG_STATE_HOME/hypha/manifests`, else `~/.local/state/hypha/manifests`.
+pub fn default_manifest_dir() -> Option<PathBuf> {
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|home| Path::new(&home).join(".local/state"))
+        })?;
+    Some(state.join("hypha/manifests"))
+}
+
+/// The stored manifest: the dataset's own, else the one at `external`.
+fn read_stored(root: &Path, external: Option<&Path>) -> Result<Option<(PathBuf, Manifest)>, Error> {
+    let beside = root.join(MANIFEST_FILE);
+    for path in std::iter::once(beside.as_path()).chain(external) {
+        match std::fs::read(path) {
+            Ok(bytes) => return Ok(Some((path.to_path_buf(), parse_manifest(&bytes, path)?))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => {
+                return Err(Error::Io {
+                    path: path.to_path_buf(),
+                    error,
+                });
+            }
+        }
+    }
+    Ok(None)
 }
 
 fn dataset_name(root: &Path) -> String {
@@ -158,12 +269,18 @@ fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Error> {
     Ok(manifest)
 }
 
-/// Whether the manifest lists exactly these files, in this order, with their current sizes.
-fn consistent(manifest: &Manifest, root: &Path, files: &[String]) -> bool {
+/// Whether the manifest at `path` still describes the directory: it lists exactly these
+/// files, in this order, and none of them was modified after it was written.
+fn current(manifest: &Manifest, path: &Path, root: &Path, files: &[String]) -> bool {
+    let written = std::fs::metadata(path).and_then(|m| m.modified()).ok();
     manifest.slices.len() == files.len()
         && manifest.slices.iter().zip(files).all(|(entry, file)| {
+            let modified = std::fs::metadata(root.join(file)).and_then(|m| m.modified());
             entry.file == *file
-                && std::fs::metadata(root.join(file)).is_ok_and(|m| m.len() == entry.size)
+                && match (modified, written) {
+                    (Ok(modified), Some(written)) => modified <= written,
+                    _ => false,
+                }
         })
 }
 

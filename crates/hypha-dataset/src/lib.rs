@@ -9,7 +9,11 @@
 //!
 //! A [`Manifest`] (`manifest.json`, written by `hypha-data prepare`, derived when absent) lists
 //! every slice with its file, sizes, BLAKE3 hash, sample count and tensor schema. [`Dataset`]
-//! opens a directory with its manifest; [`verify`] checks every slice against it.
+//! opens a directory with its manifest; a data node stores the manifest it derived for a
+//! dataset that had none ([`Dataset::store_manifest`]: beside the slices, or in its own state
+//! directory when the dataset is read-only), so that later damage is caught. [`verify`] checks
+//! every slice against the stored manifest; [`check_decodes`] is all that can be checked
+//! without one.
 //!
 //! This crate knows files and formats, nothing of networks or nodes.
 //!
@@ -35,6 +39,9 @@ pub mod prepare;
 pub mod slice;
 mod verify;
 
-pub use dataset::{Dataset, Error, MANIFEST_FILE, slice_files, slice_order};
+pub use dataset::{
+    Dataset, Error, MANIFEST_FILE, ManifestSource, default_manifest_dir, external_manifest_path,
+    slice_files, slice_order,
+};
 pub use manifest::{Manifest, SliceEntry, TensorSpec};
-pub use verify::{Problem, verify};
+pub use verify::{Problem, check_decodes, unlisted_files, verify};

@@ -1,6 +1,6 @@
-use std::io::Read;
+use std::{io::Read, path::Path};
 
-use crate::{Dataset, SliceEntry};
+use crate::{Dataset, Error, SliceEntry, dataset::describe_file, slice_files};
 
 /// Something wrong with one slice.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,9 +50,15 @@ fn check(dataset: &Dataset, entry: &SliceEntry) -> Result<(), String> {
         hasher.update(&buf[..n]);
         size += n as u64;
     }
-    if size != entry.size {
+    if size < entry.size {
         return Err(format!(
-            "{size} bytes on disk, the manifest says {} (truncated or replaced)",
+            "truncated: {size} bytes on disk, the manifest says {}",
+            entry.size
+        ));
+    }
+    if size > entry.size {
+        return Err(format!(
+            "{size} bytes on disk, the manifest says {} (replaced or appended to)",
             entry.size
         ));
     }
@@ -64,4 +70,46 @@ fn check(dataset: &Dataset, entry: &SliceEntry) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Slice files in the dataset's directory that its manifest does not list (added after it was
+/// written), in slice order.
+pub fn unlisted_files(dataset: &Dataset) -> Result<Vec<String>, Error> {
+    let files = match slice_files(dataset.root()) {
+        Ok(files) => files,
+        Err(Error::Empty { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    Ok(files
+        .into_iter()
+        .filter(|file| !dataset.manifest().slices.iter().any(|s| s.file == *file))
+        .collect())
+}
+
+/// What can be checked of a dataset without a stored manifest: every slice file is read and
+/// decoded (Snappy, SafeTensors header, tensor sizes). Returns the number of slices and every
+/// one that failed; `progress` is told each file's size once it is checked.
+pub fn check_decodes(
+    root: &Path,
+    mut progress: impl FnMut(u64),
+) -> Result<(usize, Vec<Problem>), Error> {
+    let files = slice_files(root)?;
+    let mut problems = Vec::new();
+    for (index, file) in files.iter().enumerate() {
+        match describe_file(root, file, index as u64) {
+            Ok(entry) => progress(entry.size),
+            Err(error) => {
+                let problem = match error {
+                    Error::Slice { error, .. } => format!("undecodable: {error}"),
+                    other => other.to_string(),
+                };
+                problems.push(Problem {
+                    index: index as u64,
+                    file: file.clone(),
+                    problem,
+                });
+            }
+        }
+    }
+    Ok((files.len(), problems))
 }

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use hypha_dataset::{Dataset, Error, MANIFEST_FILE, slice, verify};
+use hypha_dataset::{Dataset, Error, MANIFEST_FILE, ManifestSource, slice, verify};
 
 /// A SafeTensors buffer built by hand from the format's specification (8-byte little-endian
 /// header length, JSON header, raw little-endian data), independent of any library.
@@ -233,4 +233,137 @@ fn unreadable_slices_are_named() {
     let empty = dataset_dir(tmp.path(), "empty");
     let err = Dataset::open(&empty).unwrap_err();
     assert!(matches!(err, Error::Empty { .. }), "{err}");
+}
+
+/// Flips one bit in the middle of `path` and gives the file its old modification time back,
+/// as silent corruption on a disk does.
+fn flip_a_bit_silently(path: &Path) {
+    let modified = std::fs::metadata(path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(path, &bytes).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+}
+
+#[test]
+fn a_derived_manifest_once_stored_catches_later_damage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dataset_dir(tmp.path(), "digits");
+    for i in 0..3 {
+        std::fs::write(
+            dir.join(format!("slice-{i}.safetensors")),
+            seed_recipe(&[i as f32 + 0.5; 64], &[i; 16]),
+        )
+        .unwrap();
+    }
+    let external = hypha_dataset::external_manifest_path(&tmp.path().join("state"), &dir);
+    let derived = Dataset::open_with(&dir, Some(&external)).unwrap();
+    assert_eq!(derived.source(), &ManifestSource::Derived);
+    // A writable dataset keeps its manifest beside its slices.
+    let stored_at = derived.store_manifest(&external).unwrap();
+    assert_eq!(stored_at, dir.join(MANIFEST_FILE));
+    let reopened = Dataset::open_with(&dir, Some(&external)).unwrap();
+    assert_eq!(
+        reopened.source(),
+        &ManifestSource::Stored(stored_at.clone())
+    );
+
+    // The flipped file keeps its time, so the stored manifest stays in use and its hash
+    // catches the change (derived afresh, a flip that still decodes would pass as good).
+    flip_a_bit_silently(&dir.join("slice-1.safetensors"));
+    let reopened = Dataset::open_with(&dir, Some(&external)).unwrap();
+    assert_eq!(reopened.source(), &ManifestSource::Stored(stored_at));
+    let problems = verify(&reopened, |_| {});
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].file, "slice-1.safetensors");
+    assert!(problems[0].problem.contains("corrupted"), "{}", problems[0]);
+}
+
+#[test]
+fn a_slice_truncated_after_the_manifest_keeps_the_stored_manifest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dataset_dir(tmp.path(), "digits");
+    for i in 0..3 {
+        std::fs::write(
+            dir.join(format!("slice-{i}.safetensors")),
+            seed_recipe(&[i as f32; 64], &[i; 16]),
+        )
+        .unwrap();
+    }
+    Dataset::open(&dir).unwrap().write_manifest().unwrap();
+    let truncated = dir.join("slice-2.safetensors");
+    let bytes = std::fs::read(&truncated).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&truncated, &bytes[..bytes.len() - 5]).unwrap();
+
+    // The slice is newer than the manifest, so the directory is described again; that fails
+    // on the truncated slice, and the stored manifest stays, so the other slices stay usable.
+    let dataset = Dataset::open(&dir).unwrap();
+    match dataset.source() {
+        ManifestSource::Kept { problem, .. } => {
+            assert!(problem.contains("slice-2.safetensors"), "{problem}")
+        }
+        other => panic!("expected the stored manifest kept, got {other:?}"),
+    }
+    assert_eq!(dataset.manifest().slices.len(), 3);
+    let problems = verify(&dataset, |_| {});
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].problem.contains("truncated"), "{}", problems[0]);
+}
+
+#[test]
+fn without_a_manifest_every_slice_is_decoded_and_each_failure_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dataset_dir(tmp.path(), "d");
+    for i in 0..4 {
+        std::fs::write(
+            dir.join(format!("slice-{i}.safetensors")),
+            seed_recipe(&[i as f32; 64], &[i; 16]),
+        )
+        .unwrap();
+    }
+    let truncated = dir.join("slice-1.safetensors");
+    let bytes = std::fs::read(&truncated).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::write(dir.join("slice-3.safetensors"), b"not a slice at all").unwrap();
+
+    let mut checked = 0;
+    let (count, problems) = hypha_dataset::check_decodes(&dir, |_| checked += 1).unwrap();
+    assert_eq!((count, checked), (4, 2));
+    let files: Vec<&str> = problems.iter().map(|p| p.file.as_str()).collect();
+    assert_eq!(files, ["slice-1.safetensors", "slice-3.safetensors"]);
+    assert!(problems.iter().all(|p| p.problem.contains("undecodable")));
+}
+
+#[test]
+fn a_read_only_dataset_stores_its_manifest_elsewhere() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dataset_dir(tmp.path(), "digits");
+    std::fs::write(
+        dir.join("slice-0.safetensors"),
+        seed_recipe(&[1.0; 8], &[1, 2]),
+    )
+    .unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::write(dir.join("probe"), b"").is_ok() {
+        // Root writes into a 0555 directory regardless.
+        std::fs::remove_file(dir.join("probe")).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        eprintln!("skipped: this user can write into read-only directories (root)");
+        return;
+    }
+    let external = hypha_dataset::external_manifest_path(&tmp.path().join("state"), &dir);
+    let dataset = Dataset::open_with(&dir, Some(&external)).unwrap();
+    assert_eq!(dataset.store_manifest(&external).unwrap(), external);
+    assert!(!dir.join(MANIFEST_FILE).exists());
+    let reopened = Dataset::open_with(&dir, Some(&external)).unwrap();
+    assert_eq!(reopened.source(), &ManifestSource::Stored(external));
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
 }

@@ -2,10 +2,14 @@
 //! the CPU, talking to its worker only through the job bridge.
 //!
 //! - [`bridge`]: JSON over HTTP/1.1 on the job's Unix socket.
-//! - [`model`]: the model families (an MLP classifier, a small decoder-only transformer) on
-//!   candle, with seeded parameters and SafeTensors in and out.
+//! - [`contract`]: the data contract: which tensors of a slice a model reads (`[config] input`,
+//!   `target`, with defaults), how they are converted, and the check that a dataset fits a
+//!   model before anything is leased.
+//! - [`model`]: the model families (an MLP and a small CNN classifier, a small decoder-only
+//!   transformer) on candle, with seeded parameters and SafeTensors in and out.
 //! - [`train`]: the trainer's loop: orders from the scheduler, AdamW inner steps on the job's
 //!   slices, pseudo-gradients to the parameter server, global models back.
+//! - [`local`]: datasets on this machine: a model scored on their slices, a model suggested for them.
 //! - [`synthetic`]: learnable datasets made from a seed, for the quickstart and tests.
 //!
 //! A worker runs it as
@@ -23,6 +27,8 @@
 //! networks, leases or ledgers.
 
 pub mod bridge;
+pub mod contract;
+pub mod local;
 pub mod model;
 pub mod synthetic;
 pub mod train;

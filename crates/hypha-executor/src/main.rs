@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use hypha_executor::{
+    contract::TensorNames,
+    local::{Score, evaluate_dataset},
     model::{Model, ModelSpec},
     synthetic::Synthetic,
     train::{JobConfig, Trainer},
@@ -35,9 +37,9 @@ enum Command {
     },
     /// Write a learnable synthetic dataset for a model into a directory a data node can serve.
     Dataset {
-        /// The model, as JSON: `{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 4}`
-        /// or `{"type": "transformer", "vocab": 32, "context": 16, "dim": 64, "heads": 4,
-        /// "layers": 2}`.
+        /// The model, as JSON: `{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 4}`,
+        /// `{"type": "cnn", "channels": 1, "classes": 4}` or `{"type": "transformer", "vocab":
+        /// 32, "context": 16, "dim": 64, "heads": 4, "layers": 2}`.
         #[arg(long)]
         model: String,
         /// The dataset's directory; its name is the dataset's name.
@@ -51,19 +53,50 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Evaluate a model file (SafeTensors) on fresh samples of the synthetic dataset.
+    /// Score a model file (SafeTensors) on a dataset directory, or on fresh samples of the
+    /// model's synthetic dataset; prints {"loss", "accuracy", "samples"} as JSON.
     Evaluate {
+        /// The model, as JSON (as in the job's `[config] model`).
         #[arg(long)]
         model: String,
         /// The model file.
         #[arg(long)]
         weights: PathBuf,
+        /// A dataset directory (seed recipe, `hypha-data prepare` output or plain
+        /// SafeTensors slices) to score on, read as trainers read it.
+        #[arg(long)]
+        dataset: Option<PathBuf>,
+        /// With --dataset: the slices to score, as START..END (default: all).
+        #[arg(long, value_parser = parse_range)]
+        slices: Option<std::ops::Range<usize>>,
+        /// With --dataset: the input tensor (default: the first of inputs, images,
+        /// input_ids, tokens).
+        #[arg(long)]
+        input: Option<String>,
+        /// With --dataset: the classifiers' target tensor (default: labels).
+        #[arg(long)]
+        target: Option<String>,
+        /// Without --dataset: synthetic samples to score.
         #[arg(long, default_value_t = 2048)]
         samples: usize,
-        /// Seeds the evaluation samples; keep it apart from the training seeds.
+        /// Without --dataset: seeds the synthetic samples; keep it apart from the training
+        /// seeds.
         #[arg(long, default_value_t = 1 << 40)]
         seed: u64,
     },
+}
+
+/// `START..END` as a range of slice indices.
+fn parse_range(text: &str) -> Result<std::ops::Range<usize>, String> {
+    let (start, end) = text
+        .split_once("..")
+        .ok_or_else(|| format!("{text:?}: write the slices as START..END, e.g. 30..32"))?;
+    let number = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .map_err(|e| format!("{text:?}: {s:?} is not a slice index ({e})"))
+    };
+    Ok(number(start)?..number(end)?)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -94,18 +127,32 @@ fn main() -> anyhow::Result<()> {
         Command::Evaluate {
             model,
             weights,
+            dataset,
+            slices,
+            input,
+            target,
             samples,
             seed,
         } => {
             let spec: ModelSpec = serde_json::from_str(&model).context("--model")?;
             let trained = Model::new(&spec, 0)?;
             trained.load(&hypha_diloco::Tensors::load(&weights)?)?;
-            let batch = Synthetic::for_model(&spec).batch(samples, seed)?;
-            let (loss, accuracy) = trained.evaluate(&batch)?;
-            println!(
-                "{}",
-                serde_json::json!({"loss": loss, "accuracy": accuracy})
-            );
+            let score = match dataset {
+                Some(dir) => {
+                    let names = TensorNames { input, target };
+                    evaluate_dataset(&trained, &dir, &names, slices)?
+                }
+                None => {
+                    let batch = Synthetic::for_model(&spec).batch(samples, seed)?;
+                    let (loss, accuracy) = trained.evaluate(&batch)?;
+                    Score {
+                        loss,
+                        accuracy,
+                        samples: samples as u64,
+                    }
+                }
+            };
+            println!("{}", serde_json::to_string(&score)?);
         }
     }
     Ok(())

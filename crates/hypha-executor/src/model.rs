@@ -1,23 +1,30 @@
-//! The two model families the reference executor trains, on candle's CPU backend:
+//! The model families the reference executor trains, on candle's CPU backend:
 //!
-//! - `{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 4}`: a classifier of feature
-//!   vectors (two hidden ReLU layers). Slices hold `inputs` (F32, `[n, inputs]`) and `labels`
-//!   (U32 or I64, `[n]`).
-//! - `{"type": "transformer", "vocab": 32, "context": 16, "dim": 64, "heads": 4, "layers": 2}`:
-//!   a small decoder-only transformer (pre-norm blocks, causal self-attention, learned
-//!   positions) predicting each next token. Slices hold `tokens` (U32 or I64,
-//!   `[n, context + 1]`).
+//! - `{"type": "mlp", "inputs": 64, "hidden": 64, "classes": 10}`: a classifier of feature
+//!   vectors (two hidden ReLU layers); samples of any shape are flattened to `inputs` features.
+//! - `{"type": "cnn", "channels": 3, "classes": 10, "width": 16}`: a classifier of images
+//!   `[C, H, W]` of any size: two 3×3 convolutions (`width` and `2 × width` filters, ReLU, a
+//!   2×2 max-pool between them), global average pooling, a linear head.
+//! - `{"type": "transformer", "vocab": 258, "context": 255, "dim": 64, "heads": 4, "layers":
+//!   2}`: a small decoder-only transformer (pre-norm blocks, causal self-attention, learned
+//!   positions) predicting each next token of its sequences; padding marked by an attention
+//!   mask is neither attended to nor scored.
+//!
+//! Which tensors of a slice each reads, and how they are converted, is the data contract of
+//! [`crate::contract`].
 //!
 //! Parameters are created from a seed, so the same spec and seed give the same model on every
 //! machine; they travel as SafeTensors through [`hypha_diloco::Tensors`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use candle_core::{D, DType, Device, Tensor, Var};
-use candle_nn::{Embedding, LayerNorm, Linear, Module, VarBuilder, VarMap};
+use candle_nn::{Conv2d, Conv2dConfig, Embedding, LayerNorm, Linear, Module, VarBuilder, VarMap};
 use hypha_diloco::Metadata;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
+
+pub use crate::contract::Batch;
 
 /// A model family and its sizes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,6 +35,13 @@ pub enum ModelSpec {
         hidden: usize,
         classes: usize,
     },
+    Cnn {
+        channels: usize,
+        classes: usize,
+        /// Filters of the first convolution (the second has twice as many).
+        #[serde(default = "default_cnn_width")]
+        width: usize,
+    },
     Transformer {
         vocab: usize,
         context: usize,
@@ -35,6 +49,10 @@ pub enum ModelSpec {
         heads: usize,
         layers: usize,
     },
+}
+
+fn default_cnn_width() -> usize {
+    16
 }
 
 /// Why a model could not be built, run or loaded.
@@ -46,12 +64,9 @@ pub enum ModelError {
     Tensors(#[from] hypha_diloco::Error),
     #[error("{0}")]
     Spec(String),
-    #[error("the batch has no {0:?} tensor; this model reads {1}")]
-    Missing(&'static str, &'static str),
+    #[error("the batch has no {0}; this model needs one")]
+    Missing(&'static str),
 }
-
-/// A batch of samples: the tensors of a slice, some rows of them.
-pub type Batch = HashMap<String, Tensor>;
 
 /// A model with its parameters.
 pub struct Model {
@@ -63,7 +78,15 @@ pub struct Model {
 #[derive(Debug)]
 enum Net {
     Mlp([Linear; 3]),
+    Cnn(Cnn),
     Transformer(Transformer),
+}
+
+#[derive(Debug)]
+struct Cnn {
+    first: Conv2d,
+    second: Conv2d,
+    head: Linear,
 }
 
 #[derive(Debug)]
@@ -117,6 +140,26 @@ impl Model {
                     candle_nn::linear(hidden, hidden, vb.pp("l2"))?,
                     candle_nn::linear(hidden, classes, vb.pp("l3"))?,
                 ])
+            }
+            ModelSpec::Cnn {
+                channels,
+                classes,
+                width,
+            } => {
+                if channels == 0 || width == 0 || classes < 2 {
+                    return Err(ModelError::Spec(
+                        "a cnn needs channels ≥ 1, width ≥ 1 and classes ≥ 2".into(),
+                    ));
+                }
+                let same = Conv2dConfig {
+                    padding: 1,
+                    ..Conv2dConfig::default()
+                };
+                Net::Cnn(Cnn {
+                    first: candle_nn::conv2d(channels, width, 3, same, vb.pp("conv1"))?,
+                    second: candle_nn::conv2d(width, 2 * width, 3, same, vb.pp("conv2"))?,
+                    head: candle_nn::linear(2 * width, classes, vb.pp("head"))?,
+                })
             }
             ModelSpec::Transformer {
                 vocab,
@@ -182,8 +225,8 @@ impl Model {
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
-    /// Draws every parameter from `seed`: weights uniform in ±1/√fan_in, biases 0, layer-norm
-    /// scales 1.
+    /// Draws every parameter from `seed`: weights uniform in ±1/√fan_in (the product of every
+    /// dimension but the first), biases 0, layer-norm scales 1.
     fn initialise(&self, seed: u64) -> Result<(), ModelError> {
         let mut rng = StdRng::seed_from_u64(seed);
         for (name, var) in self.named() {
@@ -194,7 +237,8 @@ impl Model {
             } else if name.ends_with(".bias") {
                 vec![0.0; count]
             } else {
-                let bound = 1.0 / (*dims.last().unwrap_or(&1) as f32).sqrt();
+                let fan_in: usize = dims.iter().skip(1).product();
+                let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
                 (0..count)
                     .map(|_| rng.random_range(-bound..bound))
                     .collect()
@@ -204,53 +248,69 @@ impl Model {
         Ok(())
     }
 
-    /// The mean loss over `batch` (cross-entropy of the labels, or of each next token).
+    /// The mean loss over `batch`: cross-entropy of the labels, or of each real next token.
     pub fn loss(&self, batch: &Batch) -> Result<Tensor, ModelError> {
-        let (logits, targets) = self.logits(batch)?;
-        Ok(candle_nn::loss::cross_entropy(&logits, &targets)?)
+        let scored = self.logits(batch)?;
+        Ok(scored.cross_entropy()?)
     }
 
-    /// Loss and, for classifiers, accuracy over `batch`, without gradients.
+    /// Loss and accuracy (of the labels, or of the next tokens) over `batch`, without
+    /// gradients.
     pub fn evaluate(&self, batch: &Batch) -> Result<(f64, f64), ModelError> {
-        let (logits, targets) = self.logits(batch)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &targets)?.to_scalar::<f32>()?;
-        let predicted = logits.argmax(D::Minus1)?;
-        let correct = predicted
-            .eq(&targets)?
-            .to_dtype(DType::F32)?
-            .mean_all()?
-            .to_scalar::<f32>()?;
-        Ok((f64::from(loss), f64::from(correct)))
+        let scored = self.logits(batch)?;
+        let loss = scored.cross_entropy()?.to_scalar::<f32>()?;
+        let correct = scored
+            .logits
+            .argmax(D::Minus1)?
+            .eq(&scored.targets)?
+            .to_dtype(DType::F32)?;
+        let accuracy = match &scored.weights {
+            Some(weights) => weighted_mean(&correct, weights)?,
+            None => correct.mean_all()?,
+        };
+        Ok((f64::from(loss), f64::from(accuracy.to_scalar::<f32>()?)))
     }
 
     /// Logits `[rows, classes]` and the targets `[rows]` (U32) they are scored against.
-    fn logits(&self, batch: &Batch) -> Result<(Tensor, Tensor), ModelError> {
+    fn logits(&self, batch: &Batch) -> Result<Scored, ModelError> {
         match &self.net {
             Net::Mlp(layers) => {
-                let inputs = batch
-                    .get("inputs")
-                    .ok_or(ModelError::Missing("inputs", "inputs and labels"))?
-                    .to_dtype(DType::F32)?;
-                let labels = batch
-                    .get("labels")
-                    .ok_or(ModelError::Missing("labels", "inputs and labels"))?
-                    .to_dtype(DType::U32)?;
-                let hidden = layers[0].forward(&inputs)?.relu()?;
+                let hidden = layers[0].forward(&batch.input)?.relu()?;
                 let hidden = layers[1].forward(&hidden)?.relu()?;
-                Ok((layers[2].forward(&hidden)?, labels))
+                Ok(Scored {
+                    logits: layers[2].forward(&hidden)?,
+                    targets: labels(batch)?,
+                    weights: None,
+                })
             }
+            Net::Cnn(net) => Ok(Scored {
+                logits: net.forward(&batch.input)?,
+                targets: labels(batch)?,
+                weights: None,
+            }),
             Net::Transformer(net) => {
-                let tokens = batch
-                    .get("tokens")
-                    .ok_or(ModelError::Missing("tokens", "tokens"))?
-                    .to_dtype(DType::U32)?;
-                let (rows, width) = tokens.dims2()?;
+                let (rows, width) = batch.input.dims2()?;
                 let length = width.saturating_sub(1);
-                let inputs = tokens.narrow(1, 0, length)?;
-                let targets = tokens.narrow(1, 1, length)?.flatten_all()?;
-                let logits = net.forward(&inputs)?;
+                let inputs = batch.input.narrow(1, 0, length)?;
+                let targets = batch.input.narrow(1, 1, length)?.flatten_all()?;
+                let mask = batch
+                    .mask
+                    .as_ref()
+                    .map(|m| m.narrow(1, 0, length))
+                    .transpose()?;
+                let logits = net.forward(&inputs, mask.as_ref())?;
                 let vocab = logits.dim(D::Minus1)?;
-                Ok((logits.reshape((rows * length, vocab))?, targets))
+                // A target counts when it is a real token.
+                let weights = batch
+                    .mask
+                    .as_ref()
+                    .map(|m| m.narrow(1, 1, length)?.flatten_all())
+                    .transpose()?;
+                Ok(Scored {
+                    logits: logits.reshape((rows * length, vocab))?,
+                    targets,
+                    weights,
+                })
             }
         }
     }
@@ -306,17 +366,75 @@ impl Model {
     }
 }
 
+/// Logits with the targets they are scored against and, where some do not count (padding),
+/// a weight per target.
+struct Scored {
+    logits: Tensor,
+    targets: Tensor,
+    weights: Option<Tensor>,
+}
+
+impl Scored {
+    /// Mean cross-entropy over the targets that count.
+    fn cross_entropy(&self) -> Result<Tensor, candle_core::Error> {
+        match &self.weights {
+            None => candle_nn::loss::cross_entropy(&self.logits, &self.targets),
+            Some(weights) => {
+                let log_p = candle_nn::ops::log_softmax(&self.logits, D::Minus1)?;
+                let picked = log_p.gather(&self.targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+                weighted_mean(&picked, weights)?.neg()
+            }
+        }
+    }
+}
+
+/// Σ values·weights / Σ weights (0 when no weight is set).
+fn weighted_mean(values: &Tensor, weights: &Tensor) -> Result<Tensor, candle_core::Error> {
+    let total = weights.sum_all()?.clamp(1.0f32, f32::MAX)?;
+    (values * weights)?.sum_all()?.div(&total)
+}
+
+fn labels(batch: &Batch) -> Result<Tensor, ModelError> {
+    batch
+        .target
+        .clone()
+        .ok_or(ModelError::Missing("class labels (a target tensor)"))
+}
+
+impl Cnn {
+    fn forward(&self, images: &Tensor) -> Result<Tensor, candle_core::Error> {
+        let x = self.first.forward(images)?.relu()?.max_pool2d(2)?;
+        let x = self.second.forward(&x)?.relu()?;
+        // Global average pooling: any image size gives [rows, 2 × width].
+        self.head.forward(&x.mean((2, 3))?)
+    }
+}
+
+/// What a padding position adds to an attention score: far below any real score, yet finite,
+/// so that a row whose keys are all padding stays a valid softmax.
+const PADDING_SCORE: f64 = -1e9;
+
 impl Transformer {
-    fn forward(&self, inputs: &Tensor) -> Result<Tensor, candle_core::Error> {
-        let (_, length) = inputs.dims2()?;
+    /// Logits `[rows, length, vocab]`; `mask` (`[rows, length]`, 1 real, 0 padding) keeps
+    /// padding from being attended to.
+    fn forward(
+        &self,
+        inputs: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor, candle_core::Error> {
+        let (rows, length) = inputs.dims2()?;
         let positions = Tensor::arange(0u32, length as u32, &Device::Cpu)?;
         let mut x = self
             .tokens
             .forward(inputs)?
             .broadcast_add(&self.positions.forward(&positions)?)?;
-        let mask = causal_mask(length)?;
+        let mut attention = causal_mask(length)?.reshape((1, 1, length, length))?;
+        if let Some(real) = mask {
+            let padding = (real.affine(-1.0, 1.0)? * PADDING_SCORE)?;
+            attention = attention.broadcast_add(&padding.reshape((rows, 1, 1, length))?)?;
+        }
         for block in &self.blocks {
-            x = (&x + block.attend(&block.norm1.forward(&x)?, self.heads, &mask)?)?;
+            x = (&x + block.attend(&block.norm1.forward(&x)?, self.heads, &attention)?)?;
             let hidden = block.up.forward(&block.norm2.forward(&x)?)?.gelu()?;
             x = (&x + block.down.forward(&hidden)?)?;
         }

@@ -20,7 +20,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use hypha_diloco::{Metadata, Tensors};
 use hypha_messages::{
@@ -31,7 +30,8 @@ use serde::Deserialize;
 
 use crate::{
     bridge::{Bridge, BridgeError},
-    model::{Batch, Model, ModelError, ModelSpec},
+    contract::{Batch, DataError, TensorNames},
+    model::{Model, ModelError, ModelSpec},
 };
 
 /// How often a trainer reports while it trains.
@@ -47,6 +47,9 @@ pub struct JobConfig {
     /// Seeds the model's parameters.
     #[serde(default)]
     pub seed: u64,
+    /// Which tensors of a slice the model reads (`input`, `target`; see [`crate::contract`]).
+    #[serde(flatten)]
+    pub tensors: TensorNames,
     /// Where slices come from: handed to `/resources/fetch` as it is.
     pub data: serde_json::Value,
     pub diloco: TrainerSettings,
@@ -77,6 +80,12 @@ pub enum TrainError {
     Tensors(#[from] hypha_diloco::Error),
     #[error("{0}")]
     Protocol(String),
+    #[error("slice {slice} of epoch {epoch}: {error}")]
+    Data {
+        epoch: u32,
+        slice: u64,
+        error: DataError,
+    },
     #[error("cannot use {path}: {error}")]
     File {
         path: PathBuf,
@@ -140,7 +149,7 @@ impl Trainer {
         let global = model.tensors()?;
         let bridge = Bridge::new(socket);
         Ok(Self {
-            data: Reader::new(bridge.clone(), dir, config.data.clone()),
+            data: Reader::new(bridge.clone(), dir, &config),
             bridge,
             dir: dir.to_path_buf(),
             config,
@@ -349,6 +358,8 @@ struct Reader {
     bridge: Bridge,
     dir: PathBuf,
     reference: serde_json::Value,
+    model: ModelSpec,
+    tensors: TensorNames,
     current: Option<Slice>,
     /// Slices read to their end, not yet reported.
     finished: Vec<SliceRef>,
@@ -360,18 +371,20 @@ struct Reader {
 
 #[derive(Debug)]
 struct Slice {
-    tensors: Batch,
+    batch: Batch,
     rows: usize,
     next: usize,
     id: SliceRef,
 }
 
 impl Reader {
-    fn new(bridge: Bridge, dir: &Path, reference: serde_json::Value) -> Self {
+    fn new(bridge: Bridge, dir: &Path, config: &JobConfig) -> Self {
         Self {
             bridge,
             dir: dir.to_path_buf(),
-            reference,
+            reference: config.data.clone(),
+            model: config.model.clone(),
+            tensors: config.tensors.clone(),
             current: None,
             finished: Vec::new(),
             done: false,
@@ -405,10 +418,7 @@ impl Reader {
             return Ok(None);
         };
         let take = size.max(1).min(slice.rows - slice.next);
-        let mut batch = Batch::new();
-        for (name, tensor) in &slice.tensors {
-            batch.insert(name.clone(), tensor.narrow(0, slice.next, take)?);
-        }
+        let batch = slice.batch.narrow(slice.next, take)?;
         slice.next += take;
         if slice.next == slice.rows {
             self.finished.push(slice.id);
@@ -457,22 +467,20 @@ impl Reader {
             slice: number("slice")?,
         };
         let path = self.dir.join(&entry.path);
-        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+            path: path.clone(),
+            error,
+        })?;
         let _ = std::fs::remove_file(&path);
-        let rows = tensors
-            .values()
-            .next()
-            .and_then(|t| t.dims().first().copied())
-            .unwrap_or(0);
-        if tensors.values().any(|t| t.dims().first() != Some(&rows)) {
-            return Err(TrainError::Protocol(format!(
-                "the slice {} has tensors with different numbers of rows",
-                entry.path
-            )));
-        }
+        let batch =
+            Batch::read(&bytes, &self.model, &self.tensors).map_err(|error| TrainError::Data {
+                epoch: id.epoch,
+                slice: id.slice,
+                error,
+            })?;
         Ok(Some(Slice {
-            tensors: tensors.into_iter().collect(),
-            rows,
+            rows: batch.rows(),
+            batch,
             next: 0,
             id,
         }))

@@ -54,11 +54,7 @@ fn three_trainers_with_diloco_come_within_ten_percent_of_one_on_the_same_samples
             let batches: Vec<_> = (0..TRAINERS)
                 .map(|t| data.batch(BATCH, step_seed(round, t, inner)).unwrap())
                 .collect();
-            let mut joined = std::collections::HashMap::new();
-            for name in batches[0].keys() {
-                let parts: Vec<_> = batches.iter().map(|b| b[name].clone()).collect();
-                joined.insert(name.clone(), candle_core::Tensor::cat(&parts, 0).unwrap());
-            }
+            let joined = hypha_executor::contract::Batch::concat(&batches).unwrap();
             optimizer
                 .backward_step(&single.loss(&joined).unwrap())
                 .unwrap();

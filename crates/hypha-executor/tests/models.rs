@@ -1,4 +1,4 @@
-//! Both model families learn their synthetic datasets with AdamW, and a model survives the
+//! Every model family learns its synthetic dataset with AdamW, and a model survives the
 //! trip through SafeTensors unchanged.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
@@ -39,6 +39,18 @@ fn the_mlp_learns_blobs() {
         classes: 4,
     };
     let (before, after, accuracy) = train(&spec, 150);
+    assert!(after < 0.5 * before, "loss {before} → {after}");
+    assert!(accuracy > 0.85, "accuracy {accuracy}");
+}
+
+#[test]
+fn the_cnn_learns_patterns() {
+    let spec = ModelSpec::Cnn {
+        channels: 2,
+        classes: 4,
+        width: 16,
+    };
+    let (before, after, accuracy) = train(&spec, 250);
     assert!(after < 0.5 * before, "loss {before} → {after}");
     assert!(accuracy > 0.85, "accuracy {accuracy}");
 }

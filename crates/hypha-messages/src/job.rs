@@ -41,8 +41,13 @@ pub struct JobSpec {
 pub enum JobStatus {
     /// The executor started.
     Running,
-    /// The executor exited by itself.
-    Finished { exit_code: i32 },
+    /// The executor exited by itself; when the code is not 0, with the last lines of its
+    /// stderr (absent from workers that predate it).
+    Finished {
+        exit_code: i32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stderr_tail: Vec<String>,
+    },
     /// The job could not start or was killed, with the last lines of the executor's stderr.
     Failed {
         reason: String,

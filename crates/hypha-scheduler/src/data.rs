@@ -27,6 +27,8 @@ pub enum DataError {
     NoProviders { dataset: String, detail: String },
     #[error("none of the {count} data nodes announcing {dataset:?} sent its manifest")]
     NoManifest { dataset: String, count: usize },
+    #[error("the job cannot train on {dataset:?}: {message}")]
+    Misfit { dataset: String, message: String },
     #[error("the ledger at {path}: {error}")]
     Ledger {
         path: String,
@@ -43,12 +45,14 @@ pub struct JobData {
 }
 
 impl JobData {
-    /// Finds the dataset, then opens (or resumes) the ledger at `ledger` for iteration `task`.
+    /// Finds the dataset, checks its manifest with `fits` (the job's model against the
+    /// slices' tensors), then opens (or resumes) the ledger at `ledger` for iteration `task`.
     pub async fn start(
         network: &Network,
         spec: &DataSpec,
         ledger: &Path,
         task: &str,
+        fits: impl FnOnce(&Manifest) -> Result<(), String>,
     ) -> Result<Self, DataError> {
         let client = DataClient::new(network.clone());
         let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
@@ -79,6 +83,10 @@ impl JobData {
                 count: providers.len(),
             });
         };
+        fits(&manifest).map_err(|message| DataError::Misfit {
+            dataset: spec.dataset.clone(),
+            message,
+        })?;
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
         let opened = tokio::task::spawn_blocking(move || {

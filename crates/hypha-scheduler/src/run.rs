@@ -125,9 +125,27 @@ impl EventLog {
             }
             Event::Status {
                 slot, job, status, ..
-            } => {
-                tracing::info!(slot, %job, ?status, "job status")
-            }
+            } => match status {
+                JobStatus::Running => tracing::info!(slot, %job, "job running"),
+                JobStatus::Finished { exit_code: 0, .. } => {
+                    tracing::info!(slot, %job, "job finished")
+                }
+                JobStatus::Finished {
+                    exit_code,
+                    stderr_tail,
+                } => tracing::warn!(
+                    slot,
+                    %job,
+                    "job failed: {}",
+                    with_stderr(format!("exit code {exit_code}"), stderr_tail)
+                ),
+                JobStatus::Failed {
+                    reason,
+                    stderr_tail,
+                } => {
+                    tracing::warn!(slot, %job, "job failed: {}", with_stderr(reason.clone(), stderr_tail))
+                }
+            },
             Event::ExecutorStatus { job, payload } => {
                 tracing::debug!(%job, %payload, "executor status")
             }
@@ -163,6 +181,23 @@ impl EventLog {
             let _ = observer.try_send(event);
         }
     }
+}
+
+/// A job's failure with the last lines its executor wrote to stderr, indented below it.
+pub fn with_stderr(reason: String, stderr_tail: &[String]) -> String {
+    let lines: Vec<&String> = stderr_tail
+        .iter()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    if lines.is_empty() {
+        return reason;
+    }
+    let mut text = format!("{reason}; the executor's stderr ended with:");
+    for line in lines {
+        text.push_str("\n    ");
+        text.push_str(line);
+    }
+    text
 }
 
 fn unix_ms() -> u64 {
@@ -320,7 +355,7 @@ pub async fn run_job(
     tokio::pin!(shutdown);
     let data = match (&spec.data, spec.ledger_path()) {
         (Some(data), Some(ledger)) => tokio::select! {
-            started = JobData::start(&network, data, &ledger, &task) => Some(started?),
+            started = JobData::start(&network, data, &ledger, &task, |manifest| spec.check_dataset(manifest)) => Some(started?),
             _ = &mut shutdown => return Err(RunError::Interrupted),
         },
         _ => None,
@@ -450,9 +485,13 @@ pub async fn run_job(
                 });
                 let failure = match &report.status {
                     JobStatus::Running => continue,
-                    JobStatus::Finished { exit_code: 0 } => None,
-                    JobStatus::Finished { exit_code } => Some(format!("exit code {exit_code}")),
-                    JobStatus::Failed { reason, .. } => Some(reason.clone()),
+                    JobStatus::Finished { exit_code: 0, .. } => None,
+                    JobStatus::Finished { exit_code, stderr_tail } => {
+                        Some(with_stderr(format!("exit code {exit_code}"), stderr_tail))
+                    }
+                    JobStatus::Failed { reason, stderr_tail } => {
+                        Some(with_stderr(reason.clone(), stderr_tail))
+                    }
                 };
                 if let Some(run) = running.remove(&report.job) {
                     run.kept.release();

@@ -63,12 +63,20 @@
 //!
 //! With `[data]`, the executor's config gains `"data"`: the reference to hand the job bridge's
 //! `/resources/fetch` for the next slice (`{"type": "Scheduler", "peer": …, "dataset": …}`).
+//!
+//! A `[config] model` of the reference executor's form (a table whose `type` is `mlp`, `cnn`
+//! or `transformer`; see [`hypha_executor::model`]) is checked when the file is read, and
+//! again against the dataset's manifest, with `[config] input` and `target`, before any worker
+//! is leased ([`hypha_executor::contract`]). Other `[config]`s belong to other executors and
+//! are passed on unread.
 
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
 };
 
+use hypha_dataset::Manifest;
+use hypha_executor::{contract::TensorNames, model::ModelSpec};
 use hypha_messages::{
     artifact,
     market::{ExecutorRef, Resources},
@@ -307,6 +315,7 @@ impl JobFile {
                 .map_err(|e| invalid(format!("artifacts[{i}]: {e}")))?;
         }
         spec.artifacts = artifact::deduplicate(std::mem::take(&mut spec.artifacts));
+        spec.reference_model().map_err(invalid)?;
         for (key, value) in [
             ("resources.cpu", spec.resources.cpu),
             ("resources.memory", spec.resources.memory),
@@ -345,6 +354,51 @@ impl JobFile {
             object.insert("data".into(), data.clone());
         }
         serde_json::to_string(&config).unwrap_or_else(|_| "{}".into())
+    }
+
+    /// The reference executor's model and tensor names, when `[config] model` is one of its
+    /// families; `None` for other executors' configs.
+    pub fn reference_model(&self) -> Result<Option<(ModelSpec, TensorNames)>, String> {
+        let Some(model) = self.config.get("model") else {
+            return Ok(None);
+        };
+        let family = model
+            .as_table()
+            .and_then(|t| t.get("type"))
+            .and_then(toml::Value::as_str);
+        if !matches!(family, Some("mlp" | "cnn" | "transformer")) {
+            return Ok(None);
+        }
+        let spec: ModelSpec = model
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("config.model: {}", e.message()))?;
+        let name = |key: &str| match self.config.get(key) {
+            None => Ok(None),
+            Some(toml::Value::String(name)) => Ok(Some(name.clone())),
+            Some(other) => Err(format!(
+                "config.{key} = {other}: name a tensor of the slices, e.g. {key} = \"images\""
+            )),
+        };
+        let names = TensorNames {
+            input: name("input")?,
+            target: name("target")?,
+        };
+        Ok(Some((spec, names)))
+    }
+
+    /// Whether the dataset described by `manifest` fits the job's model: the reference
+    /// executor's data contract, checked for every distinct slice schema. Jobs of other
+    /// executors always fit.
+    pub fn check_dataset(&self, manifest: &Manifest) -> Result<(), String> {
+        match self.reference_model()? {
+            Some((model, names)) => {
+                hypha_executor::contract::check_manifest(&model, &names, manifest)
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+            None => Ok(()),
+        }
     }
 
     /// Where the job's ledger is kept (see [`JobFile::load`]).

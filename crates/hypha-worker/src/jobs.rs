@@ -5,7 +5,9 @@
 //! - `job.json`: the job specification without its secrets (also passed as `{JOB_JSON}`),
 //! - `secrets.json` (0600, only when the job has secrets): read by the executor if it needs
 //!   them; secrets never appear in argv or in any process's environment,
-//! - `bridge.sock` (0600): the job bridge, removed when the job ends,
+//! - `bridge.sock` (0600): the job bridge, removed when the job ends (a link to a short
+//!   private path when `work_dir` is too long for a socket path: see
+//!   [`SocketPlace`](crate::bridge::socket::SocketPlace)),
 //! - `stdout.log`, `stderr.log`: everything the executor printed,
 //! - the spec's `artifacts`, fetched (hard links into the worker's artifact store) before the
 //!   executor starts; a job whose artifacts cannot be fetched fails without starting.
@@ -37,7 +39,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     artifacts::ArtifactStore,
-    bridge::{self, BridgeContext, paths::JobDir},
+    bridge::{self, BridgeContext, paths::JobDir, socket::SocketPlace},
     config::{Executor, Runtime},
     metrics,
     parameter_server::ServerJob,
@@ -88,6 +90,7 @@ pub struct JobManager {
     executors: HashMap<ExecutorRef, Runtime>,
     kill_grace: Duration,
     bridge: Arc<bridge::Shared>,
+    sockets: Arc<SocketPlace>,
     ended: mpsc::Sender<Ended>,
     running: HashMap<String, Running>,
 }
@@ -107,6 +110,7 @@ impl JobManager {
         executors: &[Executor],
         kill_grace: Duration,
         bridge: Arc<bridge::Shared>,
+        sockets: SocketPlace,
         ended: mpsc::Sender<Ended>,
     ) -> Self {
         JobManager {
@@ -117,6 +121,7 @@ impl JobManager {
                 .collect(),
             kill_grace,
             bridge,
+            sockets: Arc::new(sockets),
             ended,
             running: HashMap::new(),
         }
@@ -179,7 +184,7 @@ impl JobManager {
             let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
             write_atomic(&dir.join("secrets.json"), &secrets, Mode::Private, false)?;
         }
-        let socket = dir.join("bridge.sock");
+        let socket = self.sockets.socket(&dir, &id);
         let bridge = bridge::serve(
             self.bridge.clone(),
             BridgeContext {
@@ -192,6 +197,10 @@ impl JobManager {
             &socket,
         )
         .map_err(StartError::Bridge)?;
+        if let Err(error) = self.sockets.link(&dir, &socket) {
+            self.sockets.remove(&dir, &socket);
+            return Err(StartError::Bridge(error));
+        }
 
         let launch = match runtime {
             Runtime::Process { cmd, args } => Launch::Process { cmd, args },
@@ -230,6 +239,7 @@ impl JobManager {
             started: Instant::now(),
         };
         let span = tracing::info_span!("job", job = %supervisor.job, executor = %spec.executor);
+        let sockets = self.sockets.clone();
         tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let status = match supervisor.provide(artifacts, &mut cancel_rx).await {
@@ -237,7 +247,7 @@ impl JobManager {
                     Err(status) => status,
                 };
                 bridge.stop().await;
-                let _ = std::fs::remove_file(&socket);
+                sockets.remove(&supervisor.dir, &socket);
                 supervisor.finish(status).await;
             },
             span,
@@ -426,7 +436,14 @@ impl Supervisor {
         signal_group(pid, Signal::SIGKILL);
         match exit {
             Ok(status) => match status.code() {
-                Some(exit_code) => JobStatus::Finished { exit_code },
+                Some(exit_code) => JobStatus::Finished {
+                    exit_code,
+                    stderr_tail: if exit_code == 0 {
+                        Vec::new()
+                    } else {
+                        self.stderr_tail()
+                    },
+                },
                 None => failed(
                     format!("executor{}", describe_exit(Some(status))),
                     self.stderr_tail(),
@@ -459,7 +476,7 @@ impl Supervisor {
 
     async fn finish(self, status: JobStatus) {
         match &status {
-            JobStatus::Finished { exit_code } => tracing::info!(exit_code, "job finished"),
+            JobStatus::Finished { exit_code, .. } => tracing::info!(exit_code, "job finished"),
             JobStatus::Failed { reason, .. } => tracing::warn!(%reason, "job failed"),
             JobStatus::Running => {}
         }

@@ -110,7 +110,7 @@ pub(crate) fn job_ended(status: &JobStatus, duration: Duration) {
     let i = instruments();
     i.jobs_active.add(-1, &[]);
     let attributes = match status {
-        JobStatus::Finished { exit_code } => vec![
+        JobStatus::Finished { exit_code, .. } => vec![
             KeyValue::new("outcome", "finished"),
             KeyValue::new("exit_code", i64::from(*exit_code)),
         ],

@@ -27,7 +27,7 @@ use tracing::Instrument;
 use crate::{
     arbiter::Arbiter,
     artifacts::ArtifactStore,
-    bridge,
+    bridge::{self, socket::SocketPlace},
     config::{WorkerConfig, schema},
     jobs::{Ended, JobManager},
     lease::{LeaseId, LeaseManager, Stage},
@@ -85,6 +85,11 @@ pub enum ServeError {
     Network(#[from] hypha_network::NetworkError),
     #[error("artifacts: {0}")]
     Artifacts(#[from] hypha_artifacts::FetchError),
+    #[error("work_dir {path}: {error}")]
+    Sockets {
+        path: String,
+        error: crate::bridge::socket::SocketError,
+    },
 }
 
 /// Does a worker's work on a started network until `shutdown` resolves, then cancels its jobs
@@ -97,6 +102,11 @@ pub async fn serve(
     cache: Arc<SliceCache>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    let sockets =
+        SocketPlace::for_work_dir(&config.work_dir).map_err(|error| ServeError::Sockets {
+            path: config.work_dir.display().to_string(),
+            error,
+        })?;
     let adverts = network.subscribe(WORKER_TOPIC, 256).await?;
     let artifacts = Arc::new(ArtifactStore::start(network.clone(), &config.artifacts)?);
     let (ended_tx, ended) = mpsc::channel(64);
@@ -141,6 +151,7 @@ pub async fn serve(
             &config.executors,
             config.kill_grace,
             shared,
+            sockets,
             ended_tx,
         ),
         buffered: Vec::new(),

@@ -93,7 +93,10 @@ impl ServerJob {
             }
         };
         match result {
-            Ok(()) => JobStatus::Finished { exit_code: 0 },
+            Ok(()) => JobStatus::Finished {
+                exit_code: 0,
+                stderr_tail: Vec::new(),
+            },
             Err(error) => JobStatus::Failed {
                 reason: error.to_string(),
                 stderr_tail: vec![],

@@ -2,7 +2,9 @@
 //! real binaries, in one command.
 //!
 //! In a new directory it makes a certificate authority and a certificate per node, writes a
-//! learnable dataset (blobs for an MLP), starts a gateway, a data node, a parameter-server
+//! learnable dataset (blobs for an MLP) or takes the user's own (`--dataset`: its last
+//! slices held out for evaluation, the model given or suggested by the data, checked against
+//! the data before anything starts), starts a gateway, a data node, a parameter-server
 //! worker and three trainer workers (`hypha-executor`), runs a DiLoCo job with
 //! `hypha-scheduler`, then writes `model.safetensors` (the final global model),
 //! `metrics.jsonl` (every trainer report and round) and `loss.svg` (loss per round), prints the
@@ -18,7 +20,10 @@ use std::{
 };
 
 use hypha_certs::authority::{self, Validity};
+use hypha_dataset::Dataset;
 use hypha_executor::{
+    contract::{self, TensorNames},
+    local::{self, EvaluateError},
     model::{Model, ModelSpec},
     synthetic::Synthetic,
 };
@@ -35,10 +40,24 @@ pub struct Settings {
     pub samples_per_round: u64,
     /// Where the Hypha binaries are (by default, beside this one).
     pub bin_dir: PathBuf,
+    /// The user's own dataset instead of the synthetic one.
+    pub dataset: Option<OwnData>,
+}
+
+/// A dataset the user brings (`--dataset`), and what to train on it.
+#[derive(Debug, Clone)]
+pub struct OwnData {
+    /// A dataset directory: the seed recipe's output, `hypha-data prepare`'s, or plain
+    /// SafeTensors slices.
+    pub dir: PathBuf,
+    /// The model (default: the one the data suggests, see
+    /// [`hypha_executor::local::suggest_model`]).
+    pub model: Option<ModelSpec>,
+    pub tensors: TensorNames,
 }
 
 /// What the quickstart measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
     pub loss_before: f64,
     pub accuracy_before: f64,
@@ -46,6 +65,10 @@ pub struct Summary {
     pub accuracy_after: f64,
     pub rounds: usize,
     pub seconds: f64,
+    /// What the model was evaluated on.
+    pub evaluated_on: String,
+    /// The model trained.
+    pub model: ModelSpec,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,8 +93,19 @@ pub enum QuickstartError {
         seconds: u64,
         log: PathBuf,
     },
-    #[error("the training job failed; see {log}")]
-    Job { log: PathBuf },
+    #[error("the training job failed: {reason}\n(the scheduler's log: {log})")]
+    Job { reason: String, log: PathBuf },
+    #[error(
+        "{dir}: the dataset has {slices} slice(s); --dataset needs at least 2, to hold the last out for evaluation"
+    )]
+    TooFewSlices { dir: PathBuf, slices: usize },
+    #[error("the model cannot train on {dir}: {error}")]
+    Misfit {
+        dir: PathBuf,
+        error: contract::ContractError,
+    },
+    #[error("--dataset {dir}: {error}")]
+    OwnData { dir: PathBuf, error: EvaluateError },
     #[error(transparent)]
     Certs(#[from] hypha_certs::Error),
     #[error(transparent)]
@@ -140,11 +174,31 @@ pub fn run(
         path: dir.clone(),
         error,
     })?;
+    let training = match &settings.dataset {
+        Some(own) => {
+            progress("checking the dataset against the model");
+            own_data(own, &dir)?
+        }
+        None => {
+            progress("writing the dataset");
+            let dataset = dir.join("data/blobs");
+            Synthetic::for_model(&MODEL).write(
+                &dataset,
+                settings.slices,
+                settings.samples_per_slice,
+                0,
+            )?;
+            Training {
+                model: MODEL,
+                tensors: TensorNames::default(),
+                dataset: "blobs".into(),
+                samples: (settings.slices * settings.samples_per_slice) as u64,
+                evaluation: Evaluation::Synthetic { samples: 4096 },
+            }
+        }
+    };
     progress("making certificates");
     let certs = Certs::new(&dir)?;
-    progress("writing the dataset");
-    let dataset = dir.join("data/blobs");
-    Synthetic::for_model(&MODEL).write(&dataset, settings.slices, settings.samples_per_slice, 0)?;
 
     progress("starting the gateway");
     let gateway_config = certs.config("gateway", "")?;
@@ -195,7 +249,7 @@ pub fn run(
     }
 
     let job = dir.join("job.toml");
-    write(&job, &job_file(settings))?;
+    write(&job, &job_file(settings, &training))?;
     let scheduler_config = certs.config("scheduler", &join)?;
     progress("training");
     let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job)?;
@@ -210,6 +264,7 @@ pub fn run(
             Ok(None) => std::thread::sleep(Duration::from_millis(200)),
             Err(_) => {
                 return Err(QuickstartError::Job {
+                    reason: failure(&scheduler.log),
                     log: scheduler.log.clone(),
                 });
             }
@@ -220,6 +275,7 @@ pub fn run(
     }
     if !status.success() {
         return Err(QuickstartError::Job {
+            reason: failure(&scheduler.log),
             log: scheduler.log.clone(),
         });
     }
@@ -228,6 +284,7 @@ pub fn run(
 
     let final_model =
         find_final(&dir.join("work/parameter-server")).ok_or_else(|| QuickstartError::Job {
+            reason: "the parameter server left no final model".into(),
             log: dir.join("logs/parameter-server.log"),
         })?;
     let model_path = dir.join("model.safetensors");
@@ -242,12 +299,11 @@ pub fn run(
     })?;
     write(&dir.join("loss.svg"), &loss_plot(&follow.losses))?;
 
-    let held_out = Synthetic::for_model(&MODEL).batch(4096, 1 << 40)?;
-    let before = Model::new(&MODEL, MODEL_SEED)?;
-    let (loss_before, accuracy_before) = before.evaluate(&held_out)?;
-    let after = Model::new(&MODEL, MODEL_SEED)?;
+    let before = Model::new(&training.model, MODEL_SEED)?;
+    let after = Model::new(&training.model, MODEL_SEED)?;
     after.load(&hypha_diloco::Tensors::load(&model_path)?)?;
-    let (loss_after, accuracy_after) = after.evaluate(&held_out)?;
+    let ((loss_before, accuracy_before), (loss_after, accuracy_after)) =
+        (training.score(&before)?, training.score(&after)?);
     Ok(Summary {
         loss_before,
         accuracy_before,
@@ -255,34 +311,190 @@ pub fn run(
         accuracy_after,
         rounds: follow.losses.len(),
         seconds: started.elapsed().as_secs_f64(),
+        evaluated_on: training.evaluation.to_string(),
+        model: training.model,
     })
+}
+
+/// What the quickstart trains, on which data, and how it is scored.
+struct Training {
+    model: ModelSpec,
+    tensors: TensorNames,
+    /// The dataset's name, as the data node announces it.
+    dataset: String,
+    /// Samples the data node serves.
+    samples: u64,
+    evaluation: Evaluation,
+}
+
+enum Evaluation {
+    /// Fresh samples of the synthetic dataset, drawn from a seed no slice used.
+    Synthetic { samples: usize },
+    /// The slices of the user's dataset held out of training.
+    HeldOut {
+        dir: PathBuf,
+        slices: std::ops::Range<usize>,
+        samples: u64,
+    },
+}
+
+impl std::fmt::Display for Evaluation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Synthetic { samples } => {
+                write!(f, "{samples} fresh samples of the synthetic dataset")
+            }
+            Self::HeldOut {
+                dir,
+                slices,
+                samples,
+            } => write!(
+                f,
+                "{samples} samples of held-out slice(s) {}..{} of {}",
+                slices.start,
+                slices.end,
+                dir.display()
+            ),
+        }
+    }
+}
+
+impl Training {
+    /// Loss and accuracy of `model` on the evaluation data.
+    fn score(&self, model: &Model) -> Result<(f64, f64), QuickstartError> {
+        match &self.evaluation {
+            Evaluation::Synthetic { samples } => {
+                let held_out = Synthetic::for_model(&self.model).batch(*samples, 1 << 40)?;
+                Ok(model.evaluate(&held_out)?)
+            }
+            Evaluation::HeldOut { dir, slices, .. } => {
+                let score =
+                    local::evaluate_dataset(model, dir, &self.tensors, Some(slices.clone()))
+                        .map_err(|error| QuickstartError::OwnData {
+                            dir: dir.clone(),
+                            error,
+                        })?;
+                Ok((score.loss, score.accuracy))
+            }
+        }
+    }
+}
+
+/// Takes the user's dataset: decides the model, checks that the data fits it, and lays out
+/// its training slices (all but the last tenth, at least one held out) for the data node,
+/// hard-linked (copied across file systems), the user's directory untouched.
+fn own_data(own: &OwnData, dir: &Path) -> Result<Training, QuickstartError> {
+    let dataset_error = |error: EvaluateError| QuickstartError::OwnData {
+        dir: own.dir.clone(),
+        error,
+    };
+    let dataset = Dataset::open(&own.dir).map_err(|e| dataset_error(e.into()))?;
+    let manifest = dataset.manifest();
+    let count = manifest.slices.len();
+    if count < 2 {
+        return Err(QuickstartError::TooFewSlices {
+            dir: own.dir.clone(),
+            slices: count,
+        });
+    }
+    let model = match &own.model {
+        Some(model) => model.clone(),
+        None => local::suggest_model(&own.dir, &own.tensors).map_err(dataset_error)?,
+    };
+    contract::check_manifest(&model, &own.tensors, manifest).map_err(|error| {
+        QuickstartError::Misfit {
+            dir: own.dir.clone(),
+            error,
+        }
+    })?;
+    let train = count - (count / 10).max(1);
+    let served = dir.join("data").join(dataset.name());
+    std::fs::create_dir_all(&served).map_err(|error| QuickstartError::Write {
+        path: served.clone(),
+        error,
+    })?;
+    for entry in &manifest.slices[..train] {
+        let (from, to) = (dataset.root().join(&entry.file), served.join(&entry.file));
+        std::fs::hard_link(&from, &to)
+            .or_else(|_| std::fs::copy(&from, &to).map(drop))
+            .map_err(|error| QuickstartError::Write { path: to, error })?;
+    }
+    let training_manifest = hypha_dataset::Manifest {
+        slices: manifest.slices[..train].to_vec(),
+        name: dataset.name().to_string(),
+        ..manifest.clone()
+    };
+    let json = serde_json::to_string_pretty(&training_manifest).unwrap_or_default();
+    write(&served.join(hypha_dataset::MANIFEST_FILE), &json)?;
+    let samples =
+        |range: &[hypha_dataset::SliceEntry]| range.iter().filter_map(|s| s.samples).sum::<u64>();
+    Ok(Training {
+        model,
+        tensors: own.tensors.clone(),
+        dataset: dataset.name().to_string(),
+        samples: samples(&manifest.slices[..train]),
+        evaluation: Evaluation::HeldOut {
+            dir: own.dir.clone(),
+            slices: train..count,
+            samples: samples(&manifest.slices[train..]),
+        },
+    })
+}
+
+/// Why the scheduler failed: its last `error:` line and what follows (a failed executor's
+/// stderr), else where to look.
+fn failure(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    match text.rfind("\nerror: ") {
+        Some(at) => text[at + "\nerror: ".len()..].trim_end().to_string(),
+        None => "the scheduler stopped without saying why".into(),
+    }
 }
 
 const SERVER_EXECUTOR: &str = "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n";
 
-fn job_file(settings: &Settings) -> String {
-    let ModelSpec::Mlp {
-        inputs,
-        hidden,
-        classes,
-    } = MODEL
-    else {
-        unreachable!("the quickstart trains an MLP")
-    };
+fn job_file(settings: &Settings, training: &Training) -> String {
+    let mut config = format!(
+        "seed = {MODEL_SEED}\nmodel = {}\n",
+        inline_table(&serde_json::to_value(&training.model).unwrap_or_default())
+    );
+    for (key, name) in [
+        ("input", &training.tensors.input),
+        ("target", &training.tensors.target),
+    ] {
+        if let Some(name) = name {
+            config.push_str(&format!("{key} = {name:?}\n"));
+        }
+    }
+    // Enough epochs for every round to find data; the rounds end the job.
+    let wanted = settings.rounds * settings.samples_per_round;
+    let epochs = (wanted / training.samples.max(1) + 2).min(1000);
     format!(
         "# The quickstart's DiLoCo job (see the README's \"DiLoCo training\").\n\
          workers = {trainers}\nbid = 10\n\
          [executor]\nclass = \"train\"\nname = \"diloco\"\n\
          [resources]\ncpu = 1\n\
-         [config]\nseed = {MODEL_SEED}\nmodel = {{ type = \"mlp\", inputs = {inputs}, hidden = {hidden}, classes = {classes} }}\n\
-         [data]\ndataset = \"blobs\"\nepochs = 100\nseed = 7\n\
+         [config]\n{config}\
+         [data]\ndataset = {dataset:?}\nepochs = {epochs}\nseed = 7\n\
          [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = 32\nround_seconds = 10\n\
          inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
          [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
         trainers = settings.trainers,
+        dataset = training.dataset,
         rounds = settings.rounds,
         samples = settings.samples_per_round,
     )
+}
+
+/// A flat JSON object (a model spec) as a TOML inline table.
+fn inline_table(value: &serde_json::Value) -> String {
+    let fields: Vec<String> = value
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(key, value)| format!("{key} = {value}"))
+        .collect();
+    format!("{{ {} }}", fields.join(", "))
 }
 
 /// The certificates of the quickstart's nodes.

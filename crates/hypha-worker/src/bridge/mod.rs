@@ -23,6 +23,7 @@ mod data;
 mod fetch;
 pub mod paths;
 mod peers;
+pub mod socket;
 pub mod transfer;
 
 use std::{
@@ -195,8 +196,8 @@ pub fn serve(
 ) -> std::io::Result<BridgeHandle> {
     use std::os::unix::fs::PermissionsExt;
     let dir = Arc::new(JobDir::open(&context.dir)?);
-    // The socket lives in the job's 0700 directory, so nobody else can reach it even in the
-    // moment between bind and chmod.
+    // The socket lives in the job's 0700 directory (or the worker's 0700 socket directory),
+    // so nobody else can reach it even in the moment between bind and chmod.
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     let registration = shared
