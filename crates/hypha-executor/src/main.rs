@@ -99,8 +99,20 @@ fn parse_range(text: &str) -> Result<std::ops::Range<usize>, String> {
     Ok(number(start)?..number(end)?)
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+/// Errors are the user's to read: one line with its causes, never a backtrace (those stay for
+/// panics), whatever `RUST_BACKTRACE` says.
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
         Command::Train {
             socket,
             work_dir,

@@ -166,6 +166,14 @@ pub fn run(
     if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
         return Err(QuickstartError::NotEmpty(dir.clone()));
     }
+    // The user's data is checked against the model before anything is written or started.
+    let own = match &settings.dataset {
+        Some(own) => {
+            progress("checking the dataset against the model");
+            Some(check_own_data(own)?)
+        }
+        None => None,
+    };
     for sub in ["", "certs", "logs", "data", "work"] {
         let path = dir.join(sub);
         std::fs::create_dir_all(&path).map_err(|error| QuickstartError::Write { path, error })?;
@@ -174,11 +182,8 @@ pub fn run(
         path: dir.clone(),
         error,
     })?;
-    let training = match &settings.dataset {
-        Some(own) => {
-            progress("checking the dataset against the model");
-            own_data(own, &dir)?
-        }
+    let training = match own {
+        Some(own) => lay_out_own_data(own, &dir)?,
         None => {
             progress("writing the dataset");
             let dataset = dir.join("data/blobs");
@@ -380,10 +385,15 @@ impl Training {
     }
 }
 
-/// Takes the user's dataset: decides the model, checks that the data fits it, and lays out
-/// its training slices (all but the last tenth, at least one held out) for the data node,
-/// hard-linked (copied across file systems), the user's directory untouched.
-fn own_data(own: &OwnData, dir: &Path) -> Result<Training, QuickstartError> {
+/// The user's dataset, opened, with the model decided and checked against it.
+struct CheckedData {
+    own: OwnData,
+    dataset: Dataset,
+    model: ModelSpec,
+}
+
+/// Takes the user's dataset: decides the model and checks that the data fits it.
+fn check_own_data(own: &OwnData) -> Result<CheckedData, QuickstartError> {
     let dataset_error = |error: EvaluateError| QuickstartError::OwnData {
         dir: own.dir.clone(),
         error,
@@ -407,6 +417,24 @@ fn own_data(own: &OwnData, dir: &Path) -> Result<Training, QuickstartError> {
             error,
         }
     })?;
+    Ok(CheckedData {
+        own: own.clone(),
+        dataset,
+        model,
+    })
+}
+
+/// Lays out the training slices of the user's dataset (all but the last tenth, at least one
+/// held out) for the data node, hard-linked (copied across file systems), the user's
+/// directory untouched.
+fn lay_out_own_data(checked: CheckedData, dir: &Path) -> Result<Training, QuickstartError> {
+    let CheckedData {
+        own,
+        dataset,
+        model,
+    } = checked;
+    let manifest = dataset.manifest();
+    let count = manifest.slices.len();
     let train = count - (count / 10).max(1);
     let served = dir.join("data").join(dataset.name());
     std::fs::create_dir_all(&served).map_err(|error| QuickstartError::Write {
