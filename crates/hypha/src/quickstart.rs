@@ -725,3 +725,27 @@ pub fn loss_plot(losses: &[(u64, f64)]) -> String {
         mid_y = height / 2.0,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_failed_jobs_reason_is_the_schedulers_last_error_with_what_follows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("scheduler.log");
+        std::fs::write(
+            &log,
+            "2026 INFO job dispatched\nerror: an earlier one\n2026 WARN job failed\nerror: slot 0 failed 3 times; last: exit code 1; the executor's stderr ended with:\n    Traceback (most recent call last):\n    ValueError: bad labels\n",
+        )
+        .unwrap();
+        assert_eq!(
+            failure(&log),
+            "slot 0 failed 3 times; last: exit code 1; the executor's stderr ended with:\n    Traceback (most recent call last):\n    ValueError: bad labels"
+        );
+        std::fs::write(&log, "nothing useful\n").unwrap();
+        assert!(failure(&log).contains("without saying why"));
+    }
+}

@@ -1,10 +1,15 @@
 //! `hypha quickstart` end to end with small settings: the real binaries train a model and the
 //! quickstart leaves the files it promises, with the evaluation loss fallen and no ERROR line
-//! in any process's log.
+//! in any process's log; and the same on datasets users bring: the seed recipe's output, and
+//! what `hypha-data prepare` makes of an image folder and of JSONL text.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::{path::Path, process::Command};
+use std::{
+    ffi::OsStr,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 /// The workspace's binaries the quickstart starts; `cargo test --workspace` builds them all,
 /// a lone `cargo test -p hypha` may not, so missing ones are built here.
@@ -15,6 +20,7 @@ fn ensure_built(bin_dir: &Path) {
         "hypha-worker",
         "hypha-scheduler",
         "hypha-executor",
+        "hypha-data",
     ] {
         if !bin_dir.join(name).exists() {
             let status = Command::new(env!("CARGO"))
@@ -89,4 +95,349 @@ fn quickstart_trains_a_model_and_leaves_its_files() {
         let errors: Vec<&str> = text.lines().filter(|l| l.contains("ERROR")).collect();
         assert!(errors.is_empty(), "{}: {errors:#?}", log.display());
     }
+}
+
+/// Runs `hypha quickstart ARGS` in `cwd`; exit success, stdout and stderr.
+fn quickstart(cwd: &Path, args: &[&OsStr]) -> (bool, String, String) {
+    let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
+    ensure_built(hypha.parent().unwrap());
+    let output = Command::new(hypha)
+        .arg("quickstart")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// "evaluation loss A → B, accuracy C % → D %" as (A, B, C, D).
+fn scores(stdout: &str) -> (f64, f64, f64, f64) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("evaluation loss"))
+        .unwrap_or_else(|| panic!("no evaluation line in:\n{stdout}"));
+    let n: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    (n[0], n[1], n[2], n[3])
+}
+
+fn no_errors_logged(dir: &Path) {
+    for log in std::fs::read_dir(dir.join("logs")).unwrap() {
+        let log = log.unwrap().path();
+        let text = std::fs::read_to_string(&log).unwrap();
+        let errors: Vec<&str> = text.lines().filter(|l| l.contains("ERROR")).collect();
+        assert!(errors.is_empty(), "{}: {errors:#?}", log.display());
+    }
+}
+
+/// A small deterministic generator, so that the datasets below need no crate.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The seed recipe, verbatim but for `safetensors.numpy` in place of `safetensors.torch` (one
+/// serializer behind both), over ten classes of 8×8 patterns with noise.
+const SEED_RECIPE: &str = r#"
+import os, sys
+import numpy as np
+from safetensors.numpy import save
+from snappy import compress
+
+def save_slice(images, labels, output_dir, slice_idx):
+    tensors = {"images": np.stack(images), "labels": np.array(labels, dtype=np.int64)}
+    with open(os.path.join(output_dir, f"slice-{slice_idx:04d}.safetensors"), 'wb') as out_file:
+        out_file.write(compress(save(tensors)))
+
+output_dir, slices, per_slice = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(output_dir, exist_ok=True)
+rng = np.random.default_rng(7)
+patterns = rng.normal(size=(10, 1, 8, 8)).astype(np.float32)
+for slice_idx in range(slices):
+    labels = [int(l) for l in rng.integers(0, 10, size=per_slice)]
+    images = [(patterns[l] + rng.normal(size=(1, 8, 8))).astype(np.float32) for l in labels]
+    save_slice(images, labels, output_dir, slice_idx)
+"#;
+
+/// A dataset as the seed recipe writes it (`images` f32 [N, 1, 8, 8], `labels` i64 [N], raw
+/// Snappy, no manifest), with a class structure to learn. Written by the recipe itself when
+/// this machine's Python has numpy, safetensors and python-snappy (CI installs them), else by
+/// this crate's encoder of the same format.
+fn seed_recipe_dataset(dir: &Path, slices: usize, per_slice: usize) {
+    let by_python = Command::new("python3")
+        .args(["-c", SEED_RECIPE])
+        .arg(dir)
+        .args([slices.to_string(), per_slice.to_string()])
+        .output();
+    if by_python.as_ref().is_ok_and(|o| o.status.success()) {
+        return;
+    }
+    eprintln!(
+        "python3 with numpy, safetensors and python-snappy is missing; writing the seed recipe's format with hypha-dataset's encoder instead"
+    );
+    use hypha_dataset::slice::{self, Dtype, Encoding};
+    std::fs::create_dir_all(dir).unwrap();
+    let mut rng = Lcg(7);
+    let patterns: Vec<Vec<f32>> = (0..10)
+        .map(|_| (0..64).map(|_| (rng.next() * 4.0 - 2.0) as f32).collect())
+        .collect();
+    for index in 0..slices {
+        let (mut images, mut labels) = (Vec::new(), Vec::new());
+        for _ in 0..per_slice {
+            let label = (rng.next() * 10.0) as usize % 10;
+            labels.extend((label as i64).to_le_bytes());
+            for value in &patterns[label] {
+                images.extend((value + (rng.next() * 2.0 - 1.0) as f32).to_le_bytes());
+            }
+        }
+        let tensors = slice::Tensors::new()
+            .with("images", Dtype::F32, vec![per_slice, 1, 8, 8], images)
+            .unwrap()
+            .with("labels", Dtype::I64, vec![per_slice], labels)
+            .unwrap();
+        std::fs::write(
+            dir.join(format!("slice-{index:04}.safetensors")),
+            slice::encode(&tensors, Encoding::Snappy).unwrap(),
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn the_seed_recipes_dataset_trains_an_mlp_and_a_cnn_from_a_deep_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("digits");
+    seed_recipe_dataset(&data, 10, 256);
+    assert!(!data.join("manifest.json").exists());
+    // A working directory deep enough that work_dir/hypha-{uuid}/bridge.sock cannot be a
+    // socket path.
+    let deep: PathBuf = tmp
+        .path()
+        .join("home".repeat(20))
+        .join("projects".repeat(10));
+    std::fs::create_dir_all(&deep).unwrap();
+    assert!(deep.as_os_str().len() > 150);
+
+    // No model named: the images suggest a cnn.
+    let (ok, stdout, stderr) = quickstart(
+        &deep,
+        &[
+            "--dir".as_ref(),
+            "cnn".as_ref(),
+            "--rounds".as_ref(),
+            "10".as_ref(),
+            "--dataset".as_ref(),
+            data.as_os_str(),
+        ],
+    );
+    assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(r#""type":"cnn","channels":1,"classes":10"#),
+        "{stdout}"
+    );
+    assert!(stdout.contains("held-out slice(s) 9..10"), "{stdout}");
+    let (loss_before, loss_after, _, accuracy) = scores(&stdout);
+    assert!(loss_after < 0.5 * loss_before, "{stdout}");
+    assert!(accuracy > 70.0, "chance is 10 %: {stdout}");
+    no_errors_logged(&deep.join("cnn"));
+
+    // `hypha-executor evaluate --dataset` scores the model file as the quickstart did.
+    let model = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("trained ")?.split(" for ").next())
+        .unwrap();
+    let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
+    let output = Command::new(hypha.parent().unwrap().join("hypha-executor"))
+        .args(["evaluate", "--model", model, "--weights"])
+        .arg(deep.join("cnn/model.safetensors"))
+        .arg("--dataset")
+        .arg(&data)
+        .args(["--slices", "9..10"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let score: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(score["samples"], 256);
+    assert!(
+        (score["accuracy"].as_f64().unwrap() * 100.0 - accuracy).abs() < 0.1,
+        "{score} vs {stdout}"
+    );
+
+    let mlp = r#"{"type": "mlp", "inputs": 64, "hidden": 64, "classes": 10}"#;
+    let (ok, stdout, stderr) = quickstart(
+        &deep,
+        &[
+            "--dir".as_ref(),
+            "mlp".as_ref(),
+            "--rounds".as_ref(),
+            "6".as_ref(),
+            "--dataset".as_ref(),
+            data.as_os_str(),
+            "--model".as_ref(),
+            mlp.as_ref(),
+        ],
+    );
+    assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
+    let (loss_before, loss_after, _, accuracy) = scores(&stdout);
+    assert!(loss_after < 0.5 * loss_before, "{stdout}");
+    assert!(accuracy > 80.0, "chance is 10 %: {stdout}");
+    assert!(
+        !data.join("manifest.json").exists(),
+        "the user's directory is left as it was"
+    );
+
+    // A model that cannot read the data is refused before anything is written or started.
+    let wrong = r#"{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 10}"#;
+    let (ok, stdout, stderr) = quickstart(
+        &deep,
+        &[
+            "--dir".as_ref(),
+            "wrong".as_ref(),
+            "--dataset".as_ref(),
+            data.as_os_str(),
+            "--model".as_ref(),
+            wrong.as_ref(),
+        ],
+    );
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("tensor \"images\" is F32 [256, 1, 8, 8]")
+            && stderr.contains("set `inputs = 64`"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+    assert!(!deep.join("wrong").exists());
+}
+
+/// Runs `hypha-data prepare ARGS`.
+fn prepare(args: &[&OsStr]) {
+    let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
+    ensure_built(hypha.parent().unwrap());
+    let output = Command::new(hypha.parent().unwrap().join("hypha-data"))
+        .arg("prepare")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "prepare failed: {output:?}");
+}
+
+#[test]
+fn what_prepare_makes_of_images_and_text_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+
+    // An image folder: three classes of 12×12 pictures, each its colour with noise.
+    let folder = tmp.path().join("shapes");
+    let mut rng = Lcg(3);
+    for (class, colour) in [
+        ("red", [200.0, 40.0, 40.0]),
+        ("green", [40.0, 200.0, 40.0]),
+        ("blue", [40.0, 40.0, 200.0]),
+    ] {
+        std::fs::create_dir_all(folder.join(class)).unwrap();
+        for i in 0..60 {
+            let image = image::RgbImage::from_fn(12, 12, |_, _| {
+                image::Rgb(
+                    colour.map(|c: f64| (c + rng.next() * 110.0 - 55.0).clamp(0.0, 255.0) as u8),
+                )
+            });
+            image
+                .save(folder.join(class).join(format!("{i}.png")))
+                .unwrap();
+        }
+    }
+    let images = tmp.path().join("shapes-8px");
+    prepare(&[
+        folder.as_os_str(),
+        "-o".as_ref(),
+        images.as_os_str(),
+        "--image-size".as_ref(),
+        "8".as_ref(),
+        "--slice-size".as_ref(),
+        "20".as_ref(),
+    ]);
+    let (ok, stdout, stderr) = quickstart(
+        tmp.path(),
+        &[
+            "--dir".as_ref(),
+            "images".as_ref(),
+            "--rounds".as_ref(),
+            "6".as_ref(),
+            "--samples-per-round".as_ref(),
+            "384".as_ref(),
+            "--dataset".as_ref(),
+            images.as_os_str(),
+        ],
+    );
+    assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(r#""type":"cnn","channels":3,"classes":3"#),
+        "{stdout}"
+    );
+    let (loss_before, loss_after, _, accuracy) = scores(&stdout);
+    assert!(loss_after < 0.5 * loss_before, "{stdout}");
+    assert!(accuracy > 80.0, "chance is 33 %: {stdout}");
+
+    // JSONL text: sentences from a small vocabulary, in order, so the next byte is learnable.
+    let words = [
+        "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "hypha",
+        "trains",
+    ];
+    let mut lines = String::new();
+    for _ in 0..1500 {
+        let start = (rng.next() * words.len() as f64) as usize;
+        let length = 4 + (rng.next() * 6.0) as usize;
+        let text: Vec<&str> = (0..length)
+            .map(|j| words[(start + j) % words.len()])
+            .collect();
+        lines.push_str(&format!("{{\"text\": \"{}\"}}\n", text.join(" ")));
+    }
+    let corpus = tmp.path().join("corpus.jsonl");
+    std::fs::write(&corpus, lines).unwrap();
+    let text = tmp.path().join("corpus");
+    prepare(&[
+        corpus.as_os_str(),
+        "-o".as_ref(),
+        text.as_os_str(),
+        "--sequence-length".as_ref(),
+        "24".as_ref(),
+        "--slice-size".as_ref(),
+        "128".as_ref(),
+    ]);
+    let (ok, stdout, stderr) = quickstart(
+        tmp.path(),
+        &[
+            "--dir".as_ref(),
+            "text".as_ref(),
+            "--rounds".as_ref(),
+            "6".as_ref(),
+            "--dataset".as_ref(),
+            text.as_os_str(),
+        ],
+    );
+    assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(r#""type":"transformer""#) && stdout.contains(r#""context":23"#),
+        "{stdout}"
+    );
+    let (loss_before, loss_after, _, accuracy) = scores(&stdout);
+    // Uniform over 258 byte-level ids is ln 258 ≈ 5.55.
+    assert!(loss_after < 0.6 * loss_before, "{stdout}");
+    assert!(
+        accuracy > 20.0,
+        "next-byte accuracy by chance is under 1 %: {stdout}"
+    );
+    no_errors_logged(&tmp.path().join("text"));
 }

@@ -134,3 +134,55 @@ fn short_dir(work_dir: &Path) -> Result<tempfile::TempDir, SocketError> {
         ),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn short_work_dirs_keep_sockets_in_job_directories_and_long_ones_get_a_private_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let id = "0b6f9f46-8a4f-4d5e-9a55-0f1d2c3b4a59";
+        let short = tmp.path().join("w");
+        let place = SocketPlace::for_work_dir(&short).unwrap();
+        let job = short.join(format!("hypha-{id}"));
+        assert_eq!(place.socket(&job, id), job.join(SOCKET_NAME));
+
+        let long = tmp.path().join("d".repeat(120));
+        let place = SocketPlace::for_work_dir(&long).unwrap();
+        let job = long.join(format!("hypha-{id}"));
+        let socket = place.socket(&job, id);
+        assert!(socket.as_os_str().len() <= MAX_SOCKET_PATH, "{socket:?}");
+        let SocketPlace::Short(dir) = &place else {
+            panic!("expected a private directory");
+        };
+        let mode = std::fs::metadata(dir.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        // The job's bridge.sock leads to the socket, and goes with it.
+        std::fs::create_dir_all(&job).unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        place.link(&job, &socket).unwrap();
+        assert_eq!(std::fs::read_link(job.join(SOCKET_NAME)).unwrap(), socket);
+        place.remove(&job, &socket);
+        assert!(job.join(SOCKET_NAME).symlink_metadata().is_err());
+        assert!(!socket.exists());
+    }
+
+    #[test]
+    fn a_worker_that_cannot_make_sockets_says_so_with_the_fix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("a-file");
+        std::fs::write(&file, b"").unwrap();
+        let err = SocketPlace::for_work_dir(&file.join("work"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("job bridge sockets cannot be created")
+                && err.contains("a-file")
+                && err.contains("TMPDIR"),
+            "{err}"
+        );
+    }
+}
