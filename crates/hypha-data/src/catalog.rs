@@ -67,15 +67,10 @@ impl Catalog {
             });
         }
         for dir in dirs {
-            let dataset = catalog.open_dataset(&dir)?;
-            let stamp = stamp(&dir);
-            catalog.datasets.insert(
-                dataset.name().to_string(),
-                Entry {
-                    dataset: Arc::new(dataset),
-                    stamp,
-                },
-            );
+            let entry = catalog.open_dataset(&dir)?;
+            catalog
+                .datasets
+                .insert(entry.dataset.name().to_string(), entry);
         }
         Ok(catalog)
     }
@@ -97,12 +92,7 @@ impl Catalog {
                 continue;
             }
             match self.open_dataset(&dir) {
-                Ok(dataset) => {
-                    let entry = Entry {
-                        dataset: Arc::new(dataset),
-                        // Taken after the manifest was stored, which changes it.
-                        stamp: stamp(&dir),
-                    };
+                Ok(entry) => {
                     if self.datasets.insert(name.clone(), entry).is_some() {
                         changes.changed.push(name);
                     } else {
@@ -131,20 +121,33 @@ impl Catalog {
     }
 
     /// Opens one dataset; stores its manifest when it was derived, and says when damaged
-    /// slices kept the stored one.
-    fn open_dataset(&self, dir: &Path) -> Result<Dataset, hypha_dataset::Error> {
+    /// slices kept the stored one. The entry's stamp is the one taken before the dataset was
+    /// read (so a change made meanwhile is seen on the next refresh), with the manifest it
+    /// stored; it is empty when the slices changed while they were described, so that the
+    /// next refresh describes them again.
+    fn open_dataset(&self, dir: &Path) -> Result<Entry, hypha_dataset::Error> {
         let external = self
             .manifest_dir
             .as_deref()
             .map(|d| external_manifest_path(d, dir));
+        let mut stamp = stamp(dir);
         let dataset = Dataset::open_with(dir, external.as_deref())?;
         match (dataset.source(), &external) {
             (ManifestSource::Derived, Some(external)) => match dataset.store_manifest(external) {
-                Ok(path) => tracing::info!(
-                    dataset = %dataset.name(),
-                    manifest = %path.display(),
-                    "stored the manifest derived from the slices; fetchers and `hypha-data verify` check the slices against it"
-                ),
+                Ok(path) => {
+                    tracing::info!(
+                        dataset = %dataset.name(),
+                        manifest = %path.display(),
+                        "stored the manifest derived from the slices; fetchers and `hypha-data verify` check the slices against it"
+                    );
+                    if let Some(manifest) = stamp.iter_mut().find(|(f, _, _)| f == MANIFEST_FILE) {
+                        *manifest = file_stamp(dir, MANIFEST_FILE);
+                    }
+                }
+                Err(e @ hypha_dataset::Error::Manifest { .. }) => {
+                    tracing::info!(dataset = %dataset.name(), reason = %e, "the manifest derived from the slices is not stored yet");
+                    stamp.clear();
+                }
                 Err(e) => tracing::warn!(
                     dataset = %dataset.name(),
                     error = %e,
@@ -163,7 +166,10 @@ impl Catalog {
             ),
             (ManifestSource::Stored(_), _) => {}
         }
-        Ok(dataset)
+        Ok(Entry {
+            dataset: Arc::new(dataset),
+            stamp,
+        })
     }
 
     /// The dataset called `name`.
@@ -208,13 +214,12 @@ fn dir_name(dir: &Path) -> String {
 fn stamp(dir: &Path) -> Stamp {
     let mut files = slice_files(dir).unwrap_or_default();
     files.push(MANIFEST_FILE.to_string());
-    files
-        .into_iter()
-        .map(|file| {
-            let meta = std::fs::metadata(dir.join(&file)).ok();
-            let size = meta.as_ref().map_or(0, |m| m.len());
-            let modified = meta.and_then(|m| m.modified().ok());
-            (file, size, modified)
-        })
-        .collect()
+    files.iter().map(|file| file_stamp(dir, file)).collect()
+}
+
+fn file_stamp(dir: &Path, file: &str) -> (String, u64, Option<SystemTime>) {
+    let meta = std::fs::metadata(dir.join(file)).ok();
+    let size = meta.as_ref().map_or(0, |m| m.len());
+    let modified = meta.and_then(|m| m.modified().ok());
+    (file.to_string(), size, modified)
 }

@@ -166,31 +166,13 @@ pub fn inspect(path: &std::path::Path) -> Result<(), Error> {
     if size > 0 {
         println!("compression  {:.2}×", uncompressed as f64 / size as f64);
     }
-    let mut schemas: Vec<(&Vec<hypha_dataset::TensorSpec>, usize)> = Vec::new();
-    for slice in &manifest.slices {
-        // Shapes differ in their leading (sample) dimension only when the schema is the same.
-        match schemas
-            .iter_mut()
-            .find(|(s, _)| same_schema(s, &slice.tensors))
-        {
-            Some((_, count)) => *count += 1,
-            None => schemas.push((&slice.tensors, 1)),
-        }
-    }
-    for (tensors, count) in schemas {
+    for (slice, count) in manifest.schemas() {
         println!("schema of {count} slice(s):");
-        for t in tensors {
+        for t in &slice.tensors {
             println!("  {:<20} {:<5} {:?}", t.name, t.dtype, t.shape);
         }
     }
     Ok(())
-}
-
-fn same_schema(a: &[hypha_dataset::TensorSpec], b: &[hypha_dataset::TensorSpec]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.name == y.name && x.dtype == y.dtype && x.shape.get(1..) == y.shape.get(1..)
-        })
 }
 
 /// `hypha-data verify`.
@@ -381,6 +363,13 @@ async fn fetch_with(client: &DataClient, args: &FetchArgs) -> Result<(), Error> 
         .output
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}-{}.safetensors", args.dataset, args.slice)));
+    let limit = hypha_dataset::slice::MAX_SLICE_BYTES as u64;
+    if entry.size > limit || entry.uncompressed_size > limit {
+        return Err(Error::Failed(format!(
+            "slice {} of {:?} is {} bytes ({} decompressed) by its manifest, more than the {limit} a slice may have",
+            args.slice, args.dataset, entry.size, entry.uncompressed_size
+        )));
+    }
     let mut bytes = Vec::new();
     let report = client
         .fetch_slice_to_vec(&args.dataset, entry, &providers, &mut bytes)

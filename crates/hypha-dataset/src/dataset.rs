@@ -1,6 +1,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::atomic::{AtomicUsize, Ordering},
+    time::SystemTime,
 };
 
 use crate::{
@@ -41,6 +42,9 @@ pub struct Dataset {
     name: String,
     manifest: Manifest,
     source: ManifestSource,
+    /// For a derived manifest: when the slices began to be read. A slice modified since is
+    /// not described by it, so it is not stored.
+    described_at: Option<SystemTime>,
 }
 
 /// Where a dataset's manifest came from.
@@ -88,14 +92,17 @@ impl Dataset {
                 name,
                 manifest: manifest.clone(),
                 source: ManifestSource::Stored(path.clone()),
+                described_at: None,
             });
         }
+        let described_at = SystemTime::now();
         match (derive(root, &name, &files), stored) {
             (Ok(manifest), _) => Ok(Dataset {
                 root: root.to_path_buf(),
                 name,
                 manifest,
                 source: ManifestSource::Derived,
+                described_at: Some(described_at),
             }),
             (Err(error), Some((path, manifest))) => Ok(Dataset {
                 root: root.to_path_buf(),
@@ -105,6 +112,7 @@ impl Dataset {
                     path,
                     problem: error.to_string(),
                 },
+                described_at: None,
             }),
             (Err(error), None) => Err(error),
         }
@@ -119,6 +127,7 @@ impl Dataset {
                 name: dataset_name(root),
                 manifest,
                 source: ManifestSource::Stored(path),
+                described_at: None,
             }),
         )
     }
@@ -127,12 +136,14 @@ impl Dataset {
     pub fn derive(root: &Path) -> Result<Self, Error> {
         let files = slice_files(root)?;
         let name = dataset_name(root);
+        let described_at = SystemTime::now();
         let manifest = derive(root, &name, &files)?;
         Ok(Dataset {
             root: root.to_path_buf(),
             name,
             manifest,
             source: ManifestSource::Derived,
+            described_at: Some(described_at),
         })
     }
 
@@ -165,8 +176,22 @@ impl Dataset {
 
     /// Stores the manifest so that later opens (and `verify`) check the slices against it:
     /// in the dataset's directory, or at `external` when the directory cannot be written (a
-    /// read-only dataset). Returns where it went.
+    /// read-only dataset). Returns where it went. A derived manifest is refused when a slice
+    /// was modified after it began to be described (it may describe the old contents, and
+    /// stored it would outdate the slice); the next open describes the slices again.
     pub fn store_manifest(&self, external: &Path) -> Result<PathBuf, Error> {
+        if let Some(described_at) = self.described_at {
+            for entry in &self.manifest.slices {
+                let path = self.root.join(&entry.file);
+                let modified = std::fs::metadata(&path).and_then(|m| m.modified());
+                if !modified.is_ok_and(|m| m < described_at) {
+                    return Err(Error::Manifest {
+                        path,
+                        reason: "the slice changed while the slices were described; not stored, described again on the next open".into(),
+                    });
+                }
+            }
+        }
         let beside = self.root.join(MANIFEST_FILE);
         match self.write_manifest_to(&beside) {
             Ok(()) => Ok(beside),
@@ -270,15 +295,20 @@ fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Error> {
 }
 
 /// Whether the manifest at `path` still describes the directory: it lists exactly these
-/// files, in this order, and none of them was modified after it was written.
+/// files, in this order, with their sizes, and each was last modified before the manifest was
+/// written (a tie, possible with coarse timestamps, counts as changed: describing again is
+/// only work, trusting a stale manifest would refuse good slices).
 fn current(manifest: &Manifest, path: &Path, root: &Path, files: &[String]) -> bool {
     let written = std::fs::metadata(path).and_then(|m| m.modified()).ok();
     manifest.slices.len() == files.len()
         && manifest.slices.iter().zip(files).all(|(entry, file)| {
-            let modified = std::fs::metadata(root.join(file)).and_then(|m| m.modified());
+            let metadata = std::fs::metadata(root.join(file));
             entry.file == *file
-                && match (modified, written) {
-                    (Ok(modified), Some(written)) => modified <= written,
+                && match (metadata, written) {
+                    (Ok(metadata), Some(written)) => {
+                        metadata.len() == entry.size
+                            && metadata.modified().is_ok_and(|m| m < written)
+                    }
                     _ => false,
                 }
         })

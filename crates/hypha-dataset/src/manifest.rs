@@ -1,3 +1,5 @@
+use std::collections::{HashMap, hash_map::Entry};
+
 use serde::{Deserialize, Serialize};
 
 use crate::slice::Encoding;
@@ -56,5 +58,40 @@ impl Manifest {
     /// Total bytes decompressed.
     pub fn uncompressed_size(&self) -> u64 {
         self.slices.iter().map(|s| s.uncompressed_size).sum()
+    }
+
+    /// The distinct schemas of the slices, in slice order: each with the first slice that has
+    /// it and how many slices do. Two slices share a schema when their tensors have the same
+    /// names, dtypes and shapes apart from the sample count, and either both or neither have
+    /// one sample count across their tensors. Linear in the slices, whatever a manifest from
+    /// a peer holds.
+    pub fn schemas(&self) -> Vec<(&SliceEntry, usize)> {
+        type Key<'a> = (Vec<(&'a str, &'a str, &'a [u64])>, bool);
+        let mut seen: HashMap<Key<'_>, usize> = HashMap::new();
+        let mut schemas: Vec<(&SliceEntry, usize)> = Vec::new();
+        for slice in &self.slices {
+            let tensors = slice
+                .tensors
+                .iter()
+                .map(|t| {
+                    (
+                        t.name.as_str(),
+                        t.dtype.as_str(),
+                        t.shape.get(1..).unwrap_or(&[]),
+                    )
+                })
+                .collect();
+            let mut leading = slice.tensors.iter().map(|t| t.shape.first());
+            let first = leading.next();
+            let shared = leading.all(|d| Some(d) == first);
+            match seen.entry((tensors, shared)) {
+                Entry::Occupied(known) => schemas[*known.get()].1 += 1,
+                Entry::Vacant(new) => {
+                    new.insert(schemas.len());
+                    schemas.push((slice, 1));
+                }
+            }
+        }
+        schemas
     }
 }

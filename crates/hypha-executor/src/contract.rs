@@ -42,6 +42,10 @@ pub const DEFAULT_INPUTS: [&str; 4] = ["inputs", "images", "input_ids", "tokens"
 pub const DEFAULT_TARGET: &str = "labels";
 /// The transformer's padding mask, used when present.
 pub const ATTENTION_MASK: &str = "attention_mask";
+/// The most values (C × H × W) of one image the cnn takes: its activations grow with the
+/// image (two convolutions of 16 and 32 filters by default, on a CPU), and the image size
+/// comes from the data node, not the job.
+pub const MAX_IMAGE_VALUES: u64 = 3 * 256 * 256;
 
 /// The tensor names a job chose (`[config] input`, `[config] target`); `None` takes the
 /// defaults.
@@ -92,8 +96,10 @@ pub fn plan(
     match *model {
         ModelSpec::Mlp { inputs, .. } => {
             require_numeric(input, dtype, "the mlp")?;
-            let features: u64 = input.shape.iter().skip(1).product();
-            if input.shape.is_empty() || features != inputs as u64 {
+            // A manifest comes from a data node: its shapes may be absurd, never a panic.
+            let features = features_of(&input.shape);
+            if input.shape.is_empty() || features != Some(inputs as u64) {
+                let features = features.map_or("more than 2^64".into(), |f| f.to_string());
                 return Err(ContractError::new(
                     format!(
                         "tensor {:?} is {} {:?}: {features} features a sample; the mlp expects inputs = {inputs}",
@@ -132,6 +138,16 @@ pub fn plan(
                     } else {
                         format!("set `channels = {c}` in `[config] model`")
                     },
+                ));
+            }
+            let values = c.checked_mul(h).and_then(|v| v.checked_mul(w));
+            if values.is_none_or(|v| v > MAX_IMAGE_VALUES) {
+                return Err(ContractError::new(
+                    format!(
+                        "tensor {:?} is {} {:?}: images of {c}×{h}×{w} values; the cnn takes at most {MAX_IMAGE_VALUES} a sample",
+                        input.name, input.dtype, input.shape
+                    ),
+                    "resize the images (`hypha-data prepare --image-size`)",
                 ));
             }
             if h < 2 || w < 2 {
@@ -184,7 +200,7 @@ pub fn plan(
                     format!(
                         "set `context = {}` in `[config] model`, or prepare the text with `--sequence-length {}`",
                         length - 1,
-                        context + 1
+                        context.saturating_add(1)
                     ),
                 ));
             }
@@ -311,13 +327,8 @@ pub fn check_manifest(
     names: &TensorNames,
     manifest: &hypha_dataset::Manifest,
 ) -> Result<Plan, ContractError> {
-    let mut checked: Vec<&[TensorSpec]> = Vec::new();
     let mut first = None;
-    for slice in &manifest.slices {
-        if checked.iter().any(|s| same_schema(s, &slice.tensors)) {
-            continue;
-        }
-        checked.push(&slice.tensors);
+    for (slice, _) in manifest.schemas() {
         let plan = plan(model, names, &slice.tensors).map_err(|e| ContractError {
             problem: format!("slice {} ({}): {}", slice.index, slice.file, e.problem),
             fix: e.fix,
@@ -332,12 +343,12 @@ pub fn check_manifest(
     })
 }
 
-/// The same tensors with the same dtypes and shapes apart from the sample count.
-fn same_schema(a: &[TensorSpec], b: &[TensorSpec]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.name == y.name && x.dtype == y.dtype && x.shape.get(1..) == y.shape.get(1..)
-        })
+/// Features a sample: the product of every dimension but the first (`None` past u64).
+pub(crate) fn features_of(shape: &[u64]) -> Option<u64> {
+    shape
+        .iter()
+        .skip(1)
+        .try_fold(1u64, |product, &d| product.checked_mul(d))
 }
 
 fn listing(schema: &[TensorSpec]) -> String {
@@ -466,7 +477,7 @@ impl Batch {
                         format!(
                             "tensor {:?} holds token id {value}; the transformer's vocabulary has vocab = {vocab} ids (0 to {})",
                             plan.input,
-                            vocab - 1
+                            vocab.saturating_sub(1)
                         ),
                         format!(
                             "set `vocab` in `[config] model` above the largest token id (at least {})",
@@ -484,7 +495,7 @@ impl Batch {
                     ContractError::new(
                         format!(
                             "tensor {name:?} holds class {value}; the model has classes = {classes} (0 to {})",
-                            classes - 1
+                            classes.saturating_sub(1)
                         ),
                         if value < 0 {
                             "store class labels as 0, 1, 2, …".to_string()

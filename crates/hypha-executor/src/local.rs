@@ -10,6 +10,10 @@ use crate::{
     model::{Model, ModelError, ModelSpec},
 };
 
+/// The most classes (or vocabulary entries) a suggested model gets: one stray label of a
+/// billion must not become a billion outputs.
+const MAX_SUGGESTED_CLASSES: i128 = 1 << 20;
+
 /// Rows scored at a time, so that a large slice never becomes one huge forward pass.
 const CHUNK_ROWS: usize = 1024;
 
@@ -122,6 +126,15 @@ pub fn suggest_model(dir: &Path, names: &TensorNames) -> Result<ModelSpec, Evalu
     let language = integer_input && input.shape.len() == 2 && names.target.is_none() && !has_target;
     let scanned = if language { &input.name } else { &target_name };
     let largest = largest_value(&dataset, scanned)?;
+    if largest >= MAX_SUGGESTED_CLASSES {
+        return Err(EvaluateError::Contract(ContractError {
+            problem: format!(
+                "tensor {scanned:?} holds {largest}; a model suggested from it would have {} outputs",
+                largest + 1
+            ),
+            fix: "check that tensor, or name the model with --model".into(),
+        }));
+    }
     let classes = usize::try_from(largest.max(1) + 1).unwrap_or(usize::MAX);
     let spec = if language {
         ModelSpec::Transformer {
@@ -144,7 +157,9 @@ pub fn suggest_model(dir: &Path, names: &TensorNames) -> Result<ModelSpec, Evalu
                 width: 16,
             },
             _ => ModelSpec::Mlp {
-                inputs: input.shape.iter().skip(1).product::<u64>() as usize,
+                inputs: contract::features_of(&input.shape)
+                    .and_then(|f| usize::try_from(f).ok())
+                    .unwrap_or(usize::MAX),
                 hidden: 64,
                 classes,
             },

@@ -127,6 +127,19 @@ fn misfits_name_the_tensor_what_the_model_expects_and_the_fix() {
     };
     let err = plan(&cnn, &names, &channels_last).unwrap_err().to_string();
     assert!(err.contains("channels-last"), "{err}");
+    let huge = vec![
+        spec("images", "U8", &[9, 3, 4096, 4096]),
+        spec("labels", "I64", &[9]),
+    ];
+    let err = plan(&cnn, &names, &huge).unwrap_err().to_string();
+    assert!(err.contains("--image-size"), "{err}");
+    // Shapes from a peer's manifest may overflow; they are refused, never a panic.
+    let absurd = vec![
+        spec("inputs", "F32", &[9, u64::MAX, 3]),
+        spec("labels", "I64", &[9]),
+    ];
+    let err = plan(&MLP64, &names, &absurd).unwrap_err().to_string();
+    assert!(err.contains("more than 2^64"), "{err}");
 
     let transformer = ModelSpec::Transformer {
         vocab: 258,

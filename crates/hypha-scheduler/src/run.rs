@@ -183,17 +183,30 @@ impl EventLog {
     }
 }
 
-/// A job's failure with the last lines its executor wrote to stderr, indented below it.
+/// How much of an executor's stderr a failure shows: what a worker sends is not trusted to be
+/// short or printable.
+const STDERR_LINES: usize = 20;
+const STDERR_LINE_CHARS: usize = 500;
+
+/// A job's failure with the last lines its executor wrote to stderr, indented below it; at
+/// most [`STDERR_LINES`] of [`STDERR_LINE_CHARS`], control characters shown as U+FFFD so that
+/// a line can neither fake another nor steer the terminal.
 pub fn with_stderr(reason: String, stderr_tail: &[String]) -> String {
-    let lines: Vec<&String> = stderr_tail
+    let lines: Vec<String> = stderr_tail
         .iter()
         .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            line.chars()
+                .take(STDERR_LINE_CHARS)
+                .map(|c| if c.is_control() { '\u{fffd}' } else { c })
+                .collect()
+        })
         .collect();
     if lines.is_empty() {
         return reason;
     }
     let mut text = format!("{reason}; the executor's stderr ended with:");
-    for line in lines {
+    for line in &lines[lines.len().saturating_sub(STDERR_LINES)..] {
         text.push_str("\n    ");
         text.push_str(line);
     }
@@ -747,5 +760,24 @@ impl Job<'_> {
             let _ = replaced.send((slot, leased)).await;
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_stderr;
+
+    #[test]
+    fn an_executors_stderr_is_shown_short_and_printable() {
+        let tail: Vec<String> = (0..30).map(|i| format!("line {i}")).collect();
+        let shown = with_stderr("exit code 1".into(), &tail);
+        assert!(shown.starts_with("exit code 1; the executor's stderr ended with:\n    line 10\n"));
+        assert!(shown.ends_with("\n    line 29"));
+        let hostile = vec![format!("ok\rerror: forged\x1b[2J{}", "x".repeat(10_000))];
+        let shown = with_stderr("exit code 1".into(), &hostile);
+        assert_eq!(shown.lines().count(), 2, "{shown}");
+        assert!(!shown.contains('\r') && !shown.contains('\x1b'));
+        assert!(shown.len() < 1_000);
+        assert_eq!(with_stderr("killed".into(), &["  ".into()]), "killed");
     }
 }

@@ -185,6 +185,10 @@ impl JobManager {
             write_atomic(&dir.join("secrets.json"), &secrets, Mode::Private, false)?;
         }
         let socket = self.sockets.socket(&dir, &id);
+        // The link first: a failure here leaves no bridge running.
+        self.sockets
+            .link(&dir, &socket)
+            .map_err(StartError::Bridge)?;
         let bridge = bridge::serve(
             self.bridge.clone(),
             BridgeContext {
@@ -196,11 +200,10 @@ impl JobManager {
             },
             &socket,
         )
-        .map_err(StartError::Bridge)?;
-        if let Err(error) = self.sockets.link(&dir, &socket) {
+        .map_err(|error| {
             self.sockets.remove(&dir, &socket);
-            return Err(StartError::Bridge(error));
-        }
+            StartError::Bridge(error)
+        })?;
 
         let launch = match runtime {
             Runtime::Process { cmd, args } => Launch::Process { cmd, args },

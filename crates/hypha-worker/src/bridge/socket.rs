@@ -63,8 +63,8 @@ impl SocketPlace {
         }
     }
 
-    /// After the socket of a job is bound: a `bridge.sock` link in its directory when the
-    /// socket lives elsewhere.
+    /// A `bridge.sock` link in the job's directory to its socket when the socket lives
+    /// elsewhere (made before the socket is bound: a dangling link until then).
     pub fn link(&self, job_dir: &Path, socket: &Path) -> std::io::Result<()> {
         match self {
             Self::InJobDir => Ok(()),
