@@ -201,7 +201,7 @@ fn serve_fetch_inspect_and_verify() {
     // flipped after the first serve (silently: the file keeps its time) is refused by a
     // fetcher and named by verify.
     assert!(data.join(hypha_dataset::MANIFEST_FILE).exists());
-    flip_a_bit_silently(&data.join("slice-1.safetensors"));
+    hypha_dataset::testing::flip_a_bit_silently(&data.join("slice-1.safetensors"));
     let out = fetch_slice("1", &dir.join("bad.safetensors"), &[]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(!dir.join("bad.safetensors").exists());
@@ -229,22 +229,6 @@ fn serve_fetch_inspect_and_verify() {
     assert_eq!(bad.len(), 2, "{stdout}");
     assert!(bad[0].contains("slice 1 (slice-1.safetensors)") && bad[0].contains("corrupted"));
     assert!(bad[1].contains("slice 2 (slice-2.safetensors)") && bad[1].contains("truncated"));
-}
-
-/// Flips one bit in the middle of `path` and gives the file its old modification time back,
-/// as silent corruption on a disk does.
-fn flip_a_bit_silently(path: &Path) {
-    let modified = std::fs::metadata(path).unwrap().modified().unwrap();
-    let mut bytes = std::fs::read(path).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x01;
-    std::fs::write(path, &bytes).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(path)
-        .unwrap()
-        .set_modified(modified)
-        .unwrap();
 }
 
 #[test]

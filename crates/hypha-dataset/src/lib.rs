@@ -39,6 +39,9 @@ pub mod prepare;
 pub mod slice;
 mod verify;
 
+#[cfg(feature = "testing")]
+pub mod testing;
+
 pub use dataset::{
     Dataset, Error, MANIFEST_FILE, ManifestSource, default_manifest_dir, external_manifest_path,
     slice_files, slice_order,

@@ -235,22 +235,6 @@ fn unreadable_slices_are_named() {
     assert!(matches!(err, Error::Empty { .. }), "{err}");
 }
 
-/// Flips one bit in the middle of `path` and gives the file its old modification time back,
-/// as silent corruption on a disk does.
-fn flip_a_bit_silently(path: &Path) {
-    let modified = std::fs::metadata(path).unwrap().modified().unwrap();
-    let mut bytes = std::fs::read(path).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x01;
-    std::fs::write(path, &bytes).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(path)
-        .unwrap()
-        .set_modified(modified)
-        .unwrap();
-}
-
 #[test]
 fn a_derived_manifest_once_stored_catches_later_damage() {
     let tmp = tempfile::tempdir().unwrap();
@@ -276,7 +260,7 @@ fn a_derived_manifest_once_stored_catches_later_damage() {
 
     // The flipped file keeps its time, so the stored manifest stays in use and its hash
     // catches the change (derived afresh, a flip that still decodes would pass as good).
-    flip_a_bit_silently(&dir.join("slice-1.safetensors"));
+    hypha_dataset::testing::flip_a_bit_silently(&dir.join("slice-1.safetensors"));
     let reopened = Dataset::open_with(&dir, Some(&external)).unwrap();
     assert_eq!(reopened.source(), &ManifestSource::Stored(stored_at));
     let problems = verify(&reopened, |_| {});

@@ -10,31 +10,6 @@ mod common;
 use std::time::Duration;
 
 use common::{Cluster, Proc, bin, data_node, events, of_kind};
-use hypha_dataset::slice::{self, Dtype, Encoding};
-
-/// A dataset as the seed recipe writes it: `images` f32 [N, 1, 8, 8] and `labels` i64 [N],
-/// raw Snappy over SafeTensors, no manifest.
-fn seed_recipe_dataset(dir: &std::path::Path, slices: usize, samples: usize) {
-    std::fs::create_dir_all(dir).unwrap();
-    for index in 0..slices {
-        let images: Vec<u8> = (0..samples * 64)
-            .flat_map(|i| ((i % 7) as f32).to_le_bytes())
-            .collect();
-        let labels: Vec<u8> = (0..samples)
-            .flat_map(|i| ((i % 10) as i64).to_le_bytes())
-            .collect();
-        let tensors = slice::Tensors::new()
-            .with("images", Dtype::F32, vec![samples, 1, 8, 8], images)
-            .unwrap()
-            .with("labels", Dtype::I64, vec![samples], labels)
-            .unwrap();
-        std::fs::write(
-            dir.join(format!("slice-{index:04}.safetensors")),
-            slice::encode(&tensors, Encoding::Snappy).unwrap(),
-        )
-        .unwrap();
-    }
-}
 
 const DILOCO: &str = "workers = 1\nbid = 10\n[executor]\nclass = \"train\"\nname = \"diloco\"\n[data]\ndataset = \"digits\"\n[diloco]\nsamples_per_round = 64\nbatch_size = 16\n[diloco.parameter_server]\nbid = 10\nexecutor = { class = \"aggregate\", name = \"parameter-server\" }\n";
 
@@ -42,7 +17,7 @@ const DILOCO: &str = "workers = 1\nbid = 10\n[executor]\nclass = \"train\"\nname
 fn a_job_whose_tensors_do_not_fit_is_refused_before_any_lease() {
     let cluster = Cluster::new();
     let data = cluster.path("datasets/digits");
-    seed_recipe_dataset(&data, 2, 32);
+    hypha_dataset::testing::seed_recipe_dataset(&data, 2, 32, 1);
     let _node = data_node(&cluster, "data", &data);
     // A worker that would take the job, so that a lease could happen if the check did not.
     let mut worker = cluster.worker_with_executors(

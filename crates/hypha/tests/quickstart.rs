@@ -188,32 +188,7 @@ fn seed_recipe_dataset(dir: &Path, slices: usize, per_slice: usize) {
     eprintln!(
         "python3 with numpy, safetensors and python-snappy is missing; writing the seed recipe's format with hypha-dataset's encoder instead"
     );
-    use hypha_dataset::slice::{self, Dtype, Encoding};
-    std::fs::create_dir_all(dir).unwrap();
-    let mut rng = Lcg(7);
-    let patterns: Vec<Vec<f32>> = (0..10)
-        .map(|_| (0..64).map(|_| (rng.next() * 4.0 - 2.0) as f32).collect())
-        .collect();
-    for index in 0..slices {
-        let (mut images, mut labels) = (Vec::new(), Vec::new());
-        for _ in 0..per_slice {
-            let label = (rng.next() * 10.0) as usize % 10;
-            labels.extend((label as i64).to_le_bytes());
-            for value in &patterns[label] {
-                images.extend((value + (rng.next() * 2.0 - 1.0) as f32).to_le_bytes());
-            }
-        }
-        let tensors = slice::Tensors::new()
-            .with("images", Dtype::F32, vec![per_slice, 1, 8, 8], images)
-            .unwrap()
-            .with("labels", Dtype::I64, vec![per_slice], labels)
-            .unwrap();
-        std::fs::write(
-            dir.join(format!("slice-{index:04}.safetensors")),
-            slice::encode(&tensors, Encoding::Snappy).unwrap(),
-        )
-        .unwrap();
-    }
+    hypha_dataset::testing::seed_recipe_dataset(dir, slices, per_slice, 7);
 }
 
 #[test]
