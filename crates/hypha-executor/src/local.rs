@@ -48,7 +48,7 @@ pub enum EvaluateError {
 }
 
 /// Scores `model` on `slices` of the dataset at `dir` (every slice when `None`): means over
-/// samples, each chunk weighted by its rows.
+/// every target scored (each sample's label, or each real next token).
 pub fn evaluate_dataset(
     model: &Model,
     dir: &Path,
@@ -67,7 +67,7 @@ pub fn evaluate_dataset(
             count,
         });
     }
-    let (mut loss, mut accuracy, mut samples) = (0.0, 0.0, 0u64);
+    let (mut loss, mut accuracy, mut counted, mut samples) = (0.0, 0.0, 0.0, 0u64);
     for entry in &manifest.slices[range] {
         let read_error = |error: String| EvaluateError::Read {
             file: dataset.root().join(&entry.file).display().to_string(),
@@ -86,13 +86,14 @@ pub fn evaluate_dataset(
             let chunk = batch
                 .narrow(start, take)
                 .map_err(|e| EvaluateError::Model(e.into()))?;
-            let (chunk_loss, chunk_accuracy) = model.evaluate(&chunk)?;
-            loss += chunk_loss * take as f64;
-            accuracy += chunk_accuracy * take as f64;
+            let (chunk_loss, chunk_accuracy, targets) = model.evaluate_counted(&chunk)?;
+            loss += chunk_loss * targets;
+            accuracy += chunk_accuracy * targets;
+            counted += targets;
             samples += take as u64;
         }
     }
-    let total = samples.max(1) as f64;
+    let total = counted.max(1.0);
     Ok(Score {
         loss: loss / total,
         accuracy: accuracy / total,

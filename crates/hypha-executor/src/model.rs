@@ -257,6 +257,13 @@ impl Model {
     /// Loss and accuracy (of the labels, or of the next tokens) over `batch`, without
     /// gradients.
     pub fn evaluate(&self, batch: &Batch) -> Result<(f64, f64), ModelError> {
+        let (loss, accuracy, _) = self.evaluate_counted(batch)?;
+        Ok((loss, accuracy))
+    }
+
+    /// [`evaluate`](Self::evaluate) with the number of targets scored (samples for the
+    /// classifiers, real next tokens for the transformer), to weigh batches by.
+    pub fn evaluate_counted(&self, batch: &Batch) -> Result<(f64, f64, f64), ModelError> {
         let scored = self.logits(batch)?;
         let loss = scored.cross_entropy()?.to_scalar::<f32>()?;
         let correct = scored
@@ -264,11 +271,18 @@ impl Model {
             .argmax(D::Minus1)?
             .eq(&scored.targets)?
             .to_dtype(DType::F32)?;
-        let accuracy = match &scored.weights {
-            Some(weights) => weighted_mean(&correct, weights)?,
-            None => correct.mean_all()?,
+        let (accuracy, counted) = match &scored.weights {
+            Some(weights) => (
+                weighted_mean(&correct, weights)?,
+                weights.sum_all()?.to_scalar::<f32>()?,
+            ),
+            None => (correct.mean_all()?, scored.targets.dim(0)? as f32),
         };
-        Ok((f64::from(loss), f64::from(accuracy.to_scalar::<f32>()?)))
+        Ok((
+            f64::from(loss),
+            f64::from(accuracy.to_scalar::<f32>()?),
+            f64::from(counted),
+        ))
     }
 
     /// Logits `[rows, classes]` and the targets `[rows]` (U32) they are scored against.
