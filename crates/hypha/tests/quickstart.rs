@@ -97,13 +97,15 @@ fn quickstart_trains_a_model_and_leaves_its_files() {
     }
 }
 
-/// Runs `hypha quickstart ARGS` in `cwd`; exit success, stdout and stderr.
-fn quickstart(cwd: &Path, args: &[&OsStr]) -> (bool, String, String) {
+/// Runs `hypha quickstart ARGS --dataset DATASET` in `cwd`; exit success, stdout and stderr.
+fn quickstart(cwd: &Path, args: &[&str], dataset: &Path) -> (bool, String, String) {
     let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
     ensure_built(hypha.parent().unwrap());
     let output = Command::new(hypha)
         .arg("quickstart")
         .args(args)
+        .arg("--dataset")
+        .arg(dataset)
         .current_dir(cwd)
         .output()
         .unwrap();
@@ -207,17 +209,7 @@ fn the_seed_recipes_dataset_trains_an_mlp_and_a_cnn_from_a_deep_directory() {
     assert!(deep.as_os_str().len() > 150);
 
     // No model named: the images suggest a cnn.
-    let (ok, stdout, stderr) = quickstart(
-        &deep,
-        &[
-            "--dir".as_ref(),
-            "cnn".as_ref(),
-            "--rounds".as_ref(),
-            "10".as_ref(),
-            "--dataset".as_ref(),
-            data.as_os_str(),
-        ],
-    );
+    let (ok, stdout, stderr) = quickstart(&deep, &["--dir", "cnn", "--rounds", "10"], &data);
     assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
     assert!(
         stdout.contains(r#""type":"cnn","channels":1,"classes":10"#),
@@ -254,16 +246,8 @@ fn the_seed_recipes_dataset_trains_an_mlp_and_a_cnn_from_a_deep_directory() {
     let mlp = r#"{"type": "mlp", "inputs": 64, "hidden": 64, "classes": 10}"#;
     let (ok, stdout, stderr) = quickstart(
         &deep,
-        &[
-            "--dir".as_ref(),
-            "mlp".as_ref(),
-            "--rounds".as_ref(),
-            "6".as_ref(),
-            "--dataset".as_ref(),
-            data.as_os_str(),
-            "--model".as_ref(),
-            mlp.as_ref(),
-        ],
+        &["--dir", "mlp", "--rounds", "6", "--model", mlp],
+        &data,
     );
     assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
     let (loss_before, loss_after, _, accuracy) = scores(&stdout);
@@ -276,17 +260,7 @@ fn the_seed_recipes_dataset_trains_an_mlp_and_a_cnn_from_a_deep_directory() {
 
     // A model that cannot read the data is refused before anything is written or started.
     let wrong = r#"{"type": "mlp", "inputs": 16, "hidden": 64, "classes": 10}"#;
-    let (ok, stdout, stderr) = quickstart(
-        &deep,
-        &[
-            "--dir".as_ref(),
-            "wrong".as_ref(),
-            "--dataset".as_ref(),
-            data.as_os_str(),
-            "--model".as_ref(),
-            wrong.as_ref(),
-        ],
-    );
+    let (ok, stdout, stderr) = quickstart(&deep, &["--dir", "wrong", "--model", wrong], &data);
     assert!(!ok, "{stdout}");
     assert!(
         stderr.contains("tensor \"images\" is F32 [256, 1, 8, 8]")
@@ -346,15 +320,14 @@ fn what_prepare_makes_of_images_and_text_trains() {
     let (ok, stdout, stderr) = quickstart(
         tmp.path(),
         &[
-            "--dir".as_ref(),
-            "images".as_ref(),
-            "--rounds".as_ref(),
-            "6".as_ref(),
-            "--samples-per-round".as_ref(),
-            "384".as_ref(),
-            "--dataset".as_ref(),
-            images.as_os_str(),
+            "--dir",
+            "images",
+            "--rounds",
+            "6",
+            "--samples-per-round",
+            "384",
         ],
+        &images,
     );
     assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
     assert!(
@@ -391,17 +364,7 @@ fn what_prepare_makes_of_images_and_text_trains() {
         "--slice-size".as_ref(),
         "128".as_ref(),
     ]);
-    let (ok, stdout, stderr) = quickstart(
-        tmp.path(),
-        &[
-            "--dir".as_ref(),
-            "text".as_ref(),
-            "--rounds".as_ref(),
-            "6".as_ref(),
-            "--dataset".as_ref(),
-            text.as_os_str(),
-        ],
-    );
+    let (ok, stdout, stderr) = quickstart(tmp.path(), &["--dir", "text", "--rounds", "6"], &text);
     assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
     assert!(
         stdout.contains(r#""type":"transformer""#) && stdout.contains(r#""context":23"#),
