@@ -6,9 +6,13 @@
 //! (in parallel), releases the offers it did not take so their workers are free at once, and
 //! advertises again while workers are missing, until its deadline.
 //!
-//! [`Allocator::keep`] then renews each lease at a third of its period, so two renewals can
-//! fail before the worker gives up on it; a lease that cannot be renewed is reported as lost,
-//! and the caller replaces the worker (advertising again) while the rest of the job goes on.
+//! Every accepted offer becomes a [`Lease`] that is renewed from the moment it is granted, at
+//! a third of its period, so two renewals can fail before the worker gives up on it: a lease
+//! is held while the job waits for other workers, for a dispatch, for anything. One that
+//! cannot be renewed is reported as [`Lost`] (and marked so on its handle), and the caller
+//! replaces the worker while the rest of the job goes on. Dropping a [`Lease`] stops renewing
+//! and gives it back, so a lease is never held by nobody: an allocation abandoned halfway
+//! releases what it had leased.
 //!
 //! Double booking is prevented on the worker's side: a worker holds every offer's resources
 //! under a temporary lease until it is accepted or lapses, and answers lease requests only from
@@ -16,7 +20,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, OnceLock},
     time::{Duration, Instant},
 };
 
@@ -95,15 +99,39 @@ impl Default for Settings {
     }
 }
 
-/// A worker leased to the scheduler.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Leased {
+/// A worker's lease, renewed in the background until it is [released](Lease::release) or
+/// dropped (which releases it too).
+#[derive(Debug)]
+pub struct Lease {
     pub peer: PeerId,
-    pub lease: u64,
+    /// The worker's id for the lease: unique per worker across its restarts.
+    pub id: u64,
     pub price: f64,
     pub resources: Resources,
     /// How long the worker holds the lease without renewal.
     pub period: Duration,
+    renewal: tokio::task::JoinHandle<()>,
+    lost: Arc<OnceLock<String>>,
+    allocator: Allocator,
+}
+
+impl Lease {
+    /// Why the lease stopped being renewable, once it has.
+    pub fn lost(&self) -> Option<&str> {
+        self.lost.get().map(String::as_str)
+    }
+
+    /// Stops renewing and gives the lease back now (dropping the handle does the same).
+    pub fn release(self) {}
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.renewal.abort();
+        if self.lost.get().is_none() {
+            self.allocator.release(self.peer, self.id);
+        }
+    }
 }
 
 /// Why allocation failed.
@@ -171,20 +199,22 @@ impl Allocator {
         }
     }
 
-    /// Leases `count` workers for `request`, none of them in `exclude`.
+    /// Leases `count` workers for `request`, none of them in `exclude`. Every lease is renewed
+    /// from its grant on; one that stops being renewable is reported on `lost`. On failure
+    /// (or when the future is dropped) the leases found so far are released.
     pub async fn allocate(
         &self,
         request: &WorkerRequest,
         count: usize,
         exclude: &HashSet<PeerId>,
-    ) -> Result<Vec<Leased>, AllocationError> {
+        lost: &mpsc::Sender<Lost>,
+    ) -> Result<Vec<Lease>, AllocationError> {
         let started = Instant::now();
         let deadline = started + self.settings.timeout;
-        let mut leased: Vec<Leased> = Vec::new();
+        let mut leased: Vec<Lease> = Vec::new();
         while leased.len() < count {
             let now = Instant::now();
             if now >= deadline {
-                self.release_all(&leased).await;
                 return Err(AllocationError::NotEnough {
                     found: leased.len(),
                     wanted: count,
@@ -199,7 +229,7 @@ impl Allocator {
                 .collect();
             let round_end = (now + self.settings.readvertise).min(deadline);
             let more = self
-                .round(request, count - leased.len(), &taken, round_end)
+                .round(request, count - leased.len(), &taken, round_end, lost)
                 .await?;
             leased.extend(more);
         }
@@ -214,7 +244,8 @@ impl Allocator {
         needed: usize,
         taken: &HashSet<PeerId>,
         round_end: Instant,
-    ) -> Result<Vec<Leased>, AllocationError> {
+        lost: &mpsc::Sender<Lost>,
+    ) -> Result<Vec<Lease>, AllocationError> {
         let id = uuid::Uuid::new_v4().to_string();
         let (tx, mut offers) = mpsc::channel(1024);
         if let Ok(mut routes) = self.routes.lock() {
@@ -266,6 +297,7 @@ impl Allocator {
         }
         let accepts = chosen.into_iter().map(|(peer, offer)| {
             let network = self.network.clone();
+            let lost = lost.clone();
             async move {
                 match network
                     .request(
@@ -277,13 +309,13 @@ impl Allocator {
                     Ok(Response::Lease(LeaseGrant {
                         lease,
                         expires_in_ms,
-                    })) => Some(Leased {
+                    })) => Some(self.hold(
                         peer,
                         lease,
-                        price: offer.price,
-                        resources: offer.resources,
-                        period: Duration::from_millis(expires_in_ms),
-                    }),
+                        &offer,
+                        Duration::from_millis(expires_in_ms),
+                        lost.clone(),
+                    )),
                     Ok(_) => None,
                     Err(e) => {
                         tracing::info!(%peer, error = %e, "accepting the offer failed");
@@ -316,7 +348,11 @@ impl Allocator {
     }
 
     /// Gives a lease back without waiting for the answer ([`settle`](Self::settle) waits).
-    pub fn release(&self, peer: PeerId, lease: u64) {
+    /// Outside a runtime (a handle dropped while the program ends) the lease lapses instead.
+    fn release(&self, peer: PeerId, lease: u64) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
         let network = self.network.clone();
         let mut releases = self.releases.lock().unwrap_or_else(|p| p.into_inner());
         while releases.try_join_next().is_some() {}
@@ -339,25 +375,27 @@ impl Allocator {
         }
     }
 
-    async fn release_all(&self, leased: &[Leased]) {
-        for l in leased {
-            self.release(l.peer, l.lease);
-        }
-    }
-
-    /// Renews `leased` until the returned handle is dropped or released; reports on `lost`
-    /// when it cannot be renewed before it lapses.
-    pub fn keep(&self, leased: &Leased, lost: mpsc::Sender<Lost>) -> Kept {
+    /// Starts renewing a granted lease: at a third of its period, and after a failure once
+    /// more, sooner; a refusal, two failures in a row or a lease about to lapse make it lost.
+    fn hold(
+        &self,
+        peer: PeerId,
+        id: u64,
+        offer: &Offer,
+        period: Duration,
+        lost: mpsc::Sender<Lost>,
+    ) -> Lease {
         let network = self.network.clone();
-        let (peer, lease, period) = (leased.peer, leased.lease, leased.period);
-        let task = tokio::spawn(async move {
+        let lost_reason = Arc::new(OnceLock::new());
+        let mark = lost_reason.clone();
+        let renewal = tokio::spawn(async move {
             let mut expires = Instant::now() + period;
             let mut interval = period / 3;
             let mut failures = 0u32;
             loop {
                 tokio::time::sleep(interval).await;
                 match network
-                    .request(peer, Request::Lease(LeaseRequest::Renew { lease }))
+                    .request(peer, Request::Lease(LeaseRequest::Renew { lease: id }))
                     .await
                 {
                     Ok(Response::Lease(grant)) => {
@@ -378,50 +416,32 @@ impl Allocator {
                         // a dropped connection may come back, but two failures in a row mean
                         // the worker is gone, and replacing it early keeps the job going.
                         if refused || failures >= 2 || left < Duration::from_millis(100) {
+                            let _ = mark.set(reason.clone());
                             let _ = lost
                                 .send(Lost {
                                     peer,
-                                    lease,
+                                    lease: id,
                                     reason,
                                 })
                                 .await;
                             return;
                         }
-                        tracing::info!(%peer, lease, %reason, "renewal failed; retrying");
+                        tracing::info!(%peer, lease = id, %reason, "renewal failed; retrying");
                         interval = (left / 4).max(Duration::from_millis(50));
                     }
                 }
             }
         });
-        Kept {
-            task,
-            allocator: self.clone(),
+        Lease {
             peer,
-            lease,
+            id,
+            price: offer.price,
+            resources: offer.resources,
+            period,
+            renewal,
+            lost: lost_reason,
+            allocator: self.clone(),
         }
-    }
-}
-
-/// Renewal of one lease; dropping it stops renewing (the lease then lapses on the worker).
-#[derive(Debug)]
-pub struct Kept {
-    task: tokio::task::JoinHandle<()>,
-    allocator: Allocator,
-    peer: PeerId,
-    lease: u64,
-}
-
-impl Kept {
-    /// Stops renewing and gives the lease back now.
-    pub fn release(self) {
-        self.task.abort();
-        self.allocator.release(self.peer, self.lease);
-    }
-}
-
-impl Drop for Kept {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 

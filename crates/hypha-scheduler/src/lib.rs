@@ -9,6 +9,7 @@
 //! - [`rounds`]: DiLoCo rounds: batch targets from trainers' speeds, when the parameter
 //!   server closes a round, which rounds' slices become used.
 //! - [`training`]: a DiLoCo job's statuses, ledger settlements and metrics file.
+//! - [`slots`]: each worker's share of a job: wanted, allocating, running, done; retries.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //!
@@ -19,5 +20,6 @@ pub mod data;
 pub mod node;
 pub mod rounds;
 pub mod run;
+pub mod slots;
 pub mod spec;
 pub mod training;

@@ -4,7 +4,16 @@
 //! Each worker's share of the job is a *slot*. A slot is done when its executor exits with
 //! code 0. When its job fails (non-zero exit, killed, refused) or its worker is lost (a lease
 //! renewal is refused or the lease lapses), the slot is given to a newly leased worker, up to
-//! `max_attempts` starts per slot; the other slots carry on meanwhile.
+//! `max_attempts` starts per slot; the other slots carry on meanwhile ([`slots`](crate::slots)
+//! decides).
+//!
+//! A run is one actor (`JobRun`): it owns the slots, the jobs with their leases, the training
+//! and the data, and one `JoinSet` with every task it starts (the router of inbound requests,
+//! allocations, dispatches). Its loop takes what those tasks, the workers and the executors
+//! report, one at a time; whatever ends the run (success, a failure, an interrupt, an
+//! allocation that gives up), `finish` lets go of everything in one place: it stops the tasks
+//! (an allocation stopped halfway releases what it leased), releases every lease (which stops
+//! its job on the worker) and gives every job's slices back.
 //!
 //! What happens is reported as [`Event`]s: one line each on the console and, when asked,
 //! one JSON object per line in an events file.
@@ -24,11 +33,15 @@ use hypha_messages::{
 use hypha_network::{InboundRequest, Network};
 use libp2p::PeerId;
 use serde::Serialize;
-use tokio::sync::{mpsc, oneshot};
+use tokio::{
+    sync::{mpsc, oneshot},
+    task::JoinSet,
+};
 
 use crate::{
-    allocator::{AllocationError, Allocator, Kept, Leased, Lost, WorkerRequest},
+    allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
     data::JobData,
+    slots::{Role, Slots, Verdict},
     spec::JobFile,
     training::Training,
 };
@@ -246,18 +259,6 @@ pub enum RunError {
     Unfinished,
 }
 
-struct Running {
-    slot: usize,
-    peer: PeerId,
-    lease: u64,
-    kept: Kept,
-}
-
-struct Slot {
-    attempts: u32,
-    done: bool,
-}
-
 /// An executor's status and where its answer goes.
 pub type ExecutorStatus = (String, serde_json::Value, oneshot::Sender<String>);
 
@@ -266,93 +267,92 @@ const RECEIVED: &str = r#"{"received":true}"#;
 
 /// Answers what reaches a scheduler from the network: offers go to the allocator, job
 /// statuses to `statuses`, executor statuses to `executor_statuses`, whose answer goes back
-/// to the executor.
-pub fn route_inbound(
+/// to the executor. Answers still on their way are dropped with the returned future.
+async fn route_inbound(
     mut inbound: mpsc::Receiver<InboundRequest>,
     allocator: Allocator,
     statuses: mpsc::Sender<(PeerId, StatusReport)>,
     executor_statuses: mpsc::Sender<ExecutorStatus>,
     data: Option<JobData>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        // Iterate and progress requests wait for the ledger: they are answered concurrently,
-        // at most ANSWERING at once; the inbound queue fills behind them.
-        let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
-        while let Some(request) = inbound.recv().await {
-            let peer = request.peer;
-            if let (Request::Iterate(_) | Request::Progress { .. }, Some(data)) =
-                (&request.request, &data)
-            {
-                let Ok(permit) = answering.clone().acquire_owned().await else {
-                    break;
-                };
-                let service = data.service().clone();
-                tokio::spawn(async move {
-                    let response = match &request.request {
-                        Request::Iterate(iterate) => {
-                            service.iterate(&peer, iterate).await.map(Response::Iterate)
-                        }
-                        _ => service.progress().await.map(Response::Progress),
-                    };
-                    let _ = request
-                        .responder
-                        .respond(response.unwrap_or_else(Response::Error))
-                        .await;
-                    drop(permit);
-                });
-                continue;
-            }
-            let response = match request.request {
-                Request::Offer(offer) => {
-                    if allocator.offer_arrived(peer, offer) {
-                        Response::Ack
-                    } else {
-                        Response::Error(RemoteError::new(
-                            ErrorCode::Gone,
-                            "that advertisement is closed",
-                        ))
-                    }
-                }
-                Request::JobStatus(report) => match statuses.try_send((peer, report)) {
-                    Ok(()) => Response::Ack,
-                    Err(_) => Response::Error(RemoteError::new(ErrorCode::Busy, "try again")),
-                },
-                Request::ExecutorStatus { job, payload } => {
-                    match serde_json::from_str::<serde_json::Value>(&payload) {
-                        Ok(payload) => {
-                            let (answer_tx, answer) = oneshot::channel();
-                            if executor_statuses
-                                .try_send((job, payload, answer_tx))
-                                .is_err()
-                            {
-                                Response::Error(RemoteError::new(ErrorCode::Busy, "try again"))
-                            } else {
-                                // The job's loop answers; the router goes on meanwhile.
-                                tokio::spawn(async move {
-                                    let payload =
-                                        answer.await.unwrap_or_else(|_| RECEIVED.to_string());
-                                    let _ = request
-                                        .responder
-                                        .respond(Response::ExecutorStatus { payload })
-                                        .await;
-                                });
-                                continue;
-                            }
-                        }
-                        Err(e) => Response::Error(RemoteError::new(
-                            ErrorCode::BadRequest,
-                            format!("the status is not JSON: {e}"),
-                        )),
-                    }
-                }
-                _ => Response::Error(RemoteError::new(
-                    ErrorCode::Unsupported,
-                    "schedulers answer health, offers, job statuses and, for jobs with data, iterate and progress requests",
-                )),
+) {
+    // Iterate and progress requests wait for the ledger: they are answered concurrently, at
+    // most ANSWERING at once; the inbound queue fills behind them.
+    let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
+    let mut answers = JoinSet::new();
+    while let Some(request) = inbound.recv().await {
+        while answers.try_join_next().is_some() {}
+        let peer = request.peer;
+        if let (Request::Iterate(_) | Request::Progress { .. }, Some(data)) =
+            (&request.request, &data)
+        {
+            let Ok(permit) = answering.clone().acquire_owned().await else {
+                break;
             };
-            let _ = request.responder.respond(response).await;
+            let service = data.service().clone();
+            answers.spawn(async move {
+                let response = match &request.request {
+                    Request::Iterate(iterate) => {
+                        service.iterate(&peer, iterate).await.map(Response::Iterate)
+                    }
+                    _ => service.progress().await.map(Response::Progress),
+                };
+                let _ = request
+                    .responder
+                    .respond(response.unwrap_or_else(Response::Error))
+                    .await;
+                drop(permit);
+            });
+            continue;
         }
-    })
+        let response = match request.request {
+            Request::Offer(offer) => {
+                if allocator.offer_arrived(peer, offer) {
+                    Response::Ack
+                } else {
+                    Response::Error(RemoteError::new(
+                        ErrorCode::Gone,
+                        "that advertisement is closed",
+                    ))
+                }
+            }
+            Request::JobStatus(report) => match statuses.try_send((peer, report)) {
+                Ok(()) => Response::Ack,
+                Err(_) => Response::Error(RemoteError::new(ErrorCode::Busy, "try again")),
+            },
+            Request::ExecutorStatus { job, payload } => {
+                match serde_json::from_str::<serde_json::Value>(&payload) {
+                    Ok(payload) => {
+                        let (answer_tx, answer) = oneshot::channel();
+                        if executor_statuses
+                            .try_send((job, payload, answer_tx))
+                            .is_err()
+                        {
+                            Response::Error(RemoteError::new(ErrorCode::Busy, "try again"))
+                        } else {
+                            // The job's loop answers; the router goes on meanwhile.
+                            answers.spawn(async move {
+                                let payload = answer.await.unwrap_or_else(|_| RECEIVED.to_string());
+                                let _ = request
+                                    .responder
+                                    .respond(Response::ExecutorStatus { payload })
+                                    .await;
+                            });
+                            continue;
+                        }
+                    }
+                    Err(e) => Response::Error(RemoteError::new(
+                        ErrorCode::BadRequest,
+                        format!("the status is not JSON: {e}"),
+                    )),
+                }
+            }
+            _ => Response::Error(RemoteError::new(
+                ErrorCode::Unsupported,
+                "schedulers answer health, offers, job statuses and, for jobs with data, iterate and progress requests",
+            )),
+        };
+        let _ = request.responder.respond(response).await;
+    }
 }
 
 /// Runs `spec` to completion (or until `shutdown`).
@@ -361,7 +361,7 @@ pub async fn run_job(
     inbound: mpsc::Receiver<InboundRequest>,
     allocator: Allocator,
     spec: JobFile,
-    mut events: EventLog,
+    events: EventLog,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
     let task = uuid::Uuid::new_v4().to_string();
@@ -373,7 +373,7 @@ pub async fn run_job(
         },
         _ => None,
     };
-    let mut training = match (&spec.diloco, &data) {
+    let training = match (&spec.diloco, &data) {
         (Some(diloco), Some(data)) => {
             let path = diloco
                 .metrics
@@ -391,375 +391,429 @@ pub async fn run_job(
         }
         _ => None,
     };
-    let (status_tx, mut statuses) = mpsc::channel(256);
-    let (executor_tx, mut executor_statuses) = mpsc::channel::<ExecutorStatus>(256);
-    let router = route_inbound(
-        inbound,
-        allocator.clone(),
-        status_tx,
-        executor_tx,
-        data.clone(),
+    let (mut run, mut channels) = JobRun::new(
+        network, inbound, allocator, &spec, task, data, training, events,
     );
-    let trainer = Role {
-        request: WorkerRequest {
-            executor: spec.executor.clone(),
-            resources: spec.resources,
-            bid: spec.bid,
-        },
-        config: spec.trainer_config(data.as_ref().map(JobData::reference)),
-        artifacts: spec.artifacts.clone(),
-    };
-    let server = spec.diloco.as_ref().map(|diloco| Role {
-        request: WorkerRequest {
-            executor: diloco.parameter_server.executor.clone(),
-            resources: diloco.parameter_server.resources,
-            bid: diloco.parameter_server.bid,
-        },
-        config: diloco.server_config(),
-        // The built-in parameter server runs no program that could read artifacts.
-        artifacts: Vec::new(),
-    });
-    let (lost_tx, mut lost) = mpsc::channel::<Lost>(64);
-    let (replaced_tx, mut replaced) =
-        mpsc::channel::<(usize, Result<Vec<Leased>, AllocationError>)>(64);
-    // Slots 0..workers are the executors (trainers); a DiLoCo job's parameter server is the
-    // slot after them.
-    let slot_count = spec.workers + usize::from(server.is_some());
-    let mut slots: Vec<Slot> = (0..slot_count)
-        .map(|_| Slot {
-            attempts: 0,
-            done: false,
-        })
-        .collect();
-    let mut running: HashMap<String, Running> = HashMap::new();
-    let mut job = Job {
-        network: network.clone(),
-        allocator: allocator.clone(),
-        spec: &spec,
-        task: &task,
-        trainer,
-        server,
-        lost_tx,
-    };
-
-    // The parameter server first, so that no worker is leased as both.
-    let mut initial = Vec::new();
-    if let Some(server) = &job.server {
-        let nobody = HashSet::new();
-        let leased = tokio::select! {
-            leased = allocator.allocate(&server.request, 1, &nobody) => leased?,
-            _ = &mut shutdown => return Err(RunError::Interrupted),
-        };
-        initial.extend(leased.into_iter().map(|l| (spec.workers, l)));
-    }
-    let taken: HashSet<PeerId> = initial.iter().map(|(_, l)| l.peer).collect();
-    let trainers = tokio::select! {
-        leased = allocator.allocate(&job.trainer.request, spec.workers, &taken) => leased?,
-        _ = &mut shutdown => return Err(RunError::Interrupted),
-    };
-    initial.extend(trainers.into_iter().enumerate());
-    for (slot, reason) in job
-        .start(
-            initial,
-            &mut slots,
-            &mut running,
-            &mut training,
-            &mut events,
-        )
-        .await
-    {
-        job.retry(slot, reason, &slots, &running, &replaced_tx)?;
-    }
-
-    // A DiLoCo job with a number of rounds ends with its rounds, data left or not.
-    let ends_with_data = spec.diloco.as_ref().is_none_or(|d| d.rounds.is_none());
-    let outcome = 'events: loop {
-        if slots.iter().all(|s| s.done) {
-            match &data {
-                Some(data) if ends_with_data && !data.finished().await => {
-                    break Err(RunError::Unfinished);
-                }
-                _ => break Ok(()),
-            }
-        }
-        tokio::select! {
-            _ = &mut shutdown => break Err(RunError::Interrupted),
-            Some((peer, report)) = statuses.recv() => {
-                let Some(run) = running.get(&report.job) else { continue };
-                if run.peer != peer {
-                    continue;
-                }
-                let slot = run.slot;
-                events.record(Event::Status {
-                    slot,
-                    job: report.job.clone(),
-                    peer: peer.to_string(),
-                    status: report.status.clone(),
-                });
-                let failure = match &report.status {
-                    JobStatus::Running => continue,
-                    JobStatus::Finished { exit_code: 0, .. } => None,
-                    JobStatus::Finished { exit_code, stderr_tail } => {
-                        Some(with_stderr(format!("exit code {exit_code}"), stderr_tail))
-                    }
-                    JobStatus::Failed { reason, stderr_tail } => {
-                        Some(with_stderr(reason.clone(), stderr_tail))
-                    }
-                };
-                if let Some(run) = running.remove(&report.job) {
-                    run.kept.release();
-                    if let Some(data) = &data {
-                        data.release(&run.peer, &report.job).await;
-                    }
-                    let server = training.as_mut().is_some_and(|t| t.ended(&report.job));
-                    if let (true, Some(reason)) = (server, &failure) {
-                        break Err(RunError::ServerLost { peer: peer.to_string(), reason: reason.clone() });
-                    }
-                }
-                match failure {
-                    None => slots[slot].done = true,
-                    Some(reason) => {
-                        if let Err(e) = job.retry(slot, reason, &slots, &running, &replaced_tx) {
-                            break Err(e);
-                        }
-                    }
-                }
-            }
-            Some(lost) = lost.recv() => {
-                let Some(id) = running
-                    .iter()
-                    .find(|(_, r)| r.peer == lost.peer && r.lease == lost.lease)
-                    .map(|(id, _)| id.clone())
-                else {
-                    continue;
-                };
-                let Some(run) = running.remove(&id) else { continue };
-                if let Some(data) = &data {
-                    data.release(&run.peer, &id).await;
-                }
-                events.record(Event::Lost {
-                    slot: run.slot,
-                    peer: lost.peer.to_string(),
-                    reason: lost.reason.clone(),
-                });
-                if training.as_mut().is_some_and(|t| t.ended(&id)) {
-                    break Err(RunError::ServerLost { peer: lost.peer.to_string(), reason: lost.reason });
-                }
-                if let Err(e) = job.retry(run.slot, lost.reason, &slots, &running, &replaced_tx) {
-                    break Err(e);
-                }
-            }
-            Some((slot, leased)) = replaced.recv() => match leased {
-                Ok(leased) => {
-                    let batch = leased.into_iter().map(|l| (slot, l)).collect();
-                    for (slot, reason) in job.start(batch, &mut slots, &mut running, &mut training, &mut events).await {
-                        if let Err(e) = job.retry(slot, reason, &slots, &running, &replaced_tx) {
-                            break 'events Err(e);
-                        }
-                    }
-                }
-                Err(e) => break Err(e.into()),
-            },
-            Some((id, payload, answer)) = executor_statuses.recv() => {
-                if !running.contains_key(&id) {
-                    let _ = answer.send(RECEIVED.to_string());
-                    continue;
-                }
-                let answered = match training.as_mut() {
-                    Some(training) => training.status(&id, &payload).await,
-                    None => None,
-                };
-                match answered {
-                    Some(answered) => {
-                        let _ = answer.send(answered.payload);
-                        if let Some(applied) = answered.applied {
-                            events.record(Event::Round {
-                                round: applied.round,
-                                trainers: applied.included.len(),
-                                samples: applied.samples,
-                                loss: applied.loss,
-                            });
-                        }
-                    }
-                    None => {
-                        let _ = answer.send(RECEIVED.to_string());
-                        events.record(Event::ExecutorStatus { job: id, payload });
-                    }
-                }
-            }
-        }
-    };
-    for (id, run) in running.drain() {
-        let _ = network
-            .request(run.peer, Request::Cancel { job: id.clone() })
-            .await;
-        run.kept.release();
-        if let Some(data) = &data {
-            data.release(&run.peer, &id).await;
-        }
-    }
-    allocator.settle(RELEASE_LIMIT).await;
-    if let Some(training) = training {
-        training.finish().await;
-    }
-    events.record(Event::Done {
-        ok: outcome.is_ok(),
-        message: match &outcome {
-            Ok(()) => match &spec.diloco {
-                Some(_) => format!(
-                    "{} trainers and the parameter server finished",
-                    spec.workers
-                ),
-                None => format!("all {} workers finished", spec.workers),
-            },
-            Err(e) => e.to_string(),
-        },
-    });
-    router.abort();
-    outcome
+    let outcome = run.drive(&mut channels, &mut shutdown).await;
+    run.finish(outcome).await
 }
 
 /// What one kind of slot asks of a worker, and the config its executor gets.
-struct Role {
+struct Work {
     request: WorkerRequest,
     config: String,
     artifacts: Vec<hypha_messages::artifact::Request>,
 }
 
-struct Job<'a> {
+/// A job dispatched for a slot, and the lease it runs under.
+struct Dispatched {
+    slot: usize,
+    lease: Lease,
+}
+
+/// What the run's tasks hand back when they end.
+enum Internal {
+    Allocated {
+        slots: Vec<usize>,
+        leased: Result<Vec<Lease>, AllocationError>,
+    },
+    /// The dispatch of `job` was answered (or failed).
+    Dispatch {
+        job: String,
+        result: Result<(), String>,
+    },
+    /// The network stopped handing over requests.
+    RouterStopped,
+}
+
+/// What reaches the run from outside its own tasks.
+struct Channels {
+    statuses: mpsc::Receiver<(PeerId, StatusReport)>,
+    executor_statuses: mpsc::Receiver<ExecutorStatus>,
+    lost: mpsc::Receiver<Lost>,
+}
+
+/// One run of a job file: everything it holds, and the one place that lets go of it
+/// ([`finish`](JobRun::finish)). Every task it starts (the router, allocations, dispatches)
+/// is in `tasks`; every lease is in `jobs` or in the allocation that found it, and released
+/// when dropped.
+struct JobRun<'a> {
     network: Network,
     allocator: Allocator,
     spec: &'a JobFile,
-    task: &'a str,
-    trainer: Role,
-    /// A DiLoCo job's parameter server: the slot after the trainers.
-    server: Option<Role>,
-    lost_tx: mpsc::Sender<Lost>,
+    task: String,
+    trainer: Work,
+    /// A DiLoCo job's parameter server.
+    server: Option<Work>,
+    data: Option<JobData>,
+    training: Option<Training>,
+    events: EventLog,
+    slots: Slots,
+    jobs: HashMap<String, Dispatched>,
+    tasks: JoinSet<Internal>,
+    lost: mpsc::Sender<Lost>,
 }
 
-impl Job<'_> {
-    fn role(&self, slot: usize) -> &Role {
-        match &self.server {
-            Some(server) if slot == self.spec.workers => server,
+impl<'a> JobRun<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        network: Network,
+        inbound: mpsc::Receiver<InboundRequest>,
+        allocator: Allocator,
+        spec: &'a JobFile,
+        task: String,
+        data: Option<JobData>,
+        training: Option<Training>,
+        events: EventLog,
+    ) -> (Self, Channels) {
+        let (status_tx, statuses) = mpsc::channel(256);
+        let (executor_tx, executor_statuses) = mpsc::channel(256);
+        let (lost_tx, lost) = mpsc::channel(64);
+        let mut tasks = JoinSet::new();
+        let router = route_inbound(
+            inbound,
+            allocator.clone(),
+            status_tx,
+            executor_tx,
+            data.clone(),
+        );
+        tasks.spawn(async move {
+            router.await;
+            Internal::RouterStopped
+        });
+        let trainer = Work {
+            request: WorkerRequest {
+                executor: spec.executor.clone(),
+                resources: spec.resources,
+                bid: spec.bid,
+            },
+            config: spec.trainer_config(data.as_ref().map(JobData::reference)),
+            artifacts: spec.artifacts.clone(),
+        };
+        let server = spec.diloco.as_ref().map(|diloco| Work {
+            request: WorkerRequest {
+                executor: diloco.parameter_server.executor.clone(),
+                resources: diloco.parameter_server.resources,
+                bid: diloco.parameter_server.bid,
+            },
+            config: diloco.server_config(),
+            // The built-in parameter server runs no program that could read artifacts.
+            artifacts: Vec::new(),
+        });
+        let run = JobRun {
+            network,
+            allocator,
+            spec,
+            task,
+            trainer,
+            slots: Slots::new(spec.workers, server.is_some(), spec.max_attempts),
+            server,
+            data,
+            training,
+            events,
+            jobs: HashMap::new(),
+            tasks,
+            lost: lost_tx,
+        };
+        let channels = Channels {
+            statuses,
+            executor_statuses,
+            lost,
+        };
+        (run, channels)
+    }
+
+    /// Follows the job until every slot is done, a slot fails for good, or `shutdown`.
+    async fn drive(
+        &mut self,
+        channels: &mut Channels,
+        shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+    ) -> Result<(), RunError> {
+        self.allocate_next();
+        loop {
+            if self.slots.complete() {
+                return self.completed().await;
+            }
+            tokio::select! {
+                _ = &mut *shutdown => return Err(RunError::Interrupted),
+                Some(ended) = self.tasks.join_next() => match ended {
+                    Ok(internal) => self.on_task(internal).await?,
+                    // A task that panicked took its leases with it (dropped, so released);
+                    // its slots stay where they were.
+                    Err(error) => tracing::warn!(%error, "a task of the run failed"),
+                },
+                Some((peer, report)) = channels.statuses.recv() => self.on_status(peer, report).await?,
+                Some(lost) = channels.lost.recv() => self.on_lost(lost).await?,
+                Some((job, payload, answer)) = channels.executor_statuses.recv() => {
+                    self.on_executor_status(job, payload, answer).await;
+                }
+            }
+        }
+    }
+
+    /// Every slot is done: the job succeeded, unless it should have used its data up.
+    async fn completed(&self) -> Result<(), RunError> {
+        // A DiLoCo job with a number of rounds ends with its rounds, data left or not.
+        let ends_with_data = self.spec.diloco.as_ref().is_none_or(|d| d.rounds.is_none());
+        match &self.data {
+            Some(data) if ends_with_data && !data.finished().await => Err(RunError::Unfinished),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts the next allocation the slots want, if any.
+    fn allocate_next(&mut self) {
+        let Some((role, slots)) = self.slots.next_allocation() else {
+            return;
+        };
+        let busy: HashSet<PeerId> = self.jobs.values().map(|j| j.lease.peer).collect();
+        let allocator = self.allocator.clone();
+        let request = self.work(role).request.clone();
+        let lost = self.lost.clone();
+        self.tasks.spawn(async move {
+            let leased = allocator
+                .allocate(&request, slots.len(), &busy, &lost)
+                .await;
+            Internal::Allocated { slots, leased }
+        });
+    }
+
+    fn work(&self, role: Role) -> &Work {
+        match (role, &self.server) {
+            (Role::ParameterServer, Some(server)) => server,
             _ => &self.trainer,
         }
     }
 
-    /// Dispatches the slot's executor on a leased worker; returns why not, when it failed.
-    /// Takes up leased workers: records them, keeps their leases, and dispatches their jobs
-    /// all at once. Returns the slots whose dispatch failed, with why.
-    async fn start(
-        &mut self,
-        batch: Vec<(usize, Leased)>,
-        slots: &mut [Slot],
-        running: &mut HashMap<String, Running>,
-        training: &mut Option<Training>,
-        events: &mut EventLog,
-    ) -> Vec<(usize, String)> {
-        let mut dispatches = Vec::with_capacity(batch.len());
-        for (slot, leased) in batch {
-            slots[slot].attempts += 1;
-            events.record(Event::Leased {
-                slot,
-                peer: leased.peer.to_string(),
-                lease: leased.lease,
-                price: leased.price,
-            });
-            let kept = self.allocator.keep(&leased, self.lost_tx.clone());
-            let id = uuid::Uuid::new_v4().to_string();
-            let role = self.role(slot);
-            let spec = JobSpec {
-                id: id.clone(),
-                task: self.task.to_string(),
-                lease: leased.lease,
-                executor: role.request.executor.clone(),
-                config: role.config.clone(),
-                secrets: self.spec.secrets.clone(),
-                artifacts: role.artifacts.clone(),
-                artifact_peers: if role.artifacts.is_empty() {
-                    0
-                } else {
-                    self.spec.workers
-                },
-            };
-            running.insert(
-                id.clone(),
-                Running {
-                    slot,
-                    peer: leased.peer,
-                    lease: leased.lease,
-                    kept,
-                },
-            );
-            dispatches.push((slot, id, leased.peer, spec));
-        }
-        let network = &self.network;
-        let results = futures::future::join_all(dispatches.into_iter().map(
-            |(slot, id, peer, spec)| async move {
-                let result = network.request(peer, Request::Dispatch(spec)).await;
-                (slot, id, peer, result)
-            },
-        ))
-        .await;
-        let mut failed = Vec::new();
-        for (slot, id, peer, result) in results {
-            match result {
-                Ok(_) => {
-                    if let Some(training) = training.as_mut() {
-                        if slot == self.spec.workers {
-                            training.server_started(&id, peer);
-                        } else {
-                            training.trainer_started(&id, peer);
+    async fn on_task(&mut self, internal: Internal) -> Result<(), RunError> {
+        match internal {
+            Internal::Allocated { slots, leased } => {
+                for (slot, lease) in slots.into_iter().zip(leased?) {
+                    match lease.lost() {
+                        // Lost before it was taken up: the slot is wanted again.
+                        Some(reason) => {
+                            tracing::info!(peer = %lease.peer, %reason, "a worker was lost right after it was leased")
                         }
+                        None => self.dispatch(slot, lease),
                     }
-                    events.record(Event::Dispatched {
-                        slot,
-                        job: id,
-                        peer: peer.to_string(),
-                    });
                 }
-                Err(e) => {
-                    if let Some(run) = running.remove(&id) {
-                        run.kept.release();
+                self.slots.allocation_ended();
+                self.allocate_next();
+            }
+            Internal::Dispatch { job, result } => {
+                let Some(dispatched) = self.jobs.get(&job) else {
+                    return Ok(());
+                };
+                let (slot, peer) = (dispatched.slot, dispatched.lease.peer.to_string());
+                match result {
+                    Ok(()) => self.events.record(Event::Dispatched { slot, job, peer }),
+                    Err(error) => {
+                        let reason = format!("dispatch failed: {error}");
+                        self.events.record(Event::Lost {
+                            slot,
+                            peer,
+                            reason: reason.clone(),
+                        });
+                        self.ended(&job, Some(reason)).await?;
                     }
-                    let reason = format!("dispatch failed: {e}");
-                    events.record(Event::Lost {
-                        slot,
-                        peer: peer.to_string(),
-                        reason: reason.clone(),
-                    });
-                    failed.push((slot, reason));
                 }
             }
+            Internal::RouterStopped => {
+                tracing::debug!("the network stopped handing requests to the job");
+            }
         }
-        failed
+        Ok(())
     }
 
-    /// Gives `slot` to a new worker in the background, unless it has had its attempts.
-    fn retry(
-        &self,
-        slot: usize,
-        reason: String,
-        slots: &[Slot],
-        running: &HashMap<String, Running>,
-        replaced: &mpsc::Sender<(usize, Result<Vec<Leased>, AllocationError>)>,
-    ) -> Result<(), RunError> {
-        if slots[slot].attempts >= self.spec.max_attempts {
-            return Err(RunError::Exhausted {
-                slot,
-                attempts: slots[slot].attempts,
-                last: reason,
+    /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
+    fn dispatch(&mut self, slot: usize, lease: Lease) {
+        self.events.record(Event::Leased {
+            slot,
+            peer: lease.peer.to_string(),
+            lease: lease.id,
+            price: lease.price,
+        });
+        let id = uuid::Uuid::new_v4().to_string();
+        let role = self.slots.role(slot);
+        let work = self.work(role);
+        let spec = JobSpec {
+            id: id.clone(),
+            task: self.task.clone(),
+            lease: lease.id,
+            executor: work.request.executor.clone(),
+            config: work.config.clone(),
+            secrets: self.spec.secrets.clone(),
+            artifacts: work.artifacts.clone(),
+            artifact_peers: if work.artifacts.is_empty() {
+                0
+            } else {
+                self.spec.workers
+            },
+        };
+        // Known to the training before the job can send its first status.
+        if let Some(training) = self.training.as_mut() {
+            match role {
+                Role::ParameterServer => training.server_started(&id, lease.peer),
+                Role::Trainer => training.trainer_started(&id, lease.peer),
+            }
+        }
+        self.slots.started(slot, &id);
+        let network = self.network.clone();
+        let peer = lease.peer;
+        self.jobs.insert(id.clone(), Dispatched { slot, lease });
+        self.tasks.spawn(async move {
+            let result = network
+                .request(peer, Request::Dispatch(spec))
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string());
+            Internal::Dispatch { job: id, result }
+        });
+    }
+
+    async fn on_status(&mut self, peer: PeerId, report: StatusReport) -> Result<(), RunError> {
+        let Some(dispatched) = self.jobs.get(&report.job) else {
+            return Ok(());
+        };
+        if dispatched.lease.peer != peer {
+            return Ok(());
+        }
+        self.events.record(Event::Status {
+            slot: dispatched.slot,
+            job: report.job.clone(),
+            peer: peer.to_string(),
+            status: report.status.clone(),
+        });
+        let failure = match report.status {
+            JobStatus::Running => return Ok(()),
+            JobStatus::Finished { exit_code: 0, .. } => None,
+            JobStatus::Finished {
+                exit_code,
+                stderr_tail,
+            } => Some(with_stderr(format!("exit code {exit_code}"), &stderr_tail)),
+            JobStatus::Failed {
+                reason,
+                stderr_tail,
+            } => Some(with_stderr(reason, &stderr_tail)),
+        };
+        self.ended(&report.job, failure).await
+    }
+
+    async fn on_lost(&mut self, lost: Lost) -> Result<(), RunError> {
+        let Some((job, slot)) = self
+            .jobs
+            .iter()
+            .find(|(_, j)| j.lease.peer == lost.peer && j.lease.id == lost.lease)
+            .map(|(job, j)| (job.clone(), j.slot))
+        else {
+            return Ok(());
+        };
+        self.events.record(Event::Lost {
+            slot,
+            peer: lost.peer.to_string(),
+            reason: lost.reason.clone(),
+        });
+        self.ended(&job, Some(lost.reason)).await
+    }
+
+    /// Job `job` ended (`failure`: why not successfully): its lease goes back, its data
+    /// goes back, and its slot is done or wants another worker.
+    async fn ended(&mut self, job: &str, failure: Option<String>) -> Result<(), RunError> {
+        let Some(dispatched) = self.jobs.remove(job) else {
+            return Ok(());
+        };
+        let peer = dispatched.lease.peer;
+        drop(dispatched.lease);
+        if let Some(data) = &self.data {
+            data.release(&peer, job).await;
+        }
+        let server = self.training.as_mut().is_some_and(|t| t.ended(job));
+        let Some(reason) = failure else {
+            self.slots.finished(job);
+            return Ok(());
+        };
+        if server {
+            return Err(RunError::ServerLost {
+                peer: peer.to_string(),
+                reason,
             });
         }
-        let busy: HashSet<PeerId> = running.values().map(|r| r.peer).collect();
-        let allocator = self.allocator.clone();
-        let request = self.role(slot).request.clone();
-        let replaced = replaced.clone();
-        tokio::spawn(async move {
-            let leased = allocator.allocate(&request, 1, &busy).await;
-            let _ = replaced.send((slot, leased)).await;
+        match self.slots.failed(job) {
+            Verdict::Exhausted { slot, attempts } => Err(RunError::Exhausted {
+                slot,
+                attempts,
+                last: reason,
+            }),
+            _ => {
+                self.allocate_next();
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_executor_status(
+        &mut self,
+        job: String,
+        payload: serde_json::Value,
+        answer: oneshot::Sender<String>,
+    ) {
+        if !self.jobs.contains_key(&job) {
+            let _ = answer.send(RECEIVED.to_string());
+            return;
+        }
+        let answered = match self.training.as_mut() {
+            Some(training) => training.status(&job, &payload).await,
+            None => None,
+        };
+        match answered {
+            Some(answered) => {
+                let _ = answer.send(answered.payload);
+                if let Some(applied) = answered.applied {
+                    self.events.record(Event::Round {
+                        round: applied.round,
+                        trainers: applied.included.len(),
+                        samples: applied.samples,
+                        loss: applied.loss,
+                    });
+                }
+            }
+            None => {
+                let _ = answer.send(RECEIVED.to_string());
+                self.events.record(Event::ExecutorStatus { job, payload });
+            }
+        }
+    }
+
+    /// The one way a run ends: every task stops (an allocation in flight releases what it
+    /// leased), every lease goes back (which stops its job on the worker), every job's data
+    /// goes back, and the outcome is recorded.
+    async fn finish(mut self, outcome: Result<(), RunError>) -> Result<(), RunError> {
+        self.tasks.shutdown().await;
+        for (job, dispatched) in std::mem::take(&mut self.jobs) {
+            let peer = dispatched.lease.peer;
+            drop(dispatched.lease);
+            if let Some(data) = &self.data {
+                data.release(&peer, &job).await;
+            }
+        }
+        self.allocator.settle(RELEASE_LIMIT).await;
+        if let Some(training) = self.training.take() {
+            training.finish().await;
+        }
+        self.events.record(Event::Done {
+            ok: outcome.is_ok(),
+            message: match &outcome {
+                Ok(()) => match &self.spec.diloco {
+                    Some(_) => format!(
+                        "{} trainers and the parameter server finished",
+                        self.spec.workers
+                    ),
+                    None => format!("all {} workers finished", self.spec.workers),
+                },
+                Err(e) => e.to_string(),
+            },
         });
-        Ok(())
+        outcome
     }
 }
 

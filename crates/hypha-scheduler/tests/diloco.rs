@@ -48,8 +48,13 @@ fn cluster() -> (Cluster, Proc, Proc) {
 }
 
 fn trainer(cluster: &Cluster, name: &str) -> Proc {
+    trainer_with(cluster, name, "")
+}
+
+/// A trainer worker that also offers `executors`.
+fn trainer_with(cluster: &Cluster, name: &str, executors: &str) -> Proc {
     let executor = format!(
-        "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n",
+        "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{executors}",
         bin("hypha-executor").display().to_string()
     );
     cluster.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
@@ -275,4 +280,47 @@ fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
         returned.contains(&ReturnReason::WorkerLost),
         "the killed trainer's slices went back: {returned:?}"
     );
+}
+
+#[test]
+fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_periods() {
+    let (cluster, _data, _server) = cluster();
+    // Both trainers are leased by another scheduler's job for 10 s: over three of the
+    // workers' 3 s lease periods.
+    let sleeper = "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", \"sleep 10\"]\n";
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| trainer_with(&cluster, &format!("trainer{i}"), sleeper))
+        .collect();
+    let busy = cluster.job(
+        "busy",
+        "workers = 2\nbid = 50\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n",
+    );
+    let (mut other, _) = cluster.scheduler("other", &busy);
+    other.wait_for("job dispatched");
+    other.wait_for("job dispatched");
+
+    let job = job(&cluster, "patient", 2, 1, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    assert!(ok, "the scheduler failed:\n{}", lines.join("\n"));
+    assert!(other.wait(Duration::from_secs(30)).0);
+
+    let events = events(&events_path);
+    assert!(
+        of_kind(&events, "lost").is_empty(),
+        "no worker was lost: {:#?}",
+        of_kind(&events, "lost")
+    );
+    let leased = of_kind(&events, "leased");
+    assert_eq!(leased.len(), 3, "{leased:#?}");
+    let server_leased = leased[0]["time_ms"].as_u64().unwrap();
+    let trainers_leased = leased[1]["time_ms"].as_u64().unwrap();
+    assert!(
+        trainers_leased >= server_leased + 3 * 3000,
+        "the trainers were busy for three lease periods: leased {} ms after the server",
+        trainers_leased - server_leased
+    );
+    assert!(!of_kind(&events, "round").is_empty());
+    let (used, _) = audit(&cluster.path("patient-job.ledger"));
+    assert_each_used_once(&used, 1, SLICES);
 }

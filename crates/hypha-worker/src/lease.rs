@@ -14,7 +14,10 @@ use std::{
 
 use crate::resources::{Resources, fits, minus, plus};
 
-/// Identifies a lease.
+/// Identifies a lease. Drawn at random, never 0 and never reused by this worker: an id names
+/// one lease across restarts of the worker and of its schedulers, so that a scheduler that
+/// remembers a lease from before a restart can never renew, or be cancelled by, another one
+/// that happens to carry the same number.
 pub type LeaseId = u64;
 
 /// What a lease is at.
@@ -47,7 +50,6 @@ pub enum LeaseError {
 pub struct LeaseManager {
     capacity: Resources,
     leases: HashMap<LeaseId, Lease>,
-    next_id: LeaseId,
 }
 
 impl LeaseManager {
@@ -55,7 +57,6 @@ impl LeaseManager {
         LeaseManager {
             capacity,
             leases: HashMap::new(),
-            next_id: 1,
         }
     }
 
@@ -78,8 +79,12 @@ impl LeaseManager {
         if !fits(resources, self.available(now)) {
             return Err(LeaseError::Insufficient);
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = loop {
+            let id = rand::random::<LeaseId>();
+            if id != 0 && !self.leases.contains_key(&id) {
+                break id;
+            }
+        };
         self.leases.insert(
             id,
             Lease {

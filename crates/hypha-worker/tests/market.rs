@@ -219,3 +219,25 @@ fn leases_never_double_book_and_expire_on_their_own() {
         Err(LeaseError::Unknown)
     );
 }
+
+#[test]
+fn a_restarted_worker_never_reuses_a_lease_id() {
+    let now = Instant::now();
+    let one = Resources {
+        cpu: 0.001,
+        ..Resources::default()
+    };
+    let ids = |leases: &mut LeaseManager| -> std::collections::HashSet<u64> {
+        (0..1000)
+            .map(|_| leases.reserve(one, Duration::from_secs(1), now).unwrap())
+            .collect()
+    };
+    let before = ids(&mut LeaseManager::new(capacity()));
+    let after = ids(&mut LeaseManager::new(capacity()));
+    assert_eq!(before.len(), 1000, "ids within one run are distinct");
+    assert!(
+        before.is_disjoint(&after),
+        "a scheduler renewing a lease it remembers from before the worker restarted must not reach a new one"
+    );
+    assert!(!before.contains(&0) && !after.contains(&0));
+}

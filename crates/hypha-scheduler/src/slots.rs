@@ -1,0 +1,273 @@
+//! A job's slots as a plain state machine: which need a worker, which run which job, which
+//! are done, and when a slot has failed too often. [`run`](crate::run) feeds it what happens
+//! and carries out what it returns; it knows nothing of networks or leases.
+//!
+//! Each worker's share of a job is a *slot*: slots `0..trainers` run the job's executor, and a
+//! DiLoCo job has one more, the parameter server's. A slot moves through
+//!
+//! ```text
+//! Wanted ──allocation starts──▶ Allocating ──leased──▶ Running(job) ──exit 0──▶ Done
+//!    ▲                              │                      │
+//!    └────── allocation failed ─────┘◀── failed, lost ─────┘ (while attempts are left)
+//! ```
+//!
+//! One allocation is in flight at a time, for the wanted slots of one role, the parameter
+//! server's first: so no worker is leased for two slots of a run, and a replacement never
+//! races another allocation for the same worker.
+
+/// What a slot's worker runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Trainer,
+    ParameterServer,
+}
+
+/// Where a slot stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotState {
+    /// Needs a worker.
+    Wanted,
+    /// An allocation is finding it one.
+    Allocating,
+    /// Job `job` was dispatched for it (or is being dispatched).
+    Running { job: String },
+    /// Its job finished successfully.
+    Done,
+}
+
+/// What the run must do after a slot's job ended or its worker was lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The slot is done.
+    Done,
+    /// The slot wants another worker.
+    Replace,
+    /// The slot had its attempts: the run fails.
+    Exhausted { slot: usize, attempts: u32 },
+    /// Not a job of this run (any more): nothing to do.
+    Unknown,
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    role: Role,
+    state: SlotState,
+    /// Jobs started for the slot.
+    attempts: u32,
+}
+
+/// The slots of one job.
+#[derive(Debug, Clone)]
+pub struct Slots {
+    slots: Vec<Slot>,
+    max_attempts: u32,
+    allocating: bool,
+}
+
+impl Slots {
+    /// `trainers` executor slots, then the parameter server's when `server`; each may start
+    /// at most `max_attempts` jobs.
+    pub fn new(trainers: usize, server: bool, max_attempts: u32) -> Self {
+        let mut slots = vec![
+            Slot {
+                role: Role::Trainer,
+                state: SlotState::Wanted,
+                attempts: 0,
+            };
+            trainers
+        ];
+        if server {
+            slots.push(Slot {
+                role: Role::ParameterServer,
+                state: SlotState::Wanted,
+                attempts: 0,
+            });
+        }
+        Self {
+            slots,
+            max_attempts,
+            allocating: false,
+        }
+    }
+
+    pub fn role(&self, slot: usize) -> Role {
+        self.slots.get(slot).map_or(Role::Trainer, |s| s.role)
+    }
+
+    pub fn state(&self, slot: usize) -> Option<&SlotState> {
+        self.slots.get(slot).map(|s| &s.state)
+    }
+
+    pub fn attempts(&self, slot: usize) -> u32 {
+        self.slots.get(slot).map_or(0, |s| s.attempts)
+    }
+
+    /// The next allocation to start, when none is in flight and slots are wanted: the wanted
+    /// slots of one role, the parameter server's first. They become `Allocating`.
+    pub fn next_allocation(&mut self) -> Option<(Role, Vec<usize>)> {
+        if self.allocating {
+            return None;
+        }
+        let role = [Role::ParameterServer, Role::Trainer]
+            .into_iter()
+            .find(|role| self.wanted(*role).next().is_some())?;
+        let slots: Vec<usize> = self.wanted(role).collect();
+        for slot in &slots {
+            self.slots[*slot].state = SlotState::Allocating;
+        }
+        self.allocating = true;
+        Some((role, slots))
+    }
+
+    fn wanted(&self, role: Role) -> impl Iterator<Item = usize> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(move |(_, s)| s.role == role && s.state == SlotState::Wanted)
+            .map(|(slot, _)| slot)
+    }
+
+    /// The allocation in flight ended; slots it found no worker for are wanted again.
+    pub fn allocation_ended(&mut self) {
+        self.allocating = false;
+        for slot in &mut self.slots {
+            if slot.state == SlotState::Allocating {
+                slot.state = SlotState::Wanted;
+            }
+        }
+    }
+
+    /// Job `job` is being dispatched for `slot`: one more attempt.
+    pub fn started(&mut self, slot: usize, job: &str) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.attempts += 1;
+            s.state = SlotState::Running {
+                job: job.to_string(),
+            };
+        }
+    }
+
+    /// The slot running `job`, if any.
+    pub fn slot_of(&self, job: &str) -> Option<usize> {
+        self.slots
+            .iter()
+            .position(|s| matches!(&s.state, SlotState::Running { job: j } if j == job))
+    }
+
+    /// Job `job` finished successfully.
+    pub fn finished(&mut self, job: &str) -> Verdict {
+        let Some(slot) = self.slot_of(job) else {
+            return Verdict::Unknown;
+        };
+        self.slots[slot].state = SlotState::Done;
+        Verdict::Done
+    }
+
+    /// Job `job` failed or its worker was lost (a dispatch that failed counts too): its slot
+    /// wants a new worker while it has attempts left.
+    pub fn failed(&mut self, job: &str) -> Verdict {
+        let Some(slot) = self.slot_of(job) else {
+            return Verdict::Unknown;
+        };
+        let s = &mut self.slots[slot];
+        if s.attempts >= self.max_attempts {
+            s.state = SlotState::Done;
+            return Verdict::Exhausted {
+                slot,
+                attempts: s.attempts,
+            };
+        }
+        s.state = SlotState::Wanted;
+        Verdict::Replace
+    }
+
+    /// Every slot is done.
+    pub fn complete(&self) -> bool {
+        self.slots.iter().all(|s| s.state == SlotState::Done)
+    }
+
+    /// The jobs running now, with their slots.
+    pub fn running(&self) -> impl Iterator<Item = (usize, &str)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, s)| match &s.state {
+                SlotState::Running { job } => Some((slot, job.as_str())),
+                _ => None,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parameter_server_is_allocated_first_and_alone() {
+        let mut slots = Slots::new(3, true, 2);
+        assert_eq!(
+            slots.next_allocation(),
+            Some((Role::ParameterServer, vec![3]))
+        );
+        assert_eq!(slots.next_allocation(), None, "one allocation at a time");
+        slots.started(3, "ps");
+        slots.allocation_ended();
+        assert_eq!(
+            slots.next_allocation(),
+            Some((Role::Trainer, vec![0, 1, 2]))
+        );
+        for (slot, job) in ["a", "b", "c"].iter().enumerate() {
+            slots.started(slot, job);
+        }
+        slots.allocation_ended();
+        assert_eq!(slots.next_allocation(), None, "nothing is wanted");
+        assert_eq!(slots.running().count(), 4);
+    }
+
+    #[test]
+    fn slots_without_a_worker_are_wanted_again_and_a_failure_is_replaced() {
+        let mut slots = Slots::new(2, false, 2);
+        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![0, 1])));
+        slots.started(0, "a");
+        slots.allocation_ended();
+        assert_eq!(slots.state(1), Some(&SlotState::Wanted));
+        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![1])));
+        slots.started(1, "b");
+        slots.allocation_ended();
+
+        assert_eq!(slots.failed("a"), Verdict::Replace);
+        assert_eq!(slots.failed("a"), Verdict::Unknown, "reported twice");
+        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![0])));
+        slots.started(0, "a2");
+        slots.allocation_ended();
+        assert_eq!(slots.attempts(0), 2);
+        assert_eq!(slots.finished("b"), Verdict::Done);
+        assert!(!slots.complete());
+        assert_eq!(slots.finished("a2"), Verdict::Done);
+        assert!(slots.complete());
+        assert_eq!(
+            slots.finished("a"),
+            Verdict::Unknown,
+            "a replaced job that ends late changes nothing"
+        );
+    }
+
+    #[test]
+    fn a_slot_that_fails_its_attempts_ends_the_run() {
+        let mut slots = Slots::new(1, false, 2);
+        slots.next_allocation();
+        slots.started(0, "a");
+        slots.allocation_ended();
+        assert_eq!(slots.failed("a"), Verdict::Replace);
+        slots.next_allocation();
+        slots.started(0, "b");
+        slots.allocation_ended();
+        assert_eq!(
+            slots.failed("b"),
+            Verdict::Exhausted {
+                slot: 0,
+                attempts: 2
+            }
+        );
+    }
+}
