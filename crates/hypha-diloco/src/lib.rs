@@ -29,7 +29,7 @@ mod tensors;
 
 pub use accumulate::Accumulator;
 pub use optimizer::OuterOptimizer;
-pub use tensors::{Metadata, Tensor, Tensors, metadata};
+pub use tensors::{MAX_HEADER, Metadata, Tensor, Tensors, metadata, read_metadata};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

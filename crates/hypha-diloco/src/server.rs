@@ -39,7 +39,6 @@ pub struct ParameterServer {
 
 const MODEL_PREFIX: &str = "model/";
 const MOMENTUM_PREFIX: &str = "momentum/";
-const KIND_CHECKPOINT: &str = "checkpoint";
 
 impl ParameterServer {
     /// A server without a model: it adopts the first one [`offered`](Self::offer).
@@ -176,7 +175,7 @@ impl ParameterServer {
         Tensors(all).save(
             path,
             &Metadata::from([
-                (meta::KIND.to_string(), KIND_CHECKPOINT.to_string()),
+                (meta::KIND.to_string(), meta::KIND_CHECKPOINT.to_string()),
                 (meta::ROUND.to_string(), self.round.to_string()),
             ]),
         )

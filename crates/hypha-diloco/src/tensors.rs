@@ -100,6 +100,33 @@ pub fn metadata(bytes: &[u8]) -> Result<Metadata, Error> {
         .collect())
 }
 
+/// The `__metadata__` of the SafeTensors file `reader` is at the start of, read from its
+/// header alone (at most [`MAX_HEADER`] bytes), however large the tensors behind it.
+pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error> {
+    let mut length = [0u8; 8];
+    let io = |e: std::io::Error| Error::Format(format!("cannot read the header: {e}"));
+    reader.read_exact(&mut length).map_err(io)?;
+    let length = u64::from_le_bytes(length);
+    if length > MAX_HEADER {
+        return Err(Error::Format(format!(
+            "a header of {length} bytes (at most {MAX_HEADER})"
+        )));
+    }
+    let mut header = vec![0u8; length as usize];
+    reader.read_exact(&mut header).map_err(io)?;
+    #[derive(serde::Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__", default)]
+        metadata: Metadata,
+    }
+    let header: Header = serde_json::from_slice(&header)
+        .map_err(|e| Error::Format(format!("the header is not SafeTensors JSON: {e}")))?;
+    Ok(header.metadata)
+}
+
+/// The largest SafeTensors header [`read_metadata`] reads.
+pub const MAX_HEADER: u64 = 100 << 20;
+
 /// Applies `op(target, value)` to each of `targets` with the matching value of
 /// little-endian `data` in `dtype`, in order; false when `dtype` is none of F32, F64 and
 /// BF16. Written as zips over exact chunks so that the compiler vectorises the loops.

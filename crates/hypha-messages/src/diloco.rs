@@ -40,6 +40,9 @@ pub mod meta {
     pub const SAMPLES: &str = "hypha.samples";
     pub const KIND_MODEL: &str = "model";
     pub const KIND_PSEUDO_GRADIENT: &str = "pseudo_gradient";
+    /// The parameter server's state: model and outer momentum, its round the next one to
+    /// train.
+    pub const KIND_CHECKPOINT: &str = "checkpoint";
 }
 
 /// A DiLoCo status, as sent to the scheduler.

@@ -4,6 +4,8 @@
 //!   cheapest per weighted resource unit (one offer per worker), accept, keep leases renewed,
 //!   report workers that are lost.
 //! - [`spec`]: the job file.
+//! - [`checkpoint`]: a DiLoCo run's checkpoints, pushed by its parameter server, kept beside
+//!   the ledger.
 //! - [`data`]: a job's dataset iteration (`cluster_sync = true`): the scheduler's ledger hands
 //!   every slice to exactly one job.
 //! - [`rounds`]: DiLoCo rounds: batch targets from trainers' speeds, when the parameter
@@ -16,6 +18,7 @@
 //! This crate knows how to choose and drive workers, not how they run executors.
 
 pub mod allocator;
+pub mod checkpoint;
 pub mod data;
 pub mod node;
 pub mod rounds;

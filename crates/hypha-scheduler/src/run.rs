@@ -40,6 +40,7 @@ use tokio::{
 
 use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
+    checkpoint::{self, Checkpoints},
     data::JobData,
     slots::{Role, Slots, Verdict},
     spec::JobFile,
@@ -391,8 +392,19 @@ pub async fn run_job(
         }
         _ => None,
     };
+    let checkpoints = match (&training, spec.ledger_path()) {
+        (Some(_), Some(ledger)) => Some(Checkpoints::new(checkpoint::path_beside(&ledger))),
+        _ => None,
+    };
     let (mut run, mut channels) = JobRun::new(
-        network, inbound, allocator, &spec, task, data, training, events,
+        network,
+        inbound,
+        allocator,
+        &spec,
+        task,
+        data,
+        training.map(|t| (t, checkpoints)),
+        events,
     );
     let outcome = run.drive(&mut channels, &mut shutdown).await;
     run.finish(outcome).await
@@ -422,8 +434,8 @@ enum Internal {
         job: String,
         result: Result<(), String>,
     },
-    /// The network stopped handing over requests.
-    RouterStopped,
+    /// The network stopped handing over requests (`router`) or streams (`checkpoints`).
+    Stopped(&'static str),
 }
 
 /// What reaches the run from outside its own tasks.
@@ -431,6 +443,8 @@ struct Channels {
     statuses: mpsc::Receiver<(PeerId, StatusReport)>,
     executor_statuses: mpsc::Receiver<ExecutorStatus>,
     lost: mpsc::Receiver<Lost>,
+    /// Rounds of the checkpoints stored.
+    checkpoints: mpsc::Receiver<u64>,
 }
 
 /// One run of a job file: everything it holds, and the one place that lets go of it
@@ -447,6 +461,8 @@ struct JobRun<'a> {
     server: Option<Work>,
     data: Option<JobData>,
     training: Option<Training>,
+    /// A DiLoCo job's checkpoints, when it has a ledger to keep them beside.
+    checkpoints: Option<Checkpoints>,
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
@@ -463,13 +479,25 @@ impl<'a> JobRun<'a> {
         spec: &'a JobFile,
         task: String,
         data: Option<JobData>,
-        training: Option<Training>,
+        training: Option<(Training, Option<Checkpoints>)>,
         events: EventLog,
     ) -> (Self, Channels) {
         let (status_tx, statuses) = mpsc::channel(256);
         let (executor_tx, executor_statuses) = mpsc::channel(256);
         let (lost_tx, lost) = mpsc::channel(64);
+        let (stored_tx, stored) = mpsc::channel(16);
+        let (training, checkpoints) = match training {
+            Some((training, checkpoints)) => (Some(training), checkpoints),
+            None => (None, None),
+        };
         let mut tasks = JoinSet::new();
+        if let Some(checkpoints) = checkpoints.clone() {
+            let serve = checkpoints.serve(network.clone(), task.clone(), stored_tx);
+            tasks.spawn(async move {
+                serve.await;
+                Internal::Stopped("checkpoints")
+            });
+        }
         let router = route_inbound(
             inbound,
             allocator.clone(),
@@ -479,7 +507,7 @@ impl<'a> JobRun<'a> {
         );
         tasks.spawn(async move {
             router.await;
-            Internal::RouterStopped
+            Internal::Stopped("router")
         });
         let trainer = Work {
             request: WorkerRequest {
@@ -510,6 +538,7 @@ impl<'a> JobRun<'a> {
             server,
             data,
             training,
+            checkpoints,
             events,
             jobs: HashMap::new(),
             tasks,
@@ -519,6 +548,7 @@ impl<'a> JobRun<'a> {
             statuses,
             executor_statuses,
             lost,
+            checkpoints: stored,
         };
         (run, channels)
     }
@@ -532,6 +562,11 @@ impl<'a> JobRun<'a> {
         self.allocate_next();
         loop {
             if self.slots.complete() {
+                // A parameter server exits only once its last checkpoint is stored, and that
+                // was told before it heard so: count it before the run's end is judged.
+                while let Ok(round) = channels.checkpoints.try_recv() {
+                    self.checkpoint_stored(round).await;
+                }
                 return self.completed().await;
             }
             tokio::select! {
@@ -547,6 +582,7 @@ impl<'a> JobRun<'a> {
                 Some((job, payload, answer)) = channels.executor_statuses.recv() => {
                     self.on_executor_status(job, payload, answer).await;
                 }
+                Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await,
             }
         }
     }
@@ -618,8 +654,8 @@ impl<'a> JobRun<'a> {
                     }
                 }
             }
-            Internal::RouterStopped => {
-                tracing::debug!("the network stopped handing requests to the job");
+            Internal::Stopped(what) => {
+                tracing::debug!(what, "the network stopped handing the job what it receives");
             }
         }
         Ok(())
@@ -650,12 +686,15 @@ impl<'a> JobRun<'a> {
                 self.spec.workers
             },
         };
-        // Known to the training before the job can send its first status.
+        // Known to the training before the job can send its first status or checkpoint.
         if let Some(training) = self.training.as_mut() {
             match role {
                 Role::ParameterServer => training.server_started(&id, lease.peer),
                 Role::Trainer => training.trainer_started(&id, lease.peer),
             }
+        }
+        if let (Role::ParameterServer, Some(checkpoints)) = (role, &self.checkpoints) {
+            checkpoints.accept_from(Some(lease.peer));
         }
         self.slots.started(slot, &id);
         let network = self.network.clone();
@@ -724,10 +763,16 @@ impl<'a> JobRun<'a> {
         };
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);
-        if let Some(data) = &self.data {
-            data.release(&peer, job).await;
-        }
+        self.release_data(peer, job).await;
         let server = self.training.as_mut().is_some_and(|t| t.ended(job));
+        if server {
+            if let Some(checkpoints) = &self.checkpoints {
+                checkpoints.accept_from(None);
+            }
+            if let (Some(training), Some(_)) = (self.training.as_mut(), &failure) {
+                training.rounds_lost().await;
+            }
+        }
         let Some(reason) = failure else {
             self.slots.finished(job);
             return Ok(());
@@ -748,6 +793,22 @@ impl<'a> JobRun<'a> {
                 self.allocate_next();
                 Ok(())
             }
+        }
+    }
+
+    /// Job `job` on `peer` ended: its slices go back (a trainer's once its applied rounds
+    /// are settled).
+    async fn release_data(&mut self, peer: PeerId, job: &str) {
+        match (self.training.as_mut(), &self.data) {
+            (Some(training), _) => training.release(peer, job).await,
+            (None, Some(data)) => data.release(&peer, job).await,
+            (None, None) => {}
+        }
+    }
+
+    async fn checkpoint_stored(&mut self, round: u64) {
+        if let Some(training) = self.training.as_mut() {
+            training.checkpoint_stored(round).await;
         }
     }
 
@@ -792,9 +853,7 @@ impl<'a> JobRun<'a> {
         for (job, dispatched) in std::mem::take(&mut self.jobs) {
             let peer = dispatched.lease.peer;
             drop(dispatched.lease);
-            if let Some(data) = &self.data {
-                data.release(&peer, &job).await;
-            }
+            self.release_data(peer, &job).await;
         }
         self.allocator.settle(RELEASE_LIMIT).await;
         if let Some(training) = self.training.take() {

@@ -1,6 +1,10 @@
 //! A DiLoCo job's side of the run loop: answers trainers' and the parameter server's statuses
 //! from its [`Rounds`], settles rounds in the ledger, and writes the metrics file.
 //!
+//! A round's slices become used only once the round is in a checkpoint the scheduler holds
+//! ([`checkpoint`](crate::checkpoint)): an applied round waits for it, and so do the slices of
+//! a trainer that ended meanwhile. Rounds that a lost parameter server took with it go back.
+//!
 //! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
 //! trainer's report (round, batches, samples, batch time, loss, evaluation) and
 //! `{"kind": "round", …}` for every round the parameter server applied. Each line is written
@@ -39,6 +43,20 @@ pub struct Training {
     peers: HashMap<String, PeerId>,
     server: Option<String>,
     round_started_ms: u64,
+    /// The round of the newest checkpoint the scheduler holds: the rounds before it are in the
+    /// model the run continues from.
+    checkpointed: Option<u64>,
+    /// Applied rounds of trainers' jobs waiting for a checkpoint that holds them.
+    uncommitted: Vec<Uncommitted>,
+    /// Jobs that ended while rounds of theirs waited: their slices go back once those settle.
+    deferred: Vec<(PeerId, String)>,
+}
+
+#[derive(Debug)]
+struct Uncommitted {
+    round: u64,
+    peer: PeerId,
+    job: String,
 }
 
 /// What a status was answered with, for the run loop to report.
@@ -66,6 +84,9 @@ impl Training {
             peers: HashMap::new(),
             server: None,
             round_started_ms: unix_ms(),
+            checkpointed: None,
+            uncommitted: Vec::new(),
+            deferred: Vec::new(),
         })
     }
 
@@ -93,8 +114,51 @@ impl Training {
         false
     }
 
-    /// Gives the forward URL up to [`FORWARD_FLUSH`] to take the lines still queued.
-    pub async fn finish(self) {
+    /// The scheduler holds a checkpoint of `round`: the rounds before it are used.
+    pub async fn checkpoint_stored(&mut self, round: u64) {
+        self.checkpointed = self.checkpointed.max(Some(round));
+        let (held, waiting) = std::mem::take(&mut self.uncommitted)
+            .into_iter()
+            .partition(|u| u.round < round);
+        self.uncommitted = waiting;
+        for u in held {
+            self.settle_now(&u.peer, &u.job, u.round, true).await;
+        }
+        self.release_deferred().await;
+    }
+
+    /// The parameter server is gone with the rounds it applied after its last checkpoint
+    /// here: their slices go back.
+    pub async fn rounds_lost(&mut self) {
+        for u in std::mem::take(&mut self.uncommitted) {
+            self.settle_now(&u.peer, &u.job, u.round, false).await;
+        }
+        self.release_deferred().await;
+    }
+
+    /// Job `job` on `peer` ended: its slices go back, once its applied rounds are settled.
+    pub async fn release(&mut self, peer: PeerId, job: &str) {
+        if self.uncommitted.iter().any(|u| u.job == job) {
+            self.deferred.push((peer, job.to_string()));
+        } else {
+            self.data.release(&peer, job).await;
+        }
+    }
+
+    async fn release_deferred(&mut self) {
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(_, job)| !self.uncommitted.iter().any(|u| &u.job == job));
+        self.deferred = waiting;
+        for (peer, job) in ready {
+            self.data.release(&peer, &job).await;
+        }
+    }
+
+    /// Gives the forward URL up to [`FORWARD_FLUSH`] to take the lines still queued; the
+    /// slices of jobs that ended go back, rounds that never reached a checkpoint with them.
+    pub async fn finish(mut self) {
+        self.rounds_lost().await;
         if let Some((lines, task)) = self.forward {
             drop(lines);
             if tokio::time::timeout(FORWARD_FLUSH, task).await.is_err() {
@@ -147,14 +211,22 @@ impl Training {
         Some(Answered { payload, applied })
     }
 
-    async fn settle(&self, settle: Settle) {
-        let (job, round, commit) = match &settle {
-            Settle::Commit { job, round } => (job, *round, true),
-            Settle::Drop { job, round } => (job, *round, false),
+    async fn settle(&mut self, settle: Settle) {
+        let (job, round, commit) = match settle {
+            Settle::Commit { job, round } => (job, round, true),
+            Settle::Drop { job, round } => (job, round, false),
         };
-        let Some(peer) = self.peers.get(job) else {
+        let Some(peer) = self.peers.get(&job).copied() else {
             return;
         };
+        if commit && self.checkpointed.is_none_or(|held| round >= held) {
+            self.uncommitted.push(Uncommitted { round, peer, job });
+            return;
+        }
+        self.settle_now(&peer, &job, round, commit).await;
+    }
+
+    async fn settle_now(&self, peer: &PeerId, job: &str, round: u64, commit: bool) {
         if let Err(error) = self.data.settle_round(peer, job, round, commit).await {
             tracing::warn!(%job, round, %error, "could not settle a round's slices in the ledger");
         }

@@ -221,6 +221,18 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
         forwarded.len()
     );
 
+    // The scheduler holds the checkpoint of the last round beside its ledger: the model
+    // and momentum the run would continue from.
+    let held = hypha_scheduler::checkpoint::checkpoint_round(
+        &cluster.path("train-job.checkpoint.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(
+        held,
+        rounds.len() as u64,
+        "the checkpoint starts the round after the last"
+    );
+
     // Each slice was trained exactly once per epoch; nothing went back to the ledger.
     let (used, returned) = audit(&cluster.path("train-job.ledger"));
     assert_each_used_once(&used, 2, SLICES);

@@ -10,9 +10,16 @@
 //! Nesterov step, checkpoint, new global model to every trainer), or finish.
 //!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
-//! momentum, round; written atomically after every round), `models/round-{r}.safetensors`
-//! (the global model each round starts from, as sent), `final.safetensors` (the model when
-//! training is over).
+//! momentum, round; written atomically when the model is adopted and after every round),
+//! `models/round-{r}.safetensors` (the global model each round starts from, as sent),
+//! `final.safetensors` (the model when training is over).
+//!
+//! **The checkpoint's second place.** Every checkpoint is pushed to the scheduler over the
+//! resource protocol in the background (only the newest while one is on its way, retried
+//! until the scheduler takes it): the scheduler marks a round's slices used only once the
+//! round is in a checkpoint it holds, and restores a replacement from it. A server given
+//! `{"restore": {"round": r}}` waits for that checkpoint from the scheduler before it serves;
+//! a server told that training is over pushes its last checkpoint before it exits.
 
 use std::{
     collections::HashSet,
@@ -40,6 +47,11 @@ use crate::bridge::transfer::{self, Header, Inbox};
 pub const REPORT_EVERY: Duration = Duration::from_millis(250);
 /// The checkpoint, in the job's directory.
 pub const CHECKPOINT: &str = "parameter-server.safetensors";
+/// The name a checkpoint travels under, to and from the scheduler.
+pub const CHECKPOINT_TRANSFER: &str = "checkpoint.safetensors";
+/// How long a restored server waits for its checkpoint, and a finishing one for its last
+/// checkpoint to reach the scheduler.
+pub const CHECKPOINT_PATIENCE: Duration = Duration::from_secs(120);
 /// The model when training is over, in the job's directory.
 pub const FINAL_MODEL: &str = "final.safetensors";
 
@@ -47,6 +59,14 @@ pub const FINAL_MODEL: &str = "final.safetensors";
 #[derive(Debug, Clone, Copy, Deserialize)]
 struct Config {
     outer: Outer,
+    /// Start from the scheduler's checkpoint of this round instead of a trainer's model.
+    #[serde(default)]
+    restore: Option<Restore>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct Restore {
+    round: u64,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -79,6 +99,11 @@ enum ServerError {
     Diloco(#[from] hypha_diloco::Error),
     #[error("cannot write {path}: {error}")]
     Write { path: String, error: std::io::Error },
+    #[error(
+        "the scheduler's checkpoint of round {round} did not come within {:?}: {reason}",
+        CHECKPOINT_PATIENCE
+    )]
+    NoCheckpoint { round: u64, reason: String },
 }
 
 impl ServerJob {
@@ -108,7 +133,17 @@ impl ServerJob {
         let config: Config =
             serde_json::from_value(self.config.clone()).map_err(ServerError::Config)?;
         let optimizer = OuterOptimizer::new(config.outer.learning_rate, config.outer.momentum);
-        let mut server = ParameterServer::resume(&self.dir.join(CHECKPOINT), optimizer)?;
+        let checkpoint = self.dir.join(CHECKPOINT);
+        if let Some(restore) = config.restore {
+            self.restore(restore.round).await?;
+        }
+        let mut server = ParameterServer::resume(&checkpoint, optimizer)?;
+        let uploads = Uploads::start(
+            self.network.clone(),
+            self.scheduler,
+            self.task.clone(),
+            checkpoint,
+        );
         let mut dropped = Vec::new();
         let mut applied = None;
         let mut report = tokio::time::interval(REPORT_EVERY);
@@ -117,7 +152,7 @@ impl ServerJob {
         loop {
             tokio::select! {
                 arrived = self.inbox.next(&anyone) => {
-                    self.take(&mut server, &arrived, &mut dropped).await;
+                    self.take(&mut server, &arrived, &mut dropped, &uploads).await;
                 }
                 _ = report.tick() => {}
             }
@@ -139,6 +174,7 @@ impl ServerJob {
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
                         applied = Some(self.close(&mut server, &send_to)?);
+                        uploads.checkpointed();
                     }
                 }
                 Some(ServerOrder::Done) => {
@@ -147,6 +183,7 @@ impl ServerJob {
                     hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, true)
                         .map_err(hypha_diloco::Error::from)?;
                     tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
+                    uploads.finish().await;
                     return Ok(());
                 }
             }
@@ -160,6 +197,7 @@ impl ServerJob {
         server: &mut ParameterServer,
         arrived: &transfer::Arrived,
         dropped: &mut Vec<Late>,
+        uploads: &Uploads,
     ) {
         let from = arrived.from.to_string();
         let bytes = match self.inbox.deliver(arrived, Path::new("received")) {
@@ -184,6 +222,15 @@ impl ServerJob {
                 Ok(adopted) => {
                     if adopted {
                         tracing::info!(%from, "adopted the first trainer's initial model as the global model");
+                        let written = tokio::task::block_in_place(|| {
+                            server.checkpoint(&self.dir.join(CHECKPOINT))
+                        });
+                        match written {
+                            Ok(()) => uploads.checkpointed(),
+                            Err(error) => {
+                                tracing::warn!(%error, "could not checkpoint the adopted model")
+                            }
+                        }
                     }
                     // A joining trainer starts from the current global model.
                     if let Err(error) = self.send_model(server, std::slice::from_ref(&from)) {
@@ -292,6 +339,52 @@ impl ServerJob {
         Ok(())
     }
 
+    /// Waits for the scheduler's checkpoint of `round` and makes it this server's.
+    async fn restore(&self, round: u64) -> Result<(), ServerError> {
+        let scheduler = HashSet::from([self.scheduler]);
+        let taken = async {
+            loop {
+                let arrived = self.inbox.next(&scheduler).await;
+                let delivered = self
+                    .inbox
+                    .deliver(&arrived, Path::new("restore"))
+                    .map_err(|e| e.to_string())?;
+                let path = self.dir.join(delivered);
+                let metadata = std::fs::File::open(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|mut file| {
+                        hypha_diloco::read_metadata(&mut file).map_err(|e| e.to_string())
+                    });
+                let kind = metadata
+                    .as_ref()
+                    .ok()
+                    .and_then(|m| m.get(meta::KIND).cloned());
+                let its_round = metadata.as_ref().ok().and_then(|m| round_of(m).ok());
+                if kind.as_deref() == Some(meta::KIND_CHECKPOINT) && its_round == Some(round) {
+                    std::fs::rename(&path, self.dir.join(CHECKPOINT)).map_err(|e| e.to_string())?;
+                    return Ok::<(), String>(());
+                }
+                tracing::warn!(
+                    ?kind,
+                    ?its_round,
+                    "the scheduler sent a file that is not the checkpoint asked for; ignored"
+                );
+                let _ = std::fs::remove_file(&path);
+            }
+        };
+        match tokio::time::timeout(CHECKPOINT_PATIENCE, taken).await {
+            Ok(Ok(())) => {
+                tracing::info!(round, "restored from the scheduler's checkpoint");
+                Ok(())
+            }
+            Ok(Err(reason)) => Err(ServerError::NoCheckpoint { round, reason }),
+            Err(_) => Err(ServerError::NoCheckpoint {
+                round,
+                reason: "nothing arrived".into(),
+            }),
+        }
+    }
+
     /// Sends a status to the scheduler; its order, or `None` when it could not be asked.
     async fn report(&self, status: ServerStatus) -> Option<ServerOrder> {
         let payload = serde_json::to_string(&Status::ParameterServer(status)).ok()?;
@@ -317,4 +410,102 @@ impl ServerJob {
             }
         }
     }
+}
+
+/// The checkpoint's way to the scheduler: a task that pushes the newest checkpoint each time
+/// one is written, retrying until the scheduler takes it.
+#[derive(Debug)]
+struct Uploads {
+    written: tokio::sync::watch::Sender<u64>,
+    uploaded: tokio::sync::watch::Receiver<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// How long an upload that failed waits before the next try, at most.
+const UPLOAD_BACKOFF: Duration = Duration::from_secs(5);
+
+impl Uploads {
+    fn start(network: Network, scheduler: PeerId, task: String, path: PathBuf) -> Self {
+        let (written, mut wanted) = tokio::sync::watch::channel(0u64);
+        let (done, uploaded) = tokio::sync::watch::channel(0u64);
+        let task = tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(200);
+            let mut failing = false;
+            while wanted.changed().await.is_ok() {
+                let generation = *wanted.borrow_and_update();
+                loop {
+                    match upload(&network, scheduler, &task, &path).await {
+                        Ok(()) => {
+                            let _ = done.send(generation);
+                            if failing {
+                                tracing::info!("the scheduler takes checkpoints again");
+                            }
+                            failing = false;
+                            backoff = Duration::from_millis(200);
+                            break;
+                        }
+                        Err(error) => {
+                            if !failing {
+                                tracing::warn!(%error, "the scheduler did not take the checkpoint; trying again");
+                            }
+                            failing = true;
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(UPLOAD_BACKOFF);
+                            // A newer checkpoint replaces the one that did not go through.
+                            if wanted.has_changed().unwrap_or(false) {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        Self {
+            written,
+            uploaded,
+            task,
+        }
+    }
+
+    /// A new checkpoint is on disk.
+    fn checkpointed(&self) {
+        self.written.send_modify(|generation| *generation += 1);
+    }
+
+    /// Waits up to [`CHECKPOINT_PATIENCE`] for the newest checkpoint to reach the scheduler.
+    async fn finish(mut self) {
+        let newest = *self.written.borrow();
+        let reached = tokio::time::timeout(
+            CHECKPOINT_PATIENCE,
+            self.uploaded.wait_for(|uploaded| *uploaded >= newest),
+        )
+        .await;
+        if !matches!(reached, Ok(Ok(_))) {
+            tracing::warn!(
+                "the last checkpoint did not reach the scheduler; its last rounds' slices stay unused"
+            );
+        }
+        self.task.abort();
+    }
+}
+
+/// Pushes the checkpoint at `path` (as it is now) to the scheduler.
+async fn upload(
+    network: &Network,
+    scheduler: PeerId,
+    task: &str,
+    path: &Path,
+) -> Result<(), String> {
+    // Opened once: a checkpoint written meanwhile replaces the name, not these bytes.
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    let header = Header {
+        task: task.to_string(),
+        name: CHECKPOINT_TRANSFER.to_string(),
+        size,
+    };
+    transfer::send(network, scheduler, &header, file)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
 }

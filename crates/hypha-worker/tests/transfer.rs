@@ -15,9 +15,10 @@ use hypha_network::{
     Network, Settings,
     frame::{read_frame, write_frame},
 };
+use hypha_transfer::{Answer, RefusalCode, Trailer};
 use hypha_worker::bridge::{
     paths::JobDir,
-    transfer::{self, Answer, Header, Inboxes, RefusalCode, STAGING_DIR, Trailer},
+    transfer::{self, Header, Inboxes, STAGING_DIR},
 };
 
 async fn pair() -> (Network, Network) {

@@ -1,18 +1,10 @@
-//! Resources sent between the jobs of one task on different workers: the
-//! `/hypha/resource/1.0.0` protocol on `libp2p-stream`, and each job's inbox.
+//! Resources sent between the jobs of one task on different workers: the receiving end of
+//! the resource protocol ([`hypha_transfer`]) on a worker, and each job's inbox.
 //!
-//! ```text
-//! sender → receiver   header:  frame {"task": "…", "name": "gradients.safetensors", "size": 123}
-//! receiver → sender   answer:  frame "ready", or {"refused": {"code": "no_job", "message": "…"}}
-//! sender → receiver   exactly `size` bytes, then frame {"sha256": "<hex>"}
-//! receiver → sender   answer:  frame {"received": {"jobs": 1}}, or {"refused": {…}}
-//! ```
-//!
-//! (Frames are [`hypha_network::frame`]s.) The receiver answers before any bytes move, so a
-//! refusal never costs the sender an upload. A transfer is addressed to a **task**, never to a
-//! job or a path: the sending job's task comes from its job spec, not from the executor, so a
-//! job can only ever reach the jobs of its own task, and the receiving worker delivers into
-//! the inboxes of exactly those jobs. Other jobs on the worker never see the file.
+//! A transfer is addressed to a **task**, never to a job or a path: the sending job's task
+//! comes from its job spec, not from the executor, so a job can only ever reach the jobs of
+//! its own task, and the receiving worker delivers into the inboxes of exactly those jobs.
+//! Other jobs on the worker never see the file.
 //!
 //! The bytes are staged in the job's directory under [`STAGING_DIR`] (opened beneath the job
 //! directory like every other path, so an executor cannot redirect them), checked against the
@@ -23,10 +15,7 @@
 //!
 //! Limits, and what happens at them: at most [`MAX_CONCURRENT`] transfers are received at
 //! once (more are refused `busy`), at most [`MAX_WAITING`] files wait in one inbox (more are
-//! refused `inbox_full`), a header must arrive within [`HEADER_TIMEOUT`] and the bytes may stall
-//! for at most [`STALL_TIMEOUT`]. A sender retries `no_job` (its peer's job may not have
-//! started yet), `busy`, `inbox_full` and exchanges that broke off for up to
-//! [`SEND_PATIENCE`].
+//! refused `inbox_full`); the protocol's own limits are [`hypha_transfer`]'s.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -34,112 +23,23 @@ use std::{
     os::unix::ffi::OsStrExt,
     path::Path,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use hypha_network::{
-    Network, NetworkError, PeerId, StreamProtocol,
-    frame::{FrameError, read_frame, write_frame},
-};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-use tokio::{
-    io::{AsyncReadExt as _, AsyncSeekExt as _, AsyncWriteExt as _},
-    sync::{Notify, Semaphore},
-};
+use futures::{AsyncWriteExt, StreamExt};
+use hypha_network::{Network, PeerId, frame::write_frame};
+use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
+use tokio::sync::{Notify, Semaphore};
 
 use super::paths::{JobDir, PathError};
 use crate::metrics;
 
-/// The protocol's name.
-pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.0.0");
 /// Where received files wait, relative to the job's directory.
 pub const STAGING_DIR: &str = ".hypha/inbox";
 /// Transfers received at the same time; more are refused `busy`.
 pub const MAX_CONCURRENT: usize = 32;
 /// Files waiting in one job's inbox; more are refused `inbox_full` until the job takes some.
 pub const MAX_WAITING: usize = 256;
-/// How long a sender has to send its header.
-pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the bytes of a transfer may make no progress.
-pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`.
-pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
-
-const CHUNK: usize = 256 * 1024;
-
-/// What a transfer carries, sent before its bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Header {
-    /// The task whose jobs receive the file.
-    pub task: String,
-    /// The file's name: one path component.
-    pub name: String,
-    pub size: u64,
-}
-
-/// Sent after the bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Trailer {
-    /// SHA-256 of the bytes, hex.
-    pub sha256: String,
-}
-
-/// The receiver's answer to a header, and again to the bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Answer {
-    Ready,
-    Received { jobs: usize },
-    Refused(Refusal),
-}
-
-/// Why a receiver did not take a transfer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[error("{code:?}: {message}")]
-pub struct Refusal {
-    pub code: RefusalCode,
-    pub message: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RefusalCode {
-    /// The header was malformed, too large, or named no plain file.
-    BadRequest,
-    /// No job of the task runs on the receiving worker.
-    NoJob,
-    /// Every job of the task has [`MAX_WAITING`] files waiting.
-    InboxFull,
-    /// The receiver is at [`MAX_CONCURRENT`] transfers.
-    Busy,
-    /// The bytes did not match the size or checksum announced.
-    Corrupt,
-    /// The receiver could not store the file.
-    Io,
-}
-
-impl RefusalCode {
-    /// Whether the same transfer may succeed a little later.
-    fn is_transient(self) -> bool {
-        matches!(
-            self,
-            RefusalCode::NoJob | RefusalCode::Busy | RefusalCode::InboxFull
-        )
-    }
-}
-
-impl Refusal {
-    fn new(code: RefusalCode, message: impl Into<String>) -> Self {
-        Refusal {
-            code,
-            message: message.into(),
-        }
-    }
-}
+pub use hypha_transfer::{Header, PROTOCOL, SendError};
 
 /// A file that arrived for a job and waits for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -341,10 +241,7 @@ async fn receive(
     stream: &mut hypha_network::Stream,
     inboxes: &Inboxes,
 ) -> Result<usize, Refusal> {
-    let header: Header = tokio::time::timeout(HEADER_TIMEOUT, read_frame(stream))
-        .await
-        .map_err(|_| Refusal::new(RefusalCode::BadRequest, "no header within 10 s"))?
-        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+    let header = read_header(stream).await?;
     check_name(&header.name)?;
     let targets: Vec<Arc<Inbox>> = inboxes.of_task(&header.task);
     if targets.is_empty() {
@@ -403,55 +300,6 @@ async fn receive(
     Ok(delivered)
 }
 
-/// Reads exactly `size` bytes and the trailer into `file`; returns `sha256:<hex>` when the
-/// trailer's checksum matches.
-async fn receive_bytes(
-    stream: &mut hypha_network::Stream,
-    file: std::fs::File,
-    size: u64,
-) -> Result<String, Refusal> {
-    let corrupt = |m: String| Refusal::new(RefusalCode::Corrupt, m);
-    let mut file = tokio::fs::File::from_std(file);
-    let mut hasher = Sha256::new();
-    let mut left = size;
-    let mut buffer = vec![0u8; CHUNK];
-    while left > 0 {
-        let want = buffer
-            .len()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
-        let read = tokio::time::timeout(STALL_TIMEOUT, stream.read(&mut buffer[..want]))
-            .await
-            .map_err(|_| corrupt(format!("the bytes stalled for {STALL_TIMEOUT:?}")))?
-            .map_err(|e| corrupt(format!("the transfer broke off: {e}")))?;
-        if read == 0 {
-            return Err(corrupt(format!(
-                "the transfer ended after {} of {size} bytes",
-                size - left
-            )));
-        }
-        hasher.update(&buffer[..read]);
-        file.write_all(&buffer[..read])
-            .await
-            .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
-        left -= read as u64;
-    }
-    let trailer: Trailer = tokio::time::timeout(STALL_TIMEOUT, read_frame(stream))
-        .await
-        .map_err(|_| corrupt("no checksum after the bytes".into()))?
-        .map_err(|e| corrupt(format!("no checksum after the bytes: {e}")))?;
-    let actual = hex::encode(hasher.finalize());
-    if !trailer.sha256.eq_ignore_ascii_case(&actual) {
-        return Err(corrupt(format!(
-            "the bytes hash to {actual}, the sender announced {}",
-            trailer.sha256
-        )));
-    }
-    file.sync_all()
-        .await
-        .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
-    Ok(format!("sha256:{actual}"))
-}
-
 fn link_into(
     staging: &std::os::fd::OwnedFd,
     staged: &OsStr,
@@ -490,119 +338,14 @@ fn check_name(name: &str) -> Result<(), Refusal> {
     }
 }
 
-/// A transfer that did not complete.
-#[derive(Debug, thiserror::Error)]
-pub enum SendError {
-    #[error("{0}")]
-    Network(#[from] NetworkError),
-    #[error("the exchange broke off: {0}")]
-    Frame(#[from] FrameError),
-    #[error("reading the file: {0}")]
-    File(std::io::Error),
-    #[error("the peer refused it: {0}")]
-    Refused(Refusal),
-    #[error("the peer answered out of turn")]
-    Protocol,
-}
-
-impl SendError {
-    /// Worth another try: a refusal the receiver expects to lift, or an exchange that broke
-    /// off (a connection replaced mid-transfer, say).
-    fn is_transient(&self) -> bool {
-        match self {
-            SendError::Refused(refusal) => refusal.code.is_transient(),
-            SendError::Network(_) | SendError::Frame(_) => true,
-            SendError::File(_) | SendError::Protocol => false,
-        }
-    }
-}
-
-/// Sends `size` bytes of `file` to the jobs of `task` on `peer`, trying again for up to
-/// [`SEND_PATIENCE`] while the peer refuses for now or the exchange breaks off; returns
-/// `sha256:<hex>` of what was sent.
-///
-/// A receiver delivers a file only once its checksum matched, so a retried transfer is
-/// delivered once, unless the receiver's last answer was lost after it delivered: then the
-/// receiving job sees the file twice (DiLoCo's parameter server drops a second update of a
-/// round from the same peer).
+/// [`hypha_transfer::send`], counted in the worker's metrics.
 pub async fn send(
     network: &Network,
     peer: PeerId,
     header: &Header,
     file: std::fs::File,
 ) -> Result<String, SendError> {
-    let give_up = tokio::time::Instant::now() + SEND_PATIENCE;
-    let mut backoff = Duration::from_millis(100);
-    let mut file = tokio::fs::File::from_std(file);
-    loop {
-        file.seek(std::io::SeekFrom::Start(0))
-            .await
-            .map_err(SendError::File)?;
-        match attempt(network, peer, header, &mut file).await {
-            Err(error)
-                if error.is_transient() && tokio::time::Instant::now() + backoff < give_up =>
-            {
-                tracing::debug!(%peer, %error, "resource transfer did not go through; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-            outcome => return outcome,
-        }
-    }
-}
-
-/// One try of [`send`].
-async fn attempt(
-    network: &Network,
-    peer: PeerId,
-    header: &Header,
-    file: &mut tokio::fs::File,
-) -> Result<String, SendError> {
-    let mut stream = network.open_stream(peer, PROTOCOL).await?;
-    write_frame(&mut stream, header).await?;
-    match read_frame::<Answer>(&mut stream).await? {
-        Answer::Ready => {}
-        Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
-        Answer::Received { .. } => return Err(SendError::Protocol),
-    }
-    let mut hasher = Sha256::new();
-    let mut left = header.size;
-    let mut buffer = vec![0u8; CHUNK];
-    while left > 0 {
-        let want = buffer
-            .len()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
-        let read = file
-            .read(&mut buffer[..want])
-            .await
-            .map_err(SendError::File)?;
-        if read == 0 {
-            return Err(SendError::File(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the file shrank while it was sent",
-            )));
-        }
-        hasher.update(&buffer[..read]);
-        stream
-            .write_all(&buffer[..read])
-            .await
-            .map_err(|e| SendError::Frame(e.into()))?;
-        left -= read as u64;
-    }
-    let sha256 = hex::encode(hasher.finalize());
-    write_frame(
-        &mut stream,
-        &Trailer {
-            sha256: sha256.clone(),
-        },
-    )
-    .await?;
-    match read_frame::<Answer>(&mut stream).await? {
-        Answer::Received { .. } => {
-            metrics::resource_bytes("sent", header.size);
-            Ok(format!("sha256:{sha256}"))
-        }
-        Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
-        Answer::Ready => Err(SendError::Protocol),
-    }
+    let sent = hypha_transfer::send(network, peer, header, file).await?;
+    metrics::resource_bytes("sent", header.size);
+    Ok(sent)
 }

@@ -1,0 +1,167 @@
+//! A DiLoCo run's checkpoints, kept by the scheduler: the second place the global model, the
+//! outer momentum and the round live, beside the ledger (`job.checkpoint.safetensors` for
+//! `job.ledger`).
+//!
+//! The parameter server pushes its checkpoint over the resource protocol ([`hypha_transfer`])
+//! after it adopts the first model and after every round it applies. The scheduler takes a
+//! checkpoint only for its own run's task, only from the worker that runs the run's parameter
+//! server now, and only when it is newer than the one it holds; it writes it through a temp
+//! file, fsync and rename, so a scheduler killed mid-transfer keeps the previous one whole.
+//! Then it tells the run, which marks a round's slices used only once the round is in a
+//! checkpoint here ([`training`](crate::training)), and restores a replacement parameter
+//! server from it.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+use futures::{AsyncWriteExt, StreamExt};
+use hypha_messages::diloco::meta;
+use hypha_network::{Network, PeerId, frame::write_frame};
+use hypha_transfer::{Answer, Header, PROTOCOL, Refusal, RefusalCode, read_header, receive_bytes};
+use tokio::sync::mpsc;
+
+/// The name a checkpoint travels under.
+pub const TRANSFER_NAME: &str = "checkpoint.safetensors";
+
+/// The checkpoint file of a run whose ledger is at `ledger`.
+pub fn path_beside(ledger: &Path) -> PathBuf {
+    ledger.with_extension("checkpoint.safetensors")
+}
+
+/// Where the run's checkpoint is and whom it is taken from. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Checkpoints {
+    path: PathBuf,
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The worker of the run's parameter server now.
+    from: Option<PeerId>,
+    /// The round of the checkpoint held.
+    round: Option<u64>,
+}
+
+impl Checkpoints {
+    /// The checkpoints at `path`; one already there (from an earlier run) is not used.
+    pub fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            state: Arc::default(),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The round of the checkpoint held: the round a restored server trains next.
+    pub fn round(&self) -> Option<u64> {
+        self.lock().round
+    }
+
+    /// Checkpoints are taken from `peer` only from now on (`None`: from nobody).
+    pub fn accept_from(&self, peer: Option<PeerId>) {
+        self.lock().from = peer;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes checkpoints for `task`, one transfer at a time, until the network stops
+    /// accepting streams; each stored one's round goes to `stored`.
+    pub async fn serve(self, network: Network, task: String, stored: mpsc::Sender<u64>) {
+        let mut incoming = match network.accept_streams(PROTOCOL) {
+            Ok(incoming) => incoming,
+            Err(error) => {
+                tracing::warn!(%error, "the parameter server cannot send checkpoints here");
+                return;
+            }
+        };
+        // One at a time: checkpoints come one after the other from one peer; anything else
+        // waits (or is told busy, and the sender tries again).
+        while let Some((peer, mut stream)) = incoming.next().await {
+            let answer = match self.receive(peer, &mut stream, &task, &stored).await {
+                Ok(()) => Answer::Received { jobs: 1 },
+                Err(refusal) => {
+                    tracing::debug!(%peer, %refusal, "checkpoint refused");
+                    Answer::Refused(refusal)
+                }
+            };
+            let _ = write_frame(&mut stream, &answer).await;
+            let _ = stream.close().await;
+        }
+    }
+
+    async fn receive(
+        &self,
+        peer: PeerId,
+        stream: &mut hypha_network::Stream,
+        task: &str,
+        stored: &mpsc::Sender<u64>,
+    ) -> Result<(), Refusal> {
+        let header: Header = read_header(stream).await?;
+        let refuse = |message: String| Err(Refusal::new(RefusalCode::BadRequest, message));
+        if header.task != task || header.name != TRANSFER_NAME {
+            return refuse(format!(
+                "this scheduler takes only {TRANSFER_NAME} of task {task}"
+            ));
+        }
+        if self.lock().from != Some(peer) {
+            return refuse("checkpoints are taken from the run's parameter server only".into());
+        }
+        write_frame(stream, &Answer::Ready)
+            .await
+            .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+        let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
+        let dir = match self.path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let temp = tempfile::Builder::new()
+            .prefix(".checkpoint-")
+            .suffix(".partial")
+            .tempfile_in(&dir)
+            .map_err(|e| io(&e))?;
+        let file = temp.reopen().map_err(|e| io(&e))?;
+        receive_bytes(stream, file, header.size).await?;
+        let round = checkpoint_round(temp.path()).map_err(|e| {
+            Refusal::new(
+                RefusalCode::BadRequest,
+                format!("not a parameter server's checkpoint: {e}"),
+            )
+        })?;
+        if self.lock().round.is_some_and(|held| held >= round) {
+            // An older one that took longer: the newer is already here.
+            return Ok(());
+        }
+        temp.persist(&self.path).map_err(|e| io(&e.error))?;
+        if let Ok(dir) = std::fs::File::open(&dir) {
+            dir.sync_all().map_err(|e| io(&e))?;
+        }
+        self.lock().round = Some(round);
+        tracing::debug!(round, path = %self.path.display(), "checkpoint stored");
+        // Told before the server hears it arrived: a server that then exits finds its last
+        // checkpoint already counted.
+        let _ = stored.send(round).await;
+        Ok(())
+    }
+}
+
+/// The round of the checkpoint at `path`, read from its header.
+pub fn checkpoint_round(path: &Path) -> Result<u64, String> {
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let metadata = hypha_diloco::read_metadata(&mut file).map_err(|e| e.to_string())?;
+    if metadata.get(meta::KIND).map(String::as_str) != Some(meta::KIND_CHECKPOINT) {
+        return Err(format!(
+            "its {} is not {:?}",
+            meta::KIND,
+            meta::KIND_CHECKPOINT
+        ));
+    }
+    hypha_diloco::server::round_of(&metadata).map_err(|e| e.to_string())
+}
