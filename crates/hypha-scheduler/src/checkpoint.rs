@@ -104,15 +104,16 @@ impl Checkpoints {
         task: &str,
         stored: &mpsc::Sender<u64>,
     ) -> Result<(), Refusal> {
-        let header: Header = read_header(stream).await?;
         let refuse = |message: String| Err(Refusal::new(RefusalCode::BadRequest, message));
+        // Before anything is read: another peer cannot hold the one transfer at a time up.
+        if self.lock().from != Some(peer) {
+            return refuse("checkpoints are taken from the run's parameter server only".into());
+        }
+        let header: Header = read_header(stream).await?;
         if header.task != task || header.name != TRANSFER_NAME {
             return refuse(format!(
                 "this scheduler takes only {TRANSFER_NAME} of task {task}"
             ));
-        }
-        if self.lock().from != Some(peer) {
-            return refuse("checkpoints are taken from the run's parameter server only".into());
         }
         write_frame(stream, &Answer::Ready)
             .await
