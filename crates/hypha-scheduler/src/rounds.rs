@@ -56,6 +56,8 @@ struct Trainer {
     last_loss: Option<(u64, f64, u64)>,
     /// Rounds before this one are settled in the ledger.
     settled_below: u64,
+    /// The server generation whose model it holds; `None` before it was told of any.
+    generation: Option<u64>,
 }
 
 /// A round the server applied.
@@ -78,6 +80,9 @@ pub struct Rounds {
     started_ms: Option<u64>,
     trainers: HashMap<String, Trainer>,
     server: Option<String>,
+    /// Counts the servers the job had: a trainer holding a model of an earlier one joins the
+    /// current one.
+    generation: u64,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// A close was ordered for this round and is not applied yet.
@@ -94,6 +99,7 @@ impl Rounds {
             started_ms: None,
             trainers: HashMap::new(),
             server: None,
+            generation: 0,
             arrived: HashMap::new(),
             closing: None,
             included: BTreeMap::new(),
@@ -113,6 +119,17 @@ impl Rounds {
 
     pub fn server_started(&mut self, peer: String) {
         self.server = Some(peer);
+        self.generation += 1;
+    }
+
+    /// The server (started next) is restored from the checkpoint of `round`: training goes on
+    /// from there, and what the lost server applied after it is gone with it.
+    pub fn restored(&mut self, round: u64) {
+        self.round = round;
+        self.started_ms = None;
+        self.arrived.clear();
+        self.closing = None;
+        self.included.retain(|applied, _| *applied < round);
     }
 
     pub fn server_lost(&mut self) {
@@ -125,6 +142,7 @@ impl Rounds {
             status: TrainerStatus::default(),
             last_loss: None,
             settled_below: self.round,
+            generation: None,
         };
         self.trainers.insert(job, trainer);
     }
@@ -152,7 +170,34 @@ impl Rounds {
         let Some(server) = self.server.clone() else {
             return (TrainerOrder::Wait { retry_ms: RETRY_MS }, settle);
         };
-        let Some(round) = status.round else {
+        let generation = self.generation;
+        let restart = self.round;
+        let Some(trainer) = self.trainers.get_mut(job) else {
+            return (TrainerOrder::Done, settle);
+        };
+        let joined = trainer.generation.replace(generation);
+        let stale = joined.is_some_and(|joined| joined != generation);
+        let Some(round) = status.round.filter(|_| !stale) else {
+            if let (true, Some(held)) = (stale, status.round) {
+                // It trained on a model of a server that is gone: its rounds that are not in
+                // the model the job goes on from give their slices back. It sent its consumed
+                // slices before it asked, so none can come in after this.
+                for lost in trainer.settled_below.min(restart)..=held {
+                    let kept = self
+                        .included
+                        .get(&lost)
+                        .is_some_and(|peers| peers.contains(&trainer.peer));
+                    if !kept {
+                        settle.push(Settle::Drop {
+                            job: job.to_string(),
+                            round: lost,
+                        });
+                    }
+                }
+                trainer.settled_below = restart;
+                trainer.status = TrainerStatus::default();
+                trainer.last_loss = None;
+            }
             return (
                 TrainerOrder::Join {
                     parameter_server: server,
@@ -595,5 +640,93 @@ mod tests {
                 send_to: vec!["pa".into()]
             }
         );
+    }
+
+    #[test]
+    fn a_replaced_server_restores_its_round_and_trainers_rejoin_giving_lost_rounds_back() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(10),
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        for (job, peer) in [("a", "pa"), ("b", "pb")] {
+            rounds.trainer_started(job.into(), peer.into());
+        }
+        for job in ["a", "b"] {
+            rounds.trainer_status(job, TrainerStatus::default(), 0);
+        }
+        // Round 0 is applied with both; round 1 with a only, then the server is lost while
+        // round 2 trains. The scheduler's checkpoint holds round 1's start: round 1 is lost.
+        rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
+        rounds.trainer_status("b", status(0, 1, Some(100.0)), 0);
+        rounds.server_status(server(0, &["pa", "pb"], None), 10);
+        rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 20);
+        rounds.trainer_status("a", status(1, 1, Some(100.0)), 30);
+        rounds.server_status(server(1, &["pa"], None), 13_000);
+        rounds.server_status(server(2, &[], Some((1, &["pa"]))), 13_100);
+        rounds.trainer_status("a", status(2, 1, Some(100.0)), 13_200);
+        assert_eq!(rounds.round(), 2);
+
+        rounds.server_lost();
+        assert_eq!(
+            rounds
+                .trainer_status("a", status(2, 2, Some(100.0)), 13_300)
+                .0,
+            TrainerOrder::Wait { retry_ms: RETRY_MS }
+        );
+        rounds.restored(1);
+        rounds.server_started("ps2".into());
+        assert_eq!(rounds.round(), 1);
+        let (order, settle) = rounds.trainer_status("a", status(2, 2, Some(100.0)), 13_400);
+        assert_eq!(
+            order,
+            TrainerOrder::Join {
+                parameter_server: "ps2".into()
+            }
+        );
+        assert_eq!(
+            settle,
+            vec![
+                Settle::Drop {
+                    job: "a".into(),
+                    round: 1
+                },
+                Settle::Drop {
+                    job: "a".into(),
+                    round: 2
+                }
+            ],
+            "round 1 was applied by the lost server only; round 2 never was"
+        );
+        // b was left out of round 1 and still holds round 1's model.
+        let (order, settle) = rounds.trainer_status("b", status(1, 1, Some(100.0)), 13_400);
+        assert!(matches!(order, TrainerOrder::Join { .. }));
+        assert_eq!(
+            settle,
+            vec![Settle::Drop {
+                job: "b".into(),
+                round: 1
+            }]
+        );
+        // Rejoined at round 1, both train it under the new server; it is applied as round 1.
+        for job in ["a", "b"] {
+            let (order, settle) = rounds.trainer_status(job, status(1, 0, None), 13_500);
+            assert!(
+                matches!(order, TrainerOrder::Train { round: 1, ref parameter_server, .. } if parameter_server == "ps2")
+            );
+            assert!(settle.is_empty());
+        }
+        rounds.trainer_status("a", status(1, 3, Some(100.0)), 14_000);
+        rounds.trainer_status("b", status(1, 3, Some(100.0)), 14_000);
+        assert!(matches!(
+            rounds
+                .server_status(server(1, &["pa", "pb"], None), 14_100)
+                .0,
+            ServerOrder::Close { round: 1, .. }
+        ));
+        let (_, settle, applied) =
+            rounds.server_status(server(2, &[], Some((1, &["pa", "pb"]))), 14_200);
+        assert_eq!(applied.unwrap().round, 1);
+        assert_eq!(settle.len(), 2);
     }
 }
