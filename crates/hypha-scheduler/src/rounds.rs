@@ -182,18 +182,8 @@ impl Rounds {
                 // It trained on a model of a server that is gone: its rounds that are not in
                 // the model the job goes on from give their slices back. It sent its consumed
                 // slices before it asked, so none can come in after this.
-                for lost in trainer.settled_below.min(restart)..=held {
-                    let kept = self
-                        .included
-                        .get(&lost)
-                        .is_some_and(|peers| peers.contains(&trainer.peer));
-                    if !kept {
-                        settle.push(Settle::Drop {
-                            job: job.to_string(),
-                            round: lost,
-                        });
-                    }
-                }
+                let lost = trainer.settled_below.min(restart)..held + 1;
+                settle.extend(left_out(&self.included, job, &trainer.peer, lost));
                 trainer.settled_below = restart;
                 trainer.status = TrainerStatus::default();
                 trainer.last_loss = None;
@@ -215,18 +205,8 @@ impl Rounds {
             );
         }
         if let Some(trainer) = self.trainers.get_mut(job) {
-            for closed in trainer.settled_below..round.min(self.round) {
-                let included = self
-                    .included
-                    .get(&closed)
-                    .is_some_and(|peers| peers.contains(&trainer.peer));
-                if !included {
-                    settle.push(Settle::Drop {
-                        job: job.to_string(),
-                        round: closed,
-                    });
-                }
-            }
+            let closed = trainer.settled_below..round.min(self.round);
+            settle.extend(left_out(&self.included, job, &trainer.peer, closed));
             trainer.settled_below = trainer.settled_below.max(round.min(self.round));
             if let Some(loss) = status.loss {
                 trainer.last_loss = Some((round, loss, status.samples));
@@ -400,6 +380,26 @@ impl Rounds {
         let needed = (self.plan.quorum * expected.len() as f64).ceil() as usize;
         overdue && self.arrived.len() >= needed.max(1)
     }
+}
+
+/// A [`Settle::Drop`] for each of `rounds` that `peer`'s job `job` is not included in.
+fn left_out(
+    included: &BTreeMap<u64, HashSet<String>>,
+    job: &str,
+    peer: &str,
+    rounds: std::ops::Range<u64>,
+) -> Vec<Settle> {
+    rounds
+        .filter(|round| {
+            !included
+                .get(round)
+                .is_some_and(|peers| peers.contains(peer))
+        })
+        .map(|round| Settle::Drop {
+            job: job.to_string(),
+            round,
+        })
+        .collect()
 }
 
 #[cfg(test)]
