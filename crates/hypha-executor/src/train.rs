@@ -1,8 +1,9 @@
 //! A DiLoCo trainer: the loop of a training job, driven by its scheduler's orders
 //! ([`hypha_messages::diloco`]).
 //!
-//! 1. Ask the scheduler (`/status/send`). `join`: send the freshly made model to the parameter
-//!    server, then take the global model it answers with.
+//! 1. Ask the scheduler (`/status/send`). `join`: send the model it holds to the parameter
+//!    server, then take the global model it answers with. A trainer told to join while it
+//!    holds a round (its parameter server was replaced) abandons the round first.
 //! 2. `train`: run AdamW steps on batches of the job's slices (`/resources/fetch` with the
 //!    job's `data` reference) until the round's batch target; report every
 //!    [`REPORT_EVERY`] (batch time, loss) and take the new target.
@@ -10,9 +11,13 @@
 //! 3. At the target, finish the slice being read (so that each slice's samples go into one
 //!    round), tell the ledger which slices the round consumed (`/data/consumed`), send the
 //!    pseudo-gradient θ_global − θ_local with its round and sample count to the parameter
-//!    server, and wait for the next global model. AdamW's moments carry over from round to
-//!    round, as in DiLoCo.
+//!    server, and wait for the next global model, asking the scheduler every [`MODEL_WAIT`]
+//!    whether to wait on. AdamW's moments carry over from round to round, as in DiLoCo.
 //! 4. `done`: exit.
+//!
+//! Slices read to their end reach the ledger with every report, not only at the round's end:
+//! whatever the scheduler answers, it knows what the round holds. A peer that cannot be
+//! reached is asked again every [`RETRY`].
 
 use std::{
     collections::BTreeMap,
@@ -39,6 +44,14 @@ pub const REPORT_EVERY: Duration = Duration::from_millis(200);
 /// How long a trainer waits for a slice while none is free before it syncs what it has: the
 /// slices it lacks may be held by trainers that are waiting for this round to close.
 pub const DATA_WAIT: Duration = Duration::from_secs(1);
+/// How long a trainer waits for a global model before it asks its scheduler again (the
+/// parameter server may have been replaced).
+pub const MODEL_WAIT: Duration = Duration::from_secs(1);
+/// How long a send keeps trying a parameter server that cannot be reached before the trainer
+/// asks its scheduler whether it is still the one.
+pub const SEND_PATIENCE: Duration = Duration::from_secs(2);
+/// How long a trainer waits before it asks again after a peer could not be reached.
+pub const RETRY: Duration = Duration::from_millis(500);
 
 /// The job's config, as the scheduler writes it (other keys are ignored).
 #[derive(Debug, Clone, Deserialize)]
@@ -93,6 +106,20 @@ pub enum TrainError {
     },
 }
 
+impl TrainError {
+    /// A peer could not be reached or was busy (the bridge answers 502, 503 or 504): asking
+    /// again later may work.
+    fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Self::Bridge(BridgeError::Status {
+                status: 502..=504,
+                ..
+            })
+        )
+    }
+}
+
 impl From<candle_core::Error> for TrainError {
     fn from(error: candle_core::Error) -> Self {
         Self::Model(error.into())
@@ -128,7 +155,10 @@ struct RoundStats {
     samples: u64,
     loss_sum: f64,
     batch_ms: Option<f64>,
+    /// Slices read to their end and not yet reported to the ledger.
     consumed: Vec<SliceRef>,
+    /// The round's pseudo-gradient reached the parameter server.
+    sent: bool,
 }
 
 impl Trainer {
@@ -162,59 +192,94 @@ impl Trainer {
     }
 
     /// Trains until the scheduler says training is over.
+    ///
+    /// A peer that cannot be reached (the scheduler restarting, a parameter server that is
+    /// gone) is asked again every [`RETRY`], and the scheduler is asked what to do meanwhile:
+    /// a parameter server that was replaced is joined, the round being trained abandoned.
+    /// A scheduler that stays away stops renewing the worker's lease, which ends the job.
     pub fn run(mut self) -> Result<(), TrainError> {
         let mut order: Option<TrainerOrder> = None;
         let mut reported = Instant::now();
+        let mut unreachable = false;
         loop {
-            let target_reached = matches!(
-                order,
-                Some(TrainerOrder::Train { batches, .. }) if self.stats.batches >= batches
-            );
-            if order.is_none() || target_reached || reported.elapsed() >= REPORT_EVERY {
-                order = Some(self.report()?);
-                reported = Instant::now();
-            }
-            match order.clone() {
-                None | Some(TrainerOrder::Done) => return Ok(()),
-                Some(TrainerOrder::Wait { retry_ms }) => {
-                    std::thread::sleep(Duration::from_millis(retry_ms.clamp(10, 5000)));
-                    order = None;
+            match self.step(order.take(), &mut reported) {
+                Ok(Some(TrainerOrder::Done)) => return Ok(()),
+                Ok(next) => {
+                    order = next;
+                    unreachable = false;
                 }
-                Some(TrainerOrder::Join { parameter_server }) => {
-                    self.join(&parameter_server)?;
-                    order = None;
-                }
-                Some(TrainerOrder::Train {
-                    round,
-                    batches,
-                    parameter_server,
-                }) => {
-                    if self.round != Some(round) {
-                        order = None;
-                        continue;
+                Err(error) if error.is_transient() => {
+                    if !unreachable {
+                        eprintln!("{error}; asking again every {RETRY:?}");
                     }
-                    // Finish the slice being read before syncing: its samples go into one round.
-                    let wants_more = self.stats.batches < batches || self.data.in_slice();
-                    if wants_more {
-                        if self.train_batch()? {
-                            continue;
-                        }
-                        if self.stats.samples == 0 {
-                            // Nothing trained and nothing free: wait for slices to come back
-                            // or to be told the end.
-                            std::thread::sleep(REPORT_EVERY);
-                            order = None;
-                            continue;
-                        }
-                    }
-                    self.sync(&parameter_server)?;
-                    order = None;
+                    unreachable = true;
+                    std::thread::sleep(RETRY);
                 }
+                Err(error) => return Err(error),
             }
         }
     }
 
-    fn report(&self) -> Result<TrainerOrder, TrainError> {
+    /// Carries out `order`, asking the scheduler for a new one first when there is none, the
+    /// round's batch target is reached or [`REPORT_EVERY`] has passed; returns the order to
+    /// carry out next (`None`: ask).
+    fn step(
+        &mut self,
+        order: Option<TrainerOrder>,
+        reported: &mut Instant,
+    ) -> Result<Option<TrainerOrder>, TrainError> {
+        let target_reached = matches!(
+            order,
+            Some(TrainerOrder::Train { batches, .. }) if self.stats.batches >= batches
+        );
+        let order = match order {
+            Some(order) if !target_reached && reported.elapsed() < REPORT_EVERY => order,
+            _ => {
+                let order = self.report()?;
+                *reported = Instant::now();
+                order
+            }
+        };
+        match &order {
+            TrainerOrder::Done => Ok(Some(order)),
+            TrainerOrder::Wait { retry_ms } => {
+                std::thread::sleep(Duration::from_millis((*retry_ms).clamp(10, 5000)));
+                Ok(None)
+            }
+            TrainerOrder::Join { parameter_server } => self.join(parameter_server),
+            TrainerOrder::Train {
+                round,
+                batches,
+                parameter_server,
+            } => {
+                if self.round != Some(*round) {
+                    return Ok(None);
+                }
+                // Finish the slice being read before syncing: its samples go into one round.
+                // Once the pseudo-gradient is sent, the round takes no more.
+                let wants_more = self.stats.batches < *batches || self.data.in_slice();
+                if wants_more && !self.stats.sent {
+                    if self.train_batch()? {
+                        return Ok(Some(order));
+                    }
+                    if self.stats.samples == 0 {
+                        // Nothing trained and nothing free: wait for slices to come back
+                        // or to be told the end.
+                        std::thread::sleep(REPORT_EVERY);
+                        return Ok(None);
+                    }
+                }
+                let parameter_server = parameter_server.clone();
+                self.sync(&parameter_server)
+            }
+        }
+    }
+
+    /// Tells the scheduler where the trainer stands and takes its order. The slices read to
+    /// their end go to the ledger first, with their round: whatever the order, the scheduler
+    /// knows every slice the round holds.
+    fn report(&mut self) -> Result<TrainerOrder, TrainError> {
+        self.report_consumed()?;
         let stats = &self.stats;
         let status = Status::Trainer(TrainerStatus {
             round: self.round,
@@ -253,30 +318,50 @@ impl Trainer {
         Ok(true)
     }
 
-    /// Sends the initial model to the parameter server and takes the global one.
-    fn join(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+    /// Joins `parameter_server`: offers it the model this trainer holds (a new server with
+    /// no model adopts the first one offered) and takes the global model it answers with.
+    /// A trainer that held a round of an earlier server abandons it: what it read into the
+    /// round went to the ledger with its reports, and the scheduler gives it back; the slice
+    /// being read is read again from its start in the next round.
+    fn join(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
+        if let Some(round) = self.round.take() {
+            eprintln!("round {round}: abandoned; joining the parameter server {parameter_server}");
+            self.data.rewind();
+            self.stats = RoundStats {
+                batch_ms: self.stats.batch_ms,
+                ..RoundStats::default()
+            };
+        }
         let metadata = Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), "0".to_string()),
         ]);
-        let bytes = self.model.to_bytes(&metadata)?;
+        let bytes = self.global.to_bytes(&metadata)?;
         self.send(parameter_server, "initial-model.safetensors", &bytes)?;
         self.receive(parameter_server)
     }
 
+    /// Reports the slices read to their end since the last report as consumed by the round.
+    fn report_consumed(&mut self) -> Result<(), TrainError> {
+        if self.stats.consumed.is_empty() {
+            return Ok(());
+        }
+        let consumed = serde_json::json!({
+            "slices": self.stats.consumed,
+            "round": self.round.unwrap_or(0),
+            "data": self.config.data,
+        });
+        let _: serde_json::Value = self.bridge.post("/data/consumed", &consumed)?;
+        self.stats.consumed.clear();
+        Ok(())
+    }
+
     /// Ends the round: consumed slices to the ledger, the pseudo-gradient to the parameter
     /// server, then the next global model.
-    fn sync(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+    fn sync(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let round = self.round.unwrap_or(0);
-        if !self.stats.consumed.is_empty() {
-            let consumed = serde_json::json!({
-                "slices": self.stats.consumed,
-                "round": round,
-                "data": self.config.data,
-            });
-            let _: serde_json::Value = self.bridge.post("/data/consumed", &consumed)?;
-        }
-        if self.stats.samples > 0 {
+        self.report_consumed()?;
+        if self.stats.samples > 0 && !self.stats.sent {
             let mut delta = self.global.clone();
             let local = self.model.tensors()?;
             for (name, tensor) in &mut delta.0 {
@@ -296,6 +381,7 @@ impl Trainer {
             ]);
             let name = format!("pseudo-gradient-{round}.safetensors");
             self.send(parameter_server, &name, &delta.to_bytes(&metadata)?)?;
+            self.stats.sent = true;
             eprintln!(
                 "round {round}: pseudo-gradient of {} samples ({} batches) sent",
                 self.stats.samples, self.stats.batches
@@ -316,22 +402,34 @@ impl Trainer {
         let request = serde_json::json!({
             "send": {"type": "Peers", "peers": [peer], "strategy": "All"},
             "path": format!("outbox/{name}"),
+            "patience_ms": SEND_PATIENCE.as_millis() as u64,
         });
         let _: serde_json::Value = self.bridge.post("/resources/send", &request)?;
         let _ = std::fs::remove_file(&path);
         Ok(())
     }
 
-    /// Waits for the parameter server's next global model and starts a round from it.
-    fn receive(&mut self, peer: &str) -> Result<(), TrainError> {
+    /// Waits for the parameter server's next global model and starts a round from it. Every
+    /// [`MODEL_WAIT`] without it, asks the scheduler: an order other than to go on waiting
+    /// (join another server, training is over) is returned instead.
+    fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let request = serde_json::json!({
             "fetch": {"type": "Peers", "peers": [peer]},
             "out_dir": "models",
+            "wait_ms": MODEL_WAIT.as_millis() as u64,
         });
-        let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
-        let entry = entries
-            .first()
-            .ok_or_else(|| TrainError::Protocol("the parameter server sent no model".into()))?;
+        let entry = loop {
+            let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
+            if let Some(entry) = entries.into_iter().next() {
+                break entry;
+            }
+            match self.report()? {
+                order @ (TrainerOrder::Join { .. } | TrainerOrder::Done) => {
+                    return Ok(Some(order));
+                }
+                TrainerOrder::Wait { .. } | TrainerOrder::Train { .. } => {}
+            }
+        };
         let path = self.dir.join(&entry.path);
         let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
             path: path.clone(),
@@ -348,7 +446,7 @@ impl Trainer {
             batch_ms: self.stats.batch_ms,
             ..RoundStats::default()
         };
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -395,6 +493,15 @@ impl Reader {
     /// Nothing left to read now.
     fn out_of_data(&self) -> bool {
         (self.done || self.waiting) && !self.in_slice()
+    }
+
+    /// The slice being read is read again from its first row.
+    fn rewind(&mut self) {
+        if let Some(slice) = self.current.as_mut()
+            && slice.next < slice.rows
+        {
+            slice.next = 0;
+        }
     }
 
     /// A slice is being read and has rows left.

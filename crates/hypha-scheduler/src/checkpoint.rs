@@ -63,6 +63,15 @@ impl Checkpoints {
         self.lock().round
     }
 
+    /// The checkpoint held, opened, with its round: what a replacement is restored from.
+    pub fn open(&self) -> Option<(u64, std::fs::File)> {
+        let state = self.lock();
+        let round = state.round?;
+        // Opened under the lock: a newer one renamed over it later leaves this one whole.
+        let file = std::fs::File::open(&self.path).ok()?;
+        Some((round, file))
+    }
+
     /// Checkpoints are taken from `peer` only from now on (`None`: from nobody).
     pub fn accept_from(&self, peer: Option<PeerId>) {
         self.lock().from = peer;

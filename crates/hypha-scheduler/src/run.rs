@@ -5,7 +5,9 @@
 //! code 0. When its job fails (non-zero exit, killed, refused) or its worker is lost (a lease
 //! renewal is refused or the lease lapses), the slot is given to a newly leased worker, up to
 //! `max_attempts` starts per slot; the other slots carry on meanwhile ([`slots`](crate::slots)
-//! decides).
+//! decides). A DiLoCo job's parameter server is replaced the same way: the new one is
+//! restored from the checkpoint the scheduler holds ([`checkpoint`](crate::checkpoint)),
+//! which goes to it with its dispatch, and the trainers are told to join it.
 //!
 //! A run is one actor (`JobRun`): it owns the slots, the jobs with their leases, the training
 //! and the data, and one `JoinSet` with every task it starts (the router of inbound requests,
@@ -82,6 +84,13 @@ pub enum Event {
         slot: usize,
         peer: String,
         reason: String,
+    },
+    /// The parameter server's worker was lost or its job failed: a new one is leased and
+    /// restored from the checkpoint of `round` (0 and no checkpoint: it starts afresh).
+    Failover {
+        peer: String,
+        reason: String,
+        round: u64,
     },
     /// The parameter server applied a DiLoCo round.
     Round {
@@ -166,6 +175,13 @@ impl EventLog {
             Event::Lost { slot, peer, reason } => {
                 tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
             }
+            Event::Failover {
+                peer,
+                reason,
+                round,
+            } => {
+                tracing::warn!(%peer, %reason, round, "parameter server lost; a new one takes over from the checkpoint")
+            }
             Event::Round {
                 round,
                 trainers,
@@ -249,7 +265,7 @@ pub enum RunError {
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
     #[error(
-        "the parameter server on {peer} is gone ({reason}); the global model of the last round is in its checkpoint there (parameter-server.safetensors in the job's directory)"
+        "the parameter server on {peer} is gone ({reason}) and no checkpoint of its rounds reached the scheduler; the global model of the last round may be in its checkpoint there (parameter-server.safetensors in the job's directory)"
     )]
     ServerLost { peer: String, reason: String },
     #[error("the job file's [diloco] metrics file {path}: {error}")]
@@ -463,6 +479,8 @@ struct JobRun<'a> {
     training: Option<Training>,
     /// A DiLoCo job's checkpoints, when it has a ledger to keep them beside.
     checkpoints: Option<Checkpoints>,
+    /// The round of the checkpoint the next parameter server is restored from.
+    restore: Option<u64>,
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
@@ -539,6 +557,7 @@ impl<'a> JobRun<'a> {
             data,
             training,
             checkpoints,
+            restore: None,
             events,
             jobs: HashMap::new(),
             tasks,
@@ -672,12 +691,20 @@ impl<'a> JobRun<'a> {
         let id = uuid::Uuid::new_v4().to_string();
         let role = self.slots.role(slot);
         let work = self.work(role);
+        let restore = match role {
+            Role::ParameterServer => self.restore,
+            Role::Trainer => None,
+        };
+        let config = match restore {
+            Some(round) => restoring(&work.config, round),
+            None => work.config.clone(),
+        };
         let spec = JobSpec {
             id: id.clone(),
             task: self.task.clone(),
             lease: lease.id,
             executor: work.request.executor.clone(),
-            config: work.config.clone(),
+            config,
             secrets: self.spec.secrets.clone(),
             artifacts: work.artifacts.clone(),
             artifact_peers: if work.artifacts.is_empty() {
@@ -689,7 +716,7 @@ impl<'a> JobRun<'a> {
         // Known to the training before the job can send its first status or checkpoint.
         if let Some(training) = self.training.as_mut() {
             match role {
-                Role::ParameterServer => training.server_started(&id, lease.peer),
+                Role::ParameterServer => training.server_started(&id, lease.peer, restore),
                 Role::Trainer => training.trainer_started(&id, lease.peer),
             }
         }
@@ -700,12 +727,24 @@ impl<'a> JobRun<'a> {
         let network = self.network.clone();
         let peer = lease.peer;
         self.jobs.insert(id.clone(), Dispatched { slot, lease });
+        // The checkpoint goes with the dispatch of a restored server, which waits for it.
+        let checkpoint = match (restore, &self.checkpoints) {
+            (Some(_), Some(checkpoints)) => checkpoints.open(),
+            _ => None,
+        };
+        let task = self.task.clone();
         self.tasks.spawn(async move {
-            let result = network
+            let mut result = network
                 .request(peer, Request::Dispatch(spec))
                 .await
                 .map(drop)
                 .map_err(|e| e.to_string());
+            if let (Ok(()), Some((round, file))) = (&result, checkpoint) {
+                result = send_checkpoint(&network, peer, task, file)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("the checkpoint of round {round} did not reach it: {e}"));
+            }
             Internal::Dispatch { job: id, result }
         });
     }
@@ -778,10 +817,7 @@ impl<'a> JobRun<'a> {
             return Ok(());
         };
         if server {
-            return Err(RunError::ServerLost {
-                peer: peer.to_string(),
-                reason,
-            });
+            self.fail_over(peer, &reason)?;
         }
         match self.slots.failed(job) {
             Verdict::Exhausted { slot, attempts } => Err(RunError::Exhausted {
@@ -794,6 +830,27 @@ impl<'a> JobRun<'a> {
                 Ok(())
             }
         }
+    }
+
+    /// The parameter server on `peer` is gone: the next one is restored from the checkpoint
+    /// held here. Without one, it starts afresh when no round was applied yet; otherwise the
+    /// run cannot go on with the model it trained.
+    fn fail_over(&mut self, peer: PeerId, reason: &str) -> Result<(), RunError> {
+        let held = self.checkpoints.as_ref().and_then(Checkpoints::round);
+        let trained = self.training.as_ref().map_or(0, Training::round);
+        if held.is_none() && trained > 0 {
+            return Err(RunError::ServerLost {
+                peer: peer.to_string(),
+                reason: reason.to_string(),
+            });
+        }
+        self.restore = held;
+        self.events.record(Event::Failover {
+            peer: peer.to_string(),
+            reason: reason.to_string(),
+            round: held.unwrap_or(0),
+        });
+        Ok(())
     }
 
     /// Job `job` on `peer` ended: its slices go back (a trainer's once its applied rounds
@@ -874,6 +931,32 @@ impl<'a> JobRun<'a> {
         });
         outcome
     }
+}
+
+/// A parameter server's config that restores it from the checkpoint of `round`.
+fn restoring(config: &str, round: u64) -> String {
+    let mut config: serde_json::Value =
+        serde_json::from_str(config).unwrap_or_else(|_| serde_json::json!({}));
+    if let Some(object) = config.as_object_mut() {
+        object.insert("restore".into(), serde_json::json!({ "round": round }));
+    }
+    config.to_string()
+}
+
+/// Sends the checkpoint in `file` to the jobs of `task` on `peer`.
+async fn send_checkpoint(
+    network: &Network,
+    peer: PeerId,
+    task: String,
+    file: std::fs::File,
+) -> Result<String, hypha_transfer::SendError> {
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let header = hypha_transfer::Header {
+        task,
+        name: checkpoint::TRANSFER_NAME.to_string(),
+        size,
+    };
+    hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
 }
 
 #[cfg(test)]

@@ -96,7 +96,12 @@ impl Training {
             .trainer_started(job.to_string(), peer.to_string());
     }
 
-    pub fn server_started(&mut self, job: &str, peer: PeerId) {
+    /// The parameter server's job `job` starts on `peer`; a replacement restored from the
+    /// checkpoint of `restored` trains on from that round.
+    pub fn server_started(&mut self, job: &str, peer: PeerId, restored: Option<u64>) {
+        if let Some(round) = restored {
+            self.rounds.restored(round);
+        }
         self.server = Some(job.to_string());
         self.peers.insert(job.to_string(), peer);
         self.rounds.server_started(peer.to_string());
@@ -165,6 +170,11 @@ impl Training {
                 tracing::warn!("the metrics URL did not take the last lines in time");
             }
         }
+    }
+
+    /// The round being trained.
+    pub fn round(&self) -> u64 {
+        self.rounds.round()
     }
 
     /// Every round is trained.

@@ -1,7 +1,7 @@
 //! DiLoCo end to end with real processes: a data node serving a learnable dataset, workers
 //! running the reference executor (`hypha-executor train`), a worker running the built-in
-//! parameter server, and the scheduler driving rounds; also with a trainer SIGKILLed
-//! mid-round.
+//! parameter server, and the scheduler driving rounds; also with a trainer or the parameter
+//! server SIGKILLed mid-round.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -37,14 +37,19 @@ fn cluster() -> (Cluster, Proc, Proc) {
         .write(&dataset, SLICES as usize, 64, 0)
         .unwrap();
     let data = data_node(&cluster, "data", &cluster.path("data"));
-    let server = cluster.worker_with_executors(
-        "ps",
+    let server = server_worker(&cluster, "ps");
+    (cluster, data, server)
+}
+
+/// A worker that runs the built-in parameter server.
+fn server_worker(cluster: &Cluster, name: &str) -> Proc {
+    cluster.worker_with_executors(
+        name,
         "price = 5\n",
         "cpu = 1\nmemory = 1\n",
         "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n",
         &[],
-    );
-    (cluster, data, server)
+    )
 }
 
 fn trainer(cluster: &Cluster, name: &str) -> Proc {
@@ -335,4 +340,84 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
     assert!(!of_kind(&events, "round").is_empty());
     let (used, _) = audit(&cluster.path("patient-job.ledger"));
     assert_each_used_once(&used, 1, SLICES);
+}
+
+#[test]
+fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_training_goes_on() {
+    let (cluster, _data, first) = cluster();
+    let second = server_worker(&cluster, "ps2");
+    let mut servers = [("ps", first), ("ps2", second)];
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .collect();
+    let job = job(&cluster, "failover", 2, 2, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    // Once a round is applied, the next is under way: kill the worker of the server.
+    scheduler.wait_for("round applied");
+    let victim = servers
+        .iter()
+        .position(|(name, _)| {
+            std::fs::read_dir(cluster.path(&format!("{name}-work"))).is_ok_and(|dir| {
+                dir.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("hypha-"))
+            })
+        })
+        .unwrap();
+    servers[victim].1.child.kill().unwrap();
+    let (ok, lines) = scheduler.wait(Duration::from_secs(150));
+    assert!(ok, "the scheduler failed:\n{}", lines.join("\n"));
+    no_errors("the scheduler", &lines);
+
+    let events = events(&events_path);
+    let failovers = of_kind(&events, "failover");
+    assert_eq!(failovers.len(), 1, "{failovers:#?}");
+    let from = failovers[0]["event"]["round"].as_u64().unwrap();
+    assert!(
+        from >= 1,
+        "restored from a checkpoint after the first round"
+    );
+    let at = events
+        .iter()
+        .position(|e| e["event"]["kind"] == "failover")
+        .unwrap();
+    let round = |e: &serde_json::Value| e["event"]["round"].as_u64().unwrap();
+    let loss = |e: &serde_json::Value| e["event"]["loss"].as_f64();
+    let before: Vec<&serde_json::Value> = events[..at]
+        .iter()
+        .filter(|e| e["event"]["kind"] == "round")
+        .collect();
+    let after: Vec<&serde_json::Value> = events[at..]
+        .iter()
+        .filter(|e| e["event"]["kind"] == "round")
+        .collect();
+    // The run goes on from the checkpoint's round: the model it continues holds rounds
+    // 0..from of the lost server and from.. of the new one, each once.
+    let continued: Vec<u64> = before
+        .iter()
+        .map(|e| round(e))
+        .filter(|r| *r < from)
+        .chain(after.iter().map(|e| round(e)))
+        .collect();
+    assert_eq!(
+        continued,
+        (0..continued.len() as u64).collect::<Vec<_>>(),
+        "rounds before the failover: {:?}",
+        before.iter().map(|e| round(e)).collect::<Vec<_>>()
+    );
+    assert!(!after.is_empty(), "rounds were applied after the failover");
+    // Training went on with the same model: no loss back to that of a fresh one.
+    let (first_loss, resumed_loss) = (loss(before[0]).unwrap(), loss(after[0]).unwrap());
+    assert!(
+        resumed_loss < 0.9 * first_loss,
+        "loss {first_loss} in round 0, {resumed_loss} right after the failover"
+    );
+
+    // The survivor ran the new server and wrote the final model.
+    let survivor = servers[1 - victim].0;
+    let final_model = job_dir(&cluster.path(&format!("{survivor}-work"))).join("final.safetensors");
+    assert!(final_model.exists(), "{}", final_model.display());
+    assert!(evaluation_loss(Some(final_model)) < 0.5 * evaluation_loss(None));
+
+    let (used, _) = audit(&cluster.path("failover-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
 }

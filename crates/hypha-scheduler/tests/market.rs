@@ -473,6 +473,7 @@ if grep -q '"role":"bystander"' "$D/job.json"; then
   touch "$C/go"
   curl -s -m 6 -o "$D/resp.json" --unix-socket "$S" -X POST -H 'content-type: application/json' --data '{"fetch":{"type":"Peers","peers":[]},"out_dir":"in"}' http://bridge/resources/fetch
   echo "bystander $?" >> "$R"
+  call bystander-wait /resources/fetch '{"fetch":{"type":"Peers","peers":[]},"out_dir":"in","wait_ms":300}'
   exit 0
 fi
 while [ ! -f "$C/go" ]; do sleep 0.1; done
@@ -637,7 +638,12 @@ fn jobs_of_a_task_exchange_files_and_other_jobs_see_none() {
     let bystanders = job_dirs_with_role(&cluster.path("b-work"), "bystander");
     assert_eq!(bystanders.len(), 1, "the bystander ran on b");
     let results = std::fs::read_to_string(bystanders[0].join("results.txt")).unwrap();
-    assert_eq!(results.trim(), "bystander 28");
+    assert!(results.starts_with("bystander 28\n"), "{results}");
+    // With wait_ms, the same fetch answers, with nothing, once the wait is over.
+    assert_eq!(
+        result(&bystanders[0], "bystander-wait"),
+        ("200".to_string(), "[]".to_string())
+    );
     for file in files_under(&bystanders[0]) {
         let bytes = std::fs::read(&file).unwrap_or_default();
         assert!(

@@ -36,7 +36,8 @@ pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.0.0"
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the bytes of a transfer may make no progress.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`.
+/// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`,
+/// or cannot be reached, unless told otherwise.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
 
 const CHUNK: usize = 256 * 1024;
@@ -198,8 +199,9 @@ impl SendError {
 }
 
 /// Sends `size` bytes of `file` to the jobs of `task` on `peer`, trying again for up to
-/// [`SEND_PATIENCE`] while the peer refuses for now or the exchange breaks off; returns
-/// `sha256:<hex>` of what was sent.
+/// `patience` (no new try starts after it; [`SEND_PATIENCE`] unless the caller has its own
+/// way to find out whether the peer is still there) while the peer refuses for now, cannot be
+/// reached or the exchange breaks off; returns `sha256:<hex>` of what was sent.
 ///
 /// A receiver delivers a file only once its checksum matched, so a retried transfer is
 /// delivered once, unless the receiver's last answer was lost after it delivered: then the
@@ -210,8 +212,9 @@ pub async fn send(
     peer: PeerId,
     header: &Header,
     file: std::fs::File,
+    patience: Duration,
 ) -> Result<String, SendError> {
-    let give_up = tokio::time::Instant::now() + SEND_PATIENCE;
+    let give_up = tokio::time::Instant::now() + patience;
     let mut backoff = Duration::from_millis(100);
     let mut file = tokio::fs::File::from_std(file);
     loop {

@@ -326,9 +326,11 @@ impl ServerJob {
             };
             tokio::spawn(async move {
                 let sent = match std::fs::File::open(&path) {
-                    Ok(file) => transfer::send(&network, peer, &header, file)
-                        .await
-                        .map_err(|e| e.to_string()),
+                    Ok(file) => {
+                        transfer::send(&network, peer, &header, file, transfer::SEND_PATIENCE)
+                            .await
+                            .map_err(|e| e.to_string())
+                    }
                     Err(e) => Err(e.to_string()),
                 };
                 if let Err(error) = sent {
@@ -504,7 +506,7 @@ async fn upload(
         name: CHECKPOINT_TRANSFER.to_string(),
         size,
     };
-    transfer::send(network, scheduler, &header, file)
+    transfer::send(network, scheduler, &header, file, transfer::SEND_PATIENCE)
         .await
         .map(drop)
         .map_err(|e| e.to_string())

@@ -115,6 +115,7 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
         to,
         &header("task-1", "weights.bin", bytes.len() as u64),
         std::fs::File::open(source.path()).unwrap(),
+        transfer::SEND_PATIENCE,
     )
     .await
     .unwrap();

@@ -3,7 +3,8 @@
 //! - `{"type": "Uri", "value": "https://…"}`: one HTTP(S) download, named after the URL's last
 //!   path segment.
 //! - `{"type": "Peers", "peers": [...], "strategy": "All"}`: files other jobs of the task sent
-//!   (see [`peers`](super::peers)).
+//!   (see [`peers`](super::peers)); with `"wait_ms"`, at most that long (`[]` when nothing
+//!   came).
 //! - `{"type": "HuggingFace", "repository": "org/model", "revision": "main", "filenames": [...]}`:
 //!   files of a Hub repository through the Hub's HTTP file API
 //!   (`{endpoint}/{repository}/resolve/{revision}/{filename}`). The endpoint is `HF_ENDPOINT`
@@ -82,7 +83,8 @@ fn default_profile() -> String {
 pub struct FetchRequest {
     pub fetch: Reference,
     pub out_dir: String,
-    /// For `Scheduler` references: how long to wait while no slice is free.
+    /// How long to wait: for `Scheduler` references while no slice is free (then 503
+    /// `data_wait`), for `Peers` for the files (then the ones that came, maybe none).
     #[serde(default)]
     pub wait_ms: Option<u64>,
 }
@@ -94,7 +96,8 @@ pub(super) async fn fetch(
     let out_dir = paths::check(&request.out_dir)?;
     match request.fetch {
         Reference::Peers { peers, strategy } => {
-            super::peers::fetch(bridge, &peers, strategy, &request.out_dir).await
+            let wait = request.wait_ms.map(std::time::Duration::from_millis);
+            super::peers::fetch(bridge, &peers, strategy, &request.out_dir, wait).await
         }
         Reference::Uri { value } => {
             let url = reqwest::Url::parse(&value)

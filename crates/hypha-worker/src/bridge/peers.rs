@@ -8,7 +8,8 @@
 //! peers (from anyone when the list is empty) until the client hangs up or the job ends, while
 //! `One` and `Random` end the stream after the first file. For fetching, `All` with a
 //! non-empty list waits for one file from each listed peer; otherwise it waits for the first
-//! file from any of them.
+//! file from any of them. With `"wait_ms"` beside `fetch`, a fetch waits at most that long and
+//! answers with the files that arrived by then: `[]` when none did.
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -60,6 +61,10 @@ pub enum Target {
 pub struct SendRequest {
     pub send: Target,
     pub path: String,
+    /// How long to keep trying a peer that cannot be reached or refuses for now; default
+    /// [`transfer::SEND_PATIENCE`].
+    #[serde(default)]
+    pub patience_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,6 +100,9 @@ fn parse_peers(peers: &[String]) -> Result<Vec<PeerId>, BridgeError> {
 /// Sends a file of the job to the jobs of its task on other workers.
 pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEntry, BridgeError> {
     let Target::Peers { peers, strategy } = request.send;
+    let patience = request
+        .patience_ms
+        .map_or(transfer::SEND_PATIENCE, std::time::Duration::from_millis);
     let peers = parse_peers(&peers)?;
     if peers.is_empty() {
         return Err(BridgeError::bad_request(
@@ -128,7 +136,7 @@ pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEn
         let relative = &relative;
         async move {
             let file = bridge.dir.open_read(relative).map_err(|e| e.to_string())?;
-            transfer::send(&bridge.shared.network, peer, header, file)
+            transfer::send(&bridge.shared.network, peer, header, file, patience)
                 .await
                 .map_err(|e| format!("{peer}: {e}"))
         }
@@ -250,13 +258,17 @@ pub(super) fn receive(
     Ok(Sse::new(events).keep_alive(KeepAlive::default()))
 }
 
-/// `/resources/fetch` of `{"type": "Peers"}`: waits for files sent to the job.
+/// `/resources/fetch` of `{"type": "Peers"}`: waits for files sent to the job; with `wait`,
+/// at most that long, then answers with what arrived by then (possibly nothing), so that an
+/// executor can look around (ask its scheduler whether the peer is still there) and ask again.
 pub(super) async fn fetch(
     bridge: &Bridge,
     peers: &[String],
     strategy: Strategy,
     out_dir: &str,
+    wait: Option<std::time::Duration>,
 ) -> Result<Vec<FileEntry>, BridgeError> {
+    let deadline = wait.map(|wait| tokio::time::Instant::now() + wait);
     let peers = parse_peers(peers)?;
     let out_dir = checked_out_dir(bridge, out_dir)?;
     let waits: Vec<HashSet<PeerId>> = if strategy == Strategy::All && !peers.is_empty() {
@@ -266,8 +278,15 @@ pub(super) async fn fetch(
     };
     let mut entries = Vec::with_capacity(waits.len());
     for from in waits {
+        let until = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
         let arrived = tokio::select! {
             arrived = bridge.inbox().next(&from) => arrived,
+            () = until => break,
             () = bridge.stopping.cancelled() => return Err(BridgeError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "job_ending",

@@ -39,7 +39,7 @@ pub const STAGING_DIR: &str = ".hypha/inbox";
 pub const MAX_CONCURRENT: usize = 32;
 /// Files waiting in one job's inbox; more are refused `inbox_full` until the job takes some.
 pub const MAX_WAITING: usize = 256;
-pub use hypha_transfer::{Header, PROTOCOL, SendError};
+pub use hypha_transfer::{Header, PROTOCOL, SEND_PATIENCE, SendError};
 
 /// A file that arrived for a job and waits for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,8 +344,9 @@ pub async fn send(
     peer: PeerId,
     header: &Header,
     file: std::fs::File,
+    patience: std::time::Duration,
 ) -> Result<String, SendError> {
-    let sent = hypha_transfer::send(network, peer, header, file).await?;
+    let sent = hypha_transfer::send(network, peer, header, file, patience).await?;
     metrics::resource_bytes("sent", header.size);
     Ok(sent)
 }
