@@ -107,7 +107,6 @@ pub struct Lease {
     /// The worker's id for the lease: unique per worker across its restarts.
     pub id: u64,
     pub price: f64,
-    pub resources: Resources,
     /// How long the worker holds the lease without renewal.
     pub period: Duration,
     renewal: tokio::task::JoinHandle<()>,
@@ -312,7 +311,7 @@ impl Allocator {
                     })) => Some(self.hold(
                         peer,
                         lease,
-                        &offer,
+                        offer.price,
                         Duration::from_millis(expires_in_ms),
                         lost.clone(),
                     )),
@@ -344,6 +343,34 @@ impl Allocator {
                 Err(NetworkError::Gossip(_)) => return Ok(()),
                 Err(e) => return Err(e.into()),
             }
+        }
+    }
+
+    /// Takes over lease `id` on `peer`, granted to an earlier run of this scheduler (same
+    /// peer id) at `price`: renewed now, and from then on like any other; lost ones are
+    /// reported on `lost`. Fails when the worker no longer holds the lease (it lapsed or was
+    /// released) or cannot be reached.
+    pub async fn adopt(
+        &self,
+        peer: PeerId,
+        id: u64,
+        price: f64,
+        lost: &mpsc::Sender<Lost>,
+    ) -> Result<Lease, String> {
+        match self
+            .network
+            .request(peer, Request::Lease(LeaseRequest::Renew { lease: id }))
+            .await
+        {
+            Ok(Response::Lease(grant)) => Ok(self.hold(
+                peer,
+                id,
+                price,
+                Duration::from_millis(grant.expires_in_ms),
+                lost.clone(),
+            )),
+            Ok(_) => Err("unexpected answer to a renewal".into()),
+            Err(error) => Err(error.to_string()),
         }
     }
 
@@ -381,7 +408,7 @@ impl Allocator {
         &self,
         peer: PeerId,
         id: u64,
-        offer: &Offer,
+        price: f64,
         period: Duration,
         lost: mpsc::Sender<Lost>,
     ) -> Lease {
@@ -435,8 +462,7 @@ impl Allocator {
         Lease {
             peer,
             id,
-            price: offer.price,
-            resources: offer.resources,
+            price,
             period,
             renewal,
             lost: lost_reason,

@@ -58,6 +58,15 @@ impl Checkpoints {
         &self.path
     }
 
+    /// The checkpoints at `path`, going on from the one there (a resumed run's).
+    pub fn resumed(path: PathBuf) -> Self {
+        let round = checkpoint_round(&path).ok();
+        Self {
+            path,
+            state: Arc::new(Mutex::new(State { from: None, round })),
+        }
+    }
+
     /// The round of the checkpoint held: the round a restored server trains next.
     pub fn round(&self) -> Option<u64> {
         self.lock().round

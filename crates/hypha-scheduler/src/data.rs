@@ -47,11 +47,14 @@ pub struct JobData {
 impl JobData {
     /// Finds the dataset, checks its manifest with `fits` (the job's model against the
     /// slices' tensors), then opens (or resumes) the ledger at `ledger` for iteration `task`.
+    /// A resumed run's `committed` rounds (peer, job, round: in the model it continues from)
+    /// become used before what the earlier run's jobs held goes back.
     pub async fn start(
         network: &Network,
         spec: &DataSpec,
         ledger: &Path,
         task: &str,
+        committed: &[(PeerId, String, u64)],
         fits: impl FnOnce(&Manifest) -> Result<(), String>,
     ) -> Result<Self, DataError> {
         let client = DataClient::new(network.clone());
@@ -89,8 +92,15 @@ impl JobData {
         })?;
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
+        let committed: Vec<(String, u64)> = committed
+            .iter()
+            .map(|(peer, job, round)| (IterationService::consumer_name(peer, job), *round))
+            .collect();
         let opened = tokio::task::spawn_blocking(move || {
             let mut ledger = Ledger::open_or_create(&path, iteration, LEASE_MS, unix_ms())?;
+            for (consumer, round) in &committed {
+                ledger.commit_round(consumer, *round, unix_ms());
+            }
             // A resumed iteration's holders were jobs of an earlier run of this scheduler,
             // none of which it runs now: what they held and did not see used goes back.
             let returned = ledger.release_all(unix_ms());

@@ -12,6 +12,8 @@
 //!   server closes a round, which rounds' slices become used.
 //! - [`training`]: a DiLoCo job's statuses, ledger settlements and metrics file.
 //! - [`slots`]: each worker's share of a job: wanted, allocating, running, done; retries.
+//! - [`record`]: a run's durable record beside its ledger, from which a restarted scheduler
+//!   resumes it.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //!
@@ -21,6 +23,7 @@ pub mod allocator;
 pub mod checkpoint;
 pub mod data;
 pub mod node;
+pub mod record;
 pub mod rounds;
 pub mod run;
 pub mod slots;

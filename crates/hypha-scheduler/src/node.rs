@@ -26,7 +26,8 @@ pub struct RunJobArgs {
     /// The job file: workers, bid, executor, resources, config (see the README).
     #[arg(long, value_name = "FILE")]
     pub job: PathBuf,
-    /// Also write every event (leases, dispatches, statuses, losses) as JSON lines here.
+    /// Also write every event (leases, dispatches, statuses, losses, resumptions) as JSON
+    /// lines here, appended to what the file holds.
     #[arg(long, value_name = "FILE")]
     pub events: Option<PathBuf>,
 }

@@ -23,7 +23,7 @@
 use std::{
     collections::{HashMap, HashSet},
     io::Write,
-    path::Path,
+    path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
 };
@@ -44,7 +44,8 @@ use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
     checkpoint::{self, Checkpoints},
     data::JobData,
-    slots::{Role, Slots, Verdict},
+    record::{self, RecordedJob, RunRecord},
+    slots::{Role, SlotState, Slots, Verdict},
     spec::JobFile,
     training::Training,
 };
@@ -85,6 +86,19 @@ pub enum Event {
         peer: String,
         reason: String,
     },
+    /// A scheduler resumed the run its earlier process left: the same task, `jobs` of it to
+    /// take over, and for DiLoCo the checkpoint of `round` to go on from.
+    Resumed {
+        task: String,
+        round: Option<u64>,
+        jobs: usize,
+    },
+    /// A lease of the earlier run was taken over for `slot`.
+    Readopted {
+        slot: usize,
+        peer: String,
+        lease: u64,
+    },
     /// The parameter server's worker was lost or its job failed: a new one is leased and
     /// restored from the checkpoint of `round` (0 and no checkpoint: it starts afresh).
     Failover {
@@ -121,10 +135,15 @@ impl EventLog {
         }
     }
 
-    /// Events on the console and, as JSON lines, in `path` (created or truncated).
+    /// Events on the console and, as JSON lines, appended to `path` (created if need be): a
+    /// resumed run's events follow its earlier process's.
     pub fn with_file(path: &Path) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
         Ok(EventLog {
-            file: Some(std::fs::File::create(path)?),
+            file: Some(file),
             observer: None,
         })
     }
@@ -174,6 +193,12 @@ impl EventLog {
             }
             Event::Lost { slot, peer, reason } => {
                 tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
+            }
+            Event::Resumed { task, round, jobs } => {
+                tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
+            }
+            Event::Readopted { slot, peer, lease } => {
+                tracing::info!(slot, %peer, lease, "the earlier run's lease taken over")
             }
             Event::Failover {
                 peer,
@@ -268,6 +293,8 @@ pub enum RunError {
         "the parameter server on {peer} is gone ({reason}) and no checkpoint of its rounds reached the scheduler; the global model of the last round may be in its checkpoint there (parameter-server.safetensors in the job's directory)"
     )]
     ServerLost { peer: String, reason: String },
+    #[error(transparent)]
+    Record(#[from] crate::record::RecordError),
     #[error("the job file's [diloco] metrics file {path}: {error}")]
     Metrics { path: String, error: std::io::Error },
     #[error(
@@ -381,11 +408,34 @@ pub async fn run_job(
     events: EventLog,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
-    let task = uuid::Uuid::new_v4().to_string();
     tokio::pin!(shutdown);
+    let record_path = spec
+        .ledger_path()
+        .map(|ledger| record::path_beside(&ledger));
+    let earlier = match &record_path {
+        Some(path) => RunRecord::load(path)?,
+        None => None,
+    };
+    // A resumed DiLoCo run goes on from the checkpoint held beside the ledger, if any.
+    let resumed_round = match (&earlier, &spec.diloco, spec.ledger_path()) {
+        (Some(_), Some(_), Some(ledger)) => {
+            checkpoint::checkpoint_round(&checkpoint::path_beside(&ledger)).ok()
+        }
+        _ => None,
+    };
+    let task = earlier
+        .as_ref()
+        .map_or_else(|| uuid::Uuid::new_v4().to_string(), |r| r.task.clone());
+    // Rounds the earlier run applied that are in the checkpoint: their slices are used.
+    let committed: Vec<(PeerId, String, u64)> = earlier
+        .iter()
+        .flat_map(|r| &r.uncommitted)
+        .filter(|u| resumed_round.is_some_and(|held| u.round < held))
+        .filter_map(|u| Some((u.peer.parse().ok()?, u.job.clone(), u.round)))
+        .collect();
     let data = match (&spec.data, spec.ledger_path()) {
         (Some(data), Some(ledger)) => tokio::select! {
-            started = JobData::start(&network, data, &ledger, &task, |manifest| spec.check_dataset(manifest)) => Some(started?),
+            started = JobData::start(&network, data, &ledger, &task, &committed, |manifest| spec.check_dataset(manifest)) => Some(started?),
             _ = &mut shutdown => return Err(RunError::Interrupted),
         },
         _ => None,
@@ -397,19 +447,27 @@ pub async fn run_job(
                 .clone()
                 .unwrap_or_else(|| "metrics.jsonl".into());
             let forward = diloco.forward.as_deref();
-            let started =
-                Training::new(diloco.plan(), data.clone(), &path, forward).map_err(|error| {
-                    RunError::Metrics {
-                        path: path.display().to_string(),
-                        error,
-                    }
-                })?;
+            let resumed = earlier.is_some();
+            let mut started = Training::new(diloco.plan(), data.clone(), &path, forward, resumed)
+                .map_err(|error| RunError::Metrics {
+                path: path.display().to_string(),
+                error,
+            })?;
+            if let Some(round) = resumed_round {
+                started.resume_from(round);
+            }
             Some(started)
         }
         _ => None,
     };
     let checkpoints = match (&training, spec.ledger_path()) {
-        (Some(_), Some(ledger)) => Some(Checkpoints::new(checkpoint::path_beside(&ledger))),
+        (Some(_), Some(ledger)) => {
+            let path = checkpoint::path_beside(&ledger);
+            Some(match resumed_round {
+                Some(_) => Checkpoints::resumed(path),
+                None => Checkpoints::new(path),
+            })
+        }
         _ => None,
     };
     let (mut run, mut channels) = JobRun::new(
@@ -421,7 +479,11 @@ pub async fn run_job(
         data,
         training.map(|t| (t, checkpoints)),
         events,
+        record_path,
     );
+    if let Some(earlier) = earlier {
+        run.resume(earlier, resumed_round);
+    }
     let outcome = run.drive(&mut channels, &mut shutdown).await;
     run.finish(outcome).await
 }
@@ -444,6 +506,14 @@ enum Internal {
     Allocated {
         slots: Vec<usize>,
         leased: Result<Vec<Lease>, AllocationError>,
+    },
+    /// A lease of an earlier run was taken over for `slot` (its job `job` on `peer` stopped),
+    /// or could not be.
+    Adopted {
+        slot: usize,
+        peer: PeerId,
+        job: String,
+        lease: Result<Box<Lease>, String>,
     },
     /// The dispatch of `job` was answered (or failed).
     Dispatch {
@@ -481,6 +551,8 @@ struct JobRun<'a> {
     checkpoints: Option<Checkpoints>,
     /// The round of the checkpoint the next parameter server is restored from.
     restore: Option<u64>,
+    /// Where the run's record is kept, when it has a ledger to keep it beside.
+    record: Option<PathBuf>,
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
@@ -499,6 +571,7 @@ impl<'a> JobRun<'a> {
         data: Option<JobData>,
         training: Option<(Training, Option<Checkpoints>)>,
         events: EventLog,
+        record: Option<PathBuf>,
     ) -> (Self, Channels) {
         let (status_tx, statuses) = mpsc::channel(256);
         let (executor_tx, executor_statuses) = mpsc::channel(256);
@@ -558,6 +631,7 @@ impl<'a> JobRun<'a> {
             training,
             checkpoints,
             restore: None,
+            record,
             events,
             jobs: HashMap::new(),
             tasks,
@@ -570,6 +644,80 @@ impl<'a> JobRun<'a> {
             checkpoints: stored,
         };
         (run, channels)
+    }
+
+    /// Takes over what the earlier run of this job left: the lease of each job it ran, for a
+    /// new job in the same slot (the old one is stopped), and for the parameter server the
+    /// checkpoint of `round`.
+    fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
+        self.restore = round;
+        self.events.record(Event::Resumed {
+            task: self.task.clone(),
+            round,
+            jobs: earlier.jobs.len(),
+        });
+        for recorded in earlier.jobs {
+            let Ok(peer) = recorded.peer.parse::<PeerId>() else {
+                continue;
+            };
+            if self.slots.state(recorded.slot) != Some(&SlotState::Wanted) {
+                continue;
+            }
+            self.slots.adopting(recorded.slot);
+            let allocator = self.allocator.clone();
+            let network = self.network.clone();
+            let lost = self.lost.clone();
+            self.tasks.spawn(async move {
+                let lease = allocator
+                    .adopt(peer, recorded.lease, recorded.price, &lost)
+                    .await
+                    .map(Box::new);
+                if lease.is_ok() {
+                    // Its executor trains on a state this run does not have: a new job starts.
+                    let cancel = Request::Cancel {
+                        job: recorded.job.clone(),
+                    };
+                    let _ = network.request(peer, cancel).await;
+                }
+                Internal::Adopted {
+                    slot: recorded.slot,
+                    peer,
+                    job: recorded.job,
+                    lease,
+                }
+            });
+        }
+        self.store_record();
+    }
+
+    /// Writes the run's record: its task, its jobs and leases, the rounds waiting for a
+    /// checkpoint. A record that cannot be written costs only the resumption of the run.
+    fn store_record(&self) {
+        let Some(path) = &self.record else {
+            return;
+        };
+        let record = RunRecord {
+            task: self.task.clone(),
+            jobs: self
+                .jobs
+                .iter()
+                .map(|(job, d)| RecordedJob {
+                    job: job.clone(),
+                    slot: d.slot,
+                    peer: d.lease.peer.to_string(),
+                    lease: d.lease.id,
+                    price: d.lease.price,
+                })
+                .collect(),
+            uncommitted: self
+                .training
+                .as_ref()
+                .map(Training::uncommitted)
+                .unwrap_or_default(),
+        };
+        if let Err(error) = record.store(path) {
+            tracing::warn!(%error, "the run cannot be resumed from its record if the scheduler stops");
+        }
     }
 
     /// Follows the job until every slot is done, a slot fails for good, or `shutdown`.
@@ -649,11 +797,44 @@ impl<'a> JobRun<'a> {
                         Some(reason) => {
                             tracing::info!(peer = %lease.peer, %reason, "a worker was lost right after it was leased")
                         }
-                        None => self.dispatch(slot, lease),
+                        None => {
+                            self.events.record(Event::Leased {
+                                slot,
+                                peer: lease.peer.to_string(),
+                                lease: lease.id,
+                                price: lease.price,
+                            });
+                            self.dispatch(slot, lease);
+                        }
                     }
                 }
                 self.slots.allocation_ended();
                 self.allocate_next();
+            }
+            Internal::Adopted {
+                slot,
+                peer,
+                job,
+                lease,
+            } => {
+                // The earlier run's job is stopped (or its lease is gone): what it held goes
+                // back.
+                self.release_data(peer, &job).await;
+                match lease {
+                    Ok(lease) => {
+                        self.events.record(Event::Readopted {
+                            slot,
+                            peer: peer.to_string(),
+                            lease: lease.id,
+                        });
+                        self.dispatch(slot, *lease);
+                    }
+                    Err(reason) => {
+                        tracing::info!(slot, %peer, %reason, "the earlier run's lease is gone; leasing another worker");
+                        self.slots.adoption_failed(slot);
+                        self.allocate_next();
+                    }
+                }
             }
             Internal::Dispatch { job, result } => {
                 let Some(dispatched) = self.jobs.get(&job) else {
@@ -682,12 +863,6 @@ impl<'a> JobRun<'a> {
 
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
     fn dispatch(&mut self, slot: usize, lease: Lease) {
-        self.events.record(Event::Leased {
-            slot,
-            peer: lease.peer.to_string(),
-            lease: lease.id,
-            price: lease.price,
-        });
         let id = uuid::Uuid::new_v4().to_string();
         let role = self.slots.role(slot);
         let work = self.work(role);
@@ -727,6 +902,7 @@ impl<'a> JobRun<'a> {
         let network = self.network.clone();
         let peer = lease.peer;
         self.jobs.insert(id.clone(), Dispatched { slot, lease });
+        self.store_record();
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
         let checkpoint = match (restore, &self.checkpoints) {
             (Some(_), Some(checkpoints)) => checkpoints.open(),
@@ -800,6 +976,7 @@ impl<'a> JobRun<'a> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
+        self.store_record();
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);
         self.release_data(peer, job).await;
@@ -866,6 +1043,7 @@ impl<'a> JobRun<'a> {
     async fn checkpoint_stored(&mut self, round: u64) {
         if let Some(training) = self.training.as_mut() {
             training.checkpoint_stored(round).await;
+            self.store_record();
         }
     }
 
@@ -885,6 +1063,11 @@ impl<'a> JobRun<'a> {
         };
         match answered {
             Some(answered) => {
+                if answered.applied.is_some() {
+                    // Recorded before the server hears its round was taken: only then may it
+                    // send the round's checkpoint, which makes the round's slices used.
+                    self.store_record();
+                }
                 let _ = answer.send(answered.payload);
                 if let Some(applied) = answered.applied {
                     self.events.record(Event::Round {
@@ -915,6 +1098,18 @@ impl<'a> JobRun<'a> {
         self.allocator.settle(RELEASE_LIMIT).await;
         if let Some(training) = self.training.take() {
             training.finish().await;
+        }
+        match (&outcome, &self.record) {
+            // Done: nothing to resume.
+            (Ok(()), Some(path)) => {
+                if let Err(error) = std::fs::remove_file(path) {
+                    tracing::debug!(%error, "the run's record was not removed");
+                }
+            }
+            // Every lease is given back: what is left to resume is the task and the
+            // checkpoint.
+            (Err(_), Some(_)) => self.store_record(),
+            _ => {}
         }
         self.events.record(Event::Done {
             ok: outcome.is_ok(),

@@ -11,6 +11,9 @@
 //!    └────── allocation failed ─────┘◀── failed, lost ─────┘ (while attempts are left)
 //! ```
 //!
+//! A resumed run starts the slots its earlier run held a lease for in `Adopting`: they go to
+//! `Running` under the lease taken over, or, when it is gone, back to `Wanted`.
+//!
 //! One allocation is in flight at a time, for the wanted slots of one role, the parameter
 //! server's first: so no worker is leased for two slots of a run, and a replacement never
 //! races another allocation for the same worker.
@@ -29,6 +32,8 @@ pub enum SlotState {
     Wanted,
     /// An allocation is finding it one.
     Allocating,
+    /// A restarted scheduler is taking over the lease an earlier run of it held for the slot.
+    Adopting,
     /// Job `job` was dispatched for it (or is being dispatched).
     Running { job: String },
     /// Its job finished successfully.
@@ -134,6 +139,25 @@ impl Slots {
             if slot.state == SlotState::Allocating {
                 slot.state = SlotState::Wanted;
             }
+        }
+    }
+
+    /// `slot` waits for a lease of an earlier run to be taken over: no allocation is started
+    /// for it meanwhile.
+    pub fn adopting(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot)
+            && s.state == SlotState::Wanted
+        {
+            s.state = SlotState::Adopting;
+        }
+    }
+
+    /// The lease of an earlier run could not be taken over: the slot wants a worker.
+    pub fn adoption_failed(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot)
+            && s.state == SlotState::Adopting
+        {
+            s.state = SlotState::Wanted;
         }
     }
 
@@ -249,6 +273,27 @@ mod tests {
             slots.finished("a"),
             Verdict::Unknown,
             "a replaced job that ends late changes nothing"
+        );
+    }
+
+    #[test]
+    fn slots_being_adopted_are_not_allocated_and_are_wanted_when_adoption_fails() {
+        let mut slots = Slots::new(2, true, 2);
+        slots.adopting(0);
+        slots.adopting(2);
+        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![1])));
+        slots.allocation_ended();
+        assert_eq!(slots.state(0), Some(&SlotState::Adopting), "{slots:?}");
+        slots.started(0, "a");
+        slots.adoption_failed(2);
+        slots.adoption_failed(0);
+        assert_eq!(
+            slots.state(0),
+            Some(&SlotState::Running { job: "a".into() })
+        );
+        assert_eq!(
+            slots.next_allocation(),
+            Some((Role::ParameterServer, vec![2]))
         );
     }
 

@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use crate::{
     data::JobData,
+    record::RecordedRound,
     rounds::{AppliedRound, RoundPlan, Rounds, Settle},
 };
 
@@ -67,18 +68,27 @@ pub struct Answered {
 }
 
 impl Training {
-    /// Starts with round 0; the metrics file at `metrics` is created or truncated, and each
-    /// line is also POSTed to `forward`.
+    /// Starts with round 0; the metrics file at `metrics` is created or truncated (appended
+    /// to when `append`: a resumed run), and each line is also POSTed to `forward`.
     pub fn new(
         plan: RoundPlan,
         data: JobData,
         metrics: &Path,
         forward: Option<&str>,
+        append: bool,
     ) -> std::io::Result<Self> {
+        let metrics = if append {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(metrics)?
+        } else {
+            std::fs::File::create(metrics)?
+        };
         Ok(Self {
             rounds: Rounds::new(plan),
             data,
-            metrics: std::fs::File::create(metrics)?,
+            metrics,
             forward: forward.map(forwarder),
             dropped: 0,
             peers: HashMap::new(),
@@ -170,6 +180,24 @@ impl Training {
                 tracing::warn!("the metrics URL did not take the last lines in time");
             }
         }
+    }
+
+    /// A resumed run goes on from the checkpoint of `round` the scheduler holds.
+    pub fn resume_from(&mut self, round: u64) {
+        self.rounds.restored(round);
+        self.checkpointed = Some(round);
+    }
+
+    /// Applied rounds of trainers' jobs that wait for a checkpoint, for the run's record.
+    pub fn uncommitted(&self) -> Vec<RecordedRound> {
+        self.uncommitted
+            .iter()
+            .map(|u| RecordedRound {
+                round: u.round,
+                peer: u.peer.to_string(),
+                job: u.job.clone(),
+            })
+            .collect()
     }
 
     /// The round being trained.

@@ -352,7 +352,9 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         .collect();
     let job = job(&cluster, "failover", 2, 2, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
-    // Once a round is applied, the next is under way: kill the worker of the server.
+    // Once two rounds are applied (the first one's checkpoint is in), the third is under
+    // way: kill the worker of the server.
+    scheduler.wait_for("round applied");
     scheduler.wait_for("round applied");
     let victim = servers
         .iter()
@@ -392,12 +394,7 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         .collect();
     // The run goes on from the checkpoint's round: the model it continues holds rounds
     // 0..from of the lost server and from.. of the new one, each once.
-    let continued: Vec<u64> = before
-        .iter()
-        .map(|e| round(e))
-        .filter(|r| *r < from)
-        .chain(after.iter().map(|e| round(e)))
-        .collect();
+    let continued = continued_rounds(&events, &["failover"]);
     assert_eq!(
         continued,
         (0..continued.len() as u64).collect::<Vec<_>>(),
@@ -416,8 +413,102 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
     let survivor = servers[1 - victim].0;
     let final_model = job_dir(&cluster.path(&format!("{survivor}-work"))).join("final.safetensors");
     assert!(final_model.exists(), "{}", final_model.display());
-    assert!(evaluation_loss(Some(final_model)) < 0.5 * evaluation_loss(None));
+    let (start, end) = (evaluation_loss(None), evaluation_loss(Some(final_model)));
+    assert!(
+        end < 0.5 * start,
+        "evaluation loss {start} → {end}: {events:#?}"
+    );
 
     let (used, _) = audit(&cluster.path("failover-job.ledger"));
     assert_each_used_once(&used, 2, SLICES);
+}
+
+/// The round events of a run as the model it ends with saw them: each restart or failover
+/// (an event with the checkpoint's `round` it goes on from) throws away the rounds applied at
+/// or after that round before it.
+fn continued_rounds(events: &[serde_json::Value], restarts: &[&str]) -> Vec<u64> {
+    let mut rounds: Vec<u64> = Vec::new();
+    for event in events {
+        let kind = event["event"]["kind"].as_str().unwrap_or("");
+        if kind == "round" {
+            rounds.push(event["event"]["round"].as_u64().unwrap());
+        } else if restarts.contains(&kind) {
+            let from = event["event"]["round"].as_u64().unwrap_or(0);
+            rounds.retain(|r| *r < from);
+        }
+    }
+    rounds
+}
+
+#[test]
+fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
+    let (cluster, _data, _server) = cluster();
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .collect();
+    let job = job(&cluster, "resume", 2, 2, "");
+    let (mut first, events_path) = cluster.scheduler("scheduler", &job);
+    // Once two rounds are applied (the first one's checkpoint is in), the third is under
+    // way: kill the scheduler, start it again.
+    first.wait_for("round applied");
+    first.wait_for("round applied");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let before = events(&events_path);
+    let (mut second, _) = cluster.restart_scheduler("scheduler", &job);
+    let (ok, lines) = second.wait(Duration::from_secs(150));
+    assert!(ok, "the restarted scheduler failed:\n{}", lines.join("\n"));
+    no_errors("the restarted scheduler", &lines);
+
+    let events = events(&events_path);
+    let resumed = of_kind(&events, "resumed");
+    assert_eq!(resumed.len(), 1, "{resumed:#?}");
+    let from = resumed[0]["event"]["round"].as_u64().unwrap();
+    let task = resumed[0]["event"]["task"].as_str().unwrap();
+    assert_eq!(
+        resumed[0]["event"]["jobs"], 3,
+        "the trainers and the server"
+    );
+    assert!(from >= 1, "the checkpoint of the first round was held");
+    // The same run: the workers' leases were taken over, none was leased anew.
+    let after = &events[before.len()..];
+    assert_eq!(of_kind(after, "readopted").len(), 3, "{after:#?}");
+    assert!(of_kind(after, "leased").is_empty(), "{after:#?}");
+    assert!(
+        std::fs::read_dir(cluster.path("trainer0-work"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("job.json")).ok())
+            .all(|job| job.contains(task)),
+        "every job of both processes ran for one task"
+    );
+    // No round is applied twice to the model the run ends with, and it has every round.
+    let continued = continued_rounds(&events, &["resumed"]);
+    assert_eq!(
+        continued,
+        (0..continued.len() as u64).collect::<Vec<_>>(),
+        "{events:#?}"
+    );
+    // The loss goes on from where it was, not from a fresh model's.
+    let losses: Vec<f64> = of_kind(&events, "round")
+        .iter()
+        .filter_map(|e| e["event"]["loss"].as_f64())
+        .collect();
+    let resumed_at = before.len();
+    let first_after = events[resumed_at..]
+        .iter()
+        .find(|e| e["event"]["kind"] == "round")
+        .and_then(|e| e["event"]["loss"].as_f64())
+        .unwrap();
+    assert!(
+        first_after < 0.9 * losses[0],
+        "loss {} in round 0, {first_after} right after the restart",
+        losses[0]
+    );
+    let (used, _) = audit(&cluster.path("resume-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+    assert!(
+        !cluster.path("resume-job.run.json").exists(),
+        "a completed run leaves no record to resume"
+    );
 }

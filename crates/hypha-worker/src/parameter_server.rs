@@ -16,7 +16,8 @@
 //!
 //! **The checkpoint's second place.** Every checkpoint is pushed to the scheduler over the
 //! resource protocol in the background (only the newest while one is on its way, retried
-//! until the scheduler takes it): the scheduler marks a round's slices used only once the
+//! until the scheduler takes it; a round's once the scheduler answered the status saying the
+//! round was applied): the scheduler marks a round's slices used only once the
 //! round is in a checkpoint it holds, and restores a replacement from it. A server given
 //! `{"restore": {"round": r}}` waits for that checkpoint from the scheduler before it serves;
 //! a server told that training is over pushes its last checkpoint before it exits.
@@ -146,6 +147,10 @@ impl ServerJob {
         );
         let mut dropped = Vec::new();
         let mut applied = None;
+        // A round's checkpoint goes to the scheduler once it has answered the status saying
+        // the round was applied: a scheduler that holds the checkpoint knows whose slices
+        // the round used, even if it was restarted in between.
+        let mut announce = false;
         let mut report = tokio::time::interval(REPORT_EVERY);
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let anyone = HashSet::new();
@@ -169,12 +174,16 @@ impl ServerJob {
                 dropped: std::mem::take(&mut dropped),
                 applied: applied.clone(),
             };
-            match self.report(status).await {
+            let order = self.report(status).await;
+            if order.is_some() && std::mem::take(&mut announce) {
+                uploads.checkpointed();
+            }
+            match order {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
                         applied = Some(self.close(&mut server, &send_to)?);
-                        uploads.checkpointed();
+                        announce = true;
                     }
                 }
                 Some(ServerOrder::Done) => {

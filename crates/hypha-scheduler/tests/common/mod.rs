@@ -164,7 +164,13 @@ impl Cluster {
 
     /// Starts a scheduler running `job`; its events go to `<name>-events.jsonl`.
     pub fn scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
-        let config = self.config(name, "");
+        self.config(name, "");
+        self.restart_scheduler(name, job)
+    }
+
+    /// Starts scheduler `name` again, with the identity and config it had.
+    pub fn restart_scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
+        let config = self.path(&format!("{name}.toml"));
         let events = self.path(&format!("{name}-events.jsonl"));
         let proc = Proc::start_with(
             &bin("hypha-scheduler"),

@@ -1,0 +1,137 @@
+//! A run's durable record beside its ledger (`job.run.json` for `job.ledger`): what a
+//! scheduler that was killed needs to resume the same run when it is started again.
+//!
+//! It holds the run's task id (the iteration and the workers' transfers are addressed to it),
+//! the jobs running with the workers and leases they run under, and the applied rounds whose
+//! slices wait for a checkpoint (round, job): the rounds a restarted scheduler commits in the
+//! ledger when the checkpoint it holds has them, and gives back otherwise. The record is
+//! rewritten whole (temp file, fsync, rename) each time one of these changes, an applied round
+//! before its parameter server hears that it was taken, so what it says is never older than
+//! what the workers act on. A run that completes removes it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The record of a run whose ledger is at `ledger`.
+pub fn path_beside(ledger: &Path) -> PathBuf {
+    ledger.with_extension("run.json")
+}
+
+/// What a run keeps on disk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The run's task id.
+    pub task: String,
+    /// The jobs running now.
+    pub jobs: Vec<RecordedJob>,
+    /// Applied rounds of trainers' jobs whose slices are used once a checkpoint holds them.
+    pub uncommitted: Vec<RecordedRound>,
+}
+
+/// A job of the run and the lease it runs under.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedJob {
+    pub job: String,
+    pub slot: usize,
+    pub peer: String,
+    pub lease: u64,
+    pub price: f64,
+}
+
+/// An applied round of a trainer's job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedRound {
+    pub round: u64,
+    pub peer: String,
+    pub job: String,
+}
+
+/// Why a record cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error(
+        "cannot read the run record {path}: {error}; remove it to start the run afresh (the ledger keeps what was used)"
+    )]
+    Read { path: String, error: std::io::Error },
+    #[error(
+        "the run record {path} is damaged ({error}); remove it to start the run afresh (the ledger keeps what was used)"
+    )]
+    Damaged {
+        path: String,
+        error: serde_json::Error,
+    },
+    #[error("cannot write the run record {path}: {error}")]
+    Write { path: String, error: String },
+}
+
+impl RunRecord {
+    /// The record at `path`; `None` when there is none.
+    pub fn load(path: &Path) -> Result<Option<Self>, RecordError> {
+        let bytes = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => {
+                return Err(RecordError::Read {
+                    path: path.display().to_string(),
+                    error,
+                });
+            }
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|error| RecordError::Damaged {
+                path: path.display().to_string(),
+                error,
+            })
+    }
+
+    /// Writes the record to `path` atomically and durably.
+    pub fn store(&self, path: &Path) -> Result<(), RecordError> {
+        let write = |error: String| RecordError::Write {
+            path: path.display().to_string(),
+            error,
+        };
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| write(e.to_string()))?;
+        hypha_files::write_atomic(path, &bytes, hypha_files::Mode::Private, true)
+            .map_err(|e| write(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_record_is_read_back_as_written_and_a_damaged_one_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = path_beside(&dir.path().join("train.ledger"));
+        assert_eq!(path, dir.path().join("train.run.json"));
+        assert_eq!(RunRecord::load(&path).unwrap(), None);
+        let record = RunRecord {
+            task: "t".into(),
+            jobs: vec![RecordedJob {
+                job: "j".into(),
+                slot: 2,
+                peer: "p".into(),
+                lease: u64::MAX,
+                price: 5.0,
+            }],
+            uncommitted: vec![RecordedRound {
+                round: 7,
+                peer: "p".into(),
+                job: "j".into(),
+            }],
+        };
+        record.store(&path).unwrap();
+        assert_eq!(RunRecord::load(&path).unwrap(), Some(record));
+        std::fs::write(&path, b"{\"task\": ").unwrap();
+        let error = RunRecord::load(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("damaged") && error.contains("remove it"),
+            "{error}"
+        );
+    }
+}
