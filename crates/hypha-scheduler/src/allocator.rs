@@ -111,6 +111,7 @@ pub struct Lease {
     pub period: Duration,
     renewal: tokio::task::JoinHandle<()>,
     lost: Arc<OnceLock<String>>,
+    probe: Arc<tokio::sync::Notify>,
     allocator: Allocator,
 }
 
@@ -118,6 +119,13 @@ impl Lease {
     /// Why the lease stopped being renewable, once it has.
     pub fn lost(&self) -> Option<&str> {
         self.lost.get().map(String::as_str)
+    }
+
+    /// Renews the lease now instead of at its time: the caller suspects the worker is gone
+    /// (its job went quiet), and a worker that is gone is reported lost within about
+    /// [`RETRY_LIMIT`].
+    pub fn probe(&self) {
+        self.probe.notify_one();
     }
 
     /// Stops renewing and gives the lease back now (dropping the handle does the same).
@@ -157,6 +165,9 @@ pub struct Lost {
     pub lease: u64,
     pub reason: String,
 }
+
+/// The longest a lease waits after a failed renewal before it tries again.
+pub const RETRY_LIMIT: Duration = Duration::from_secs(1);
 
 /// An offer and the worker that made it.
 pub type OfferFrom = (PeerId, Offer);
@@ -415,12 +426,17 @@ impl Allocator {
         let network = self.network.clone();
         let lost_reason = Arc::new(OnceLock::new());
         let mark = lost_reason.clone();
+        let probe = Arc::new(tokio::sync::Notify::new());
+        let probed = probe.clone();
         let renewal = tokio::spawn(async move {
             let mut expires = Instant::now() + period;
             let mut interval = period / 3;
             let mut failures = 0u32;
             loop {
-                tokio::time::sleep(interval).await;
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = probed.notified() => {}
+                }
                 match network
                     .request(peer, Request::Lease(LeaseRequest::Renew { lease: id }))
                     .await
@@ -454,7 +470,7 @@ impl Allocator {
                             return;
                         }
                         tracing::info!(%peer, lease = id, %reason, "renewal failed; retrying");
-                        interval = (left / 4).max(Duration::from_millis(50));
+                        interval = (left / 4).clamp(Duration::from_millis(50), RETRY_LIMIT);
                     }
                 }
             }
@@ -466,6 +482,7 @@ impl Allocator {
             period,
             renewal,
             lost: lost_reason,
+            probe,
             allocator: self.clone(),
         }
     }

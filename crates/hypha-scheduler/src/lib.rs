@@ -16,6 +16,7 @@
 //!   resumes it.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`node`]: the `hypha-scheduler` program's commands.
+//! - `testing` (feature `testing`): clusters of real processes for tests and benchmarks.
 //!
 //! This crate knows how to choose and drive workers, not how they run executors.
 
@@ -28,4 +29,6 @@ pub mod rounds;
 pub mod run;
 pub mod slots;
 pub mod spec;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod training;

@@ -53,6 +53,10 @@ use crate::{
 /// Iterate and progress requests a scheduler answers at the same time.
 const ANSWERING: usize = 256;
 
+/// How long the parameter server may say nothing (it reports every quarter second) before
+/// its lease is renewed at once to learn whether its worker is still there.
+const SERVER_SILENCE: Duration = Duration::from_secs(1);
+
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
 
@@ -553,6 +557,8 @@ struct JobRun<'a> {
     restore: Option<u64>,
     /// Where the run's record is kept, when it has a ledger to keep it beside.
     record: Option<PathBuf>,
+    /// When the parameter server's job was last heard from (or dispatched).
+    server_heard: std::time::Instant,
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
@@ -632,6 +638,7 @@ impl<'a> JobRun<'a> {
             checkpoints,
             restore: None,
             record,
+            server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
             tasks,
@@ -727,6 +734,8 @@ impl<'a> JobRun<'a> {
         shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
     ) -> Result<(), RunError> {
         self.allocate_next();
+        let mut silence = tokio::time::interval(SERVER_SILENCE / 2);
+        silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if self.slots.complete() {
                 // A parameter server exits only once its last checkpoint is stored, and that
@@ -750,7 +759,24 @@ impl<'a> JobRun<'a> {
                     self.on_executor_status(job, payload, answer).await;
                 }
                 Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await,
+                _ = silence.tick() => self.probe_quiet_server(),
             }
+        }
+    }
+
+    /// A parameter server that went quiet may have lost its worker: its lease is renewed now,
+    /// so that a worker that is gone is replaced within seconds, not a lease period.
+    fn probe_quiet_server(&mut self) {
+        if self.server_heard.elapsed() < SERVER_SILENCE {
+            return;
+        }
+        let server = self
+            .jobs
+            .values()
+            .find(|d| self.slots.role(d.slot) == Role::ParameterServer);
+        if let Some(server) = server {
+            server.lease.probe();
+            self.server_heard = std::time::Instant::now();
         }
     }
 
@@ -895,8 +921,11 @@ impl<'a> JobRun<'a> {
                 Role::Trainer => training.trainer_started(&id, lease.peer),
             }
         }
-        if let (Role::ParameterServer, Some(checkpoints)) = (role, &self.checkpoints) {
-            checkpoints.accept_from(Some(lease.peer));
+        if role == Role::ParameterServer {
+            self.server_heard = std::time::Instant::now();
+            if let Some(checkpoints) = &self.checkpoints {
+                checkpoints.accept_from(Some(lease.peer));
+            }
         }
         self.slots.started(slot, &id);
         let network = self.network.clone();
@@ -1053,9 +1082,12 @@ impl<'a> JobRun<'a> {
         payload: serde_json::Value,
         answer: oneshot::Sender<String>,
     ) {
-        if !self.jobs.contains_key(&job) {
+        let Some(dispatched) = self.jobs.get(&job) else {
             let _ = answer.send(RECEIVED.to_string());
             return;
+        };
+        if self.slots.role(dispatched.slot) == Role::ParameterServer {
+            self.server_heard = std::time::Instant::now();
         }
         let answered = match self.training.as_mut() {
             Some(training) => training.status(&job, &payload).await,

@@ -22,63 +22,15 @@ use hypha_executor::{
 };
 use hypha_ledger::ReturnReason;
 
-const MODEL: ModelSpec = ModelSpec::Mlp {
-    inputs: 16,
-    hidden: 32,
-    classes: 4,
-};
-const SLICES: u64 = 24;
+const MODEL: ModelSpec = DILOCO_MODEL;
+const SLICES: u64 = DILOCO_SLICES;
 
 /// A cluster with the dataset `blobs` on a data node and a parameter-server worker.
 fn cluster() -> (Cluster, Proc, Proc) {
     let cluster = Cluster::new();
-    let dataset = cluster.path("data/blobs");
-    Synthetic::for_model(&MODEL)
-        .write(&dataset, SLICES as usize, 64, 0)
-        .unwrap();
-    let data = data_node(&cluster, "data", &cluster.path("data"));
-    let server = server_worker(&cluster, "ps");
+    let data = cluster.blobs_data_node("data");
+    let server = cluster.server_worker("ps");
     (cluster, data, server)
-}
-
-/// A worker that runs the built-in parameter server.
-fn server_worker(cluster: &Cluster, name: &str) -> Proc {
-    cluster.worker_with_executors(
-        name,
-        "price = 5\n",
-        "cpu = 1\nmemory = 1\n",
-        "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n",
-        &[],
-    )
-}
-
-fn trainer(cluster: &Cluster, name: &str) -> Proc {
-    trainer_with(cluster, name, "")
-}
-
-/// A trainer worker that also offers `executors`.
-fn trainer_with(cluster: &Cluster, name: &str, executors: &str) -> Proc {
-    let executor = format!(
-        "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{executors}",
-        bin("hypha-executor").display().to_string()
-    );
-    cluster.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
-}
-
-fn job(cluster: &Cluster, name: &str, workers: usize, epochs: u32, extra: &str) -> PathBuf {
-    cluster.job(
-        name,
-        &format!(
-            "workers = {workers}\nbid = 50\nmax_attempts = 3\n\
-             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
-             [resources]\ncpu = 1\n\
-             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 32, classes = 4 }}\n\
-             [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
-             [diloco]\nsamples_per_round = 384\nbatch_size = 32\nround_seconds = 5\n\
-             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n{extra}\
-             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
-        ),
-    )
 }
 
 /// An HTTP server on 127.0.0.1 that answers every POST with 200 and keeps its JSON body.
@@ -175,16 +127,10 @@ fn no_errors(name: &str, lines: &[String]) {
 fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_falls() {
     let (cluster, _data, mut server) = cluster();
     let mut trainers: Vec<Proc> = (0..3)
-        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
     let (forward, forwarded) = http_collector();
-    let job = job(
-        &cluster,
-        "train",
-        3,
-        2,
-        &format!("forward = \"{forward}\"\n"),
-    );
+    let job = cluster.diloco_job("train", 3, 2, &format!("forward = \"{forward}\"\n"));
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(120));
     if !ok {
@@ -262,9 +208,9 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
 fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
     let (cluster, _data, _server) = cluster();
     let mut trainers: Vec<Proc> = (0..3)
-        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
-    let job = job(&cluster, "chaos", 2, 2, "");
+    let job = cluster.diloco_job("chaos", 2, 2, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     // Once a round is applied, kill a trainer that holds a job.
     scheduler.wait_for("round applied");
@@ -306,7 +252,7 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
     // workers' 3 s lease periods.
     let sleeper = "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", \"sleep 10\"]\n";
     let _trainers: Vec<Proc> = (0..2)
-        .map(|i| trainer_with(&cluster, &format!("trainer{i}"), sleeper))
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), sleeper))
         .collect();
     let busy = cluster.job(
         "busy",
@@ -316,7 +262,7 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
     other.wait_for("job dispatched");
     other.wait_for("job dispatched");
 
-    let job = job(&cluster, "patient", 2, 1, "");
+    let job = cluster.diloco_job("patient", 2, 1, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(120));
     assert!(ok, "the scheduler failed:\n{}", lines.join("\n"));
@@ -345,12 +291,12 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
 #[test]
 fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_training_goes_on() {
     let (cluster, _data, first) = cluster();
-    let second = server_worker(&cluster, "ps2");
+    let second = cluster.server_worker("ps2");
     let mut servers = [("ps", first), ("ps2", second)];
     let _trainers: Vec<Proc> = (0..2)
-        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
-    let job = job(&cluster, "failover", 2, 2, "");
+    let job = cluster.diloco_job("failover", 2, 2, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     // Once two rounds are applied (the first one's checkpoint is in), the third is under
     // way: kill the worker of the server.
@@ -444,9 +390,9 @@ fn continued_rounds(events: &[serde_json::Value], restarts: &[&str]) -> Vec<u64>
 fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
     let (cluster, _data, _server) = cluster();
     let _trainers: Vec<Proc> = (0..2)
-        .map(|i| trainer(&cluster, &format!("trainer{i}")))
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
-    let job = job(&cluster, "resume", 2, 2, "");
+    let job = cluster.diloco_job("resume", 2, 2, "");
     let (mut first, events_path) = cluster.scheduler("scheduler", &job);
     // Once two rounds are applied (the first one's checkpoint is in), the third is under
     // way: kill the scheduler, start it again.

@@ -187,13 +187,6 @@ fn a_killed_worker_is_replaced_and_a_killed_scheduler_frees_its_workers() {
     }
 }
 
-impl Cluster {
-    fn peer_id_after(&self, name: &str, start: impl FnOnce(&Self) -> Proc) -> (String, Proc) {
-        let proc = start(self);
-        (self.peer_id(name), proc)
-    }
-}
-
 fn is_zombie(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
 }

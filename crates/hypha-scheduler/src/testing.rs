@@ -1,0 +1,463 @@
+//! Real processes for tests and benchmarks (feature `testing`): building the workspace's
+//! binaries, a cluster of them (gateway, workers, schedulers, data nodes) with real
+//! certificates in a temporary directory, and reading what they leave behind (ledger audits,
+//! events files).
+//!
+//! Everything here panics on failure: it is for tests and benchmark harnesses, which should
+//! fail loudly at the step that went wrong.
+
+#![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
+
+use std::{
+    collections::{HashMap, HashSet},
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Mutex, OnceLock, mpsc},
+    time::{Duration, Instant},
+};
+
+use hypha_certs::authority::{self, Authority, Validity};
+use hypha_executor::{model::ModelSpec, synthetic::Synthetic};
+use hypha_ledger::{Event, ReturnReason};
+
+/// The path of one of the workspace's binaries, in the profile directory of the running
+/// program (a test in `target/debug/deps`, a benchmark in `target/release`). `cargo test
+/// --workspace` (the README's test command) builds them all before any test runs; a plain
+/// `cargo test -p hypha-scheduler` does not, so a missing one is built here. (Building
+/// unconditionally would re-resolve features for that one package and relink it on every
+/// run.)
+pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let exe = std::env::current_exe().unwrap();
+    let mut dir = exe.parent().unwrap().to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
+    if !path.exists() && !built.contains(name) {
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "--quiet", "--package", name, "--bin", name]);
+        if dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().unwrap();
+        assert!(status.success(), "building {name}");
+        built.insert(name.to_string());
+    }
+    path
+}
+
+/// A gateway and the nodes a test starts beside it, in one temporary directory with one
+/// certificate authority.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub org: Authority,
+    pub gateway: Option<Proc>,
+    pub gateway_address: String,
+    /// The `[offer] lease_ms` of the workers it starts; `None`: the workers' default.
+    pub worker_lease_ms: Option<u64>,
+}
+
+impl Cluster {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = authority::create_root("Market Root", Validity::days(5)).unwrap();
+        let org = authority::create_org(&root, "Market Org", Validity::days(5)).unwrap();
+        std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
+        let mut cluster = Cluster {
+            dir,
+            org,
+            gateway: None,
+            gateway_address: String::new(),
+            // Short, so that tests of lapsing leases are quick.
+            worker_lease_ms: Some(3000),
+        };
+        let config = cluster.config("gateway", "");
+        let mut gateway = Proc::start(
+            &bin("hypha-gateway"),
+            &["run", "--config"],
+            &config,
+            "gateway",
+        );
+        let line = gateway.wait_for("nodes can join with gateway_addresses");
+        let start = line.find("[\"").unwrap() + 2;
+        let end = line[start..].find('"').unwrap() + start;
+        cluster.gateway_address = line[start..end].to_string();
+        cluster.gateway = Some(gateway);
+        cluster
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Certificates for `name` and a config joining the gateway, with `extra` appended.
+    /// Returns the config's path.
+    pub fn config(&self, name: &str, extra: &str) -> PathBuf {
+        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
+        std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
+        let gateways = if self.gateway_address.is_empty() {
+            String::new()
+        } else {
+            format!("gateway_addresses = [\"{}\"]\n", self.gateway_address)
+        };
+        let path = self.path(&format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{gateways}{extra}"
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    /// Starts node `name` with `start`; its peer id and process.
+    pub fn peer_id_after(&self, name: &str, start: impl FnOnce(&Self) -> Proc) -> (String, Proc) {
+        let proc = start(self);
+        (self.peer_id(name), proc)
+    }
+
+    pub fn peer_id(&self, name: &str) -> String {
+        let chain = std::fs::read(self.path(&format!("{name}-cert.pem"))).unwrap();
+        let key = std::fs::read(self.path(&format!("{name}-key.pem"))).unwrap();
+        hypha_certs::NodeIdentity::from_pem(&chain, &key)
+            .unwrap()
+            .peer_id()
+            .to_string()
+    }
+
+    /// Starts a worker whose executor `sh` runs `script` in the job's directory.
+    pub fn worker(&self, name: &str, offer: &str, resources: &str, script: &str) -> Proc {
+        self.worker_with_env(name, offer, resources, script, &[])
+    }
+
+    /// [`worker`](Self::worker) with extra environment variables.
+    pub fn worker_with_env(
+        &self,
+        name: &str,
+        offer: &str,
+        resources: &str,
+        script: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
+        let executors = format!(
+            "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n"
+        );
+        self.worker_with_executors(name, offer, resources, &executors, env)
+    }
+
+    /// Starts a worker with `executors` (`[[executors]]` tables) and extra environment.
+    pub fn worker_with_executors(
+        &self,
+        name: &str,
+        offer: &str,
+        resources: &str,
+        executors: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
+        let work = self.path(&format!("{name}-work"));
+        let lease = self
+            .worker_lease_ms
+            .map_or(String::new(), |ms| format!("lease_ms = {ms}\n"));
+        let extra = format!(
+            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\n{lease}{offer}\n{executors}",
+            work.display()
+        );
+        let config = self.config(name, &extra);
+        let mut command_env: Vec<(&str, &str)> =
+            env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        command_env.push(("RUST_LOG", "info"));
+        let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
+        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
+        worker.wait_for("worker ready for advertisements");
+        worker
+    }
+
+    pub fn job(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.path(&format!("{name}-job.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Starts a scheduler running `job`; its events go to `<name>-events.jsonl`.
+    pub fn scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
+        self.config(name, "");
+        self.restart_scheduler(name, job)
+    }
+
+    /// Starts scheduler `name` again, with the identity and config it had.
+    pub fn restart_scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
+        let config = self.path(&format!("{name}.toml"));
+        let events = self.path(&format!("{name}-events.jsonl"));
+        let proc = Proc::start_with(
+            &bin("hypha-scheduler"),
+            &[
+                "run".as_ref(),
+                "--job".as_ref(),
+                job.as_os_str(),
+                "--events".as_ref(),
+                events.as_os_str(),
+                "--config".as_ref(),
+                config.as_os_str(),
+            ],
+            name,
+        );
+        (proc, events)
+    }
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("dir", &self.dir.path())
+            .field("gateway_address", &self.gateway_address)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A running program whose stderr is collected line by line; killed when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn start(bin: &Path, args: &[&str], config: &Path, name: &str) -> Self {
+        let mut all: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+        all.push(config.as_os_str());
+        Self::start_with(bin, &all, name)
+    }
+
+    pub fn start_with(bin: &Path, args: &[&std::ffi::OsStr], name: &str) -> Self {
+        Self::spawn(bin, args, &[("RUST_LOG", "info")], name)
+    }
+
+    pub fn spawn(bin: &Path, args: &[&std::ffi::OsStr], env: &[(&str, &str)], name: &str) -> Self {
+        let mut child = Command::new(bin)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            child,
+            lines,
+            seen: Vec::new(),
+            name: name.to_string(),
+        }
+    }
+
+    pub fn wait_for(&mut self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) {
+                        return line;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!(
+            "{} never logged {needle:?}; it logged:\n{}",
+            self.name,
+            self.seen.join("\n")
+        );
+    }
+
+    /// Waits for the process to exit; returns its success and everything it logged. A
+    /// process still running at the limit is killed and reported as failed.
+    pub fn wait(&mut self, limit: Duration) -> (bool, Vec<String>) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if Instant::now() >= deadline {
+                self.kill();
+                self.seen
+                    .push(format!("(killed: still running after {limit:?})"));
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.seen.push(line);
+                }
+                return (status.success(), self.seen.clone());
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The one job directory a worker made under its work_dir.
+pub fn job_dir(work: &Path) -> PathBuf {
+    std::fs::read_dir(work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("hypha-")
+        })
+        .unwrap()
+}
+
+/// A data node serving `dataset_path`, announced.
+pub fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
+    let config = cluster.config(
+        name,
+        &format!(
+            "dataset_path = {dataset_path:?}
+"
+        ),
+    );
+    let mut node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, name);
+    node.wait_for("announced");
+    node
+}
+
+/// How often the ledger at `path` recorded each (epoch, slice) USED, and the reasons slices
+/// went back to AVAILABLE.
+pub fn audit(path: &Path) -> (HashMap<(u32, u64), u32>, Vec<ReturnReason>) {
+    let audit = hypha_ledger::read_audit(path).unwrap();
+    let mut used = HashMap::new();
+    let mut returned = Vec::new();
+    for record in &audit.records {
+        match &record.event {
+            Event::Used { .. } => {
+                *used
+                    .entry((record.key.epoch, record.key.slice))
+                    .or_default() += 1;
+            }
+            Event::Returned { reason, .. } => returned.push(*reason),
+            _ => {}
+        }
+    }
+    (used, returned)
+}
+
+pub fn assert_each_used_once(used: &HashMap<(u32, u64), u32>, epochs: u32, slices: u64) {
+    for epoch in 0..epochs {
+        for slice in 0..slices {
+            assert_eq!(
+                used.get(&(epoch, slice)),
+                Some(&1),
+                "epoch {epoch} slice {slice}"
+            );
+        }
+    }
+    assert_eq!(used.len() as u64, u64::from(epochs) * slices);
+}
+
+pub fn events(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+pub fn of_kind<'a>(events: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    events
+        .iter()
+        .filter(|e| e["event"]["kind"] == kind)
+        .collect()
+}
+
+/// The model the DiLoCo dataset `blobs` is made for.
+pub const DILOCO_MODEL: ModelSpec = ModelSpec::Mlp {
+    inputs: 16,
+    hidden: 32,
+    classes: 4,
+};
+/// The slices of `blobs` (64 samples each).
+pub const DILOCO_SLICES: u64 = 24;
+
+/// DiLoCo on a cluster: the learnable dataset `blobs`, parameter-server and trainer workers,
+/// a job that trains on them.
+impl Cluster {
+    /// A data node serving `blobs` (written under `data/`): learnable by [`DILOCO_MODEL`].
+    pub fn blobs_data_node(&self, name: &str) -> Proc {
+        Synthetic::for_model(&DILOCO_MODEL)
+            .write(&self.path("data/blobs"), DILOCO_SLICES as usize, 64, 0)
+            .unwrap();
+        data_node(self, name, &self.path("data"))
+    }
+
+    /// A worker that runs the built-in parameter server.
+    pub fn server_worker(&self, name: &str) -> Proc {
+        self.worker_with_executors(
+            name,
+            "price = 5\n",
+            "cpu = 1\nmemory = 1\n",
+            "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n",
+            &[],
+        )
+    }
+
+    /// A worker whose executor `train/diloco` is the reference trainer (`hypha-executor
+    /// train`); it also offers `executors`.
+    pub fn trainer_worker(&self, name: &str, executors: &str) -> Proc {
+        let executor = format!(
+            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{executors}",
+            bin("hypha-executor").display().to_string()
+        );
+        self.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
+    }
+
+    /// A DiLoCo job file `name` on `blobs`: `workers` trainers, `epochs` epochs, `extra` lines
+    /// in its `[diloco]` table.
+    pub fn diloco_job(&self, name: &str, workers: usize, epochs: u32, extra: &str) -> PathBuf {
+        self.job(
+            name,
+            &format!(
+                "workers = {workers}\nbid = 50\nmax_attempts = 3\n\
+                 [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+                 [resources]\ncpu = 1\n\
+                 [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 32, classes = 4 }}\n\
+                 [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
+                 [diloco]\nsamples_per_round = 384\nbatch_size = 32\nround_seconds = 5\n\
+                 inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n{extra}\
+                 [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
+            ),
+        )
+    }
+}
