@@ -27,6 +27,10 @@ pub enum Suite {
     Diloco,
     /// One artifact to N = 4 and 8 nodes from a throttled origin: origin bytes and time.
     Distribute,
+    /// Seconds from a SIGKILL of the scheduler, and of the parameter server's worker, to the
+    /// next applied DiLoCo round (real processes; build them first with `cargo build
+    /// --release`).
+    Recovery,
 }
 
 impl Suite {
@@ -39,6 +43,7 @@ impl Suite {
             Suite::Prefetch => "prefetch",
             Suite::Diloco => "diloco",
             Suite::Distribute => "distribute",
+            Suite::Recovery => "recovery",
         }
     }
 }
@@ -84,6 +89,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Prefetch => suites::prefetch::run(quick).await,
                 Suite::Diloco => suites::diloco::run(quick).await,
                 Suite::Distribute => suites::distribute::run(quick).await,
+                Suite::Recovery => suites::recovery::run(quick).await,
             }
         })
         .await

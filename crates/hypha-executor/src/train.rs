@@ -50,6 +50,9 @@ pub const MODEL_WAIT: Duration = Duration::from_secs(1);
 /// How long a send keeps trying a parameter server that cannot be reached before the trainer
 /// asks its scheduler whether it is still the one.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(2);
+/// How long a trainer that joins a parameter server waits for its answer before it offers
+/// its model again.
+pub const OFFER_AGAIN: Duration = Duration::from_secs(5);
 /// How long a trainer waits before it asks again after a peer could not be reached.
 pub const RETRY: Duration = Duration::from_millis(500);
 
@@ -145,6 +148,8 @@ pub struct Trainer {
     /// The global model this round started from.
     global: Tensors,
     round: Option<u64>,
+    /// The round of the last global model taken from the current server.
+    last_model: Option<u64>,
     data: Reader,
     stats: RoundStats,
 }
@@ -157,6 +162,8 @@ struct RoundStats {
     batch_ms: Option<f64>,
     /// Slices read to their end and not yet reported to the ledger.
     consumed: Vec<SliceRef>,
+    /// The round is being synced: it takes no more batches, whatever the scheduler says.
+    syncing: bool,
     /// The round's pseudo-gradient reached the parameter server.
     sent: bool,
 }
@@ -187,6 +194,7 @@ impl Trainer {
             optimizer,
             global,
             round: None,
+            last_model: None,
             stats: RoundStats::default(),
         })
     }
@@ -256,9 +264,10 @@ impl Trainer {
                     return Ok(None);
                 }
                 // Finish the slice being read before syncing: its samples go into one round.
-                // Once the pseudo-gradient is sent, the round takes no more.
+                // Once the round is being synced, it takes no more: a retried sync sends the
+                // same pseudo-gradient.
                 let wants_more = self.stats.batches < *batches || self.data.in_slice();
-                if wants_more && !self.stats.sent {
+                if wants_more && !self.stats.syncing {
                     if self.train_batch()? {
                         return Ok(Some(order));
                     }
@@ -331,14 +340,27 @@ impl Trainer {
                 batch_ms: self.stats.batch_ms,
                 ..RoundStats::default()
             };
+            // The new server may go on from an earlier round than the lost one reached.
+            self.last_model = None;
+            // The scheduler learns that this trainer holds no model of the lost server now:
+            // until then, it keeps telling it to join.
+            if self.report()? == TrainerOrder::Done {
+                return Ok(Some(TrainerOrder::Done));
+            }
         }
+        self.offer(parameter_server)?;
+        self.receive(parameter_server)
+    }
+
+    /// Offers the model this trainer holds to `parameter_server`, which answers with its
+    /// global model.
+    fn offer(&self, parameter_server: &str) -> Result<(), TrainError> {
         let metadata = Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), "0".to_string()),
         ]);
         let bytes = self.global.to_bytes(&metadata)?;
-        self.send(parameter_server, "initial-model.safetensors", &bytes)?;
-        self.receive(parameter_server)
+        self.send(parameter_server, "initial-model.safetensors", &bytes)
     }
 
     /// Reports the slices read to their end since the last report as consumed by the round.
@@ -360,6 +382,7 @@ impl Trainer {
     /// server, then the next global model.
     fn sync(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let round = self.round.unwrap_or(0);
+        self.stats.syncing = true;
         self.report_consumed()?;
         if self.stats.samples > 0 && !self.stats.sent {
             let mut delta = self.global.clone();
@@ -411,42 +434,57 @@ impl Trainer {
 
     /// Waits for the parameter server's next global model and starts a round from it. Every
     /// [`MODEL_WAIT`] without it, asks the scheduler: an order other than to go on waiting
-    /// (join another server, training is over) is returned instead.
+    /// (join another server, training is over) is returned instead. A model of a round this
+    /// trainer already took (a server answers each join offer) is skipped.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let request = serde_json::json!({
             "fetch": {"type": "Peers", "peers": [peer]},
             "out_dir": "models",
             "wait_ms": MODEL_WAIT.as_millis() as u64,
         });
-        let entry = loop {
+        let mut offered = Instant::now();
+        loop {
             let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
             if let Some(entry) = entries.into_iter().next() {
-                break entry;
+                let path = self.dir.join(&entry.path);
+                let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+                    path: path.clone(),
+                    error,
+                })?;
+                let _ = std::fs::remove_file(&path);
+                let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
+                if self.last_model.is_some_and(|last| round <= last) {
+                    continue;
+                }
+                let global = Tensors::from_bytes(&bytes)?;
+                self.model.load(&global)?;
+                self.global = global;
+                self.round = Some(round);
+                self.last_model = Some(round);
+                eprintln!("round {round}: global model received");
+                self.stats = RoundStats {
+                    batch_ms: self.stats.batch_ms,
+                    ..RoundStats::default()
+                };
+                return Ok(None);
             }
             match self.report()? {
-                order @ (TrainerOrder::Join { .. } | TrainerOrder::Done) => {
-                    return Ok(Some(order));
+                TrainerOrder::Done => return Ok(Some(TrainerOrder::Done)),
+                // Joining this server already: its answer may be on its way. The offer is
+                // made again now and then, in case it was lost or the server was replaced on
+                // the same worker.
+                TrainerOrder::Join { parameter_server }
+                    if self.round.is_none() && parameter_server == peer =>
+                {
+                    if offered.elapsed() >= OFFER_AGAIN {
+                        self.offer(peer)?;
+                        offered = Instant::now();
+                    }
                 }
+                order @ TrainerOrder::Join { .. } => return Ok(Some(order)),
                 TrainerOrder::Wait { .. } | TrainerOrder::Train { .. } => {}
             }
-        };
-        let path = self.dir.join(&entry.path);
-        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
-            path: path.clone(),
-            error,
-        })?;
-        let _ = std::fs::remove_file(&path);
-        let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
-        let global = Tensors::from_bytes(&bytes)?;
-        self.model.load(&global)?;
-        self.global = global;
-        self.round = Some(round);
-        eprintln!("round {round}: global model received");
-        self.stats = RoundStats {
-            batch_ms: self.stats.batch_ms,
-            ..RoundStats::default()
-        };
-        Ok(None)
+        }
     }
 }
 

@@ -43,6 +43,9 @@ struct State {
     from: Option<PeerId>,
     /// The round of the checkpoint held.
     round: Option<u64>,
+    /// The newest round a checkpoint may have: the round the run trains now. A later one
+    /// holds a round whose slices the run has not recorded.
+    limit: u64,
 }
 
 impl Checkpoints {
@@ -63,7 +66,11 @@ impl Checkpoints {
         let round = checkpoint_round(&path).ok();
         Self {
             path,
-            state: Arc::new(Mutex::new(State { from: None, round })),
+            state: Arc::new(Mutex::new(State {
+                from: None,
+                round,
+                limit: round.unwrap_or(0),
+            })),
         }
     }
 
@@ -79,6 +86,12 @@ impl Checkpoints {
         // Opened under the lock: a newer one renamed over it later leaves this one whole.
         let file = std::fs::File::open(&self.path).ok()?;
         Some((round, file))
+    }
+
+    /// Checkpoints up to round `round` are taken from now on: the run trains it.
+    pub fn accept_up_to(&self, round: u64) {
+        let mut state = self.lock();
+        state.limit = state.limit.max(round);
     }
 
     /// Checkpoints are taken from `peer` only from now on (`None`: from nobody).
@@ -154,15 +167,32 @@ impl Checkpoints {
                 format!("not a parameter server's checkpoint: {e}"),
             )
         })?;
-        if self.lock().round.is_some_and(|held| held >= round) {
-            // An older one that took longer: the newer is already here.
-            return Ok(());
+        // Checked again, and kept, while it is stored: the server may have been replaced
+        // during the transfer.
+        {
+            let mut state = self.lock();
+            if state.from != Some(peer) {
+                return refuse("the parameter server was replaced during the transfer".into());
+            }
+            if round > state.limit {
+                return Err(Refusal::new(
+                    RefusalCode::Busy,
+                    format!(
+                        "round {round} is not recorded here yet (the run trains round {})",
+                        state.limit
+                    ),
+                ));
+            }
+            if state.round.is_some_and(|held| held >= round) {
+                // An older one that took longer: the newer is already here.
+                return Ok(());
+            }
+            temp.persist(&self.path).map_err(|e| io(&e.error))?;
+            if let Ok(dir) = std::fs::File::open(&dir) {
+                dir.sync_all().map_err(|e| io(&e))?;
+            }
+            state.round = Some(round);
         }
-        temp.persist(&self.path).map_err(|e| io(&e.error))?;
-        if let Ok(dir) = std::fs::File::open(&dir) {
-            dir.sync_all().map_err(|e| io(&e))?;
-        }
-        self.lock().round = Some(round);
         tracing::debug!(round, path = %self.path.display(), "checkpoint stored");
         // Told before the server hears it arrived: a server that then exits finds its last
         // checkpoint already counted.

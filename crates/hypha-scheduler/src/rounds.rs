@@ -77,6 +77,8 @@ pub struct Rounds {
     plan: RoundPlan,
     /// The round being trained and collected.
     round: u64,
+    /// The highest round any server of the job reached: no trainer holds a later one.
+    highest: u64,
     started_ms: Option<u64>,
     trainers: HashMap<String, Trainer>,
     server: Option<String>,
@@ -96,6 +98,7 @@ impl Rounds {
         Self {
             plan,
             round: 0,
+            highest: 0,
             started_ms: None,
             trainers: HashMap::new(),
             server: None,
@@ -126,6 +129,7 @@ impl Rounds {
     /// from there, and what the lost server applied after it is gone with it.
     pub fn restored(&mut self, round: u64) {
         self.round = round;
+        self.highest = self.highest.max(round);
         self.started_ms = None;
         self.arrived.clear();
         self.closing = None;
@@ -172,16 +176,24 @@ impl Rounds {
         };
         let generation = self.generation;
         let restart = self.round;
+        let highest = self.highest;
         let Some(trainer) = self.trainers.get_mut(job) else {
             return (TrainerOrder::Done, settle);
         };
-        let joined = trainer.generation.replace(generation);
-        let stale = joined.is_some_and(|joined| joined != generation);
+        let stale = trainer
+            .generation
+            .is_some_and(|joined| joined != generation);
+        // A trainer joins the current server once it holds no model of an earlier one: until
+        // then (an answer to join that was lost) it is told again.
+        if !stale || status.round.is_none() {
+            trainer.generation = Some(generation);
+        }
         let Some(round) = status.round.filter(|_| !stale) else {
             if let (true, Some(held)) = (stale, status.round) {
                 // It trained on a model of a server that is gone: its rounds that are not in
-                // the model the job goes on from give their slices back. It sent its consumed
-                // slices before it asked, so none can come in after this.
+                // the model the job goes on from give their slices back (again, harmlessly,
+                // if it is told twice). It sent its consumed slices before it asked.
+                let held = held.min(highest);
                 let lost = trainer.settled_below.min(restart)..held + 1;
                 settle.extend(left_out(&self.included, job, &trainer.peer, lost));
                 trainer.settled_below = restart;
@@ -309,6 +321,7 @@ impl Rounds {
             self.included.insert(applied.round, included);
             self.closing = None;
             self.round = applied.round + 1;
+            self.highest = self.highest.max(self.round);
             self.started_ms = None;
             self.arrived.clear();
             self.done = self.plan.rounds.is_some_and(|n| self.round >= n) || everyone_out_of_data;
@@ -708,8 +721,18 @@ mod tests {
                 round: 1
             }]
         );
-        // Rejoined at round 1, both train it under the new server; it is applied as round 1.
+        // An answer to join that was lost: a is told again, with the same rounds given back.
+        let (order, again) = rounds.trainer_status("a", status(2, 2, Some(100.0)), 13_450);
+        assert!(matches!(order, TrainerOrder::Join { .. }));
+        assert_eq!(again.len(), 2, "{again:?}");
+        // Both abandon their rounds and join (no round while they wait for the new server's
+        // model), then train round 1 under the new server; it is applied as round 1.
         for job in ["a", "b"] {
+            let (order, settle) = rounds.trainer_status(job, TrainerStatus::default(), 13_480);
+            assert!(
+                matches!(order, TrainerOrder::Join { ref parameter_server } if parameter_server == "ps2")
+            );
+            assert!(settle.is_empty());
             let (order, settle) = rounds.trainer_status(job, status(1, 0, None), 13_500);
             assert!(
                 matches!(order, TrainerOrder::Train { round: 1, ref parameter_server, .. } if parameter_server == "ps2")

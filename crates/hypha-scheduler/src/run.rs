@@ -230,11 +230,12 @@ impl EventLog {
         }
         let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": &event });
         if let Some(file) = &mut self.file
-            && let Ok(line) = serde_json::to_string(&stamped)
+            && let Ok(mut line) = serde_json::to_string(&stamped)
         {
-            // Each line is written whole and flushed so that a reader never sees half an
+            // Each line is written whole, in one write, so that a reader never sees half an
             // event, even if the scheduler dies.
-            let _ = writeln!(file, "{line}").and_then(|_| file.flush());
+            line.push('\n');
+            let _ = file.write_all(line.as_bytes()).and_then(|_| file.flush());
         }
         if let Some(observer) = &self.observer {
             let _ = observer.try_send(event);
@@ -299,6 +300,10 @@ pub enum RunError {
     ServerLost { peer: String, reason: String },
     #[error(transparent)]
     Record(#[from] crate::record::RecordError),
+    #[error(
+        "the run's checkpoint {path} cannot be read ({error}); the ledger counts the rounds in it as used, so the run cannot go on without it: put the file back, or start training afresh with a new ledger"
+    )]
+    Checkpoint { path: String, error: String },
     #[error("the job file's [diloco] metrics file {path}: {error}")]
     Metrics { path: String, error: std::io::Error },
     #[error(
@@ -307,8 +312,8 @@ pub enum RunError {
     Unfinished,
 }
 
-/// An executor's status and where its answer goes.
-pub type ExecutorStatus = (String, serde_json::Value, oneshot::Sender<String>);
+/// An executor's status (from a peer, for a job) and where its answer goes.
+pub type ExecutorStatus = (PeerId, String, serde_json::Value, oneshot::Sender<String>);
 
 /// What an executor status is answered with when nobody has more to say.
 const RECEIVED: &str = r#"{"received":true}"#;
@@ -372,7 +377,7 @@ async fn route_inbound(
                     Ok(payload) => {
                         let (answer_tx, answer) = oneshot::channel();
                         if executor_statuses
-                            .try_send((job, payload, answer_tx))
+                            .try_send((peer, job, payload, answer_tx))
                             .is_err()
                         {
                             Response::Error(RemoteError::new(ErrorCode::Busy, "try again"))
@@ -423,7 +428,18 @@ pub async fn run_job(
     // A resumed DiLoCo run goes on from the checkpoint held beside the ledger, if any.
     let resumed_round = match (&earlier, &spec.diloco, spec.ledger_path()) {
         (Some(_), Some(_), Some(ledger)) => {
-            checkpoint::checkpoint_round(&checkpoint::path_beside(&ledger)).ok()
+            let path = checkpoint::path_beside(&ledger);
+            match checkpoint::checkpoint_round(&path) {
+                Ok(round) => Some(round),
+                // No checkpoint: no round of the earlier run counted as used.
+                Err(_) if !path.exists() => None,
+                Err(error) => {
+                    return Err(RunError::Checkpoint {
+                        path: path.display().to_string(),
+                        error,
+                    });
+                }
+            }
         }
         _ => None,
     };
@@ -557,6 +573,8 @@ struct JobRun<'a> {
     restore: Option<u64>,
     /// Where the run's record is kept, when it has a ledger to keep it beside.
     record: Option<PathBuf>,
+    /// Jobs of the earlier run whose leases are being taken over.
+    adopting: Vec<RecordedJob>,
     /// When the parameter server's job was last heard from (or dispatched).
     server_heard: std::time::Instant,
     events: EventLog,
@@ -638,6 +656,7 @@ impl<'a> JobRun<'a> {
             checkpoints,
             restore: None,
             record,
+            adopting: Vec::new(),
             server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
@@ -658,6 +677,9 @@ impl<'a> JobRun<'a> {
     /// checkpoint of `round`.
     fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
         self.restore = round;
+        if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
+            checkpoints.accept_up_to(round);
+        }
         self.events.record(Event::Resumed {
             task: self.task.clone(),
             round,
@@ -671,6 +693,9 @@ impl<'a> JobRun<'a> {
                 continue;
             }
             self.slots.adopting(recorded.slot);
+            // Kept in the record until taken over: a scheduler killed again meanwhile takes
+            // it over then.
+            self.adopting.push(recorded.clone());
             let allocator = self.allocator.clone();
             let network = self.network.clone();
             let lost = self.lost.clone();
@@ -694,14 +719,14 @@ impl<'a> JobRun<'a> {
                 }
             });
         }
-        self.store_record();
     }
 
     /// Writes the run's record: its task, its jobs and leases, the rounds waiting for a
-    /// checkpoint. A record that cannot be written costs only the resumption of the run.
-    fn store_record(&self) {
+    /// checkpoint. A record that cannot be written ends the run: going on would hand out
+    /// work that a restart could not account for.
+    fn store_record(&self) -> Result<(), RunError> {
         let Some(path) = &self.record else {
-            return;
+            return Ok(());
         };
         let record = RunRecord {
             task: self.task.clone(),
@@ -715,6 +740,7 @@ impl<'a> JobRun<'a> {
                     lease: d.lease.id,
                     price: d.lease.price,
                 })
+                .chain(self.adopting.iter().cloned())
                 .collect(),
             uncommitted: self
                 .training
@@ -722,9 +748,8 @@ impl<'a> JobRun<'a> {
                 .map(Training::uncommitted)
                 .unwrap_or_default(),
         };
-        if let Err(error) = record.store(path) {
-            tracing::warn!(%error, "the run cannot be resumed from its record if the scheduler stops");
-        }
+        record.store(path)?;
+        Ok(())
     }
 
     /// Follows the job until every slot is done, a slot fails for good, or `shutdown`.
@@ -741,7 +766,7 @@ impl<'a> JobRun<'a> {
                 // A parameter server exits only once its last checkpoint is stored, and that
                 // was told before it heard so: count it before the run's end is judged.
                 while let Ok(round) = channels.checkpoints.try_recv() {
-                    self.checkpoint_stored(round).await;
+                    self.checkpoint_stored(round).await?;
                 }
                 return self.completed().await;
             }
@@ -755,10 +780,10 @@ impl<'a> JobRun<'a> {
                 },
                 Some((peer, report)) = channels.statuses.recv() => self.on_status(peer, report).await?,
                 Some(lost) = channels.lost.recv() => self.on_lost(lost).await?,
-                Some((job, payload, answer)) = channels.executor_statuses.recv() => {
-                    self.on_executor_status(job, payload, answer).await;
+                Some((peer, job, payload, answer)) = channels.executor_statuses.recv() => {
+                    self.on_executor_status(peer, job, payload, answer).await?;
                 }
-                Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await,
+                Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await?,
                 _ = silence.tick() => self.probe_quiet_server(),
             }
         }
@@ -830,7 +855,7 @@ impl<'a> JobRun<'a> {
                                 lease: lease.id,
                                 price: lease.price,
                             });
-                            self.dispatch(slot, lease);
+                            self.dispatch(slot, lease)?;
                         }
                     }
                 }
@@ -845,6 +870,7 @@ impl<'a> JobRun<'a> {
             } => {
                 // The earlier run's job is stopped (or its lease is gone): what it held goes
                 // back.
+                self.adopting.retain(|recorded| recorded.job != job);
                 self.release_data(peer, &job).await;
                 match lease {
                     Ok(lease) => {
@@ -853,11 +879,12 @@ impl<'a> JobRun<'a> {
                             peer: peer.to_string(),
                             lease: lease.id,
                         });
-                        self.dispatch(slot, *lease);
+                        self.dispatch(slot, *lease)?;
                     }
                     Err(reason) => {
                         tracing::info!(slot, %peer, %reason, "the earlier run's lease is gone; leasing another worker");
                         self.slots.adoption_failed(slot);
+                        self.store_record()?;
                         self.allocate_next();
                     }
                 }
@@ -888,7 +915,7 @@ impl<'a> JobRun<'a> {
     }
 
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
-    fn dispatch(&mut self, slot: usize, lease: Lease) {
+    fn dispatch(&mut self, slot: usize, lease: Lease) -> Result<(), RunError> {
         let id = uuid::Uuid::new_v4().to_string();
         let role = self.slots.role(slot);
         let work = self.work(role);
@@ -931,7 +958,7 @@ impl<'a> JobRun<'a> {
         let network = self.network.clone();
         let peer = lease.peer;
         self.jobs.insert(id.clone(), Dispatched { slot, lease });
-        self.store_record();
+        self.store_record()?;
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
         let checkpoint = match (restore, &self.checkpoints) {
             (Some(_), Some(checkpoints)) => checkpoints.open(),
@@ -952,6 +979,7 @@ impl<'a> JobRun<'a> {
             }
             Internal::Dispatch { job: id, result }
         });
+        Ok(())
     }
 
     async fn on_status(&mut self, peer: PeerId, report: StatusReport) -> Result<(), RunError> {
@@ -1005,7 +1033,6 @@ impl<'a> JobRun<'a> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
-        self.store_record();
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);
         self.release_data(peer, job).await;
@@ -1018,6 +1045,7 @@ impl<'a> JobRun<'a> {
                 training.rounds_lost().await;
             }
         }
+        self.store_record()?;
         let Some(reason) = failure else {
             self.slots.finished(job);
             return Ok(());
@@ -1069,22 +1097,25 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    async fn checkpoint_stored(&mut self, round: u64) {
+    async fn checkpoint_stored(&mut self, round: u64) -> Result<(), RunError> {
         if let Some(training) = self.training.as_mut() {
             training.checkpoint_stored(round).await;
-            self.store_record();
+            self.store_record()?;
         }
+        Ok(())
     }
 
     async fn on_executor_status(
         &mut self,
+        peer: PeerId,
         job: String,
         payload: serde_json::Value,
         answer: oneshot::Sender<String>,
-    ) {
-        let Some(dispatched) = self.jobs.get(&job) else {
+    ) -> Result<(), RunError> {
+        // Only the worker running a job speaks for it.
+        let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
             let _ = answer.send(RECEIVED.to_string());
-            return;
+            return Ok(());
         };
         if self.slots.role(dispatched.slot) == Role::ParameterServer {
             self.server_heard = std::time::Instant::now();
@@ -1098,7 +1129,11 @@ impl<'a> JobRun<'a> {
                 if answered.applied.is_some() {
                     // Recorded before the server hears its round was taken: only then may it
                     // send the round's checkpoint, which makes the round's slices used.
-                    self.store_record();
+                    self.store_record()?;
+                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
+                    {
+                        checkpoints.accept_up_to(training.round());
+                    }
                 }
                 let _ = answer.send(answered.payload);
                 if let Some(applied) = answered.applied {
@@ -1115,6 +1150,7 @@ impl<'a> JobRun<'a> {
                 self.events.record(Event::ExecutorStatus { job, payload });
             }
         }
+        Ok(())
     }
 
     /// The one way a run ends: every task stops (an allocation in flight releases what it
@@ -1140,7 +1176,11 @@ impl<'a> JobRun<'a> {
             }
             // Every lease is given back: what is left to resume is the task and the
             // checkpoint.
-            (Err(_), Some(_)) => self.store_record(),
+            (Err(_), Some(_)) => {
+                if let Err(error) = self.store_record() {
+                    tracing::warn!(%error, "the run's record could not be updated");
+                }
+            }
             _ => {}
         }
         self.events.record(Event::Done {

@@ -312,8 +312,19 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         })
         .unwrap();
     servers[victim].1.child.kill().unwrap();
-    let (ok, lines) = scheduler.wait(Duration::from_secs(150));
-    assert!(ok, "the scheduler failed:\n{}", lines.join("\n"));
+    let (ok, lines) = scheduler.wait(Duration::from_secs(60));
+    if !ok {
+        let mut trainers = _trainers;
+        let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+        let [(_, a), (_, b)] = &mut servers;
+        procs.push(a);
+        procs.push(b);
+        panic!(
+            "the scheduler failed:\n{}\n{}",
+            lines.join("\n"),
+            diagnostics(&cluster, &mut procs)
+        );
+    }
     no_errors("the scheduler", &lines);
 
     let events = events(&events_path);

@@ -496,6 +496,13 @@ impl Uploads {
                 "the last checkpoint did not reach the scheduler; its last rounds' slices stay unused"
             );
         }
+    }
+}
+
+impl Drop for Uploads {
+    /// A job that ends, however it ends, sends nothing more: a cancelled server's checkpoint
+    /// must not reach a scheduler that has moved on.
+    fn drop(&mut self) {
         self.task.abort();
     }
 }

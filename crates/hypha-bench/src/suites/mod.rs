@@ -5,4 +5,5 @@ pub(crate) mod diloco;
 pub(crate) mod distribute;
 pub(crate) mod ledger;
 pub(crate) mod prefetch;
+pub(crate) mod recovery;
 pub(crate) mod transport;

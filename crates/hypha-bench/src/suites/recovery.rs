@@ -1,0 +1,142 @@
+//! `recovery`: seconds from a SIGKILL of the scheduler (started again at once, same identity
+//! and job file) to the next applied DiLoCo round, and from a SIGKILL of the parameter
+//! server's worker to the next applied round.
+//!
+//! Real processes of the release binaries (`hypha_scheduler::testing`'s cluster: a gateway, a
+//! data node serving the learnable `blobs` dataset, two parameter-server workers, two trainer
+//! workers running `hypha-executor train`, the scheduler), every setting at its default (the
+//! workers' 10 s lease included). Kills alternate, scheduler then parameter server, each
+//! once the run applied two rounds since the last recovery: a restarted scheduler resets the
+//! attempts of its slots, so the run never runs out of them. A killed parameter-server
+//! worker is started again as the spare for the next kill. The clock starts at the kill and
+//! stops when the scheduler's events file gets the next `round` event.
+//!
+//! The target (issue 19): each median ≤ 5 s.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hypha_scheduler::testing::{Cluster, Proc, events, of_kind};
+
+use crate::{Report, median};
+
+/// The target for both medians.
+const TARGET_S: f64 = 5.0;
+/// The longest a recovery may take before the suite gives up.
+const PATIENCE: Duration = Duration::from_secs(90);
+/// The parameter server's slot in a job of two trainers.
+const SERVER_SLOT: u64 = 2;
+
+pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
+    // Starting, killing and watching processes blocks: off the runtime's threads.
+    tokio::task::spawn_blocking(move || measure(if quick { 3 } else { 5 })).await?
+}
+
+fn measure(repetitions: usize) -> anyhow::Result<Report> {
+    let mut cluster = Cluster::new();
+    cluster.worker_lease_ms = None;
+    let _data = cluster.blobs_data_node("data");
+    let names = ["ps-a", "ps-b"];
+    let mut servers: Vec<Proc> = names.iter().map(|n| cluster.server_worker(n)).collect();
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    // Enough epochs that the data outlasts every kill.
+    let job = cluster.diloco_job("recovery", 2, 200, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let rounds = || of_kind(&events(&events_path), "round").len();
+    wait_for_rounds(&events_path, 2)?;
+
+    let mut scheduler_s = Vec::new();
+    let mut server_s = Vec::new();
+    for repetition in 0..repetitions {
+        let before = rounds();
+        scheduler.child.kill()?;
+        let killed = Instant::now();
+        scheduler.child.wait()?;
+        scheduler = cluster.restart_scheduler("scheduler", &job).0;
+        wait_for_rounds(&events_path, before + 1)?;
+        scheduler_s.push(killed.elapsed().as_secs_f64());
+        wait_for_rounds(&events_path, rounds() + 2)?;
+
+        let server = current_server(&cluster, &events_path, &names)?;
+        let before = rounds();
+        servers[server].child.kill()?;
+        let killed = Instant::now();
+        servers[server].child.wait()?;
+        wait_for_rounds(&events_path, before + 1)?;
+        server_s.push(killed.elapsed().as_secs_f64());
+        servers[server] = cluster.server_worker(names[server]);
+        wait_for_rounds(&events_path, rounds() + 2)?;
+        eprintln!(
+            "repetition {}: scheduler {:.2} s, parameter server {:.2} s",
+            repetition + 1,
+            scheduler_s[repetition],
+            server_s[repetition]
+        );
+    }
+    let mut report = Report::default();
+    let scheduler_median = median(scheduler_s.clone());
+    let server_median = median(server_s.clone());
+    report
+        .metrics
+        .insert("scheduler_recovery_s".into(), scheduler_median);
+    report.metrics.insert("ps_recovery_s".into(), server_median);
+    report.metrics.insert(
+        "scheduler_recovery_max_s".into(),
+        scheduler_s.iter().copied().fold(0.0, f64::max),
+    );
+    report.metrics.insert(
+        "ps_recovery_max_s".into(),
+        server_s.iter().copied().fold(0.0, f64::max),
+    );
+    report
+        .metrics
+        .insert("repetitions".into(), repetitions as f64);
+    report.ratios.insert(
+        "scheduler_recovery_of_target".into(),
+        scheduler_median / TARGET_S,
+    );
+    report
+        .ratios
+        .insert("ps_recovery_of_target".into(), server_median / TARGET_S);
+    Ok(report)
+}
+
+/// Waits until the events file holds `count` `round` events.
+fn wait_for_rounds(path: &std::path::Path, count: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let all = events(path);
+        if of_kind(&all, "round").len() >= count {
+            return Ok(());
+        }
+        if let Some(done) = of_kind(&all, "done").last() {
+            bail!("the job ended before round {count}: {}", done["event"]);
+        }
+        if Instant::now() >= deadline {
+            bail!("no round {count} within {PATIENCE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Which of the workers `names` runs the parameter server now: the peer of the last
+/// dispatch for its slot.
+fn current_server(
+    cluster: &Cluster,
+    events_path: &std::path::Path,
+    names: &[&str],
+) -> anyhow::Result<usize> {
+    let all = events(events_path);
+    let peer = of_kind(&all, "dispatched")
+        .into_iter()
+        .rev()
+        .find(|e| e["event"]["slot"] == SERVER_SLOT)
+        .and_then(|e| e["event"]["peer"].as_str().map(str::to_string))
+        .context("no parameter server was dispatched")?;
+    names
+        .iter()
+        .position(|name| cluster.peer_id(name) == peer)
+        .context("the parameter server runs on none of the parameter-server workers")
+}
