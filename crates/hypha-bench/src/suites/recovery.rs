@@ -50,20 +50,23 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
     let mut scheduler_s = Vec::new();
     let mut server_s = Vec::new();
     for repetition in 0..repetitions {
-        let before = rounds();
         scheduler.child.kill()?;
         let killed = Instant::now();
         scheduler.child.wait()?;
+        // Counted once it is dead: a round it applied just before it died is not the next.
+        let before = rounds();
         scheduler = cluster.restart_scheduler("scheduler", &job).0;
         wait_for_rounds(&events_path, before + 1)?;
         scheduler_s.push(killed.elapsed().as_secs_f64());
         wait_for_rounds(&events_path, rounds() + 2)?;
 
         let server = current_server(&cluster, &events_path, &names)?;
-        let before = rounds();
         servers[server].child.kill()?;
         let killed = Instant::now();
         servers[server].child.wait()?;
+        // A round the scheduler took from it just before it died is not the next.
+        std::thread::sleep(Duration::from_millis(100));
+        let before = rounds();
         wait_for_rounds(&events_path, before + 1)?;
         server_s.push(killed.elapsed().as_secs_f64());
         servers[server] = cluster.server_worker(names[server]);
