@@ -166,6 +166,12 @@ pub struct Lost {
     pub reason: String,
 }
 
+/// How often a lease of `period` is renewed: at a third of it, and no more often than every
+/// 100 ms whatever period a worker grants.
+fn renewal_interval(period: Duration) -> Duration {
+    (period / 3).max(Duration::from_millis(100))
+}
+
 /// The longest a lease waits after a failed renewal before it tries again.
 pub const RETRY_LIMIT: Duration = Duration::from_secs(1);
 
@@ -430,7 +436,7 @@ impl Allocator {
         let probed = probe.clone();
         let renewal = tokio::spawn(async move {
             let mut expires = Instant::now() + period;
-            let mut interval = period / 3;
+            let mut interval = renewal_interval(period);
             let mut failures = 0u32;
             loop {
                 tokio::select! {
@@ -444,7 +450,7 @@ impl Allocator {
                     Ok(Response::Lease(grant)) => {
                         let period = Duration::from_millis(grant.expires_in_ms);
                         expires = Instant::now() + period;
-                        interval = period / 3;
+                        interval = renewal_interval(period);
                         failures = 0;
                     }
                     result => {

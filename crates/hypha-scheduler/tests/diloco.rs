@@ -469,3 +469,46 @@ fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
         "a completed run leaves no record to resume"
     );
 }
+
+#[test]
+fn a_scheduler_killed_while_it_leases_trainers_resumes_with_the_server_it_had() {
+    let (cluster, _data, _server) = cluster();
+    let job = cluster.diloco_job("allocating", 2, 1, "");
+    // No trainer is online yet: the scheduler leases the parameter server, dispatches it and
+    // waits for trainers when it is killed.
+    let (mut first, events_path) = cluster.scheduler("scheduler", &job);
+    first.wait_for("job dispatched");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let before = events(&events_path).len();
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    let (mut second, _) = cluster.restart_scheduler("scheduler", &job);
+    let (ok, lines) = second.wait(Duration::from_secs(120));
+    assert!(ok, "the restarted scheduler failed:\n{}", lines.join("\n"));
+    no_errors("the restarted scheduler", &lines);
+
+    let events = events(&events_path);
+    let after = &events[before..];
+    let resumed = of_kind(after, "resumed");
+    assert_eq!(resumed.len(), 1, "{after:#?}");
+    assert_eq!(resumed[0]["event"]["jobs"], 1, "the parameter server's job");
+    assert!(resumed[0]["event"]["round"].is_null(), "no checkpoint yet");
+    let readopted = of_kind(after, "readopted");
+    assert_eq!(readopted.len(), 1, "{after:#?}");
+    assert_eq!(
+        readopted[0]["event"]["slot"], 2,
+        "the parameter server's slot"
+    );
+    assert_eq!(
+        of_kind(after, "leased").len(),
+        2,
+        "the trainers, leased anew"
+    );
+    let continued = continued_rounds(&events, &["resumed"]);
+    assert!(!continued.is_empty());
+    assert_eq!(continued, (0..continued.len() as u64).collect::<Vec<_>>());
+    let (used, _) = audit(&cluster.path("allocating-job.ledger"));
+    assert_each_used_once(&used, 1, SLICES);
+}
