@@ -446,12 +446,7 @@ impl Trainer {
         loop {
             let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
             if let Some(entry) = entries.into_iter().next() {
-                let path = self.dir.join(&entry.path);
-                let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
-                    path: path.clone(),
-                    error,
-                })?;
-                let _ = std::fs::remove_file(&path);
+                let bytes = take(&self.dir, &entry)?;
                 let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
                 if self.last_model.is_some_and(|last| round <= last) {
                     continue;
@@ -486,6 +481,18 @@ impl Trainer {
             }
         }
     }
+}
+
+/// The bytes of a file the bridge delivered into the job's directory `dir`; the file is
+/// removed, so that a long job's directory does not fill up.
+fn take(dir: &Path, entry: &FileEntry) -> Result<Vec<u8>, TrainError> {
+    let path = dir.join(&entry.path);
+    let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+        path: path.clone(),
+        error,
+    })?;
+    let _ = std::fs::remove_file(&path);
+    Ok(bytes)
 }
 
 /// The job's slices, read batch by batch.
@@ -611,12 +618,7 @@ impl Reader {
             epoch: u32::try_from(number("epoch")?).unwrap_or(u32::MAX),
             slice: number("slice")?,
         };
-        let path = self.dir.join(&entry.path);
-        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
-            path: path.clone(),
-            error,
-        })?;
-        let _ = std::fs::remove_file(&path);
+        let bytes = take(&self.dir, entry)?;
         let batch =
             Batch::read(&bytes, &self.model, &self.tensors).map_err(|error| TrainError::Data {
                 epoch: id.epoch,

@@ -118,6 +118,19 @@ fn diagnostics(cluster: &Cluster, procs: &mut [&mut Proc]) -> String {
     out
 }
 
+/// The scheduler exited successfully and logged no error; if not, what `procs` and the
+/// executors said goes into the failure.
+fn assert_succeeded(cluster: &Cluster, ok: bool, lines: &[String], procs: &mut [&mut Proc]) {
+    if !ok {
+        panic!(
+            "the scheduler failed:\n{}\n{}",
+            lines.join("\n"),
+            diagnostics(cluster, procs)
+        );
+    }
+    no_errors("the scheduler", lines);
+}
+
 fn no_errors(name: &str, lines: &[String]) {
     let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
     assert!(errors.is_empty(), "{name} logged errors: {errors:#?}");
@@ -133,16 +146,9 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
     let job = cluster.diloco_job("train", 3, 2, &format!("forward = \"{forward}\"\n"));
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(120));
-    if !ok {
-        let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
-        procs.push(&mut server);
-        panic!(
-            "the scheduler failed:\n{}\n{}",
-            lines.join("\n"),
-            diagnostics(&cluster, &mut procs)
-        );
-    }
-    no_errors("the scheduler", &lines);
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
 
     // Rounds were applied and reported: in the events and in the metrics file.
     let events = events(&events_path);
@@ -293,7 +299,7 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
     let (cluster, _data, first) = cluster();
     let second = cluster.server_worker("ps2");
     let mut servers = [("ps", first), ("ps2", second)];
-    let _trainers: Vec<Proc> = (0..2)
+    let mut trainers: Vec<Proc> = (0..2)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
     let job = cluster.diloco_job("failover", 2, 2, "");
@@ -313,19 +319,11 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         .unwrap();
     servers[victim].1.child.kill().unwrap();
     let (ok, lines) = scheduler.wait(Duration::from_secs(60));
-    if !ok {
-        let mut trainers = _trainers;
-        let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
-        let [(_, a), (_, b)] = &mut servers;
-        procs.push(a);
-        procs.push(b);
-        panic!(
-            "the scheduler failed:\n{}\n{}",
-            lines.join("\n"),
-            diagnostics(&cluster, &mut procs)
-        );
-    }
-    no_errors("the scheduler", &lines);
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    let [(_, a), (_, b)] = &mut servers;
+    procs.push(a);
+    procs.push(b);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
 
     let events = events(&events_path);
     let failovers = of_kind(&events, "failover");
