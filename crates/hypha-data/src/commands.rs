@@ -702,5 +702,63 @@ pub async fn progress(schema: &hypha_config::Schema, args: &ProgressArgs) -> Res
             );
         }
     }
+    if let Some(run) = &progress.run {
+        for line in run_lines(run, crate::iteration::now_ms()) {
+            println!("{line}");
+        }
+    }
     Ok(())
+}
+
+/// A scheduler's run in lines: how often it was restarted, took leases over, replaced its
+/// parameter server or lost workers, and how long before `now_ms` the latest of these
+/// happened.
+fn run_lines(run: &hypha_messages::iterate::RunProgress, now_ms: u64) -> Vec<String> {
+    let round = run.round.map_or_else(
+        || "no round applied yet".to_string(),
+        |r| format!("last round applied {r}"),
+    );
+    let mut lines = vec![format!(
+        "run {}: restarts {}, leases taken over {}, parameter-server failovers {}, workers lost {}; {round}",
+        run.task, run.restarts, run.readoptions, run.failovers, run.lost
+    )];
+    lines.extend(run.recent.iter().map(|note| {
+        let ago = now_ms.saturating_sub(note.time_ms) / 1000;
+        format!("{ago:>8} s ago  {:<10} {}", note.kind, note.detail)
+    }));
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use hypha_messages::iterate::{RunNote, RunProgress};
+
+    use super::*;
+
+    #[test]
+    fn a_run_shows_its_counts_and_how_long_ago_the_latest_happenings_were() {
+        let run = RunProgress {
+            task: "t1".into(),
+            restarts: 1,
+            readoptions: 3,
+            failovers: 2,
+            lost: 4,
+            round: Some(7),
+            recent: vec![RunNote {
+                time_ms: 10_000,
+                kind: "failover".into(),
+                detail: "parameter server p lost".into(),
+            }],
+        };
+        let lines = run_lines(&run, 52_500);
+        assert_eq!(
+            lines,
+            [
+                "run t1: restarts 1, leases taken over 3, parameter-server failovers 2, workers lost 4; last round applied 7",
+                "      42 s ago  failover   parameter server p lost",
+            ]
+        );
+        let fresh = RunProgress::default();
+        assert!(run_lines(&fresh, 0)[0].ends_with("no round applied yet"));
+    }
 }

@@ -248,6 +248,7 @@ impl IterationService {
                     samples_per_s: w.samples_per_s,
                 })
                 .collect(),
+            run: None,
         })
     }
 }
@@ -372,7 +373,8 @@ async fn open_ledger(path: &Path, spec: IterationSpec) -> Result<Ledger, hypha_l
     .map_err(|_| hypha_ledger::Error::Stopped)?
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

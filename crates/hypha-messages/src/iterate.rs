@@ -95,6 +95,36 @@ pub struct IterationProgress {
     pub finished: bool,
     pub epochs: Vec<EpochCounts>,
     pub consumers: Vec<ConsumerRate>,
+    /// How the run this iteration feeds has fared: present when a scheduler answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<Box<RunProgress>>,
+}
+
+/// How a scheduler's run has fared, over every process that ran it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunProgress {
+    pub task: String,
+    /// Times a scheduler resumed the run its earlier process left.
+    pub restarts: u32,
+    /// Leases of an earlier process taken over.
+    pub readoptions: u32,
+    /// Parameter servers replaced from a checkpoint.
+    pub failovers: u32,
+    /// Workers lost and replaced.
+    pub lost: u32,
+    /// The last DiLoCo round applied.
+    pub round: Option<u64>,
+    /// The latest restarts, re-adoptions, failovers and losses, oldest first.
+    pub recent: Vec<RunNote>,
+}
+
+/// One thing that happened to a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunNote {
+    pub time_ms: u64,
+    /// `restart`, `readoption`, `failover` or `lost`.
+    pub kind: String,
+    pub detail: String,
 }
 
 /// One epoch's slices by state.

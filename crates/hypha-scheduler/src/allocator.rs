@@ -35,6 +35,8 @@ use hypha_network::{Network, NetworkError};
 use libp2p::PeerId;
 use tokio::{sync::mpsc, task::JoinSet};
 
+use crate::unix_ms;
+
 /// How much one unit of each resource weighs when offers are compared by price per unit.
 /// The defaults make one CPU core, 4 GB of memory, 100 GB of storage and 1 GB of GPU memory
 /// one unit each.
@@ -555,10 +557,4 @@ pub fn choose(
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, millis)
 }

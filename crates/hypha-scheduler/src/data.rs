@@ -16,7 +16,7 @@ use hypha_dataset::{Manifest, SliceEntry, slice_order};
 use hypha_ledger::{Ledger, LedgerHandle};
 use hypha_network::{Network, PeerId};
 
-use crate::spec::DataSpec;
+use crate::{spec::DataSpec, unix_ms};
 
 /// How long a scheduler looks for the dataset's providers before giving up.
 const PROVIDER_WAIT: Duration = Duration::from_secs(30);
@@ -245,10 +245,4 @@ fn merge(dataset: &str, manifests: &[(PeerId, Manifest)]) -> Option<(Vec<SliceSo
             .collect(),
     };
     Some((sources, merged))
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -12,6 +12,8 @@
 //!   server closes a round, which rounds' slices become used.
 //! - [`training`]: a DiLoCo job's statuses, ledger settlements and metrics file.
 //! - [`slots`]: each worker's share of a job: wanted, allocating, running, done; retries.
+//! - [`history`]: what `progress` shows of how a run fared: restarts, re-adoptions,
+//!   failovers, lost workers.
 //! - [`record`]: a run's durable record beside its ledger, from which a restarted scheduler
 //!   resumes it.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
@@ -23,6 +25,7 @@
 pub mod allocator;
 pub mod checkpoint;
 pub mod data;
+pub mod history;
 pub mod node;
 pub mod record;
 pub mod rounds;
@@ -32,3 +35,10 @@ pub mod spec;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod training;
+
+/// Milliseconds since the Unix epoch, as events and records stamp them.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

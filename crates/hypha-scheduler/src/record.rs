@@ -4,13 +4,15 @@
 //! It holds the run's task id (the iteration and the workers' transfers are addressed to it),
 //! the jobs running with the workers and leases they run under, and the applied rounds whose
 //! slices wait for a checkpoint (round, job): the rounds a restarted scheduler commits in the
-//! ledger when the checkpoint it holds has them, and gives back otherwise. The record is
+//! ledger when the checkpoint it holds has them, and gives back otherwise; and the run's
+//! [`history`](crate::history), which `progress` shows. The record is
 //! rewritten whole (temp file, fsync, rename) each time one of these changes, an applied round
 //! before its parameter server hears that it was taken, so what it says is never older than
 //! what the workers act on. A run that completes removes it.
 
 use std::path::{Path, PathBuf};
 
+use hypha_messages::iterate::RunProgress;
 use serde::{Deserialize, Serialize};
 
 /// The record of a run whose ledger is at `ledger`.
@@ -27,6 +29,9 @@ pub struct RunRecord {
     pub jobs: Vec<RecordedJob>,
     /// Applied rounds of trainers' jobs whose slices are used once a checkpoint holds them.
     pub uncommitted: Vec<RecordedRound>,
+    /// How the run fared so far: restarts, re-adoptions, failovers, workers lost.
+    #[serde(default)]
+    pub history: RunProgress,
 }
 
 /// A job of the run and the lease it runs under.
@@ -124,6 +129,11 @@ mod tests {
                 peer: "p".into(),
                 job: "j".into(),
             }],
+            history: RunProgress {
+                task: "t".into(),
+                restarts: 2,
+                ..RunProgress::default()
+            },
         };
         record.store(&path).unwrap();
         assert_eq!(RunRecord::load(&path).unwrap(), Some(record));

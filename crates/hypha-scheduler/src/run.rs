@@ -30,13 +30,14 @@ use std::{
 
 use hypha_messages::{
     Error as RemoteError, ErrorCode, Request, Response,
+    iterate::RunProgress,
     job::{JobSpec, JobStatus, StatusReport},
 };
 use hypha_network::{InboundRequest, Network};
 use libp2p::PeerId;
 use serde::Serialize;
 use tokio::{
-    sync::{mpsc, oneshot},
+    sync::{mpsc, oneshot, watch},
     task::JoinSet,
 };
 
@@ -44,10 +45,12 @@ use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
     checkpoint::{self, Checkpoints},
     data::JobData,
+    history,
     record::{self, RecordedJob, RunRecord},
     slots::{Role, SlotState, Slots, Verdict},
     spec::JobFile,
     training::Training,
+    unix_ms,
 };
 
 /// Iterate and progress requests a scheduler answers at the same time.
@@ -123,11 +126,13 @@ pub enum Event {
     },
 }
 
-/// Where events go: always the console; optionally a JSON-lines file and an observer.
+/// Where events go: always the console; optionally a JSON-lines file and an observer. It
+/// also keeps the run's [`history`](crate::history) for `progress`.
 #[derive(Debug)]
 pub struct EventLog {
     file: Option<std::fs::File>,
     observer: Option<mpsc::Sender<Event>>,
+    history: watch::Sender<RunProgress>,
 }
 
 impl EventLog {
@@ -136,6 +141,7 @@ impl EventLog {
         EventLog {
             file: None,
             observer: None,
+            history: watch::Sender::new(RunProgress::default()),
         }
     }
 
@@ -148,7 +154,7 @@ impl EventLog {
             .open(path)?;
         Ok(EventLog {
             file: Some(file),
-            observer: None,
+            ..EventLog::console()
         })
     }
 
@@ -157,6 +163,19 @@ impl EventLog {
     pub fn observed_by(mut self, observer: mpsc::Sender<Event>) -> Self {
         self.observer = Some(observer);
         self
+    }
+
+    /// Starts the history of run `task`, going on from what an earlier process of it counted.
+    fn begin(&mut self, task: &str, earlier: RunProgress) {
+        self.history.send_replace(RunProgress {
+            task: task.to_string(),
+            ..earlier
+        });
+    }
+
+    /// The run's history as it is now.
+    fn history(&self) -> RunProgress {
+        self.history.borrow().clone()
     }
 
     fn record(&mut self, event: Event) {
@@ -228,7 +247,10 @@ impl EventLog {
             },
             Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
         }
-        let stamped = serde_json::json!({ "time_ms": unix_ms(), "event": &event });
+        let now = unix_ms();
+        self.history
+            .send_modify(|history| history::tally(history, &event, now));
+        let stamped = serde_json::json!({ "time_ms": now, "event": &event });
         if let Some(file) = &mut self.file
             && let Ok(mut line) = serde_json::to_string(&stamped)
         {
@@ -273,12 +295,6 @@ pub fn with_stderr(reason: String, stderr_tail: &[String]) -> String {
     text
 }
 
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// Why a job did not complete.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -320,13 +336,15 @@ const RECEIVED: &str = r#"{"received":true}"#;
 
 /// Answers what reaches a scheduler from the network: offers go to the allocator, job
 /// statuses to `statuses`, executor statuses to `executor_statuses`, whose answer goes back
-/// to the executor. Answers still on their way are dropped with the returned future.
+/// to the executor; progress requests get the iteration's counts and the run's `history`.
+/// Answers still on their way are dropped with the returned future.
 async fn route_inbound(
     mut inbound: mpsc::Receiver<InboundRequest>,
     allocator: Allocator,
     statuses: mpsc::Sender<(PeerId, StatusReport)>,
     executor_statuses: mpsc::Sender<ExecutorStatus>,
     data: Option<JobData>,
+    history: watch::Receiver<RunProgress>,
 ) {
     // Iterate and progress requests wait for the ledger: they are answered concurrently, at
     // most ANSWERING at once; the inbound queue fills behind them.
@@ -342,12 +360,18 @@ async fn route_inbound(
                 break;
             };
             let service = data.service().clone();
+            let history = history.clone();
             answers.spawn(async move {
                 let response = match &request.request {
                     Request::Iterate(iterate) => {
                         service.iterate(&peer, iterate).await.map(Response::Iterate)
                     }
-                    _ => service.progress().await.map(Response::Progress),
+                    _ => service.progress().await.map(|progress| {
+                        Response::Progress(hypha_messages::iterate::IterationProgress {
+                            run: Some(Box::new(history.borrow().clone())),
+                            ..progress
+                        })
+                    }),
                 };
                 let _ = request
                     .responder
@@ -594,9 +618,10 @@ impl<'a> JobRun<'a> {
         task: String,
         data: Option<JobData>,
         training: Option<(Training, Option<Checkpoints>)>,
-        events: EventLog,
+        mut events: EventLog,
         record: Option<PathBuf>,
     ) -> (Self, Channels) {
+        events.begin(&task, RunProgress::default());
         let (status_tx, statuses) = mpsc::channel(256);
         let (executor_tx, executor_statuses) = mpsc::channel(256);
         let (lost_tx, lost) = mpsc::channel(64);
@@ -619,6 +644,7 @@ impl<'a> JobRun<'a> {
             status_tx,
             executor_tx,
             data.clone(),
+            events.history.subscribe(),
         );
         tasks.spawn(async move {
             router.await;
@@ -680,6 +706,7 @@ impl<'a> JobRun<'a> {
         if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
             checkpoints.accept_up_to(round);
         }
+        self.events.begin(&self.task, earlier.history);
         self.events.record(Event::Resumed {
             task: self.task.clone(),
             round,
@@ -747,6 +774,7 @@ impl<'a> JobRun<'a> {
                 .as_ref()
                 .map(Training::uncommitted)
                 .unwrap_or_default(),
+            history: self.events.history(),
         };
         record.store(path)?;
         Ok(())

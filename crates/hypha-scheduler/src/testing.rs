@@ -208,6 +208,32 @@ impl Cluster {
         );
         (proc, events)
     }
+
+    /// What `hypha-scheduler progress --json` says of scheduler `name`, which logged the
+    /// `listening` line: asked as any node of the network would, with an identity of its own.
+    pub fn progress(&self, name: &str, listening: &str) -> serde_json::Value {
+        let address = listening
+            .split("address=")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {listening:?}"));
+        let observer = self.path("observer.toml");
+        if !observer.exists() {
+            self.config("observer", "");
+        }
+        let out = Command::new(bin("hypha-scheduler"))
+            .args([
+                "progress",
+                &format!("{address}/p2p/{}", self.peer_id(name)),
+                "--json",
+                "--config",
+            ])
+            .arg(&observer)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
 }
 
 impl Default for Cluster {

@@ -23,6 +23,7 @@ use crate::{
     data::JobData,
     record::RecordedRound,
     rounds::{AppliedRound, RoundPlan, Rounds, Settle},
+    unix_ms,
 };
 
 /// Metrics lines waiting for the `forward` URL; more are dropped.
@@ -342,10 +343,4 @@ struct RoundLine<'a> {
     seconds: f64,
     #[serde(flatten)]
     applied: &'a AppliedRound,
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

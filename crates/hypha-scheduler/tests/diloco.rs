@@ -414,6 +414,23 @@ fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
     first.child.wait().unwrap();
     let before = events(&events_path);
     let (mut second, _) = cluster.restart_scheduler("scheduler", &job);
+    // Anyone can see that the run was restarted and took its leases over.
+    let listening = second.wait_for("listening");
+    second.wait_for("round applied");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while of_kind(&events(&events_path)[before.len()..], "readopted").len() < 3
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let progress = cluster.progress("scheduler", &listening);
+    let run = &progress["run"];
+    assert_eq!(
+        (&run["restarts"], &run["readoptions"], &run["failovers"]),
+        (&1.into(), &3.into(), &0.into()),
+        "{progress:#}"
+    );
+    assert_eq!(run["recent"][0]["kind"], "restart", "{progress:#}");
     let (ok, lines) = second.wait(Duration::from_secs(150));
     assert!(ok, "the restarted scheduler failed:\n{}", lines.join("\n"));
     no_errors("the restarted scheduler", &lines);

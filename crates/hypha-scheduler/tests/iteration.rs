@@ -290,31 +290,12 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
     let job = iterate_job(&cluster, "resume", 2, "tokens", 2);
     let (mut first, _) = cluster.scheduler("first", &job);
     let listening = first.wait_for("listening");
-    let address = listening
-        .split("address=")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
     wait_for_uses(&cluster, 80);
 
     // Anyone in the network can ask how far it got.
-    let observer = cluster.config("observer", "");
-    let out = std::process::Command::new(bin("hypha-scheduler"))
-        .args([
-            "progress",
-            &format!("{address}/p2p/{}", cluster.peer_id("first")),
-            "--json",
-            "--config",
-        ])
-        .arg(&observer)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let progress: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let progress = cluster.progress("first", &listening);
     assert_eq!(progress["dataset"], "tokens");
+    assert_eq!(progress["run"]["restarts"], 0, "{progress}");
     assert_eq!(progress["epochs"].as_array().unwrap().len(), 2);
     let epoch0 = &progress["epochs"][0];
     let total: u64 = ["available", "assigned", "consumed", "used"]
