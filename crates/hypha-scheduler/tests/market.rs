@@ -646,3 +646,54 @@ fn jobs_of_a_task_exchange_files_and_other_jobs_see_none() {
         );
     }
 }
+
+/// Leases are told apart by id, not by the scheduler that holds them: a restarted scheduler
+/// (same identity) that leases the same worker anew keeps its job when the lease of its killed
+/// earlier process lapses there.
+#[test]
+fn a_lapsed_lease_of_an_earlier_process_never_stops_a_job_of_a_later_one() {
+    let cluster = Cluster::new();
+    // Room for two jobs at once: the earlier process's, still held, and the later one's.
+    let mut worker = cluster.worker(
+        "w",
+        "strategy = \"flexible\"\nprice = 10.0",
+        "cpu = 2\nmemory = 1",
+        "echo $$ > \"$1/pid\"; sleep 8; exit 0",
+    );
+    // No ledger: the restarted scheduler has no record to take the earlier lease over from.
+    let job = cluster.job(
+        "sleepy",
+        "workers = 1\nbid = 100.0\nmax_attempts = 1\n[executor]\nclass = \"test\"\nname = \"sh\"\n[resources]\ncpu = 1\n",
+    );
+    let (mut first, events_path) = cluster.scheduler("scheduler", &job);
+    let earlier = wait_for_events(&events_path, "dispatched", 1);
+    first.kill();
+    let (mut second, _) = cluster.restart_scheduler("scheduler", &job);
+    let later = wait_for_events(&events_path, "dispatched", 2);
+    assert_ne!(earlier[0]["event"]["job"], later[1]["event"]["job"]);
+    let leases = wait_for_events(&events_path, "leased", 2);
+    assert_ne!(
+        leases[0]["event"]["lease"], leases[1]["event"]["lease"],
+        "the later process leased the worker anew"
+    );
+    // The earlier lease lapses while the later job runs; only the earlier job stops.
+    worker.wait_for("lease lapsed without renewal");
+    let (ok, lines) = second.wait(Duration::from_secs(60));
+    assert!(
+        ok,
+        "the later job ran to its end:\n{}\nworker:\n{}",
+        lines.join("\n"),
+        worker.seen.join("\n")
+    );
+    let finished: Vec<serde_json::Value> = of_kind(&events(&events_path), "status")
+        .into_iter()
+        .filter(|e| e["event"]["job"] == later[1]["event"]["job"])
+        .cloned()
+        .collect();
+    assert!(
+        finished
+            .iter()
+            .any(|e| e["event"]["status"]["Finished"]["exit_code"] == 0),
+        "{finished:#?}"
+    );
+}
