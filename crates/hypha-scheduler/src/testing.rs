@@ -177,6 +177,15 @@ impl Cluster {
         worker
     }
 
+    /// Starts node `name` of program `bin_name` again with the config and identity it had, as
+    /// after its machine restarted, and waits until it logged `ready`.
+    pub fn restart(&self, name: &str, bin_name: &str, ready: &str) -> Proc {
+        let config = self.path(&format!("{name}.toml"));
+        let mut node = Proc::start(&bin(bin_name), &["run", "--config"], &config, name);
+        node.wait_for(ready);
+        node
+    }
+
     pub fn job(&self, name: &str, text: &str) -> PathBuf {
         let path = self.path(&format!("{name}-job.toml"));
         std::fs::write(&path, text).unwrap();

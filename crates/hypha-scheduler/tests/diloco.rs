@@ -1,7 +1,7 @@
 //! DiLoCo end to end with real processes: a data node serving a learnable dataset, workers
 //! running the reference executor (`hypha-executor train`), a worker running the built-in
-//! parameter server, and the scheduler driving rounds; also with a trainer or the parameter
-//! server SIGKILLed mid-round.
+//! parameter server, and the scheduler driving rounds; also with a trainer, the parameter
+//! server or the scheduler SIGKILLed, and under seeded schedules of kills of every role.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -529,4 +529,149 @@ fn a_scheduler_killed_while_it_leases_trainers_resumes_with_the_server_it_had() 
     assert_eq!(continued, (0..continued.len() as u64).collect::<Vec<_>>());
     let (used, _) = audit(&cluster.path("allocating-job.ledger"));
     assert_each_used_once(&used, 1, SLICES);
+}
+
+/// The same seed, the same kill schedule (xorshift64*).
+struct Schedule(u64);
+
+impl Schedule {
+    fn new(seed: u64) -> Self {
+        Schedule(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// A number below `bound`.
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) % bound
+    }
+}
+
+/// Rounds the events file at `path` tells of, over every process of the scheduler.
+fn rounds_applied(path: &std::path::Path) -> usize {
+    of_kind(&events(path), "round").len()
+}
+
+/// One run of three trainers and a parameter server (with a second worker that offers one)
+/// under four kills chosen by `seed`, each after a few more rounds were applied: a trainer's
+/// worker, the data node, the parameter server's worker or the scheduler, SIGKILLed and
+/// started again with the identity it had within 1.5 s.
+fn survive_kill_schedule(seed: u64) {
+    const TRAINERS: usize = 3;
+    const EPOCHS: u32 = 3;
+    let mut schedule = Schedule::new(seed);
+    let cluster = Cluster::new();
+    let mut nodes: std::collections::HashMap<String, Proc> = std::collections::HashMap::new();
+    nodes.insert("data".into(), cluster.blobs_data_node("data"));
+    for name in ["ps", "ps2"] {
+        nodes.insert(name.into(), cluster.server_worker(name));
+    }
+    for i in 0..TRAINERS {
+        let name = format!("trainer{i}");
+        nodes.insert(name.clone(), cluster.trainer_worker(&name, ""));
+    }
+    // Smaller rounds than the other tests' (about 36 of them), and attempts enough for every
+    // kill to land on one slot.
+    let job = cluster.diloco_job("chaos", TRAINERS, EPOCHS, "");
+    let text = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("samples_per_round = 384", "samples_per_round = 128")
+        .replace("max_attempts = 3", "max_attempts = 10");
+    std::fs::write(&job, text).unwrap();
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let servers: Vec<(String, String)> = ["ps", "ps2"]
+        .iter()
+        .map(|name| (cluster.peer_id(name), name.to_string()))
+        .collect();
+
+    let mut kills = Vec::new();
+    let mut at = 0;
+    for _ in 0..4 {
+        at += 2 + schedule.below(3) as usize;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while rounds_applied(&events_path) < at {
+            if scheduler.child.try_wait().unwrap().is_some() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "seed {seed}: no round {at} within 60 s after kills {kills:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if scheduler.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        let pause = Duration::from_millis(schedule.below(1500));
+        let victim = match schedule.below(4) {
+            0 => format!("trainer{}", schedule.below(TRAINERS as u64)),
+            1 => "data".to_string(),
+            2 => {
+                // The worker the latest parameter-server job was dispatched to.
+                let events = events(&events_path);
+                let peer = of_kind(&events, "dispatched")
+                    .into_iter()
+                    .rev()
+                    .find(|e| e["event"]["slot"] == TRAINERS)
+                    .and_then(|e| e["event"]["peer"].as_str().map(str::to_string))
+                    .unwrap();
+                servers
+                    .iter()
+                    .find(|(id, _)| *id == peer)
+                    .map(|(_, name)| name.clone())
+                    .unwrap()
+            }
+            _ => "scheduler".to_string(),
+        };
+        kills.push((at, victim.clone(), pause));
+        if victim == "scheduler" {
+            scheduler.kill();
+            std::thread::sleep(pause);
+            scheduler = cluster.restart_scheduler("scheduler", &job).0;
+        } else {
+            nodes.get_mut(&victim).unwrap().kill();
+            std::thread::sleep(pause);
+            let restarted = if victim == "data" {
+                cluster.restart("data", "hypha-data", "announced")
+            } else {
+                cluster.restart(&victim, "hypha-worker", "worker ready for advertisements")
+            };
+            nodes.insert(victim, restarted);
+        }
+    }
+
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = nodes.values_mut().collect();
+    if !ok {
+        panic!(
+            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}",
+            lines.join("\n"),
+            diagnostics(&cluster, &mut procs)
+        );
+    }
+    no_errors(
+        &format!("seed {seed}, kills {kills:?}: the scheduler"),
+        &lines,
+    );
+    let events = events(&events_path);
+    let continued = continued_rounds(&events, &["failover", "resumed"]);
+    assert_eq!(
+        continued,
+        (0..continued.len() as u64).collect::<Vec<_>>(),
+        "seed {seed}, kills {kills:?}: no round applied twice to the final model"
+    );
+    let (used, _) = audit(&cluster.path("chaos-job.ledger"));
+    assert_each_used_once(&used, EPOCHS, SLICES);
+    eprintln!(
+        "seed {seed}: kills {kills:?}, {} rounds in the final model",
+        continued.len()
+    );
+}
+
+#[test]
+fn seeded_kill_schedules_over_every_role_leave_each_slice_used_once() {
+    for seed in 1..=3 {
+        survive_kill_schedule(seed);
+    }
 }
