@@ -539,6 +539,7 @@ async fn iterate_with(
             consumed: std::mem::take(&mut consumed),
             round: 0,
             completed_round: None,
+            holding: None,
         };
         let grant = crate::iteration::ask(network, node, request)
             .await

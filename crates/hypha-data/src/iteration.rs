@@ -161,6 +161,23 @@ impl IterationService {
                 .await
                 .map_err(failed)?;
         }
+        if let Some(holding) = &request.holding {
+            let holding = holding
+                .iter()
+                .map(|r| SliceKey {
+                    epoch: r.epoch,
+                    slice: r.slice,
+                })
+                .collect();
+            let returned = self
+                .ledger
+                .release_unheld(&consumer, holding)
+                .await
+                .map_err(failed)?;
+            if returned > 0 {
+                tracing::info!(%consumer, returned, "grants that never reached their job are available again");
+            }
+        }
         if request.want == 0 {
             self.ledger.renew(&consumer).await.map_err(failed)?;
             return Ok(IterateGrant {

@@ -73,6 +73,11 @@ enum Command {
         worker: String,
         reply: Reply<usize>,
     },
+    ReleaseUnheld {
+        worker: String,
+        holding: HashSet<SliceKey>,
+        reply: Reply<usize>,
+    },
     Renew {
         worker: String,
     },
@@ -195,6 +200,20 @@ impl LedgerHandle {
         .await
     }
 
+    /// See [`Ledger::release_unheld`].
+    pub async fn release_unheld(
+        &self,
+        worker: &str,
+        holding: HashSet<SliceKey>,
+    ) -> Result<usize, Error> {
+        self.ask(|reply| Command::ReleaseUnheld {
+            worker: worker.to_string(),
+            holding,
+            reply,
+        })
+        .await
+    }
+
     /// See [`Ledger::renew`]; does not wait for the actor.
     pub async fn renew(&self, worker: &str) -> Result<(), Error> {
         self.commands
@@ -253,6 +272,11 @@ fn execute(ledger: &mut Ledger, command: Command, now: u64) -> Answer {
         Command::ReleaseWorker { worker, reply } => {
             Answer::Count(reply, ledger.release_worker(&worker, now))
         }
+        Command::ReleaseUnheld {
+            worker,
+            holding,
+            reply,
+        } => Answer::Count(reply, ledger.release_unheld(&worker, &holding, now)),
         Command::Renew { worker } => {
             ledger.renew(&worker, now);
             Answer::Nothing

@@ -424,14 +424,75 @@ impl Ledger {
     /// `worker` is gone: everything ASSIGNED to it or CONSUMED into a round that has not
     /// reached the model becomes AVAILABLE again.
     pub fn release_worker(&mut self, worker: &str, now_ms: u64) -> usize {
+        match self.worker_numbers.get(worker) {
+            Some(&number) => self.release(number, false, now_ms),
+            None => 0,
+        }
+    }
+
+    /// `worker` holds only `holding` of what it was granted: its other ASSIGNED slices are
+    /// grants that never reached it, and become AVAILABLE again.
+    pub fn release_unheld(
+        &mut self,
+        worker: &str,
+        holding: &HashSet<SliceKey>,
+        now_ms: u64,
+    ) -> usize {
         let Some(&number) = self.worker_numbers.get(worker) else {
             return 0;
         };
-        let mut keys: Vec<SliceKey> = self
+        let lost: Vec<SliceKey> = self
             .held
             .get(&number)
-            .map(|keys| keys.iter().copied().collect())
+            .map(|keys| {
+                keys.iter()
+                    .filter(|key| !holding.contains(key))
+                    .copied()
+                    .collect()
+            })
             .unwrap_or_default();
+        for &key in &lost {
+            self.record(Record {
+                time_ms: now_ms,
+                key,
+                kind: Kind::Returned,
+                worker: number,
+                value: ReturnReason::NeverReceived.code(),
+            });
+        }
+        lost.len()
+    }
+
+    /// A scheduler resumes its iteration after a restart: everything CONSUMED into a round
+    /// that has not reached the model becomes AVAILABLE again, and everything ASSIGNED too,
+    /// except to the workers in `going_on` (jobs the resumed run took over, which still hold
+    /// what they fetched ahead).
+    pub fn release_all(&mut self, going_on: &[String], now_ms: u64) -> usize {
+        let workers: Vec<(u32, bool)> = self
+            .workers
+            .iter()
+            .filter_map(|worker| {
+                let number = *self.worker_numbers.get(worker)?;
+                Some((number, going_on.contains(worker)))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|(number, keep_assigned)| self.release(number, keep_assigned, now_ms))
+            .sum()
+    }
+
+    /// Returns worker `number`'s CONSUMED slices of rounds not yet used, and its ASSIGNED
+    /// ones unless `keep_assigned`.
+    fn release(&mut self, number: u32, keep_assigned: bool, now_ms: u64) -> usize {
+        let mut keys: Vec<SliceKey> = if keep_assigned {
+            Vec::new()
+        } else {
+            self.held
+                .get(&number)
+                .map(|keys| keys.iter().copied().collect())
+                .unwrap_or_default()
+        };
         for ((holder, _), consumed) in &self.rounds {
             if *holder == number {
                 keys.extend(consumed.iter().copied());
@@ -446,18 +507,10 @@ impl Ledger {
                 value: ReturnReason::WorkerLost.code(),
             });
         }
-        self.leases.remove(&number);
+        if !keep_assigned {
+            self.leases.remove(&number);
+        }
         keys.len()
-    }
-
-    /// Every worker is gone (a scheduler resuming its iteration after a restart runs none of
-    /// the jobs that held slices): everything ASSIGNED or CONSUMED becomes AVAILABLE again.
-    pub fn release_all(&mut self, now_ms: u64) -> usize {
-        let workers = self.workers.clone();
-        workers
-            .iter()
-            .map(|worker| self.release_worker(worker, now_ms))
-            .sum()
     }
 
     /// Returns the ASSIGNED slices of every worker whose lease ended before `now_ms`.

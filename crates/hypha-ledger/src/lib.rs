@@ -114,6 +114,8 @@ pub enum ReturnReason {
     WorkerLost,
     /// The round the slice went into never reached the model.
     Dropped,
+    /// The worker never got the grant (it says it does not hold the slice).
+    NeverReceived,
 }
 
 impl ReturnReason {
@@ -122,6 +124,7 @@ impl ReturnReason {
             Self::Expired => 1,
             Self::WorkerLost => 2,
             Self::Dropped => 3,
+            Self::NeverReceived => 4,
         }
     }
 
@@ -129,6 +132,7 @@ impl ReturnReason {
         match code {
             1 => Self::Expired,
             2 => Self::WorkerLost,
+            4 => Self::NeverReceived,
             _ => Self::Dropped,
         }
     }

@@ -197,6 +197,66 @@ fn a_lapsed_lease_returns_slices_and_a_late_consume_counts_only_if_nobody_took_t
 }
 
 #[test]
+fn a_resumed_iteration_gives_back_what_was_consumed_and_keeps_what_going_jobs_fetched_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::create(&dir.path().join("l"), spec(10, 1, 1), LEASE_MS).unwrap();
+    let a = slices_of(ledger.assign("a", 4, &HashSet::new(), 0));
+    let b = slices_of(ledger.assign("b", 3, &HashSet::new(), 0));
+    ledger.consume("a", &a[..2], 0, 1);
+    ledger.commit_round("a", 0, 2);
+    ledger.consume("a", &a[2..3], 1, 3);
+    ledger.consume("b", &b[..1], 0, 3);
+    // a goes on after the restart: its round-1 slice goes back, its last one stays its own;
+    // b does not: everything it held goes back.
+    let returned = ledger.release_all(&["a".to_string()], 4);
+    assert_eq!(returned, 1 + 3);
+    let progress = ledger.progress(5);
+    let epoch = &progress.epochs[0];
+    assert_eq!(
+        (epoch.available, epoch.assigned, epoch.consumed, epoch.used),
+        (7, 1, 0, 2)
+    );
+    let late = ledger.consume("a", &a[3..], 2, 6);
+    assert_eq!(
+        late.accepted,
+        &a[3..],
+        "a's fetched-ahead slice is still a's"
+    );
+}
+
+#[test]
+fn grants_a_worker_says_it_never_received_are_available_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::create(&dir.path().join("l"), spec(10, 1, 1), LEASE_MS).unwrap();
+    let received = slices_of(ledger.assign("a", 2, &HashSet::new(), 0));
+    // The answer to the next request was lost on its way.
+    let lost = slices_of(ledger.assign("a", 3, &HashSet::new(), 1));
+    ledger.consume("a", &received[..1], 0, 2);
+    let holding: HashSet<SliceKey> = received[1..].iter().copied().collect();
+    assert_eq!(ledger.release_unheld("a", &holding, 3), lost.len());
+    assert_eq!(ledger.release_unheld("a", &holding, 4), 0, "idempotent");
+    let epoch = &ledger.progress(5).epochs[0];
+    assert_eq!((epoch.available, epoch.assigned, epoch.consumed), (8, 1, 1));
+    ledger.flush().unwrap();
+    drop(ledger);
+    let never_received = read_audit(&dir.path().join("l"))
+        .unwrap()
+        .records
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.event,
+                Event::Returned {
+                    reason: ReturnReason::NeverReceived,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(never_received, lost.len());
+}
+
+#[test]
 fn workers_get_slices_they_hold_first() {
     let dir = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::create(&dir.path().join("l"), spec(100, 1, 3), LEASE_MS).unwrap();

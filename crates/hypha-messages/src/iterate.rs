@@ -40,6 +40,12 @@ pub struct IterateRequest {
     /// server to say so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_round: Option<u64>,
+    /// Every slice granted to the asker that it still holds unconsumed (fetched ahead, being
+    /// fetched, being read), from askers that keep count: the ledger takes back the asker's
+    /// other ASSIGNED slices, grants whose answer never reached it (a scheduler killed as it
+    /// answered, a connection lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holding: Option<Vec<SliceRef>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

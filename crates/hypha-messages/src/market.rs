@@ -96,10 +96,15 @@ pub enum LeaseRequest {
 }
 
 /// A lease the worker holds for the scheduler until `expires_in_ms` from its answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseGrant {
     pub lease: u64,
     pub expires_in_ms: u64,
+    /// The jobs running under the lease (in answers to renewals): a scheduler that restarted
+    /// learns which jobs of its earlier process it can take over. Absent from workers that
+    /// predate it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub jobs: Vec<String>,
 }
 
 impl Advertisement {

@@ -327,6 +327,7 @@ impl Allocator {
                     Ok(Response::Lease(LeaseGrant {
                         lease,
                         expires_in_ms,
+                        ..
                     })) => Some(self.hold(
                         peer,
                         lease,
@@ -367,26 +368,29 @@ impl Allocator {
 
     /// Takes over lease `id` on `peer`, granted to an earlier run of this scheduler (same
     /// peer id) at `price`: renewed now, and from then on like any other; lost ones are
-    /// reported on `lost`. Fails when the worker no longer holds the lease (it lapsed or was
-    /// released) or cannot be reached.
+    /// reported on `lost`. Returns the lease and the jobs still running under it. Fails when
+    /// the worker no longer holds the lease (it lapsed or was released) or cannot be reached.
     pub async fn adopt(
         &self,
         peer: PeerId,
         id: u64,
         price: f64,
         lost: &mpsc::Sender<Lost>,
-    ) -> Result<Lease, String> {
+    ) -> Result<(Lease, Vec<String>), String> {
         match self
             .network
             .request(peer, Request::Lease(LeaseRequest::Renew { lease: id }))
             .await
         {
-            Ok(Response::Lease(grant)) => Ok(self.hold(
-                peer,
-                id,
-                price,
-                Duration::from_millis(grant.expires_in_ms),
-                lost.clone(),
+            Ok(Response::Lease(grant)) => Ok((
+                self.hold(
+                    peer,
+                    id,
+                    price,
+                    Duration::from_millis(grant.expires_in_ms),
+                    lost.clone(),
+                ),
+                grant.jobs,
             )),
             Ok(_) => Err("unexpected answer to a renewal".into()),
             Err(error) => Err(error.to_string()),

@@ -36,6 +36,16 @@ pub enum DataError {
     },
 }
 
+/// What a resumed run carries over into its iteration.
+#[derive(Debug, Default)]
+pub struct CarriedOver {
+    /// Rounds (peer, job, round) in the model the run continues from: their slices are used.
+    pub committed: Vec<(PeerId, String, u64)>,
+    /// Jobs (peer, job) of the earlier run that the run may take over still running: they
+    /// keep the slices they fetched ahead (and give them back if they are not taken over).
+    pub going_on: Vec<(PeerId, String)>,
+}
+
 /// The iteration a job runs.
 #[derive(Debug, Clone)]
 pub struct JobData {
@@ -47,14 +57,14 @@ pub struct JobData {
 impl JobData {
     /// Finds the dataset, checks its manifest with `fits` (the job's model against the
     /// slices' tensors), then opens (or resumes) the ledger at `ledger` for iteration `task`.
-    /// A resumed run's `committed` rounds (peer, job, round: in the model it continues from)
-    /// become used before what the earlier run's jobs held goes back.
+    /// A resumed run's committed rounds become used before what the earlier run's jobs held
+    /// goes back (except what jobs that may go on fetched ahead).
     pub async fn start(
         network: &Network,
         spec: &DataSpec,
         ledger: &Path,
         task: &str,
-        committed: &[(PeerId, String, u64)],
+        carried: &CarriedOver,
         fits: impl FnOnce(&Manifest) -> Result<(), String>,
     ) -> Result<Self, DataError> {
         let client = DataClient::new(network.clone());
@@ -92,18 +102,25 @@ impl JobData {
         })?;
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
-        let committed: Vec<(String, u64)> = committed
+        let committed: Vec<(String, u64)> = carried
+            .committed
             .iter()
             .map(|(peer, job, round)| (IterationService::consumer_name(peer, job), *round))
+            .collect();
+        let going_on: Vec<String> = carried
+            .going_on
+            .iter()
+            .map(|(peer, job)| IterationService::consumer_name(peer, job))
             .collect();
         let opened = tokio::task::spawn_blocking(move || {
             let mut ledger = Ledger::open_or_create(&path, iteration, LEASE_MS, unix_ms())?;
             for (consumer, round) in &committed {
                 ledger.commit_round(consumer, *round, unix_ms());
             }
-            // A resumed iteration's holders were jobs of an earlier run of this scheduler,
-            // none of which it runs now: what they held and did not see used goes back.
-            let returned = ledger.release_all(unix_ms());
+            // A resumed iteration's holders were jobs of an earlier run of this scheduler:
+            // what they consumed into rounds not in the model goes back, and what they were
+            // assigned, unless the job may go on.
+            let returned = ledger.release_all(&going_on, unix_ms());
             ledger.flush()?;
             if returned > 0 {
                 tracing::info!(

@@ -30,11 +30,17 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
                 format!("resumed {from}; {jobs} jobs to take over"),
             )
         }
-        Event::Readopted { slot, peer, .. } => {
+        Event::Readopted {
+            slot, peer, job, ..
+        } => {
             progress.readoptions += 1;
+            let how = match job {
+                Some(_) => "with its job still running",
+                None => "for a new job",
+            };
             (
                 "readoption",
-                format!("slot {slot}: the lease on {peer} taken over"),
+                format!("slot {slot}: the lease on {peer} taken over {how}"),
             )
         }
         Event::Failover { peer, round, .. } => {
@@ -109,6 +115,7 @@ mod tests {
                 slot: 1,
                 peer: "w".into(),
                 lease: 7,
+                job: Some("j".into()),
             },
             Event::Failover {
                 peer: "ps".into(),
@@ -147,6 +154,10 @@ mod tests {
         assert_eq!(
             progress.recent[0].detail,
             "resumed from the checkpoint of round 3; 2 jobs to take over"
+        );
+        assert_eq!(
+            progress.recent[1].detail,
+            "slot 1: the lease on w taken over with its job still running"
         );
     }
 

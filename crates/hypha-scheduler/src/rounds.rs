@@ -136,6 +136,12 @@ impl Rounds {
         self.included.retain(|applied, _| *applied < round);
     }
 
+    /// A server of the job may have reached `round` (an earlier process of the scheduler's,
+    /// past the checkpoint it goes on from): trainers may hold models up to it.
+    pub fn reached(&mut self, round: u64) {
+        self.highest = self.highest.max(round);
+    }
+
     pub fn server_lost(&mut self) {
         self.server = None;
     }
@@ -149,6 +155,17 @@ impl Rounds {
             generation: None,
         };
         self.trainers.insert(job, trainer);
+    }
+
+    /// A trainer's job of an earlier process of the scheduler goes on: it holds a model of a
+    /// server that is gone, so it joins the current one, and the rounds it held from the one
+    /// training goes on from give their slices back.
+    pub fn trainer_taken_over(&mut self, job: String, peer: String) {
+        self.trainer_started(job.clone(), peer);
+        if let Some(trainer) = self.trainers.get_mut(&job) {
+            // Generation 0 is before any server of this process: never the current one.
+            trainer.generation = Some(0);
+        }
     }
 
     /// A trainer's job ended or its worker is gone; the ledger returns its slices by itself.
@@ -653,6 +670,48 @@ mod tests {
                 send_to: vec!["pa".into()]
             }
         );
+    }
+
+    #[test]
+    fn trainers_taken_over_after_a_restart_rejoin_and_give_back_rounds_past_the_checkpoint() {
+        // A restarted scheduler goes on from the checkpoint of round 3; the earlier server
+        // may have reached round 5.
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(10),
+            ..plan()
+        });
+        rounds.restored(3);
+        rounds.reached(5);
+        rounds.trainer_taken_over("a".into(), "pa".into());
+        // Before the restored server runs, a trainer taken over waits.
+        assert_eq!(
+            rounds.trainer_status("a", status(4, 2, Some(100.0)), 0).0,
+            TrainerOrder::Wait { retry_ms: RETRY_MS }
+        );
+        rounds.server_started("ps".into());
+        let (order, settle) = rounds.trainer_status("a", status(4, 2, Some(100.0)), 10);
+        assert_eq!(
+            order,
+            TrainerOrder::Join {
+                parameter_server: "ps".into()
+            }
+        );
+        let dropped: Vec<u64> = settle
+            .iter()
+            .map(|s| match s {
+                Settle::Drop { round, .. } => *round,
+                Settle::Commit { round, .. } => panic!("round {round} committed"),
+            })
+            .collect();
+        assert_eq!(dropped, [3, 4], "every round it held from the checkpoint's");
+        // A trainer that claims a round no server reached gives back no more than reached.
+        rounds.trainer_taken_over("b".into(), "pb".into());
+        let (_, settle) = rounds.trainer_status("b", status(1_000_000, 2, None), 20);
+        assert_eq!(settle.len(), 3, "rounds 3..=5: {settle:?}");
+        // Once it holds no model of the earlier server, it trains the checkpoint's round.
+        rounds.trainer_status("a", TrainerStatus::default(), 30);
+        let (order, _) = rounds.trainer_status("a", status(3, 0, None), 40);
+        assert!(matches!(order, TrainerOrder::Train { round: 3, .. }), "{order:?}");
     }
 
     #[test]

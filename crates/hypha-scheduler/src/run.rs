@@ -44,7 +44,7 @@ use tokio::{
 use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
     checkpoint::{self, Checkpoints},
-    data::JobData,
+    data::{CarriedOver, JobData},
     history,
     record::{self, RecordedJob, RunRecord},
     slots::{Role, SlotState, Slots, Verdict},
@@ -100,11 +100,14 @@ pub enum Event {
         round: Option<u64>,
         jobs: usize,
     },
-    /// A lease of the earlier run was taken over for `slot`.
+    /// A lease of the earlier run was taken over for `slot`, with its `job` where that still
+    /// runs and goes on (a new job is dispatched otherwise).
     Readopted {
         slot: usize,
         peer: String,
         lease: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        job: Option<String>,
     },
     /// The parameter server's worker was lost or its job failed: a new one is leased and
     /// restored from the checkpoint of `round` (0 and no checkpoint: it starts afresh).
@@ -220,9 +223,17 @@ impl EventLog {
             Event::Resumed { task, round, jobs } => {
                 tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
             }
-            Event::Readopted { slot, peer, lease } => {
-                tracing::info!(slot, %peer, lease, "the earlier run's lease taken over")
-            }
+            Event::Readopted {
+                slot,
+                peer,
+                lease,
+                job,
+            } => match job {
+                Some(job) => {
+                    tracing::info!(slot, %peer, lease, %job, "the earlier run's lease taken over with its running job")
+                }
+                None => tracing::info!(slot, %peer, lease, "the earlier run's lease taken over"),
+            },
             Event::Failover {
                 peer,
                 reason,
@@ -470,16 +481,24 @@ pub async fn run_job(
     let task = earlier
         .as_ref()
         .map_or_else(|| uuid::Uuid::new_v4().to_string(), |r| r.task.clone());
-    // Rounds the earlier run applied that are in the checkpoint: their slices are used.
-    let committed: Vec<(PeerId, String, u64)> = earlier
-        .iter()
-        .flat_map(|r| &r.uncommitted)
-        .filter(|u| resumed_round.is_some_and(|held| u.round < held))
-        .filter_map(|u| Some((u.peer.parse().ok()?, u.job.clone(), u.round)))
-        .collect();
+    let carried = CarriedOver {
+        // Rounds the earlier run applied that are in the checkpoint: their slices are used.
+        committed: earlier
+            .iter()
+            .flat_map(|r| &r.uncommitted)
+            .filter(|u| resumed_round.is_some_and(|held| u.round < held))
+            .filter_map(|u| Some((u.peer.parse().ok()?, u.job.clone(), u.round)))
+            .collect(),
+        going_on: earlier
+            .iter()
+            .flat_map(|r| &r.jobs)
+            .filter(|j| goes_on(&spec, j.slot))
+            .filter_map(|j| Some((j.peer.parse().ok()?, j.job.clone())))
+            .collect(),
+    };
     let data = match (&spec.data, spec.ledger_path()) {
         (Some(data), Some(ledger)) => tokio::select! {
-            started = JobData::start(&network, data, &ledger, &task, &committed, |manifest| spec.check_dataset(manifest)) => Some(started?),
+            started = JobData::start(&network, data, &ledger, &task, &carried, |manifest| spec.check_dataset(manifest)) => Some(started?),
             _ = &mut shutdown => return Err(RunError::Interrupted),
         },
         _ => None,
@@ -498,7 +517,15 @@ pub async fn run_job(
                 error,
             })?;
             if let Some(round) = resumed_round {
-                started.resume_from(round);
+                // The earlier server may have applied the recorded rounds past the
+                // checkpoint, and sent the model of one more before the scheduler heard.
+                let reached = earlier
+                    .iter()
+                    .flat_map(|r| &r.uncommitted)
+                    .map(|u| u.round + 1)
+                    .fold(round, u64::max)
+                    + 1;
+                started.resume_from(round, reached);
             }
             Some(started)
         }
@@ -532,6 +559,17 @@ pub async fn run_job(
     run.finish(outcome).await
 }
 
+/// Whether the job of `slot` that an earlier process of the scheduler ran goes on when its
+/// lease is taken over and it still runs. A DiLoCo trainer's does: it joins the parameter
+/// server restored from the checkpoint, as after a failover, dropping the round it held, and
+/// keeps what it set up and fetched ahead. The parameter server's does not: the rounds it
+/// applied after the checkpoint the scheduler holds are not known to be in any checkpoint, so
+/// a new one is restored from that. Nor does a plain iteration's job: the rounds it completes
+/// are used at its word, and it may be working on slices given back at the restart.
+fn goes_on(spec: &JobFile, slot: usize) -> bool {
+    spec.diloco.is_some() && slot < spec.workers
+}
+
 /// What one kind of slot asks of a worker, and the config its executor gets.
 struct Work {
     request: WorkerRequest,
@@ -551,13 +589,14 @@ enum Internal {
         slots: Vec<usize>,
         leased: Result<Vec<Lease>, AllocationError>,
     },
-    /// A lease of an earlier run was taken over for `slot` (its job `job` on `peer` stopped),
-    /// or could not be.
+    /// A lease of an earlier run was taken over for `slot`, with its job `job` on `peer`
+    /// still running (`going_on`) or stopped, or could not be.
     Adopted {
         slot: usize,
         peer: PeerId,
         job: String,
         lease: Result<Box<Lease>, String>,
+        going_on: bool,
     },
     /// The dispatch of `job` was answered (or failed).
     Dispatch {
@@ -599,6 +638,8 @@ struct JobRun<'a> {
     record: Option<PathBuf>,
     /// Jobs of the earlier run whose leases are being taken over.
     adopting: Vec<RecordedJob>,
+    /// Statuses of jobs being taken over that ended meanwhile.
+    ended_early: Vec<(PeerId, StatusReport)>,
     /// When the parameter server's job was last heard from (or dispatched).
     server_heard: std::time::Instant,
     events: EventLog,
@@ -683,6 +724,7 @@ impl<'a> JobRun<'a> {
             restore: None,
             record,
             adopting: Vec::new(),
+            ended_early: Vec::new(),
             server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
@@ -698,9 +740,10 @@ impl<'a> JobRun<'a> {
         (run, channels)
     }
 
-    /// Takes over what the earlier run of this job left: the lease of each job it ran, for a
-    /// new job in the same slot (the old one is stopped), and for the parameter server the
-    /// checkpoint of `round`.
+    /// Takes over what the earlier run of this job left: the lease of each job it ran, with
+    /// the job itself where it still runs and [`goes_on`] (a new job in the same slot
+    /// otherwise, the old one stopped), and for the parameter server the checkpoint of
+    /// `round`.
     fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
         self.restore = round;
         if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
@@ -726,13 +769,20 @@ impl<'a> JobRun<'a> {
             let allocator = self.allocator.clone();
             let network = self.network.clone();
             let lost = self.lost.clone();
+            let may_go_on = goes_on(self.spec, recorded.slot);
             self.tasks.spawn(async move {
-                let lease = allocator
+                let adopted = allocator
                     .adopt(peer, recorded.lease, recorded.price, &lost)
-                    .await
-                    .map(Box::new);
-                if lease.is_ok() {
-                    // Its executor trains on a state this run does not have: a new job starts.
+                    .await;
+                // A worker that does not list its jobs (older than the list) is taken to run
+                // none of them.
+                let going_on = may_go_on
+                    && adopted
+                        .as_ref()
+                        .is_ok_and(|(_, jobs)| jobs.contains(&recorded.job));
+                if adopted.is_ok() && !going_on {
+                    // Its executor works on a state this run does not have (or is gone): a
+                    // new job starts.
                     let cancel = Request::Cancel {
                         job: recorded.job.clone(),
                     };
@@ -742,7 +792,8 @@ impl<'a> JobRun<'a> {
                     slot: recorded.slot,
                     peer,
                     job: recorded.job,
-                    lease,
+                    lease: adopted.map(|(lease, _)| Box::new(lease)),
+                    going_on,
                 }
             });
         }
@@ -895,19 +946,27 @@ impl<'a> JobRun<'a> {
                 peer,
                 job,
                 lease,
+                going_on,
             } => {
-                // The earlier run's job is stopped (or its lease is gone): what it held goes
-                // back.
                 self.adopting.retain(|recorded| recorded.job != job);
-                self.release_data(peer, &job).await;
+                if !going_on {
+                    // The earlier run's job is stopped (or its lease is gone): what it held
+                    // goes back.
+                    self.release_data(peer, &job).await;
+                }
                 match lease {
                     Ok(lease) => {
                         self.events.record(Event::Readopted {
                             slot,
                             peer: peer.to_string(),
                             lease: lease.id,
+                            job: going_on.then(|| job.clone()),
                         });
-                        self.dispatch(slot, *lease)?;
+                        if going_on {
+                            self.take_over(slot, job, *lease).await?;
+                        } else {
+                            self.dispatch(slot, *lease)?;
+                        }
                     }
                     Err(reason) => {
                         tracing::info!(slot, %peer, %reason, "the earlier run's lease is gone; leasing another worker");
@@ -940,6 +999,34 @@ impl<'a> JobRun<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Goes on with trainer `job` of the earlier run, still running under `lease`: it joins
+    /// the parameter server restored from the checkpoint as trainers do after a failover.
+    async fn take_over(&mut self, slot: usize, job: String, lease: Lease) -> Result<(), RunError> {
+        let peer = lease.peer;
+        if let Some(training) = self.training.as_mut() {
+            training.trainer_taken_over(&job, peer);
+        }
+        self.slots.started(slot, &job);
+        self.jobs.insert(job.clone(), Dispatched { slot, lease });
+        self.store_record()?;
+        let early = self
+            .ended_early
+            .iter()
+            .position(|(p, r)| *p == peer && r.job == job);
+        if let Some(at) = early {
+            let (peer, report) = self.ended_early.swap_remove(at);
+            self.on_status(peer, report).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether `job` on `peer` is a job of the earlier run whose lease is being taken over.
+    fn taking_over(&self, peer: PeerId, job: &str) -> bool {
+        self.adopting
+            .iter()
+            .any(|recorded| recorded.job == job && recorded.peer == peer.to_string())
     }
 
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
@@ -1012,6 +1099,10 @@ impl<'a> JobRun<'a> {
 
     async fn on_status(&mut self, peer: PeerId, report: StatusReport) -> Result<(), RunError> {
         let Some(dispatched) = self.jobs.get(&report.job) else {
+            if self.taking_over(peer, &report.job) && report.status != JobStatus::Running {
+                // It ended while its lease was being taken over: heard once it is.
+                self.ended_early.push((peer, report));
+            }
             return Ok(());
         };
         if dispatched.lease.peer != peer {
@@ -1142,7 +1233,11 @@ impl<'a> JobRun<'a> {
     ) -> Result<(), RunError> {
         // Only the worker running a job speaks for it.
         let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
-            let _ = answer.send(RECEIVED.to_string());
+            // A trainer being taken over waits until it is.
+            let _ = answer.send(match &self.training {
+                Some(_) if self.taking_over(peer, &job) => Training::wait_order(),
+                _ => RECEIVED.to_string(),
+            });
             return Ok(());
         };
         if self.slots.role(dispatched.slot) == Role::ParameterServer {

@@ -107,6 +107,18 @@ impl Training {
             .trainer_started(job.to_string(), peer.to_string());
     }
 
+    /// What a trainer is told when the scheduler cannot say more yet: ask again in a second.
+    pub fn wait_order() -> String {
+        serde_json::to_string(&TrainerOrder::Wait { retry_ms: 1000 }).unwrap_or_default()
+    }
+
+    /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`.
+    pub fn trainer_taken_over(&mut self, job: &str, peer: PeerId) {
+        self.peers.insert(job.to_string(), peer);
+        self.rounds
+            .trainer_taken_over(job.to_string(), peer.to_string());
+    }
+
     /// The parameter server's job `job` starts on `peer`; a replacement restored from the
     /// checkpoint of `restored` trains on from that round.
     pub fn server_started(&mut self, job: &str, peer: PeerId, restored: Option<u64>) {
@@ -183,9 +195,11 @@ impl Training {
         }
     }
 
-    /// A resumed run goes on from the checkpoint of `round` the scheduler holds.
-    pub fn resume_from(&mut self, round: u64) {
+    /// A resumed run goes on from the checkpoint of `round` the scheduler holds; the earlier
+    /// run's server may have reached round `reached`.
+    pub fn resume_from(&mut self, round: u64, reached: u64) {
         self.rounds.restored(round);
+        self.rounds.reached(reached);
         self.checkpointed = Some(round);
     }
 
@@ -244,9 +258,7 @@ impl Training {
             });
             self.round_started_ms = now;
         }
-        let payload = answer.unwrap_or_else(|_| {
-            serde_json::to_string(&TrainerOrder::Wait { retry_ms: 1000 }).unwrap_or_default()
-        });
+        let payload = answer.unwrap_or_else(|_| Self::wait_order());
         Some(Answered { payload, applied })
     }
 

@@ -449,6 +449,20 @@ fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
     let after = &events[before.len()..];
     assert_eq!(of_kind(after, "readopted").len(), 3, "{after:#?}");
     assert!(of_kind(after, "leased").is_empty(), "{after:#?}");
+    // The trainers' jobs went on through the restart; only the server started anew.
+    let dispatched_slots: Vec<u64> = of_kind(after, "dispatched")
+        .iter()
+        .map(|e| e["event"]["slot"].as_u64().unwrap())
+        .collect();
+    assert_eq!(dispatched_slots, [2], "{after:#?}");
+    for trainer in ["trainer0", "trainer1"] {
+        let jobs = std::fs::read_dir(cluster.path(&format!("{trainer}-work")))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("hypha-"))
+            .count();
+        assert_eq!(jobs, 1, "{trainer} ran one job through the restart");
+    }
     assert!(
         std::fs::read_dir(cluster.path("trainer0-work"))
             .unwrap()
@@ -548,6 +562,26 @@ impl Schedule {
     }
 }
 
+/// What the ledger at `path` recorded of the slices it never saw used.
+fn never_used(path: &std::path::Path) -> String {
+    let Ok(audit) = hypha_ledger::read_audit(path) else {
+        return "(the ledger cannot be read)".into();
+    };
+    let used: std::collections::HashSet<_> = audit
+        .records
+        .iter()
+        .filter(|r| matches!(r.event, hypha_ledger::Event::Used { .. }))
+        .map(|r| r.key)
+        .collect();
+    audit
+        .records
+        .iter()
+        .filter(|r| !used.contains(&r.key))
+        .map(|r| format!("{} {:?} {:?}", r.time_ms, r.key, r.event))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Rounds the events file at `path` tells of, over every process of the scheduler.
 fn rounds_applied(path: &std::path::Path) -> usize {
     of_kind(&events(path), "round").len()
@@ -645,9 +679,10 @@ fn survive_kill_schedule(seed: u64) {
     let mut procs: Vec<&mut Proc> = nodes.values_mut().collect();
     if !ok {
         panic!(
-            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}",
+            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}\nslices never used:\n{}",
             lines.join("\n"),
-            diagnostics(&cluster, &mut procs)
+            diagnostics(&cluster, &mut procs),
+            never_used(&cluster.path("chaos-job.ledger"))
         );
     }
     no_errors(

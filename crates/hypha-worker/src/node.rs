@@ -369,7 +369,7 @@ impl Worker {
                 match self.leases.accept(lease, period, now) {
                     Ok(_) => {
                         tracing::info!(scheduler = %peer, lease, "offer accepted");
-                        grant(lease, period)
+                        grant(lease, period, Vec::new())
                     }
                     Err(e) => error(ErrorCode::Gone, format!("lease {lease}: {e}")),
                 }
@@ -382,7 +382,7 @@ impl Worker {
                 let renewed = self.leases.renew(lease, period, now);
                 metrics::lease_renewed(renewed.is_ok());
                 match renewed {
-                    Ok(_) => grant(lease, period),
+                    Ok(_) => grant(lease, period, self.jobs.jobs_under(lease)),
                     Err(e) => error(ErrorCode::Gone, format!("lease {lease}: {e}")),
                 }
             }
@@ -452,10 +452,11 @@ impl Worker {
     }
 }
 
-fn grant(lease: LeaseId, period: Duration) -> Response {
+fn grant(lease: LeaseId, period: Duration, jobs: Vec<String>) -> Response {
     Response::Lease(LeaseGrant {
         lease,
         expires_in_ms: millis(period),
+        jobs,
     })
 }
 

@@ -17,7 +17,7 @@
 //! releases the job.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::OsStr,
     io::Write,
     os::fd::OwnedFd,
@@ -30,7 +30,9 @@ use std::{
 };
 
 use hypha_data::{DataClient, SliceId};
-use hypha_messages::iterate::{GrantedSlice, IterateGrant, IterateRequest, IterateStatus};
+use hypha_messages::iterate::{
+    GrantedSlice, IterateGrant, IterateRequest, IterateStatus, SliceRef,
+};
 use hypha_network::{Network, PeerId};
 use rustix::fs::{Mode, OFlags};
 use sha2::{Digest, Sha256};
@@ -260,6 +262,11 @@ pub enum Next {
     Failed(String),
 }
 
+/// The slices granted to a job that it has not reported consumed: queued, being fetched, or
+/// in the executor's hands. Every request for more tells the ledger, which takes back any
+/// other slice it assigned to the job: a grant whose answer never arrived.
+pub type Holding = Arc<std::sync::Mutex<HashSet<SliceRef>>>;
+
 /// Keeps one job's next slices ready; stops when dropped.
 #[derive(Debug)]
 pub struct Prefetcher {
@@ -275,12 +282,14 @@ impl Drop for Prefetcher {
 }
 
 impl Prefetcher {
-    /// Starts prefetching for `source`, at most `budget` bytes ahead.
+    /// Starts prefetching for `source`, at most `budget` bytes ahead; what it was granted goes
+    /// into `holding` (and leaves it when the job reports it consumed).
     pub fn start(
         network: Network,
         cache: Arc<SliceCache>,
         source: Source,
         budget: u64,
+        holding: Holding,
     ) -> std::io::Result<Self> {
         let path = cache
             .dir
@@ -310,6 +319,7 @@ impl Prefetcher {
             slice_kib: AtomicU64::new(u64::MAX),
             queue: sender,
             staging,
+            holding,
         };
         tokio::spawn({
             let stop = stop.clone();
@@ -359,6 +369,7 @@ struct Run {
     slice_kib: AtomicU64,
     queue: mpsc::Sender<Next>,
     staging: Arc<Staging>,
+    holding: Holding,
 }
 
 impl Run {
@@ -408,6 +419,13 @@ impl Run {
                 }
                 IterateStatus::Granted => {}
             }
+            self.holding
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(grant.slices.iter().map(|s| SliceRef {
+                    epoch: s.epoch,
+                    slice: s.slice,
+                }));
             if let Some(largest) = grant.slices.iter().map(|s| s.size.div_ceil(1024)).max() {
                 self.slice_kib.store(largest, Ordering::Relaxed);
             }
@@ -442,14 +460,37 @@ impl Run {
             consumed: Vec::new(),
             round: 0,
             completed_round: None,
+            // Asked with the answer to the last request in: what it does not list was never
+            // received.
+            holding: (want > 0).then(|| {
+                let holding = self.holding.lock().unwrap_or_else(|p| p.into_inner());
+                holding.iter().copied().collect()
+            }),
         };
         hypha_data::iteration::ask(&self.network, self.source.scheduler, request)
             .await
             .map_err(|e| format!("the job's scheduler {e}"))
     }
 
-    /// Takes a slice's share of the budget, then brings it into the cache (verified).
+    /// Takes a slice's share of the budget, then brings it into the cache (verified). A slice
+    /// that cannot be brought is no longer held: the ledger takes it back at the next request,
+    /// for a job (this one, later) that reaches its providers.
     async fn fetch(&self, slice: GrantedSlice) -> Next {
+        let key = SliceRef {
+            epoch: slice.epoch,
+            slice: slice.slice,
+        };
+        let next = self.bring(slice).await;
+        if matches!(next, Next::Failed(_)) {
+            self.holding
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key);
+        }
+        next
+    }
+
+    async fn bring(&self, slice: GrantedSlice) -> Next {
         let kib = usize::try_from(slice.size.div_ceil(1024))
             .unwrap_or(usize::MAX)
             .clamp(1, self.budget_kib);

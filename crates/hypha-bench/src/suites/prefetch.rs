@@ -214,7 +214,14 @@ async fn consume(
     std::fs::create_dir_all(out)?;
     let out_fd = std::fs::File::open(out)?;
     let out_fd = std::os::fd::OwnedFd::from(out_fd);
-    let mut prefetcher = Prefetcher::start(worker.clone(), cache, source.clone(), 1 << 30)?;
+    let holding = hypha_worker::slices::Holding::default();
+    let mut prefetcher = Prefetcher::start(
+        worker.clone(),
+        cache,
+        source.clone(),
+        1 << 30,
+        holding.clone(),
+    )?;
     let started = Instant::now();
     let (mut waited, mut first_wait, mut slices) = (Duration::ZERO, None, 0);
     let mut seen = HashSet::new();
@@ -248,7 +255,13 @@ async fn consume(
             consumed: vec![key],
             round: slices as u64,
             completed_round: Some(slices as u64),
+            holding: None,
         };
+        // Reported as the bridge reports it: no longer held.
+        holding
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
         let worker = worker.clone();
         tokio::spawn(async move { worker.request(scheduler, Request::Iterate(report)).await });
     }

@@ -75,6 +75,17 @@ impl SchedulerReference {
         })
     }
 
+    fn source(&self, bridge: &Bridge) -> Result<Source, BridgeError> {
+        Ok(Source {
+            scheduler: self.scheduler()?,
+            dataset: self.dataset.clone(),
+            iteration: bridge.context.task.clone(),
+            consumer: bridge.context.job.clone(),
+            epochs: self.epochs,
+            seed: self.seed,
+        })
+    }
+
     fn request(&self, bridge: &Bridge, want: u32) -> IterateRequest {
         IterateRequest {
             iteration: bridge.context.task.clone(),
@@ -87,6 +98,7 @@ impl SchedulerReference {
             consumed: Vec::new(),
             round: 0,
             completed_round: None,
+            holding: None,
         }
     }
 }
@@ -117,14 +129,8 @@ pub(super) async fn fetch(
     out_dir: &Path,
     wait: Option<std::time::Duration>,
 ) -> Result<Vec<FileEntry>, BridgeError> {
-    let source = Source {
-        scheduler: reference.scheduler()?,
-        dataset: reference.dataset.clone(),
-        iteration: bridge.context.task.clone(),
-        consumer: bridge.context.job.clone(),
-        epochs: reference.epochs,
-        seed: reference.seed,
-    };
+    let source = reference.source(bridge)?;
+    let holding = bridge.holding(&source);
     let mut prefetchers = bridge.prefetchers.lock().await;
     let prefetcher = match prefetchers.entry(source.clone()) {
         std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
@@ -134,6 +140,7 @@ pub(super) async fn fetch(
                 bridge.shared.cache.clone(),
                 source,
                 bridge.shared.prefetch_bytes,
+                holding,
             )
             .map_err(|e| io_error(Path::new("the slice cache"), e))?,
         ),
@@ -217,12 +224,19 @@ pub(super) async fn consumed(
     request: ConsumedRequest,
 ) -> Result<ConsumedAnswer, BridgeError> {
     let SchedulerReferenceTagged::Scheduler(reference) = request.data;
-    let scheduler = reference.scheduler()?;
+    let source = reference.source(bridge)?;
     let mut iterate = reference.request(bridge, 0);
-    iterate.consumed = request.slices;
+    iterate.consumed = request.slices.clone();
     iterate.round = request.round;
     iterate.completed_round = request.completed_round;
-    let grant = ask(bridge, scheduler, iterate).await?;
+    let grant = ask(bridge, source.scheduler, iterate).await?;
+    // Reported: no longer the job's to hold (refused ones are someone else's).
+    let holding = bridge.holding(&source);
+    let mut holding = holding.lock().unwrap_or_else(|p| p.into_inner());
+    for slice in &request.slices {
+        holding.remove(slice);
+    }
+    drop(holding);
     Ok(ConsumedAnswer {
         refused: grant.refused,
     })

@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     artifacts::ArtifactStore,
-    slices::{Prefetcher, SliceCache, Source},
+    slices::{Holding, Prefetcher, SliceCache, Source},
 };
 
 use self::{
@@ -158,11 +158,24 @@ struct Bridge {
     stopping: CancellationToken,
     /// The job's prefetchers, one per data source it reads.
     prefetchers: tokio::sync::Mutex<HashMap<Source, Prefetcher>>,
+    /// What the job holds of each source's grants; apart from the prefetchers, which a slow
+    /// fetch keeps locked, so that reporting consumed slices never waits for one.
+    holdings: std::sync::Mutex<HashMap<Source, Holding>>,
 }
 
 impl Bridge {
     fn inbox(&self) -> &Inbox {
         self.registration.inbox()
+    }
+
+    /// What the job holds of `source`'s grants.
+    fn holding(&self, source: &Source) -> Holding {
+        self.holdings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(source.clone())
+            .or_default()
+            .clone()
     }
 }
 
@@ -212,6 +225,7 @@ pub fn serve(
         registration,
         stopping: stopping.clone(),
         prefetchers: tokio::sync::Mutex::default(),
+        holdings: std::sync::Mutex::default(),
     });
     let router = Router::new()
         .route("/resources/fetch", post(fetch_handler))
