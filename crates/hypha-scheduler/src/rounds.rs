@@ -711,7 +711,10 @@ mod tests {
         // Once it holds no model of the earlier server, it trains the checkpoint's round.
         rounds.trainer_status("a", TrainerStatus::default(), 30);
         let (order, _) = rounds.trainer_status("a", status(3, 0, None), 40);
-        assert!(matches!(order, TrainerOrder::Train { round: 3, .. }), "{order:?}");
+        assert!(
+            matches!(order, TrainerOrder::Train { round: 3, .. }),
+            "{order:?}"
+        );
     }
 
     #[test]

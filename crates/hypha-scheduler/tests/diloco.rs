@@ -399,17 +399,42 @@ fn continued_rounds(events: &[serde_json::Value], restarts: &[&str]) -> Vec<u64>
 }
 
 #[test]
+fn a_scheduler_killed_between_rounds_and_restarted_resumes_the_same_run() {
+    scheduler_killed_and_restarted(false);
+}
+
+#[test]
 fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
+    scheduler_killed_and_restarted(true);
+}
+
+/// Once two rounds are applied (the first one's checkpoint is in), the scheduler is killed
+/// and started again: as it logs the second (between rounds), or once a trainer reported
+/// batches of the next (`mid_round`).
+fn scheduler_killed_and_restarted(mid_round: bool) {
     let (cluster, _data, _server) = cluster();
     let _trainers: Vec<Proc> = (0..2)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
     let job = cluster.diloco_job("resume", 2, 2, "");
     let (mut first, events_path) = cluster.scheduler("scheduler", &job);
-    // Once two rounds are applied (the first one's checkpoint is in), the third is under
-    // way: kill the scheduler, start it again.
     first.wait_for("round applied");
     first.wait_for("round applied");
+    if mid_round {
+        let metrics = cluster.path("resume-job.metrics.jsonl");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !events(&metrics).iter().any(|line| {
+            line["kind"] == "trainer"
+                && line["round"].as_u64() >= Some(2)
+                && line["batches"].as_u64() >= Some(1)
+        }) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no trainer trained round 2"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     first.child.kill().unwrap();
     first.child.wait().unwrap();
     let before = events(&events_path);
@@ -493,6 +518,16 @@ fn a_scheduler_killed_mid_round_and_restarted_resumes_the_same_run() {
         first_after < 0.9 * losses[0],
         "loss {} in round 0, {first_after} right after the restart",
         losses[0]
+    );
+    // Within a small tolerance of the last loss before the kill (measured: at most 4 % above
+    // in six runs, often below; a fresh model's is about 30 % above).
+    let last_before = of_kind(&before, "round")
+        .last()
+        .and_then(|e| e["event"]["loss"].as_f64())
+        .unwrap();
+    assert!(
+        first_after < 1.15 * last_before,
+        "loss {last_before} before the restart, {first_after} right after it"
     );
     let (used, _) = audit(&cluster.path("resume-job.ledger"));
     assert_each_used_once(&used, 2, SLICES);
