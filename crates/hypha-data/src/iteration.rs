@@ -127,14 +127,7 @@ impl IterationService {
         let failed = |e: hypha_ledger::Error| RemoteError::new(ErrorCode::Internal, e.to_string());
         let mut refused = Vec::new();
         if !request.consumed.is_empty() {
-            let keys = request
-                .consumed
-                .iter()
-                .map(|r| SliceKey {
-                    epoch: r.epoch,
-                    slice: r.slice,
-                })
-                .collect();
+            let keys = request.consumed.iter().map(key).collect();
             let outcome = self
                 .ledger
                 .consume(&consumer, keys, request.round)
@@ -162,13 +155,7 @@ impl IterationService {
                 .map_err(failed)?;
         }
         if let Some(holding) = &request.holding {
-            let holding = holding
-                .iter()
-                .map(|r| SliceKey {
-                    epoch: r.epoch,
-                    slice: r.slice,
-                })
-                .collect();
+            let holding = holding.iter().map(key).collect();
             let returned = self
                 .ledger
                 .release_unheld(&consumer, holding)
@@ -388,6 +375,14 @@ async fn open_ledger(path: &Path, spec: IterationSpec) -> Result<Ledger, hypha_l
     })
     .await
     .map_err(|_| hypha_ledger::Error::Stopped)?
+}
+
+/// The ledger's key of a slice a request names.
+fn key(slice: &SliceRef) -> SliceKey {
+    SliceKey {
+        epoch: slice.epoch,
+        slice: slice.slice,
+    }
 }
 
 /// Milliseconds since the Unix epoch.

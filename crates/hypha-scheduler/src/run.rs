@@ -342,6 +342,35 @@ pub enum RunError {
 /// An executor's status (from a peer, for a job) and where its answer goes.
 pub type ExecutorStatus = (PeerId, String, serde_json::Value, oneshot::Sender<String>);
 
+/// The (worker, job) pairs whose requests for data a run answers: its jobs, and jobs of an
+/// earlier process being taken over. Anyone else (a job that ended, a peer that was never
+/// leased) is refused, so that no one outside the run can hold or churn its slices.
+#[derive(Debug, Clone, Default)]
+struct LiveJobs(Arc<std::sync::RwLock<HashSet<(PeerId, String)>>>);
+
+impl LiveJobs {
+    fn insert(&self, peer: PeerId, job: &str) {
+        self.0
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((peer, job.to_string()));
+    }
+
+    fn remove(&self, peer: PeerId, job: &str) {
+        self.0
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&(peer, job.to_string()));
+    }
+
+    fn contains(&self, peer: PeerId, job: &str) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(peer, job.to_string()))
+    }
+}
+
 /// What an executor status is answered with when nobody has more to say.
 const RECEIVED: &str = r#"{"received":true}"#;
 
@@ -356,6 +385,7 @@ async fn route_inbound(
     executor_statuses: mpsc::Sender<ExecutorStatus>,
     data: Option<JobData>,
     history: watch::Receiver<RunProgress>,
+    live: LiveJobs,
 ) {
     // Iterate and progress requests wait for the ledger: they are answered concurrently, at
     // most ANSWERING at once; the inbound queue fills behind them.
@@ -372,8 +402,15 @@ async fn route_inbound(
             };
             let service = data.service().clone();
             let history = history.clone();
+            let live = live.clone();
             answers.spawn(async move {
                 let response = match &request.request {
+                    Request::Iterate(iterate) if !live.contains(peer, &iterate.consumer) => {
+                        Err(RemoteError::new(
+                            ErrorCode::Gone,
+                            format!("{} is not a running job of this run", iterate.consumer),
+                        ))
+                    }
                     Request::Iterate(iterate) => {
                         service.iterate(&peer, iterate).await.map(Response::Iterate)
                     }
@@ -492,7 +529,7 @@ pub async fn run_job(
         going_on: earlier
             .iter()
             .flat_map(|r| &r.jobs)
-            .filter(|j| goes_on(&spec, j.slot))
+            .filter(|j| goes_on(&spec, j.slot, resumed_round))
             .filter_map(|j| Some((j.peer.parse().ok()?, j.job.clone())))
             .collect(),
     };
@@ -564,10 +601,12 @@ pub async fn run_job(
 /// server restored from the checkpoint, as after a failover, dropping the round it held, and
 /// keeps what it set up and fetched ahead. The parameter server's does not: the rounds it
 /// applied after the checkpoint the scheduler holds are not known to be in any checkpoint, so
-/// a new one is restored from that. Nor does a plain iteration's job: the rounds it completes
-/// are used at its word, and it may be working on slices given back at the restart.
-fn goes_on(spec: &JobFile, slot: usize) -> bool {
-    spec.diloco.is_some() && slot < spec.workers
+/// a new one is restored from that. Nor does a trainer's when there is no checkpoint
+/// (`restored` is `None`): the new server would adopt the model it offers, which holds rounds
+/// whose slices went back at the restart. Nor does a plain iteration's job: the rounds it
+/// completes are used at its word, and it may be working on slices given back at the restart.
+fn goes_on(spec: &JobFile, slot: usize, restored: Option<u64>) -> bool {
+    spec.diloco.is_some() && slot < spec.workers && restored.is_some()
 }
 
 /// What one kind of slot asks of a worker, and the config its executor gets.
@@ -640,6 +679,8 @@ struct JobRun<'a> {
     adopting: Vec<RecordedJob>,
     /// Statuses of jobs being taken over that ended meanwhile.
     ended_early: Vec<(PeerId, StatusReport)>,
+    /// The jobs whose data requests are answered.
+    live: LiveJobs,
     /// When the parameter server's job was last heard from (or dispatched).
     server_heard: std::time::Instant,
     events: EventLog,
@@ -667,6 +708,7 @@ impl<'a> JobRun<'a> {
         let (executor_tx, executor_statuses) = mpsc::channel(256);
         let (lost_tx, lost) = mpsc::channel(64);
         let (stored_tx, stored) = mpsc::channel(16);
+        let live = LiveJobs::default();
         let (training, checkpoints) = match training {
             Some((training, checkpoints)) => (Some(training), checkpoints),
             None => (None, None),
@@ -686,6 +728,7 @@ impl<'a> JobRun<'a> {
             executor_tx,
             data.clone(),
             events.history.subscribe(),
+            live.clone(),
         );
         tasks.spawn(async move {
             router.await;
@@ -725,6 +768,7 @@ impl<'a> JobRun<'a> {
             record,
             adopting: Vec::new(),
             ended_early: Vec::new(),
+            live,
             server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
@@ -769,7 +813,11 @@ impl<'a> JobRun<'a> {
             let allocator = self.allocator.clone();
             let network = self.network.clone();
             let lost = self.lost.clone();
-            let may_go_on = goes_on(self.spec, recorded.slot);
+            let may_go_on = goes_on(self.spec, recorded.slot, round);
+            if may_go_on {
+                // Its prefetcher keeps asking while its lease is taken over.
+                self.live.insert(peer, &recorded.job);
+            }
             self.tasks.spawn(async move {
                 let adopted = allocator
                     .adopt(peer, recorded.lease, recorded.price, &lost)
@@ -950,6 +998,8 @@ impl<'a> JobRun<'a> {
             } => {
                 self.adopting.retain(|recorded| recorded.job != job);
                 if !going_on {
+                    self.live.remove(peer, &job);
+                    self.ended_early.retain(|(_, report)| report.job != job);
                     // The earlier run's job is stopped (or its lease is gone): what it held
                     // goes back.
                     self.release_data(peer, &job).await;
@@ -1009,6 +1059,7 @@ impl<'a> JobRun<'a> {
             training.trainer_taken_over(&job, peer);
         }
         self.slots.started(slot, &job);
+        self.live.insert(peer, &job);
         self.jobs.insert(job.clone(), Dispatched { slot, lease });
         self.store_record()?;
         let early = self
@@ -1022,11 +1073,14 @@ impl<'a> JobRun<'a> {
         Ok(())
     }
 
-    /// Whether `job` on `peer` is a job of the earlier run whose lease is being taken over.
+    /// Whether `job` on `peer` is a job of the earlier run that may go on, whose lease is
+    /// being taken over.
     fn taking_over(&self, peer: PeerId, job: &str) -> bool {
-        self.adopting
-            .iter()
-            .any(|recorded| recorded.job == job && recorded.peer == peer.to_string())
+        self.adopting.iter().any(|recorded| {
+            recorded.job == job
+                && recorded.peer == peer.to_string()
+                && goes_on(self.spec, recorded.slot, self.restore)
+        })
     }
 
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
@@ -1072,6 +1126,7 @@ impl<'a> JobRun<'a> {
         self.slots.started(slot, &id);
         let network = self.network.clone();
         let peer = lease.peer;
+        self.live.insert(peer, &id);
         self.jobs.insert(id.clone(), Dispatched { slot, lease });
         self.store_record()?;
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
@@ -1152,6 +1207,7 @@ impl<'a> JobRun<'a> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
+        self.live.remove(dispatched.lease.peer, job);
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);
         self.release_data(peer, job).await;

@@ -28,6 +28,9 @@ use crate::{
 
 /// Metrics lines waiting for the `forward` URL; more are dropped.
 pub const FORWARD_QUEUE: usize = 1024;
+/// How long a trainer the scheduler cannot answer yet waits before it asks again.
+const WAIT_MS: u64 = 1000;
+
 /// How long a finished job waits for the `forward` URL to take the lines still queued.
 pub const FORWARD_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -107,9 +110,9 @@ impl Training {
             .trainer_started(job.to_string(), peer.to_string());
     }
 
-    /// What a trainer is told when the scheduler cannot say more yet: ask again in a second.
+    /// What a trainer is told when the scheduler cannot say more yet: ask again soon.
     pub fn wait_order() -> String {
-        serde_json::to_string(&TrainerOrder::Wait { retry_ms: 1000 }).unwrap_or_default()
+        serde_json::to_string(&TrainerOrder::Wait { retry_ms: WAIT_MS }).unwrap_or_default()
     }
 
     /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`.

@@ -419,17 +419,25 @@ impl Run {
                 }
                 IterateStatus::Granted => {}
             }
-            self.holding
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(grant.slices.iter().map(|s| SliceRef {
-                    epoch: s.epoch,
-                    slice: s.slice,
-                }));
-            if let Some(largest) = grant.slices.iter().map(|s| s.size.div_ceil(1024)).max() {
+            // A slice the job holds already (its consume report lost when a scheduler died,
+            // given back at the restart, and granted to it again) is not fetched twice.
+            let fresh: Vec<GrantedSlice> = {
+                let mut holding = self.holding.lock().unwrap_or_else(|p| p.into_inner());
+                grant
+                    .slices
+                    .into_iter()
+                    .filter(|s| {
+                        holding.insert(SliceRef {
+                            epoch: s.epoch,
+                            slice: s.slice,
+                        })
+                    })
+                    .collect()
+            };
+            if let Some(largest) = fresh.iter().map(|s| s.size.div_ceil(1024)).max() {
                 self.slice_kib.store(largest, Ordering::Relaxed);
             }
-            let fetches = grant.slices.into_iter().map(|slice| self.fetch(slice));
+            let fetches = fresh.into_iter().map(|slice| self.fetch(slice));
             let mut fetched =
                 futures::StreamExt::buffered(futures::stream::iter(fetches), PARALLEL_FETCHES);
             while let Some(next) = futures::StreamExt::next(&mut fetched).await {
