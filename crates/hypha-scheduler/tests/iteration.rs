@@ -296,6 +296,49 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
     let progress = cluster.progress("first", &listening);
     assert_eq!(progress["dataset"], "tokens");
     assert_eq!(progress["run"]["restarts"], 0, "{progress}");
+    // But only the run's jobs get its slices: any other certified peer asking is refused.
+    let address = listening
+        .split("address=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap();
+    let address: hypha_network::Multiaddr = format!("{address}/p2p/{}", cluster.peer_id("first"))
+        .parse()
+        .unwrap();
+    let asked = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let network = hypha_node::start_client(
+            "outsider",
+            &hypha_scheduler::node::schema(),
+            Some(&cluster.path("observer.toml")),
+            &hypha_node::Overrides::default(),
+            false,
+        )
+        .await
+        .unwrap();
+        let scheduler = network.dial(address).await.unwrap();
+        // The iteration's id is no secret: progress tells it.
+        let request = hypha_messages::iterate::IterateRequest {
+            iteration: progress["iteration"].as_str().unwrap().to_string(),
+            dataset: "tokens".into(),
+            consumer: "a-job-of-my-own".into(),
+            epochs: 0,
+            seed: 0,
+            want: 8,
+            cached: Vec::new(),
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+            holding: None,
+        };
+        let asked = hypha_data::iteration::ask(&network, scheduler, request).await;
+        network.shutdown().await;
+        asked
+    });
+    let refused = asked.unwrap_err().to_string();
+    assert!(
+        refused.contains("not a running job of this run"),
+        "{refused}"
+    );
     assert_eq!(progress["epochs"].as_array().unwrap().len(), 2);
     let epoch0 = &progress["epochs"][0];
     let total: u64 = ["available", "assigned", "consumed", "used"]
