@@ -451,16 +451,21 @@ impl Ledger {
                     .collect()
             })
             .unwrap_or_default();
-        for &key in &lost {
+        self.return_keys(number, &lost, ReturnReason::NeverReceived, now_ms);
+        lost.len()
+    }
+
+    /// `keys` of worker `number` become AVAILABLE again, for `reason`.
+    fn return_keys(&mut self, number: u32, keys: &[SliceKey], reason: ReturnReason, now_ms: u64) {
+        for &key in keys {
             self.record(Record {
                 time_ms: now_ms,
                 key,
                 kind: Kind::Returned,
                 worker: number,
-                value: ReturnReason::NeverReceived.code(),
+                value: reason.code(),
             });
         }
-        lost.len()
     }
 
     /// A scheduler resumes its iteration after a restart: everything CONSUMED into a round
@@ -498,15 +503,7 @@ impl Ledger {
                 keys.extend(consumed.iter().copied());
             }
         }
-        for &key in &keys {
-            self.record(Record {
-                time_ms: now_ms,
-                key,
-                kind: Kind::Returned,
-                worker: number,
-                value: ReturnReason::WorkerLost.code(),
-            });
-        }
+        self.return_keys(number, &keys, ReturnReason::WorkerLost, now_ms);
         if !keep_assigned {
             self.leases.remove(&number);
         }
@@ -529,16 +526,8 @@ impl Ledger {
                 .get(&number)
                 .map(|keys| keys.iter().copied().collect())
                 .unwrap_or_default();
-            for key in keys {
-                self.record(Record {
-                    time_ms: now_ms,
-                    key,
-                    kind: Kind::Returned,
-                    worker: number,
-                    value: ReturnReason::Expired.code(),
-                });
-                returned += 1;
-            }
+            self.return_keys(number, &keys, ReturnReason::Expired, now_ms);
+            returned += keys.len();
         }
         returned
     }

@@ -264,8 +264,34 @@ pub enum Next {
 
 /// The slices granted to a job that it has not reported consumed: queued, being fetched, or
 /// in the executor's hands. Every request for more tells the ledger, which takes back any
-/// other slice it assigned to the job: a grant whose answer never arrived.
-pub type Holding = Arc<std::sync::Mutex<HashSet<SliceRef>>>;
+/// other slice it assigned to the job: a grant whose answer never arrived. Shared by the
+/// job's prefetcher and its bridge (which reports what the executor consumed).
+#[derive(Debug, Clone, Default)]
+pub struct Holding(Arc<std::sync::Mutex<HashSet<SliceRef>>>);
+
+impl Holding {
+    fn slices(&self) -> std::sync::MutexGuard<'_, HashSet<SliceRef>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `slice` in; false when the job holds it already.
+    pub fn take(&self, slice: SliceRef) -> bool {
+        self.slices().insert(slice)
+    }
+
+    /// The job no longer holds these: consumed, or never to be fetched.
+    pub fn let_go(&self, slices: &[SliceRef]) {
+        let mut held = self.slices();
+        for slice in slices {
+            held.remove(slice);
+        }
+    }
+
+    /// Every slice the job holds now.
+    pub fn list(&self) -> Vec<SliceRef> {
+        self.slices().iter().copied().collect()
+    }
+}
 
 /// Keeps one job's next slices ready; stops when dropped.
 #[derive(Debug)]
@@ -421,19 +447,16 @@ impl Run {
             }
             // A slice the job holds already (its consume report lost when a scheduler died,
             // given back at the restart, and granted to it again) is not fetched twice.
-            let fresh: Vec<GrantedSlice> = {
-                let mut holding = self.holding.lock().unwrap_or_else(|p| p.into_inner());
-                grant
-                    .slices
-                    .into_iter()
-                    .filter(|s| {
-                        holding.insert(SliceRef {
-                            epoch: s.epoch,
-                            slice: s.slice,
-                        })
+            let fresh: Vec<GrantedSlice> = grant
+                .slices
+                .into_iter()
+                .filter(|s| {
+                    self.holding.take(SliceRef {
+                        epoch: s.epoch,
+                        slice: s.slice,
                     })
-                    .collect()
-            };
+                })
+                .collect();
             if let Some(largest) = fresh.iter().map(|s| s.size.div_ceil(1024)).max() {
                 self.slice_kib.store(largest, Ordering::Relaxed);
             }
@@ -470,10 +493,7 @@ impl Run {
             completed_round: None,
             // Asked with the answer to the last request in: what it does not list was never
             // received.
-            holding: (want > 0).then(|| {
-                let holding = self.holding.lock().unwrap_or_else(|p| p.into_inner());
-                holding.iter().copied().collect()
-            }),
+            holding: (want > 0).then(|| self.holding.list()),
         };
         hypha_data::iteration::ask(&self.network, self.source.scheduler, request)
             .await
@@ -490,10 +510,7 @@ impl Run {
         };
         let next = self.bring(slice).await;
         if matches!(next, Next::Failed(_)) {
-            self.holding
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key);
+            self.holding.let_go(&[key]);
         }
         next
     }

@@ -258,10 +258,7 @@ async fn consume(
             holding: None,
         };
         // Reported as the bridge reports it: no longer held.
-        holding
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&key);
+        holding.let_go(&[key]);
         let worker = worker.clone();
         tokio::spawn(async move { worker.request(scheduler, Request::Iterate(report)).await });
     }

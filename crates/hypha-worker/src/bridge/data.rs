@@ -231,12 +231,7 @@ pub(super) async fn consumed(
     iterate.completed_round = request.completed_round;
     let grant = ask(bridge, source.scheduler, iterate).await?;
     // Reported: no longer the job's to hold (refused ones are someone else's).
-    let holding = bridge.holding(&source);
-    let mut holding = holding.lock().unwrap_or_else(|p| p.into_inner());
-    for slice in &request.slices {
-        holding.remove(slice);
-    }
-    drop(holding);
+    bridge.holding(&source).let_go(&request.slices);
     Ok(ConsumedAnswer {
         refused: grant.refused,
     })
