@@ -425,7 +425,7 @@ impl Ledger {
     /// reached the model becomes AVAILABLE again.
     pub fn release_worker(&mut self, worker: &str, now_ms: u64) -> usize {
         match self.worker_numbers.get(worker) {
-            Some(&number) => self.release(number, false, now_ms),
+            Some(&number) => self.release(number, None, now_ms),
             None => 0,
         }
     }
@@ -470,41 +470,43 @@ impl Ledger {
 
     /// A scheduler resumes its iteration after a restart: everything CONSUMED into a round
     /// that has not reached the model becomes AVAILABLE again, and everything ASSIGNED too,
-    /// except to the workers in `going_on` (jobs the resumed run took over, which still hold
-    /// what they fetched ahead).
-    pub fn release_all(&mut self, going_on: &[String], now_ms: u64) -> usize {
-        let workers: Vec<(u32, bool)> = self
+    /// except for the workers in `going_on` (jobs the resumed run may take over): they keep
+    /// what they fetched ahead and what they consumed into rounds from `open_from` on, which
+    /// may still reach the model the run goes on from (a parameter server that goes on holds
+    /// them); the run settles those rounds itself.
+    pub fn release_all(&mut self, going_on: &[String], open_from: u64, now_ms: u64) -> usize {
+        let workers: Vec<(u32, Option<u64>)> = self
             .workers
             .iter()
             .filter_map(|worker| {
                 let number = *self.worker_numbers.get(worker)?;
-                Some((number, going_on.contains(worker)))
+                Some((number, going_on.contains(worker).then_some(open_from)))
             })
             .collect();
         workers
             .into_iter()
-            .map(|(number, keep_assigned)| self.release(number, keep_assigned, now_ms))
+            .map(|(number, kept_from)| self.release(number, kept_from, now_ms))
             .sum()
     }
 
-    /// Returns worker `number`'s CONSUMED slices of rounds not yet used, and its ASSIGNED
-    /// ones unless `keep_assigned`.
-    fn release(&mut self, number: u32, keep_assigned: bool, now_ms: u64) -> usize {
-        let mut keys: Vec<SliceKey> = if keep_assigned {
-            Vec::new()
-        } else {
-            self.held
+    /// Returns worker `number`'s CONSUMED slices of rounds not yet used and its ASSIGNED
+    /// ones; with `kept_from`, only its CONSUMED slices of rounds before that one.
+    fn release(&mut self, number: u32, kept_from: Option<u64>, now_ms: u64) -> usize {
+        let mut keys: Vec<SliceKey> = match kept_from {
+            Some(_) => Vec::new(),
+            None => self
+                .held
                 .get(&number)
                 .map(|keys| keys.iter().copied().collect())
-                .unwrap_or_default()
+                .unwrap_or_default(),
         };
-        for ((holder, _), consumed) in &self.rounds {
-            if *holder == number {
+        for ((holder, round), consumed) in &self.rounds {
+            if *holder == number && kept_from.is_none_or(|from| *round < from) {
                 keys.extend(consumed.iter().copied());
             }
         }
         self.return_keys(number, &keys, ReturnReason::WorkerLost, now_ms);
-        if !keep_assigned {
+        if kept_from.is_none() {
             self.leases.remove(&number);
         }
         keys.len()

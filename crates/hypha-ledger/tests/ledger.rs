@@ -200,26 +200,33 @@ fn a_lapsed_lease_returns_slices_and_a_late_consume_counts_only_if_nobody_took_t
 fn a_resumed_iteration_gives_back_what_was_consumed_and_keeps_what_going_jobs_fetched_ahead() {
     let dir = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::create(&dir.path().join("l"), spec(10, 1, 1), LEASE_MS).unwrap();
-    let a = slices_of(ledger.assign("a", 4, &HashSet::new(), 0));
+    let a = slices_of(ledger.assign("a", 5, &HashSet::new(), 0));
     let b = slices_of(ledger.assign("b", 3, &HashSet::new(), 0));
     ledger.consume("a", &a[..2], 0, 1);
     ledger.commit_round("a", 0, 2);
     ledger.consume("a", &a[2..3], 1, 3);
+    ledger.consume("a", &a[3..4], 2, 3);
     ledger.consume("b", &b[..1], 0, 3);
-    // a goes on after the restart: its round-1 slice goes back, its last one stays its own;
-    // b does not: everything it held goes back.
-    let returned = ledger.release_all(&["a".to_string()], 4);
+    // a goes on after the restart, with rounds from 2 still open: its round-1 slice goes
+    // back, its round-2 one stays consumed and its last one stays its own; b does not go on:
+    // everything it held goes back.
+    let returned = ledger.release_all(&["a".to_string()], 2, 4);
     assert_eq!(returned, 1 + 3);
     let progress = ledger.progress(5);
     let epoch = &progress.epochs[0];
     assert_eq!(
         (epoch.available, epoch.assigned, epoch.consumed, epoch.used),
-        (7, 1, 0, 2)
+        (6, 1, 1, 2)
     );
-    let late = ledger.consume("a", &a[3..], 2, 6);
+    assert_eq!(
+        ledger.commit_round("a", 2, 6),
+        &a[3..4],
+        "round 2 is a's still"
+    );
+    let late = ledger.consume("a", &a[4..], 3, 6);
     assert_eq!(
         late.accepted,
-        &a[3..],
+        &a[4..],
         "a's fetched-ahead slice is still a's"
     );
 }

@@ -41,9 +41,13 @@ pub enum DataError {
 pub struct CarriedOver {
     /// Rounds (peer, job, round) in the model the run continues from: their slices are used.
     pub committed: Vec<(PeerId, String, u64)>,
-    /// Jobs (peer, job) of the earlier run that the run may take over still running: they
-    /// keep the slices they fetched ahead (and give them back if they are not taken over).
+    /// Jobs (peer, job) of the earlier run that the run may take over still running, or
+    /// whose rounds may still reach the model: they keep the slices they fetched ahead and
+    /// those they consumed into rounds from `open_from` on (and give them back if they are
+    /// not taken over, or those rounds are lost).
     pub going_on: Vec<(PeerId, String)>,
+    /// The first round not in the checkpoint the run continues from.
+    pub open_from: u64,
 }
 
 /// The iteration a job runs.
@@ -102,6 +106,7 @@ impl JobData {
         })?;
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
+        let open_from = carried.open_from;
         let committed: Vec<(String, u64)> = carried
             .committed
             .iter()
@@ -119,8 +124,8 @@ impl JobData {
             }
             // A resumed iteration's holders were jobs of an earlier run of this scheduler:
             // what they consumed into rounds not in the model goes back, and what they were
-            // assigned, unless the job may go on.
-            let returned = ledger.release_all(&going_on, unix_ms());
+            // assigned, unless the job may go on (with a parameter server that may).
+            let returned = ledger.release_all(&going_on, open_from, unix_ms());
             ledger.flush()?;
             if returned > 0 {
                 tracing::info!(

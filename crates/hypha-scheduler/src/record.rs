@@ -4,7 +4,8 @@
 //! It holds the run's task id (the iteration and the workers' transfers are addressed to it),
 //! the jobs running with the workers and leases they run under, and the applied rounds whose
 //! slices wait for a checkpoint (round, job): the rounds a restarted scheduler commits in the
-//! ledger when the checkpoint it holds has them, and gives back otherwise; and the run's
+//! ledger when the checkpoint it holds has them, waits for the next checkpoint with when the
+//! parameter server goes on through the restart, and gives back otherwise; and the run's
 //! [`history`](crate::history), which `progress` shows. The record is
 //! rewritten whole (temp file, fsync, rename) each time one of these changes, an applied round
 //! before its parameter server hears that it was taken, so what it says is never older than

@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use hypha_messages::diloco::{ServerOrder, ServerStatus, TrainerOrder, TrainerStatus};
+use hypha_messages::diloco::{Applied, ServerOrder, ServerStatus, TrainerOrder, TrainerStatus};
 
 /// How a round is planned and closed.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +85,9 @@ pub struct Rounds {
     /// Counts the servers the job had: a trainer holding a model of an earlier one joins the
     /// current one.
     generation: u64,
+    /// The server is an earlier process's that went on from the checkpoint of this round:
+    /// trainers taken over hold its models and train on with it.
+    continued_from: Option<u64>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// A close was ordered for this round and is not applied yet.
@@ -103,6 +106,7 @@ impl Rounds {
             trainers: HashMap::new(),
             server: None,
             generation: 0,
+            continued_from: None,
             arrived: HashMap::new(),
             closing: None,
             included: BTreeMap::new(),
@@ -123,6 +127,62 @@ impl Rounds {
     pub fn server_started(&mut self, peer: String) {
         self.server = Some(peer);
         self.generation += 1;
+        self.continued_from = None;
+    }
+
+    /// The parameter server of an earlier process of the scheduler goes on, on `peer`; its
+    /// first status says the round it collects. The job went on from the checkpoint of the
+    /// current round, and the server applied the rounds since: those the earlier process
+    /// heard of are `recorded` (round, a peer included in it), and at most one more, the last
+    /// it applied, whose answer that process did not live to give. That one is returned
+    /// when it is not recorded, for its trainers' slices to be used with the next
+    /// checkpoint. A status that does not fit (a round before the checkpoint or past any the
+    /// job can have reached, an applied round missing in between) is refused: the server is
+    /// replaced from the checkpoint.
+    pub fn server_resumed(
+        &mut self,
+        peer: String,
+        status: &ServerStatus,
+        recorded: &[(u64, String)],
+    ) -> Result<Option<Applied>, String> {
+        let from = self.round;
+        let Some(round) = status.round else {
+            return Err("it holds no model".into());
+        };
+        if round < from || round > self.highest {
+            return Err(format!(
+                "it collects round {round}; the job can be at rounds {from} to {}",
+                self.highest
+            ));
+        }
+        let mut included: BTreeMap<u64, HashSet<String>> = BTreeMap::new();
+        for (applied, peer) in recorded.iter().filter(|(applied, _)| *applied >= from) {
+            included.entry(*applied).or_default().insert(peer.clone());
+        }
+        let last = status.applied.as_ref().filter(|a| a.round >= from);
+        let unheard = last.filter(|a| !included.contains_key(&a.round)).cloned();
+        if let Some(last) = last {
+            included.insert(last.round, last.included.iter().cloned().collect());
+        }
+        if let Some(missing) = (from..round).find(|r| !included.contains_key(r)) {
+            return Err(format!(
+                "it collects round {round} but round {missing} was not applied as far as this job knows"
+            ));
+        }
+        if let Some(ahead) = included.keys().find(|applied| **applied >= round) {
+            return Err(format!(
+                "it collects round {round} but round {ahead} was applied"
+            ));
+        }
+        self.included.extend(included);
+        self.round = round;
+        self.highest = self.highest.max(round);
+        self.started_ms = None;
+        self.arrived.clear();
+        self.closing = None;
+        self.server_started(peer);
+        self.continued_from = Some(from);
+        Ok(unheard)
     }
 
     /// The server (started next) is restored from the checkpoint of `round`: training goes on
@@ -144,6 +204,7 @@ impl Rounds {
 
     pub fn server_lost(&mut self) {
         self.server = None;
+        self.continued_from = None;
     }
 
     pub fn trainer_started(&mut self, job: String, peer: String) {
@@ -157,16 +218,27 @@ impl Rounds {
         self.trainers.insert(job, trainer);
     }
 
-    /// A trainer's job of an earlier process of the scheduler goes on: it holds a model of a
-    /// server that is gone, so it joins the current one, and every round it held that is not
-    /// in the model gives its slices back: those it reported while the scheduler was away
-    /// arrive with its old round numbers, whatever the current server reached meanwhile.
+    /// A trainer's job of an earlier process of the scheduler goes on. With the server that
+    /// went on too, it trains on: its rounds from the checkpoint on settle as they would
+    /// have. Otherwise it holds a model of a server that is gone, so it joins the current
+    /// one, and every round it held that is not in the model gives its slices back: those it
+    /// reported while the scheduler was away arrive with its old round numbers, whatever the
+    /// current server reached meanwhile.
     pub fn trainer_taken_over(&mut self, job: String, peer: String) {
         self.trainer_started(job.clone(), peer);
+        let (generation, continued_from) = (self.generation, self.continued_from);
         if let Some(trainer) = self.trainers.get_mut(&job) {
-            // Generation 0 is before any server of this process: never the current one.
-            trainer.generation = Some(0);
-            trainer.settled_below = 0;
+            match continued_from {
+                Some(from) => {
+                    trainer.generation = Some(generation);
+                    trainer.settled_below = from;
+                }
+                None => {
+                    // Generation 0 is before any server of this process: never the current one.
+                    trainer.generation = Some(0);
+                    trainer.settled_below = 0;
+                }
+            }
         }
     }
 
@@ -402,7 +474,9 @@ impl Rounds {
             .filter(|t| t.status.round.is_some())
             .filter(|t| !(t.status.data_done && t.status.samples == 0))
             .collect();
-        if expected.iter().all(|t| self.arrived.contains_key(&t.peer)) {
+        // With none known (trainers taken over after a restart are known only once the
+        // server is), the new model would go to nobody.
+        if !expected.is_empty() && expected.iter().all(|t| self.arrived.contains_key(&t.peer)) {
             return true;
         }
         let grace = self.plan.round_ms / 4;
@@ -817,5 +891,100 @@ mod tests {
             rounds.server_status(server(2, &[], Some((1, &["pa", "pb"]))), 14_200);
         assert_eq!(applied.unwrap().round, 1);
         assert_eq!(settle.len(), 2);
+    }
+
+    #[test]
+    fn a_server_that_went_on_is_resumed_at_its_round_and_trainers_train_on_with_it() {
+        // A restarted scheduler goes on from the checkpoint of round 3. The earlier process
+        // heard rounds 3 (a and b) and 4 (a only) applied; the server applied round 5 (a and
+        // b) and collects round 6.
+        let start = || {
+            let mut rounds = Rounds::new(RoundPlan {
+                rounds: Some(10),
+                ..plan()
+            });
+            rounds.restored(3);
+            rounds.reached(6);
+            rounds
+        };
+        let recorded = [(3, "pa".to_string()), (3, "pb".into()), (4, "pa".into())];
+        // What does not fit is refused, and changes nothing.
+        let mut rounds = start();
+        for (status, why) in [
+            (
+                server(7, &[], Some((6, &["pa"]))),
+                "past what the job can have reached",
+            ),
+            (server(2, &[], None), "before the checkpoint"),
+            (server(6, &[], Some((5, &["pa"]))), "round 4 missing"),
+            (ServerStatus::default(), "no model"),
+        ] {
+            let recorded = if why == "round 4 missing" {
+                &recorded[..2]
+            } else {
+                &recorded[..]
+            };
+            assert!(
+                rounds
+                    .server_resumed("ps".into(), &status, recorded)
+                    .is_err(),
+                "{why}"
+            );
+            assert_eq!(rounds.round(), 3, "{why}");
+        }
+        let mut rounds = start();
+        let first = server(6, &["pa", "pb"], Some((5, &["pa", "pb"])));
+        let unheard = rounds
+            .server_resumed("ps".into(), &first, &recorded)
+            .unwrap();
+        assert_eq!(
+            unheard.map(|a| a.round),
+            Some(5),
+            "its last round was not heard"
+        );
+        assert_eq!(rounds.round(), 6);
+        // Pseudo-gradients arrived while the scheduler was away; the round does not close
+        // before the trainers are known, or the new model would go to nobody.
+        assert_eq!(rounds.server_status(first, 5).0, ServerOrder::Wait);
+        // Trainers taken over now train on with it, without joining; each gives back the
+        // rounds it was left out of since the checkpoint.
+        rounds.trainer_taken_over("a".into(), "pa".into());
+        rounds.trainer_taken_over("b".into(), "pb".into());
+        let (order, settle) = rounds.trainer_status("a", status(6, 2, Some(100.0)), 10);
+        assert!(
+            matches!(order, TrainerOrder::Train { round: 6, ref parameter_server, .. } if parameter_server == "ps"),
+            "{order:?}"
+        );
+        assert!(settle.is_empty(), "{settle:?}");
+        let (order, settle) = rounds.trainer_status("b", status(6, 1, Some(100.0)), 10);
+        assert!(
+            matches!(order, TrainerOrder::Train { round: 6, .. }),
+            "{order:?}"
+        );
+        assert_eq!(
+            settle,
+            vec![Settle::Drop {
+                job: "b".into(),
+                round: 4
+            }]
+        );
+        // The round closes and is applied as round 6.
+        rounds.trainer_status("a", status(6, 5, Some(100.0)), 20);
+        rounds.trainer_status("b", status(6, 5, Some(100.0)), 20);
+        assert!(matches!(
+            rounds.server_status(server(6, &["pa", "pb"], None), 30).0,
+            ServerOrder::Close { round: 6, .. }
+        ));
+        let (_, settle, applied) =
+            rounds.server_status(server(7, &[], Some((6, &["pa", "pb"]))), 40);
+        assert_eq!(applied.unwrap().round, 6);
+        assert_eq!(settle.len(), 2);
+        // A server that replaces it later is a new one: trainers taken over then rejoin.
+        rounds.server_lost();
+        rounds.restored(7);
+        rounds.server_started("ps2".into());
+        rounds.trainer_taken_over("c".into(), "pc".into());
+        let (order, _) = rounds.trainer_status("c", status(7, 1, None), 50);
+        assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
     }
 }

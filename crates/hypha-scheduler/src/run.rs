@@ -17,6 +17,11 @@
 //! (an allocation stopped halfway releases what it leased), releases every lease (which stops
 //! its job on the worker) and gives every job's slices back.
 //!
+//! A run resumed after the scheduler was killed takes over the leases the earlier process
+//! recorded ([`record`](crate::record)), and with a checkpoint the jobs still running under
+//! them (`goes_on`): the parameter server first (trainers taken over wait until its first
+//! status says which round it collects, or until it is known not to go on), then the trainers.
+//!
 //! What happens is reported as [`Event`]s: one line each on the console and, when asked,
 //! one JSON object per line in an events file.
 
@@ -49,7 +54,7 @@ use crate::{
     record::{self, RecordedJob, RunRecord},
     slots::{Role, SlotState, Slots, Verdict},
     spec::JobFile,
-    training::Training,
+    training::{Answered, Training},
     unix_ms,
 };
 
@@ -526,12 +531,26 @@ pub async fn run_job(
             .filter(|u| resumed_round.is_some_and(|held| u.round < held))
             .filter_map(|u| Some((u.peer.parse().ok()?, u.job.clone(), u.round)))
             .collect(),
+        // Jobs that may go on, and those whose rounds past the checkpoint wait for the
+        // earlier server to go on.
         going_on: earlier
             .iter()
-            .flat_map(|r| &r.jobs)
-            .filter(|j| goes_on(&spec, j.slot, resumed_round))
-            .filter_map(|j| Some((j.peer.parse().ok()?, j.job.clone())))
+            .flat_map(|r| {
+                let jobs = r
+                    .jobs
+                    .iter()
+                    .filter(|j| goes_on(&spec, j.slot, resumed_round))
+                    .map(|j| (&j.peer, &j.job));
+                let waiting = r
+                    .uncommitted
+                    .iter()
+                    .filter(|u| resumed_round.is_some_and(|held| u.round >= held))
+                    .map(|u| (&u.peer, &u.job));
+                jobs.chain(waiting)
+            })
+            .filter_map(|(peer, job)| Some((peer.parse().ok()?, job.clone())))
             .collect(),
+        open_from: resumed_round.unwrap_or(0),
     };
     let data = match (&spec.data, spec.ledger_path()) {
         (Some(data), Some(ledger)) => tokio::select! {
@@ -553,16 +572,16 @@ pub async fn run_job(
                 path: path.display().to_string(),
                 error,
             })?;
-            if let Some(round) = resumed_round {
+            if let (Some(round), Some(earlier)) = (resumed_round, &earlier) {
                 // The earlier server may have applied the recorded rounds past the
-                // checkpoint, and sent the model of one more before the scheduler heard.
+                // checkpoint, and one more before the scheduler heard.
                 let reached = earlier
+                    .uncommitted
                     .iter()
-                    .flat_map(|r| &r.uncommitted)
                     .map(|u| u.round + 1)
                     .fold(round, u64::max)
                     + 1;
-                started.resume_from(round, reached);
+                started.resume_from(round, reached, earlier);
             }
             Some(started)
         }
@@ -590,23 +609,24 @@ pub async fn run_job(
         record_path,
     );
     if let Some(earlier) = earlier {
-        run.resume(earlier, resumed_round);
+        run.resume(earlier, resumed_round).await;
     }
     let outcome = run.drive(&mut channels, &mut shutdown).await;
     run.finish(outcome).await
 }
 
 /// Whether the job of `slot` that an earlier process of the scheduler ran goes on when its
-/// lease is taken over and it still runs. A DiLoCo trainer's does: it joins the parameter
-/// server restored from the checkpoint, as after a failover, dropping the round it held, and
-/// keeps what it set up and fetched ahead. The parameter server's does not: the rounds it
-/// applied after the checkpoint the scheduler holds are not known to be in any checkpoint, so
-/// a new one is restored from that. Nor does a trainer's when there is no checkpoint
-/// (`restored` is `None`): the new server would adopt the model it offers, which holds rounds
-/// whose slices went back at the restart. Nor does a plain iteration's job: the rounds it
-/// completes are used at its word, and it may be working on slices given back at the restart.
+/// lease is taken over and it still runs. A DiLoCo job's do, when the scheduler holds a
+/// checkpoint (`restored`): the parameter server trains on from the round it is at (its
+/// first status says which; the rounds it applied since the checkpoint are used with its
+/// next one), and trainers with it, keeping what they set up and fetched ahead. When the
+/// server does not go on, a new one is restored from the checkpoint and the trainers join it,
+/// giving back the rounds they held, as after a failover. Without a checkpoint nothing goes
+/// on: a new server would adopt the model a trainer offers, which holds rounds whose slices
+/// went back at the restart. Nor does a plain iteration's job: the rounds it completes are
+/// used at its word, and it may be working on slices given back at the restart.
 fn goes_on(spec: &JobFile, slot: usize, restored: Option<u64>) -> bool {
-    spec.diloco.is_some() && slot < spec.workers && restored.is_some()
+    spec.diloco.is_some() && slot <= spec.workers && restored.is_some()
 }
 
 /// What one kind of slot asks of a worker, and the config its executor gets.
@@ -622,21 +642,23 @@ struct Dispatched {
     lease: Lease,
 }
 
+/// A lease of an earlier run taken over for `slot`, with its job `job` on `peer` still
+/// running (`going_on`) or stopped, or one that could not be.
+struct Adoption {
+    slot: usize,
+    peer: PeerId,
+    job: String,
+    lease: Result<Box<Lease>, String>,
+    going_on: bool,
+}
+
 /// What the run's tasks hand back when they end.
 enum Internal {
     Allocated {
         slots: Vec<usize>,
         leased: Result<Vec<Lease>, AllocationError>,
     },
-    /// A lease of an earlier run was taken over for `slot`, with its job `job` on `peer`
-    /// still running (`going_on`) or stopped, or could not be.
-    Adopted {
-        slot: usize,
-        peer: PeerId,
-        job: String,
-        lease: Result<Box<Lease>, String>,
-        going_on: bool,
-    },
+    Adopted(Adoption),
     /// The dispatch of `job` was answered (or failed).
     Dispatch {
         job: String,
@@ -677,6 +699,10 @@ struct JobRun<'a> {
     record: Option<PathBuf>,
     /// Jobs of the earlier run whose leases are being taken over.
     adopting: Vec<RecordedJob>,
+    /// The earlier run's parameter server may go on: until it is known whether it does, and
+    /// at which round, trainers taken over wait in `parked`.
+    server_pending: bool,
+    parked: Vec<Adoption>,
     /// Statuses of jobs being taken over that ended meanwhile.
     ended_early: Vec<(PeerId, StatusReport)>,
     /// The jobs whose data requests are answered.
@@ -767,6 +793,8 @@ impl<'a> JobRun<'a> {
             restore: None,
             record,
             adopting: Vec::new(),
+            server_pending: false,
+            parked: Vec::new(),
             ended_early: Vec::new(),
             live,
             server_heard: std::time::Instant::now(),
@@ -786,10 +814,20 @@ impl<'a> JobRun<'a> {
 
     /// Takes over what the earlier run of this job left: the lease of each job it ran, with
     /// the job itself where it still runs and [`goes_on`] (a new job in the same slot
-    /// otherwise, the old one stopped), and for the parameter server the checkpoint of
-    /// `round`.
-    fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
+    /// otherwise, the old one stopped), and for a parameter server that does not go on the
+    /// checkpoint of `round`.
+    async fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
         self.restore = round;
+        let server_slot = self.spec.workers;
+        let server_recorded = earlier.jobs.iter().any(|j| j.slot == server_slot);
+        if let Some(training) = self.training.as_mut() {
+            if goes_on(self.spec, server_slot, round) && server_recorded {
+                self.server_pending = true;
+            } else {
+                // No server to go on: the rounds it applied past the checkpoint are gone.
+                training.rounds_lost().await;
+            }
+        }
         if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
             checkpoints.accept_up_to(round);
         }
@@ -836,13 +874,13 @@ impl<'a> JobRun<'a> {
                     };
                     let _ = network.request(peer, cancel).await;
                 }
-                Internal::Adopted {
+                Internal::Adopted(Adoption {
                     slot: recorded.slot,
                     peer,
                     job: recorded.job,
                     lease: adopted.map(|(lease, _)| Box::new(lease)),
                     going_on,
-                }
+                })
             });
         }
     }
@@ -889,6 +927,11 @@ impl<'a> JobRun<'a> {
         let mut silence = tokio::time::interval(SERVER_SILENCE / 2);
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            if !self.server_pending {
+                for adoption in std::mem::take(&mut self.parked) {
+                    self.adopted(adoption).await?;
+                }
+            }
             if self.slots.complete() {
                 // A parameter server exits only once its last checkpoint is stored, and that
                 // was told before it heard so: count it before the run's end is judged.
@@ -989,43 +1032,7 @@ impl<'a> JobRun<'a> {
                 self.slots.allocation_ended();
                 self.allocate_next();
             }
-            Internal::Adopted {
-                slot,
-                peer,
-                job,
-                lease,
-                going_on,
-            } => {
-                self.adopting.retain(|recorded| recorded.job != job);
-                if !going_on {
-                    self.live.remove(peer, &job);
-                    self.ended_early.retain(|(_, report)| report.job != job);
-                    // The earlier run's job is stopped (or its lease is gone): what it held
-                    // goes back.
-                    self.release_data(peer, &job).await;
-                }
-                match lease {
-                    Ok(lease) => {
-                        self.events.record(Event::Readopted {
-                            slot,
-                            peer: peer.to_string(),
-                            lease: lease.id,
-                            job: going_on.then(|| job.clone()),
-                        });
-                        if going_on {
-                            self.take_over(slot, job, *lease).await?;
-                        } else {
-                            self.dispatch(slot, *lease)?;
-                        }
-                    }
-                    Err(reason) => {
-                        tracing::info!(slot, %peer, %reason, "the earlier run's lease is gone; leasing another worker");
-                        self.slots.adoption_failed(slot);
-                        self.store_record()?;
-                        self.allocate_next();
-                    }
-                }
-            }
+            Internal::Adopted(adoption) => self.adopted(adoption).await?,
             Internal::Dispatch { job, result } => {
                 let Some(dispatched) = self.jobs.get(&job) else {
                     return Ok(());
@@ -1051,12 +1058,94 @@ impl<'a> JobRun<'a> {
         Ok(())
     }
 
-    /// Goes on with trainer `job` of the earlier run, still running under `lease`: it joins
-    /// the parameter server restored from the checkpoint as trainers do after a failover.
+    /// A lease of the earlier run was taken over, or could not be: its job goes on, or a new
+    /// one starts in its slot. Trainers wait while it is not known whether the earlier
+    /// parameter server goes on.
+    async fn adopted(&mut self, mut adoption: Adoption) -> Result<(), RunError> {
+        let role = self.slots.role(adoption.slot);
+        if role == Role::Trainer && self.server_pending {
+            self.parked.push(adoption);
+            return Ok(());
+        }
+        // Lost while it waited.
+        if let Ok(lease) = &adoption.lease
+            && let Some(reason) = lease.lost()
+        {
+            adoption.lease = Err(reason.to_string());
+            adoption.going_on = false;
+        }
+        let Adoption {
+            slot,
+            peer,
+            job,
+            lease,
+            going_on,
+        } = adoption;
+        self.adopting.retain(|recorded| recorded.job != job);
+        if !going_on {
+            self.live.remove(peer, &job);
+            self.ended_early.retain(|(_, report)| report.job != job);
+            // The earlier run's job is stopped (or its lease is gone): what it held goes back.
+            self.release_data(peer, &job).await;
+            if role == Role::ParameterServer && self.server_pending {
+                // The rounds it applied past the checkpoint are gone with it: a new server is
+                // restored from the checkpoint, as after any failover.
+                self.server_pending = false;
+                if let Some(training) = self.training.as_mut() {
+                    training.rounds_lost().await;
+                }
+                self.events.record(Event::Failover {
+                    peer: peer.to_string(),
+                    reason: match &lease {
+                        Err(reason) => reason.clone(),
+                        Ok(_) => "its job ended while the scheduler was away".into(),
+                    },
+                    round: self.restore.unwrap_or(0),
+                });
+            }
+        }
+        match lease {
+            Ok(lease) => {
+                self.events.record(Event::Readopted {
+                    slot,
+                    peer: peer.to_string(),
+                    lease: lease.id,
+                    job: going_on.then(|| job.clone()),
+                });
+                if going_on {
+                    self.take_over(slot, job, *lease).await
+                } else {
+                    self.dispatch(slot, *lease)
+                }
+            }
+            Err(reason) => {
+                tracing::info!(slot, %peer, %reason, "the earlier run's lease is gone; leasing another worker");
+                self.slots.adoption_failed(slot);
+                self.store_record()?;
+                self.allocate_next();
+                Ok(())
+            }
+        }
+    }
+
+    /// Goes on with `job` of the earlier run, still running under `lease`: a trainer trains
+    /// on with the parameter server that went on, or joins the one restored from the
+    /// checkpoint as trainers do after a failover; a parameter server says in its first
+    /// status which round it is at.
     async fn take_over(&mut self, slot: usize, job: String, lease: Lease) -> Result<(), RunError> {
         let peer = lease.peer;
+        let role = self.slots.role(slot);
         if let Some(training) = self.training.as_mut() {
-            training.trainer_taken_over(&job, peer);
+            match role {
+                Role::Trainer => training.trainer_taken_over(&job, peer),
+                Role::ParameterServer => {
+                    training.server_taken_over(&job, peer);
+                    self.server_heard = std::time::Instant::now();
+                    if let Some(checkpoints) = &self.checkpoints {
+                        checkpoints.accept_from(Some(peer));
+                    }
+                }
+            }
         }
         self.slots.started(slot, &job);
         self.live.insert(peer, &job);
@@ -1073,14 +1162,17 @@ impl<'a> JobRun<'a> {
         Ok(())
     }
 
-    /// Whether `job` on `peer` is a job of the earlier run that may go on, whose lease is
-    /// being taken over.
-    fn taking_over(&self, peer: PeerId, job: &str) -> bool {
-        self.adopting.iter().any(|recorded| {
-            recorded.job == job
-                && recorded.peer == peer.to_string()
-                && goes_on(self.spec, recorded.slot, self.restore)
-        })
+    /// The role of `job` on `peer` when it is a job of the earlier run that may go on, whose
+    /// lease is being taken over.
+    fn taking_over(&self, peer: PeerId, job: &str) -> Option<Role> {
+        self.adopting
+            .iter()
+            .find(|recorded| {
+                recorded.job == job
+                    && recorded.peer == peer.to_string()
+                    && goes_on(self.spec, recorded.slot, self.restore)
+            })
+            .map(|recorded| self.slots.role(recorded.slot))
     }
 
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
@@ -1154,7 +1246,8 @@ impl<'a> JobRun<'a> {
 
     async fn on_status(&mut self, peer: PeerId, report: StatusReport) -> Result<(), RunError> {
         let Some(dispatched) = self.jobs.get(&report.job) else {
-            if self.taking_over(peer, &report.job) && report.status != JobStatus::Running {
+            if self.taking_over(peer, &report.job).is_some() && report.status != JobStatus::Running
+            {
                 // It ended while its lease was being taken over: heard once it is.
                 self.ended_early.push((peer, report));
             }
@@ -1213,6 +1306,8 @@ impl<'a> JobRun<'a> {
         self.release_data(peer, job).await;
         let server = self.training.as_mut().is_some_and(|t| t.ended(job));
         if server {
+            // A server taken over that ended before it said where it was does not go on.
+            self.server_pending = false;
             if let Some(checkpoints) = &self.checkpoints {
                 checkpoints.accept_from(None);
             }
@@ -1289,9 +1384,10 @@ impl<'a> JobRun<'a> {
     ) -> Result<(), RunError> {
         // Only the worker running a job speaks for it.
         let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
-            // A trainer being taken over waits until it is.
-            let _ = answer.send(match &self.training {
-                Some(_) if self.taking_over(peer, &job) => Training::wait_order(),
+            // A job being taken over waits until it is.
+            let _ = answer.send(match (&self.training, self.taking_over(peer, &job)) {
+                (Some(_), Some(Role::Trainer)) => Training::wait_order(),
+                (Some(_), Some(Role::ParameterServer)) => Training::server_wait_order(),
                 _ => RECEIVED.to_string(),
             });
             return Ok(());
@@ -1304,7 +1400,26 @@ impl<'a> JobRun<'a> {
             None => None,
         };
         match answered {
+            Some(Answered {
+                resumed: Some(Err(reason)),
+                payload,
+                ..
+            }) => {
+                let _ = answer.send(payload);
+                let reason = format!("the parameter server taken over cannot go on: {reason}");
+                self.ended(&job, Some(reason)).await?;
+            }
             Some(answered) => {
+                if answered.resumed.is_some() {
+                    // It goes on: the trainers taken over train on with it, and its
+                    // checkpoints up to the round it is at are taken.
+                    self.server_pending = false;
+                    self.store_record()?;
+                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
+                    {
+                        checkpoints.accept_up_to(training.round());
+                    }
+                }
                 if answered.applied.is_some() {
                     // Recorded before the server hears its round was taken: only then may it
                     // send the round's checkpoint, which makes the round's slices used.

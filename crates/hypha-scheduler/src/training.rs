@@ -15,13 +15,13 @@
 
 use std::{collections::HashMap, io::Write, path::Path};
 
-use hypha_messages::diloco::{ServerOrder, Status, TrainerOrder};
+use hypha_messages::diloco::{ServerOrder, ServerStatus, Status, TrainerOrder};
 use hypha_network::PeerId;
 use serde::Serialize;
 
 use crate::{
     data::JobData,
-    record::RecordedRound,
+    record::{RecordedRound, RunRecord},
     rounds::{AppliedRound, RoundPlan, Rounds, Settle},
     unix_ms,
 };
@@ -55,6 +55,11 @@ pub struct Training {
     uncommitted: Vec<Uncommitted>,
     /// Jobs that ended while rounds of theirs waited: their slices go back once those settle.
     deferred: Vec<(PeerId, String)>,
+    /// The server is an earlier process's, taken over: its first status says where it is.
+    resuming: bool,
+    /// The trainers' jobs of the earlier process, by peer: whose slices a round the server
+    /// applied while the scheduler was away used.
+    earlier_trainers: HashMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -69,6 +74,9 @@ struct Uncommitted {
 pub struct Answered {
     pub payload: String,
     pub applied: Option<AppliedRound>,
+    /// The first status of a parameter server that was taken over: whether it goes on (at
+    /// the round it said), or why it cannot.
+    pub resumed: Option<Result<(), String>>,
 }
 
 impl Training {
@@ -101,6 +109,8 @@ impl Training {
             checkpointed: None,
             uncommitted: Vec::new(),
             deferred: Vec::new(),
+            resuming: false,
+            earlier_trainers: HashMap::new(),
         })
     }
 
@@ -115,11 +125,25 @@ impl Training {
         serde_json::to_string(&TrainerOrder::Wait { retry_ms: WAIT_MS }).unwrap_or_default()
     }
 
+    /// What the parameter server is told when the scheduler cannot say more yet: go on
+    /// collecting.
+    pub fn server_wait_order() -> String {
+        serde_json::to_string(&ServerOrder::Wait).unwrap_or_default()
+    }
+
     /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`.
     pub fn trainer_taken_over(&mut self, job: &str, peer: PeerId) {
         self.peers.insert(job.to_string(), peer);
         self.rounds
             .trainer_taken_over(job.to_string(), peer.to_string());
+    }
+
+    /// The parameter server's job `job` of an earlier process of the scheduler goes on, on
+    /// `peer`: trainers wait until its first status says which round it collects.
+    pub fn server_taken_over(&mut self, job: &str, peer: PeerId) {
+        self.server = Some(job.to_string());
+        self.peers.insert(job.to_string(), peer);
+        self.resuming = true;
     }
 
     /// The parameter server's job `job` starts on `peer`; a replacement restored from the
@@ -138,6 +162,7 @@ impl Training {
         self.peers.remove(job);
         if self.server.as_deref() == Some(job) {
             self.server = None;
+            self.resuming = false;
             self.rounds.server_lost();
             return true;
         }
@@ -199,11 +224,71 @@ impl Training {
     }
 
     /// A resumed run goes on from the checkpoint of `round` the scheduler holds; the earlier
-    /// run's server may have reached round `reached`.
-    pub fn resume_from(&mut self, round: u64, reached: u64) {
+    /// run's server may have reached round `reached`. The rounds `earlier` recorded applied
+    /// from `round` on wait, as they did there: for a checkpoint that holds them if its server
+    /// goes on, to go back if not; the slices of its jobs that are gone go back after.
+    pub fn resume_from(&mut self, round: u64, reached: u64, earlier: &RunRecord) {
         self.rounds.restored(round);
         self.rounds.reached(reached);
         self.checkpointed = Some(round);
+        for recorded in earlier.uncommitted.iter().filter(|u| u.round >= round) {
+            let Ok(peer) = recorded.peer.parse::<PeerId>() else {
+                continue;
+            };
+            self.uncommitted.push(Uncommitted {
+                round: recorded.round,
+                peer,
+                job: recorded.job.clone(),
+            });
+            let running = earlier.jobs.iter().any(|j| j.job == recorded.job);
+            if !running && !self.deferred.iter().any(|(_, job)| *job == recorded.job) {
+                self.deferred.push((peer, recorded.job.clone()));
+            }
+        }
+        self.earlier_trainers = earlier
+            .jobs
+            .iter()
+            .map(|j| (j.peer.clone(), j.job.clone()))
+            .collect();
+    }
+
+    /// The first status of the server taken over, `job`: where training goes on. The round
+    /// it applied that the earlier process did not hear of waits for the next checkpoint.
+    fn server_resumed(&mut self, job: &str, status: &ServerStatus) -> Result<(), String> {
+        let peer = self
+            .peers
+            .get(job)
+            .ok_or("the parameter server is not known")?;
+        let recorded: Vec<(u64, String)> = self
+            .uncommitted
+            .iter()
+            .map(|u| (u.round, u.peer.to_string()))
+            .collect();
+        let unheard = self
+            .rounds
+            .server_resumed(peer.to_string(), status, &recorded)?;
+        let Some(applied) = unheard else {
+            return Ok(());
+        };
+        tracing::info!(
+            round = applied.round,
+            "the parameter server applied a round while the scheduler was away; its slices are used with the next checkpoint"
+        );
+        for included in &applied.included {
+            match (self.earlier_trainers.get(included), included.parse()) {
+                (Some(job), Ok(peer)) => self.uncommitted.push(Uncommitted {
+                    round: applied.round,
+                    peer,
+                    job: job.clone(),
+                }),
+                _ => tracing::warn!(
+                    %included,
+                    round = applied.round,
+                    "the parameter server included a peer that ran no trainer of this run"
+                ),
+            }
+        }
+        Ok(())
     }
 
     /// Applied rounds of trainers' jobs that wait for a checkpoint, for the run's record.
@@ -232,6 +317,7 @@ impl Training {
     pub async fn status(&mut self, job: &str, payload: &serde_json::Value) -> Option<Answered> {
         let status: Status = serde_json::from_value(payload.clone()).ok()?;
         let now = unix_ms();
+        let mut resumed = None;
         let (answer, settle, applied) = match status {
             Status::Trainer(status) => {
                 self.record(&TrainerLine {
@@ -244,6 +330,18 @@ impl Training {
                 (serde_json::to_string(&order), settle, None)
             }
             Status::ParameterServer(status) if self.server.as_deref() == Some(job) => {
+                if std::mem::take(&mut self.resuming) {
+                    let fits = self.server_resumed(job, &status);
+                    let refused = fits.is_err();
+                    resumed = Some(fits);
+                    if refused {
+                        return Some(Answered {
+                            payload: Self::server_wait_order(),
+                            applied: None,
+                            resumed,
+                        });
+                    }
+                }
                 let (order, settle, applied) = self.rounds.server_status(status, now);
                 (serde_json::to_string(&order), settle, applied)
             }
@@ -262,7 +360,11 @@ impl Training {
             self.round_started_ms = now;
         }
         let payload = answer.unwrap_or_else(|_| Self::wait_order());
-        Some(Answered { payload, applied })
+        Some(Answered {
+            payload,
+            applied,
+            resumed,
+        })
     }
 
     async fn settle(&mut self, settle: Settle) {
