@@ -554,6 +554,52 @@ fn scheduler_killed_and_restarted(mid_round: bool) {
 }
 
 #[test]
+fn a_parameter_server_lost_while_the_scheduler_is_down_is_replaced_from_the_checkpoint_at_the_restart()
+ {
+    let (cluster, _data, mut server) = cluster();
+    let mut trainers: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    let job = cluster.diloco_job("outage", 2, 2, "");
+    let (mut first, events_path) = cluster.scheduler("scheduler", &job);
+    first.wait_for("round applied");
+    first.wait_for("round applied");
+    first.kill();
+    // The parameter server's worker goes down too and comes back without its job or lease.
+    server.kill();
+    let mut server = cluster.restart("ps", "hypha-worker", "worker ready for advertisements");
+    let before = events(&events_path).len();
+    let (mut second, _) = cluster.restart_scheduler("scheduler", &job);
+    let (ok, lines) = second.wait(Duration::from_secs(150));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().chain([&mut server]).collect();
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let events = events(&events_path);
+    let after = &events[before..];
+    let from = of_kind(after, "resumed")[0]["event"]["round"]
+        .as_u64()
+        .unwrap();
+    // The server is replaced from the checkpoint the scheduler holds; the trainers went on.
+    let failovers = of_kind(after, "failover");
+    assert_eq!(failovers.len(), 1, "{after:#?}");
+    assert_eq!(failovers[0]["event"]["round"].as_u64(), Some(from));
+    let went_on = of_kind(after, "readopted")
+        .iter()
+        .filter(|e| e["event"]["job"].is_string())
+        .count();
+    assert_eq!(went_on, 2, "both trainers' jobs went on: {after:#?}");
+    // The rounds the lost server applied past the checkpoint were trained again, once.
+    let continued = continued_rounds(&events);
+    assert_eq!(
+        continued,
+        (0..continued.len() as u64).collect::<Vec<_>>(),
+        "{events:#?}"
+    );
+    let (used, _) = audit(&cluster.path("outage-job.ledger"));
+    assert_each_used_once(&used, 2, SLICES);
+}
+
+#[test]
 fn a_scheduler_killed_while_it_leases_trainers_resumes_with_the_server_it_had() {
     let (cluster, _data, _server) = cluster();
     let job = cluster.diloco_job("allocating", 2, 1, "");
