@@ -414,8 +414,9 @@ impl Distributor {
         let cache = self.inner.cache.clone();
         let destination = options.destination.clone();
         let request = request.clone();
+        let limits = self.inner.settings.unpack_limits;
         blocking(move || {
-            unpack(&archive, &options)?;
+            unpack(&archive, &options, &limits)?;
             if let Some(done) = cache.completed(&request)? {
                 record = done;
             }

@@ -57,6 +57,8 @@ pub struct Settings {
     pub join_timeout: Duration,
     /// How often the DHT is asked for the members of a swarm. Default: 500 ms.
     pub discovery_interval: Duration,
+    /// How much one archive may unpack to.
+    pub unpack_limits: unpack::Limits,
 }
 
 impl Default for Settings {
@@ -68,6 +70,7 @@ impl Default for Settings {
             origin_connections: 16,
             join_timeout: Duration::from_secs(10),
             discovery_interval: Duration::from_millis(500),
+            unpack_limits: unpack::Limits::default(),
         }
     }
 }

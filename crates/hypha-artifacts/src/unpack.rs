@@ -4,16 +4,51 @@
 //! An archive is extracted into a fresh directory beside the destination, synced, and renamed
 //! into place, so an interrupted unpack leaves no half-filled destination. Entries are refused,
 //! and the whole unpack fails naming them, when their path is absolute or contains `..`, when
-//! they are links whose target leaves the destination, when they would be written through a
-//! link the archive itself created, or when they are devices or FIFOs.
+//! they are links whose target leaves the destination (as text, or once resolved through the
+//! archive's other links), hard links to links, when they would be written through a link the
+//! archive itself created, or when they are devices or FIFOs. Beyond these checks as text,
+//! every entry is created through [`Beneath`]: the kernel refuses any write whose path leads
+//! out of the staging directory, whatever links are on the way.
+//!
+//! An archive may unpack to at most [`Limits`] (bytes and entries), and never to more than
+//! the destination's file system has free, less 1 GiB: a tar.gz or zip bomb fails before it
+//! fills the disk.
 
 use std::{
     fs::{self, File},
     io::{self, Read},
+    os::{fd::OwnedFd, unix::fs::PermissionsExt},
     path::{Component, Path, PathBuf},
 };
 
+use hypha_files::beneath::{Beneath, leads_out};
 use hypha_messages::artifact::{Unpack, UnpackMethod};
+use rustix::fs::{AtFlags, Mode, OFlags};
+
+/// How much one archive may unpack to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of file content, all entries together. Default: 64 GiB.
+    pub bytes: u64,
+    /// Entries: files, directories and links. Default: 1,000,000.
+    pub entries: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            bytes: 64 << 30,
+            entries: 1_000_000,
+        }
+    }
+}
+
+/// What an unpack leaves free on the destination's file system.
+const RESERVE: u64 = 1 << 30;
+/// The longest link target a zip archive may hold.
+const MAX_LINK_TARGET: u64 = 4096;
+/// Directories an archive creates, before its own entries set their modes.
+const DIR_MODE: u32 = 0o755;
 
 /// An archive could not be unpacked.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +64,13 @@ pub enum UnpackError {
         archive: PathBuf,
         entry: String,
         reason: &'static str,
+    },
+    #[error("{archive}: it unpacks to more than {limit} {what}; nothing was unpacked ({why})")]
+    TooLarge {
+        archive: PathBuf,
+        what: &'static str,
+        limit: u64,
+        why: String,
     },
     #[error("{archive}: not a valid {format} archive: {reason}")]
     Corrupt {
@@ -114,8 +156,8 @@ fn io_error(path: &Path, error: io::Error) -> UnpackError {
 }
 
 /// Unpacks `archive` into `options.destination`, replacing what was there only once the new
-/// tree is complete and synced.
-pub fn unpack(archive: &Path, options: &Unpack) -> Result<(), UnpackError> {
+/// tree is complete and synced; it may unpack to no more than `limits`.
+pub fn unpack(archive: &Path, options: &Unpack, limits: &Limits) -> Result<(), UnpackError> {
     let format = Format::detect(archive, options.method)?;
     let destination = &options.destination;
     let parent = match destination.parent() {
@@ -127,16 +169,24 @@ pub fn unpack(archive: &Path, options: &Unpack) -> Result<(), UnpackError> {
         .prefix(".hypha-unpack-")
         .tempdir_in(&parent)
         .map_err(|e| io_error(&parent, e))?;
+    let free = rustix::fs::statvfs(&parent)
+        .map(|fs| fs.f_bavail.saturating_mul(fs.f_frsize))
+        .map_err(|e| io_error(&parent, e.into()))?;
     let mut extractor = Extractor {
         archive,
-        root: staging.path(),
+        root: Beneath::open(staging.path()).map_err(|e| io_error(staging.path(), e))?,
         links: Vec::new(),
+        bytes_left: limits.bytes.min(free.saturating_sub(RESERVE)),
+        entries_left: limits.entries,
+        limits: *limits,
+        free: (parent.clone(), free),
     };
     match format {
         Format::Tar => extractor.tar(open(archive)?)?,
         Format::TarGz => extractor.tar(flate2::read::GzDecoder::new(open(archive)?))?,
         Format::Zip => extractor.zip()?,
     }
+    extractor.check_links()?;
     let root = fs::File::open(staging.path()).map_err(|e| io_error(staging.path(), e))?;
     rustix::fs::syncfs(&root).map_err(|e| io_error(staging.path(), e.into()))?;
 
@@ -164,9 +214,15 @@ fn open(path: &Path) -> Result<File, UnpackError> {
 
 struct Extractor<'a> {
     archive: &'a Path,
-    root: &'a Path,
+    /// The staging directory, that every entry is created beneath.
+    root: Beneath,
     /// Links this archive created: nothing may be written through them.
     links: Vec<PathBuf>,
+    bytes_left: u64,
+    entries_left: u64,
+    limits: Limits,
+    /// The destination's directory and the bytes free there when the unpack began.
+    free: (PathBuf, u64),
 }
 
 impl Extractor<'_> {
@@ -186,6 +242,55 @@ impl Extractor<'_> {
         }
     }
 
+    /// An I/O error at `entry`; one that would have left the staging directory is a refusal.
+    fn failed(&self, entry: &Path, error: io::Error) -> UnpackError {
+        if leads_out(&error) {
+            return self.refuse(
+                entry,
+                "would be written outside the destination through a link",
+            );
+        }
+        io_error(&self.root.root().join(entry), error)
+    }
+
+    fn too_large(&self, what: &'static str) -> UnpackError {
+        let (dir, free) = &self.free;
+        let (limit, why) = match what {
+            "entries" => (
+                self.limits.entries,
+                "raise artifacts.max_unpacked_entries in the worker's config if that is expected"
+                    .to_string(),
+            ),
+            _ if self.limits.bytes <= free.saturating_sub(RESERVE) => (
+                self.limits.bytes,
+                "raise artifacts.max_unpacked_bytes in the worker's config if that is expected"
+                    .to_string(),
+            ),
+            _ => (
+                free.saturating_sub(RESERVE),
+                format!(
+                    "{free} bytes are free on {}, and an unpack leaves 1 GiB of them free",
+                    dir.display()
+                ),
+            ),
+        };
+        UnpackError::TooLarge {
+            archive: self.archive.to_path_buf(),
+            what,
+            limit,
+            why,
+        }
+    }
+
+    /// Counts one more entry against the limit.
+    fn count_entry(&mut self) -> Result<(), UnpackError> {
+        self.entries_left = self
+            .entries_left
+            .checked_sub(1)
+            .ok_or_else(|| self.too_large("entries"))?;
+        Ok(())
+    }
+
     /// The entry's path inside the root, or a refusal.
     fn place(&self, entry: &Path) -> Result<PathBuf, UnpackError> {
         let mut relative = PathBuf::new();
@@ -199,9 +304,6 @@ impl Extractor<'_> {
                 }
             }
         }
-        if relative.as_os_str().is_empty() {
-            return Ok(self.root.to_path_buf());
-        }
         if self
             .links
             .iter()
@@ -209,10 +311,11 @@ impl Extractor<'_> {
         {
             return Err(self.refuse(entry, "would be written through a link in the archive"));
         }
-        Ok(self.root.join(relative))
+        Ok(relative)
     }
 
-    /// Checks that a symbolic link at `entry` pointing to `target` stays inside the root.
+    /// Checks that a symbolic link at `entry` pointing to `target` stays inside the root, as
+    /// text; [`check_links`](Self::check_links) resolves them all once every entry is in.
     fn check_symlink(&self, entry: &Path, target: &Path) -> Result<(), UnpackError> {
         if target.is_absolute() {
             return Err(self.refuse(entry, "is a link to an absolute path"));
@@ -239,19 +342,116 @@ impl Extractor<'_> {
         Ok(())
     }
 
-    fn record_link(&mut self, entry: &Path) {
-        let relative: PathBuf = entry
-            .components()
-            .filter(|c| matches!(c, Component::Normal(_)))
-            .collect();
-        self.links.push(relative);
-    }
-
-    fn parent_dirs(&self, path: &Path) -> Result<(), UnpackError> {
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).map_err(|e| io_error(parent, e))?;
+    /// Every link the archive created, resolved by the kernel through all the others: one
+    /// that leads out (`x/up -> ..` then `y -> x/up/x/up/../../..`) or loops is refused.
+    /// A link to nothing inside is left as it is.
+    fn check_links(&self) -> Result<(), UnpackError> {
+        for link in &self.links {
+            match self.root.open_at(link, OFlags::PATH) {
+                Ok(_) => {}
+                Err(error) if leads_out(&error) => {
+                    return Err(self.refuse(
+                        link,
+                        "is a link that leaves the destination through other links",
+                    ));
+                }
+                Err(error)
+                    if error.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) =>
+                {
+                    return Err(self.refuse(link, "is a link that loops"));
+                }
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => return Err(self.failed(link, error)),
+            }
         }
         Ok(())
+    }
+
+    fn dir(&mut self, relative: &Path) -> Result<(), UnpackError> {
+        self.root
+            .create_dir_all(relative, DIR_MODE)
+            .map(drop)
+            .map_err(|e| self.failed(relative, e))
+    }
+
+    /// Creates `relative` with `create` in its directory; what an earlier entry of the same
+    /// name left is replaced (a later entry wins, as tar has it), never followed.
+    fn create<T>(
+        &self,
+        relative: &Path,
+        create: impl Fn(&OwnedFd, &std::ffi::OsStr) -> rustix::io::Result<T>,
+    ) -> Result<T, UnpackError> {
+        let (dir, name) = self
+            .root
+            .parent_of(relative, DIR_MODE)
+            .map_err(|e| self.failed(relative, e))?;
+        let created = match create(&dir, name) {
+            Err(rustix::io::Errno::EXIST) => {
+                rustix::fs::unlinkat(&dir, name, AtFlags::empty())
+                    .map_err(|e| self.failed(relative, e.into()))?;
+                create(&dir, name)
+            }
+            other => other,
+        };
+        created.map_err(|e| self.failed(relative, e.into()))
+    }
+
+    /// Writes the file `relative` from `content`, counting its bytes against the limit.
+    fn file(&mut self, relative: &Path, content: impl Read, mode: u32) -> Result<(), UnpackError> {
+        let fd = self.create(relative, |dir, name| {
+            rustix::fs::openat(
+                dir,
+                name,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        })?;
+        let mut out = File::from(fd);
+        let copied = io::copy(
+            &mut content.take(self.bytes_left.saturating_add(1)),
+            &mut out,
+        )
+        .map_err(|e| self.failed(relative, e))?;
+        self.bytes_left = self
+            .bytes_left
+            .checked_sub(copied)
+            .ok_or_else(|| self.too_large("bytes"))?;
+        out.set_permissions(fs::Permissions::from_mode(mode & 0o777))
+            .map_err(|e| self.failed(relative, e))
+    }
+
+    fn symlink(&mut self, entry: &Path, relative: &Path, target: &Path) -> Result<(), UnpackError> {
+        self.check_symlink(entry, target)?;
+        self.create(relative, |dir, name| {
+            rustix::fs::symlinkat(target, dir, name)
+        })?;
+        self.links.push(relative.to_path_buf());
+        Ok(())
+    }
+
+    /// A hard link at `relative` to the archive's regular file `target`.
+    fn hard_link(
+        &mut self,
+        entry: &Path,
+        relative: &Path,
+        target: &Path,
+    ) -> Result<(), UnpackError> {
+        let source = self
+            .place(target)
+            .map_err(|_| self.refuse(entry, "is a hard link that leaves the destination"))?;
+        // Linking a link would copy it where its target means something else.
+        let (source_dir, source_name) = self
+            .root
+            .parent_of(&source, DIR_MODE)
+            .map_err(|e| self.failed(entry, e))?;
+        let stat = rustix::fs::statat(&source_dir, source_name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| self.failed(entry, e.into()))?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(self.refuse(entry, "is a hard link to something other than a file"));
+        }
+        self.create(relative, |dir, name| {
+            rustix::fs::linkat(&source_dir, source_name, dir, name, AtFlags::empty())
+        })
     }
 
     fn tar(&mut self, reader: impl Read) -> Result<(), UnpackError> {
@@ -270,33 +470,28 @@ impl Extractor<'_> {
             if kind.is_pax_global_extensions() || kind.is_pax_local_extensions() {
                 continue;
             }
-            let path = self.place(&name)?;
+            self.count_entry()?;
+            let relative = self.place(&name)?;
             if kind.is_dir() {
-                fs::create_dir_all(&path).map_err(|e| io_error(&path, e))?;
+                self.dir(&relative)?;
             } else if kind.is_file() || kind == tar::EntryType::Continuous {
-                self.parent_dirs(&path)?;
-                entry.unpack(&path).map_err(|e| io_error(&path, e))?;
-            } else if kind.is_symlink() {
+                // Refused before a byte is written when its header says so already.
+                if entry.size() > self.bytes_left {
+                    return Err(self.too_large("bytes"));
+                }
+                let mode = entry.header().mode().unwrap_or(0o644);
+                self.file(&relative, &mut entry, mode)?;
+            } else if kind.is_symlink() || kind.is_hard_link() {
                 let target = entry
                     .link_name()
                     .map_err(|e| self.corrupt(Format::Tar, e))?
                     .ok_or_else(|| self.refuse(&name, "is a link without a target"))?
                     .into_owned();
-                self.check_symlink(&name, &target)?;
-                self.parent_dirs(&path)?;
-                std::os::unix::fs::symlink(&target, &path).map_err(|e| io_error(&path, e))?;
-                self.record_link(&name);
-            } else if kind.is_hard_link() {
-                let target = entry
-                    .link_name()
-                    .map_err(|e| self.corrupt(Format::Tar, e))?
-                    .ok_or_else(|| self.refuse(&name, "is a link without a target"))?
-                    .into_owned();
-                let source = self.place(&target).map_err(|_| {
-                    self.refuse(&name, "is a hard link that leaves the destination")
-                })?;
-                self.parent_dirs(&path)?;
-                fs::hard_link(&source, &path).map_err(|e| io_error(&path, e))?;
+                if kind.is_symlink() {
+                    self.symlink(&name, &relative, &target)?;
+                } else {
+                    self.hard_link(&name, &relative, &target)?;
+                }
             } else {
                 return Err(self.refuse(&name, "is a device, FIFO or other special file"));
             }
@@ -321,27 +516,20 @@ impl Extractor<'_> {
                 self.place(&name)?;
                 return Err(self.refuse(&name, "leaves the destination"));
             }
-            let path = self.place(&name)?;
+            self.count_entry()?;
+            let relative = self.place(&name)?;
             if file.is_dir() {
-                fs::create_dir_all(&path).map_err(|e| io_error(&path, e))?;
+                self.dir(&relative)?;
             } else if file.is_symlink() {
                 let mut target = String::new();
-                file.read_to_string(&mut target)
+                (&mut file)
+                    .take(MAX_LINK_TARGET)
+                    .read_to_string(&mut target)
                     .map_err(|e| self.corrupt(Format::Zip, e))?;
-                let target = PathBuf::from(target);
-                self.check_symlink(&name, &target)?;
-                self.parent_dirs(&path)?;
-                std::os::unix::fs::symlink(&target, &path).map_err(|e| io_error(&path, e))?;
-                self.record_link(&name);
+                self.symlink(&name, &relative, Path::new(&target))?;
             } else {
-                self.parent_dirs(&path)?;
-                let mut out = File::create(&path).map_err(|e| io_error(&path, e))?;
-                io::copy(&mut file, &mut out).map_err(|e| io_error(&path, e))?;
-                if let Some(mode) = file.unix_mode() {
-                    use std::os::unix::fs::PermissionsExt;
-                    fs::set_permissions(&path, fs::Permissions::from_mode(mode & 0o777))
-                        .map_err(|e| io_error(&path, e))?;
-                }
+                let mode = file.unix_mode().unwrap_or(0o644);
+                self.file(&relative, &mut file, mode)?;
             }
         }
         Ok(())
@@ -383,6 +571,15 @@ mod tests {
     }
 
     fn unpack_bytes(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, UnpackError> {
+        unpack_within(dir, name, bytes, &Limits::default())
+    }
+
+    fn unpack_within(
+        dir: &Path,
+        name: &str,
+        bytes: &[u8],
+        limits: &Limits,
+    ) -> Result<PathBuf, UnpackError> {
         let archive = dir.join(name);
         std::fs::write(&archive, bytes).unwrap();
         let destination = dir.join("out");
@@ -392,8 +589,163 @@ mod tests {
                 destination: destination.clone(),
                 method: UnpackMethod::Auto,
             },
+            limits,
         )
         .map(|()| destination)
+    }
+
+    /// Every file named `name` anywhere under `dir`.
+    fn found(dir: &Path, name: &str) -> Vec<PathBuf> {
+        let mut found = Vec::new();
+        let mut pending = vec![dir.to_path_buf()];
+        while let Some(at) = pending.pop() {
+            for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+                let path = entry.path();
+                if entry.file_name() == name {
+                    found.push(path.clone());
+                }
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    pending.push(path);
+                }
+            }
+        }
+        found
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut gz, bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    // Checked with the protections removed: without the resolution of every link at the end
+    // (`check_links`) the chains unpack and these tests fail; without the limits the bombs
+    // unpack whole. The hard link to a link is refused twice over: by the file-type check of
+    // its source, and without that by the kernel when `h/evil` is written beneath.
+    #[test]
+    fn link_chains_and_hard_links_to_links_cannot_escape() {
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            (
+                "hard link to a link, then a file through it",
+                tar_with(|b| {
+                    raw_entry(b, "a/b/l", tar::EntryType::Symlink, Some("../.."), b"");
+                    raw_entry(b, "h", tar::EntryType::Link, Some("a/b/l"), b"");
+                    raw_entry(b, "h/evil", tar::EntryType::Regular, None, b"evil");
+                }),
+            ),
+            (
+                "a chain of links",
+                tar_with(|b| {
+                    raw_entry(b, "x/up", tar::EntryType::Symlink, Some(".."), b"");
+                    raw_entry(
+                        b,
+                        "y",
+                        tar::EntryType::Symlink,
+                        Some("x/up/x/up/../../.."),
+                        b"",
+                    );
+                }),
+            ),
+            (
+                "a chain whose link on the way comes last",
+                tar_with(|b| {
+                    raw_entry(
+                        b,
+                        "y",
+                        tar::EntryType::Symlink,
+                        Some("x/up/x/up/../../.."),
+                        b"",
+                    );
+                    raw_entry(b, "x/up", tar::EntryType::Symlink, Some(".."), b"");
+                }),
+            ),
+            (
+                "a loop",
+                tar_with(|b| {
+                    raw_entry(b, "p", tar::EntryType::Symlink, Some("q"), b"");
+                    raw_entry(b, "q", tar::EntryType::Symlink, Some("p"), b"");
+                }),
+            ),
+        ];
+        for (case, bytes) in cases {
+            let top = tempfile::tempdir().unwrap();
+            let dir = top.path().join("one/two");
+            std::fs::create_dir_all(&dir).unwrap();
+            let err = unpack_bytes(&dir, "a.tar", &bytes).expect_err(case);
+            assert!(matches!(err, UnpackError::Refused { .. }), "{case}: {err}");
+            assert!(found(top.path(), "evil").is_empty(), "{case}");
+            assert!(!dir.join("out").exists(), "{case}");
+        }
+    }
+
+    #[test]
+    fn zip_links_out_are_refused() {
+        for (case, links) in [
+            ("a link out", vec![("l", "../../etc")]),
+            ("a chain", vec![("x/up", ".."), ("y", "x/up/x/up/../../..")]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut writer = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+            for (name, target) in links {
+                writer
+                    .add_symlink(name, target, zip::write::SimpleFileOptions::default())
+                    .unwrap();
+            }
+            let bytes = writer.finish().unwrap().into_inner();
+            let err = unpack_bytes(dir.path(), "a.zip", &bytes).expect_err(case);
+            assert!(matches!(err, UnpackError::Refused { .. }), "{case}: {err}");
+            assert!(!dir.path().join("out").exists(), "{case}");
+        }
+    }
+
+    #[test]
+    fn bombs_stop_at_the_limits_and_leave_nothing() {
+        let limits = Limits {
+            bytes: 1 << 20,
+            entries: 10,
+        };
+        let zeros = vec![0u8; 4 << 20];
+        let big_tar = tar_with(|b| raw_entry(b, "zeros", tar::EntryType::Regular, None, &zeros));
+        let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        zip.start_file("zeros", zip::write::SimpleFileOptions::default())
+            .unwrap();
+        std::io::Write::write_all(&mut zip, &zeros).unwrap();
+        let big_zip = zip.finish().unwrap().into_inner();
+        let many = tar_with(|b| {
+            for i in 0..11 {
+                raw_entry(b, &format!("f{i}"), tar::EntryType::Regular, None, b"x");
+            }
+        });
+        for (case, name, bytes, what) in [
+            ("a tar.gz bomb", "a.tar.gz", gzip(&big_tar), "bytes"),
+            ("a zip bomb", "a.zip", big_zip, "bytes"),
+            ("too many entries", "a.tar", many, "entries"),
+        ] {
+            assert!(
+                bytes.len() < 64 << 10,
+                "{case}: {} bytes packed",
+                bytes.len()
+            );
+            let dir = tempfile::tempdir().unwrap();
+            let err = unpack_within(dir.path(), name, &bytes, &limits).expect_err(case);
+            assert!(
+                matches!(err, UnpackError::TooLarge { what: w, .. } if w == what),
+                "{case}: {err}"
+            );
+            assert!(err.to_string().contains("max_unpacked"), "{case}: {err}");
+            let left: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .filter(|n| *n != name)
+                .collect();
+            assert!(left.is_empty(), "{case}: {left:?}");
+        }
+        // Within the limits, the same kind of archive unpacks.
+        let dir = tempfile::tempdir().unwrap();
+        let small =
+            tar_with(|b| raw_entry(b, "zeros", tar::EntryType::Regular, None, &zeros[..1 << 20]));
+        let out = unpack_within(dir.path(), "a.tar.gz", &gzip(&small), &limits).unwrap();
+        assert_eq!(std::fs::metadata(out.join("zeros")).unwrap().len(), 1 << 20);
     }
 
     #[test]

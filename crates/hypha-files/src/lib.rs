@@ -3,6 +3,13 @@
 //! [`write_atomic`] writes to a temporary file in the destination's directory, fsyncs it, renames
 //! it over the destination and fsyncs the directory, so a crash or a full disk never leaves a
 //! torn file behind. Errors name the file.
+//!
+//! [`Beneath`] is a directory that paths are resolved beneath by the kernel, for writing what
+//! a peer named (an archive's entries, an executor's paths) without leaving it.
+
+pub mod beneath;
+
+pub use beneath::Beneath;
 
 use std::{
     io::Write,

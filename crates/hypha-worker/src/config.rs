@@ -133,7 +133,7 @@ static PROFILE_KEYS: [Key; 2] = [
     },
 ];
 
-static ARTIFACT_KEYS: [Key; 7] = [
+static ARTIFACT_KEYS: [Key; 9] = [
     Key {
         name: "dir",
         kind: Kind::Path,
@@ -173,6 +173,18 @@ static ARTIFACT_KEYS: [Key; 7] = [
         kind: Kind::Integer,
         default: DefaultValue::Value("10000"),
         doc: "The longest a fetch that expects other nodes waits for them before it reads from the origin.",
+    },
+    Key {
+        name: "max_unpacked_bytes",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("68719476736"),
+        doc: "The most bytes one archive may unpack to (64 GiB); never more than the file system has free, less 1 GiB. A larger archive fails before it fills the disk.",
+    },
+    Key {
+        name: "max_unpacked_entries",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("1000000"),
+        doc: "The most files, directories and links one archive may unpack to.",
     },
     Key {
         name: "profiles",
@@ -313,6 +325,8 @@ struct RawArtifacts {
     upload_slots: i64,
     origin_connections: i64,
     join_timeout_ms: i64,
+    max_unpacked_bytes: i64,
+    max_unpacked_entries: i64,
     profiles: BTreeMap<String, Profile>,
 }
 
@@ -409,6 +423,16 @@ impl WorkerConfig {
                     raw.artifacts.origin_connections,
                 )?,
                 join_timeout: millis("artifacts.join_timeout_ms", raw.artifacts.join_timeout_ms)?,
+                unpack_limits: hypha_artifacts::unpack::Limits {
+                    bytes: bytes(
+                        "artifacts.max_unpacked_bytes",
+                        raw.artifacts.max_unpacked_bytes,
+                    )?,
+                    entries: count(
+                        "artifacts.max_unpacked_entries",
+                        raw.artifacts.max_unpacked_entries,
+                    )? as u64,
+                },
                 ..hypha_artifacts::Settings::default()
             },
             profiles: raw.artifacts.profiles,
@@ -516,6 +540,11 @@ mod tests {
         assert_eq!(artifacts.dir, PathBuf::from("/srv/work/.artifacts"));
         assert_eq!(artifacts.settings.upload_slots, 3);
         assert_eq!(artifacts.settings.download_slots, 8);
+        assert_eq!(
+            artifacts.settings.unpack_limits,
+            hypha_artifacts::unpack::Limits::default(),
+            "the documented defaults are the code's"
+        );
         assert_eq!(artifacts.settings.chunk_size, None);
         assert_eq!(
             artifacts.profiles.keys().collect::<Vec<_>>(),

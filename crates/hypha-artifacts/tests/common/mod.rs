@@ -62,6 +62,7 @@ pub fn settings(chunk_size: u64) -> Settings {
         origin_connections: 16,
         join_timeout: Duration::from_secs(10),
         discovery_interval: Duration::from_millis(200),
+        ..Settings::default()
     }
 }
 

@@ -16,7 +16,8 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use hypha_files::beneath::{Beneath, leads_out};
+use rustix::fs::{Mode, OFlags};
 
 /// A path an executor may not use.
 #[derive(Debug, thiserror::Error)]
@@ -105,33 +106,19 @@ fn percent_decode(bytes: &[u8]) -> Vec<u8> {
 
 /// A job's directory, opened once so that every later lookup is relative to it.
 #[derive(Debug)]
-pub struct JobDir {
-    root: PathBuf,
-    fd: OwnedFd,
-}
-
-const BENEATH: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_MAGICLINKS);
+pub struct JobDir(Beneath);
 
 impl JobDir {
     pub fn open(root: &Path) -> std::io::Result<Self> {
-        let fd = rustix::fs::open(
-            root,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-        Ok(JobDir {
-            root: root.to_path_buf(),
-            fd,
-        })
+        Beneath::open(root).map(JobDir)
     }
 
     pub fn root(&self) -> &Path {
-        &self.root
+        self.0.root()
     }
 
-    fn io(path: &Path, error: impl Into<std::io::Error>) -> PathError {
-        let error = error.into();
-        if error.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) {
+    fn io(path: &Path, error: std::io::Error) -> PathError {
+        if leads_out(&error) {
             return PathError::Refused {
                 path: path.display().to_string(),
                 why: "it leads out of the job's directory (through a symlink or ..)",
@@ -145,15 +132,10 @@ impl JobDir {
 
     /// Opens an existing file for reading.
     pub fn open_read(&self, relative: &Path) -> Result<File, PathError> {
-        let fd = rustix::fs::openat2(
-            &self.fd,
-            relative,
-            OFlags::RDONLY | OFlags::CLOEXEC,
-            Mode::empty(),
-            BENEATH,
-        )
-        .map_err(|e| Self::io(relative, e))?;
-        let file = File::from(fd);
+        let file = self
+            .0
+            .open_read(relative)
+            .map_err(|e| Self::io(relative, e))?;
         let metadata = file.metadata().map_err(|e| Self::io(relative, e))?;
         if !metadata.is_file() {
             return Err(PathError::refused(
@@ -167,34 +149,9 @@ impl JobDir {
     /// Opens (creating as needed, mode 0700) the directory `relative`, beneath the job's
     /// directory at every step.
     pub fn create_dir_all(&self, relative: &Path) -> Result<OwnedFd, PathError> {
-        let mut current = PathBuf::new();
-        let mut fd = rustix::fs::openat2(
-            &self.fd,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            BENEATH,
-        )
-        .map_err(|e| Self::io(relative, e))?;
-        for part in relative.components() {
-            let Component::Normal(part) = part else {
-                continue;
-            };
-            current.push(part);
-            match rustix::fs::mkdirat(&fd, part, Mode::from_raw_mode(0o700)) {
-                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                Err(e) => return Err(Self::io(&current, e)),
-            }
-            fd = rustix::fs::openat2(
-                &self.fd,
-                &current,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-                BENEATH,
-            )
-            .map_err(|e| Self::io(&current, e))?;
-        }
-        Ok(fd)
+        self.0
+            .create_dir_all(relative, 0o700)
+            .map_err(|e| Self::io(relative, e))
     }
 
     /// Creates a fresh temporary file in the directory `parent` (opened by
