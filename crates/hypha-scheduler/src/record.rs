@@ -43,6 +43,10 @@ pub struct RecordedJob {
     pub peer: String,
     pub lease: u64,
     pub price: f64,
+    /// A trainer not yet told to join the current parameter server: it holds a model of one
+    /// lost before, so it joins whichever server the run goes on with.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rejoin: bool,
 }
 
 /// An applied round of a trainer's job.
@@ -124,6 +128,7 @@ mod tests {
                 peer: "p".into(),
                 lease: u64::MAX,
                 price: 5.0,
+                rejoin: true,
             }],
             uncommitted: vec![RecordedRound {
                 round: 7,

@@ -58,6 +58,9 @@ struct Trainer {
     settled_below: u64,
     /// The server generation whose model it holds; `None` before it was told of any.
     generation: Option<u64>,
+    /// Taken over with the server that went on: it trains the current round before it has
+    /// said so, and the round waits for it.
+    awaited: bool,
 }
 
 /// A round the server applied.
@@ -90,6 +93,9 @@ pub struct Rounds {
     continued_from: Option<u64>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
+    /// Trainers' jobs that ended after their pseudo-gradient of `round` arrived, by peer: the
+    /// round settles their slices when it is applied (or lost).
+    departed: HashMap<String, String>,
     /// A close was ordered for this round and is not applied yet.
     closing: Option<u64>,
     included: BTreeMap<u64, HashSet<String>>,
@@ -108,6 +114,7 @@ impl Rounds {
             generation: 0,
             continued_from: None,
             arrived: HashMap::new(),
+            departed: HashMap::new(),
             closing: None,
             included: BTreeMap::new(),
             done: false,
@@ -122,6 +129,17 @@ impl Rounds {
     /// Training is over: every trainer and the server are told to finish.
     pub fn done(&self) -> bool {
         self.done
+    }
+
+    /// Whether a model holding the rounds before `round` has every planned round.
+    pub fn planned_through(&self, round: u64) -> bool {
+        self.plan.rounds.is_some_and(|rounds| round >= rounds)
+    }
+
+    /// Training is over as something other than a status said (the server of an earlier
+    /// process finished it): trainers are told to finish.
+    pub fn end(&mut self) {
+        self.done = true;
     }
 
     pub fn server_started(&mut self, peer: String) {
@@ -162,7 +180,10 @@ impl Rounds {
         let last = status.applied.as_ref().filter(|a| a.round >= from);
         let unheard = last.filter(|a| !included.contains_key(&a.round)).cloned();
         if let Some(last) = last {
-            included.insert(last.round, last.included.iter().cloned().collect());
+            included
+                .entry(last.round)
+                .or_default()
+                .extend(last.included.iter().cloned());
         }
         if let Some(missing) = (from..round).find(|r| !included.contains_key(r)) {
             return Err(format!(
@@ -214,24 +235,27 @@ impl Rounds {
             last_loss: None,
             settled_below: self.round,
             generation: None,
+            awaited: false,
         };
         self.trainers.insert(job, trainer);
     }
 
     /// A trainer's job of an earlier process of the scheduler goes on. With the server that
     /// went on too, it trains on: its rounds from the checkpoint on settle as they would
-    /// have. Otherwise it holds a model of a server that is gone, so it joins the current
-    /// one, and every round it held that is not in the model gives its slices back: those it
-    /// reported while the scheduler was away arrive with its old round numbers, whatever the
-    /// current server reached meanwhile.
-    pub fn trainer_taken_over(&mut self, job: String, peer: String) {
+    /// have. Otherwise, or when the earlier process had not yet told it to join the server
+    /// (`rejoin`: it holds a model of one lost before), it joins the current one, and every
+    /// round it held that is not in the model gives its slices back: those it reported while
+    /// the scheduler was away arrive with its old round numbers, whatever the current server
+    /// reached meanwhile.
+    pub fn trainer_taken_over(&mut self, job: String, peer: String, rejoin: bool) {
         self.trainer_started(job.clone(), peer);
         let (generation, continued_from) = (self.generation, self.continued_from);
         if let Some(trainer) = self.trainers.get_mut(&job) {
-            match continued_from {
+            match continued_from.filter(|_| !rejoin) {
                 Some(from) => {
                     trainer.generation = Some(generation);
                     trainer.settled_below = from;
+                    trainer.awaited = true;
                 }
                 None => {
                     // Generation 0 is before any server of this process: never the current one.
@@ -242,9 +266,42 @@ impl Rounds {
         }
     }
 
-    /// A trainer's job ended or its worker is gone; the ledger returns its slices by itself.
-    pub fn trainer_ended(&mut self, job: &str) {
-        self.trainers.remove(job);
+    /// Whether trainer `job` holds a model of a server that is not the current one: it is
+    /// to join the current one.
+    pub fn must_rejoin(&self, job: &str) -> bool {
+        self.trainers
+            .get(job)
+            .and_then(|t| t.generation)
+            .is_some_and(|joined| joined != self.generation)
+    }
+
+    /// A trainer's job ended or its worker is gone. True when its pseudo-gradient of the
+    /// current round is at the server already: the round settles its slices when it is
+    /// applied or lost; otherwise the ledger returns them at once.
+    pub fn trainer_ended(&mut self, job: &str) -> bool {
+        let Some(trainer) = self.trainers.remove(job) else {
+            return false;
+        };
+        let arrived = self.arrived.contains_key(&trainer.peer);
+        if arrived {
+            self.departed.insert(trainer.peer, job.to_string());
+        }
+        arrived
+    }
+
+    /// Whether `job` ended with its pseudo-gradient at the server, its round still open.
+    pub fn departed(&self, job: &str) -> bool {
+        self.departed.values().any(|departed| departed == job)
+    }
+
+    /// The open round is lost with the server: the slices of the jobs that ended with their
+    /// pseudo-gradient in it go back.
+    pub fn abandon_departed(&mut self) -> Vec<Settle> {
+        let round = self.round;
+        self.departed
+            .drain()
+            .map(|(_, job)| Settle::Drop { job, round })
+            .collect()
     }
 
     /// A trainer's status: what it should do next, and what the ledger must settle.
@@ -315,6 +372,7 @@ impl Rounds {
                 trainer.last_loss = Some((round, loss, status.samples));
             }
             trainer.status = status.clone();
+            trainer.awaited = false;
         }
         if round == self.round && self.started_ms.is_none() {
             self.started_ms = Some(now_ms);
@@ -389,8 +447,19 @@ impl Rounds {
             let included: HashSet<String> = applied.included.iter().cloned().collect();
             let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
             let mut weighted_loss = (0.0, 0u64);
+            // A peer's update in the round is its departed job's, not that of a job started on
+            // the same peer after it (whose own update for the round was a duplicate; its
+            // slices of the round go back when it ends).
+            let departed = std::mem::take(&mut self.departed);
+            for (peer, job) in &departed {
+                let (job, round) = (job.clone(), applied.round);
+                settle.push(match included.contains(peer) {
+                    true => Settle::Commit { job, round },
+                    false => Settle::Drop { job, round },
+                });
+            }
             for (job, trainer) in &mut self.trainers {
-                if included.contains(&trainer.peer) {
+                if included.contains(&trainer.peer) && !departed.contains_key(&trainer.peer) {
                     settle.push(Settle::Commit {
                         job: job.clone(),
                         round: applied.round,
@@ -471,7 +540,7 @@ impl Rounds {
         let expected: Vec<&Trainer> = self
             .trainers
             .values()
-            .filter(|t| t.status.round.is_some())
+            .filter(|t| t.status.round.is_some() || t.awaited)
             .filter(|t| !(t.status.data_done && t.status.samples == 0))
             .collect();
         // With none known (trainers taken over after a restart are known only once the
@@ -758,7 +827,7 @@ mod tests {
         });
         rounds.restored(3);
         rounds.reached(5);
-        rounds.trainer_taken_over("a".into(), "pa".into());
+        rounds.trainer_taken_over("a".into(), "pa".into(), false);
         // Before the restored server runs, a trainer taken over waits.
         assert_eq!(
             rounds.trainer_status("a", status(4, 2, Some(100.0)), 0).0,
@@ -783,7 +852,7 @@ mod tests {
         // resumed; dropping them finds nothing. Those left out go back.
         assert_eq!(dropped, [0, 1, 2, 3, 4], "every round it held");
         // A trainer that claims a round no server reached gives back no more than reached.
-        rounds.trainer_taken_over("b".into(), "pb".into());
+        rounds.trainer_taken_over("b".into(), "pb".into(), false);
         let (_, settle) = rounds.trainer_status("b", status(1_000_000, 2, None), 20);
         assert_eq!(settle.len(), 6, "rounds 0..=5: {settle:?}");
         // Once it holds no model of the earlier server, it trains the checkpoint's round.
@@ -948,8 +1017,8 @@ mod tests {
         assert_eq!(rounds.server_status(first, 5).0, ServerOrder::Wait);
         // Trainers taken over now train on with it, without joining; each gives back the
         // rounds it was left out of since the checkpoint.
-        rounds.trainer_taken_over("a".into(), "pa".into());
-        rounds.trainer_taken_over("b".into(), "pb".into());
+        rounds.trainer_taken_over("a".into(), "pa".into(), false);
+        rounds.trainer_taken_over("b".into(), "pb".into(), false);
         let (order, settle) = rounds.trainer_status("a", status(6, 2, Some(100.0)), 10);
         assert!(
             matches!(order, TrainerOrder::Train { round: 6, ref parameter_server, .. } if parameter_server == "ps"),
@@ -983,8 +1052,69 @@ mod tests {
         rounds.server_lost();
         rounds.restored(7);
         rounds.server_started("ps2".into());
-        rounds.trainer_taken_over("c".into(), "pc".into());
+        rounds.trainer_taken_over("c".into(), "pc".into(), false);
         let (order, _) = rounds.trainer_status("c", status(7, 1, None), 50);
         assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
+    }
+
+    #[test]
+    fn a_trainer_that_ends_after_its_update_arrived_is_settled_with_the_round() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        for job in ["a", "b"] {
+            rounds.trainer_status(job, TrainerStatus::default(), 0);
+            rounds.trainer_status(job, status(0, 2, Some(100.0)), 0);
+        }
+        rounds.server_status(server(0, &["pa"], None), 10);
+        // a's update is at the server when its job ends; b's is not when its job ends.
+        assert!(rounds.trainer_ended("a"), "a's slices wait for the round");
+        assert!(rounds.departed("a"));
+        assert!(!rounds.trainer_ended("b"), "b's go back at once");
+        // A new job on a's peer is not credited with a's update.
+        rounds.trainer_started("a2".into(), "pa".into());
+        rounds.trainer_status("a2", TrainerStatus::default(), 20);
+        rounds.server_status(server(0, &["pa"], None), 13_000);
+        let (_, settle, applied) = rounds.server_status(server(1, &[], Some((0, &["pa"]))), 13_100);
+        assert_eq!(applied.unwrap().included, ["pa"]);
+        assert_eq!(
+            settle,
+            vec![Settle::Commit {
+                job: "a".into(),
+                round: 0
+            }]
+        );
+        assert!(!rounds.departed("a"));
+        // Had the server been lost instead, a's round would have gone back.
+        let mut rounds = rounds_with(&[("a", "pa")]);
+        rounds.trainer_status("a", TrainerStatus::default(), 0);
+        rounds.trainer_status("a", status(0, 2, Some(100.0)), 0);
+        rounds.server_status(server(0, &["pa"], None), 10);
+        rounds.trainer_ended("a");
+        rounds.server_lost();
+        assert_eq!(
+            rounds.abandon_departed(),
+            vec![Settle::Drop {
+                job: "a".into(),
+                round: 0
+            }]
+        );
+    }
+
+    #[test]
+    fn a_trainer_still_to_join_joins_the_server_that_went_on() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(10),
+            ..plan()
+        });
+        rounds.restored(3);
+        rounds.reached(4);
+        rounds
+            .server_resumed("ps".into(), &server(3, &[], None), &[])
+            .unwrap();
+        rounds.trainer_taken_over("a".into(), "pa".into(), true);
+        assert!(rounds.must_rejoin("a"));
+        let (order, _) = rounds.trainer_status("a", status(7, 1, None), 10);
+        assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
+        rounds.trainer_taken_over("b".into(), "pb".into(), false);
+        assert!(!rounds.must_rejoin("b"));
     }
 }

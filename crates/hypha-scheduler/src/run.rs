@@ -64,6 +64,9 @@ const ANSWERING: usize = 256;
 /// How long the parameter server may say nothing (it reports every quarter second) before
 /// its lease is renewed at once to learn whether its worker is still there.
 const SERVER_SILENCE: Duration = Duration::from_secs(1);
+/// How long a parameter server taken over after a restart has to send its first status
+/// (it reports four times a second).
+const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
@@ -650,6 +653,8 @@ struct Adoption {
     job: String,
     lease: Result<Box<Lease>, String>,
     going_on: bool,
+    /// A trainer the earlier run had not yet told to join its server.
+    rejoin: bool,
 }
 
 /// What the run's tasks hand back when they end.
@@ -819,15 +824,6 @@ impl<'a> JobRun<'a> {
     async fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
         self.restore = round;
         let server_slot = self.spec.workers;
-        let server_recorded = earlier.jobs.iter().any(|j| j.slot == server_slot);
-        if let Some(training) = self.training.as_mut() {
-            if goes_on(self.spec, server_slot, round) && server_recorded {
-                self.server_pending = true;
-            } else {
-                // No server to go on: the rounds it applied past the checkpoint are gone.
-                training.rounds_lost().await;
-            }
-        }
         if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
             checkpoints.accept_up_to(round);
         }
@@ -855,6 +851,9 @@ impl<'a> JobRun<'a> {
             if may_go_on {
                 // Its prefetcher keeps asking while its lease is taken over.
                 self.live.insert(peer, &recorded.job);
+                if recorded.slot == server_slot {
+                    self.server_pending = true;
+                }
             }
             self.tasks.spawn(async move {
                 let adopted = allocator
@@ -880,8 +879,15 @@ impl<'a> JobRun<'a> {
                     job: recorded.job,
                     lease: adopted.map(|(lease, _)| Box::new(lease)),
                     going_on,
+                    rejoin: recorded.rejoin,
                 })
             });
+        }
+        if !self.server_pending
+            && let Some(training) = self.training.as_mut()
+        {
+            // No server to go on: the rounds it applied past the checkpoint are gone.
+            training.rounds_lost().await;
         }
     }
 
@@ -903,6 +909,7 @@ impl<'a> JobRun<'a> {
                     peer: d.lease.peer.to_string(),
                     lease: d.lease.id,
                     price: d.lease.price,
+                    rejoin: self.training.as_ref().is_some_and(|t| t.must_rejoin(job)),
                 })
                 .chain(self.adopting.iter().cloned())
                 .collect(),
@@ -954,25 +961,40 @@ impl<'a> JobRun<'a> {
                     self.on_executor_status(peer, job, payload, answer).await?;
                 }
                 Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await?,
-                _ = silence.tick() => self.probe_quiet_server(),
+                _ = silence.tick() => self.on_server_silence().await?,
             }
         }
     }
 
     /// A parameter server that went quiet may have lost its worker: its lease is renewed now,
-    /// so that a worker that is gone is replaced within seconds, not a lease period.
-    fn probe_quiet_server(&mut self) {
-        if self.server_heard.elapsed() < SERVER_SILENCE {
-            return;
+    /// so that a worker that is gone is replaced within seconds, not a lease period. One taken
+    /// over that has not said which round it is at within [`FIRST_STATUS_PATIENCE`] is
+    /// replaced from the checkpoint: the trainers wait for it.
+    async fn on_server_silence(&mut self) -> Result<(), RunError> {
+        let silent = self.server_heard.elapsed();
+        if silent < SERVER_SILENCE {
+            return Ok(());
         }
         let server = self
             .jobs
-            .values()
-            .find(|d| self.slots.role(d.slot) == Role::ParameterServer);
-        if let Some(server) = server {
+            .iter()
+            .find(|(_, d)| self.slots.role(d.slot) == Role::ParameterServer);
+        let Some((job, server)) = server else {
+            return Ok(());
+        };
+        if self.server_pending && silent >= FIRST_STATUS_PATIENCE {
+            let reason = format!(
+                "the parameter server taken over sent no status within {} s",
+                FIRST_STATUS_PATIENCE.as_secs()
+            );
+            let job = job.clone();
+            return self.ended(&job, Some(reason)).await;
+        }
+        if !self.server_pending {
             server.lease.probe();
             self.server_heard = std::time::Instant::now();
         }
+        Ok(())
     }
 
     /// Every slot is done: the job succeeded, unless it should have used its data up.
@@ -1080,6 +1102,7 @@ impl<'a> JobRun<'a> {
             job,
             lease,
             going_on,
+            rejoin,
         } = adoption;
         self.adopting.retain(|recorded| recorded.job != job);
         if !going_on {
@@ -1113,7 +1136,7 @@ impl<'a> JobRun<'a> {
                     job: going_on.then(|| job.clone()),
                 });
                 if going_on {
-                    self.take_over(slot, job, *lease).await
+                    self.take_over(slot, job, *lease, rejoin).await
                 } else {
                     self.dispatch(slot, *lease)
                 }
@@ -1132,17 +1155,28 @@ impl<'a> JobRun<'a> {
     /// on with the parameter server that went on, or joins the one restored from the
     /// checkpoint as trainers do after a failover; a parameter server says in its first
     /// status which round it is at.
-    async fn take_over(&mut self, slot: usize, job: String, lease: Lease) -> Result<(), RunError> {
+    async fn take_over(
+        &mut self,
+        slot: usize,
+        job: String,
+        lease: Lease,
+        rejoin: bool,
+    ) -> Result<(), RunError> {
         let peer = lease.peer;
         let role = self.slots.role(slot);
         if let Some(training) = self.training.as_mut() {
             match role {
-                Role::Trainer => training.trainer_taken_over(&job, peer),
+                Role::Trainer => training.trainer_taken_over(&job, peer, rejoin),
                 Role::ParameterServer => {
                     training.server_taken_over(&job, peer);
                     self.server_heard = std::time::Instant::now();
                     if let Some(checkpoints) = &self.checkpoints {
                         checkpoints.accept_from(Some(peer));
+                        // Those of the rounds recorded applied (the last one, of a server
+                        // that finished, comes without another status).
+                        if let Some(round) = training.recorded_through() {
+                            checkpoints.accept_up_to(round);
+                        }
                     }
                 }
             }
@@ -1296,10 +1330,23 @@ impl<'a> JobRun<'a> {
 
     /// Job `job` ended (`failure`: why not successfully): its lease goes back, its data
     /// goes back, and its slot is done or wants another worker.
-    async fn ended(&mut self, job: &str, failure: Option<String>) -> Result<(), RunError> {
+    async fn ended(&mut self, job: &str, mut failure: Option<String>) -> Result<(), RunError> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
+        let role = self.slots.role(dispatched.slot);
+        if role == Role::ParameterServer && self.server_pending && failure.is_none() {
+            // A server taken over that finished before it said where it was: the earlier
+            // process told it training was over, or it is replaced.
+            let round = self.checkpoints.as_ref().and_then(Checkpoints::round);
+            let over = match self.training.as_mut() {
+                Some(training) => training.ended_with(round).await,
+                None => true,
+            };
+            if !over {
+                failure = Some("it ended before it said which round it was at".into());
+            }
+        }
         self.live.remove(dispatched.lease.peer, job);
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);

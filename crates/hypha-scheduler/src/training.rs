@@ -131,11 +131,35 @@ impl Training {
         serde_json::to_string(&ServerOrder::Wait).unwrap_or_default()
     }
 
-    /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`.
-    pub fn trainer_taken_over(&mut self, job: &str, peer: PeerId) {
+    /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`; `rejoin`:
+    /// that process had not yet told it to join its server.
+    pub fn trainer_taken_over(&mut self, job: &str, peer: PeerId, rejoin: bool) {
         self.peers.insert(job.to_string(), peer);
         self.rounds
-            .trainer_taken_over(job.to_string(), peer.to_string());
+            .trainer_taken_over(job.to_string(), peer.to_string(), rejoin);
+    }
+
+    /// Whether trainer `job` is still to join the current server, for the run's record.
+    pub fn must_rejoin(&self, job: &str) -> bool {
+        self.rounds.must_rejoin(job)
+    }
+
+    /// The newest round a checkpoint may have from what the record holds: the round after
+    /// the last one recorded applied.
+    pub fn recorded_through(&self) -> Option<u64> {
+        self.uncommitted.iter().map(|u| u.round + 1).max()
+    }
+
+    /// The server of an earlier process finished training with its checkpoint of `round`
+    /// stored here, or the data is used up: trainers are told to finish. False when training
+    /// is not over.
+    pub async fn ended_with(&mut self, round: Option<u64>) -> bool {
+        let over = round.is_some_and(|round| self.rounds.planned_through(round))
+            || self.data.finished().await;
+        if over {
+            self.rounds.end();
+        }
+        over
     }
 
     /// The parameter server's job `job` of an earlier process of the scheduler goes on, on
@@ -159,14 +183,17 @@ impl Training {
 
     /// A job of the training ended or lost its worker; true when it was the parameter server.
     pub fn ended(&mut self, job: &str) -> bool {
-        self.peers.remove(job);
         if self.server.as_deref() == Some(job) {
+            self.peers.remove(job);
             self.server = None;
             self.resuming = false;
             self.rounds.server_lost();
             return true;
         }
-        self.rounds.trainer_ended(job);
+        // A trainer whose update is in the open round keeps its peer until the round settles.
+        if !self.rounds.trainer_ended(job) {
+            self.peers.remove(job);
+        }
         false
     }
 
@@ -184,29 +211,39 @@ impl Training {
     }
 
     /// The parameter server is gone with the rounds it applied after its last checkpoint
-    /// here: their slices go back.
+    /// here, and the open round: their slices go back.
     pub async fn rounds_lost(&mut self) {
         for u in std::mem::take(&mut self.uncommitted) {
             self.settle_now(&u.peer, &u.job, u.round, false).await;
         }
+        for settle in self.rounds.abandon_departed() {
+            self.settle(settle).await;
+        }
         self.release_deferred().await;
     }
 
-    /// Job `job` on `peer` ended: its slices go back, once its applied rounds are settled.
+    /// Job `job` on `peer` ended: its slices go back, once its rounds are settled.
     pub async fn release(&mut self, peer: PeerId, job: &str) {
-        if self.uncommitted.iter().any(|u| u.job == job) {
+        if self.waits(job) {
             self.deferred.push((peer, job.to_string()));
         } else {
             self.data.release(&peer, job).await;
         }
     }
 
+    /// Whether a round of `job` waits to be settled: applied, waiting for a checkpoint, or
+    /// open with its update in it.
+    fn waits(&self, job: &str) -> bool {
+        self.uncommitted.iter().any(|u| u.job == job) || self.rounds.departed(job)
+    }
+
     async fn release_deferred(&mut self) {
         let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
             .into_iter()
-            .partition(|(_, job)| !self.uncommitted.iter().any(|u| &u.job == job));
+            .partition(|(_, job)| !self.waits(job));
         self.deferred = waiting;
         for (peer, job) in ready {
+            self.peers.remove(&job);
             self.data.release(&peer, &job).await;
         }
     }
@@ -350,6 +387,7 @@ impl Training {
         for settle in settle {
             self.settle(settle).await;
         }
+        self.release_deferred().await;
         if let Some(applied) = &applied {
             self.record(&RoundLine {
                 kind: "round",
