@@ -135,7 +135,8 @@ impl Cluster {
         self.worker_with_env(name, offer, resources, script, &[])
     }
 
-    /// [`worker`](Self::worker) with extra environment variables.
+    /// [`worker`](Self::worker) with extra environment variables, which its executor gets
+    /// too.
     pub fn worker_with_env(
         &self,
         name: &str,
@@ -144,8 +145,9 @@ impl Cluster {
         script: &str,
         env: &[(&str, String)],
     ) -> Proc {
+        let names: Vec<&str> = env.iter().map(|(name, _)| *name).collect();
         let executors = format!(
-            "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n"
+            "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\nenv = {names:?}\n"
         );
         self.worker_with_executors(name, offer, resources, &executors, env)
     }

@@ -29,7 +29,7 @@ use crate::{
 /// Metrics lines waiting for the `forward` URL; more are dropped.
 pub const FORWARD_QUEUE: usize = 1024;
 /// How long a trainer the scheduler cannot answer yet waits before it asks again.
-const WAIT_MS: u64 = 1000;
+const WAIT_MS: u64 = 200;
 
 /// How long a finished job waits for the `forward` URL to take the lines still queued.
 pub const FORWARD_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);

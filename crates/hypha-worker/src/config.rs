@@ -75,7 +75,7 @@ static OFFER_KEYS: [Key; 6] = [
     },
 ];
 
-static EXECUTOR_KEYS: [Key; 5] = [
+static EXECUTOR_KEYS: [Key; 6] = [
     Key {
         name: "class",
         kind: Kind::String,
@@ -113,6 +113,12 @@ static EXECUTOR_KEYS: [Key; 5] = [
         kind: Kind::StringList,
         default: DefaultValue::Value("[]"),
         doc: "Its arguments; {SOCKET_PATH}, {WORK_DIR} and {JOB_JSON} are replaced by the job's bridge socket, work directory and specification (JSON, without secrets).",
+    },
+    Key {
+        name: "env",
+        kind: Kind::StringList,
+        default: DefaultValue::Value("[]"),
+        doc: "Its environment besides PATH, HOME, USER, LOGNAME, LANG, LC_ALL, TZ and TMPDIR: \"NAME\" passes the worker's variable, \"NAME=value\" sets one. Nothing else of the worker's environment (HF_TOKEN, cloud credentials) reaches an executor.",
     },
 ];
 
@@ -256,8 +262,12 @@ pub fn schema() -> Schema {
 /// How an executor runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Runtime {
-    /// A program, started once per job.
-    Process { cmd: String, args: Vec<String> },
+    /// A program, started once per job, with the environment `env` allows.
+    Process {
+        cmd: String,
+        args: Vec<String>,
+        env: Vec<EnvVar>,
+    },
     /// The built-in DiLoCo parameter server.
     ParameterServer,
 }
@@ -267,6 +277,30 @@ pub enum Runtime {
 pub struct Executor {
     pub executor: ExecutorRef,
     pub runtime: Runtime,
+}
+
+/// One entry of an executor's `env`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvVar {
+    /// The worker's own value, if it has one.
+    Pass(String),
+    Set(String, String),
+}
+
+impl EnvVar {
+    fn parse(entry: &str) -> Option<Self> {
+        let (name, value) = match entry.split_once('=') {
+            Some((name, value)) => (name, Some(value)),
+            None => (entry, None),
+        };
+        let valid = name.chars().next().is_some_and(|c| !c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !value.is_some_and(|v| v.contains('\0'));
+        valid.then(|| match value {
+            Some(value) => EnvVar::Set(name.to_string(), value.to_string()),
+            None => EnvVar::Pass(name.to_string()),
+        })
+    }
 }
 
 /// A worker's checked settings.
@@ -338,6 +372,8 @@ struct RawExecutor {
     cmd: Option<String>,
     #[serde(default)]
     args: Vec<String>,
+    #[serde(default)]
+    env: Vec<String>,
 }
 
 impl WorkerConfig {
@@ -463,10 +499,22 @@ impl WorkerConfig {
                     "give each [[executors]] entry its own class and name",
                 ));
             }
+            let mut env = Vec::new();
+            for (j, entry) in e.env.iter().enumerate() {
+                env.push(EnvVar::parse(entry).ok_or_else(|| {
+                    loaded.error(
+                        &format!("{key}.env[{j}]"),
+                        format!("{entry:?} is not NAME or NAME=value"),
+                        "name a variable (letters, digits, _; not starting with a digit), optionally with =value",
+                    )
+                })?);
+            }
             let runtime = match (e.runtime.as_str(), e.cmd) {
-                ("process", Some(cmd)) if !cmd.trim().is_empty() => {
-                    Runtime::Process { cmd, args: e.args }
-                }
+                ("process", Some(cmd)) if !cmd.trim().is_empty() => Runtime::Process {
+                    cmd,
+                    args: e.args,
+                    env,
+                },
                 ("process", _) => {
                     return Err(loaded.error(
                         &key,
@@ -580,5 +628,29 @@ mod tests {
 
         let err = load(&format!("{BASE}[artifacts]\ndownload_slots = 0\n")).unwrap_err();
         assert_eq!(err.key, "artifacts.download_slots");
+    }
+
+    #[test]
+    fn an_executors_env_is_names_or_assignments_and_a_bad_entry_is_named() {
+        let executor = "[[executors]]\nclass = \"train\"\nname = \"x\"\nruntime = \"process\"\ncmd = \"python3\"\n";
+        let config = load(&format!(
+            "{BASE}{executor}env = [\"HF_HOME\", \"OMP_NUM_THREADS=4\", \"EMPTY=\"]\n"
+        ))
+        .unwrap();
+        let Runtime::Process { env, .. } = &config.executors[0].runtime else {
+            panic!("a process executor");
+        };
+        assert_eq!(
+            env,
+            &[
+                EnvVar::Pass("HF_HOME".into()),
+                EnvVar::Set("OMP_NUM_THREADS".into(), "4".into()),
+                EnvVar::Set("EMPTY".into(), String::new()),
+            ]
+        );
+        for bad in ["", "1X", "A-B", "=x"] {
+            let err = load(&format!("{BASE}{executor}env = [\"OK\", {bad:?}]\n")).unwrap_err();
+            assert_eq!(err.key, "executors[0].env[1]", "{bad:?}: {err}");
+        }
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! - `job.json`: the job specification without its secrets (also passed as `{JOB_JSON}`),
 //! - `secrets.json` (0600, only when the job has secrets): read by the executor if it needs
-//!   them; secrets never appear in argv or in any process's environment,
+//!   them, removed when the job ends; secrets never appear in argv or in any process's
+//!   environment,
 //! - `bridge.sock` (0600): the job bridge, removed when the job ends (a link to a short
 //!   private path when `work_dir` is too long for a socket path: see
 //!   [`SocketPlace`](crate::bridge::socket::SocketPlace)),
@@ -12,12 +13,15 @@
 //! - the spec's `artifacts`, fetched (hard links into the worker's artifact store) before the
 //!   executor starts; a job whose artifacts cannot be fetched fails without starting.
 //!
+//! An executor starts with a cleared environment: [`BASE_ENV`] and what its `env` allows of
+//! the worker's, so that the worker's credentials (`HF_TOKEN`, cloud keys) never reach a job.
 //! An executor runs in its own process group, so that cancelling a job reaches every process it
 //! started (`uv` → `python` → …): SIGTERM to the group, then SIGKILL after the grace period.
 //! Work directories stay after the job ends so that logs and outputs can be inspected.
 
 use std::{
     collections::HashMap,
+    ffi::OsString,
     fs::{DirBuilder, File},
     io::{BufRead, BufReader, Seek, SeekFrom},
     os::unix::fs::DirBuilderExt,
@@ -40,10 +44,44 @@ use tokio::sync::{mpsc, oneshot};
 use crate::{
     artifacts::ArtifactStore,
     bridge::{self, BridgeContext, paths::JobDir, socket::SocketPlace},
-    config::{Executor, Runtime},
+    config::{EnvVar, Executor, Runtime},
     metrics,
     parameter_server::ServerJob,
 };
+
+/// The job's secrets in its directory, while it runs.
+const SECRETS: &str = "secrets.json";
+
+/// What every executor's environment holds of the worker's, besides its `env`: what a program
+/// needs to start and to find its tools, and nothing that grants access.
+pub const BASE_ENV: [&str; 8] = [
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR",
+];
+
+/// An executor's environment: [`BASE_ENV`] and `env`, the values passed taken from `lookup`
+/// (the worker's environment).
+pub fn environment(
+    env: &[EnvVar],
+    lookup: impl Fn(&str) -> Option<OsString>,
+) -> Vec<(String, OsString)> {
+    let mut out: Vec<(String, OsString)> = Vec::new();
+    let passed = BASE_ENV
+        .iter()
+        .map(|name| EnvVar::Pass((*name).to_string()))
+        .chain(env.iter().cloned());
+    for var in passed {
+        let (name, value) = match var {
+            EnvVar::Pass(name) => match lookup(&name) {
+                Some(value) => (name, value),
+                None => continue,
+            },
+            EnvVar::Set(name, value) => (name, OsString::from(value)),
+        };
+        out.retain(|(known, _)| *known != name);
+        out.push((name, value));
+    }
+    out
+}
 
 /// How many lines of an executor's stderr a failure report carries.
 pub const STDERR_TAIL_LINES: usize = 20;
@@ -182,7 +220,7 @@ impl JobManager {
         )?;
         if !spec.secrets.is_empty() {
             let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
-            write_atomic(&dir.join("secrets.json"), &secrets, Mode::Private, false)?;
+            write_atomic(&dir.join(SECRETS), &secrets, Mode::Private, false)?;
         }
         let socket = self.sockets.socket(&dir, &id);
         // The link first: a failure here leaves no bridge running.
@@ -206,7 +244,7 @@ impl JobManager {
         })?;
 
         let launch = match runtime {
-            Runtime::Process { cmd, args } => Launch::Process { cmd, args },
+            Runtime::Process { cmd, args, env } => Launch::Process { cmd, args, env },
             Runtime::ParameterServer => Launch::ParameterServer(Box::new(ServerJob {
                 network: self.bridge.network().clone(),
                 scheduler,
@@ -251,6 +289,13 @@ impl JobManager {
                 };
                 bridge.stop().await;
                 sockets.remove(&supervisor.dir, &socket);
+                // The job's secrets do not outlive it; its logs and outputs stay.
+                let secrets = supervisor.dir.join(SECRETS);
+                if let Err(error) = std::fs::remove_file(&secrets)
+                    && error.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(%error, path = %secrets.display(), "could not remove the job's secrets");
+                }
                 supervisor.finish(status).await;
             },
             span,
@@ -282,7 +327,11 @@ impl JobManager {
 
 /// What a job runs.
 enum Launch {
-    Process { cmd: String, args: Vec<String> },
+    Process {
+        cmd: String,
+        args: Vec<String>,
+        env: Vec<EnvVar>,
+    },
     ParameterServer(Box<ServerJob>),
 }
 
@@ -363,8 +412,9 @@ impl Supervisor {
         cancel: oneshot::Receiver<String>,
     ) -> JobStatus {
         match launch {
-            Launch::Process { cmd, args } => {
-                self.run_process(&cmd, &args, job_json, socket, cancel)
+            Launch::Process { cmd, args, env } => {
+                let env = environment(&env, |name| std::env::var_os(name));
+                self.run_process(&cmd, &args, &env, job_json, socket, cancel)
                     .await
             }
             Launch::ParameterServer(server) => {
@@ -378,6 +428,7 @@ impl Supervisor {
         &self,
         cmd: &str,
         args: &[String],
+        env: &[(String, OsString)],
         job_json: &str,
         socket: &Path,
         cancel: oneshot::Receiver<String>,
@@ -391,6 +442,8 @@ impl Supervisor {
         };
         let mut command = tokio::process::Command::new(cmd);
         command
+            .env_clear()
+            .envs(env.iter().map(|(name, value)| (name, value)))
             .args(&args)
             .current_dir(&self.dir)
             .stdin(Stdio::null())
@@ -564,4 +617,41 @@ fn last_lines(path: &Path, n: usize) -> Vec<String> {
         .map(|l| String::from_utf8_lossy(&l).into_owned())
         .collect();
     lines[lines.len().saturating_sub(n)..].to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_executor_gets_the_base_environment_and_what_its_env_allows() {
+        let worker: HashMap<&str, &str> = [
+            ("PATH", "/usr/bin"),
+            ("HOME", "/home/worker"),
+            ("HF_TOKEN", "hf_secret"),
+            ("AWS_SECRET_ACCESS_KEY", "aws_secret"),
+            ("FOO", "bar"),
+        ]
+        .into();
+        let allowed = [
+            EnvVar::Pass("FOO".into()),
+            EnvVar::Set("MODE".into(), "fast".into()),
+            EnvVar::Pass("MISSING".into()),
+            EnvVar::Set("PATH".into(), "/opt/bin".into()),
+        ];
+        let env = environment(&allowed, |name| worker.get(name).map(OsString::from));
+        let env: Vec<(&str, &str)> = env
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.to_str().unwrap_or("")))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                ("HOME", "/home/worker"),
+                ("FOO", "bar"),
+                ("MODE", "fast"),
+                ("PATH", "/opt/bin")
+            ]
+        );
+    }
 }

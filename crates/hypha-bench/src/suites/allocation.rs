@@ -193,6 +193,7 @@ async fn start_worker(
             runtime: Runtime::Process {
                 cmd: "true".into(),
                 args: Vec::new(),
+                env: Vec::new(),
             },
         }],
         prefetch_bytes: 1 << 30,
