@@ -60,6 +60,9 @@ pub struct Training {
     /// The trainers' jobs of the earlier process, by peer: whose slices a round the server
     /// applied while the scheduler was away used.
     earlier_trainers: HashMap<String, String>,
+    /// The rounds the earlier process recorded applied past the checkpoint, with a peer
+    /// included in each: what the server that goes on must have applied.
+    earlier_rounds: Vec<(u64, String)>,
 }
 
 #[derive(Debug)]
@@ -111,6 +114,7 @@ impl Training {
             deferred: Vec::new(),
             resuming: false,
             earlier_trainers: HashMap::new(),
+            earlier_rounds: Vec::new(),
         })
     }
 
@@ -269,6 +273,8 @@ impl Training {
         self.rounds.reached(reached);
         self.checkpointed = Some(round);
         for recorded in earlier.uncommitted.iter().filter(|u| u.round >= round) {
+            self.earlier_rounds
+                .push((recorded.round, recorded.peer.clone()));
             let Ok(peer) = recorded.peer.parse::<PeerId>() else {
                 continue;
             };
@@ -296,14 +302,10 @@ impl Training {
             .peers
             .get(job)
             .ok_or("the parameter server is not known")?;
-        let recorded: Vec<(u64, String)> = self
-            .uncommitted
-            .iter()
-            .map(|u| (u.round, u.peer.to_string()))
-            .collect();
+        // Not the rounds waiting now: a checkpoint taken before this status may hold some.
         let unheard = self
             .rounds
-            .server_resumed(peer.to_string(), status, &recorded)?;
+            .server_resumed(peer.to_string(), status, &self.earlier_rounds)?;
         let Some(applied) = unheard else {
             return Ok(());
         };
