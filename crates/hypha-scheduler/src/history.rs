@@ -105,6 +105,7 @@ mod tests {
                 trainers: 2,
                 samples: 10,
                 loss: None,
+                away: false,
             },
             Event::Resumed {
                 task: "t".into(),

@@ -124,12 +124,16 @@ pub enum Event {
         reason: String,
         round: u64,
     },
-    /// The parameter server applied a DiLoCo round.
+    /// The parameter server applied a DiLoCo round. `away`: it did so as the scheduler's
+    /// earlier process died, which did not hear of it; the process that took the server over
+    /// tells it (its samples and loss are not known: 0 and none).
     Round {
         round: u64,
         trainers: usize,
         samples: u64,
         loss: Option<f64>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        away: bool,
     },
     Done {
         ok: bool,
@@ -252,8 +256,19 @@ impl EventLog {
             Event::Round {
                 round,
                 trainers,
+                away: true,
+                ..
+            } => tracing::info!(
+                round,
+                trainers,
+                "round applied while the scheduler was away; its slices are used with the next checkpoint"
+            ),
+            Event::Round {
+                round,
+                trainers,
                 samples,
                 loss,
+                away: false,
             } => match loss {
                 Some(loss) => tracing::info!(
                     round,
@@ -1457,10 +1472,19 @@ impl<'a> JobRun<'a> {
                 self.ended(&job, Some(reason)).await?;
             }
             Some(answered) => {
-                if answered.resumed.is_some() {
+                if let Some(Ok(unheard)) = answered.resumed {
                     // It goes on: the trainers taken over train on with it, and its
                     // checkpoints up to the round it is at are taken.
                     self.server_pending = false;
+                    if let Some(applied) = unheard {
+                        self.events.record(Event::Round {
+                            round: applied.round,
+                            trainers: applied.included.len(),
+                            samples: applied.samples,
+                            loss: applied.loss,
+                            away: true,
+                        });
+                    }
                     self.store_record()?;
                     if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
                     {
@@ -1483,6 +1507,7 @@ impl<'a> JobRun<'a> {
                         trainers: applied.included.len(),
                         samples: applied.samples,
                         loss: applied.loss,
+                        away: false,
                     });
                 }
             }

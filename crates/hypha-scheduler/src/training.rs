@@ -79,7 +79,10 @@ pub struct Answered {
     pub applied: Option<AppliedRound>,
     /// The first status of a parameter server that was taken over: whether it goes on (at
     /// the round it said), or why it cannot.
-    pub resumed: Option<Result<(), String>>,
+    /// The first status of a parameter server that was taken over: whether it goes on (at
+    /// the round it said, with the round it applied as the earlier process died, if any), or
+    /// why it cannot.
+    pub resumed: Option<Result<Option<AppliedRound>, String>>,
 }
 
 impl Training {
@@ -296,8 +299,13 @@ impl Training {
     }
 
     /// The first status of the server taken over, `job`: where training goes on. The round
-    /// it applied that the earlier process did not hear of waits for the next checkpoint.
-    fn server_resumed(&mut self, job: &str, status: &ServerStatus) -> Result<(), String> {
+    /// it applied that the earlier process did not hear of (returned) waits for the next
+    /// checkpoint.
+    fn server_resumed(
+        &mut self,
+        job: &str,
+        status: &ServerStatus,
+    ) -> Result<Option<AppliedRound>, String> {
         let peer = self
             .peers
             .get(job)
@@ -307,12 +315,8 @@ impl Training {
             .rounds
             .server_resumed(peer.to_string(), status, &self.earlier_rounds)?;
         let Some(applied) = unheard else {
-            return Ok(());
+            return Ok(None);
         };
-        tracing::info!(
-            round = applied.round,
-            "the parameter server applied a round while the scheduler was away; its slices are used with the next checkpoint"
-        );
         for included in &applied.included {
             match (self.earlier_trainers.get(included), included.parse()) {
                 (Some(job), Ok(peer)) => self.uncommitted.push(Uncommitted {
@@ -327,7 +331,13 @@ impl Training {
                 ),
             }
         }
-        Ok(())
+        // What the process that heard it would have known of its samples and loss is gone.
+        Ok(Some(AppliedRound {
+            round: applied.round,
+            included: applied.included,
+            samples: 0,
+            loss: None,
+        }))
     }
 
     /// Applied rounds of trainers' jobs that wait for a checkpoint, for the run's record.
