@@ -15,6 +15,7 @@
 //! fills the disk.
 
 use std::{
+    collections::HashSet,
     fs::{self, File},
     io::{self, Read},
     os::{fd::OwnedFd, unix::fs::PermissionsExt},
@@ -47,6 +48,11 @@ impl Default for Limits {
 const RESERVE: u64 = 1 << 30;
 /// The longest link target a zip archive may hold.
 const MAX_LINK_TARGET: u64 = 4096;
+/// The deepest an entry may lie beneath the destination.
+const MAX_DEPTH: usize = 128;
+/// What a tar archive may hold besides its entries' contents: each entry's header and
+/// padding, and its long name or link (the `tar` crate reads those whole, into memory).
+const TAR_OVERHEAD: u64 = 64 * 1024;
 /// Directories an archive creates, before its own entries set their modes.
 const DIR_MODE: u32 = 0o755;
 
@@ -175,7 +181,8 @@ pub fn unpack(archive: &Path, options: &Unpack, limits: &Limits) -> Result<(), U
     let mut extractor = Extractor {
         archive,
         root: Beneath::open(staging.path()).map_err(|e| io_error(staging.path(), e))?,
-        links: Vec::new(),
+        links: HashSet::new(),
+        dirs: HashSet::new(),
         bytes_left: limits.bytes.min(free.saturating_sub(RESERVE)),
         entries_left: limits.entries,
         limits: *limits,
@@ -217,7 +224,9 @@ struct Extractor<'a> {
     /// The staging directory, that every entry is created beneath.
     root: Beneath,
     /// Links this archive created: nothing may be written through them.
-    links: Vec<PathBuf>,
+    links: HashSet<PathBuf>,
+    /// Directories created, each counted as an entry.
+    dirs: HashSet<PathBuf>,
     bytes_left: u64,
     entries_left: u64,
     limits: Limits,
@@ -304,10 +313,13 @@ impl Extractor<'_> {
                 }
             }
         }
-        if self
-            .links
-            .iter()
-            .any(|link| relative.starts_with(link) && relative != *link)
+        if relative.components().count() > MAX_DEPTH {
+            return Err(self.refuse(entry, "lies more than 128 directories deep"));
+        }
+        if relative
+            .ancestors()
+            .skip(1)
+            .any(|ancestor| self.links.contains(ancestor))
         {
             return Err(self.refuse(entry, "would be written through a link in the archive"));
         }
@@ -325,10 +337,19 @@ impl Extractor<'_> {
             .filter(|c| matches!(c, Component::Normal(_)))
             .count();
         depth = depth.saturating_sub(1); // the link's own directory
+        let mut named = false;
         for component in target.components() {
             match component {
-                Component::Normal(_) => depth += 1,
+                Component::Normal(_) => {
+                    depth += 1;
+                    named = true;
+                }
                 Component::CurDir => {}
+                // `x/missing/..` resolves through whatever `x/missing` becomes later (a
+                // link of another archive unpacked beside this one, say).
+                Component::ParentDir if named => {
+                    return Err(self.refuse(entry, "is a link with `..` after a name"));
+                }
                 Component::ParentDir => {
                     depth = depth.checked_sub(1).ok_or_else(|| {
                         self.refuse(entry, "is a link that leaves the destination")
@@ -368,19 +389,38 @@ impl Extractor<'_> {
     }
 
     fn dir(&mut self, relative: &Path) -> Result<(), UnpackError> {
+        self.count_dirs(relative)?;
         self.root
             .create_dir_all(relative, DIR_MODE)
             .map(drop)
             .map_err(|e| self.failed(relative, e))
     }
 
+    /// Counts the directories `relative` makes that no entry made before: each is an entry
+    /// (an archive of deep paths makes many directories with few entries).
+    fn count_dirs(&mut self, relative: &Path) -> Result<(), UnpackError> {
+        let new: Vec<PathBuf> = relative
+            .ancestors()
+            .filter(|dir| !dir.as_os_str().is_empty() && !self.dirs.contains(*dir))
+            .map(Path::to_path_buf)
+            .collect();
+        for dir in new {
+            self.count_entry()?;
+            self.dirs.insert(dir);
+        }
+        Ok(())
+    }
+
     /// Creates `relative` with `create` in its directory; what an earlier entry of the same
     /// name left is replaced (a later entry wins, as tar has it), never followed.
     fn create<T>(
-        &self,
+        &mut self,
         relative: &Path,
         create: impl Fn(&OwnedFd, &std::ffi::OsStr) -> rustix::io::Result<T>,
     ) -> Result<T, UnpackError> {
+        if let Some(parent) = relative.parent() {
+            self.count_dirs(parent)?;
+        }
         let (dir, name) = self
             .root
             .parent_of(relative, DIR_MODE)
@@ -425,7 +465,7 @@ impl Extractor<'_> {
         self.create(relative, |dir, name| {
             rustix::fs::symlinkat(target, dir, name)
         })?;
-        self.links.push(relative.to_path_buf());
+        self.links.insert(relative.to_path_buf());
         Ok(())
     }
 
@@ -455,7 +495,11 @@ impl Extractor<'_> {
     }
 
     fn tar(&mut self, reader: impl Read) -> Result<(), UnpackError> {
-        let mut archive = tar::Archive::new(reader);
+        let budget = std::rc::Rc::new(std::cell::Cell::new(TAR_OVERHEAD));
+        let mut archive = tar::Archive::new(Budgeted {
+            inner: reader,
+            left: budget.clone(),
+        });
         archive.set_preserve_ownerships(false);
         let entries = archive
             .entries()
@@ -466,6 +510,9 @@ impl Extractor<'_> {
                 .path()
                 .map_err(|e| self.corrupt(Format::Tar, e))?
                 .into_owned();
+            // What reading on may take: this entry's content, and the next one's header,
+            // long name or link (set, not added: what an entry left unread is not saved up).
+            budget.set(entry.size().saturating_add(TAR_OVERHEAD));
             let kind = entry.header().entry_type();
             if kind.is_pax_global_extensions() || kind.is_pax_local_extensions() {
                 continue;
@@ -533,6 +580,28 @@ impl Extractor<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// A reader that fails once it has read `left` bytes, which its owner tops up: a tar
+/// archive's metadata (a long name of gigabytes) never reaches memory whole.
+struct Budgeted<R> {
+    inner: R,
+    left: std::rc::Rc<std::cell::Cell<u64>>,
+}
+
+impl<R: Read> Read for Budgeted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left.get();
+        if left == 0 {
+            return Err(io::Error::other(
+                "a tar header, long name or link larger than 64 KiB",
+            ));
+        }
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let read = self.inner.read(&mut buf[..want])?;
+        self.left.set(left - read as u64);
+        Ok(read)
     }
 }
 
@@ -675,6 +744,79 @@ mod tests {
             assert!(matches!(err, UnpackError::Refused { .. }), "{case}: {err}");
             assert!(found(top.path(), "evil").is_empty(), "{case}");
             assert!(!dir.join("out").exists(), "{case}");
+        }
+    }
+
+    #[test]
+    fn metadata_bombs_deep_paths_and_dotdot_after_a_name_are_refused() {
+        let long_name = vec![b'a'; 1 << 20];
+        let cases: Vec<(&str, Vec<u8>, Limits)> = vec![
+            (
+                "a long name of a megabyte",
+                tar_with(|b| {
+                    raw_entry(
+                        b,
+                        "././@LongLink",
+                        tar::EntryType::GNULongName,
+                        None,
+                        &long_name,
+                    );
+                    raw_entry(b, "f", tar::EntryType::Regular, None, b"x");
+                }),
+                Limits::default(),
+            ),
+            (
+                "129 directories deep",
+                tar_with(|b| {
+                    // Longer than a header's name field: a GNU long name carries it.
+                    let deep = "d/".repeat(129);
+                    raw_entry(
+                        b,
+                        "././@LongLink",
+                        tar::EntryType::GNULongName,
+                        None,
+                        deep.as_bytes(),
+                    );
+                    raw_entry(b, "d", tar::EntryType::Directory, None, b"");
+                }),
+                Limits::default(),
+            ),
+            (
+                "directories made on the way count as entries",
+                tar_with(|b| {
+                    raw_entry(
+                        b,
+                        "a/b/c/d/e/f/g/h/i/j/k",
+                        tar::EntryType::Regular,
+                        None,
+                        b"x",
+                    )
+                }),
+                Limits {
+                    entries: 10,
+                    ..Limits::default()
+                },
+            ),
+            (
+                "`..` after a name in a link",
+                tar_with(|b| raw_entry(b, "l", tar::EntryType::Symlink, Some("x/../y"), b"")),
+                Limits::default(),
+            ),
+        ];
+        for (case, bytes, limits) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let err =
+                unpack_within(dir.path(), "a.tar.gz", &gzip(&bytes), &limits).expect_err(case);
+            assert!(
+                matches!(
+                    err,
+                    UnpackError::Refused { .. }
+                        | UnpackError::TooLarge { .. }
+                        | UnpackError::Corrupt { .. }
+                ),
+                "{case}: {err}"
+            );
+            assert!(!dir.path().join("out").exists(), "{case}");
         }
     }
 

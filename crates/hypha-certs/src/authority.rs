@@ -13,7 +13,7 @@ use rcgen::{
 use rustls::pki_types::CertificateDer;
 use time::{Duration, OffsetDateTime};
 
-use crate::Error;
+use crate::{Error, Roles};
 
 /// When a certificate is valid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,11 +113,13 @@ pub fn create_org(root: &Authority, name: &str, validity: Validity) -> Result<Au
 }
 
 /// Creates a node certificate signed by `issuer`, with the given DNS names or IP addresses as
-/// subject alternative names.
+/// subject alternative names, granting `roles` (none: a role-less certificate; see
+/// [`crate::roles`]).
 pub fn create_node(
     issuer: &Authority,
     name: &str,
     subject_alt_names: &[String],
+    roles: Roles,
     validity: Validity,
 ) -> Result<NodeCredentials, Error> {
     let key = new_key()?;
@@ -128,6 +130,11 @@ pub fn create_node(
         })?;
     params.distinguished_name.remove(DnType::CommonName);
     params.distinguished_name.push(DnType::CommonName, name);
+    if !roles.is_empty() {
+        params
+            .distinguished_name
+            .push(DnType::OrganizationalUnitName, roles.unit());
+    }
     params.not_before = validity.not_before;
     params.not_after = validity.not_after;
     params.serial_number = Some(random_serial());

@@ -3,7 +3,7 @@ use std::{path::Path, sync::Arc};
 use libp2p::{PeerId, identity::Keypair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 
-use crate::Error;
+use crate::{Error, Roles};
 
 /// A node's own identity: the certificate chain it presents and the Ed25519 key behind it.
 ///
@@ -15,12 +15,14 @@ pub struct NodeIdentity {
     key: Arc<PrivatePkcs8KeyDer<'static>>,
     keypair: Keypair,
     peer_id: PeerId,
+    roles: Option<Roles>,
 }
 
 impl std::fmt::Debug for NodeIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeIdentity")
             .field("peer_id", &self.peer_id)
+            .field("roles", &self.roles)
             .field("chain_len", &self.chain.len())
             .finish_non_exhaustive()
     }
@@ -96,11 +98,13 @@ impl NodeIdentity {
             });
         }
         let peer_id = keypair.public().to_peer_id();
+        let roles = Roles::of_certificate(leaf).map_err(|r| Error::malformed(cert_name, r))?;
         Ok(NodeIdentity {
             chain,
             key: Arc::new(key),
             keypair,
             peer_id,
+            roles,
         })
     }
 
@@ -122,6 +126,11 @@ impl NodeIdentity {
     /// The node's peer id, derived from its certificate's key.
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
+    }
+
+    /// The roles the node's certificate states; `None` if it is role-less.
+    pub fn roles(&self) -> Option<Roles> {
+        self.roles
     }
 }
 

@@ -91,6 +91,14 @@ fn describe_certificate(out: &mut String, cert: &X509Certificate<'_>, der: &[u8]
             let _ = writeln!(out, "  key:         Ed25519");
             if !cert.is_ca() {
                 let _ = writeln!(out, "  peer id:     {peer}");
+                let roles = match crate::Roles::of_certificate(der) {
+                    Ok(Some(roles)) => roles.to_string(),
+                    Ok(None) => {
+                        "none stated (role-less; peers accept it only with allow_roleless)".into()
+                    }
+                    Err(reason) => reason,
+                };
+                let _ = writeln!(out, "  roles:       {roles}");
             }
         }
         Err(reason) => {

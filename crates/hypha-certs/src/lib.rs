@@ -11,17 +11,20 @@
 //! - [`TrustStore`] holds the trust anchors and CRLs a node accepts peers under, and verifies a
 //!   peer's presented chain (signatures, validity dates, revocation, key usage) down to a
 //!   [`PeerId`](libp2p::PeerId).
+//! - [`roles`]: what a node may do (scheduler, worker, data, gateway), written into its
+//!   certificate by the CA.
 //! - [`inspect`] describes certificates and CRLs for humans.
 //!
 //! Reading certificate files names the file in every error; writing them is the caller's, with
 //! `hypha-files` (keys 0600, nothing overwritten unless asked).
 //!
 //! ```
-//! use hypha_certs::authority::{self, Validity};
+//! use hypha_certs::{Role, Roles, authority::{self, Validity}};
 //!
 //! let root = authority::create_root("Example Root", Validity::days(3650)).unwrap();
 //! let org = authority::create_org(&root, "Example Org", Validity::days(1825)).unwrap();
-//! let node = authority::create_node(&org, "worker-1", &["localhost".into()], Validity::days(365)).unwrap();
+//! let worker = Roles::NONE.with(Role::Worker);
+//! let node = authority::create_node(&org, "worker-1", &["localhost".into()], worker, Validity::days(365)).unwrap();
 //!
 //! let trust = hypha_certs::TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
 //! let identity = hypha_certs::NodeIdentity::from_pem(
@@ -29,20 +32,23 @@
 //!     node.key_pem().as_bytes(),
 //! ).unwrap();
 //! let peer = trust.verify_peer(identity.chain(), hypha_certs::now()).unwrap();
-//! assert_eq!(peer, identity.peer_id());
+//! assert_eq!(peer.id, identity.peer_id());
+//! assert_eq!(peer.roles, Some(worker));
 //! ```
 
 pub mod authority;
 mod error;
 mod identity;
 pub mod inspect;
+pub mod roles;
 mod trust;
 
 pub use error::Error;
 pub use identity::NodeIdentity;
 pub use libp2p::PeerId;
+pub use roles::{Role, Roles};
 pub use rustls::pki_types::CertificateDer;
-pub use trust::{PeerRole, Rejection, TrustStore, now};
+pub use trust::{PeerRole, Rejection, TrustStore, VerifiedPeer, now};
 
 /// Parses every `CERTIFICATE` block of a PEM document, in order.
 pub fn certificates_from_pem(

@@ -7,7 +7,7 @@ use webpki::{
     RevocationOptionsBuilder, UnknownStatusPolicy,
 };
 
-use crate::Error;
+use crate::{Error, Roles};
 
 /// Why a peer's certificate chain was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,6 +45,15 @@ pub enum PeerRole {
     Server,
     /// The peer opened the connection (it must allow client authentication).
     Client,
+}
+
+/// A peer whose chain verified: who it is and what its certificate lets it do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifiedPeer {
+    /// Derived from the leaf certificate's key.
+    pub id: PeerId,
+    /// The roles the leaf certificate states; `None` for a role-less certificate.
+    pub roles: Option<Roles>,
 }
 
 /// The CAs a node trusts and the revocation lists it honours.
@@ -112,25 +121,35 @@ impl TrustStore {
         Ok(TrustStore { anchors, crls })
     }
 
+    /// The CRLs of a PEM document. A document without any is refused rather than read as
+    /// "nothing revoked": a truncated or mistaken file must not readmit revoked peers.
     fn parse_crls(pem: &[u8], name: &str) -> Result<Vec<CertRevocationList<'static>>, Error> {
-        CertificateRevocationListDer::pem_slice_iter(pem)
+        let crls = CertificateRevocationListDer::pem_slice_iter(pem)
             .map(|der| {
                 let der = der.map_err(|e| Error::malformed(name, format!("not valid PEM: {e}")))?;
                 OwnedCertRevocationList::from_der(&der)
                     .map(CertRevocationList::from)
                     .map_err(|e| Error::malformed(name, format!("not a valid CRL: {e}")))
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        if crls.is_empty() {
+            return Err(Error::malformed(
+                name,
+                "no X509 CRL block found; point crls_pem at a CRL made by `hypha-certutil revoke`",
+            ));
+        }
+        Ok(crls)
     }
 
     /// Verifies a peer's chain (leaf first) at `now`, as presented in a handshake by a peer
-    /// acting as `role`, and returns the peer id derived from the leaf's key.
+    /// acting as `role`, and returns the peer id derived from the leaf's key with the roles it
+    /// states.
     pub fn verify(
         &self,
         chain: &[CertificateDer<'_>],
         now: UnixTime,
         role: PeerRole,
-    ) -> Result<PeerId, Rejection> {
+    ) -> Result<VerifiedPeer, Rejection> {
         let (leaf, intermediates) = chain.split_first().ok_or(Rejection::NoCertificate)?;
         let public = crate::ed25519_public_key(leaf).map_err(Rejection::Unusable)?;
         let end_entity = EndEntityCert::try_from(leaf)
@@ -162,7 +181,10 @@ impl TrustStore {
                 None,
             )
             .map_err(|e| explain(&e))?;
-        crate::peer_id_of(&public).map_err(Rejection::Unusable)
+        Ok(VerifiedPeer {
+            id: crate::peer_id_of(&public).map_err(Rejection::Unusable)?,
+            roles: Roles::of_certificate(leaf).map_err(Rejection::Unusable)?,
+        })
     }
 
     /// [`verify`](Self::verify) for a chain presented by a peer that may act in either role.
@@ -170,7 +192,7 @@ impl TrustStore {
         &self,
         chain: &[CertificateDer<'_>],
         now: UnixTime,
-    ) -> Result<PeerId, Rejection> {
+    ) -> Result<VerifiedPeer, Rejection> {
         self.verify(chain, now, PeerRole::Client)
     }
 }

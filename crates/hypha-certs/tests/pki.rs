@@ -1,7 +1,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use hypha_certs::{
-    Error, NodeIdentity, TrustStore,
+    Error, NodeIdentity, Role, Roles, TrustStore,
     authority::{self, Reason, Validity},
 };
 use time::{Duration, OffsetDateTime};
@@ -23,6 +23,7 @@ fn root_org_node_chain_verifies_to_the_certificates_peer_id() {
         &org,
         "n1",
         &["localhost".into(), "127.0.0.1".into()],
+        Roles::NONE.with(Role::Worker).with(Role::Data),
         Validity::days(1),
     )
     .unwrap();
@@ -33,17 +34,70 @@ fn root_org_node_chain_verifies_to_the_certificates_peer_id() {
         2,
         "node presents its certificate and the org CA"
     );
-    assert_eq!(
-        trust.verify_peer(id.chain(), hypha_certs::now()).unwrap(),
-        id.peer_id()
+    let verified = trust.verify_peer(id.chain(), hypha_certs::now()).unwrap();
+    assert_eq!(verified.id, id.peer_id());
+    let roles = verified.roles.expect("the certificate states roles");
+    assert!(roles.contains(Role::Worker) && roles.contains(Role::Data));
+    assert!(!roles.contains(Role::Scheduler) && !roles.contains(Role::Gateway));
+    assert_eq!(id.roles(), Some(roles));
+}
+
+#[test]
+fn a_certificate_without_roles_is_role_less() {
+    let (root, org) = hierarchy();
+    let node = authority::create_node(&org, "old", &[], Roles::NONE, Validity::days(1)).unwrap();
+    let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
+    let verified = trust
+        .verify_peer(identity(&node).chain(), hypha_certs::now())
+        .unwrap();
+    assert_eq!(verified.roles, None);
+}
+
+/// Roles written by another tool, as `openssl req -subj "/CN=w/OU=hypha:worker/OU=hypha:data,admin"`
+/// writes them: several units, a unit listing several roles, a role this version does not know.
+#[test]
+fn roles_written_by_another_ca_tool_are_read() {
+    let (root, org) = hierarchy();
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+    let mut params = rcgen::CertificateParams::default();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "w");
+    // rcgen keeps one value per attribute type; a custom type with the OU's OID writes a
+    // second unit, as other tools do.
+    params
+        .distinguished_name
+        .push(rcgen::DnType::OrganizationalUnitName, "hypha:worker");
+    params.distinguished_name.push(
+        rcgen::DnType::CustomDnType(vec![2, 5, 4, 11]),
+        "hypha:data, admin",
     );
+    params.extended_key_usages = vec![
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let issuer = rcgen::Issuer::from_ca_cert_pem(
+        &org.cert_pem(),
+        rcgen::KeyPair::from_pem(&org.key_pem()).unwrap(),
+    )
+    .unwrap();
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let chain = format!("{}{}", cert.pem(), org.cert_pem());
+    let id = NodeIdentity::from_pem(chain.as_bytes(), key.serialize_pem().as_bytes()).unwrap();
+    let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
+    let roles = trust
+        .verify_peer(id.chain(), hypha_certs::now())
+        .unwrap()
+        .roles
+        .unwrap();
+    assert_eq!(roles, Roles::NONE.with(Role::Worker).with(Role::Data));
 }
 
 #[test]
 fn another_ca_is_rejected() {
     let (_, org) = hierarchy();
     let other_root = authority::create_root("Other Root", Validity::days(30)).unwrap();
-    let node = authority::create_node(&org, "n1", &[], Validity::days(1)).unwrap();
+    let node = authority::create_node(&org, "n1", &[], Roles::NONE, Validity::days(1)).unwrap();
     let trust = TrustStore::from_pem(other_root.cert_pem().as_bytes(), &[]).unwrap();
     let err = trust
         .verify_peer(identity(&node).chain(), hypha_certs::now())
@@ -56,7 +110,8 @@ fn another_ca_is_rejected() {
     // A CA that impersonates the trusted root's name is caught by the signature.
     let impostor = authority::create_root("Test Root", Validity::days(30)).unwrap();
     let impostor_org = authority::create_org(&impostor, "Test Org", Validity::days(30)).unwrap();
-    let forged = authority::create_node(&impostor_org, "n1", &[], Validity::days(1)).unwrap();
+    let forged =
+        authority::create_node(&impostor_org, "n1", &[], Roles::NONE, Validity::days(1)).unwrap();
     let (root, _) = hierarchy();
     let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
     let err = trust
@@ -76,7 +131,7 @@ fn expired_certificate_is_rejected() {
         not_before: now - Duration::days(10),
         not_after: now - Duration::days(1),
     };
-    let node = authority::create_node(&org, "old", &[], validity).unwrap();
+    let node = authority::create_node(&org, "old", &[], Roles::NONE, validity).unwrap();
     let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
     let err = trust
         .verify_peer(identity(&node).chain(), hypha_certs::now())
@@ -87,8 +142,8 @@ fn expired_certificate_is_rejected() {
 #[test]
 fn revoked_certificate_is_rejected_and_others_stay_accepted() {
     let (root, org) = hierarchy();
-    let bad = authority::create_node(&org, "bad", &[], Validity::days(1)).unwrap();
-    let good = authority::create_node(&org, "good", &[], Validity::days(1)).unwrap();
+    let bad = authority::create_node(&org, "bad", &[], Roles::NONE, Validity::days(1)).unwrap();
+    let good = authority::create_node(&org, "good", &[], Roles::NONE, Validity::days(1)).unwrap();
     let crl = authority::revoke(
         &org,
         None,
@@ -98,7 +153,7 @@ fn revoked_certificate_is_rejected_and_others_stay_accepted() {
     )
     .unwrap();
     // Revoking again keeps earlier entries and bumps the CRL number.
-    let third = authority::create_node(&org, "third", &[], Validity::days(1)).unwrap();
+    let third = authority::create_node(&org, "third", &[], Roles::NONE, Validity::days(1)).unwrap();
     let crl = authority::revoke(
         &org,
         Some(crl.as_bytes()),
@@ -131,7 +186,7 @@ fn revoked_certificate_is_rejected_and_others_stay_accepted() {
 #[test]
 fn revoking_needs_the_certificates_own_issuer() {
     let (root, org) = hierarchy();
-    let node = authority::create_node(&org, "n", &[], Validity::days(1)).unwrap();
+    let node = authority::create_node(&org, "n", &[], Roles::NONE, Validity::days(1)).unwrap();
     let err = authority::revoke(
         &root,
         None,
@@ -149,8 +204,8 @@ fn revoking_needs_the_certificates_own_issuer() {
 #[test]
 fn key_from_another_certificate_is_refused_at_load() {
     let (_, org) = hierarchy();
-    let a = authority::create_node(&org, "a", &[], Validity::days(1)).unwrap();
-    let b = authority::create_node(&org, "b", &[], Validity::days(1)).unwrap();
+    let a = authority::create_node(&org, "a", &[], Roles::NONE, Validity::days(1)).unwrap();
+    let b = authority::create_node(&org, "b", &[], Roles::NONE, Validity::days(1)).unwrap();
     let err = NodeIdentity::from_pem(a.chain_pem().as_bytes(), b.key_pem().as_bytes()).unwrap_err();
     assert!(matches!(err, Error::KeyMismatch { .. }), "{err}");
 }
@@ -167,7 +222,7 @@ fn authority_round_trips_through_pem() {
     let reloaded =
         authority::Authority::from_pem(org.cert_pem().as_bytes(), org.key_pem().as_bytes())
             .unwrap();
-    let node = authority::create_node(&reloaded, "n", &[], Validity::days(1)).unwrap();
+    let node = authority::create_node(&reloaded, "n", &[], Roles::NONE, Validity::days(1)).unwrap();
     let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap();
     assert!(
         trust
@@ -177,4 +232,36 @@ fn authority_round_trips_through_pem() {
     let err = authority::Authority::from_pem(org.cert_pem().as_bytes(), root.key_pem().as_bytes())
         .unwrap_err();
     assert!(matches!(err, Error::KeyMismatch { .. }), "{err}");
+}
+
+/// A CRL file cut short (copied half-way, emptied by mistake) must not read as "nothing is
+/// revoked": it is refused, naming the file.
+#[test]
+fn a_crl_file_without_a_crl_is_refused() {
+    let (root, org) = hierarchy();
+    let node = authority::create_node(&org, "n", &[], Roles::NONE, Validity::days(1)).unwrap();
+    let crl = authority::revoke(
+        &org,
+        None,
+        node.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        30,
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let trust = dir.path().join("root.pem");
+    std::fs::write(&trust, root.cert_pem()).unwrap();
+    let crls = dir.path().join("crl.pem");
+    for text in ["", &crl[..crl.len() / 2], "not pem at all\n"] {
+        std::fs::write(&crls, text).unwrap();
+        let err = TrustStore::load(&trust, Some(&crls)).unwrap_err();
+        assert!(err.to_string().contains("crl.pem"), "{err}");
+    }
+    std::fs::write(&crls, &crl).unwrap();
+    let store = TrustStore::load(&trust, Some(&crls)).unwrap();
+    assert!(
+        store
+            .verify_peer(identity(&node).chain(), hypha_certs::now())
+            .is_err()
+    );
 }

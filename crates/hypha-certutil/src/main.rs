@@ -8,7 +8,7 @@ use std::{
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Role, Roles, TrustStore,
     authority::{self, Authority, Reason, Validity},
 };
 use hypha_files::{self as files, Mode};
@@ -23,7 +23,7 @@ use hypha_files::{self as files, Mode};
 ///
 ///   hypha-certutil root --name "Example Root" --out certs
 ///   hypha-certutil org  --name example --ca certs/example-root-cert.pem --ca-key certs/example-root-key.pem --out certs
-///   hypha-certutil node --name gateway-1 --san localhost --ca certs/example-cert.pem --ca-key certs/example-key.pem --out certs
+///   hypha-certutil node --name gateway-1 --role gateway --san localhost --ca certs/example-cert.pem --ca-key certs/example-key.pem --out certs
 ///
 /// Nodes then use `cert_pem = "certs/gateway-1-cert.pem"`, `key_pem = "certs/gateway-1-key.pem"`
 /// and `trust_pem = "certs/example-root-cert.pem"`.
@@ -60,6 +60,14 @@ enum Command {
         /// A DNS name or IP address the node is known by; repeat for several.
         #[arg(long = "san", value_name = "NAME")]
         subject_alt_names: Vec<String>,
+        /// What the node may do; repeat for several. Written into the certificate's subject
+        /// as `OU=hypha:<roles>`. Peers refuse what a role grants to a node without it: only
+        /// schedulers lease and dispatch, only workers offer and report on jobs, only data
+        /// nodes are taken as dataset providers, only gateways relay. Without any, the
+        /// certificate is role-less: fine for a client that reads data or health, and accepted
+        /// in every role only by nodes configured with `allow_roleless = true`.
+        #[arg(long = "role", value_enum)]
+        roles: Vec<RoleArg>,
     },
     /// Add a certificate to its issuer's revocation list (created if absent, else updated).
     Revoke {
@@ -127,6 +135,25 @@ struct CaArgs {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum RoleArg {
+    Scheduler,
+    Worker,
+    Data,
+    Gateway,
+}
+
+impl From<RoleArg> for Role {
+    fn from(role: RoleArg) -> Role {
+        match role {
+            RoleArg::Scheduler => Role::Scheduler,
+            RoleArg::Worker => Role::Worker,
+            RoleArg::Data => Role::Data,
+            RoleArg::Gateway => Role::Gateway,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum ReasonArg {
     Unspecified,
     KeyCompromise,
@@ -160,14 +187,28 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             new,
             ca,
             subject_alt_names,
+            roles,
         } => {
             let org = load_ca(&ca)?;
-            let node =
-                authority::create_node(&org, &new.name, &subject_alt_names, validity(&new, 365))?;
+            let roles: Roles = roles.into_iter().map(Role::from).collect();
+            let node = authority::create_node(
+                &org,
+                &new.name,
+                &subject_alt_names,
+                roles,
+                validity(&new, 365),
+            )?;
             write_pair(&new, &node.chain_pem(), &node.key_pem())?;
             let identity =
                 NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes())?;
             println!("peer id {}", identity.peer_id());
+            if roles.is_empty() {
+                println!(
+                    "roles: none (role-less; give a node its roles with --role, e.g. --role worker)"
+                );
+            } else {
+                println!("roles: {roles}");
+            }
         }
         Command::Revoke {
             ca,
@@ -233,10 +274,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn report(result: Result<hypha_certs::PeerId, hypha_certs::Rejection>, cert: &Path) -> ExitCode {
+fn report(
+    result: Result<hypha_certs::VerifiedPeer, hypha_certs::Rejection>,
+    cert: &Path,
+) -> ExitCode {
     match result {
         Ok(peer) => {
-            println!("{}: trusted, peer id {peer}", cert.display());
+            let roles = peer
+                .roles
+                .map_or_else(|| "none stated (role-less)".to_string(), |r| r.to_string());
+            println!(
+                "{}: trusted, peer id {}, roles: {roles}",
+                cert.display(),
+                peer.id
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -50,6 +50,12 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
             doc: "Certificate revocation lists (PEM) to honour, made by `hypha-certutil revoke`.",
         },
         Key {
+            name: "allow_roleless",
+            kind: Kind::Bool,
+            default: DefaultValue::Value("false"),
+            doc: "Let peers whose certificates state no role (issued before roles, without `hypha-certutil node --role`) act in every role. Off: they may only do what needs no role (health, manifests, data reads). Turn on while migrating a network to certificates with roles.",
+        },
+        Key {
             name: "gateway_addresses",
             kind: Kind::Multiaddrs,
             default: DefaultValue::Value("[]"),
@@ -95,6 +101,7 @@ pub struct NetworkConfig {
     pub key_pem: PathBuf,
     pub trust_pem: PathBuf,
     pub crls_pem: Option<PathBuf>,
+    pub allow_roleless: bool,
     pub gateway_addresses: Vec<Multiaddr>,
     pub listen_addresses: Vec<Multiaddr>,
     pub external_addresses: Vec<Multiaddr>,

@@ -1,12 +1,12 @@
 //! Fetching slices: find providers, get manifests, download with verification, resume and
 //! fall back.
 
-use std::{collections::HashSet, path::Path};
+use std::{collections::HashSet, path::Path, time::Duration};
 
 use futures::AsyncReadExt;
 use hypha_dataset::{Manifest, SliceEntry};
 use hypha_messages::{Request, Response};
-use hypha_network::{Network, NetworkError, PeerId};
+use hypha_network::{Network, NetworkError, PeerId, Role};
 use tokio::io::AsyncWriteExt;
 
 use crate::protocol::{self, PROTOCOL, SliceHeader, SliceRequest};
@@ -36,7 +36,7 @@ pub enum FetchError {
 /// How often a provider that dropped a fresh stream is asked again, and the first pause
 /// (doubled each time): 5 tries over about 0.3 s.
 const NOT_ACCEPTED_RETRIES: u32 = 5;
-const NOT_ACCEPTED_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 
 /// How a fetch went.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,15 +73,36 @@ impl From<&SliceEntry> for SliceId {
     }
 }
 
+/// How long a provider may take to answer a slice request before the next one is asked.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a provider may send nothing in the middle of a slice before the transfer goes on
+/// from another.
+pub const STALL_DEADLINE: Duration = Duration::from_secs(30);
+
 /// Fetches datasets' slices from data nodes over a node's network.
 #[derive(Debug, Clone)]
 pub struct DataClient {
     network: Network,
+    answer_deadline: Duration,
+    stall_deadline: Duration,
 }
 
 impl DataClient {
     pub fn new(network: Network) -> Self {
-        DataClient { network }
+        DataClient {
+            network,
+            answer_deadline: ANSWER_DEADLINE,
+            stall_deadline: STALL_DEADLINE,
+        }
+    }
+
+    /// The same client with other deadlines than [`ANSWER_DEADLINE`] and [`STALL_DEADLINE`]:
+    /// a provider that sends half an answer and goes silent is left after `answer`, one that
+    /// stops mid-slice after `stall`.
+    pub fn with_deadlines(mut self, answer: Duration, stall: Duration) -> Self {
+        self.answer_deadline = answer;
+        self.stall_deadline = stall;
+        self
     }
 
     /// The data nodes that announce `dataset` in the DHT.
@@ -102,9 +123,11 @@ impl DataClient {
         Ok(providers)
     }
 
-    /// The manifest of `dataset` as `peer` serves it.
+    /// The manifest of `dataset` as `peer` serves it. Only a data node's counts: anyone can
+    /// announce itself a provider in the DHT, but only a certificate with the data role makes
+    /// one.
     pub async fn manifest(&self, peer: PeerId, dataset: &str) -> Result<Manifest, FetchError> {
-        self.network.connect(peer).await?;
+        self.network.connect_as(peer, Role::Data).await?;
         match self
             .network
             .request(
@@ -279,13 +302,19 @@ impl DataClient {
             offset: transfer.offset,
             file: entry.file.clone(),
         };
-        protocol::write_frame(&mut stream, &request)
+        let silent = |limit: Duration| format!("sent nothing for {limit:?}");
+        let answer = async {
+            protocol::write_frame(&mut stream, &request)
+                .await
+                .map_err(|e| Failure::NotAccepted(e.to_string()))?;
+            protocol::read_frame::<SliceHeader>(&mut stream)
+                .await
+                .map_err(|e| Failure::NotAccepted(e.to_string()))
+        };
+        let answer = tokio::time::timeout(self.answer_deadline, answer)
             .await
-            .map_err(|e| Failure::NotAccepted(e.to_string()))?;
-        match protocol::read_frame::<SliceHeader>(&mut stream)
-            .await
-            .map_err(|e| Failure::NotAccepted(e.to_string()))?
-        {
+            .map_err(|_| Failure::Refused(silent(self.answer_deadline)))??;
+        match answer {
             SliceHeader::Error(e) => return Err(Failure::Refused(e.to_string())),
             SliceHeader::Ok {
                 size,
@@ -311,9 +340,9 @@ impl DataClient {
             let want = RECEIVE_BLOCK
                 .min(usize::try_from(entry.size - transfer.offset).unwrap_or(usize::MAX));
             let buffer = sink.next_block(want);
-            let n = stream
-                .read(buffer)
+            let n = tokio::time::timeout(self.stall_deadline, stream.read(buffer))
                 .await
+                .map_err(|_| Failure::Broken(silent(self.stall_deadline)))?
                 .map_err(|e| Failure::Broken(e.to_string()))?;
             if n == 0 {
                 return Ok(());

@@ -34,6 +34,11 @@ pub const MAX_WANT: u32 = 64;
 pub const LEASE_MS: u64 = 60_000;
 /// When nothing is free, how long a consumer is told to wait before asking again.
 const RETRY_MS: u64 = 500;
+/// The most epochs an iteration may have: a ledger and its progress grow with them.
+pub const MAX_EPOCHS: u32 = 10_000;
+/// The most iterations a data node runs at once for its clients; a node restarted with more
+/// on disk resumes each as it is asked for again.
+pub const MAX_NODE_ITERATIONS: usize = 64;
 
 /// Where one slice can be fetched from.
 #[derive(Debug, Clone)]
@@ -332,6 +337,23 @@ impl NodeIterations {
         let mut open = self.open.lock().await;
         if let Some(service) = open.get(&key) {
             return Ok(service.clone());
+        }
+        if request.epochs > MAX_EPOCHS {
+            return Err(RemoteError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "{} epochs asked; an iteration has at most {MAX_EPOCHS}",
+                    request.epochs
+                ),
+            ));
+        }
+        if open.len() >= MAX_NODE_ITERATIONS {
+            return Err(RemoteError::new(
+                ErrorCode::Busy,
+                format!(
+                    "this data node runs {MAX_NODE_ITERATIONS} iterations already; use one of them or another node"
+                ),
+            ));
         }
         let path = self
             .dir

@@ -10,7 +10,10 @@ use std::{
     time::Duration,
 };
 
-use hypha_certs::authority::{self, Validity};
+use hypha_certs::{
+    Role, Roles,
+    authority::{self, Validity},
+};
 use hypha_dataset::slice;
 
 const BIN: &str = env!("CARGO_BIN_EXE_hypha-data");
@@ -29,8 +32,12 @@ fn certificates(dir: &Path) {
     let root = authority::create_root("CLI Root", Validity::days(2)).unwrap();
     let org = authority::create_org(&root, "CLI Org", Validity::days(2)).unwrap();
     std::fs::write(dir.join("root.pem"), root.cert_pem()).unwrap();
-    for name in ["data", "fetcher"] {
-        let node = authority::create_node(&org, name, &[], Validity::days(1)).unwrap();
+    // A client that reads a data node's slices needs no role.
+    for (name, roles) in [
+        ("data", Roles::NONE.with(Role::Data)),
+        ("fetcher", Roles::NONE),
+    ] {
+        let node = authority::create_node(&org, name, &[], roles, Validity::days(1)).unwrap();
         std::fs::write(dir.join(format!("{name}-cert.pem")), node.chain_pem()).unwrap();
         std::fs::write(dir.join(format!("{name}-key.pem")), node.key_pem()).unwrap();
     }

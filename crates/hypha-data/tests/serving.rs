@@ -10,7 +10,7 @@ use std::{
 
 use futures::{AsyncReadExt, AsyncWriteExt};
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Roles, TrustStore,
     authority::{self, Authority, Validity},
 };
 use hypha_data::{
@@ -42,7 +42,8 @@ impl Pki {
         Network,
         tokio::sync::mpsc::Receiver<hypha_network::InboundRequest>,
     ) {
-        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        let node =
+            authority::create_node(&self.org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
         let identity =
             NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
         let trust = Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap());
@@ -515,5 +516,92 @@ async fn datasets_added_or_changed_on_disk_are_served_without_restart() {
     assert_eq!(
         std::fs::read(&dest).unwrap(),
         std::fs::read(root.join("first/slice-0000.safetensors")).unwrap()
+    );
+}
+
+#[tokio::test]
+async fn an_iteration_of_too_many_epochs_is_refused_and_the_node_serves_on() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 2, 64);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let (client, _) = pki.start("client", Some(&gw_addr)).await;
+    let peer = node.local_peer_id();
+    client.connect(peer).await.unwrap();
+    let iterate = |epochs: u32| {
+        hypha_messages::Request::Iterate(hypha_messages::iterate::IterateRequest {
+            iteration: format!("it-{epochs}"),
+            dataset: "d".into(),
+            consumer: "c".into(),
+            epochs,
+            seed: 1,
+            want: 1,
+            cached: Vec::new(),
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+            holding: None,
+        })
+    };
+    // u32::MAX epochs would build a ledger and a progress of billions of entries.
+    let started = std::time::Instant::now();
+    let error = client.request(peer, iterate(u32::MAX)).await.unwrap_err();
+    assert!(error.to_string().contains("at most 10000"), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        !data
+            .join(".hypha-iterations/d/it-4294967295.ledger")
+            .exists()
+    );
+    // The node goes on serving: a reasonable iteration is granted a slice.
+    match client.request(peer, iterate(2)).await.unwrap() {
+        hypha_messages::Response::Iterate(grant) => assert_eq!(grant.slices.len(), 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the_deadline() {
+    use futures::StreamExt;
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 1, 4096);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    // A certified peer that takes the request, sends two bytes of its answer's frame and
+    // then nothing, holding the stream open.
+    let (stalling, _) = pki.start("staller", Some(&gw_addr)).await;
+    let mut incoming = stalling.accept_streams(PROTOCOL).unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Some((_, mut stream)) = incoming.next().await {
+            let _: Result<SliceRequest, _> = protocol::read_frame(&mut stream).await;
+            stream.write_all(&[0, 0]).await.unwrap();
+            stream.flush().await.unwrap();
+            held.push(stream);
+        }
+    });
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net)
+        .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
+    wait_for_providers(&client, "d", 1).await;
+    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
+    let dest = tmp.path().join("slice.safetensors");
+    let order = [stalling.local_peer_id(), honest.local_peer_id()];
+    let started = std::time::Instant::now();
+    let report = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.fetch_slice("d", &manifest.slices[0], &order, &dest),
+    )
+    .await
+    .expect("the fetch went on past the silent provider")
+    .unwrap();
+    assert_eq!(report.provider, honest.local_peer_id());
+    // Twice half a second (each provider gets two turns), and the honest transfer.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
     );
 }

@@ -30,9 +30,14 @@ pub enum SliceError {
     Tensor { name: String, problem: String },
 }
 
-/// Largest decompressed slice accepted (a Snappy header can claim up to 4 GiB; this keeps a
-/// corrupt or hostile length from becoming a huge allocation).
-pub const MAX_SLICE_BYTES: usize = 8 * 1024 * 1024 * 1024;
+/// Largest decompressed slice accepted: a corrupt or hostile Snappy header (it can claim up
+/// to 4 GiB) never becomes a larger allocation.
+pub const MAX_SLICE_BYTES: usize = 2 * 1024 * 1024 * 1024;
+
+/// The most a Snappy byte can expand to: its densest element, a 3-byte copy, yields 64 bytes.
+/// A header that claims more than this many times the compressed size is a lie, refused
+/// before anything is allocated for it.
+const MAX_SNAPPY_RATIO: usize = 22;
 
 /// Tells the encoding from the content and returns the SafeTensors bytes.
 pub fn decode(bytes: &[u8]) -> Result<(Encoding, Cow<'_, [u8]>), SliceError> {
@@ -47,6 +52,12 @@ pub fn decode(bytes: &[u8]) -> Result<(Encoding, Cow<'_, [u8]>), SliceError> {
     if length > MAX_SLICE_BYTES {
         return Err(SliceError::Snappy(format!(
             "claims {length} bytes decompressed, more than the {MAX_SLICE_BYTES} allowed"
+        )));
+    }
+    if length > bytes.len().saturating_mul(MAX_SNAPPY_RATIO) {
+        return Err(SliceError::Snappy(format!(
+            "claims {length} bytes decompressed from {} bytes, more than Snappy can expand to",
+            bytes.len()
         )));
     }
     let plain = snap::raw::Decoder::new()

@@ -226,9 +226,21 @@ fn unreadable_slices_are_named() {
     assert!(matches!(err, Error::Slice { .. }), "{err}");
     assert!(err.to_string().contains("slice-0.safetensors"), "{err}");
 
-    // A Snappy header claiming an absurd length is refused before any allocation.
+    // A Snappy header claiming an absurd length is refused before any allocation: 4 GiB is
+    // above any slice's size, and no six bytes of Snappy expand to 1 MiB.
     let hostile = [0xff, 0xff, 0xff, 0xff, 0x0f, 0x00];
-    assert!(slice::decode(&hostile).is_err());
+    let err = slice::decode(&hostile).unwrap_err().to_string();
+    assert!(err.contains("more than the 2147483648 allowed"), "{err}");
+    let hostile = [0x80, 0x80, 0x40, 0x00, 0x00, 0x00];
+    let err = slice::decode(&hostile).unwrap_err().to_string();
+    assert!(err.contains("more than Snappy can expand to"), "{err}");
+    // The most compressible slice there is still decodes.
+    let zeros = slice::Tensors::new()
+        .with("x", slice::Dtype::U8, vec![1 << 20], vec![0; 1 << 20])
+        .unwrap();
+    let packed = slice::encode(&zeros, slice::Encoding::Snappy).unwrap();
+    assert!(packed.len() < (1 << 20) / 16, "{} bytes", packed.len());
+    slice::decode(&packed).unwrap();
 
     let empty = dataset_dir(tmp.path(), "empty");
     let err = Dataset::open(&empty).unwrap_err();

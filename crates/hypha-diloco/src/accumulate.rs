@@ -2,9 +2,58 @@
 
 use std::collections::BTreeMap;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use crate::{Error, Tensor, Tensors, tensors::decode};
+use crate::{
+    Error, Tensor, Tensors,
+    tensors::{decode, squared_norm},
+};
+
+/// A pseudo-gradient as SafeTensors bytes, read and checked: every tensor F32, F64 or BF16,
+/// every value finite (one NaN would make the whole global model NaN once averaged in), with
+/// its L2 norm taken on the way. Its values are decoded again only as they are added.
+pub struct Update<'a> {
+    views: Vec<(String, TensorView<'a>)>,
+    norm: f64,
+}
+
+impl<'a> Update<'a> {
+    pub fn read(bytes: &'a [u8]) -> Result<Self, Error> {
+        let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
+        let mut squares = 0.0;
+        let mut views = Vec::new();
+        for (name, view) in file.iter() {
+            if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
+                return Err(Error::Dtype {
+                    name: name.to_string(),
+                    dtype: view.dtype().to_string(),
+                });
+            }
+            squares += squared_norm(view.dtype(), view.data()).ok_or_else(|| Error::NotFinite {
+                name: name.to_string(),
+            })?;
+            views.push((name.to_string(), view));
+        }
+        Ok(Update {
+            views,
+            norm: squares.sqrt(),
+        })
+    }
+
+    /// The L2 norm over all its values.
+    pub fn norm(&self) -> f64 {
+        self.norm
+    }
+}
+
+impl std::fmt::Debug for Update<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Update")
+            .field("tensors", &self.views.len())
+            .field("norm", &self.norm)
+            .finish()
+    }
+}
 
 /// The running sum Σ nᵢΔᵢ and Σ nᵢ of one round's updates. Holds one sum per parameter,
 /// whatever the number of updates; each update can be dropped once added.
@@ -52,21 +101,19 @@ impl Accumulator {
     /// it is added: the update is never held decoded, so the server's memory is the sum plus
     /// the bytes of the update being read.
     pub fn add_safetensors(&mut self, bytes: &[u8], weight: f64) -> Result<(), Error> {
-        let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
-        let views: Vec<_> = file.iter().collect();
-        for (name, view) in &views {
-            if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
-                return Err(Error::Dtype {
-                    name: (*name).to_string(),
-                    dtype: view.dtype().to_string(),
-                });
-            }
-        }
-        let shapes = views.iter().map(|(n, v)| (*n, v.shape(), v.dtype()));
+        self.add_update(&Update::read(bytes)?, weight)
+    }
+
+    /// [`add`](Self::add) of an update already [read](Update::read) and checked.
+    pub fn add_update(&mut self, update: &Update<'_>, weight: f64) -> Result<(), Error> {
+        let shapes = update
+            .views
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.shape(), v.dtype()));
         self.prepare(shapes, weight)?;
         let w = weight as f32;
-        for (name, view) in &views {
-            if let Some(sum) = self.sums.get_mut(*name) {
+        for (name, view) in &update.views {
+            if let Some(sum) = self.sums.get_mut(name) {
                 decode(view.dtype(), view.data(), &mut sum.values, |s, v| {
                     *s += w * v
                 });

@@ -27,7 +27,7 @@ mod optimizer;
 pub mod server;
 mod tensors;
 
-pub use accumulate::Accumulator;
+pub use accumulate::{Accumulator, Update};
 pub use optimizer::OuterOptimizer;
 pub use tensors::{MAX_HEADER, Metadata, Tensor, Tensors, metadata, read_metadata};
 
@@ -41,6 +41,14 @@ pub enum Error {
     Mismatch { name: String, problem: String },
     #[error("weight {0} is not a positive number of samples")]
     Weight(f64),
+    #[error("tensor {name:?} holds a NaN or infinite value")]
+    NotFinite { name: String },
+    #[error("it claims {samples} samples; an update may count for at most {max}")]
+    Samples { samples: u64, max: u64 },
+    #[error(
+        "its norm {norm:.4e} is more than the {limit:.4e} allowed (max_update_norm_ratio times the typical norm)"
+    )]
+    Norm { norm: f64, limit: f64 },
     #[error("no update was added")]
     Empty,
     #[error(transparent)]

@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use hypha_messages::diloco::meta;
 
-use crate::{Accumulator, Error, Metadata, OuterOptimizer, Tensor, Tensors, metadata};
+use crate::{Accumulator, Error, Metadata, OuterOptimizer, Tensor, Tensors, Update, metadata};
 
 /// What became of a pseudo-gradient handed to [`ParameterServer::add`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,7 +35,18 @@ pub struct ParameterServer {
     round: u64,
     sum: Accumulator,
     arrived: Vec<(String, u64)>,
+    /// The most samples one update may claim; `None`: any.
+    max_samples: Option<u64>,
+    /// How many times the typical norm an update's may be; `None`: any.
+    max_norm_ratio: Option<f64>,
+    /// The norms of the updates last taken, newest last, at most [`NORM_HISTORY`].
+    norms: std::collections::VecDeque<f64>,
 }
+
+/// How many of the last updates' norms make the typical norm.
+pub const NORM_HISTORY: usize = 32;
+/// Updates taken unchecked before norms are compared: the typical norm of fewer is no norm.
+pub const NORM_WARMUP: usize = 3;
 
 const MODEL_PREFIX: &str = "model/";
 const MOMENTUM_PREFIX: &str = "momentum/";
@@ -49,7 +60,27 @@ impl ParameterServer {
             round: 0,
             sum: Accumulator::new(),
             arrived: Vec::new(),
+            max_samples: None,
+            max_norm_ratio: None,
+            norms: std::collections::VecDeque::new(),
         }
+    }
+
+    /// The same server refusing an update whose L2 norm is more than `ratio` times the
+    /// median norm of the last [`NORM_HISTORY`] updates it took (once it took
+    /// [`NORM_WARMUP`]): one scaled-up update would otherwise move the model as far as its
+    /// sender likes. The history starts empty after a restart.
+    pub fn limit_norm(mut self, ratio: f64) -> Self {
+        self.max_norm_ratio = Some(ratio);
+        self
+    }
+
+    /// The same server refusing updates that claim more than `max` samples: one update's
+    /// weight in the mean is its samples, so a claim of `u64::MAX` would outweigh every
+    /// honest one.
+    pub fn limit_samples(mut self, max: u64) -> Self {
+        self.max_samples = Some(max);
+        self
     }
 
     /// The server as its last [`checkpoint`](Self::checkpoint) left it, or a new one when
@@ -83,6 +114,9 @@ impl ParameterServer {
             optimizer: optimizer.with_buffers(buffers),
             round,
             arrived: Vec::new(),
+            max_samples: None,
+            max_norm_ratio: None,
+            norms: std::collections::VecDeque::new(),
         })
     }
 
@@ -108,7 +142,9 @@ impl ParameterServer {
     }
 
     /// A pseudo-gradient from `from`, trained in `round` on `samples` samples, as SafeTensors
-    /// bytes. Refused (and the round left as it was) when its tensors are not the model's.
+    /// bytes. Refused (and the round left as it was) when its tensors are not the model's,
+    /// hold a NaN or an infinity, it claims more samples than the server's limit, or its norm
+    /// is an outlier ([`limit_norm`](Self::limit_norm)).
     pub fn add(
         &mut self,
         from: &str,
@@ -122,9 +158,36 @@ impl ParameterServer {
         if self.arrived.iter().any(|(peer, _)| peer == from) {
             return Ok(Taken::Duplicate);
         }
-        self.sum.add_safetensors(bytes, samples as f64)?;
+        if let Some(max) = self.max_samples.filter(|max| samples > *max) {
+            return Err(Error::Samples { samples, max });
+        }
+        let update = Update::read(bytes)?;
+        if let Some(limit) = self.norm_limit()
+            && update.norm() > limit
+        {
+            return Err(Error::Norm {
+                norm: update.norm(),
+                limit,
+            });
+        }
+        self.sum.add_update(&update, samples as f64)?;
         self.arrived.push((from.to_string(), samples));
+        if self.norms.len() == NORM_HISTORY {
+            self.norms.pop_front();
+        }
+        self.norms.push_back(update.norm());
         Ok(Taken::Added)
+    }
+
+    /// The largest norm an update may have now, if there is a limit yet.
+    fn norm_limit(&self) -> Option<f64> {
+        let ratio = self.max_norm_ratio?;
+        if self.norms.len() < NORM_WARMUP {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.norms.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        Some(ratio * sorted[sorted.len() / 2])
     }
 
     /// Closes the round: the sample-weighted mean of what arrived is the outer gradient of one

@@ -127,6 +127,40 @@ pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error>
 /// The largest SafeTensors header [`read_metadata`] reads.
 pub const MAX_HEADER: u64 = 100 << 20;
 
+/// The sum of the squares of `data`'s values read as `dtype`, in f64; `None` when a value is
+/// NaN or infinite, or `dtype` is none of F32, F64 and BF16.
+pub(crate) fn squared_norm(dtype: Dtype, data: &[u8]) -> Option<f64> {
+    let mut sum = 0.0f64;
+    let mut finite = true;
+    let known = decode_each(dtype, data, |v| {
+        finite &= v.is_finite();
+        sum += v * v;
+    });
+    (known && finite).then_some(sum)
+}
+
+/// Calls `each` with every value of little-endian `data` in `dtype`, as f64; false when
+/// `dtype` is none of F32, F64 and BF16.
+fn decode_each(dtype: Dtype, data: &[u8], mut each: impl FnMut(f64)) -> bool {
+    match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .for_each(|b| each(f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))),
+        Dtype::F64 => data.chunks_exact(8).for_each(|b| {
+            each(f64::from_le_bytes([
+                b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+            ]))
+        }),
+        Dtype::BF16 => data.chunks_exact(2).for_each(|b| {
+            each(f64::from(f32::from_bits(
+                u32::from(u16::from_le_bytes([b[0], b[1]])) << 16,
+            )))
+        }),
+        _ => return false,
+    }
+    true
+}
+
 /// Applies `op(target, value)` to each of `targets` with the matching value of
 /// little-endian `data` in `dtype`, in order; false when `dtype` is none of F32, F64 and
 /// BF16. Written as zips over exact chunks so that the compiler vectorises the loops.

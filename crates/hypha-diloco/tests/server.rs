@@ -115,3 +115,71 @@ fn a_resumed_server_continues_as_if_it_never_stopped() {
         None
     );
 }
+
+#[test]
+fn poisoned_updates_are_refused_and_the_model_is_as_without_them() {
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.9)).limit_samples(100);
+    assert!(server.offer(&bytes(&[1.0, 2.0])).unwrap());
+    for (poison, samples, why) in [
+        (vec![f32::NAN, 0.0], 10, "NaN"),
+        (vec![f32::INFINITY, 0.0], 10, "infinite"),
+        (vec![1.0, 0.0], u64::MAX, "samples"),
+        (vec![1.0, 0.0], 101, "samples"),
+    ] {
+        let error = server.add("liar", &bytes(&poison), 0, samples).unwrap_err();
+        assert!(
+            error.to_string().contains(why) || error.to_string().contains("NaN"),
+            "{why}: {error}"
+        );
+    }
+    assert!(server.arrived().is_empty(), "nothing of the liar's counted");
+    assert_eq!(
+        server.add("a", &bytes(&[1.0, 0.0]), 0, 100).unwrap(),
+        Taken::Added
+    );
+    server.close().unwrap();
+    // The honest update alone: g = [1, 0], θ = [1, 2] − 0.5·1.9·g = [0.05, 2].
+    let (values, _) = model_of(&server);
+    assert!(
+        (values[0] - 0.05).abs() < 1e-6 && (values[1] - 2.0).abs() < 1e-6,
+        "{values:?}"
+    );
+}
+
+/// A trainer of the run that scales its update up is refused once the server knows what
+/// usual updates look like; the round closes with the honest updates only. (Checked by
+/// leaving `limit_norm` out: the scaled update is added and the model moves 1000 times as
+/// far.)
+#[test]
+fn an_update_whose_norm_is_an_outlier_is_refused() {
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.0)).limit_norm(10.0);
+    assert!(server.offer(&bytes(&[1.0, 2.0])).unwrap());
+    // Three usual updates of norm 1 to 1.2: the first are taken unchecked.
+    for (peer, update) in [("a", [1.0, 0.0]), ("b", [0.0, 1.1]), ("c", [1.2, 0.0])] {
+        assert_eq!(
+            server.add(peer, &bytes(&update), 0, 10).unwrap(),
+            Taken::Added
+        );
+    }
+    server.close().unwrap();
+    let (before, _) = model_of(&server);
+    let error = server
+        .add("scaled", &bytes(&[1000.0, 0.0]), 1, 10)
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("max_update_norm_ratio"),
+        "{error}"
+    );
+    // Nine times the usual norm is still an update.
+    assert_eq!(
+        server.add("bold", &bytes(&[9.0, 0.0]), 1, 10).unwrap(),
+        Taken::Added
+    );
+    assert_eq!(server.arrived().len(), 1);
+    server.close().unwrap();
+    let (after, _) = model_of(&server);
+    assert!(
+        (before[0] - after[0] - 0.5 * 9.0).abs() < 1e-4,
+        "only the bold update moved the model: {before:?} -> {after:?}"
+    );
+}

@@ -62,9 +62,21 @@ impl Beneath {
         )?)
     }
 
-    /// Opens the existing file `relative` for reading.
+    /// Opens the existing regular file `relative` for reading. Anything else (a FIFO, a
+    /// device, a socket, a directory) is refused with [`io::ErrorKind::InvalidInput`], and
+    /// without blocking: the open is non-blocking, so a FIFO with no writer cannot hold the
+    /// calling thread, and the flag is cleared once the file is known to be regular.
     pub fn open_read(&self, relative: &Path) -> io::Result<File> {
-        self.open_at(relative, OFlags::RDONLY).map(File::from)
+        let fd = self.open_at(relative, OFlags::RDONLY | OFlags::NONBLOCK)?;
+        let kind = rustix::fs::FileType::from_raw_mode(rustix::fs::fstat(&fd)?.st_mode);
+        if kind != rustix::fs::FileType::RegularFile {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty())?;
+        Ok(File::from(fd))
     }
 
     /// Opens the directory `relative` (the root itself when empty), creating what is missing

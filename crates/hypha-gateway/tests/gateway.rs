@@ -10,7 +10,10 @@ use std::{
     time::Duration,
 };
 
-use hypha_certs::authority::{self, Authority, Validity};
+use hypha_certs::{
+    Role, Roles,
+    authority::{self, Authority, Validity},
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_hypha-gateway");
 
@@ -26,8 +29,9 @@ impl Fixture {
         let org = authority::create_org(&root, "GW Org", Validity::days(5)).unwrap();
         std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
         let fixture = Fixture { dir, org };
-        fixture.node("gateway");
-        fixture.node("prober");
+        fixture.node("gateway", Roles::NONE.with(Role::Gateway));
+        // A client that only probes health needs no role.
+        fixture.node("prober", Roles::NONE);
         fixture
     }
 
@@ -35,8 +39,8 @@ impl Fixture {
         self.dir.path().join(name)
     }
 
-    fn node(&self, name: &str) {
-        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+    fn node(&self, name: &str, roles: Roles) {
+        let node = authority::create_node(&self.org, name, &[], roles, Validity::days(1)).unwrap();
         std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
         std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
     }
@@ -198,8 +202,14 @@ fn running_gateway_answers_probes_and_stops_cleanly() {
     let stranger_root = authority::create_root("Stranger", Validity::days(1)).unwrap();
     let stranger_org =
         authority::create_org(&stranger_root, "Stranger Org", Validity::days(1)).unwrap();
-    let stranger =
-        authority::create_node(&stranger_org, "stranger", &[], Validity::days(1)).unwrap();
+    let stranger = authority::create_node(
+        &stranger_org,
+        "stranger",
+        &[],
+        Roles::NONE,
+        Validity::days(1),
+    )
+    .unwrap();
     std::fs::write(fixture.path("prober-cert.pem"), stranger.chain_pem()).unwrap();
     std::fs::write(fixture.path("prober-key.pem"), stranger.key_pem()).unwrap();
     let out = fixture.probe(&address);
@@ -278,7 +288,16 @@ fn bad_input_gets_one_line_naming_the_file_and_the_fix_and_exit_2() {
         &config,
         &["key_pem", "does not match", "hypha-certutil node"],
     );
-    fixture.node("gateway");
+    fixture.node("gateway", Roles::NONE.with(Role::Gateway));
+
+    // A certificate that grants other roles than the gateway's.
+    fixture.node("gateway", Roles::NONE.with(Role::Worker));
+    assert_bad_input(
+        &fixture,
+        &config,
+        &["cert_pem", "not the gateway role", "--role gateway"],
+    );
+    fixture.node("gateway", Roles::NONE.with(Role::Gateway));
 
     // A typo in a key: the position and a suggestion.
     let config = fixture.config("relay_circut = false\n");
@@ -313,4 +332,99 @@ fn bad_input_gets_one_line_naming_the_file_and_the_fix_and_exit_2() {
     // Malformed TOML.
     let config = fixture.config("listen_addresses = [\n");
     assert_bad_input(&fixture, &config, &["gateway.toml:", "TOML"]);
+}
+
+/// Writes a CRL revoking `revoked` (names of fixture nodes) into `crl.pem`.
+fn write_crl(fixture: &Fixture, revoked: &[&str]) {
+    let mut crl: Option<String> = None;
+    for name in revoked {
+        let cert = std::fs::read(fixture.path(&format!("{name}-cert.pem"))).unwrap();
+        crl = Some(
+            authority::revoke(
+                &fixture.org,
+                crl.as_deref().map(str::as_bytes),
+                &cert,
+                authority::Reason::KeyCompromise,
+                30,
+            )
+            .unwrap(),
+        );
+    }
+    std::fs::write(fixture.path("crl.pem"), crl.unwrap()).unwrap();
+}
+
+fn probe_as(fixture: &Fixture, name: &str, address: &str) -> Output {
+    for ext in ["cert", "key"] {
+        std::fs::copy(
+            fixture.path(&format!("{name}-{ext}.pem")),
+            fixture.path(&format!("prober-{ext}.pem")),
+        )
+        .unwrap();
+    }
+    fixture.probe(address)
+}
+
+/// Waits until probing as `name` fails (exit 1), for at most `limit`.
+fn refused_within(fixture: &Fixture, name: &str, address: &str, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if probe_as(fixture, name, address).status.code() == Some(1) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// An operator revokes a certificate while the gateway runs: the new CRL is in force within
+/// seconds of the file changing; SIGHUP reloads too; a CRL file that does not parse is named in
+/// a warning and the one in force stays. (Checked by not spawning the watcher in
+/// `Node::start_with`: the revoked probe keeps getting in.)
+#[test]
+fn a_revocation_list_changed_on_disk_or_signalled_takes_effect_without_a_restart() {
+    let fixture = Fixture::new();
+    for name in ["old", "first", "second"] {
+        fixture.node(name, Roles::NONE);
+    }
+    write_crl(&fixture, &["old"]);
+    let config = fixture.config("crls_pem = \"crl.pem\"\n");
+    let mut gateway = Running::start(&config);
+    let line = gateway.wait_for("nodes can join with gateway_addresses");
+    let address = line.split('"').nth(1).unwrap().to_string();
+    assert!(probe_as(&fixture, "first", &address).status.success());
+    assert_eq!(probe_as(&fixture, "old", &address).status.code(), Some(1));
+
+    // The file changes: `first` is refused from then on, `second` still gets in.
+    write_crl(&fixture, &["old", "first"]);
+    assert!(
+        refused_within(&fixture, "first", &address, Duration::from_secs(15)),
+        "the revoked certificate still gets in"
+    );
+    gateway.wait_for("trust store reloaded");
+    assert!(probe_as(&fixture, "second", &address).status.success());
+
+    // SIGHUP reloads whether or not a file changed.
+    let pid = gateway.child.id().to_string();
+    Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+    let line = gateway.wait_for("trust store reloaded");
+    assert!(line.contains("SIGHUP"), "{line}");
+    assert_eq!(probe_as(&fixture, "first", &address).status.code(), Some(1));
+
+    // A broken file: named in a warning, the CRL in force stays.
+    std::fs::write(
+        fixture.path("crl.pem"),
+        "-----BEGIN X509 CRL-----\ngarbage\n",
+    )
+    .unwrap();
+    let line = gateway.wait_for("cannot reload the trust store");
+    assert!(
+        line.contains("crl.pem"),
+        "the warning names the file: {line}"
+    );
+    assert_eq!(probe_as(&fixture, "first", &address).status.code(), Some(1));
+    assert!(probe_as(&fixture, "second", &address).status.success());
+
+    let (status, lines) = gateway.stop();
+    assert!(status.success(), "{status:?}");
+    assert!(!lines.iter().any(|l| l.contains("ERROR")), "{lines:#?}");
 }

@@ -67,7 +67,8 @@ impl std::fmt::Debug for SharedStore {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    Available,
+    /// Free to hand out; with the worker that held it last, if one did.
+    Available(Option<u32>),
     Assigned(u32),
     Consumed(u32, u64),
     Used,
@@ -94,7 +95,7 @@ impl Epoch {
         }
         Self {
             available: (0..order.len() as u32).collect(),
-            states: vec![State::Available; order.len()],
+            states: vec![State::Available(None); order.len()],
             counts: EpochProgress {
                 epoch,
                 available: order.len() as u64,
@@ -354,7 +355,8 @@ impl Ledger {
     }
 
     /// Records that `worker` put these slices' samples into its round `round`. Accepted are
-    /// slices ASSIGNED to it, and slices whose lease lapsed but which nobody else took.
+    /// slices ASSIGNED to it, and slices it held whose lease lapsed but which nobody else
+    /// took. Any other slice is refused: a worker cannot use up slices it was never given.
     pub fn consume(
         &mut self,
         worker: &str,
@@ -368,7 +370,7 @@ impl Ledger {
         for &key in keys {
             match self.state(key) {
                 Some(State::Assigned(holder)) if holder == number => {}
-                Some(State::Available) => {}
+                Some(State::Available(Some(last))) if last == number => {}
                 _ => {
                     outcome.refused.push(key);
                     continue;
@@ -683,7 +685,7 @@ impl Ledger {
         };
         let at = epoch.position[key.slice as usize];
         match old {
-            State::Available => {
+            State::Available(_) => {
                 epoch.available.remove(&at);
                 epoch.counts.available -= 1;
             }
@@ -738,7 +740,7 @@ impl Ledger {
             Kind::Returned => {
                 epoch.available.insert(at);
                 epoch.counts.available += 1;
-                State::Available
+                State::Available(Some(record.worker))
             }
         };
         epoch.states[key.slice as usize] = new;

@@ -196,6 +196,35 @@ fn a_lapsed_lease_returns_slices_and_a_late_consume_counts_only_if_nobody_took_t
     );
 }
 
+/// A worker of the run cannot use up slices it was never given: consuming AVAILABLE slices
+/// that nobody assigned it, or that another worker held last, is refused and leaves them for
+/// others. (Checked by accepting every AVAILABLE slice in `consume`: the test fails.)
+#[test]
+fn a_worker_cannot_consume_slices_it_was_never_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::create(&dir.path().join("l"), spec(10, 1, 1), LEASE_MS).unwrap();
+    let a = slices_of(ledger.assign("a", 2, &HashSet::new(), 0));
+    let never_given: Vec<SliceKey> = (0..10)
+        .map(|slice| SliceKey { epoch: 0, slice })
+        .filter(|k| !a.contains(k))
+        .collect();
+    let grabbed = ledger.consume("mallory", &never_given, 0, 1);
+    assert!(grabbed.accepted.is_empty(), "{:?}", grabbed.accepted);
+    assert_eq!(grabbed.refused.len(), 8);
+    // Slices a held whose lease lapsed are a's to report, not anyone else's.
+    assert_eq!(ledger.expire(LEASE_MS + 1), 2);
+    assert!(
+        ledger
+            .consume("mallory", &a, 0, LEASE_MS + 2)
+            .accepted
+            .is_empty()
+    );
+    assert_eq!(ledger.consume("a", &a, 0, LEASE_MS + 3).accepted, a);
+    let progress = ledger.progress(LEASE_MS + 4);
+    let epoch = &progress.epochs[0];
+    assert_eq!((epoch.available, epoch.consumed), (8, 2));
+}
+
 #[test]
 fn a_resumed_iteration_gives_back_what_was_consumed_and_keeps_what_going_jobs_fetched_ahead() {
     let dir = tempfile::tempdir().unwrap();

@@ -51,6 +51,10 @@ pub enum Request {
     Dispatch(job::JobSpec),
     /// A scheduler stops a job it dispatched (scheduler → worker; answered `Ack`).
     Cancel { job: String },
+    /// The workers that now run the jobs of `task`: with the job's scheduler, the only peers
+    /// whose transfers reach the task's jobs on the receiving worker (scheduler → worker,
+    /// whenever they change; answered `Ack`).
+    TaskPeers { task: String, peers: job::TaskPeers },
     /// A worker reports what became of a job (worker → scheduler; answered `Ack`).
     JobStatus(job::StatusReport),
     /// An executor's status through the job bridge's `/status/send`, forwarded to the job's
@@ -63,6 +67,26 @@ pub enum Request {
     Iterate(iterate::IterateRequest),
     /// Where an iteration stands (anyone → the ledger's node; answered `Progress`).
     Progress { iteration: String },
+}
+
+impl Request {
+    /// The request's kind, for logs and spans: a request's body can hold a job's secrets
+    /// and is never recorded whole.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Health => "health",
+            Request::Manifest { .. } => "manifest",
+            Request::Offer(_) => "offer",
+            Request::Lease(_) => "lease",
+            Request::Dispatch(_) => "dispatch",
+            Request::Cancel { .. } => "cancel",
+            Request::TaskPeers { .. } => "task_peers",
+            Request::JobStatus(_) => "job_status",
+            Request::ExecutorStatus { .. } => "executor_status",
+            Request::Iterate(_) => "iterate",
+            Request::Progress { .. } => "progress",
+        }
+    }
 }
 
 /// Every response a node can send.
@@ -104,6 +128,9 @@ pub enum ErrorCode {
     /// What the request names existed once and is gone (an expired lease, a finished job), or
     /// belongs to someone else.
     Gone,
+    /// The sender may not ask this: its certificate lacks the role, or it has no part in
+    /// what the request names.
+    Forbidden,
 }
 
 impl Error {

@@ -2,11 +2,14 @@
 
 use std::collections::HashSet;
 
+use hypha_certs::{Rejection, Role, Roles};
 use hypha_messages::{Envelope, Request, Response, TraceContext, health};
 use libp2p::{
     Multiaddr, PeerId, StreamProtocol, kad::RecordKey, request_response::ResponseChannel,
 };
 use tokio::sync::{mpsc, oneshot};
+
+use crate::{Trust, certified::CertifiedPeers};
 
 /// Something the network could not do.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -28,6 +31,12 @@ pub enum NetworkError {
     Dht(String),
     #[error("gossip: {0}")]
     Gossip(String),
+    #[error("{peer} may not act as {role}: its certificate holds {held}")]
+    Role {
+        peer: PeerId,
+        role: Role,
+        held: Roles,
+    },
     #[error("the network has shut down")]
     Shutdown,
 }
@@ -165,6 +174,11 @@ pub(crate) enum Command {
         healthy: bool,
         detail: String,
     },
+    /// Closes the connections of peers the trust store in force no longer accepts.
+    Recheck {
+        store: std::sync::Arc<hypha_certs::TrustStore>,
+        reply: oneshot::Sender<Vec<(PeerId, Rejection)>>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -179,6 +193,8 @@ pub struct Network {
     pub(crate) local_peer_id: PeerId,
     pub(crate) commands: mpsc::Sender<Command>,
     pub(crate) streams: libp2p_stream::Control,
+    pub(crate) peers: CertifiedPeers,
+    pub(crate) trust: Trust,
 }
 
 impl std::fmt::Debug for Network {
@@ -226,6 +242,35 @@ impl Network {
     /// failing that, reaching it through a gateway's relay.
     pub async fn connect(&self, peer: PeerId) -> Result<(), NetworkError> {
         self.ask(|reply| Command::Connect { peer, reply }).await
+    }
+
+    /// What `peer`'s certificate lets it do (as this node applies roles); `None` while it is
+    /// not connected.
+    pub fn roles(&self, peer: &PeerId) -> Option<Roles> {
+        self.peers.roles(peer)
+    }
+
+    /// [`connect`](Self::connect)s to `peer` and checks that its certificate grants `role`:
+    /// for peers learnt from gossip or the DHT, before trusting them with what the role is for.
+    pub async fn connect_as(&self, peer: PeerId, role: Role) -> Result<(), NetworkError> {
+        self.connect(peer).await?;
+        let held = self.roles(&peer).unwrap_or_default();
+        if held.contains(role) {
+            Ok(())
+        } else {
+            Err(NetworkError::Role { peer, role, held })
+        }
+    }
+
+    /// Puts `store` in force (a reloaded revocation list, say): new handshakes are verified
+    /// with it, and connected peers it refuses are disconnected. Returns those peers and why.
+    pub async fn replace_trust(
+        &self,
+        store: hypha_certs::TrustStore,
+    ) -> Result<Vec<(PeerId, Rejection)>, NetworkError> {
+        self.trust.replace(store);
+        let store = self.trust.current();
+        self.tell(|reply| Command::Recheck { store, reply }).await
     }
 
     /// Tells the network where `peer` can be reached (unless the address is excluded).

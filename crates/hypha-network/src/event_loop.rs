@@ -11,6 +11,7 @@ use std::{
 };
 
 use futures::StreamExt;
+use hypha_certs::Role;
 use hypha_messages::{Envelope, ErrorCode, Request, Response, health};
 use libp2p::{
     Multiaddr, PeerId, Swarm,
@@ -28,6 +29,7 @@ use tokio::sync::mpsc;
 use crate::{
     ExcludedRanges, Settings,
     behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL, peer_id_of},
+    certified::{CertifiedPeers, required_role},
     client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
 };
 
@@ -49,6 +51,7 @@ pub(crate) struct EventLoop {
     pub(crate) gateways: Vec<Multiaddr>,
     pub(crate) relay_circuit: bool,
     pub(crate) started: Instant,
+    peers: CertifiedPeers,
 
     health: (bool, String),
     /// Connected gateways and the address each was reached at (relay circuits are built on it).
@@ -106,6 +109,7 @@ impl EventLoop {
         commands: (mpsc::WeakSender<Command>, mpsc::Receiver<Command>),
         inbound: mpsc::Sender<InboundRequest>,
         settings: Settings,
+        peers: CertifiedPeers,
     ) -> Self {
         EventLoop {
             swarm,
@@ -117,6 +121,7 @@ impl EventLoop {
             gateways: settings.gateway_addresses,
             relay_circuit: settings.relay_circuit,
             started: Instant::now(),
+            peers,
             health: (true, "running".into()),
             gateway_peers: HashMap::new(),
             relay_listeners: HashMap::new(),
@@ -381,8 +386,30 @@ impl EventLoop {
             Command::SetHealth { healthy, detail } => {
                 self.health = (healthy, detail);
             }
+            Command::Recheck { store, reply } => {
+                let _ = reply.send(self.recheck(&store));
+            }
             Command::Shutdown { .. } => unreachable!("handled in run"),
         }
+    }
+
+    /// Disconnects every connected peer whose chain `store` refuses now (revoked, expired),
+    /// returning them with the reason.
+    fn recheck(
+        &mut self,
+        store: &hypha_certs::TrustStore,
+    ) -> Vec<(PeerId, hypha_certs::Rejection)> {
+        let now = hypha_certs::now();
+        let mut refused = Vec::new();
+        for (peer, certificate) in self.peers.snapshot() {
+            if let Err(rejection) = store.verify_peer(&certificate.chain, now) {
+                tracing::warn!(%peer, %rejection, "closing the connections of a peer whose certificate is no longer accepted");
+                self.peers.remove(&peer);
+                let _ = self.swarm.disconnect_peer_id(peer);
+                refused.push((peer, rejection));
+            }
+        }
+        refused
     }
 
     /// The current stage of reaching `peer` failed; move on to the next one.
@@ -424,10 +451,12 @@ impl EventLoop {
         let Some(peer) = self.pending_lookups.remove(&query) else {
             return;
         };
+        // Only gateways relay: a circuit through any other peer is not dialled.
         let (mut excluded, usable): (Vec<Multiaddr>, Vec<Multiaddr>) = peers
             .into_iter()
             .filter(|info| info.peer_id == peer)
             .flat_map(|info| info.addrs)
+            .filter(|address| relay_of(address).is_none_or(|r| self.gateway_peers.contains_key(&r)))
             .partition(|address| self.excluded.excludes(address));
         if let Some(pending) = self.pending_connects.get_mut(&peer) {
             excluded.append(&mut pending.excluded_seen);
@@ -526,6 +555,13 @@ impl EventLoop {
                     }
                 }
             }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } if !self.swarm.is_connected(&peer_id) => {
+                self.peers.remove(&peer_id);
+            }
             SwarmEvent::IncomingConnectionError {
                 send_back_addr,
                 error,
@@ -552,6 +588,22 @@ impl EventLoop {
     }
 
     fn on_gateway_connected(&mut self, gateway: PeerId, address: Multiaddr) {
+        let roles = self.peers.roles(&gateway).unwrap_or_default();
+        if !roles.contains(Role::Gateway) {
+            // Configured as a gateway, certified as something else: it is still a peer (and
+            // the DHT may use it), but never a relay.
+            tracing::warn!(
+                peer = %gateway,
+                %address,
+                %roles,
+                "a configured gateway's certificate holds no gateway role; not relaying through it (issue it with `hypha-certutil node --role gateway`)"
+            );
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&gateway, address);
+            return;
+        }
         self.gateway_peers.insert(gateway, address.clone());
         self.swarm
             .behaviour_mut()
@@ -755,7 +807,8 @@ impl EventLoop {
         request: Envelope<Request>,
         channel: request_response::ResponseChannel<Envelope<Response>>,
     ) {
-        let span = tracing::info_span!("rpc", %peer, request = ?request.body);
+        // The kind only: a body can hold a job's secrets, and spans are exported.
+        let span = tracing::info_span!("rpc", %peer, request = request.body.kind());
         hypha_telemetry::propagation::set_parent(&span, &request.trace);
         let _entered = span.enter();
         let answer = |this: &mut Self, channel, response| {
@@ -766,6 +819,22 @@ impl EventLoop {
                 .rpc
                 .send_response(channel, Envelope::new(response, trace));
         };
+        if let Some(role) = required_role(&request.body) {
+            let held = self.peers.roles(&peer).unwrap_or_default();
+            if !held.contains(role) {
+                tracing::info!(%role, %held, "refused a request its sender's certificate does not allow");
+                let message = format!(
+                    "a {} request needs the {role} role, and your certificate holds {held}; have it issued with `hypha-certutil node --role {role}`",
+                    request.body.kind()
+                );
+                answer(
+                    self,
+                    channel,
+                    Response::Error(hypha_messages::Error::new(ErrorCode::Forbidden, message)),
+                );
+                return;
+            }
+        }
         match request.body {
             Request::Health => {
                 let status = health::Status {
@@ -828,6 +897,19 @@ fn circuit_address(gateway_address: &Multiaddr, gateway: PeerId) -> Multiaddr {
     transport
         .with(Protocol::P2p(gateway))
         .with(Protocol::P2pCircuit)
+}
+
+/// The relay of a circuit address (`…/p2p/<relay>/p2p-circuit/…`), if it is one.
+fn relay_of(address: &Multiaddr) -> Option<PeerId> {
+    let mut relay = None;
+    for protocol in address.iter() {
+        match protocol {
+            Protocol::P2p(peer) => relay = Some(peer),
+            Protocol::P2pCircuit => return relay,
+            _ => {}
+        }
+    }
+    None
 }
 
 fn is_relayed(address: &Multiaddr) -> bool {

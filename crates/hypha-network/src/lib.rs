@@ -19,6 +19,7 @@
 
 pub mod address_filter;
 pub mod behaviour;
+pub mod certified;
 mod client;
 mod event_loop;
 pub mod frame;
@@ -27,12 +28,14 @@ pub mod rpc;
 mod settings;
 pub mod tls;
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 pub use address_filter::ExcludedRanges;
+use certified::CertifiedPeers;
 pub use client::{GossipMessage, InboundRequest, Network, NetworkError, Responder};
 use futures::StreamExt;
-use hypha_certs::{NodeIdentity, TrustStore};
+use hypha_certs::NodeIdentity;
+pub use hypha_certs::{Role, Roles};
 pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
 use libp2p::{
     Swarm, Transport as _,
@@ -42,6 +45,7 @@ use libp2p::{
     tcp,
 };
 pub use settings::Settings;
+pub use tls::Trust;
 use tokio::sync::mpsc;
 
 /// The allocator of [`global_allocator!`].
@@ -95,9 +99,11 @@ pub enum StartError {
 pub async fn start(
     settings: Settings,
     identity: &NodeIdentity,
-    trust: Arc<TrustStore>,
+    trust: impl Into<Trust>,
 ) -> Result<(Network, mpsc::Receiver<InboundRequest>), StartError> {
-    let tls = tls::Config::new(identity, trust)?;
+    let trust = trust.into();
+    let peers = CertifiedPeers::new(settings.allow_roleless);
+    let tls = tls::Config::new(identity, trust.clone(), peers.clone())?;
     let local_peer_id = identity.peer_id();
     let excluded = ExcludedRanges::new(settings.exclude_cidr.iter().copied());
 
@@ -156,6 +162,7 @@ pub async fn start(
         (command_tx.downgrade(), command_rx),
         inbound_tx,
         settings,
+        peers.clone(),
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     tokio::spawn(event_loop.run(joined_tx));
@@ -173,6 +180,8 @@ pub async fn start(
             local_peer_id,
             commands: command_tx,
             streams,
+            peers,
+            trust,
         },
         inbound_rx,
     ))

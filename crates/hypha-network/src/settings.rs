@@ -26,6 +26,10 @@ pub struct Settings {
     /// Inbound requests queued for the application before new ones are answered `Busy`.
     /// Default: 256.
     pub inbound_request_queue: usize,
+    /// Let peers whose certificates state no role act in every role (certificates issued
+    /// before roles existed). Default: off, so a role-less peer may only do what needs no
+    /// role.
+    pub allow_roleless: bool,
 }
 
 impl Settings {
@@ -41,6 +45,7 @@ impl Settings {
             relay_server: false,
             idle_connection_timeout: Duration::from_secs(300),
             inbound_request_queue: 256,
+            allow_roleless: false,
         }
     }
 }

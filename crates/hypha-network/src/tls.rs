@@ -4,7 +4,11 @@
 //! the node's [`TrustStore`]: signatures up to a trusted root, validity dates, CRLs, extended key
 //! usage, and an Ed25519 leaf key. The remote [`PeerId`] is derived from that leaf key, so a
 //! connection's identity is exactly its certificate. A peer that fails verification never
-//! completes the handshake, so no protocol above ever sees it.
+//! completes the handshake, so no protocol above ever sees it. The chain of a peer that passes
+//! is recorded in [`CertifiedPeers`] with the roles it states.
+//!
+//! The trust store is read at every handshake from a [`Trust`] handle, so a reloaded revocation
+//! list applies to the next connection without a restart.
 //!
 //! Only TLS 1.3 is offered, and AES-128-GCM is preferred over ChaCha20-Poly1305: on CPUs with AES
 //! instructions it is about twice as fast, and bulk transfers are bounded by it (see
@@ -13,9 +17,10 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr},
-    sync::Arc,
+    sync::{Arc, PoisonError, RwLock},
 };
 
+use crate::certified::CertifiedPeers;
 use futures::{AsyncRead, AsyncWrite, FutureExt, future::BoxFuture};
 use futures_rustls::TlsStream;
 use hypha_certs::{NodeIdentity, PeerRole, Rejection, TrustStore};
@@ -48,11 +53,47 @@ pub enum UpgradeError {
 #[error("cannot configure TLS with this certificate and key: {0}")]
 pub struct ConfigError(#[from] rustls::Error);
 
+/// The trust store handshakes verify peers with, replaceable while the node runs.
+#[derive(Debug, Clone)]
+pub struct Trust(Arc<RwLock<Arc<TrustStore>>>);
+
+impl Trust {
+    pub fn new(store: TrustStore) -> Self {
+        Trust(Arc::new(RwLock::new(Arc::new(store))))
+    }
+
+    /// The store in force now.
+    pub fn current(&self) -> Arc<TrustStore> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts `store` in force for every handshake from now on.
+    pub fn replace(&self, store: TrustStore) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(store);
+    }
+}
+
+impl From<TrustStore> for Trust {
+    fn from(store: TrustStore) -> Self {
+        Trust::new(store)
+    }
+}
+
+impl From<Arc<TrustStore>> for Trust {
+    fn from(store: Arc<TrustStore>) -> Self {
+        Trust(Arc::new(RwLock::new(store)))
+    }
+}
+
 /// The security upgrade: client and server TLS configurations for one node identity.
 #[derive(Clone)]
 pub struct Config {
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
+    peers: CertifiedPeers,
 }
 
 impl std::fmt::Debug for Config {
@@ -62,8 +103,13 @@ impl std::fmt::Debug for Config {
 }
 
 impl Config {
-    /// Configures TLS for `identity`, accepting peers that `trust` accepts.
-    pub fn new(identity: &NodeIdentity, trust: Arc<TrustStore>) -> Result<Self, ConfigError> {
+    /// Configures TLS for `identity`, accepting peers that `trust` accepts and recording them
+    /// in `peers`.
+    pub(crate) fn new(
+        identity: &NodeIdentity,
+        trust: Trust,
+        peers: CertifiedPeers,
+    ) -> Result<Self, ConfigError> {
         let provider = Arc::new(provider());
         let verifier = Arc::new(PeerVerifier {
             trust,
@@ -87,6 +133,7 @@ impl Config {
         Ok(Config {
             server: Arc::new(server),
             client: Arc::new(client),
+            peers,
         })
     }
 }
@@ -129,7 +176,7 @@ where
                 .accept(socket)
                 .await
                 .map_err(UpgradeError::Handshake)?;
-            let peer = remote_peer_id(stream.get_ref().1)?;
+            let peer = record_peer(&self.peers, stream.get_ref().1)?;
             Ok((peer, stream.into()))
         }
         .boxed()
@@ -153,25 +200,26 @@ where
                 .connect(name, socket)
                 .await
                 .map_err(UpgradeError::Handshake)?;
-            let peer = remote_peer_id(stream.get_ref().1)?;
+            let peer = record_peer(&self.peers, stream.get_ref().1)?;
             Ok((peer, stream.into()))
         }
         .boxed()
     }
 }
 
-fn remote_peer_id(state: &rustls::CommonState) -> Result<PeerId, Rejection> {
-    let leaf = state
-        .peer_certificates()
-        .and_then(|chain| chain.first())
-        .ok_or(Rejection::NoCertificate)?;
-    hypha_certs::peer_id_of_certificate(leaf)
+/// The peer id of a verified handshake's remote side, after recording its chain in `peers`.
+fn record_peer(peers: &CertifiedPeers, state: &rustls::CommonState) -> Result<PeerId, Rejection> {
+    let chain = state.peer_certificates().ok_or(Rejection::NoCertificate)?;
+    let leaf = chain.first().ok_or(Rejection::NoCertificate)?;
+    let peer = hypha_certs::peer_id_of_certificate(leaf)?;
+    peers.insert(peer, chain.to_vec());
+    Ok(peer)
 }
 
 /// Verifies the remote chain in both directions with the node's trust store.
 #[derive(Debug)]
 struct PeerVerifier {
-    trust: Arc<TrustStore>,
+    trust: Trust,
     provider: Arc<CryptoProvider>,
 }
 
@@ -186,7 +234,7 @@ impl PeerVerifier {
         let mut chain = Vec::with_capacity(1 + intermediates.len());
         chain.push(end_entity.clone());
         chain.extend(intermediates.iter().cloned());
-        match self.trust.verify(&chain, now, role) {
+        match self.trust.current().verify(&chain, now, role) {
             Ok(_) => Ok(()),
             Err(rejection) => {
                 tracing::debug!(%rejection, ?role, "refused a peer's certificate");

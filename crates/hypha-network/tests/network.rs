@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Role, Roles, TrustStore,
     authority::{self, Authority, Reason, Validity},
 };
 use hypha_network::{InboundRequest, Network, NetworkError, Settings, StreamProtocol};
@@ -29,8 +29,16 @@ impl Pki {
         Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap())
     }
 
+    /// A node that may act in every role.
     fn node(&self, name: &str) -> NodeIdentity {
-        identity_of(&authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap())
+        self.node_with(name, Roles::ALL)
+    }
+
+    /// A node whose certificate grants `roles` (none: a role-less certificate).
+    fn node_with(&self, name: &str, roles: Roles) -> NodeIdentity {
+        identity_of(
+            &authority::create_node(&self.org, name, &[], roles, Validity::days(1)).unwrap(),
+        )
     }
 }
 
@@ -161,6 +169,7 @@ async fn expired_certificate_is_refused() {
         &pki.org,
         "expired",
         &[],
+        Roles::ALL,
         Validity {
             not_before: now - time::Duration::days(3),
             not_after: now - time::Duration::days(1),
@@ -173,7 +182,8 @@ async fn expired_certificate_is_refused() {
 #[tokio::test]
 async fn revoked_certificate_is_refused() {
     let pki = Pki::new();
-    let revoked = authority::create_node(&pki.org, "revoked", &[], Validity::days(1)).unwrap();
+    let revoked =
+        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
     let crl = authority::revoke(
         &pki.org,
         None,
@@ -220,8 +230,8 @@ async fn key_that_does_not_match_its_certificate_is_refused() {
 
     let pki = Pki::new();
     let (server, server_addr) = gateway(&pki).await;
-    let a = authority::create_node(&pki.org, "a", &[], Validity::days(1)).unwrap();
-    let b = authority::create_node(&pki.org, "b", &[], Validity::days(1)).unwrap();
+    let a = authority::create_node(&pki.org, "a", &[], Roles::ALL, Validity::days(1)).unwrap();
+    let b = authority::create_node(&pki.org, "b", &[], Roles::ALL, Validity::days(1)).unwrap();
     let a_id = identity_of(&a);
     let b_id = identity_of(&b);
 
@@ -633,4 +643,378 @@ async fn excluded_ranges_are_never_dialled_even_when_the_dht_names_them() {
 
 async fn provider_addr(net: &Network) -> Multiaddr {
     address_of(net).await
+}
+
+/// Where a capturing subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_dispatched_jobs_secrets_reach_no_span_or_log_on_either_side() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::NEW)
+        .with_ansi(false)
+        .finish();
+    // The test's runtime runs every task on this thread: both nodes log here.
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let pki = Pki::new();
+    let (worker, mut inbound) = start(
+        &pki.node("worker"),
+        pki.trust(),
+        settings("worker", true, &[]),
+    )
+    .await;
+    let (scheduler, _) = start(
+        &pki.node("scheduler"),
+        pki.trust(),
+        settings("scheduler", false, &[]),
+    )
+    .await;
+    let peer = scheduler.dial(address_of(&worker).await).await.unwrap();
+    let spec = hypha_messages::job::JobSpec {
+        id: "job".into(),
+        task: "task".into(),
+        lease: 1,
+        executor: hypha_messages::market::ExecutorRef {
+            class: "train".into(),
+            name: "x".into(),
+        },
+        config: "{}".into(),
+        secrets: std::collections::BTreeMap::from([(
+            "HF_TOKEN".to_string(),
+            "hf_the_secret_value".to_string(),
+        )])
+        .into(),
+        artifacts: Vec::new(),
+        artifact_peers: 0,
+        task_peers: hypha_messages::job::TaskPeers::default(),
+    };
+    let answering = tokio::spawn(async move {
+        let request: InboundRequest = inbound.recv().await.unwrap();
+        tracing::debug!(request = ?request.request, "received");
+        request
+            .responder
+            .respond(hypha_messages::Response::Ack)
+            .await
+            .unwrap();
+    });
+    scheduler
+        .request(peer, hypha_messages::Request::Dispatch(spec))
+        .await
+        .unwrap();
+    answering.await.unwrap();
+
+    let logged = String::from_utf8_lossy(&captured.0.lock().unwrap()).to_string();
+    assert!(
+        logged.contains("request=\"dispatch\"") || logged.contains("request=dispatch"),
+        "the rpc span names the request's kind:\n{logged}"
+    );
+    assert!(logged.contains("HF_TOKEN"), "{logged}");
+    assert!(!logged.contains("hf_the_secret_value"), "{logged}");
+}
+
+/// Dials a node presenting `server_identity` (which trusts our root, so it would take the
+/// dialer) with a dialer that trusts `client_trust`, and expects the dialer to refuse it.
+async fn assert_dialer_refuses(
+    server_identity: NodeIdentity,
+    pki: &Pki,
+    client_trust: Arc<TrustStore>,
+) {
+    let mut s = settings("gateway", true, &[]);
+    s.relay_server = true;
+    let (server, _) = start(&server_identity, pki.trust(), s).await;
+    let server_addr = address_of(&server).await;
+    let client_id = pki.node("client");
+    let (client, _) = start(&client_id, client_trust, settings("worker", false, &[])).await;
+    let err = client.dial(server_addr).await.unwrap_err();
+    assert!(matches!(err, NetworkError::Dial { .. }), "{err}");
+    assert!(client.connected_peers().await.unwrap().is_empty());
+    assert!(
+        !server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&client_id.peer_id()),
+        "the dialer broke the handshake off"
+    );
+}
+
+/// The dialing side checks the listener's chain as strictly as the listener checks the
+/// dialer's: each of these servers accepts our nodes, so only the dialer's check stops them.
+/// (Checked by making `PeerVerifier::verify_server_cert` accept anything: all three fail.)
+#[tokio::test]
+async fn a_listener_with_a_foreign_expired_or_revoked_certificate_is_refused_by_the_dialer() {
+    let pki = Pki::new();
+
+    let stranger = Pki::new().node("stranger");
+    assert_dialer_refuses(stranger, &pki, pki.trust()).await;
+
+    let now = time::OffsetDateTime::now_utc();
+    let expired = authority::create_node(
+        &pki.org,
+        "expired",
+        &[],
+        Roles::ALL,
+        Validity {
+            not_before: now - time::Duration::days(3),
+            not_after: now - time::Duration::days(1),
+        },
+    )
+    .unwrap();
+    assert_dialer_refuses(identity_of(&expired), &pki, pki.trust()).await;
+
+    let revoked =
+        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
+    let crl = authority::revoke(
+        &pki.org,
+        None,
+        revoked.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        30,
+    )
+    .unwrap();
+    let trust_with_crl =
+        Arc::new(TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap());
+    assert_dialer_refuses(identity_of(&revoked), &pki, trust_with_crl).await;
+}
+
+/// Sends `request` from a node with `roles` to a node that does or does not
+/// `allow_roleless`; returns the answer and whether the receiving application saw the request.
+async fn send_as(
+    roles: Roles,
+    allow_roleless: bool,
+    request: hypha_messages::Request,
+) -> (Result<hypha_messages::Response, NetworkError>, bool) {
+    let pki = Pki::new();
+    let mut receiver_settings = settings("worker", true, &[]);
+    receiver_settings.allow_roleless = allow_roleless;
+    let (receiver, mut inbound) = start(
+        &pki.node_with("receiver", Role::Worker.into()),
+        pki.trust(),
+        receiver_settings,
+    )
+    .await;
+    let (sender, _) = start(
+        &pki.node_with("sender", roles),
+        pki.trust(),
+        settings("scheduler", false, &[]),
+    )
+    .await;
+    let peer = sender.dial(address_of(&receiver).await).await.unwrap();
+    let answering = tokio::spawn(async move {
+        let request = inbound.recv().await.unwrap();
+        request
+            .responder
+            .respond(hypha_messages::Response::Ack)
+            .await
+            .unwrap();
+    });
+    let answer = sender.request(peer, request).await;
+    let seen = tokio::time::timeout(Duration::from_millis(500), answering)
+        .await
+        .is_ok();
+    (answer, seen)
+}
+
+fn cancel() -> hypha_messages::Request {
+    hypha_messages::Request::Cancel {
+        job: "job-1".into(),
+    }
+}
+
+fn assert_forbidden(answer: Result<hypha_messages::Response, NetworkError>, role: &str) {
+    match answer {
+        Err(NetworkError::Remote { error, .. }) => {
+            assert_eq!(error.code, hypha_messages::ErrorCode::Forbidden, "{error}");
+            assert!(
+                error.message.contains(role),
+                "the refusal names the role: {error}"
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Only a scheduler's certificate lets its holder cancel a job (and lease, and dispatch); a
+/// worker's does not, and a role-less one only where the receiver allows role-less peers.
+/// (Checked by making `required_role` answer `None`: the refusals fail.)
+#[tokio::test]
+async fn a_request_needs_the_role_its_certificate_grants() {
+    let (answer, seen) = send_as(Role::Scheduler.into(), false, cancel()).await;
+    assert!(answer.is_ok() && seen, "a scheduler may cancel: {answer:?}");
+
+    let (answer, seen) = send_as(Role::Worker.into(), false, cancel()).await;
+    assert_forbidden(answer, "scheduler");
+    assert!(!seen, "the application never sees a refused request");
+
+    let (answer, seen) = send_as(Roles::NONE, false, cancel()).await;
+    assert_forbidden(answer, "scheduler");
+    assert!(!seen);
+
+    let (answer, seen) = send_as(Roles::NONE, true, cancel()).await;
+    assert!(
+        answer.is_ok() && seen,
+        "allow_roleless lets a role-less peer act in every role: {answer:?}"
+    );
+
+    // What needs no role, a role-less client may ask.
+    let progress = hypha_messages::Request::Progress {
+        iteration: "i".into(),
+    };
+    let (answer, seen) = send_as(Roles::NONE, false, progress).await;
+    assert!(answer.is_ok() && seen, "{answer:?}");
+}
+
+/// A peer learnt from gossip or the DHT is trusted with a role only once its certificate is
+/// seen to grant it.
+#[tokio::test]
+async fn connect_as_checks_the_role_of_the_peer_reached() {
+    let pki = Pki::new();
+    let (data, _) = start(
+        &pki.node_with("data", Role::Data.into()),
+        pki.trust(),
+        settings("data", true, &[]),
+    )
+    .await;
+    let (client, _) = start(
+        &pki.node_with("client", Roles::NONE),
+        pki.trust(),
+        settings("client", false, &[]),
+    )
+    .await;
+    client
+        .add_address(data.local_peer_id(), address_of(&data).await)
+        .await
+        .unwrap();
+    client
+        .connect_as(data.local_peer_id(), Role::Data)
+        .await
+        .unwrap();
+    let err = client
+        .connect_as(data.local_peer_id(), Role::Scheduler)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NetworkError::Role {
+                role: Role::Scheduler,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(client.roles(&data.local_peer_id()), Some(Role::Data.into()));
+    assert_eq!(
+        data.roles(&client.local_peer_id()),
+        Some(Roles::NONE),
+        "role-less, not allowed"
+    );
+}
+
+/// A node configured with a gateway whose certificate lacks the gateway role joins it as a
+/// peer but never listens through its relay.
+#[tokio::test]
+async fn only_a_gateway_certified_as_one_relays() {
+    let pki = Pki::new();
+    let mut s = settings("gateway", true, &[]);
+    s.relay_server = true;
+    let (impostor, _) = start(
+        &pki.node_with("impostor", Role::Worker.into()),
+        pki.trust(),
+        s,
+    )
+    .await;
+    let impostor_addr = address_of(&impostor).await;
+    let mut node_settings = settings("worker", false, std::slice::from_ref(&impostor_addr));
+    node_settings.relay_circuit = true;
+    let (node, _) = start(&pki.node("node"), pki.trust(), node_settings).await;
+    eventually("the connection to the configured gateway", || async {
+        node.connected_peers()
+            .await
+            .unwrap()
+            .contains(&impostor.local_peer_id())
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let relayed = node
+        .listen_addresses()
+        .await
+        .unwrap()
+        .iter()
+        .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit));
+    assert!(
+        !relayed,
+        "no relay reservation through a peer that is no gateway"
+    );
+}
+
+/// A revocation list put in force while a node runs closes the revoked peer's connections
+/// and refuses its next dial; other peers stay connected.
+/// (Checked by leaving `recheck` out of `replace_trust`: the revoked peer stays connected.)
+#[tokio::test]
+async fn a_new_revocation_list_disconnects_the_revoked_peer_without_a_restart() {
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let revoked =
+        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
+    let revoked_id = identity_of(&revoked);
+    let (bad, _) = start(&revoked_id, pki.trust(), settings("worker", false, &[])).await;
+    let (good, _) = start(
+        &pki.node("good"),
+        pki.trust(),
+        settings("worker", false, &[]),
+    )
+    .await;
+    bad.dial(server_addr.clone()).await.unwrap();
+    good.dial(server_addr.clone()).await.unwrap();
+
+    let crl = authority::revoke(
+        &pki.org,
+        None,
+        revoked.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        30,
+    )
+    .unwrap();
+    let store = TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap();
+    let closed = server.replace_trust(store).await.unwrap();
+    assert_eq!(closed.len(), 1, "{closed:?}");
+    assert_eq!(closed[0].0, revoked_id.peer_id());
+
+    eventually("the revoked peer's disconnection", || async {
+        (!server
+            .connected_peers()
+            .await
+            .unwrap()
+            .contains(&revoked_id.peer_id()))
+        .then_some(())
+    })
+    .await;
+    assert!(
+        bad.dial(server_addr.clone()).await.is_err(),
+        "a revoked peer cannot come back"
+    );
+    let connected = server.connected_peers().await.unwrap();
+    assert!(
+        connected.contains(&good.local_peer_id()),
+        "others stay: {connected:?}"
+    );
 }

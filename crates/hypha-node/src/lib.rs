@@ -5,6 +5,7 @@
 //! - [`Node::start`] loads the layered config, sets up telemetry, loads the certificate and
 //!   trust store, and starts the network.
 //! - [`probe`] checks a running node's health over the network.
+//! - [`trust_reload`]: CRLs and trust anchors reloaded when their files change or on SIGHUP.
 //! - [`Error`] carries the exit code: 2 for bad input (config, certificates, addresses),
 //!   1 for everything else. [`report`] prints one line and returns the code.
 //!
@@ -14,6 +15,7 @@ mod args;
 mod error;
 mod node;
 mod probe;
+pub mod trust_reload;
 
 pub use args::{InitArgs, Overrides, ProbeArgs, RunArgs};
 pub use error::{Error, report};

@@ -1,12 +1,12 @@
 use std::{path::Path, sync::Arc};
 
-use hypha_certs::{NodeIdentity, TrustStore};
+use hypha_certs::{NodeIdentity, Role, TrustStore};
 use hypha_config::{Layers, Loaded, Schema, network::NetworkConfig, telemetry::TelemetryConfig};
 use hypha_files::{Mode, write_atomic};
 use hypha_network::{InboundRequest, Network, Settings};
 use tokio::sync::mpsc;
 
-use crate::{Error, InitArgs, RunArgs, args::Overrides};
+use crate::{Error, InitArgs, RunArgs, args::Overrides, trust_reload::TrustFiles};
 
 /// A started node: its settings, network handle and inbound requests.
 #[derive(Debug)]
@@ -41,10 +41,16 @@ impl Node {
     ) -> Result<Node, Error> {
         let network_config = NetworkConfig::from_loaded(&config)?;
         let telemetry = telemetry_settings(&config, kind)?;
+        // Taken before the files are read, so that a change while they are read is seen.
+        let trust_files = TrustFiles::new(
+            network_config.trust_pem.clone(),
+            network_config.crls_pem.clone(),
+        );
         let (identity, trust) = load_identity(&config, &network_config)?;
 
         let guard = hypha_telemetry::init(&telemetry)
             .map_err(|e| Error::BadInput(format!("telemetry: {e}")))?;
+        check_own_role(&config, &identity, kind)?;
 
         let mut settings = Settings::new(kind);
         settings.listen_addresses = network_config.listen_addresses.clone();
@@ -52,12 +58,14 @@ impl Node {
         settings.gateway_addresses = network_config.gateway_addresses.clone();
         settings.exclude_cidr = network_config.exclude_cidr.clone();
         settings.relay_circuit = network_config.relay_circuit;
+        settings.allow_roleless = network_config.allow_roleless;
         adjust(&mut settings);
 
         let (network, inbound) = hypha_network::start(settings, &identity, trust)
             .await
             .map_err(|e| Error::Failed(e.to_string()))?;
         tracing::info!(peer_id = %network.local_peer_id(), kind, "node started");
+        tokio::spawn(trust_files.watch(network.clone()));
         Ok(Node {
             network,
             inbound,
@@ -138,6 +146,28 @@ pub(crate) fn load_identity(
         )
     })?;
     Ok((identity, Arc::new(trust)))
+}
+
+/// Refuses to start a node of `kind` whose certificate states roles without that one: every
+/// peer would refuse what it is there to do. A role-less certificate starts, with a warning.
+fn check_own_role(config: &Loaded, identity: &NodeIdentity, kind: &str) -> Result<(), Error> {
+    let Ok(role) = kind.parse::<Role>() else {
+        return Ok(());
+    };
+    match identity.roles() {
+        Some(roles) if roles.contains(role) => Ok(()),
+        Some(roles) => Err(config.error(
+            "cert_pem",
+            format!("the certificate grants {roles}, not the {role} role this node needs"),
+            format!("issue this node's certificate with `hypha-certutil node --role {role}` (repeat --role for several)"),
+        ).into()),
+        None => {
+            tracing::warn!(
+                "this node's certificate states no role; peers accept it as a {role} only if they set allow_roleless = true (issue it with `hypha-certutil node --role {role}`)"
+            );
+            Ok(())
+        }
+    }
 }
 
 fn telemetry_settings(config: &Loaded, kind: &str) -> Result<hypha_telemetry::Settings, Error> {

@@ -165,6 +165,17 @@ impl JobData {
         })
     }
 
+    /// The most samples any slice of the dataset holds.
+    pub fn largest_slice(&self) -> u64 {
+        self.ledger()
+            .spec()
+            .samples
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn service(&self) -> &IterationService {
         &self.service
     }

@@ -36,9 +36,9 @@ use std::{
 use hypha_messages::{
     Error as RemoteError, ErrorCode, Request, Response,
     iterate::RunProgress,
-    job::{JobSpec, JobStatus, StatusReport},
+    job::{JobSpec, JobStatus, StatusReport, TaskPeers},
 };
-use hypha_network::{InboundRequest, Network};
+use hypha_network::{InboundRequest, Network, NetworkError};
 use libp2p::PeerId;
 use serde::Serialize;
 use tokio::{
@@ -70,6 +70,10 @@ const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
+/// A worker that answers a task's peers `Gone` (its dispatch is still on the way) is told
+/// again this many times, this long apart.
+const TASK_PEERS_TRIES: usize = 20;
+const TASK_PEERS_RETRY: Duration = Duration::from_millis(250);
 
 /// Something that happened to the job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -732,6 +736,8 @@ struct JobRun<'a> {
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
+    /// The task's peers as last told to its workers.
+    told_peers: TaskPeers,
     tasks: JoinSet<Internal>,
     lost: mpsc::Sender<Lost>,
 }
@@ -795,7 +801,7 @@ impl<'a> JobRun<'a> {
                 resources: diloco.parameter_server.resources,
                 bid: diloco.parameter_server.bid,
             },
-            config: diloco.server_config(),
+            config: diloco.server_config(data.as_ref().map_or(0, JobData::largest_slice)),
             // The built-in parameter server runs no program that could read artifacts.
             artifacts: Vec::new(),
         });
@@ -820,6 +826,7 @@ impl<'a> JobRun<'a> {
             server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
+            told_peers: TaskPeers::default(),
             tasks,
             lost: lost_tx,
         };
@@ -1199,6 +1206,7 @@ impl<'a> JobRun<'a> {
         self.slots.started(slot, &job);
         self.live.insert(peer, &job);
         self.jobs.insert(job.clone(), Dispatched { slot, lease });
+        self.tell_task_peers();
         self.store_record()?;
         let early = self
             .ended_early
@@ -1224,6 +1232,58 @@ impl<'a> JobRun<'a> {
             .map(|recorded| self.slots.role(recorded.slot))
     }
 
+    /// Tells every worker of the run who the task's peers are (the workers of its jobs: with
+    /// the scheduler, the only peers whose transfers the jobs take), when that changed since
+    /// last told: a worker that joins is heard by the others, one that left no longer is.
+    ///
+    /// Sent in the background. The lists carry rising versions, so one that arrives late
+    /// changes nothing; one that arrives before the dispatch it follows (answered `Gone`) is
+    /// sent again for a few seconds. A worker that never hears it keeps what it was told
+    /// before, and a sender it refuses tries again for a while (`not_in_task` is transient).
+    fn tell_task_peers(&mut self) {
+        let peers: Vec<String> = self
+            .jobs
+            .values()
+            .map(|d| d.lease.peer.to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if peers == self.told_peers.peers {
+            return;
+        }
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.told_peers = TaskPeers {
+            version: now_ms.max(self.told_peers.version + 1),
+            peers,
+        };
+        let workers: HashSet<PeerId> = self.jobs.values().map(|d| d.lease.peer).collect();
+        for worker in workers {
+            let network = self.network.clone();
+            let request = Request::TaskPeers {
+                task: self.task.clone(),
+                peers: self.told_peers.clone(),
+            };
+            tokio::spawn(async move {
+                for _ in 0..TASK_PEERS_TRIES {
+                    match network.request(worker, request.clone()).await {
+                        Err(NetworkError::Remote { error, .. })
+                            if error.code == ErrorCode::Gone =>
+                        {
+                            tokio::time::sleep(TASK_PEERS_RETRY).await;
+                        }
+                        Err(error) => {
+                            tracing::debug!(%worker, %error, "a worker did not hear who its task's peers are");
+                            return;
+                        }
+                        Ok(_) => return,
+                    }
+                }
+            });
+        }
+    }
+
     /// Dispatches the slot's executor under `lease`; the answer comes back as a task.
     fn dispatch(&mut self, slot: usize, lease: Lease) -> Result<(), RunError> {
         let id = uuid::Uuid::new_v4().to_string();
@@ -1237,7 +1297,7 @@ impl<'a> JobRun<'a> {
             Some(round) => restoring(&work.config, round),
             None => work.config.clone(),
         };
-        let spec = JobSpec {
+        let mut spec = JobSpec {
             id: id.clone(),
             task: self.task.clone(),
             lease: lease.id,
@@ -1250,6 +1310,7 @@ impl<'a> JobRun<'a> {
             } else {
                 self.spec.workers
             },
+            task_peers: TaskPeers::default(),
         };
         // Known to the training before the job can send its first status or checkpoint.
         if let Some(training) = self.training.as_mut() {
@@ -1269,6 +1330,8 @@ impl<'a> JobRun<'a> {
         let peer = lease.peer;
         self.live.insert(peer, &id);
         self.jobs.insert(id.clone(), Dispatched { slot, lease });
+        self.tell_task_peers();
+        spec.task_peers = self.told_peers.clone();
         self.store_record()?;
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
         let checkpoint = match (restore, &self.checkpoints) {
@@ -1349,6 +1412,7 @@ impl<'a> JobRun<'a> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
+        self.tell_task_peers();
         let role = self.slots.role(dispatched.slot);
         if role == Role::ParameterServer && self.server_pending && failure.is_none() {
             // A server taken over that finished before it said where it was: the earlier

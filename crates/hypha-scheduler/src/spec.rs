@@ -47,6 +47,8 @@
 //! batch_size = 32
 //! round_seconds = 60       # the longest a round is planned to take
 //! quorum = 0.5             # after that (plus a quarter), close with this share of trainers
+//! max_update_norm_ratio = 10  # refuse an update whose L2 norm is above 10× the median of
+//!                             # the last 32 taken (after the first 3; default: no limit)
 //! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
 //! forward = "http://127.0.0.1:8080/metrics"  # also POST each metrics line there (optional)
 //! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
@@ -70,10 +72,7 @@
 //! is leased ([`hypha_executor::contract`]). Other `[config]`s belong to other executors and
 //! are passed on unread.
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use hypha_dataset::Manifest;
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
@@ -97,7 +96,7 @@ pub struct JobFile {
     #[serde(default)]
     pub config: toml::Table,
     #[serde(default)]
-    pub secrets: BTreeMap<String, String>,
+    pub secrets: hypha_messages::job::Secrets,
     /// What every worker of the job fetches before its executor starts (duplicates dropped;
     /// destinations relative to the job's directory). See [`hypha_messages::artifact`].
     #[serde(default)]
@@ -120,6 +119,11 @@ pub struct DilocoSpec {
     pub round_seconds: f64,
     #[serde(default = "default_quorum")]
     pub quorum: f64,
+    /// An update whose L2 norm is more than this many times the median norm of the last
+    /// updates the parameter server took is refused (one trainer scaling its update up would
+    /// otherwise move the model as far as it likes). Unset: no limit.
+    #[serde(default)]
+    pub max_update_norm_ratio: Option<f64>,
     /// Where trainers' reports and closed rounds are written as JSON lines.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
@@ -454,6 +458,13 @@ impl DilocoSpec {
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
+        if let Some(ratio) = self.max_update_norm_ratio
+            && !(ratio.is_finite() && ratio > 1.0)
+        {
+            return Err(format!(
+                "diloco.max_update_norm_ratio = {ratio} would refuse typical updates: give a ratio above 1, e.g. 10, or leave it out"
+            ));
+        }
         Ok(())
     }
 
@@ -468,9 +479,20 @@ impl DilocoSpec {
         }
     }
 
-    /// The parameter server's config.
-    pub fn server_config(&self) -> String {
-        serde_json::json!({ "outer": self.outer }).to_string()
+    /// The parameter server's config, for slices of at most `largest_slice` samples. An
+    /// update may claim at most two rounds' planned samples and a slice (a trainer finishes
+    /// the slice it reads before it syncs): more is a lie that would outweigh every honest
+    /// update in the mean.
+    pub fn server_config(&self, largest_slice: u64) -> String {
+        let max_samples = self
+            .samples_per_round
+            .saturating_mul(2)
+            .saturating_add(largest_slice);
+        let mut config = serde_json::json!({ "outer": self.outer, "max_samples": max_samples });
+        if let Some(ratio) = self.max_update_norm_ratio {
+            config["max_norm_ratio"] = ratio.into();
+        }
+        config.to_string()
     }
 }
 
@@ -519,8 +541,8 @@ mod tests {
         assert_eq!(trainer["diloco"]["batch_size"], 32);
         assert_eq!(trainer["seed"], 1);
         assert_eq!(
-            d.server_config(),
-            r#"{"outer":{"learning_rate":0.7,"momentum":0.9}}"#
+            d.server_config(64),
+            r#"{"max_samples":1088,"outer":{"learning_rate":0.7,"momentum":0.9}}"#
         );
 
         let bad = |extra: &str| {
@@ -529,6 +551,7 @@ mod tests {
             JobFile::parse("job.toml", &text).unwrap_err().to_string()
         };
         assert!(bad("quorum = 1.5").contains("diloco.quorum = 1.5"));
+        assert!(bad("max_update_norm_ratio = 0.5").contains("diloco.max_update_norm_ratio = 0.5"));
         assert!(bad("forward = \"ftp://x\"").contains("diloco.forward"));
         assert!(bad("rounds = 0").contains("diloco.rounds = 0"));
         let err = JobFile::parse(

@@ -17,7 +17,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use hypha_certs::authority::{self, Authority, Validity};
+use hypha_certs::{
+    Role, Roles,
+    authority::{self, Authority, Validity},
+};
 use hypha_executor::{model::ModelSpec, synthetic::Synthetic};
 use hypha_ledger::{Event, ReturnReason};
 
@@ -74,7 +77,7 @@ impl Cluster {
             // Short, so that tests of lapsing leases are quick.
             worker_lease_ms: Some(3000),
         };
-        let config = cluster.config("gateway", "");
+        let config = cluster.config("gateway", Role::Gateway, "");
         let mut gateway = Proc::start(
             &bin("hypha-gateway"),
             &["run", "--config"],
@@ -93,10 +96,11 @@ impl Cluster {
         self.dir.path().join(name)
     }
 
-    /// Certificates for `name` and a config joining the gateway, with `extra` appended.
-    /// Returns the config's path.
-    pub fn config(&self, name: &str, extra: &str) -> PathBuf {
-        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+    /// Certificates for `name` granting `roles` and a config joining the gateway, with
+    /// `extra` appended. Returns the config's path.
+    pub fn config(&self, name: &str, roles: impl Into<Roles>, extra: &str) -> PathBuf {
+        let roles = roles.into();
+        let node = authority::create_node(&self.org, name, &[], roles, Validity::days(1)).unwrap();
         std::fs::write(self.path(&format!("{name}-cert.pem")), node.chain_pem()).unwrap();
         std::fs::write(self.path(&format!("{name}-key.pem")), node.key_pem()).unwrap();
         let gateways = if self.gateway_address.is_empty() {
@@ -169,7 +173,7 @@ impl Cluster {
             "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\n{lease}{offer}\n{executors}",
             work.display()
         );
-        let config = self.config(name, &extra);
+        let config = self.config(name, Role::Worker, &extra);
         let mut command_env: Vec<(&str, &str)> =
             env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         command_env.push(("RUST_LOG", "info"));
@@ -196,7 +200,7 @@ impl Cluster {
 
     /// Starts a scheduler running `job`; its events go to `<name>-events.jsonl`.
     pub fn scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
-        self.config(name, "");
+        self.config(name, Role::Scheduler, "");
         self.restart_scheduler(name, job)
     }
 
@@ -230,7 +234,8 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no address in {listening:?}"));
         let observer = self.path("observer.toml");
         if !observer.exists() {
-            self.config("observer", "");
+            // Progress is for anyone certified: no role.
+            self.config("observer", Roles::NONE, "");
         }
         let out = Command::new(bin("hypha-scheduler"))
             .args([
@@ -381,6 +386,7 @@ pub fn job_dir(work: &Path) -> PathBuf {
 pub fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
     let config = cluster.config(
         name,
+        Role::Data,
         &format!(
             "dataset_path = {dataset_path:?}
 "

@@ -6,6 +6,7 @@
 
 mod common;
 
+use hypha_certs::Role;
 use std::{os::unix::fs::MetadataExt, process::Command, time::Duration};
 
 use common::{Cluster, job_dir};
@@ -168,7 +169,7 @@ fn fetch(cluster: &Cluster, s3: &S3Server, name: &str, args: &[&str]) -> std::pr
         "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\n{}",
         s3.profile_toml("default")
     );
-    let config = cluster.config(name, &extra);
+    let config = cluster.config(name, Role::Worker, &extra);
     Command::new(common::bin("hypha-worker"))
         .arg("fetch")
         .arg("--config")

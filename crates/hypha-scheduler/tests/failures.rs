@@ -7,6 +7,7 @@
 
 mod common;
 
+use hypha_certs::Role;
 use std::time::Duration;
 
 use common::{Cluster, Proc, bin, data_node, events, of_kind};
@@ -145,6 +146,7 @@ cd "$1" && curl -sf --unix-socket bridge.sock http://bridge/openapi.json > /dev/
     );
     let config = cluster.config(
         "worker",
+        Role::Worker,
         &format!(
             "work_dir = {long:?}\n[resources]\ncpu = 2\nmemory = 2\n[offer]\nprice = 1.0\n{executors}"
         ),

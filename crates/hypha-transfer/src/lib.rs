@@ -36,6 +36,11 @@ pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.0.0"
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the bytes of a transfer may make no progress.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The slowest a transfer's bytes may come, measured over every [`STALL_TIMEOUT`]: a sender
+/// that trickles a byte now and then, never quite silent, still frees the receiver's slot.
+pub const MIN_BYTES_PER_SECOND: u64 = 32 * 1024;
+/// The largest file a receiver takes, whatever its disk holds.
+pub const MAX_TRANSFER_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 /// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`,
 /// or cannot be reached, unless told otherwise.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
@@ -87,12 +92,19 @@ pub enum RefusalCode {
     NoJob,
     /// Every job of the task has as many files waiting as the receiver keeps.
     InboxFull,
+    /// The sender runs no job of the task, as far as the receiver's scheduler told it (the
+    /// news of a job just dispatched may still be on its way).
+    NotInTask,
     /// The receiver takes no more transfers at once.
     Busy,
     /// The bytes did not match the size or checksum announced.
     Corrupt,
     /// The receiver could not store the file.
     Io,
+    /// The file is larger than the receiver takes ([`MAX_TRANSFER_BYTES`]) or has room for.
+    TooLarge,
+    /// The bytes came slower than [`MIN_BYTES_PER_SECOND`].
+    TooSlow,
 }
 
 impl RefusalCode {
@@ -100,7 +112,11 @@ impl RefusalCode {
     fn is_transient(self) -> bool {
         matches!(
             self,
-            RefusalCode::NoJob | RefusalCode::Busy | RefusalCode::InboxFull
+            RefusalCode::NoJob
+                | RefusalCode::Busy
+                | RefusalCode::InboxFull
+                | RefusalCode::NotInTask
+                | RefusalCode::TooSlow
         )
     }
 }
@@ -123,7 +139,8 @@ pub async fn read_header(stream: &mut hypha_network::Stream) -> Result<Header, R
 }
 
 /// Reads exactly `size` bytes and the trailer into `file`; returns `sha256:<hex>` when the
-/// trailer's checksum matches.
+/// trailer's checksum matches. The bytes may stall for at most [`STALL_TIMEOUT`], and must
+/// come at [`MIN_BYTES_PER_SECOND`] on average over each such period.
 pub async fn receive_bytes(
     stream: &mut hypha_network::Stream,
     file: std::fs::File,
@@ -134,6 +151,7 @@ pub async fn receive_bytes(
     let mut hasher = Sha256::new();
     let mut left = size;
     let mut buffer = vec![0u8; CHUNK];
+    let mut rate = RateFloor::new(STALL_TIMEOUT, MIN_BYTES_PER_SECOND);
     while left > 0 {
         let want = buffer
             .len()
@@ -153,6 +171,15 @@ pub async fn receive_bytes(
             .await
             .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
         left -= read as u64;
+        if !rate.add(read as u64, tokio::time::Instant::now()) {
+            return Err(Refusal::new(
+                RefusalCode::TooSlow,
+                format!(
+                    "the bytes came slower than {} KiB/s over {STALL_TIMEOUT:?}",
+                    MIN_BYTES_PER_SECOND / 1024
+                ),
+            ));
+        }
     }
     let trailer: Trailer = tokio::time::timeout(STALL_TIMEOUT, read_frame(stream))
         .await
@@ -171,6 +198,39 @@ pub async fn receive_bytes(
     Ok(format!("sha256:{actual}"))
 }
 
+/// Checks that bytes keep coming at a rate: each `period`, at least `period × per_second`.
+#[derive(Debug)]
+pub struct RateFloor {
+    period: Duration,
+    floor: u64,
+    since: tokio::time::Instant,
+    bytes: u64,
+}
+
+impl RateFloor {
+    pub fn new(period: Duration, per_second: u64) -> Self {
+        RateFloor {
+            period,
+            floor: per_second.saturating_mul(period.as_secs().max(1)),
+            since: tokio::time::Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// Counts `bytes` that came at `now`; `false` once a whole period brought fewer than the
+    /// floor.
+    pub fn add(&mut self, bytes: u64, now: tokio::time::Instant) -> bool {
+        self.bytes += bytes;
+        if now.duration_since(self.since) < self.period {
+            return true;
+        }
+        let enough = self.bytes >= self.floor;
+        self.since = now;
+        self.bytes = 0;
+        enough
+    }
+}
+
 /// A transfer that did not complete.
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
@@ -184,6 +244,8 @@ pub enum SendError {
     Refused(Refusal),
     #[error("the peer answered out of turn")]
     Protocol,
+    #[error("the peer went silent for {0:?}")]
+    Stalled(Duration),
 }
 
 impl SendError {
@@ -192,7 +254,7 @@ impl SendError {
     fn is_transient(&self) -> bool {
         match self {
             SendError::Refused(refusal) => refusal.code.is_transient(),
-            SendError::Network(_) | SendError::Frame(_) => true,
+            SendError::Network(_) | SendError::Frame(_) | SendError::Stalled(_) => true,
             SendError::File(_) | SendError::Protocol => false,
         }
     }
@@ -234,6 +296,21 @@ pub async fn send(
     }
 }
 
+/// `step` of an exchange, which fails once the peer has been silent for `limit`: a receiver
+/// that stops answering or reading never holds a sender up for good.
+async fn within<T, E>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, SendError>
+where
+    SendError: From<E>,
+{
+    match tokio::time::timeout(limit, step).await {
+        Ok(done) => done.map_err(SendError::from),
+        Err(_) => Err(SendError::Stalled(limit)),
+    }
+}
+
 /// One try of [`send`].
 async fn attempt(
     network: &Network,
@@ -242,8 +319,8 @@ async fn attempt(
     file: &mut tokio::fs::File,
 ) -> Result<String, SendError> {
     let mut stream = network.open_stream(peer, PROTOCOL).await?;
-    write_frame(&mut stream, header).await?;
-    match read_frame::<Answer>(&mut stream).await? {
+    within(HEADER_TIMEOUT, write_frame(&mut stream, header)).await?;
+    match within(HEADER_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
         Answer::Ready => {}
         Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
         Answer::Received { .. } => return Err(SendError::Protocol),
@@ -266,23 +343,46 @@ async fn attempt(
             )));
         }
         hasher.update(&buffer[..read]);
-        stream
-            .write_all(&buffer[..read])
-            .await
-            .map_err(|e| SendError::Frame(e.into()))?;
+        let chunk = &buffer[..read];
+        within(STALL_TIMEOUT, async {
+            stream.write_all(chunk).await.map_err(FrameError::from)
+        })
+        .await?;
         left -= read as u64;
     }
     let sha256 = hex::encode(hasher.finalize());
-    write_frame(
-        &mut stream,
-        &Trailer {
-            sha256: sha256.clone(),
-        },
-    )
-    .await?;
-    match read_frame::<Answer>(&mut stream).await? {
+    let trailer = Trailer {
+        sha256: sha256.clone(),
+    };
+    within(STALL_TIMEOUT, write_frame(&mut stream, &trailer)).await?;
+    match within(STALL_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
         Answer::Received { .. } => Ok(format!("sha256:{sha256}")),
         Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
         Answer::Ready => Err(SendError::Protocol),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sender that trickles, never silent long enough to stall, is still cut off; one that
+    /// keeps the pace is not.
+    #[test]
+    fn a_trickle_falls_below_the_floor_and_a_steady_stream_does_not() {
+        let start = tokio::time::Instant::now();
+        let second = Duration::from_secs(1);
+        let mut trickle = RateFloor::new(Duration::from_secs(30), 32 * 1024);
+        let mut steady = RateFloor::new(Duration::from_secs(30), 32 * 1024);
+        let mut trickle_ok = true;
+        for s in 1..=90u32 {
+            let now = start + second * s;
+            trickle_ok &= trickle.add(1024, now);
+            assert!(
+                steady.add(40 * 1024, now),
+                "a steady 40 KiB/s is fine at {s} s"
+            );
+        }
+        assert!(!trickle_ok, "1 KiB/s is cut off");
     }
 }

@@ -502,9 +502,14 @@ impl WorkerConfig {
             let mut env = Vec::new();
             for (j, entry) in e.env.iter().enumerate() {
                 env.push(EnvVar::parse(entry).ok_or_else(|| {
+                    // The value may be a credential: only the name is shown.
+                    let shown = match entry.split_once('=') {
+                        Some((name, _)) => format!("{name:?}=…"),
+                        None => format!("{entry:?}"),
+                    };
                     loaded.error(
                         &format!("{key}.env[{j}]"),
-                        format!("{entry:?} is not NAME or NAME=value"),
+                        format!("{shown} is not NAME or NAME=value"),
                         "name a variable (letters, digits, _; not starting with a digit), optionally with =value",
                     )
                 })?);

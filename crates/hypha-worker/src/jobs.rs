@@ -179,6 +179,17 @@ impl JobManager {
         self.running.get(job).map(|r| r.scheduler)
     }
 
+    /// The scheduler `from` says which workers run `task`'s jobs now; `false` if no job of
+    /// the task it dispatched runs here.
+    pub fn set_task_peers(
+        &self,
+        from: PeerId,
+        task: &str,
+        peers: &hypha_messages::job::TaskPeers,
+    ) -> bool {
+        self.bridge.set_task_peers(from, task, peers)
+    }
+
     /// The running jobs under `lease`.
     pub fn jobs_under(&self, lease: u64) -> Vec<String> {
         self.running
@@ -235,6 +246,7 @@ impl JobManager {
                 scheduler,
                 dir: dir.clone(),
                 secrets: spec.secrets.clone(),
+                task_peers: spec.task_peers.clone(),
             },
             &socket,
         )

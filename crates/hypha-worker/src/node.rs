@@ -18,7 +18,7 @@ use hypha_messages::{
     job::{JobSpec, JobStatus, StatusReport},
     market::{Advertisement, LeaseGrant, LeaseRequest, MARKET_VERSION, Offer, WORKER_TOPIC},
 };
-use hypha_network::{GossipMessage, InboundRequest, Network};
+use hypha_network::{GossipMessage, InboundRequest, Network, Role};
 use hypha_node::{Error, Node, RunArgs};
 use libp2p::PeerId;
 use tokio::sync::mpsc;
@@ -297,7 +297,12 @@ impl Worker {
             let internal = self.internal.clone();
             tokio::spawn(
                 async move {
-                    let sent = network.request(source, Request::Offer(offer)).await;
+                    // Anyone can publish an advertisement; only a scheduler can lease, so
+                    // the resources are held for schedulers only.
+                    let sent = match network.connect_as(source, Role::Scheduler).await {
+                        Ok(()) => network.request(source, Request::Offer(offer)).await,
+                        Err(e) => Err(e),
+                    };
                     metrics::offer_sent(sent.is_ok());
                     if let Err(e) = sent {
                         tracing::info!(error = %e, "offer not delivered; freeing its resources");
@@ -337,9 +342,20 @@ impl Worker {
                 }
                 _ => error(ErrorCode::Gone, format!("no job {job} of yours runs here")),
             },
+            Request::TaskPeers { task, peers } => {
+                if self.jobs.set_task_peers(peer, &task, &peers) {
+                    tracing::debug!(scheduler = %peer, task, peers = peers.peers.len(), version = peers.version, "the task's peers changed");
+                    Response::Ack
+                } else {
+                    error(
+                        ErrorCode::Gone,
+                        format!("no job of task {task} of yours runs here"),
+                    )
+                }
+            }
             _ => error(
                 ErrorCode::Unsupported,
-                "workers answer health, lease, dispatch and cancel requests",
+                "workers answer health, lease, dispatch, cancel and task-peers requests",
             ),
         };
         let _ = request.responder.respond(response).await;

@@ -63,6 +63,12 @@ struct Config {
     /// Start from the scheduler's checkpoint of this round instead of a trainer's model.
     #[serde(default)]
     restore: Option<Restore>,
+    /// The most samples one update may claim.
+    #[serde(default)]
+    max_samples: Option<u64>,
+    /// How many times the typical norm an update's may be.
+    #[serde(default)]
+    max_norm_ratio: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -139,6 +145,12 @@ impl ServerJob {
             self.restore(restore.round).await?;
         }
         let mut server = ParameterServer::resume(&checkpoint, optimizer)?;
+        if let Some(max) = config.max_samples {
+            server = server.limit_samples(max);
+        }
+        if let Some(ratio) = config.max_norm_ratio {
+            server = server.limit_norm(ratio);
+        }
         let uploads = Uploads::start(
             self.network.clone(),
             self.scheduler,

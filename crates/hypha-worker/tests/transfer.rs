@@ -8,9 +8,10 @@ use std::{collections::HashSet, path::Path, sync::Arc};
 
 use futures::{AsyncReadExt, AsyncWriteExt};
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Roles, TrustStore,
     authority::{self, Validity},
 };
+use hypha_messages::job::TaskPeers;
 use hypha_network::{
     Network, Settings,
     frame::{read_frame, write_frame},
@@ -22,12 +23,20 @@ use hypha_worker::bridge::{
 };
 
 async fn pair() -> (Network, Network) {
+    let mut networks = connected(&["sender", "receiver"]).await;
+    let receiver = networks.pop().unwrap();
+    let sender = networks.pop().unwrap();
+    (sender, receiver)
+}
+
+/// Nodes named `names`, each connected to the last.
+async fn connected(names: &[&str]) -> Vec<Network> {
     let root = authority::create_root("Transfer Root", Validity::days(2)).unwrap();
     let org = authority::create_org(&root, "Transfer Org", Validity::days(2)).unwrap();
     let trust = Arc::new(TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap());
     let mut networks = Vec::new();
-    for name in ["sender", "receiver"] {
-        let node = authority::create_node(&org, name, &[], Validity::days(1)).unwrap();
+    for &name in names {
+        let node = authority::create_node(&org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
         let identity =
             NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
         let mut settings = Settings::new(name);
@@ -38,11 +47,12 @@ async fn pair() -> (Network, Network) {
             .unwrap();
         networks.push(network);
     }
-    let receiver = networks.pop().unwrap();
-    let sender = networks.pop().unwrap();
+    let (receiver, others) = networks.split_last().unwrap();
     let address = receiver.listen_addresses().await.unwrap().remove(0);
-    sender.dial(address).await.unwrap();
-    (sender, receiver)
+    for other in others {
+        other.dial(address.clone()).await.unwrap();
+    }
+    networks
 }
 
 /// Sends `header` and, when the receiver is ready, `bytes` with `sha256` as the trailer;
@@ -75,6 +85,14 @@ async fn raw_send(
     answer
 }
 
+/// A scheduler's list of the task's peers.
+fn peers(version: u64, of: &[&Network]) -> TaskPeers {
+    TaskPeers {
+        version,
+        peers: of.iter().map(|n| n.local_peer_id().to_string()).collect(),
+    }
+}
+
 fn refusal(answer: Answer) -> RefusalCode {
     match answer {
         Answer::Refused(refusal) => refusal.code,
@@ -94,10 +112,13 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
     let inboxes = Arc::new(Inboxes::default());
     tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
     let job = tempfile::tempdir().unwrap();
+    // The sender is the task's scheduler as far as this inbox knows.
     let registration = inboxes.open(
         "task-1",
         "job-1",
         Arc::new(JobDir::open(job.path()).unwrap()),
+        sender.local_peer_id(),
+        &TaskPeers::default(),
     );
     let to = receiver.local_peer_id();
     let header = |task: &str, name: &str, size: u64| Header {
@@ -136,6 +157,29 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
         .unwrap();
     assert_eq!(path, "in/0-weights.bin");
     assert_eq!(std::fs::read(job.path().join(&path)).unwrap(), bytes);
+
+    // Refused before any byte moves: a file larger than a worker takes, or than its disk holds.
+    assert_eq!(
+        refusal(
+            raw_send(
+                &sender,
+                to,
+                &header("task-1", "huge", u64::MAX / 2),
+                b"",
+                ""
+            )
+            .await
+        ),
+        RefusalCode::TooLarge
+    );
+    let disk = rustix::fs::statvfs(job.path()).unwrap();
+    let free = disk.f_bavail * disk.f_frsize;
+    let crowding = free - transfer::DISK_RESERVE / 2;
+    assert_eq!(
+        refusal(raw_send(&sender, to, &header("task-1", "big", crowding), b"", "").await),
+        RefusalCode::TooLarge,
+        "a file that would leave less than the reserve free"
+    );
 
     // Refused before any byte moves: a task with no job here, names that are not plain files.
     assert_eq!(
@@ -209,4 +253,129 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
         refusal(raw_send(&sender, to, &header("task-1", "late", 1), b"x", "").await),
         RefusalCode::NoJob
     );
+}
+
+/// Knowing a task's id is not enough: a certified peer that runs no job of the task is refused
+/// before any byte moves, until the task's scheduler names it; a peer that is not the
+/// scheduler cannot name anyone. (Checked by making `of_task` admit every sender: the
+/// outsider's transfer arrives.)
+#[tokio::test]
+async fn only_the_tasks_scheduler_and_workers_can_send_into_it() {
+    let networks = connected(&["scheduler", "trainer", "outsider", "receiver"]).await;
+    let [scheduler, trainer, outsider, receiver] = &networks[..] else {
+        unreachable!()
+    };
+    let inboxes = Arc::new(Inboxes::default());
+    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
+    let job = tempfile::tempdir().unwrap();
+    let registration = inboxes.open(
+        "task-1",
+        "job-1",
+        Arc::new(JobDir::open(job.path()).unwrap()),
+        scheduler.local_peer_id(),
+        &peers(1, &[trainer, receiver]),
+    );
+    let to = receiver.local_peer_id();
+    let header = Header {
+        task: "task-1".into(),
+        name: "update.safetensors".into(),
+        size: 4,
+    };
+    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
+
+    assert_eq!(
+        refusal(raw_send(outsider, to, &header, b"abcd", &sum).await),
+        RefusalCode::NotInTask
+    );
+    assert_eq!(staged_files(job.path()), 0, "not a byte was taken");
+    for sender in [trainer, scheduler] {
+        assert_eq!(
+            raw_send(sender, to, &header, b"abcd", &sum).await,
+            Answer::Received { jobs: 1 }
+        );
+    }
+
+    // The outsider cannot name itself; the scheduler can, and can name the trainer out.
+    let outsider_only = peers(3, &[outsider]);
+    assert!(!inboxes.set_peers(outsider.local_peer_id(), "task-1", &outsider_only));
+    assert!(!inboxes.set_peers(scheduler.local_peer_id(), "task-2", &outsider_only));
+    assert!(inboxes.set_peers(scheduler.local_peer_id(), "task-1", &outsider_only));
+    // A list older than the one held, arriving late, changes nothing.
+    assert!(inboxes.set_peers(scheduler.local_peer_id(), "task-1", &peers(2, &[trainer])));
+    assert_eq!(
+        raw_send(outsider, to, &header, b"abcd", &sum).await,
+        Answer::Received { jobs: 1 }
+    );
+    assert_eq!(
+        refusal(raw_send(trainer, to, &header, b"abcd", &sum).await),
+        RefusalCode::NotInTask
+    );
+    let from: Vec<_> = [
+        registration.inbox().next(&HashSet::new()).await,
+        registration.inbox().next(&HashSet::new()).await,
+        registration.inbox().next(&HashSet::new()).await,
+    ]
+    .iter()
+    .map(|a| a.from)
+    .collect();
+    assert_eq!(
+        from,
+        [
+            trainer.local_peer_id(),
+            scheduler.local_peer_id(),
+            outsider.local_peer_id()
+        ]
+    );
+}
+
+/// One peer cannot take every slot: its transfers beyond its share are refused `busy` while
+/// another peer's still get in. (Checked by taking no share in `serve`: the ninth transfer is
+/// taken.)
+#[tokio::test]
+async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
+    let networks = connected(&["greedy", "other", "receiver"]).await;
+    let [greedy, other, receiver] = &networks[..] else {
+        unreachable!()
+    };
+    let inboxes = Arc::new(Inboxes::default());
+    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
+    let job = tempfile::tempdir().unwrap();
+    let _registration = inboxes.open(
+        "task-1",
+        "job-1",
+        Arc::new(JobDir::open(job.path()).unwrap()),
+        greedy.local_peer_id(),
+        &peers(1, &[other]),
+    );
+    let to = receiver.local_peer_id();
+    let header = Header {
+        task: "task-1".into(),
+        name: "slow".into(),
+        size: 1000,
+    };
+    // Transfers that were let in and then send nothing: each holds a slot.
+    let mut held = Vec::new();
+    for _ in 0..transfer::MAX_PER_PEER {
+        let mut stream = greedy.open_stream(to, transfer::PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &header).await.unwrap();
+        assert_eq!(
+            read_frame::<Answer>(&mut stream).await.unwrap(),
+            Answer::Ready
+        );
+        held.push(stream);
+    }
+    assert_eq!(
+        refusal(raw_send(greedy, to, &header, b"", "").await),
+        RefusalCode::Busy
+    );
+    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
+    let small = Header {
+        size: 4,
+        ..header.clone()
+    };
+    assert_eq!(
+        raw_send(other, to, &small, b"abcd", &sum).await,
+        Answer::Received { jobs: 1 }
+    );
+    drop(held);
 }

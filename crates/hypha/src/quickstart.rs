@@ -19,7 +19,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use hypha_certs::authority::{self, Validity};
+use hypha_certs::{
+    Role,
+    authority::{self, Validity},
+};
 use hypha_dataset::Dataset;
 use hypha_executor::{
     contract::{self, TensorNames},
@@ -206,7 +209,7 @@ pub fn run(
     let certs = Certs::new(&dir)?;
 
     progress("starting the gateway");
-    let gateway_config = certs.config("gateway", "")?;
+    let gateway_config = certs.config("gateway", Role::Gateway, "")?;
     let mut nodes = Vec::new();
     let gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
     let line = wait_for(&gateway, "nodes can join with gateway_addresses")?;
@@ -222,6 +225,7 @@ pub fn run(
     progress("starting the data node, the parameter server and the trainers");
     let data_config = certs.config(
         "data",
+        Role::Data,
         &format!("{join}dataset_path = {:?}\n", dir.join("data")),
     )?;
     let data = start(settings, &dir, "data", "hypha-data", &data_config)?;
@@ -239,6 +243,7 @@ pub fn run(
         let work = dir.join("work").join(name);
         let config = certs.config(
             name,
+            Role::Worker,
             &format!(
                 "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
                 work
@@ -255,7 +260,7 @@ pub fn run(
 
     let job = dir.join("job.toml");
     write(&job, &job_file(settings, &training))?;
-    let scheduler_config = certs.config("scheduler", &join)?;
+    let scheduler_config = certs.config("scheduler", Role::Scheduler, &join)?;
     progress("training");
     let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job)?;
     let metrics = dir.join("job.metrics.jsonl");
@@ -543,8 +548,8 @@ impl Certs {
     }
 
     /// A certificate for `name` and its config with `extra`; the config's path.
-    fn config(&self, name: &str, extra: &str) -> Result<PathBuf, QuickstartError> {
-        let node = authority::create_node(&self.org, name, &[], Validity::days(2))?;
+    fn config(&self, name: &str, role: Role, extra: &str) -> Result<PathBuf, QuickstartError> {
+        let node = authority::create_node(&self.org, name, &[], role.into(), Validity::days(2))?;
         let certs = self.dir.join("certs");
         write(&certs.join(format!("{name}-cert.pem")), &node.chain_pem())?;
         write(&certs.join(format!("{name}-key.pem")), &node.key_pem())?;

@@ -8,7 +8,7 @@ use hypha_artifacts::{
     Distributor, FetchOptions, Fetched, Kind, Origins, Request, Settings, testing::S3Server,
 };
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Roles, TrustStore,
     authority::{self, Authority, Validity},
 };
 use hypha_network::Network;
@@ -26,7 +26,8 @@ impl Pki {
     }
 
     pub async fn start(&self, name: &str, gateway: Option<&libp2p::Multiaddr>) -> Network {
-        let node = authority::create_node(&self.org, name, &[], Validity::days(1)).unwrap();
+        let node =
+            authority::create_node(&self.org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
         let identity =
             NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
         let trust = Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap());

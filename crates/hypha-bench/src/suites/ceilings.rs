@@ -4,7 +4,7 @@
 use std::{future::Future, sync::Arc, time::Instant};
 
 use hypha_certs::{
-    NodeIdentity, TrustStore,
+    NodeIdentity, Roles, TrustStore,
     authority::{self, Authority, Validity},
 };
 use tokio::{
@@ -123,7 +123,13 @@ impl Pki {
 }
 
 fn node(org: &Authority, name: &str) -> anyhow::Result<(NodeIdentity, (String, String))> {
-    let n = authority::create_node(org, name, &["localhost".into()], Validity::days(1))?;
+    let n = authority::create_node(
+        org,
+        name,
+        &["localhost".into()],
+        Roles::ALL,
+        Validity::days(1),
+    )?;
     let pem = (n.chain_pem(), n.key_pem());
     Ok((
         NodeIdentity::from_pem(pem.0.as_bytes(), pem.1.as_bytes())?,

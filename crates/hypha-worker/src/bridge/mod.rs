@@ -134,6 +134,17 @@ impl Shared {
     }
 
     /// Receives what peers send to this worker's jobs, until the network stops.
+    /// The scheduler `from` says which workers run `task`'s jobs now; see
+    /// [`transfer::Inboxes::set_peers`].
+    pub fn set_task_peers(
+        &self,
+        from: PeerId,
+        task: &str,
+        peers: &hypha_messages::job::TaskPeers,
+    ) -> bool {
+        self.inboxes.set_peers(from, task, peers)
+    }
+
     pub async fn receive_transfers(&self) {
         transfer::serve(self.network.clone(), self.inboxes.clone()).await;
     }
@@ -146,7 +157,9 @@ pub struct BridgeContext {
     pub task: String,
     pub scheduler: PeerId,
     pub dir: PathBuf,
-    pub secrets: BTreeMap<String, String>,
+    pub secrets: hypha_messages::job::Secrets,
+    /// The workers of the task's jobs at dispatch (see [`transfer::Inboxes`]).
+    pub task_peers: hypha_messages::job::TaskPeers,
 }
 
 struct Bridge {
@@ -213,9 +226,13 @@ pub fn serve(
     // so nobody else can reach it even in the moment between bind and chmod.
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
-    let registration = shared
-        .inboxes
-        .open(&context.task, &context.job, dir.clone());
+    let registration = shared.inboxes.open(
+        &context.task,
+        &context.job,
+        dir.clone(),
+        context.scheduler,
+        &context.task_peers,
+    );
     let stopping = CancellationToken::new();
     let inbox = registration.inbox().clone();
     let bridge = Arc::new(Bridge {

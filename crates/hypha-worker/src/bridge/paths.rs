@@ -130,20 +130,16 @@ impl JobDir {
         }
     }
 
-    /// Opens an existing file for reading.
+    /// Opens an existing regular file for reading; anything else (a FIFO an executor made,
+    /// a device, a directory) is refused without blocking.
     pub fn open_read(&self, relative: &Path) -> Result<File, PathError> {
-        let file = self
-            .0
-            .open_read(relative)
-            .map_err(|e| Self::io(relative, e))?;
-        let metadata = file.metadata().map_err(|e| Self::io(relative, e))?;
-        if !metadata.is_file() {
-            return Err(PathError::refused(
-                &relative.display().to_string(),
-                "it is not a regular file",
-            ));
-        }
-        Ok(file)
+        self.0.open_read(relative).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                PathError::refused(&relative.display().to_string(), "it is not a regular file")
+            } else {
+                Self::io(relative, e)
+            }
+        })
     }
 
     /// Opens (creating as needed, mode 0700) the directory `relative`, beneath the job's
@@ -241,5 +237,40 @@ mod tests {
         assert!(dir.create_dir_all(Path::new("out/new")).is_err());
         assert!(!outside.path().join("new").exists());
         dir.open_read(Path::new("alias")).unwrap();
+    }
+
+    /// `/resources/send` of a FIFO an executor made (or a device, or a directory) is refused
+    /// at once: it never blocks a runtime thread waiting for a writer. (Checked by opening
+    /// without `NONBLOCK`: the open hangs and the deadline fails the test.)
+    #[test]
+    fn a_fifo_or_anything_but_a_regular_file_is_refused_without_blocking() {
+        let job = tempfile::tempdir().unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            job.path().join("fifo"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        std::fs::create_dir(job.path().join("directory")).unwrap();
+        let dir = JobDir::open(job.path()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let refused = ["fifo", "directory"].map(|name| {
+                matches!(
+                    dir.open_read(Path::new(name)),
+                    Err(PathError::Refused {
+                        why: "it is not a regular file",
+                        ..
+                    })
+                )
+            });
+            let _ = tx.send(refused);
+        });
+        let refused = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("opening a FIFO blocked");
+        assert_eq!(refused, [true, true]);
     }
 }

@@ -6,6 +6,12 @@
 //! its own task, and the receiving worker delivers into the inboxes of exactly those jobs.
 //! Other jobs on the worker never see the file.
 //!
+//! **Only the task's peers are heard.** Knowing a task's id is not enough to send into it: a
+//! transfer is taken only from the task's scheduler and the workers that run the task's jobs,
+//! as the scheduler said with the dispatch and says again whenever they change
+//! ([`Inboxes::set_peers`]). Anyone else is refused `not_in_task` after the header, before a
+//! byte of the file is read.
+//!
 //! The bytes are staged in the job's directory under [`STAGING_DIR`] (opened beneath the job
 //! directory like every other path, so an executor cannot redirect them), checked against the
 //! sender's SHA-256, fsynced, and only then queued. The executor takes them with
@@ -14,8 +20,10 @@
 //! several rounds, distinct.
 //!
 //! Limits, and what happens at them: at most [`MAX_CONCURRENT`] transfers are received at
-//! once (more are refused `busy`), at most [`MAX_WAITING`] files wait in one inbox (more are
-//! refused `inbox_full`); the protocol's own limits are [`hypha_transfer`]'s.
+//! once and [`MAX_PER_PEER`] from one peer (more are refused `busy`, so one peer never takes
+//! every slot), at most [`MAX_WAITING`] files wait in one inbox (more are refused
+//! `inbox_full`), a file must fit the disk with [`DISK_RESERVE`] to spare (else `too_large`);
+//! the protocol's own limits (size, deadlines, the slowest rate) are [`hypha_transfer`]'s.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -26,6 +34,7 @@ use std::{
 };
 
 use futures::{AsyncWriteExt, StreamExt};
+use hypha_messages::job::TaskPeers;
 use hypha_network::{Network, PeerId, frame::write_frame};
 use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
 use tokio::sync::{Notify, Semaphore};
@@ -37,6 +46,10 @@ use crate::metrics;
 pub const STAGING_DIR: &str = ".hypha/inbox";
 /// Transfers received at the same time; more are refused `busy`.
 pub const MAX_CONCURRENT: usize = 32;
+/// Transfers received from one peer at the same time; more are refused `busy`.
+pub const MAX_PER_PEER: usize = 8;
+/// Disk space a received file must leave free.
+pub const DISK_RESERVE: u64 = 1024 * 1024 * 1024;
 /// Files waiting in one job's inbox; more are refused `inbox_full` until the job takes some.
 pub const MAX_WAITING: usize = 256;
 pub use hypha_transfer::{Header, PROTOCOL, SEND_PATIENCE, SendError};
@@ -143,23 +156,62 @@ impl Inbox {
 /// The inboxes of every job on this worker, by task.
 #[derive(Debug, Default)]
 pub struct Inboxes {
-    by_task: Mutex<HashMap<String, Vec<Arc<Inbox>>>>,
+    by_task: Mutex<HashMap<String, Task>>,
+}
+
+/// One task's jobs on this worker, and who may send to them.
+#[derive(Debug)]
+struct Task {
+    inboxes: Vec<Arc<Inbox>>,
+    /// The scheduler that dispatched the task's jobs; it may send, and tell who else may.
+    scheduler: PeerId,
+    /// The workers that run the task's jobs, as the scheduler last said.
+    peers: HashSet<PeerId>,
+    /// The version of `peers`; an older list is not taken.
+    version: u64,
+}
+
+impl Task {
+    /// Takes `peers` if they are newer than the list held.
+    fn update(&mut self, peers: &TaskPeers) -> bool {
+        if peers.version < self.version {
+            return false;
+        }
+        // Peer ids as a scheduler sends them; anything unreadable names nobody.
+        self.peers = peers.peers.iter().filter_map(|p| p.parse().ok()).collect();
+        self.version = peers.version;
+        true
+    }
 }
 
 impl Inboxes {
-    /// Opens the inbox of `job`; it receives what is sent to `task` until the returned
-    /// registration is dropped.
-    pub fn open(self: &Arc<Self>, task: &str, job: &str, dir: Arc<JobDir>) -> Registration {
+    /// Opens the inbox of `job`, dispatched by `scheduler` with the task's `peers`; it
+    /// receives what those send to `task` until the returned registration is dropped.
+    pub fn open(
+        self: &Arc<Self>,
+        task: &str,
+        job: &str,
+        dir: Arc<JobDir>,
+        scheduler: PeerId,
+        peers: &TaskPeers,
+    ) -> Registration {
         let inbox = Arc::new(Inbox {
             job: job.to_string(),
             dir,
             state: Mutex::default(),
             arrived: Notify::new(),
         });
-        self.lock()
-            .entry(task.to_string())
-            .or_default()
-            .push(inbox.clone());
+        let mut by_task = self.lock();
+        let entry = by_task.entry(task.to_string()).or_insert_with(|| Task {
+            inboxes: Vec::new(),
+            scheduler,
+            peers: HashSet::new(),
+            version: 0,
+        });
+        entry.scheduler = scheduler;
+        entry.update(peers);
+        entry.inboxes.push(inbox.clone());
+        drop(by_task);
         Registration {
             inboxes: self.clone(),
             task: task.to_string(),
@@ -167,12 +219,39 @@ impl Inboxes {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<Arc<Inbox>>>> {
+    /// `from` says which workers run `task`'s jobs now. Taken only from the scheduler that
+    /// dispatched them, and only if newer than the list held (an older one is ignored, and
+    /// still `true`); `false` when no job of the task runs here or `from` is not its
+    /// scheduler.
+    pub fn set_peers(&self, from: PeerId, task: &str, peers: &TaskPeers) -> bool {
+        match self.lock().get_mut(task) {
+            Some(entry) if entry.scheduler == from => {
+                entry.update(peers);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Task>> {
         self.by_task.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn of_task(&self, task: &str) -> Vec<Arc<Inbox>> {
-        self.lock().get(task).cloned().unwrap_or_default()
+    /// The inboxes of `task`'s jobs, if `sender` may send to them.
+    fn of_task(&self, task: &str, sender: &PeerId) -> Result<Vec<Arc<Inbox>>, Refusal> {
+        match self.lock().get(task) {
+            None => Err(Refusal::new(
+                RefusalCode::NoJob,
+                format!("no job of task {task} runs on this worker"),
+            )),
+            Some(entry) if entry.scheduler == *sender || entry.peers.contains(sender) => {
+                Ok(entry.inboxes.clone())
+            }
+            Some(_) => Err(Refusal::new(
+                RefusalCode::NotInTask,
+                format!("{sender} runs no job of task {task}, as its scheduler told this worker"),
+            )),
+        }
     }
 }
 
@@ -193,9 +272,9 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let mut by_task = self.inboxes.lock();
-        if let Some(inboxes) = by_task.get_mut(&self.task) {
-            inboxes.retain(|i| !Arc::ptr_eq(i, &self.inbox));
-            if inboxes.is_empty() {
+        if let Some(entry) = by_task.get_mut(&self.task) {
+            entry.inboxes.retain(|i| !Arc::ptr_eq(i, &self.inbox));
+            if entry.inboxes.is_empty() {
                 by_task.remove(&self.task);
             }
         }
@@ -212,26 +291,67 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
         }
     };
     let slots = Arc::new(Semaphore::new(MAX_CONCURRENT));
+    let shares = Arc::new(Mutex::new(HashMap::<PeerId, usize>::new()));
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
         let slot = slots.clone().try_acquire_owned();
+        let share = Share::take(&shares, peer);
         tokio::spawn(async move {
-            let answer = match slot {
-                Ok(_slot) => match receive(peer, &mut stream, &inboxes).await {
+            let answer = match (slot, share) {
+                (Ok(_slot), Some(_share)) => match receive(peer, &mut stream, &inboxes).await {
                     Ok(jobs) => Answer::Received { jobs },
                     Err(refusal) => {
                         tracing::debug!(%peer, %refusal, "resource transfer refused");
                         Answer::Refused(refusal)
                     }
                 },
-                Err(_) => Answer::Refused(Refusal::new(
+                (Err(_), _) => Answer::Refused(Refusal::new(
                     RefusalCode::Busy,
                     format!("this worker receives {MAX_CONCURRENT} transfers at most at once"),
+                )),
+                (_, None) => Answer::Refused(Refusal::new(
+                    RefusalCode::Busy,
+                    format!(
+                        "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
+                    ),
                 )),
             };
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
         });
+    }
+}
+
+/// One of a peer's [`MAX_PER_PEER`] transfers at once; given back when dropped.
+struct Share {
+    shares: Arc<Mutex<HashMap<PeerId, usize>>>,
+    peer: PeerId,
+}
+
+impl Share {
+    fn take(shares: &Arc<Mutex<HashMap<PeerId, usize>>>, peer: PeerId) -> Option<Share> {
+        let mut taken = shares.lock().unwrap_or_else(|p| p.into_inner());
+        let count = taken.entry(peer).or_default();
+        if *count >= MAX_PER_PEER {
+            return None;
+        }
+        *count += 1;
+        Some(Share {
+            shares: shares.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut taken = self.shares.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = taken.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                taken.remove(&self.peer);
+            }
+        }
     }
 }
 
@@ -243,13 +363,7 @@ async fn receive(
 ) -> Result<usize, Refusal> {
     let header = read_header(stream).await?;
     check_name(&header.name)?;
-    let targets: Vec<Arc<Inbox>> = inboxes.of_task(&header.task);
-    if targets.is_empty() {
-        return Err(Refusal::new(
-            RefusalCode::NoJob,
-            format!("no job of task {} runs on this worker", header.task),
-        ));
-    }
+    let targets = inboxes.of_task(&header.task, &peer)?;
     let targets: Vec<Arc<Inbox>> = targets.into_iter().filter(|i| i.has_room()).collect();
     let Some(first) = targets.first() else {
         return Err(Refusal::new(
@@ -260,15 +374,16 @@ async fn receive(
             ),
         ));
     };
-    write_frame(stream, &Answer::Ready)
-        .await
-        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
-
     let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
     let staging = first
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
         .map_err(|e| io(&e))?;
+    check_size(&staging, header.size)?;
+    write_frame(stream, &Answer::Ready)
+        .await
+        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+
     let (file, temp) =
         JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
     let received = receive_bytes(stream, file, header.size).await;
@@ -298,6 +413,27 @@ async fn receive(
     }
     tracing::debug!(%peer, task = header.task, name = header.name, size = header.size, jobs = delivered, "resource received");
     Ok(delivered)
+}
+
+/// Whether a file of `size` bytes may be taken into `staging`: no larger than
+/// [`hypha_transfer::MAX_TRANSFER_BYTES`], and leaving [`DISK_RESERVE`] free.
+fn check_size(staging: &std::os::fd::OwnedFd, size: u64) -> Result<(), Refusal> {
+    let too_large = |why: String| Refusal::new(RefusalCode::TooLarge, why);
+    if size > hypha_transfer::MAX_TRANSFER_BYTES {
+        return Err(too_large(format!(
+            "{size} bytes is more than the {} a worker takes",
+            hypha_transfer::MAX_TRANSFER_BYTES
+        )));
+    }
+    let stat =
+        rustix::fs::fstatvfs(staging).map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+    let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+    if size.saturating_add(DISK_RESERVE) > free {
+        return Err(too_large(format!(
+            "{size} bytes do not fit: the worker's disk has {free} bytes free and keeps {DISK_RESERVE}"
+        )));
+    }
+    Ok(())
 }
 
 fn link_into(

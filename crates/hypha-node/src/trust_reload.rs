@@ -1,0 +1,115 @@
+//! Revocation that takes effect while a node runs.
+//!
+//! The trust store (`trust_pem` and `crls_pem`) is read again when either file changes on disk
+//! (checked every [`CHECK_EVERY`]; a CRL written by `hypha-certutil revoke` is replaced by a
+//! rename, which this sees) and when the process gets SIGHUP. The new store is put in force for
+//! every later handshake, and connected peers it refuses are disconnected
+//! ([`Network::replace_trust`]). A file that does not load (half copied, malformed) is named in
+//! a warning and the store in force stays; the next change is tried again.
+
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use hypha_certs::TrustStore;
+use hypha_network::Network;
+
+/// How often the files are looked at.
+pub const CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// What identifies one version of a file: a rewrite in place changes the time or length, a
+/// replacement by rename the inode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        modified: metadata.modified().ok(),
+        len: metadata.len(),
+        inode: metadata.ino(),
+    })
+}
+
+/// The trust store's files, and what they were when last loaded.
+#[derive(Debug)]
+pub(crate) struct TrustFiles {
+    trust_pem: PathBuf,
+    crls_pem: Option<PathBuf>,
+    loaded: Vec<Option<Stamp>>,
+}
+
+impl TrustFiles {
+    /// The files as they are now, taken to be the ones the node started with.
+    pub(crate) fn new(trust_pem: PathBuf, crls_pem: Option<PathBuf>) -> Self {
+        let mut files = TrustFiles {
+            trust_pem,
+            crls_pem,
+            loaded: Vec::new(),
+        };
+        files.loaded = files.stamps();
+        files
+    }
+
+    fn stamps(&self) -> Vec<Option<Stamp>> {
+        std::iter::once(&self.trust_pem)
+            .chain(self.crls_pem.as_ref())
+            .map(|p| stamp(p))
+            .collect()
+    }
+
+    /// Whether a file changed since it was last loaded (or tried).
+    fn changed(&self) -> bool {
+        self.stamps() != self.loaded
+    }
+
+    fn load(&mut self) -> Result<TrustStore, hypha_certs::Error> {
+        self.loaded = self.stamps();
+        TrustStore::load(&self.trust_pem, self.crls_pem.as_deref())
+    }
+
+    /// Watches the files until the network shuts down; see the module's documentation.
+    pub(crate) async fn watch(mut self, network: Network) {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangup = signal(SignalKind::hangup())
+            .inspect_err(|error| tracing::debug!(%error, "cannot listen for SIGHUP; the files are still watched"))
+            .ok();
+        let mut tick = tokio::time::interval(CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let asked = tokio::select! {
+                _ = tick.tick() => false,
+                Some(()) = async {
+                    match &mut hangup {
+                        Some(hangup) => hangup.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => true,
+            };
+            if !asked && !self.changed() {
+                continue;
+            }
+            let store = match self.load() {
+                Ok(store) => store,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot reload the trust store; the one in force stays");
+                    continue;
+                }
+            };
+            let Ok(closed) = network.replace_trust(store).await else {
+                return; // the network has shut down
+            };
+            tracing::info!(
+                disconnected = closed.len(),
+                reason = if asked { "SIGHUP" } else { "a file changed" },
+                "trust store reloaded"
+            );
+        }
+    }
+}
