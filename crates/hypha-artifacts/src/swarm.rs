@@ -28,7 +28,7 @@ use std::{
 };
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use hypha_network::{Network, PeerId, Stream};
+use hypha_network::{Network, PeerId, Stream, shares::PeerShares};
 use serde::Serialize;
 use tokio::{
     sync::{Semaphore, mpsc, watch},
@@ -73,6 +73,8 @@ pub(crate) struct Holding {
     held: AtomicU32,
     pub(crate) uploads: Arc<Semaphore>,
     upload_slots: usize,
+    /// At most half the upload slots go to one peer.
+    upload_shares: PeerShares,
     pub(crate) uploaded_chunks: AtomicU64,
     pub(crate) uploaded_bytes: AtomicU64,
 }
@@ -86,6 +88,7 @@ impl Holding {
             held: AtomicU32::new(0),
             uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
             upload_slots: upload_slots.max(1),
+            upload_shares: PeerShares::new(upload_slots.div_ceil(2)),
             uploaded_chunks: AtomicU64::new(0),
             uploaded_bytes: AtomicU64::new(0),
         }
@@ -1136,6 +1139,20 @@ pub(crate) async fn serve_chunk(
         let _ = write_frame(
             &mut stream,
             &refuse(ChunkErrorCode::Busy, "every upload slot is taken".into()),
+        )
+        .await;
+        return;
+    };
+    let Some(_share) = holding.upload_shares.try_take(peer) else {
+        let _ = write_frame(
+            &mut stream,
+            &refuse(
+                ChunkErrorCode::Busy,
+                format!(
+                    "you hold {} of the upload slots already",
+                    holding.upload_shares.per_peer()
+                ),
+            ),
         )
         .await;
         return;

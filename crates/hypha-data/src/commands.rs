@@ -316,14 +316,17 @@ async fn find_dataset(
             Err(e) => return Err(failed(e)),
         }
     };
+    let mut reasons = Vec::new();
     for peer in &providers {
-        if let Ok(manifest) = client.manifest(*peer, dataset).await {
-            return Ok((providers, manifest));
+        match client.manifest(*peer, dataset).await {
+            Ok(manifest) => return Ok((providers, manifest)),
+            Err(e) => reasons.push(e.to_string()),
         }
     }
     Err(Error::Failed(format!(
-        "none of the {} providers of {dataset:?} sent its manifest",
-        providers.len()
+        "none of the {} providers of {dataset:?} sent its manifest: {}",
+        providers.len(),
+        reasons.join("; ")
     )))
 }
 

@@ -26,6 +26,7 @@ pub mod frame;
 pub mod muxer;
 pub mod rpc;
 mod settings;
+pub mod shares;
 pub mod tls;
 
 use std::time::Duration;

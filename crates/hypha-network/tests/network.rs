@@ -135,11 +135,18 @@ async fn handshake_across_root_org_node_chain_and_health_round_trip() {
     );
 }
 
-/// Dials `server_addr` with `identity` and expects the handshake to fail with no connection
-/// on either side.
-async fn assert_refused(pki: &Pki, identity: NodeIdentity, trust: Arc<TrustStore>) {
-    let (server, server_addr) = gateway(pki).await;
-    let (client, _) = start(&identity, trust, settings("worker", false, &[])).await;
+/// Starts `listener` (trusting our root, so it would take the dialer), dials it from `dialer`
+/// trusting `dialer_trust`, and expects the handshake to fail with no connection on either
+/// side: a refused peer never reaches the protocols.
+async fn assert_no_connection(
+    pki: &Pki,
+    listener: NodeIdentity,
+    dialer: NodeIdentity,
+    dialer_trust: Arc<TrustStore>,
+) {
+    let (server, _) = start(&listener, pki.trust(), settings("gateway", true, &[])).await;
+    let server_addr = address_of(&server).await;
+    let (client, _) = start(&dialer, dialer_trust, settings("worker", false, &[])).await;
     let err = client.dial(server_addr).await.unwrap_err();
     assert!(matches!(err, NetworkError::Dial { .. }), "{err}");
     assert!(client.connected_peers().await.unwrap().is_empty());
@@ -148,9 +155,14 @@ async fn assert_refused(pki: &Pki, identity: NodeIdentity, trust: Arc<TrustStore
             .connected_peers()
             .await
             .unwrap()
-            .contains(&identity.peer_id()),
-        "a refused peer never reaches the protocols"
+            .contains(&dialer.peer_id()),
+        "a refused handshake leaves no connection"
     );
+}
+
+/// A node of ours refuses `identity`, which dials it trusting `trust`.
+async fn assert_refused(pki: &Pki, identity: NodeIdentity, trust: Arc<TrustStore>) {
+    assert_no_connection(pki, pki.node("gateway"), identity, trust).await;
 }
 
 #[tokio::test]
@@ -729,30 +741,13 @@ async fn a_dispatched_jobs_secrets_reach_no_span_or_log_on_either_side() {
     assert!(!logged.contains("hf_the_secret_value"), "{logged}");
 }
 
-/// Dials a node presenting `server_identity` (which trusts our root, so it would take the
-/// dialer) with a dialer that trusts `client_trust`, and expects the dialer to refuse it.
+/// A dialer of ours, trusting `client_trust`, refuses a listener presenting `server_identity`.
 async fn assert_dialer_refuses(
     server_identity: NodeIdentity,
     pki: &Pki,
     client_trust: Arc<TrustStore>,
 ) {
-    let mut s = settings("gateway", true, &[]);
-    s.relay_server = true;
-    let (server, _) = start(&server_identity, pki.trust(), s).await;
-    let server_addr = address_of(&server).await;
-    let client_id = pki.node("client");
-    let (client, _) = start(&client_id, client_trust, settings("worker", false, &[])).await;
-    let err = client.dial(server_addr).await.unwrap_err();
-    assert!(matches!(err, NetworkError::Dial { .. }), "{err}");
-    assert!(client.connected_peers().await.unwrap().is_empty());
-    assert!(
-        !server
-            .connected_peers()
-            .await
-            .unwrap()
-            .contains(&client_id.peer_id()),
-        "the dialer broke the handshake off"
-    );
+    assert_no_connection(pki, server_identity, pki.node("client"), client_trust).await;
 }
 
 /// The dialing side checks the listener's chain as strictly as the listener checks the

@@ -179,15 +179,9 @@ impl JobManager {
         self.running.get(job).map(|r| r.scheduler)
     }
 
-    /// The scheduler `from` says which workers run `task`'s jobs now; `false` if no job of
-    /// the task it dispatched runs here.
-    pub fn set_task_peers(
-        &self,
-        from: PeerId,
-        task: &str,
-        peers: &hypha_messages::job::TaskPeers,
-    ) -> bool {
-        self.bridge.set_task_peers(from, task, peers)
+    /// The inboxes of the jobs, by task (who may send to them).
+    pub fn inboxes(&self) -> &bridge::transfer::Inboxes {
+        self.bridge.inboxes()
     }
 
     /// The running jobs under `lease`.

@@ -343,7 +343,7 @@ impl Worker {
                 _ => error(ErrorCode::Gone, format!("no job {job} of yours runs here")),
             },
             Request::TaskPeers { task, peers } => {
-                if self.jobs.set_task_peers(peer, &task, &peers) {
+                if self.jobs.inboxes().set_peers(peer, &task, &peers) {
                     tracing::debug!(scheduler = %peer, task, peers = peers.peers.len(), version = peers.version, "the task's peers changed");
                     Response::Ack
                 } else {

@@ -134,15 +134,9 @@ impl Shared {
     }
 
     /// Receives what peers send to this worker's jobs, until the network stops.
-    /// The scheduler `from` says which workers run `task`'s jobs now; see
-    /// [`transfer::Inboxes::set_peers`].
-    pub fn set_task_peers(
-        &self,
-        from: PeerId,
-        task: &str,
-        peers: &hypha_messages::job::TaskPeers,
-    ) -> bool {
-        self.inboxes.set_peers(from, task, peers)
+    /// The inboxes of this worker's jobs, by task.
+    pub fn inboxes(&self) -> &Inboxes {
+        &self.inboxes
     }
 
     pub async fn receive_transfers(&self) {

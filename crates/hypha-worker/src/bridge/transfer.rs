@@ -35,7 +35,7 @@ use std::{
 
 use futures::{AsyncWriteExt, StreamExt};
 use hypha_messages::job::TaskPeers;
-use hypha_network::{Network, PeerId, frame::write_frame};
+use hypha_network::{Network, PeerId, frame::write_frame, shares::PeerShares};
 use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
 use tokio::sync::{Notify, Semaphore};
 
@@ -291,11 +291,11 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
         }
     };
     let slots = Arc::new(Semaphore::new(MAX_CONCURRENT));
-    let shares = Arc::new(Mutex::new(HashMap::<PeerId, usize>::new()));
+    let shares = PeerShares::new(MAX_PER_PEER);
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
         let slot = slots.clone().try_acquire_owned();
-        let share = Share::take(&shares, peer);
+        let share = shares.try_take(peer);
         tokio::spawn(async move {
             let answer = match (slot, share) {
                 (Ok(_slot), Some(_share)) => match receive(peer, &mut stream, &inboxes).await {
@@ -319,39 +319,6 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
         });
-    }
-}
-
-/// One of a peer's [`MAX_PER_PEER`] transfers at once; given back when dropped.
-struct Share {
-    shares: Arc<Mutex<HashMap<PeerId, usize>>>,
-    peer: PeerId,
-}
-
-impl Share {
-    fn take(shares: &Arc<Mutex<HashMap<PeerId, usize>>>, peer: PeerId) -> Option<Share> {
-        let mut taken = shares.lock().unwrap_or_else(|p| p.into_inner());
-        let count = taken.entry(peer).or_default();
-        if *count >= MAX_PER_PEER {
-            return None;
-        }
-        *count += 1;
-        Some(Share {
-            shares: shares.clone(),
-            peer,
-        })
-    }
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        let mut taken = self.shares.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = taken.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                taken.remove(&self.peer);
-            }
-        }
     }
 }
 
