@@ -6,21 +6,19 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::{
     Error, Tensor, Tensors,
-    tensors::{decode, squared_norm},
+    tensors::{all_finite, decode, squared_norm},
 };
 
 /// A pseudo-gradient as SafeTensors bytes, read and checked: every tensor F32, F64 or BF16,
-/// every value finite (one NaN would make the whole global model NaN once averaged in), with
-/// its L2 norm taken on the way. Its values are decoded again only as they are added.
+/// every value finite (one NaN would make the whole global model NaN once averaged in). Its
+/// values are decoded again only as they are added (or measured, for [`norm`](Self::norm)).
 pub struct Update<'a> {
     views: Vec<(String, TensorView<'a>)>,
-    norm: f64,
 }
 
 impl<'a> Update<'a> {
     pub fn read(bytes: &'a [u8]) -> Result<Self, Error> {
         let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
-        let mut squares = 0.0;
         let mut views = Vec::new();
         for (name, view) in file.iter() {
             if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
@@ -29,20 +27,23 @@ impl<'a> Update<'a> {
                     dtype: view.dtype().to_string(),
                 });
             }
-            squares += squared_norm(view.dtype(), view.data()).ok_or_else(|| Error::NotFinite {
-                name: name.to_string(),
-            })?;
+            if !all_finite(view.dtype(), view.data()) {
+                return Err(Error::NotFinite {
+                    name: name.to_string(),
+                });
+            }
             views.push((name.to_string(), view));
         }
-        Ok(Update {
-            views,
-            norm: squares.sqrt(),
-        })
+        Ok(Update { views })
     }
 
-    /// The L2 norm over all its values.
+    /// The L2 norm over all its values: one more pass over them, so taken only when asked.
     pub fn norm(&self) -> f64 {
-        self.norm
+        self.views
+            .iter()
+            .map(|(_, view)| squared_norm(view.dtype(), view.data()))
+            .sum::<f64>()
+            .sqrt()
     }
 }
 
@@ -50,7 +51,6 @@ impl std::fmt::Debug for Update<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Update")
             .field("tensors", &self.views.len())
-            .field("norm", &self.norm)
             .finish()
     }
 }

@@ -162,20 +162,20 @@ impl ParameterServer {
             return Err(Error::Samples { samples, max });
         }
         let update = Update::read(bytes)?;
-        if let Some(limit) = self.norm_limit()
-            && update.norm() > limit
+        let norm = self.max_norm_ratio.map(|_| update.norm());
+        if let (Some(norm), Some(limit)) = (norm, self.norm_limit())
+            && norm > limit
         {
-            return Err(Error::Norm {
-                norm: update.norm(),
-                limit,
-            });
+            return Err(Error::Norm { norm, limit });
         }
         self.sum.add_update(&update, samples as f64)?;
         self.arrived.push((from.to_string(), samples));
-        if self.norms.len() == NORM_HISTORY {
-            self.norms.pop_front();
+        if let Some(norm) = norm {
+            if self.norms.len() == NORM_HISTORY {
+                self.norms.pop_front();
+            }
+            self.norms.push_back(norm);
         }
-        self.norms.push_back(update.norm());
         Ok(Taken::Added)
     }
 
