@@ -40,6 +40,35 @@ impl Pki {
             &authority::create_node(&self.org, name, &[], roles, Validity::days(1)).unwrap(),
         )
     }
+
+    /// A node whose certificate expired yesterday.
+    fn expired(&self) -> NodeIdentity {
+        let now = time::OffsetDateTime::now_utc();
+        let validity = Validity {
+            not_before: now - time::Duration::days(3),
+            not_after: now - time::Duration::days(1),
+        };
+        identity_of(
+            &authority::create_node(&self.org, "expired", &[], Roles::ALL, validity).unwrap(),
+        )
+    }
+
+    /// A node, and a trust store whose CRL revokes its certificate.
+    fn revoked(&self) -> (NodeIdentity, TrustStore) {
+        let node = authority::create_node(&self.org, "revoked", &[], Roles::ALL, Validity::days(1))
+            .unwrap();
+        let crl = authority::revoke(
+            &self.org,
+            None,
+            node.cert_pem().as_bytes(),
+            Reason::KeyCompromise,
+            30,
+        )
+        .unwrap();
+        let store =
+            TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap();
+        (identity_of(&node), store)
+    }
 }
 
 fn identity_of(node: &authority::NodeCredentials) -> NodeIdentity {
@@ -176,42 +205,19 @@ async fn certificate_from_another_ca_is_refused() {
 #[tokio::test]
 async fn expired_certificate_is_refused() {
     let pki = Pki::new();
-    let now = time::OffsetDateTime::now_utc();
-    let expired = authority::create_node(
-        &pki.org,
-        "expired",
-        &[],
-        Roles::ALL,
-        Validity {
-            not_before: now - time::Duration::days(3),
-            not_after: now - time::Duration::days(1),
-        },
-    )
-    .unwrap();
-    assert_refused(&pki, identity_of(&expired), pki.trust()).await;
+    assert_refused(&pki, pki.expired(), pki.trust()).await;
 }
 
 #[tokio::test]
 async fn revoked_certificate_is_refused() {
     let pki = Pki::new();
-    let revoked =
-        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
-    let crl = authority::revoke(
-        &pki.org,
-        None,
-        revoked.cert_pem().as_bytes(),
-        Reason::KeyCompromise,
-        30,
-    )
-    .unwrap();
-    let trust_with_crl =
-        Arc::new(TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap());
+    let (revoked_id, trust_with_crl) = pki.revoked();
+    let trust_with_crl = Arc::new(trust_with_crl);
 
     let mut s = settings("gateway", true, &[]);
     s.relay_server = true;
     let (server, _) = start(&pki.node("gateway"), trust_with_crl, s).await;
     let server_addr = address_of(&server).await;
-    let revoked_id = identity_of(&revoked);
     let (client, _) = start(&revoked_id, pki.trust(), settings("worker", false, &[])).await;
     assert!(client.dial(server_addr.clone()).await.is_err());
     assert!(
@@ -760,33 +766,11 @@ async fn a_listener_with_a_foreign_expired_or_revoked_certificate_is_refused_by_
     let stranger = Pki::new().node("stranger");
     assert_dialer_refuses(stranger, &pki, pki.trust()).await;
 
-    let now = time::OffsetDateTime::now_utc();
-    let expired = authority::create_node(
-        &pki.org,
-        "expired",
-        &[],
-        Roles::ALL,
-        Validity {
-            not_before: now - time::Duration::days(3),
-            not_after: now - time::Duration::days(1),
-        },
-    )
-    .unwrap();
-    assert_dialer_refuses(identity_of(&expired), &pki, pki.trust()).await;
+    assert_dialer_refuses(pki.expired(), &pki, pki.trust()).await;
 
-    let revoked =
-        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
-    let crl = authority::revoke(
-        &pki.org,
-        None,
-        revoked.cert_pem().as_bytes(),
-        Reason::KeyCompromise,
-        30,
-    )
-    .unwrap();
-    let trust_with_crl =
-        Arc::new(TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap());
-    assert_dialer_refuses(identity_of(&revoked), &pki, trust_with_crl).await;
+    let (revoked_id, trust_with_crl) = pki.revoked();
+    let trust_with_crl = Arc::new(trust_with_crl);
+    assert_dialer_refuses(revoked_id, &pki, trust_with_crl).await;
 }
 
 /// Sends `request` from a node with `roles` to a node that does or does not
@@ -968,9 +952,7 @@ async fn only_a_gateway_certified_as_one_relays() {
 async fn a_new_revocation_list_disconnects_the_revoked_peer_without_a_restart() {
     let pki = Pki::new();
     let (server, server_addr) = gateway(&pki).await;
-    let revoked =
-        authority::create_node(&pki.org, "revoked", &[], Roles::ALL, Validity::days(1)).unwrap();
-    let revoked_id = identity_of(&revoked);
+    let (revoked_id, store) = pki.revoked();
     let (bad, _) = start(&revoked_id, pki.trust(), settings("worker", false, &[])).await;
     let (good, _) = start(
         &pki.node("good"),
@@ -981,15 +963,6 @@ async fn a_new_revocation_list_disconnects_the_revoked_peer_without_a_restart() 
     bad.dial(server_addr.clone()).await.unwrap();
     good.dial(server_addr.clone()).await.unwrap();
 
-    let crl = authority::revoke(
-        &pki.org,
-        None,
-        revoked.cert_pem().as_bytes(),
-        Reason::KeyCompromise,
-        30,
-    )
-    .unwrap();
-    let store = TrustStore::from_pem(pki.root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap();
     let closed = server.replace_trust(store).await.unwrap();
     assert_eq!(closed.len(), 1, "{closed:?}");
     assert_eq!(closed[0].0, revoked_id.peer_id());
