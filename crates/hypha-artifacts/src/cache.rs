@@ -16,7 +16,8 @@ use crate::manifest::{ArtifactId, Manifest};
 
 /// Completed artifacts by destination path: JSON [`Record`]s.
 const COMPLETED: TableDefinition<&str, &[u8]> = TableDefinition::new("completed");
-/// Verified chunks of unfinished artifacts: (artifact id, chunk) → BLAKE3.
+/// Verified chunks of unfinished artifacts: (artifact id, chunk) → BLAKE3, then one byte, 1
+/// where the chunk was read from the origin by this node (absent in older caches: 0).
 const CHUNKS: TableDefinition<(&[u8], u32), &[u8]> = TableDefinition::new("chunks");
 
 /// The cache could not be used.
@@ -41,6 +42,10 @@ pub struct Record {
     pub manifest: Manifest,
     /// BLAKE3 of every chunk, hex, in chunk order.
     pub hashes: Vec<String>,
+    /// The chunks this node read from the origin itself (it vouches for their hashes to
+    /// others; see `swarm`). Absent in older records: none.
+    #[serde(default)]
+    pub from_origin: Vec<u32>,
     /// Whether the archive was unpacked into `request.unpack`'s destination.
     pub unpacked: bool,
 }
@@ -155,28 +160,44 @@ impl Cache {
         id: ArtifactId,
         chunk: u32,
         hash: &[u8; 32],
+        from_origin: bool,
     ) -> Result<(), CacheError> {
+        let mut value = [0u8; 33];
+        value[..32].copy_from_slice(hash);
+        value[32] = from_origin as u8;
         let txn = self.db.begin_write()?;
         {
             let mut chunks = txn.open_table(CHUNKS)?;
-            chunks.insert((id.0.as_slice(), chunk), hash.as_slice())?;
+            chunks.insert((id.0.as_slice(), chunk), value.as_slice())?;
         }
         txn.commit()?;
         Ok(())
     }
 
-    /// The chunks recorded for `id`.
-    pub fn chunks(&self, id: ArtifactId) -> Result<Vec<(u32, [u8; 32])>, CacheError> {
+    /// Forgets a recorded chunk: it is not resumed.
+    pub fn forget_chunk(&self, id: ArtifactId, chunk: u32) -> Result<(), CacheError> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut chunks = txn.open_table(CHUNKS)?;
+            chunks.remove((id.0.as_slice(), chunk))?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// The chunks recorded for `id`: (chunk, BLAKE3, read from the origin by this node).
+    pub fn chunks(&self, id: ArtifactId) -> Result<Vec<(u32, [u8; 32], bool)>, CacheError> {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(CHUNKS)?;
         let id: &[u8] = &id.0;
         let mut out = Vec::new();
         for row in table.range((id, 0)..=(id, u32::MAX))? {
             let (key, value) = row?;
-            let mut hash = [0u8; 32];
-            if value.value().len() == 32 {
-                hash.copy_from_slice(value.value());
-                out.push((key.value().1, hash));
+            let value = value.value();
+            if let Some(hash) = value.get(..32).and_then(|h| <[u8; 32]>::try_from(h).ok())
+                && value.len() <= 33
+            {
+                out.push((key.value().1, hash, value.get(32) == Some(&1)));
             }
         }
         Ok(out)

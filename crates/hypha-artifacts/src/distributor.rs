@@ -9,7 +9,7 @@ use std::{
 };
 
 use futures::StreamExt;
-use hypha_network::{Network, NetworkError};
+use hypha_network::{Network, NetworkError, PeerId};
 use tokio::sync::{mpsc, watch};
 
 use crate::{
@@ -18,8 +18,11 @@ use crate::{
     cache::{Cache, CacheError, Record},
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
-    protocol::{CHUNK_PROTOCOL, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame, write_frame},
-    swarm::{self, Context, Event, Failure, Holding, Progress},
+    protocol::{
+        CHUNK_PROTOCOL, ChunkErrorCode, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame,
+        write_frame,
+    },
+    swarm::{self, Context, Event, Failure, Held, Holding, Progress},
     unpack::{UnpackError, unpack},
 };
 
@@ -56,15 +59,41 @@ pub enum FetchError {
     },
 }
 
+/// Which peers a fetch lets into this node's swarm of the artifact (and fetch chunks here):
+/// those a job or request on this node names, such as the workers of the job's task.
+#[derive(Clone)]
+pub struct Admission(Arc<dyn Fn(&PeerId) -> bool + Send + Sync>);
+
+impl Admission {
+    pub fn new(admits: impl Fn(&PeerId) -> bool + Send + Sync + 'static) -> Admission {
+        Admission(Arc::new(admits))
+    }
+
+    pub fn admits(&self, peer: &PeerId) -> bool {
+        (self.0)(peer)
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Admission(..)")
+    }
+}
+
 /// How one fetch behaves.
 #[derive(Debug, Clone, Default)]
 pub struct FetchOptions {
     /// Members (this node included) to wait for, at most `Settings::join_timeout`, before
-    /// pulling anything from the origin, so that the first chunks are not pulled by whoever
-    /// happened to start first. 0 or 1: start at once.
+    /// pulling anything, so that the first chunks are not pulled by whoever happened to start
+    /// first, and every member knows which chunks are whose to read from the origin. 0 or 1:
+    /// start at once.
     pub expect: usize,
     /// Receives this node's view of the distribution as it changes.
     pub progress: Option<watch::Sender<Progress>>,
+    /// Who may join this node's swarm of the artifact; `None`: any certified peer that names
+    /// it (for fetches by hand, where each node's operator asked for the artifact). While
+    /// several fetches of one artifact are in the swarm, a peer any of them admits is in.
+    pub admission: Option<Admission>,
 }
 
 /// A completed fetch.
@@ -102,6 +131,15 @@ struct Member {
     holding: Arc<Holding>,
     progress: watch::Receiver<Progress>,
     destination: PathBuf,
+    /// A fetch without an [`Admission`] let everyone in.
+    anyone: bool,
+    admissions: Vec<Admission>,
+}
+
+impl Member {
+    fn admits(&self, peer: &PeerId) -> bool {
+        self.anyone || self.admissions.iter().any(|a| a.admits(peer))
+    }
 }
 
 impl Inner {
@@ -143,6 +181,10 @@ impl Distributor {
 
     pub fn settings(&self) -> &Settings {
         &self.inner.settings
+    }
+
+    pub fn network(&self) -> &Network {
+        &self.inner.network
     }
 
     /// Fetches `request`: from the cache if the origin still describes it the same way, else
@@ -191,6 +233,7 @@ impl Distributor {
             if record.files_present() && !self.inner.swarms().contains_key(&id) {
                 self.seed(&record, origin.clone(), manifest.clone()).await;
             }
+            self.admit(id, &options.admission);
             let unpacked = self.unpack_if_asked(request, record).await?;
             let progress = self
                 .inner
@@ -212,6 +255,7 @@ impl Distributor {
         let mut progress = self
             .join(request, origin.clone(), manifest.clone(), options.expect)
             .await?;
+        self.admit(id, &options.admission);
         let outcome = loop {
             let current = progress.borrow_and_update().clone();
             if let Some(sender) = &options.progress {
@@ -247,6 +291,7 @@ impl Distributor {
             request: request.clone(),
             manifest: (*manifest).clone(),
             hashes: Vec::new(),
+            from_origin: Vec::new(),
             unpacked: false,
         };
         let unpacked = self.unpack_if_asked(request, record).await?;
@@ -285,12 +330,12 @@ impl Distributor {
             let holding = holding.clone();
             blocking(move || {
                 let mut resumed = 0;
-                for (chunk, hash) in recorded {
+                for (chunk, hash, from_origin) in recorded {
                     let Some(span) = holding.assembly.manifest().chunk(chunk) else {
                         continue;
                     };
                     if holding.assembly.hash_chunk(span)? == hash {
-                        holding.hold(chunk, hash);
+                        holding.hold(chunk, Held { hash, from_origin });
                         resumed += 1;
                     }
                 }
@@ -352,18 +397,32 @@ impl Distributor {
                 holding,
                 progress: progress.clone(),
                 destination: request.destination.clone(),
+                anyone: false,
+                admissions: Vec::new(),
             },
         );
         progress
     }
 
+    /// Lets the peers `admission` names (everyone, for `None`) into the swarm of `id`.
+    fn admit(&self, id: ArtifactId, admission: &Option<Admission>) {
+        if let Some(member) = self.inner.swarms().get_mut(&id) {
+            match admission {
+                Some(admission) => member.admissions.push(admission.clone()),
+                None => member.anyone = true,
+            }
+        }
+    }
+
     /// Serves a cached artifact to others.
     async fn seed(&self, record: &Record, origin: Arc<Origin>, manifest: Arc<Manifest>) {
         let request = record.request.clone();
-        let hashes = if record.manifest.chunk_size == manifest.chunk_size {
-            record.chunk_hashes()
+        let (hashes, from_origin) = if record.manifest.chunk_size == manifest.chunk_size {
+            (record.chunk_hashes(), record.from_origin.clone())
         } else {
-            None
+            // Chunks of another size are hashed again here, not read from the origin: this
+            // node vouches for none of them.
+            (None, Vec::new())
         };
         let opened = {
             let manifest = manifest.clone();
@@ -390,7 +449,9 @@ impl Distributor {
                     self.inner.settings.upload_slots,
                 ));
                 for (chunk, hash) in hashes.into_iter().enumerate() {
-                    holding.hold(chunk as u32, hash);
+                    let chunk = chunk as u32;
+                    let from_origin = from_origin.contains(&chunk);
+                    holding.hold(chunk, Held { hash, from_origin });
                 }
                 self.register(&request, origin, holding, 1, 0);
             }
@@ -478,10 +539,15 @@ async fn accept_swarm_streams(mut incoming: libp2p_stream::IncomingStreams, inne
                 tracing::debug!(%peer, "swarm stream without a hello");
                 return;
             };
-            let events = inner
-                .upgrade()
-                .and_then(|inner| inner.swarms().get(&artifact).map(|m| m.events.clone()));
+            let events = inner.upgrade().and_then(|inner| {
+                inner
+                    .swarms()
+                    .get(&artifact)
+                    .filter(|m| m.admits(&peer))
+                    .map(|m| m.events.clone())
+            });
             let Some(events) = events else {
+                tracing::debug!(%peer, %artifact, "not letting a peer into a swarm: not in it, or no job or request here admits it");
                 let _ = write_frame(&mut stream, &HelloReply::NotMember).await;
                 return;
             };
@@ -496,9 +562,13 @@ async fn accept_chunk_streams(mut incoming: libp2p_stream::IncomingStreams, inne
     while let Some((peer, stream)) = incoming.next().await {
         let inner = inner.clone();
         tokio::spawn(swarm::serve_chunk(stream, peer, move |id| {
-            inner
-                .upgrade()
-                .and_then(|inner| inner.swarms().get(&id).map(|m| m.holding.clone()))
+            let inner = inner.upgrade().ok_or(ChunkErrorCode::UnknownArtifact)?;
+            let swarms = inner.swarms();
+            let member = swarms.get(&id).ok_or(ChunkErrorCode::UnknownArtifact)?;
+            if !member.admits(&peer) {
+                return Err(ChunkErrorCode::NotAdmitted);
+            }
+            Ok(member.holding.clone())
         }));
     }
 }

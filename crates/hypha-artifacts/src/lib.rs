@@ -6,7 +6,8 @@
 //! - [`manifest`]: an artifact's files and chunks, and its content-derived [`ArtifactId`].
 //! - [`swarm`]: the coordinator-free exchange between the nodes fetching one artifact
 //!   ([`protocol`] on `libp2p-stream`): each chunk pulled from the origin by one node, shared
-//!   rarest first, every transfer checked against the chunk's BLAKE3.
+//!   rarest first, every transfer checked against a BLAKE3 the origin vouches for (members
+//!   that announce false hashes are found out against the origin and banned).
 //! - [`assembly`]: files written in place from chunks, fsynced and renamed atomically.
 //! - [`cache`]: completed artifacts reused while the origin still describes them the same way;
 //!   partial ones resumed chunk by chunk.
@@ -29,7 +30,7 @@ pub mod unpack;
 
 use std::time::Duration;
 
-pub use distributor::{Distributor, FetchError, FetchOptions, Fetched};
+pub use distributor::{Admission, Distributor, FetchError, FetchOptions, Fetched};
 pub use hypha_messages::artifact::{self as request, Kind, Request, Unpack, UnpackMethod};
 pub use manifest::{ArtifactId, Manifest, auto_chunk_size};
 pub use origin::{Origin, OriginError, Origins, Profile};
@@ -59,6 +60,14 @@ pub struct Settings {
     pub discovery_interval: Duration,
     /// How much one archive may unpack to.
     pub unpack_limits: unpack::Limits,
+    /// The share of chunks (0–1) this node reads from the origin although peers hold them,
+    /// to check the hashes the members that read them announced. Each node picks its own at
+    /// random and tells nobody. A member lying about a chunk only it read is caught with
+    /// probability `1 - (1 - share)^(n - 1)` in a swarm of n; the origin sends about
+    /// `1 + share × (n - 1)` times the artifact. 1 reads everything from the origin (no
+    /// member's word is taken), 0 trusts whatever member read a chunk first unless another
+    /// disagrees. Default: 0.02.
+    pub origin_audit: f64,
 }
 
 impl Default for Settings {
@@ -71,6 +80,7 @@ impl Default for Settings {
             join_timeout: Duration::from_secs(10),
             discovery_interval: Duration::from_millis(500),
             unpack_limits: unpack::Limits::default(),
+            origin_audit: 0.02,
         }
     }
 }

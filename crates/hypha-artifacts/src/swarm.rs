@@ -3,16 +3,31 @@
 //! There is no coordinator. Every node hears from every other member what it holds, what it
 //! is pulling from the origin and how many chunks it is sending, and decides for itself:
 //!
-//! - **Origin**: a chunk nobody holds or pulls belongs to one member, `members[(chunk + k) %
-//!   n]` over the sorted live members (k from the artifact id), and only its owner pulls it,
+//! - **Origin**: a chunk belongs to one member, `members[(chunk + k) % n]` over the sorted
+//!   live members (k from the artifact id), and only its owner reads it from the origin,
 //!   within `origin_connections / n` connections. While the members agree on who is live,
 //!   every chunk leaves the origin once. When a member leaves, its chunks get new owners;
-//!   what it was pulling is pulled again (that is the only extra origin traffic). A node that
-//!   banned every holder of a chunk pulls it itself.
+//!   what it was reading is read again. Where this node banned the owner, or the owner has
+//!   said it is reading a chunk for longer than [`PULLING_PATIENCE`], the next member in
+//!   that order reads it.
 //! - **Peers**: the rarest chunk first (fewest live holders; ties broken at random per node),
 //!   from the holder with the fewest uploads under way, within the download slots.
-//! - **Integrity**: the BLAKE3 a chunk's first holder announced is checked on every transfer;
-//!   a peer whose bytes or announcements disagree is banned for this artifact.
+//! - **Integrity**: a chunk's hash is trusted only as far as the origin vouches for it. A
+//!   member that reads a chunk from the origin announces its hash `from_origin`. Chunks are
+//!   pulled from peers only with a hash vouched for by the chunk's owner (whose turn it was
+//!   when it announced it), by two members that agree, or by this node's own origin read,
+//!   and every transfer is checked against it; a hash vouched for by any other single member
+//!   (a liar announcing first, say) does not stop the owner reading the chunk itself. When
+//!   members vouch for different hashes, or for another hash than the one this node holds,
+//!   this node reads the chunk (or only its hash) from the origin and bans the members the
+//!   origin contradicts, never one that merely relayed what it was given; chunks it took on
+//!   a banned member's word alone are dropped and fetched again. A random share of the
+//!   chunks (`Settings::origin_audit`, chosen by each node and told to nobody) is read from
+//!   the origin although peers hold them: a member lying about chunks it owns is caught with
+//!   probability `1 - (1 - share)^(n - 1)` per chunk; one lying about any chunk another
+//!   member owns is caught by that owner. A peer whose bytes disagree with the hash it
+//!   announced, or that fails [`FAILURES_BEFORE_BAN`] requests in a row for chunks it
+//!   announced, is not asked again for this artifact.
 //!
 //! The actor owns all of this state; transfers, stream readers and writers are tasks that
 //! report back through one bounded queue, so the actor never waits on the network.
@@ -21,7 +36,7 @@ use hypha_messages::artifact::Request;
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
-        Arc, OnceLock,
+        Arc, Mutex,
         atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::Duration,
@@ -62,14 +77,29 @@ const NOT_ACCEPTED_ATTEMPTS: u32 = 5;
 const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 /// How long a peer that refused us (busy, not a member, unreachable) is left alone.
 const BACKOFF: Duration = Duration::from_secs(1);
+/// How long a member may take to read a chunk from the origin before the next member reads it
+/// too: a member that says it is reading and never finishes must not stall the swarm. Long
+/// enough for a 64 MiB chunk at 256 KiB/s.
+const PULLING_PATIENCE: Duration = Duration::from_secs(300);
 /// Origin reads of one chunk tried before the fetch fails.
 const ORIGIN_ATTEMPTS: u32 = 3;
+/// Chunk requests in a row a holder may fail (no answer, stream closed, `missing`) before it
+/// is not asked again for this artifact: a member that announces chunks it never serves
+/// would otherwise stall everyone that waits for it.
+const FAILURES_BEFORE_BAN: u32 = 3;
+
+/// A chunk this node holds: its hash, and whether the bytes came from the origin itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub(crate) hash: [u8; 32],
+    pub(crate) from_origin: bool,
+}
 
 /// What a node holds of an artifact, shared with the chunk server.
 #[derive(Debug)]
 pub(crate) struct Holding {
     pub(crate) assembly: Arc<Assembly>,
-    hashes: Vec<OnceLock<[u8; 32]>>,
+    chunks: Vec<Mutex<Option<Held>>>,
     held: AtomicU32,
     pub(crate) uploads: Arc<Semaphore>,
     upload_slots: usize,
@@ -84,7 +114,7 @@ impl Holding {
         let count = assembly.manifest().chunk_count() as usize;
         Holding {
             assembly,
-            hashes: (0..count).map(|_| OnceLock::new()).collect(),
+            chunks: (0..count).map(|_| Mutex::new(None)).collect(),
             held: AtomicU32::new(0),
             uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
             upload_slots: upload_slots.max(1),
@@ -94,19 +124,38 @@ impl Holding {
         }
     }
 
-    /// The chunk's hash if it is held (written and verified).
-    pub(crate) fn held(&self, chunk: u32) -> Option<[u8; 32]> {
-        self.hashes
+    fn slot(&self, chunk: u32) -> Option<std::sync::MutexGuard<'_, Option<Held>>> {
+        self.chunks
             .get(chunk as usize)
-            .and_then(|h| h.get().copied())
+            .map(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    pub(crate) fn hold(&self, chunk: u32, hash: [u8; 32]) {
-        if let Some(slot) = self.hashes.get(chunk as usize)
-            && slot.set(hash).is_ok()
+    /// The chunk's hash if it is held (written and verified).
+    pub(crate) fn held(&self, chunk: u32) -> Option<[u8; 32]> {
+        self.held_as(chunk).map(|held| held.hash)
+    }
+
+    pub(crate) fn held_as(&self, chunk: u32) -> Option<Held> {
+        self.slot(chunk).and_then(|slot| *slot)
+    }
+
+    /// Records a chunk as held, unless it already is.
+    pub(crate) fn hold(&self, chunk: u32, held: Held) {
+        if let Some(mut slot) = self.slot(chunk)
+            && slot.is_none()
         {
+            *slot = Some(held);
             self.held.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Forgets a held chunk (its bytes stay until they are written again); whether it was held.
+    fn release(&self, chunk: u32) -> bool {
+        let released = self.slot(chunk).and_then(|mut slot| slot.take()).is_some();
+        if released {
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
+        released
     }
 
     pub(crate) fn held_count(&self) -> u32 {
@@ -118,7 +167,7 @@ impl Holding {
     }
 
     fn complete(&self) -> bool {
-        self.held_count() as usize == self.hashes.len()
+        self.held_count() as usize == self.chunks.len()
     }
 }
 
@@ -174,7 +223,8 @@ pub struct PeerProgress {
     pub peer: PeerId,
     pub held: u32,
     pub done: bool,
-    /// It sent bytes that did not match their hash; it is not asked again.
+    /// It sent bytes that did not match their hash, vouched for a hash the origin
+    /// contradicted, or failed to serve what it announced; it is not asked again.
     pub banned: bool,
 }
 
@@ -205,6 +255,11 @@ pub(crate) enum Event {
         chunk: u32,
         result: Result<[u8; 32], Failure>,
     },
+    /// The origin's hash of a chunk this node holds, read to settle a dispute.
+    Sampled {
+        chunk: u32,
+        result: Result<[u8; 32], Failure>,
+    },
     PeerPulled {
         chunk: u32,
         peer: PeerId,
@@ -221,18 +276,43 @@ pub(crate) enum PeerFailure {
     Failed(String),
 }
 
+/// What a member announced it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Claim {
+    hash: [u8; 32],
+    from_origin: bool,
+    /// The chunk was this node's to read from the origin when the claim came (or when
+    /// reading started, for claims that came before): another member's word on it does not
+    /// stop this node reading it itself.
+    mine: bool,
+}
+
+/// Whom a chunk's hash is known from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vouched {
+    /// Nobody read it from the origin, as far as this node knows.
+    Nobody,
+    /// This hash: this node read it from the origin, or the members that did agree.
+    For([u8; 32]),
+    /// Members that read it from the origin announced different hashes.
+    Disputed,
+}
+
 #[derive(Debug, Default)]
 struct Peer {
     /// Generation of the live inbound stream; `None` while the peer has not joined us.
     reader: Option<u64>,
     writer: Option<(u64, mpsc::Sender<SwarmMessage>)>,
-    have: HashSet<u32>,
-    pulling: HashSet<u32>,
+    have: HashMap<u32, Claim>,
+    /// Chunks it said it reads from the origin, and since when.
+    pulling: HashMap<u32, Instant>,
     uploads: u32,
     done: bool,
     banned: bool,
     /// Our chunk requests to it under way.
     requests: u32,
+    /// Our chunk requests it failed in a row.
+    failures: u32,
     left_alone_until: Option<Instant>,
 }
 
@@ -258,7 +338,7 @@ pub(crate) struct Context {
 }
 
 /// Starts the actor of one artifact. `expect` members (this node included) are waited for,
-/// at most `settings.join_timeout`, before anything is pulled from the origin.
+/// at most `settings.join_timeout`, before anything is pulled from the origin or from peers.
 pub(crate) fn spawn(
     context: Context,
     request: Request,
@@ -280,6 +360,11 @@ pub(crate) fn spawn(
     };
     let (progress_tx, progress_rx) = watch::channel(progress);
     let me = context.network.local_peer_id();
+    // Chosen here and never told: a member that knew which chunks are checked would lie
+    // about the others.
+    let audit = (0..count)
+        .map(|_| rand::random::<f64>() < context.settings.origin_audit)
+        .collect();
     let actor = Actor {
         me,
         offset: manifest.id.0[0] as usize,
@@ -292,7 +377,11 @@ pub(crate) fn spawn(
         holding,
         peers: BTreeMap::new(),
         availability: vec![0; count as usize],
-        known_hashes: vec![None; count as usize],
+        verified: vec![None; count as usize],
+        audit,
+        vouchers: HashMap::new(),
+        to_sample: std::collections::BTreeSet::new(),
+        pending_vouchers: HashMap::new(),
         in_flight: HashMap::new(),
         origin_attempts: HashMap::new(),
         origin_in_flight: 0,
@@ -321,8 +410,17 @@ struct Actor {
     peers: BTreeMap<PeerId, Peer>,
     /// Live, unbanned holders of each chunk.
     availability: Vec<u16>,
-    /// The hash each chunk must have: ours, or the first one a member announced.
-    known_hashes: Vec<Option<[u8; 32]>>,
+    /// The origin's hash of each chunk, where this node read it (or its hash) itself.
+    verified: Vec<Option<[u8; 32]>>,
+    /// Chunks this node reads from the origin even when peers hold them, to check them.
+    audit: Vec<bool>,
+    /// The members whose word a chunk held from a peer was taken on (those that announced its
+    /// hash `from_origin`); when every one of them is banned, the chunk is dropped.
+    vouchers: HashMap<u32, Vec<PeerId>>,
+    /// Held chunks a member contradicted: their hash is to be read from the origin.
+    to_sample: std::collections::BTreeSet<u32>,
+    /// The vouchers of chunks being pulled from peers.
+    pending_vouchers: HashMap<u32, Vec<PeerId>>,
     in_flight: HashMap<u32, Source>,
     origin_attempts: HashMap<u32, u32>,
     origin_in_flight: usize,
@@ -336,7 +434,11 @@ struct Actor {
 impl Actor {
     async fn run(mut self, mut events: mpsc::Receiver<Event>) {
         for chunk in 0..self.manifest.chunk_count() {
-            self.known_hashes[chunk as usize] = self.holding.held(chunk);
+            if let Some(held) = self.holding.held_as(chunk)
+                && held.from_origin
+            {
+                self.verified[chunk as usize] = Some(held.hash);
+            }
         }
         let key = provider_key(self.manifest.id);
         if let Err(e) = self.context.network.start_providing(&key).await {
@@ -401,16 +503,31 @@ impl Actor {
                 self.in_flight.remove(&chunk);
                 self.origin_in_flight -= 1;
                 match result {
-                    Ok(hash) => self.held(chunk, hash, Source::Origin),
-                    Err(Failure::Changed(reason)) => self.fail(Failure::Changed(reason)),
-                    Err(Failure::Failed(reason)) => {
+                    Ok(hash) => {
+                        self.verified[chunk as usize] = Some(hash);
+                        self.held(
+                            chunk,
+                            Held {
+                                hash,
+                                from_origin: true,
+                            },
+                            Source::Origin,
+                        );
+                        self.arbitrate(chunk, hash);
+                    }
+                    Err(failure) => {
                         self.broadcast(SwarmMessage::Released { chunk });
-                        let attempts = self.origin_attempts.entry(chunk).or_default();
-                        *attempts += 1;
-                        tracing::warn!(artifact = %self.manifest.id, chunk, attempt = *attempts, "origin read failed: {reason}");
-                        if *attempts >= ORIGIN_ATTEMPTS {
-                            self.fail(Failure::Failed(reason));
-                        }
+                        self.origin_failed(chunk, failure);
+                    }
+                }
+            }
+            Event::Sampled { chunk, result } => {
+                self.origin_in_flight -= 1;
+                match result {
+                    Ok(truth) => self.settle(chunk, truth),
+                    Err(failure) => {
+                        self.to_sample.insert(chunk);
+                        self.origin_failed(chunk, failure);
                     }
                 }
             }
@@ -423,8 +540,24 @@ impl Actor {
                 if let Some(p) = self.peers.get_mut(&peer) {
                     p.requests = p.requests.saturating_sub(1);
                 }
+                let vouchers = self.pending_vouchers.remove(&chunk).unwrap_or_default();
                 match result {
-                    Ok(hash) => self.held(chunk, hash, Source::Peer(peer)),
+                    Ok(hash) => {
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            p.failures = 0;
+                        }
+                        if self.verified[chunk as usize] != Some(hash) {
+                            self.vouchers.insert(chunk, vouchers);
+                        }
+                        self.held(
+                            chunk,
+                            Held {
+                                hash,
+                                from_origin: false,
+                            },
+                            Source::Peer(peer),
+                        );
+                    }
                     Err(PeerFailure::Busy) => {
                         if let Some(p) = self.peers.get_mut(&peer) {
                             p.left_alone_until = Some(Instant::now() + TICK);
@@ -438,6 +571,11 @@ impl Actor {
                         tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk transfer failed: {reason}");
                         if let Some(p) = self.peers.get_mut(&peer) {
                             p.left_alone_until = Some(Instant::now() + BACKOFF);
+                            p.failures += 1;
+                            if p.failures >= FAILURES_BEFORE_BAN {
+                                tracing::warn!(artifact = %self.manifest.id, %peer, "failed {FAILURES_BEFORE_BAN} chunk requests in a row ({reason}); not asking it again for this artifact");
+                                self.ban(peer);
+                            }
                         }
                     }
                 }
@@ -468,6 +606,142 @@ impl Actor {
 
     fn failed(&self) -> bool {
         self.progress.borrow().failure.is_some()
+    }
+
+    /// An origin read (of a chunk or of its hash) failed: tried again, then the fetch fails.
+    fn origin_failed(&mut self, chunk: u32, failure: Failure) {
+        match failure {
+            Failure::Changed(reason) => self.fail(Failure::Changed(reason)),
+            Failure::Failed(reason) => {
+                let attempts = self.origin_attempts.entry(chunk).or_default();
+                *attempts += 1;
+                tracing::warn!(artifact = %self.manifest.id, chunk, attempt = *attempts, "origin read failed: {reason}");
+                if *attempts >= ORIGIN_ATTEMPTS {
+                    self.fail(Failure::Failed(reason));
+                }
+            }
+        }
+    }
+
+    /// The origin says `truth` is chunk `chunk`'s hash, where this node holds the chunk and a
+    /// member said otherwise: whoever vouched for the wrong hash is banned.
+    fn settle(&mut self, chunk: u32, truth: [u8; 32]) {
+        self.verified[chunk as usize] = Some(truth);
+        let vouchers = self.vouchers.remove(&chunk).unwrap_or_default();
+        if self.holding.held(chunk).is_some_and(|held| held != truth) {
+            self.release(chunk);
+            for voucher in vouchers {
+                self.convict(voucher, chunk);
+            }
+        }
+        self.arbitrate(chunk, truth);
+    }
+
+    /// Bans every member that announced it read `chunk` from the origin with a hash other
+    /// than `truth`, which this node read from the origin itself.
+    fn arbitrate(&mut self, chunk: u32, truth: [u8; 32]) {
+        let contradicted: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| {
+                !p.banned
+                    && p.have
+                        .get(&chunk)
+                        .is_some_and(|c| c.from_origin && c.hash != truth)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for peer in contradicted {
+            self.convict(peer, chunk);
+        }
+    }
+
+    /// `peer` vouched for a hash of `chunk` that the origin contradicts: it is banned, and
+    /// what this node took on its word alone is dropped and fetched again.
+    fn convict(&mut self, peer: PeerId, chunk: u32) {
+        if self.peers.get(&peer).is_none_or(|p| p.banned) {
+            return;
+        }
+        tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "announced it read this chunk from the origin, but the origin's bytes have another hash; not trusting it again for this artifact");
+        self.ban(peer);
+        let peers = &self.peers;
+        let orphaned: Vec<u32> = self
+            .vouchers
+            .iter()
+            .filter(|(_, vouchers)| {
+                vouchers
+                    .iter()
+                    .all(|v| peers.get(v).is_some_and(|p| p.banned))
+            })
+            .map(|(chunk, _)| *chunk)
+            .collect();
+        for chunk in orphaned {
+            self.vouchers.remove(&chunk);
+            self.release(chunk);
+        }
+    }
+
+    /// Forgets a chunk held on a word the origin contradicted, so that it is fetched again.
+    fn release(&mut self, chunk: u32) {
+        if self.finishing {
+            tracing::warn!(artifact = %self.manifest.id, chunk, "a chunk of the completed files was vouched for by a member the origin contradicted; fetch the artifact again to be sure of it");
+            return;
+        }
+        if !self.holding.release(chunk) {
+            return;
+        }
+        let len = self.manifest.chunks()[chunk as usize].len;
+        self.progress.send_modify(|p| {
+            p.held -= 1;
+            p.peer_chunks = p.peer_chunks.saturating_sub(1);
+            p.peer_bytes = p.peer_bytes.saturating_sub(len);
+        });
+        self.broadcast(SwarmMessage::Dropped { chunk });
+        let cache = self.context.cache.clone();
+        let id = self.manifest.id;
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = cache.forget_chunk(id, chunk) {
+                tracing::warn!("cannot forget chunk {chunk} of {id}: {e}");
+            }
+        });
+    }
+
+    /// Whose word chunk `chunk`'s hash rests on, as far as this node knows.
+    fn vouched(&self, chunk: u32) -> Vouched {
+        if let Some(truth) = self.verified[chunk as usize] {
+            return Vouched::For(truth);
+        }
+        let mut found = None;
+        for claim in self.origin_claims(chunk) {
+            match found {
+                Some(hash) if hash != claim.hash => return Vouched::Disputed,
+                _ => found = Some(claim.hash),
+            }
+        }
+        found.map_or(Vouched::Nobody, Vouched::For)
+    }
+
+    /// What live, unbanned members that say they read `chunk` from the origin announced.
+    fn origin_claims(&self, chunk: u32) -> impl Iterator<Item = &Claim> {
+        self.peers
+            .values()
+            .filter(|p| p.live() && !p.banned)
+            .filter_map(move |p| p.have.get(&chunk).filter(|c| c.from_origin))
+    }
+
+    /// The members that vouch for `hash` as chunk `chunk`'s.
+    fn vouchers_of(&self, chunk: u32, hash: [u8; 32]) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .filter(|(_, p)| {
+                p.live()
+                    && !p.banned
+                    && p.have
+                        .get(&chunk)
+                        .is_some_and(|c| c.from_origin && c.hash == hash)
+            })
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// A member opened its stream to us: read it, and make sure ours to it is open.
@@ -505,9 +779,11 @@ impl Actor {
         entry.writer = Some((generation, tx));
         let mut initial: Vec<SwarmMessage> = (0..self.manifest.chunk_count())
             .filter_map(|chunk| {
-                self.holding
-                    .held(chunk)
-                    .map(|blake3| SwarmMessage::Have { chunk, blake3 })
+                self.holding.held_as(chunk).map(|held| SwarmMessage::Have {
+                    chunk,
+                    blake3: held.hash,
+                    from_origin: held.from_origin,
+                })
             })
             .collect();
         initial.extend(
@@ -537,7 +813,7 @@ impl Actor {
     fn forget(&mut self, peer: PeerId) {
         if let Some(p) = self.peers.get_mut(&peer) {
             if !p.banned {
-                for &chunk in &p.have {
+                for &chunk in p.have.keys() {
                     self.availability[chunk as usize] -= 1;
                 }
             }
@@ -555,7 +831,8 @@ impl Actor {
             && !p.banned
         {
             p.banned = true;
-            for &chunk in &p.have {
+            p.pulling.clear();
+            for &chunk in p.have.keys() {
                 self.availability[chunk as usize] -= 1;
             }
         }
@@ -566,34 +843,53 @@ impl Actor {
         let chunk_of = |m: &SwarmMessage| match m {
             SwarmMessage::Have { chunk, .. }
             | SwarmMessage::Pulling { chunk }
-            | SwarmMessage::Released { chunk } => Some(*chunk),
+            | SwarmMessage::Released { chunk }
+            | SwarmMessage::Dropped { chunk } => Some(*chunk),
             _ => None,
         };
         if chunk_of(&message).is_some_and(|c| c >= count) {
             tracing::warn!(artifact = %self.manifest.id, %peer, "ignoring a message about a chunk the artifact does not have: {message:?}");
             return;
         }
+        let mine = match &message {
+            SwarmMessage::Have {
+                chunk,
+                from_origin: true,
+                ..
+            } => self.owner(*chunk, &self.members()) == Some(self.me),
+            _ => false,
+        };
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
         match message {
-            SwarmMessage::Have { chunk, blake3 } => {
+            SwarmMessage::Have {
+                chunk,
+                blake3,
+                from_origin,
+            } => {
                 p.pulling.remove(&chunk);
-                let known = &mut self.known_hashes[chunk as usize];
-                match known {
-                    Some(hash) if *hash != blake3 => {
-                        tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "peer announced a hash that differs from the chunk's; not asking it again for this artifact");
-                        self.ban(peer);
-                        return;
-                    }
-                    _ => *known = Some(blake3),
-                }
-                if p.have.insert(chunk) && !p.banned {
+                let claim = Claim {
+                    hash: blake3,
+                    from_origin,
+                    mine,
+                };
+                if p.have.insert(chunk, claim).is_none() && !p.banned {
                     self.availability[chunk as usize] += 1;
+                }
+                if from_origin && !p.banned {
+                    self.check_claim(peer, chunk, blake3);
+                }
+            }
+            SwarmMessage::Dropped { chunk } => {
+                if p.have.remove(&chunk).is_some() && !p.banned {
+                    self.availability[chunk as usize] -= 1;
                 }
             }
             SwarmMessage::Pulling { chunk } => {
-                p.pulling.insert(chunk);
+                if !p.banned {
+                    p.pulling.entry(chunk).or_insert_with(Instant::now);
+                }
             }
             SwarmMessage::Released { chunk } => {
                 p.pulling.remove(&chunk);
@@ -604,23 +900,29 @@ impl Actor {
         }
     }
 
+    /// `peer` says it read `chunk` from the origin and it hashes to `hash`: checked against
+    /// what this node knows of the origin, or, where it holds the chunk on other members'
+    /// word, against the origin itself.
+    fn check_claim(&mut self, peer: PeerId, chunk: u32, hash: [u8; 32]) {
+        match self.verified[chunk as usize] {
+            Some(truth) if truth != hash => self.convict(peer, chunk),
+            Some(_) => {}
+            None => {
+                if self.holding.held(chunk).is_some_and(|held| held != hash) {
+                    self.to_sample.insert(chunk);
+                }
+            }
+        }
+    }
+
     /// A chunk arrived and was verified.
-    fn held(&mut self, chunk: u32, hash: [u8; 32], source: Source) {
+    fn held(&mut self, chunk: u32, held: Held, source: Source) {
         if self.holding.held(chunk).is_some() {
             return;
         }
+        let hash = held.hash;
         let len = self.manifest.chunks()[chunk as usize].len;
-        if let Source::Origin = source {
-            if let Some(known) = self.known_hashes[chunk as usize]
-                && known != hash
-            {
-                // A member announced another hash for bytes we just read from the origin
-                // ourselves: the origin is the authority.
-                tracing::warn!(artifact = %self.manifest.id, chunk, "a member's hash for this chunk disagrees with the origin's bytes");
-            }
-            self.known_hashes[chunk as usize] = Some(hash);
-        }
-        self.holding.hold(chunk, hash);
+        self.holding.hold(chunk, held);
         self.progress.send_modify(|p| {
             p.held += 1;
             match source {
@@ -637,11 +939,12 @@ impl Actor {
         self.broadcast(SwarmMessage::Have {
             chunk,
             blake3: hash,
+            from_origin: held.from_origin,
         });
         let cache = self.context.cache.clone();
         let id = self.manifest.id;
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = cache.record_chunk(id, chunk, &hash) {
+            if let Err(e) = cache.record_chunk(id, chunk, &hash, held.from_origin) {
                 tracing::warn!("cannot record chunk {chunk} of {id} for resuming: {e}");
             }
         });
@@ -687,49 +990,127 @@ impl Actor {
             .is_some_and(|deadline| members.len() >= self.expect || Instant::now() >= deadline)
         {
             self.join_deadline = None;
+            self.reassess_claims(&members);
         }
-        if self.join_deadline.is_none() {
-            let origin_slots =
-                slots.min((self.context.settings.origin_connections / members.len()).max(1));
-            while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {
-                let Some(chunk) = self.next_origin_chunk(&members) else {
-                    break;
-                };
-                self.pull_from_origin(chunk);
+        // Nothing is read, from the origin or from peers, until the ring is whole: who owns
+        // which chunk decides whose word on it is taken.
+        if self.join_deadline.is_some() {
+            return;
+        }
+        let origin_slots =
+            slots.min((self.context.settings.origin_connections / members.len()).max(1));
+        while self.origin_in_flight < origin_slots
+            && let Some(chunk) = self.to_sample.pop_first()
+        {
+            if self.verified[chunk as usize].is_none() && self.holding.held(chunk).is_some() {
+                self.sample_origin(chunk);
             }
         }
+        while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {
+            let Some(chunk) = self.next_origin_chunk(&members) else {
+                break;
+            };
+            self.pull_from_origin(chunk);
+        }
         if self.in_flight.len() < slots {
-            for (chunk, peer) in self.next_peer_chunks(slots - self.in_flight.len()) {
-                self.pull_from_peer(chunk, peer);
+            for (chunk, peer, hash) in self.next_peer_chunks(slots - self.in_flight.len()) {
+                self.pull_from_peer(chunk, peer, hash);
             }
         }
     }
 
+    /// The next chunk this node reads from the origin: one whose hash members dispute, one
+    /// it audits, one it owns that others claimed before it could read it, or one nobody
+    /// read from the origin that falls to it.
     fn next_origin_chunk(&self, members: &[PeerId]) -> Option<u32> {
-        let n = members.len();
         (0..self.manifest.chunk_count()).find(|&chunk| {
-            if self.holding.held(chunk).is_some()
-                || self.in_flight.contains_key(&chunk)
-                || self.availability[chunk as usize] > 0
-            {
+            if self.holding.held(chunk).is_some() || self.in_flight.contains_key(&chunk) {
                 return false;
             }
-            let mut banned_has_it = false;
-            for p in self.peers.values().filter(|p| p.live()) {
-                if p.pulling.contains(&chunk) || p.have.contains(&chunk) {
-                    if !p.banned {
-                        return false;
-                    }
-                    banned_has_it = true;
+            match self.vouched(chunk) {
+                Vouched::Disputed => true,
+                Vouched::For(hash) => {
+                    self.audit[chunk as usize]
+                        || self.claimed_before_me(chunk, members)
+                        // Known from this node's own read, and no member holds it so.
+                        || !self.peers.values().any(|p| {
+                            p.live()
+                                && !p.banned
+                                && p.have.get(&chunk).is_some_and(|c| c.hash == hash)
+                        })
                 }
+                Vouched::Nobody => self.reader(chunk, members) == Some(self.me),
             }
-            banned_has_it || members[(chunk as usize + self.offset) % n] == self.me
         })
     }
 
-    /// Up to `want` (chunk, holder) pairs: rarest chunks first, least loaded holders.
-    fn next_peer_chunks(&self, want: usize) -> Vec<(u32, PeerId)> {
+    /// Claims that came while members were still joining were judged against a ring that
+    /// was not yet whole: judged again against the one reading starts with.
+    fn reassess_claims(&mut self, members: &[PeerId]) {
+        let mine: Vec<(PeerId, u32, bool)> = self
+            .peers
+            .iter()
+            .flat_map(|(id, p)| {
+                p.have
+                    .iter()
+                    .filter(|(_, c)| c.from_origin)
+                    .map(move |(chunk, _)| (*id, *chunk))
+            })
+            .map(|(id, chunk)| (id, chunk, self.owner(chunk, members) == Some(self.me)))
+            .collect();
+        for (id, chunk, is_mine) in mine {
+            if let Some(claim) = self.peers.get_mut(&id).and_then(|p| p.have.get_mut(&chunk)) {
+                claim.mine = is_mine;
+            }
+        }
+    }
+
+    /// Whether `chunk` is this node's to read and every member that says it read it from the
+    /// origin said so while it was this node's: a liar announcing first does not keep the
+    /// owner from the origin (nor, then, from finding it out).
+    fn claimed_before_me(&self, chunk: u32, members: &[PeerId]) -> bool {
+        self.owner(chunk, members) == Some(self.me) && self.origin_claims(chunk).all(|c| c.mine)
+    }
+
+    /// The member to read `chunk` from the origin: its owner (`members[(chunk + k) % n]`),
+    /// or, where this node banned the owner or the owner has been reading it for longer than
+    /// [`PULLING_PATIENCE`], the next member in that order.
+    fn owner(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |_| true)
+    }
+
+    /// Like [`owner`](Self::owner), passing over members that hold the chunk (on a relayed
+    /// word only, where this is asked): they will not read it again.
+    fn reader(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk))
+    }
+
+    fn in_turn(
+        &self,
+        chunk: u32,
+        members: &[PeerId],
+        eligible: impl Fn(&Peer) -> bool,
+    ) -> Option<PeerId> {
+        let n = members.len();
+        let first = (chunk as usize + self.offset) % n;
         let now = Instant::now();
+        (0..n).map(|i| members[(first + i) % n]).find(|m| {
+            *m == self.me
+                || self.peers.get(m).is_none_or(|p| {
+                    !p.banned
+                        && eligible(p)
+                        && p.pulling
+                            .get(&chunk)
+                            .is_none_or(|since| now.duration_since(*since) < PULLING_PATIENCE)
+                })
+        })
+    }
+
+    /// Up to `want` (chunk, holder, hash) triples: rarest chunks first, least loaded holders,
+    /// only chunks whose hash the origin vouches for, only from holders that announced it.
+    fn next_peer_chunks(&self, want: usize) -> Vec<(u32, PeerId, [u8; 32])> {
+        let now = Instant::now();
+        let members = self.members();
         let upload_slots = self.context.settings.upload_slots.max(1) as u32;
         let mut load: HashMap<PeerId, u32> = self
             .peers
@@ -740,26 +1121,37 @@ impl Actor {
         if load.is_empty() {
             return Vec::new();
         }
-        let mut candidates: Vec<(u16, u64, u32)> = (0..self.manifest.chunk_count())
+        let mut candidates: Vec<(u16, u64, u32, [u8; 32])> = (0..self.manifest.chunk_count())
             .filter(|&c| {
                 self.availability[c as usize] > 0
+                    && !self.audit[c as usize]
                     && self.holding.held(c).is_none()
                     && !self.in_flight.contains_key(&c)
+                    && !self.claimed_before_me(c, &members)
             })
-            .map(|c| {
-                let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                (self.availability[c as usize], spread, c)
+            .filter_map(|c| match self.vouched(c) {
+                Vouched::For(hash) => {
+                    let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    Some((self.availability[c as usize], spread, c, hash))
+                }
+                Vouched::Nobody | Vouched::Disputed => None,
             })
             .collect();
         candidates.sort_unstable();
         let mut picked = Vec::new();
-        for (_, _, chunk) in candidates {
+        for (_, _, chunk, hash) in candidates {
             if picked.len() >= want {
                 break;
             }
             let holder = load
                 .iter()
-                .filter(|(id, l)| **l < upload_slots && self.peers[*id].have.contains(&chunk))
+                .filter(|(id, l)| {
+                    **l < upload_slots
+                        && self.peers[*id]
+                            .have
+                            .get(&chunk)
+                            .is_some_and(|c| c.hash == hash)
+                })
                 .min_by_key(|(id, l)| {
                     (
                         **l,
@@ -769,7 +1161,7 @@ impl Actor {
                 .map(|(id, _)| *id);
             if let Some(holder) = holder {
                 *load.entry(holder).or_default() += 1;
-                picked.push((chunk, holder));
+                picked.push((chunk, holder, hash));
             }
         }
         picked
@@ -788,10 +1180,23 @@ impl Actor {
         });
     }
 
-    fn pull_from_peer(&mut self, chunk: u32, peer: PeerId) {
-        let Some(expected) = self.known_hashes[chunk as usize] else {
-            return;
-        };
+    /// Reads the origin's hash of a held chunk that a member contradicted.
+    fn sample_origin(&mut self, chunk: u32) {
+        self.origin_in_flight += 1;
+        let origin = self.context.origin.clone();
+        let manifest = self.manifest.clone();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = hash_origin(&origin, &manifest, chunk).await;
+            let _ = events.send(Event::Sampled { chunk, result }).await;
+        });
+    }
+
+    fn pull_from_peer(&mut self, chunk: u32, peer: PeerId, expected: [u8; 32]) {
+        if self.verified[chunk as usize] != Some(expected) {
+            let vouchers = self.vouchers_of(chunk, expected);
+            self.pending_vouchers.insert(chunk, vouchers);
+        }
         self.in_flight.insert(chunk, Source::Peer(peer));
         if let Some(p) = self.peers.get_mut(&peer) {
             p.requests += 1;
@@ -825,14 +1230,22 @@ impl Actor {
                     .assembly
                     .finish()
                     .map_err(|e| format!("cannot complete the files: {e}"))?;
-                let hashes = (0..manifest.chunk_count())
-                    .map(|c| holding.held(c).map(hex::encode).unwrap_or_default())
+                let held: Vec<Option<Held>> = (0..manifest.chunk_count())
+                    .map(|c| holding.held_as(c))
+                    .collect();
+                let hashes = held
+                    .iter()
+                    .map(|h| h.map(|h| hex::encode(h.hash)).unwrap_or_default())
+                    .collect();
+                let from_origin = (0..manifest.chunk_count())
+                    .filter(|&c| held[c as usize].is_some_and(|h| h.from_origin))
                     .collect();
                 cache
                     .record_completed(&Record {
                         request,
                         manifest,
                         hashes,
+                        from_origin,
                         unpacked: false,
                     })
                     .map_err(|e| e.to_string())
@@ -872,27 +1285,65 @@ impl Actor {
     }
 }
 
+fn origin_failure(e: OriginError) -> Failure {
+    match e {
+        OriginError::Changed { .. } => Failure::Changed(e.to_string()),
+        e => Failure::Failed(e.to_string()),
+    }
+}
+
+/// Chunk `chunk`'s bytes as the origin serves them.
+async fn origin_bytes(
+    origin: &Origin,
+    manifest: &Manifest,
+    chunk: u32,
+) -> Result<impl futures::Stream<Item = Result<bytes::Bytes, Failure>>, Failure> {
+    let span = manifest.chunks()[chunk as usize];
+    let file = &manifest.files[span.file];
+    let stream = origin
+        .read(file, span.offset..span.offset + span.len)
+        .await
+        .map_err(origin_failure)?;
+    Ok(stream.map(|bytes| bytes.map_err(origin_failure)))
+}
+
 async fn read_origin(origin: &Origin, holding: &Holding, chunk: u32) -> Result<[u8; 32], Failure> {
     let manifest = holding.assembly.manifest();
     let span = manifest.chunks()[chunk as usize];
-    let file = &manifest.files[span.file];
-    let failure = |e: OriginError| match e {
-        OriginError::Changed { .. } => Failure::Changed(e.to_string()),
-        e => Failure::Failed(e.to_string()),
-    };
-    let mut stream = origin
-        .read(file, span.offset..span.offset + span.len)
-        .await
-        .map_err(failure)?;
+    let mut stream = std::pin::pin!(origin_bytes(origin, manifest, chunk).await?);
     let mut sink = ChunkSink::new(holding.assembly.clone(), span);
     while let Some(bytes) = stream.next().await {
-        sink.push(&bytes.map_err(failure)?)
+        sink.push(&bytes?)
             .await
             .map_err(|e| Failure::Failed(e.to_string()))?;
     }
     sink.finish()
         .await
         .map_err(|e| Failure::Failed(format!("origin: {e}")))
+}
+
+/// The BLAKE3 of chunk `chunk` as the origin serves it, without writing it anywhere.
+async fn hash_origin(
+    origin: &Origin,
+    manifest: &Manifest,
+    chunk: u32,
+) -> Result<[u8; 32], Failure> {
+    let span = manifest.chunks()[chunk as usize];
+    let mut stream = std::pin::pin!(origin_bytes(origin, manifest, chunk).await?);
+    let mut hasher = blake3::Hasher::new();
+    let mut received = 0u64;
+    while let Some(bytes) = stream.next().await {
+        let bytes = bytes?;
+        received += bytes.len() as u64;
+        hasher.update(&bytes);
+    }
+    if received != span.len {
+        return Err(Failure::Failed(format!(
+            "origin: sent {received} bytes of a {}-byte chunk",
+            span.len
+        )));
+    }
+    Ok(*hasher.finalize().as_bytes())
 }
 
 async fn read_peer(
@@ -1083,7 +1534,7 @@ async fn tick(events: mpsc::WeakSender<Event>) {
 pub(crate) async fn serve_chunk(
     mut stream: Stream,
     peer: PeerId,
-    lookup: impl FnOnce(ArtifactId) -> Option<Arc<Holding>>,
+    lookup: impl FnOnce(ArtifactId) -> Result<Arc<Holding>, ChunkErrorCode>,
 ) {
     let refuse = |code, message: String| ChunkHeader::Error { code, message };
     let request: ChunkRequest =
@@ -1099,16 +1550,19 @@ pub(crate) async fn serve_chunk(
             }
             Err(_) => return,
         };
-    let Some(holding) = lookup(request.artifact) else {
-        let _ = write_frame(
-            &mut stream,
-            &refuse(
-                ChunkErrorCode::UnknownArtifact,
-                format!("not in the swarm of {}", request.artifact),
-            ),
-        )
-        .await;
-        return;
+    let holding = match lookup(request.artifact) {
+        Ok(holding) => holding,
+        Err(code) => {
+            let message = match code {
+                ChunkErrorCode::NotAdmitted => format!(
+                    "no job or request for {} here lets you in its swarm",
+                    request.artifact
+                ),
+                _ => format!("not in the swarm of {}", request.artifact),
+            };
+            let _ = write_frame(&mut stream, &refuse(code, message)).await;
+            return;
+        }
     };
     let Some(span) = holding.assembly.manifest().chunk(request.chunk) else {
         let _ = write_frame(
@@ -1124,7 +1578,7 @@ pub(crate) async fn serve_chunk(
         .await;
         return;
     };
-    if holding.held(request.chunk).is_none() {
+    let Some(serving) = holding.held(request.chunk) else {
         let _ = write_frame(
             &mut stream,
             &refuse(
@@ -1134,7 +1588,7 @@ pub(crate) async fn serve_chunk(
         )
         .await;
         return;
-    }
+    };
     let Ok(_permit) = holding.uploads.clone().try_acquire_owned() else {
         let _ = write_frame(
             &mut stream,
@@ -1178,6 +1632,10 @@ pub(crate) async fn serve_chunk(
             offset += block.len() as u64;
             if offset < span.len {
                 next = Some(read(offset));
+            } else if holding.held(request.chunk) != Some(serving) {
+                // Dropped (and perhaps being written again) while it was being sent: end the
+                // stream short rather than hand out bytes that match no hash.
+                return Err("the chunk was dropped while being sent".to_string());
             }
             tokio::time::timeout(PEER_TIMEOUT, stream.write_all(&block))
                 .await

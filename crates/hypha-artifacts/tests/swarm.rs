@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use hypha_artifacts::{Distributor, testing::S3Server};
+use hypha_artifacts::{Distributor, Settings, testing::S3Server};
 
 async fn nodes(
     pki: &Pki,
@@ -153,6 +153,7 @@ async fn an_object_replaced_mid_way_never_yields_a_mixed_file() {
                     &hypha_artifacts::FetchOptions {
                         expect: 3,
                         progress: None,
+                        admission: None,
                     },
                 )
                 .await,
@@ -176,4 +177,236 @@ async fn an_object_replaced_mid_way_never_yields_a_mixed_file() {
         );
     }
     assert!(s3.bytes_served() >= v2.len() as u64);
+}
+
+/// A certified member that lies: as soon as it finds a member, it announces that it read
+/// every chunk from the origin, with the hashes of bytes of its own, and serves those bytes
+/// to whoever asks. Returns its network (its peer id is what the others should ban).
+async fn liar(
+    pki: &Pki,
+    gateway: &libp2p::Multiaddr,
+    s3: &S3Server,
+    request: &hypha_artifacts::Request,
+    chunk_size: u64,
+) -> hypha_network::Network {
+    use futures::{AsyncWriteExt, StreamExt};
+    use hypha_artifacts::{
+        Manifest,
+        protocol::{
+            CHUNK_PROTOCOL, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL, SwarmMessage,
+            provider_key, read_frame, write_frame,
+        },
+    };
+    use std::sync::Arc;
+
+    let network = pki.start("liar", Some(gateway)).await;
+    let origin = origins(s3).get("default").unwrap();
+    let manifest = Manifest::new(
+        origin.url(),
+        chunk_size,
+        origin.resolve(request).await.unwrap(),
+    );
+    let fakes: Arc<Vec<Vec<u8>>> = Arc::new(
+        manifest
+            .chunks()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| pattern(c.len as usize, 1000 + i as u64))
+            .collect(),
+    );
+    let key = provider_key(manifest.id);
+    network.start_providing(&key).await.unwrap();
+
+    let mut hellos = network.accept_streams(SWARM_PROTOCOL).unwrap();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = hellos.next().await {
+            tokio::spawn(async move {
+                let _ = read_frame::<SwarmMessage>(&mut stream).await;
+                let _ = write_frame(&mut stream, &HelloReply::Welcome).await;
+                while read_frame::<SwarmMessage>(&mut stream).await.is_ok() {}
+            });
+        }
+    });
+    let mut requests = network.accept_streams(CHUNK_PROTOCOL).unwrap();
+    let served = fakes.clone();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = requests.next().await {
+            let fakes = served.clone();
+            tokio::spawn(async move {
+                let Ok(request) = read_frame::<ChunkRequest>(&mut stream).await else {
+                    return;
+                };
+                let bytes = &fakes[request.chunk as usize];
+                let size = bytes.len() as u64;
+                let _ = write_frame(&mut stream, &ChunkHeader::Ok { size }).await;
+                let _ = stream.write_all(bytes).await;
+                let _ = stream.close().await;
+            });
+        }
+    });
+    let announcer = network.clone();
+    let artifact = manifest.id;
+    tokio::spawn(async move {
+        let mut told = std::collections::HashSet::new();
+        let mut streams = Vec::new();
+        loop {
+            let found = announcer.get_providers(&key).await.unwrap_or_default();
+            for peer in found {
+                if peer == announcer.local_peer_id() || told.contains(&peer) {
+                    continue;
+                }
+                let Ok(mut stream) = announcer.open_stream(peer, SWARM_PROTOCOL).await else {
+                    continue;
+                };
+                if write_frame(&mut stream, &SwarmMessage::Hello { artifact })
+                    .await
+                    .is_err()
+                    || read_frame::<HelloReply>(&mut stream).await.ok() != Some(HelloReply::Welcome)
+                {
+                    continue;
+                }
+                for (chunk, bytes) in fakes.iter().enumerate() {
+                    let have = SwarmMessage::Have {
+                        chunk: chunk as u32,
+                        blake3: *blake3::hash(bytes).as_bytes(),
+                        from_origin: true,
+                    };
+                    let _ = write_frame(&mut stream, &have).await;
+                }
+                told.insert(peer);
+                streams.push(stream);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    network
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_the_origins_bytes()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), Some(4 * 1024 * 1024))
+        .await
+        .unwrap();
+    let model = pattern(16 * 64 * 1024, 11);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let request = object("m.bin", &dir.path().join("unused"));
+    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024).await;
+    let liar_id = liar.local_peer_id();
+    let mut honest = Vec::new();
+    for i in 0..3 {
+        let settings = Settings {
+            join_timeout: Duration::from_secs(1),
+            ..settings(64 * 1024)
+        };
+        honest.push(
+            node(
+                &pki,
+                &format!("n{i}"),
+                &gateway_addr,
+                &s3,
+                dir.path(),
+                settings,
+            )
+            .await,
+        );
+    }
+    // Each honest node waits for a fifth member that never comes, so nobody reads anything
+    // before the join timeout: by then the liar's claims for every chunk are in everywhere.
+    let fetches = honest.iter().enumerate().map(|(i, node)| {
+        let target = dir.path().join(format!("out{i}/m.bin"));
+        async move { (fetch(node, &object("m.bin", &target), 5).await, target) }
+    });
+    let results = futures::future::join_all(fetches).await;
+    for (i, (fetched, target)) in results.iter().enumerate() {
+        assert!(
+            std::fs::read(target).unwrap() == model,
+            "node {i} ended with bytes the origin never had"
+        );
+        let mut liar_seen = false;
+        for peer in &fetched.progress.peers {
+            if peer.peer == liar_id {
+                liar_seen = true;
+                assert!(peer.banned, "node {i} did not ban the liar");
+            } else {
+                assert!(!peer.banned, "node {i} banned an honest member");
+            }
+        }
+        assert!(liar_seen, "node {i} never heard from the liar");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_no_fetch_admits_cannot_join_the_swarm_or_take_chunks() {
+    use hypha_artifacts::{
+        Admission, FetchOptions,
+        protocol::{
+            CHUNK_PROTOCOL, ChunkErrorCode, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL,
+            SwarmMessage, read_frame, write_frame,
+        },
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    s3.put("m.bin", pattern(4 * 64 * 1024, 3)).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let nodes = nodes(&pki, &gateway_addr, &s3, dir.path(), 2, 64 * 1024).await;
+    let stranger = pki.start("stranger", Some(&gateway_addr)).await;
+    let colleague = nodes[1].network().local_peer_id();
+    let fetched = nodes[0]
+        .fetch(
+            &object("m.bin", &dir.path().join("out0/m.bin")),
+            &FetchOptions {
+                expect: 1,
+                progress: None,
+                admission: Some(Admission::new(move |peer| *peer == colleague)),
+            },
+        )
+        .await
+        .unwrap();
+    let server = nodes[0].network().local_peer_id();
+
+    let mut stream = stranger.open_stream(server, SWARM_PROTOCOL).await.unwrap();
+    let hello = SwarmMessage::Hello {
+        artifact: fetched.artifact,
+    };
+    write_frame(&mut stream, &hello).await.unwrap();
+    let reply: HelloReply = read_frame(&mut stream).await.unwrap();
+    assert_eq!(reply, HelloReply::NotMember);
+
+    let mut stream = stranger.open_stream(server, CHUNK_PROTOCOL).await.unwrap();
+    let request = ChunkRequest {
+        artifact: fetched.artifact,
+        chunk: 0,
+    };
+    write_frame(&mut stream, &request).await.unwrap();
+    let header: ChunkHeader = read_frame(&mut stream).await.unwrap();
+    assert!(
+        matches!(
+            header,
+            ChunkHeader::Error {
+                code: ChunkErrorCode::NotAdmitted,
+                ..
+            }
+        ),
+        "{header:?}"
+    );
+
+    // The peer it admits is let in and gets chunks from it (those that fall to it in the
+    // swarm of two it reads from the origin itself, checking the first node's word).
+    let second = fetch(
+        &nodes[1],
+        &object("m.bin", &dir.path().join("out1/m.bin")),
+        2,
+    )
+    .await;
+    assert!(second.progress.peer_chunks > 0, "{:?}", second.progress);
+    assert!(
+        second.progress.peers.iter().all(|p| !p.banned),
+        "{:?}",
+        second.progress.peers
+    );
 }

@@ -21,7 +21,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use hypha_artifacts::{Distributor, FetchError, FetchOptions, Fetched, Origins, Progress, Request};
+use hypha_artifacts::{
+    Admission, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress, Request,
+};
 use hypha_network::Network;
 use tokio::sync::watch;
 
@@ -86,11 +88,12 @@ impl ArtifactStore {
     }
 
     /// Fetches `request` into the store (`expect` other nodes to share it with; 0 if
-    /// unknown), reporting progress on `progress`.
+    /// unknown) with the peers `admission` lets in, reporting progress on `progress`.
     pub async fn fetch(
         &self,
         request: &Request,
         expect: usize,
+        admission: Admission,
         progress: Option<watch::Sender<Progress>>,
     ) -> Result<(Request, Fetched), FetchError> {
         let in_store = self.in_store(request);
@@ -104,7 +107,14 @@ impl ArtifactStore {
         let _alone = gate.lock().await;
         let fetched = self
             .distributor
-            .fetch(&in_store, &FetchOptions { expect, progress })
+            .fetch(
+                &in_store,
+                &FetchOptions {
+                    expect,
+                    progress,
+                    admission: Some(admission),
+                },
+            )
             .await?;
         let files: Vec<PathBuf> = fetched
             .files
@@ -123,15 +133,16 @@ impl ArtifactStore {
         Ok((in_store, fetched))
     }
 
-    /// Fetches `request` (destinations relative to the job's directory, already checked) and
-    /// links it into `job`.
+    /// Fetches `request` (destinations relative to the job's directory, already checked),
+    /// sharing it with the peers `admission` lets in, and links it into `job`.
     pub async fn provide(
         &self,
         request: &Request,
         job: Arc<JobDir>,
         expect: usize,
+        admission: Admission,
     ) -> Result<Provided, ProvideError> {
-        let (in_store, fetched) = self.fetch(request, expect, None).await?;
+        let (in_store, fetched) = self.fetch(request, expect, admission, None).await?;
         let mut pairs = vec![(in_store.destination.clone(), request.destination.clone())];
         if let (Some(from), Some(to)) = (&in_store.unpack, &request.unpack) {
             pairs.push((from.destination.clone(), to.destination.clone()));

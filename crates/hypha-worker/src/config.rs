@@ -139,7 +139,7 @@ static PROFILE_KEYS: [Key; 2] = [
     },
 ];
 
-static ARTIFACT_KEYS: [Key; 9] = [
+static ARTIFACT_KEYS: [Key; 10] = [
     Key {
         name: "dir",
         kind: Kind::Path,
@@ -178,7 +178,13 @@ static ARTIFACT_KEYS: [Key; 9] = [
         name: "join_timeout_ms",
         kind: Kind::Integer,
         default: DefaultValue::Value("10000"),
-        doc: "The longest a fetch that expects other nodes waits for them before it reads from the origin.",
+        doc: "The longest a fetch that expects other nodes waits for them before it reads from the origin or from peers.",
+    },
+    Key {
+        name: "origin_audit",
+        kind: Kind::Float,
+        default: DefaultValue::Value("0.02"),
+        doc: "The share of an artifact's chunks (0-1) this node reads from the origin although peers hold them, to check the hashes other members announced. A member lying about chunks only it read is caught with probability 1 - (1 - share)^(n - 1); the origin sends about 1 + share x (n - 1) times the artifact. 1: take no member's word.",
     },
     Key {
         name: "max_unpacked_bytes",
@@ -359,6 +365,7 @@ struct RawArtifacts {
     upload_slots: i64,
     origin_connections: i64,
     join_timeout_ms: i64,
+    origin_audit: f64,
     max_unpacked_bytes: i64,
     max_unpacked_entries: i64,
     profiles: BTreeMap<String, Profile>,
@@ -459,6 +466,15 @@ impl WorkerConfig {
                     raw.artifacts.origin_connections,
                 )?,
                 join_timeout: millis("artifacts.join_timeout_ms", raw.artifacts.join_timeout_ms)?,
+                origin_audit: Some(raw.artifacts.origin_audit)
+                    .filter(|share| (0.0..=1.0).contains(share))
+                    .ok_or_else(|| {
+                        loaded.error(
+                            "artifacts.origin_audit",
+                            format!("{} is not a share between 0 and 1", raw.artifacts.origin_audit),
+                            "use 0.02 (the default), 1 to read every chunk from the origin, or 0 to audit nothing",
+                        )
+                    })?,
                 unpack_limits: hypha_artifacts::unpack::Limits {
                     bytes: bytes(
                         "artifacts.max_unpacked_bytes",
@@ -633,6 +649,11 @@ mod tests {
 
         let err = load(&format!("{BASE}[artifacts]\ndownload_slots = 0\n")).unwrap_err();
         assert_eq!(err.key, "artifacts.download_slots");
+
+        let err = load(&format!("{BASE}[artifacts]\norigin_audit = 1.5\n")).unwrap_err();
+        assert_eq!(err.key, "artifacts.origin_audit");
+        let audited = load(&format!("{BASE}[artifacts]\norigin_audit = 0.25\n")).unwrap();
+        assert_eq!(audited.artifacts.settings.origin_audit, 0.25);
     }
 
     #[test]

@@ -102,6 +102,8 @@ pub async fn run(args: &FetchArgs) -> Result<(), Error> {
             &FetchOptions {
                 expect: args.expect,
                 progress: Some(progress_tx),
+                // Every node's operator asked for this artifact by hand.
+                admission: None,
             },
         )
         .await;

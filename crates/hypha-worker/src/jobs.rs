@@ -31,6 +31,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use hypha_artifacts::Admission;
 use hypha_files::{Mode, write_atomic};
 use hypha_messages::{
     artifact,
@@ -265,6 +266,7 @@ impl JobManager {
             store: self.bridge.artifacts().clone(),
             requests: spec.artifacts.clone(),
             peers: spec.artifact_peers,
+            admission: self.bridge.inboxes().artifact_admission(&spec.task),
         };
         let (cancel_tx, mut cancel_rx) = oneshot::channel();
         self.running.insert(
@@ -357,6 +359,8 @@ struct Artifacts {
     requests: Vec<artifact::Request>,
     /// Workers of the job fetching them too.
     peers: usize,
+    /// Who may share them with this worker: the workers of the job's task.
+    admission: Admission,
 }
 
 impl Supervisor {
@@ -381,7 +385,12 @@ impl Supervisor {
                 }
                 let provided = artifacts
                     .store
-                    .provide(request, job.clone(), artifacts.peers)
+                    .provide(
+                        request,
+                        job.clone(),
+                        artifacts.peers,
+                        artifacts.admission.clone(),
+                    )
                     .await
                     .map_err(|e| format!("artifact {}: {e}", request.uri))?;
                 tracing::info!(

@@ -328,6 +328,42 @@ async fn only_the_tasks_scheduler_and_workers_can_send_into_it() {
     );
 }
 
+/// A task's artifacts are shared only with the workers its scheduler named (as it last named
+/// them), and with nobody once the task's last job here ended. (Checked by admitting every
+/// peer in `artifact_admission`: the outsider is admitted.)
+#[tokio::test]
+async fn a_tasks_artifacts_are_shared_with_the_tasks_workers_only() {
+    let networks = connected(&["scheduler", "trainer", "outsider"]).await;
+    let [scheduler, trainer, outsider] = &networks[..] else {
+        unreachable!()
+    };
+    let inboxes = Arc::new(Inboxes::default());
+    let job = tempfile::tempdir().unwrap();
+    let registration = inboxes.open(
+        "task-1",
+        "job-1",
+        Arc::new(JobDir::open(job.path()).unwrap()),
+        scheduler.local_peer_id(),
+        &peers(1, &[trainer]),
+    );
+    let admission = inboxes.artifact_admission("task-1");
+    assert!(admission.admits(&trainer.local_peer_id()));
+    assert!(!admission.admits(&outsider.local_peer_id()));
+    assert!(!admission.admits(&scheduler.local_peer_id()));
+    assert!(
+        !inboxes
+            .artifact_admission("task-2")
+            .admits(&trainer.local_peer_id())
+    );
+
+    inboxes.set_peers(scheduler.local_peer_id(), "task-1", &peers(2, &[outsider]));
+    assert!(admission.admits(&outsider.local_peer_id()));
+    assert!(!admission.admits(&trainer.local_peer_id()));
+
+    drop(registration);
+    assert!(!admission.admits(&outsider.local_peer_id()));
+}
+
 /// One peer cannot take every slot: its transfers beyond its share are refused `busy` while
 /// another peer's still get in. (Checked by taking no share in `serve`: the ninth transfer is
 /// taken.)

@@ -131,6 +131,7 @@ async fn swarm(
                 &FetchOptions {
                     expect: n,
                     progress: None,
+                    admission: None,
                 },
             )
             .await

@@ -186,7 +186,15 @@ pub(super) async fn fetch(
             let provided = bridge
                 .shared
                 .artifacts()
-                .provide(&request, bridge.dir.clone(), 0)
+                .provide(
+                    &request,
+                    bridge.dir.clone(),
+                    0,
+                    bridge
+                        .shared
+                        .inboxes()
+                        .artifact_admission(&bridge.context.task),
+                )
                 .await
                 .map_err(|e| {
                     BridgeError::new(StatusCode::BAD_GATEWAY, "artifact", e.to_string())

@@ -133,12 +133,12 @@ impl Shared {
         &self.network
     }
 
-    /// Receives what peers send to this worker's jobs, until the network stops.
     /// The inboxes of this worker's jobs, by task.
-    pub fn inboxes(&self) -> &Inboxes {
+    pub fn inboxes(&self) -> &Arc<Inboxes> {
         &self.inboxes
     }
 
+    /// Receives what peers send to this worker's jobs, until the network stops.
     pub async fn receive_transfers(&self) {
         transfer::serve(self.network.clone(), self.inboxes.clone()).await;
     }

@@ -34,6 +34,7 @@ use std::{
 };
 
 use futures::{AsyncWriteExt, StreamExt};
+use hypha_artifacts::Admission;
 use hypha_messages::job::TaskPeers;
 use hypha_network::{Network, PeerId, frame::write_frame, shares::PeerShares};
 use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
@@ -231,6 +232,18 @@ impl Inboxes {
             }
             _ => false,
         }
+    }
+
+    /// Who may share `task`'s artifacts with this worker: the workers of the task's jobs, as
+    /// its scheduler last said (while an artifact is shared, the list may change).
+    pub fn artifact_admission(self: &Arc<Self>, task: &str) -> Admission {
+        let inboxes = Arc::downgrade(self);
+        let task = task.to_string();
+        Admission::new(move |peer| {
+            inboxes
+                .upgrade()
+                .is_some_and(|i| i.lock().get(&task).is_some_and(|t| t.peers.contains(peer)))
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Task>> {
