@@ -287,6 +287,15 @@ struct Claim {
     mine: bool,
 }
 
+/// A member said it reads a chunk from the origin.
+#[derive(Debug, Clone, Copy)]
+struct Pull {
+    since: Instant,
+    /// The chunk was that member's to read when it said so: its hash, when it comes, is taken
+    /// even if the chunk has become this node's since (a member left meanwhile).
+    in_turn: bool,
+}
+
 /// Whom a chunk's hash is known from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Vouched {
@@ -303,12 +312,19 @@ struct Peer {
     /// Generation of the live inbound stream; `None` while the peer has not joined us.
     reader: Option<u64>,
     writer: Option<(u64, mpsc::Sender<SwarmMessage>)>,
+    /// What it holds, while it is live.
     have: HashMap<u32, Claim>,
-    /// Chunks it said it reads from the origin, and since when.
-    pulling: HashMap<u32, Instant>,
+    /// The chunks it said it read from the origin, kept after it leaves: its word on them
+    /// stands (chunks others got from it are still good) unless the origin contradicts it.
+    vouched: HashMap<u32, Claim>,
+    /// Chunks it said it reads from the origin.
+    pulling: HashMap<u32, Pull>,
     uploads: u32,
     done: bool,
+    /// Not asked again for this artifact.
     banned: bool,
+    /// The origin contradicted its word: nothing it vouched for counts (it is banned too).
+    liar: bool,
     /// Our chunk requests to it under way.
     requests: u32,
     /// Our chunk requests it failed in a row.
@@ -415,7 +431,7 @@ struct Actor {
     /// Chunks this node reads from the origin even when peers hold them, to check them.
     audit: Vec<bool>,
     /// The members whose word a chunk held from a peer was taken on (those that announced its
-    /// hash `from_origin`); when every one of them is banned, the chunk is dropped.
+    /// hash `from_origin`); when the origin contradicted every one of them, it is dropped.
     vouchers: HashMap<u32, Vec<PeerId>>,
     /// Held chunks a member contradicted: their hash is to be read from the origin.
     to_sample: std::collections::BTreeSet<u32>,
@@ -569,7 +585,8 @@ impl Actor {
                     }
                     Err(PeerFailure::Failed(reason)) => {
                         tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk transfer failed: {reason}");
-                        if let Some(p) = self.peers.get_mut(&peer) {
+                        // A member that left fails what was under way; that says nothing of it.
+                        if let Some(p) = self.peers.get_mut(&peer).filter(|p| p.live()) {
                             p.left_alone_until = Some(Instant::now() + BACKOFF);
                             p.failures += 1;
                             if p.failures >= FAILURES_BEFORE_BAN {
@@ -643,12 +660,7 @@ impl Actor {
         let contradicted: Vec<PeerId> = self
             .peers
             .iter()
-            .filter(|(_, p)| {
-                !p.banned
-                    && p.have
-                        .get(&chunk)
-                        .is_some_and(|c| c.from_origin && c.hash != truth)
-            })
+            .filter(|(_, p)| !p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash != truth))
             .map(|(id, _)| *id)
             .collect();
         for peer in contradicted {
@@ -659,9 +671,10 @@ impl Actor {
     /// `peer` vouched for a hash of `chunk` that the origin contradicts: it is banned, and
     /// what this node took on its word alone is dropped and fetched again.
     fn convict(&mut self, peer: PeerId, chunk: u32) {
-        if self.peers.get(&peer).is_none_or(|p| p.banned) {
+        let Some(p) = self.peers.get_mut(&peer).filter(|p| !p.liar) else {
             return;
-        }
+        };
+        p.liar = true;
         tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "announced it read this chunk from the origin, but the origin's bytes have another hash; not trusting it again for this artifact");
         self.ban(peer);
         let peers = &self.peers;
@@ -671,7 +684,7 @@ impl Actor {
             .filter(|(_, vouchers)| {
                 vouchers
                     .iter()
-                    .all(|v| peers.get(v).is_some_and(|p| p.banned))
+                    .all(|v| peers.get(v).is_some_and(|p| p.liar))
             })
             .map(|(chunk, _)| *chunk)
             .collect();
@@ -721,25 +734,20 @@ impl Actor {
         found.map_or(Vouched::Nobody, Vouched::For)
     }
 
-    /// What live, unbanned members that say they read `chunk` from the origin announced.
+    /// What members (live or gone) that said they read `chunk` from the origin announced,
+    /// but for those the origin contradicted.
     fn origin_claims(&self, chunk: u32) -> impl Iterator<Item = &Claim> {
         self.peers
             .values()
-            .filter(|p| p.live() && !p.banned)
-            .filter_map(move |p| p.have.get(&chunk).filter(|c| c.from_origin))
+            .filter(|p| !p.liar)
+            .filter_map(move |p| p.vouched.get(&chunk))
     }
 
     /// The members that vouch for `hash` as chunk `chunk`'s.
     fn vouchers_of(&self, chunk: u32, hash: [u8; 32]) -> Vec<PeerId> {
         self.peers
             .iter()
-            .filter(|(_, p)| {
-                p.live()
-                    && !p.banned
-                    && p.have
-                        .get(&chunk)
-                        .is_some_and(|c| c.from_origin && c.hash == hash)
-            })
+            .filter(|(_, p)| !p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash == hash))
             .map(|(id, _)| *id)
             .collect()
     }
@@ -851,13 +859,16 @@ impl Actor {
             tracing::warn!(artifact = %self.manifest.id, %peer, "ignoring a message about a chunk the artifact does not have: {message:?}");
             return;
         }
-        let mine = match &message {
+        // Whose turn the chunk is, for an origin claim (is it this node's?) or a pull (is it
+        // the puller's?).
+        let turn = match &message {
             SwarmMessage::Have {
                 chunk,
                 from_origin: true,
                 ..
-            } => self.owner(*chunk, &self.members()) == Some(self.me),
-            _ => false,
+            }
+            | SwarmMessage::Pulling { chunk } => self.owner(*chunk, &self.members()),
+            _ => None,
         };
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
@@ -868,12 +879,15 @@ impl Actor {
                 blake3,
                 from_origin,
             } => {
-                p.pulling.remove(&chunk);
+                let pulled_in_turn = p.pulling.remove(&chunk).is_some_and(|pull| pull.in_turn);
                 let claim = Claim {
                     hash: blake3,
                     from_origin,
-                    mine,
+                    mine: turn == Some(self.me) && !pulled_in_turn,
                 };
+                if from_origin {
+                    p.vouched.insert(chunk, claim);
+                }
                 if p.have.insert(chunk, claim).is_none() && !p.banned {
                     self.availability[chunk as usize] += 1;
                 }
@@ -882,13 +896,17 @@ impl Actor {
                 }
             }
             SwarmMessage::Dropped { chunk } => {
+                p.vouched.remove(&chunk);
                 if p.have.remove(&chunk).is_some() && !p.banned {
                     self.availability[chunk as usize] -= 1;
                 }
             }
             SwarmMessage::Pulling { chunk } => {
                 if !p.banned {
-                    p.pulling.entry(chunk).or_insert_with(Instant::now);
+                    p.pulling.entry(chunk).or_insert(Pull {
+                        since: Instant::now(),
+                        in_turn: turn == Some(peer),
+                    });
                 }
             }
             SwarmMessage::Released { chunk } => {
@@ -1032,35 +1050,51 @@ impl Actor {
                 Vouched::For(hash) => {
                     self.audit[chunk as usize]
                         || self.claimed_before_me(chunk, members)
-                        // Known from this node's own read, and no member holds it so.
-                        || !self.peers.values().any(|p| {
+                        // Its voucher left (or this node read it, then dropped it), and no
+                        // live member holds it so.
+                        || (!self.peers.values().any(|p| {
                             p.live()
                                 && !p.banned
                                 && p.have.get(&chunk).is_some_and(|c| c.hash == hash)
-                        })
+                        }) && self.reader(chunk, members) == Some(self.me))
                 }
-                Vouched::Nobody => self.reader(chunk, members) == Some(self.me),
+                Vouched::Nobody => {
+                    let now = Instant::now();
+                    let someone_reads = self.peers.values().any(|p| {
+                        p.live()
+                            && !p.banned
+                            && p.pulling.get(&chunk).is_some_and(|pull| {
+                                now.duration_since(pull.since) < PULLING_PATIENCE
+                            })
+                    });
+                    !someone_reads && self.reader(chunk, members) == Some(self.me)
+                }
             }
         })
     }
 
-    /// Claims that came while members were still joining were judged against a ring that
-    /// was not yet whole: judged again against the one reading starts with.
+    /// Claims and pulls that came while members were still joining were judged against a
+    /// ring that was not yet whole: judged again against the one reading starts with.
     fn reassess_claims(&mut self, members: &[PeerId]) {
-        let mine: Vec<(PeerId, u32, bool)> = self
+        let said: Vec<(PeerId, u32, Option<PeerId>)> = self
             .peers
             .iter()
             .flat_map(|(id, p)| {
-                p.have
-                    .iter()
-                    .filter(|(_, c)| c.from_origin)
-                    .map(move |(chunk, _)| (*id, *chunk))
+                p.vouched
+                    .keys()
+                    .chain(p.pulling.keys())
+                    .map(move |chunk| (*id, *chunk))
             })
-            .map(|(id, chunk)| (id, chunk, self.owner(chunk, members) == Some(self.me)))
+            .map(|(id, chunk)| (id, chunk, self.owner(chunk, members)))
             .collect();
-        for (id, chunk, is_mine) in mine {
-            if let Some(claim) = self.peers.get_mut(&id).and_then(|p| p.have.get_mut(&chunk)) {
-                claim.mine = is_mine;
+        for (id, chunk, turn) in said {
+            if let Some(p) = self.peers.get_mut(&id) {
+                if let Some(claim) = p.vouched.get_mut(&chunk) {
+                    claim.mine = turn == Some(self.me);
+                }
+                if let Some(pull) = p.pulling.get_mut(&chunk) {
+                    pull.in_turn = turn == Some(id);
+                }
             }
         }
     }
@@ -1101,7 +1135,7 @@ impl Actor {
                         && eligible(p)
                         && p.pulling
                             .get(&chunk)
-                            .is_none_or(|since| now.duration_since(*since) < PULLING_PATIENCE)
+                            .is_none_or(|pull| now.duration_since(pull.since) < PULLING_PATIENCE)
                 })
         })
     }

@@ -51,8 +51,9 @@ fn job_artifacts_reach_every_worker_with_each_chunk_read_once() {
     });
 
     let cluster = Cluster::new();
+    // The origin's bytes are counted exactly: no audit reads (they have their own test).
     let executors = format!(
-        "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {EXECUTOR:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n\n{}",
+        "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {EXECUTOR:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n\n[artifacts]\norigin_audit = 0.0\n{}",
         s3.profile_toml("default")
     );
     let names = ["art-a", "art-b", "art-c"];
@@ -166,7 +167,7 @@ destination = "copy/same-object.bin"
 /// `{name}.log`.
 fn fetch(cluster: &Cluster, s3: &S3Server, name: &str, args: &[&str]) -> std::process::Child {
     let extra = format!(
-        "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\n{}",
+        "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\norigin_audit = 0.0\n{}",
         s3.profile_toml("default")
     );
     let config = cluster.config(name, Role::Worker, &extra);
