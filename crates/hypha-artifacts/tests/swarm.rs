@@ -179,15 +179,26 @@ async fn an_object_replaced_mid_way_never_yields_a_mixed_file() {
     assert!(s3.bytes_served() >= v2.len() as u64);
 }
 
-/// A certified member that lies: as soon as it finds a member, it announces that it read
-/// every chunk from the origin, with the hashes of bytes of its own, and serves those bytes
-/// to whoever asks. Returns its network (its peer id is what the others should ban).
+/// Which chunks a [`liar`] lies about.
+#[derive(Clone, Copy)]
+enum Lies {
+    /// Every chunk, to each member the moment it finds it.
+    AboutEverything,
+    /// Only the chunks that are its own to read, once it knows all `members` (itself
+    /// included): the lies only an audit can find.
+    AboutItsOwn { members: usize },
+}
+
+/// A certified member that lies: it announces that it read chunks from the origin, with the
+/// hashes of bytes of its own, and serves those bytes to whoever asks. Returns its network
+/// (its peer id is what the others should ban).
 async fn liar(
     pki: &Pki,
     gateway: &libp2p::Multiaddr,
     s3: &S3Server,
     request: &hypha_artifacts::Request,
     chunk_size: u64,
+    lies: Lies,
 ) -> hypha_network::Network {
     use futures::{AsyncWriteExt, StreamExt};
     use hypha_artifacts::{
@@ -249,8 +260,26 @@ async fn liar(
     tokio::spawn(async move {
         let mut told = std::collections::HashSet::new();
         let mut streams = Vec::new();
+        let me = announcer.local_peer_id();
         loop {
             let found = announcer.get_providers(&key).await.unwrap_or_default();
+            // The swarm's order of turns: chunk c is members[(c + k) % n] over the sorted
+            // members, k the artifact id's first byte.
+            let mut members: Vec<_> = found.iter().copied().chain([me]).collect();
+            members.sort();
+            members.dedup();
+            let lie_about = |chunk: usize| match lies {
+                Lies::AboutEverything => true,
+                Lies::AboutItsOwn { .. } => {
+                    members[(chunk + artifact.0[0] as usize) % members.len()] == me
+                }
+            };
+            if let Lies::AboutItsOwn { members: all } = lies
+                && members.len() < all
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
             for peer in found {
                 if peer == announcer.local_peer_id() || told.contains(&peer) {
                     continue;
@@ -265,7 +294,7 @@ async fn liar(
                 {
                     continue;
                 }
-                for (chunk, bytes) in fakes.iter().enumerate() {
+                for (chunk, bytes) in fakes.iter().enumerate().filter(|(c, _)| lie_about(*c)) {
                     let have = SwarmMessage::Have {
                         chunk: chunk as u32,
                         blake3: *blake3::hash(bytes).as_bytes(),
@@ -294,7 +323,15 @@ async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_
     let pki = Pki::new();
     let (_gateway, gateway_addr) = pki.gateway().await;
     let request = object("m.bin", &dir.path().join("unused"));
-    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024).await;
+    let liar = liar(
+        &pki,
+        &gateway_addr,
+        &s3,
+        &request,
+        64 * 1024,
+        Lies::AboutEverything,
+    )
+    .await;
     let liar_id = liar.local_peer_id();
     let mut honest = Vec::new();
     for i in 0..3 {
@@ -336,6 +373,56 @@ async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_
             }
         }
         assert!(liar_seen, "node {i} never heard from the liar");
+    }
+}
+
+/// A member lying only about the chunks that are its own to read is believed unless someone
+/// reads them too: with `origin_audit = 1` every honest member does, and finds it out. (Checked
+/// by ignoring the audit share: the files differ from the origin's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_finds_out_a_member_that_lies_only_about_its_own_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), Some(4 * 1024 * 1024))
+        .await
+        .unwrap();
+    let model = pattern(16 * 64 * 1024, 12);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let request = object("m.bin", &dir.path().join("unused"));
+    let lies = Lies::AboutItsOwn { members: 4 };
+    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024, lies).await;
+    let liar_id = liar.local_peer_id();
+    let mut honest = Vec::new();
+    for i in 0..3 {
+        let settings = Settings {
+            join_timeout: Duration::from_secs(1),
+            origin_audit: 1.0,
+            ..settings(64 * 1024)
+        };
+        honest.push(
+            node(
+                &pki,
+                &format!("n{i}"),
+                &gateway_addr,
+                &s3,
+                dir.path(),
+                settings,
+            )
+            .await,
+        );
+    }
+    let fetches = honest.iter().enumerate().map(|(i, node)| {
+        let target = dir.path().join(format!("out{i}/m.bin"));
+        async move { (fetch(node, &object("m.bin", &target), 5).await, target) }
+    });
+    for (i, (fetched, target)) in futures::future::join_all(fetches).await.iter().enumerate() {
+        assert!(
+            std::fs::read(target).unwrap() == model,
+            "node {i} ended with bytes the origin never had"
+        );
+        let liar = fetched.progress.peers.iter().find(|p| p.peer == liar_id);
+        assert!(liar.is_some_and(|p| p.banned), "node {i}: {liar:?}");
     }
 }
 
