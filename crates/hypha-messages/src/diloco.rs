@@ -10,7 +10,9 @@
 //! trainer            scheduler                 parameter server
 //!   │ status (no round) ─▶│                            │
 //!   │◀─ Join{ps} ─────────│                            │
-//!   │ model (kind=model, its own initial θ) ──────────▶│ adopts the first one it gets
+//!   │ model (kind=model, its own initial θ) ──────────▶│ holds it
+//!   │                    │◀─ status (offered) ───────────│
+//!   │                    │── Adopt{one trainer} ────────▶│ adopts that trainer's
 //!   │◀──────────────────────── global θ (kind=model, round r) ──│
 //!   │ status (round r, batches, batch_ms, loss) ─▶│    │
 //!   │◀─ Train{round r, batches: target} ───────────│   │  … until batches ≥ target
@@ -22,6 +24,9 @@
 //!   │                    │◀─ status (applied r, included) ─│ → ledger: round r of each
 //!   │                    │                               │   included trainer is USED
 //! ```
+//!
+//! Whenever the trainers a server's status names are not the job's, the answer is
+//! `Trainers{peers}` instead: the server takes pseudo-gradients only from those.
 //!
 //! Files between trainers and the parameter server go over the resource protocol
 //! (`/resources/send`, `/resources/fetch` with `{"type": "Peers"}`); what a file is travels in
@@ -123,6 +128,13 @@ pub struct ServerStatus {
     /// The last round it applied, with whose updates.
     #[serde(default)]
     pub applied: Option<Applied>,
+    /// The peers whose pseudo-gradients it takes, as the scheduler last named them.
+    #[serde(default)]
+    pub trainers: Vec<String>,
+    /// Peers that offered an initial model it holds, while it has no model: it adopts the
+    /// one the scheduler names.
+    #[serde(default)]
+    pub offered: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,6 +164,12 @@ pub enum ServerOrder {
     /// Close `round` with what arrived, step, checkpoint, and send the new global model to
     /// `send_to` (every trainer of the job, contributors or not).
     Close { round: u64, send_to: Vec<String> },
+    /// Take pseudo-gradients only from these peers (the job's trainers, and those that left
+    /// during the round): sent whenever the status names others.
+    Trainers { peers: Vec<String> },
+    /// Adopt the initial model `from` offered as the global model (and answer every offer
+    /// with it): the scheduler chooses the source, not whoever sends first.
+    Adopt { from: String },
     /// Training is over: write the final model and exit successfully.
     Done,
 }

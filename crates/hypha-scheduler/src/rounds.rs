@@ -19,7 +19,7 @@
 //! trainer are made used ([`Settle::Commit`]); a trainer that was not included learns it when
 //! it reports a later round, and its round-`r` slices go back to the ledger ([`Settle::Drop`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use hypha_messages::diloco::{Applied, ServerOrder, ServerStatus, TrainerOrder, TrainerStatus};
 
@@ -495,6 +495,16 @@ impl Rounds {
         if self.done {
             return (ServerOrder::Done, settle, applied_round);
         }
+        let trainers = self.server_trainers();
+        if status.trainers.iter().cloned().collect::<BTreeSet<_>>() != trainers {
+            let peers = trainers.into_iter().collect();
+            return (ServerOrder::Trainers { peers }, settle, applied_round);
+        }
+        if status.round.is_none()
+            && let Some(from) = self.initial_model_source(&status.offered)
+        {
+            return (ServerOrder::Adopt { from }, settle, applied_round);
+        }
         if status.round == Some(self.round) {
             self.arrived = status
                 .arrived
@@ -519,6 +529,27 @@ impl Rounds {
             return (order, settle, applied_round);
         }
         (ServerOrder::Wait, settle, applied_round)
+    }
+
+    /// The peers whose pseudo-gradients the server is to take: the trainers, and those that
+    /// left with their update of the round at the server.
+    fn server_trainers(&self) -> BTreeSet<String> {
+        self.trainers
+            .values()
+            .map(|t| t.peer.clone())
+            .chain(self.departed.keys().cloned())
+            .collect()
+    }
+
+    /// Whose initial model the server is to adopt, of those `offered`: the trainer of the
+    /// lowest job id among them, so that one trainer, chosen here, sets the start, never a
+    /// peer that merely sent first.
+    fn initial_model_source(&self, offered: &[String]) -> Option<String> {
+        self.trainers
+            .iter()
+            .filter(|(_, t)| offered.contains(&t.peer))
+            .min_by_key(|(job, _)| job.as_str())
+            .map(|(_, t)| t.peer.clone())
     }
 
     /// Every trainer is in the current round with nothing trained and no data left, and
@@ -621,6 +652,16 @@ mod tests {
         rounds
     }
 
+    /// The server's status as a server that holds the trainers the scheduler names.
+    fn report(
+        rounds: &mut Rounds,
+        mut status: ServerStatus,
+        now_ms: u64,
+    ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
+        status.trainers = rounds.server_trainers().into_iter().collect();
+        rounds.server_status(status, now_ms)
+    }
+
     fn server(round: u64, arrived: &[&str], applied: Option<(u64, &[&str])>) -> ServerStatus {
         ServerStatus {
             round: Some(round),
@@ -636,7 +677,56 @@ mod tests {
                 round,
                 included: included.iter().map(|p| p.to_string()).collect(),
             }),
+            ..ServerStatus::default()
         }
+    }
+
+    /// The server takes updates only from the trainers named to it, is told again when they
+    /// change, and adopts the initial model of the trainer the scheduler picks, not of
+    /// whoever offered first.
+    #[test]
+    fn the_server_is_told_its_trainers_and_whose_initial_model_to_adopt() {
+        let mut rounds = rounds_with(&[("job-b", "pb"), ("job-a", "pa")]);
+        let fresh = ServerStatus {
+            offered: vec!["outsider".into(), "pb".into()],
+            ..ServerStatus::default()
+        };
+        let (order, _, _) = rounds.server_status(fresh.clone(), 0);
+        assert_eq!(
+            order,
+            ServerOrder::Trainers {
+                peers: vec!["pa".into(), "pb".into()]
+            }
+        );
+        let named = ServerStatus {
+            trainers: vec!["pb".into(), "pa".into()],
+            ..fresh
+        };
+        // pb offered; pa (the lower job id) has not yet: pb's is the one.
+        let (order, _, _) = rounds.server_status(named.clone(), 10);
+        assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
+        let both = ServerStatus {
+            offered: vec!["pb".into(), "pa".into()],
+            ..named.clone()
+        };
+        let (order, _, _) = rounds.server_status(both, 20);
+        assert_eq!(order, ServerOrder::Adopt { from: "pa".into() });
+        // Only an outsider offered: nothing to adopt.
+        let outsider_only = ServerStatus {
+            offered: vec!["outsider".into()],
+            ..named.clone()
+        };
+        let (order, _, _) = rounds.server_status(outsider_only, 30);
+        assert_eq!(order, ServerOrder::Wait);
+
+        rounds.trainer_started("job-c".into(), "pc".into());
+        let (order, _, _) = rounds.server_status(named, 40);
+        assert_eq!(
+            order,
+            ServerOrder::Trainers {
+                peers: vec!["pa".into(), "pb".into(), "pc".into()]
+            }
+        );
     }
 
     #[test]
@@ -684,9 +774,9 @@ mod tests {
         let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
         rounds.trainer_status("a", status(0, 5, Some(100.0)), 0);
         rounds.trainer_status("b", status(0, 5, Some(100.0)), 0);
-        let (order, _, _) = rounds.server_status(server(0, &["pa"], None), 100);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa"], None), 100);
         assert_eq!(order, ServerOrder::Wait);
-        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 200);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa", "pb"], None), 200);
         let ServerOrder::Close {
             round: 0,
             mut send_to,
@@ -702,20 +792,20 @@ mod tests {
             7
         );
         let (_, settle, applied) =
-            rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 300);
+            report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 300);
         assert_eq!(settle.len(), 2);
         assert_eq!(applied.unwrap().samples, 200, "as the server counted them");
         assert_eq!(rounds.round(), 1);
         // Round 1 is the last: once applied, everyone is done.
         rounds.trainer_status("a", status(1, 1, Some(100.0)), 400);
-        rounds.server_status(server(1, &["pa"], None), 500);
+        report(&mut rounds, server(1, &["pa"], None), 500);
         rounds.trainer_ended("b");
-        let (order, _, _) = rounds.server_status(server(1, &["pa"], None), 600);
+        let (order, _, _) = report(&mut rounds, server(1, &["pa"], None), 600);
         assert!(
             matches!(order, ServerOrder::Close { round: 1, .. }),
             "{order:?}"
         );
-        let (order, _, _) = rounds.server_status(server(2, &[], Some((1, &["pa"]))), 700);
+        let (order, _, _) = report(&mut rounds, server(2, &[], Some((1, &["pa"]))), 700);
         assert_eq!(order, ServerOrder::Done);
         assert_eq!(
             rounds.trainer_status("a", status(2, 0, None), 800).0,
@@ -727,13 +817,13 @@ mod tests {
     fn a_trainer_ahead_of_the_applied_round_waits() {
         let mut rounds = rounds_with(&[("a", "pa")]);
         rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
-        rounds.server_status(server(0, &["pa"], None), 10);
+        report(&mut rounds, server(0, &["pa"], None), 10);
         // The model of round 1 reached the trainer before the server reported round 0 applied.
         assert!(matches!(
             rounds.trainer_status("a", status(1, 0, None), 20).0,
             TrainerOrder::Wait { .. }
         ));
-        rounds.server_status(server(1, &[], Some((0, &["pa"]))), 30);
+        report(&mut rounds, server(1, &[], Some((0, &["pa"]))), 30);
         assert!(target(rounds.trainer_status("a", status(1, 0, None), 40).0) > 0);
     }
 
@@ -744,11 +834,15 @@ mod tests {
             rounds.trainer_status(job, status(0, 1, Some(100.0)), 0);
         }
         // Two of three arrived: not before 10 s + 2.5 s grace, then with quorum 0.5.
-        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 12_000);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa", "pb"], None), 12_000);
         assert_eq!(order, ServerOrder::Wait);
-        let (order, _, _) = rounds.server_status(server(0, &["pa", "pb"], None), 12_500);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa", "pb"], None), 12_500);
         assert!(matches!(order, ServerOrder::Close { round: 0, .. }));
-        let (_, settle, _) = rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 12_600);
+        let (_, settle, _) = report(
+            &mut rounds,
+            server(1, &[], Some((0, &["pa", "pb"]))),
+            12_600,
+        );
         assert_eq!(settle.len(), 2);
         // c still trains round 0: told to sync now; its update will be late. When it reports
         // round 1, its round 0 goes back to the ledger.
@@ -792,7 +886,7 @@ mod tests {
         );
         assert_eq!(rounds.trainer_status("b", out, 10).0, TrainerOrder::Done);
         assert_eq!(
-            rounds.server_status(server(0, &[], None), 20).0,
+            report(&mut rounds, server(0, &[], None), 20).0,
             ServerOrder::Done
         );
     }
@@ -803,11 +897,11 @@ mod tests {
         rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
         rounds.trainer_status("b", status(0, 1, Some(100.0)), 0);
         assert_eq!(
-            rounds.server_status(server(0, &["pa"], None), 100).0,
+            report(&mut rounds, server(0, &["pa"], None), 100).0,
             ServerOrder::Wait
         );
         rounds.trainer_ended("b");
-        let (order, _, _) = rounds.server_status(server(0, &["pa"], None), 200);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa"], None), 200);
         assert_eq!(
             order,
             ServerOrder::Close {
@@ -881,11 +975,11 @@ mod tests {
         // round 2 trains. The scheduler's checkpoint holds round 1's start: round 1 is lost.
         rounds.trainer_status("a", status(0, 1, Some(100.0)), 0);
         rounds.trainer_status("b", status(0, 1, Some(100.0)), 0);
-        rounds.server_status(server(0, &["pa", "pb"], None), 10);
-        rounds.server_status(server(1, &[], Some((0, &["pa", "pb"]))), 20);
+        report(&mut rounds, server(0, &["pa", "pb"], None), 10);
+        report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 20);
         rounds.trainer_status("a", status(1, 1, Some(100.0)), 30);
-        rounds.server_status(server(1, &["pa"], None), 13_000);
-        rounds.server_status(server(2, &[], Some((1, &["pa"]))), 13_100);
+        report(&mut rounds, server(1, &["pa"], None), 13_000);
+        report(&mut rounds, server(2, &[], Some((1, &["pa"]))), 13_100);
         rounds.trainer_status("a", status(2, 1, Some(100.0)), 13_200);
         assert_eq!(rounds.round(), 2);
 
@@ -951,13 +1045,14 @@ mod tests {
         rounds.trainer_status("a", status(1, 3, Some(100.0)), 14_000);
         rounds.trainer_status("b", status(1, 3, Some(100.0)), 14_000);
         assert!(matches!(
-            rounds
-                .server_status(server(1, &["pa", "pb"], None), 14_100)
-                .0,
+            report(&mut rounds, server(1, &["pa", "pb"], None), 14_100).0,
             ServerOrder::Close { round: 1, .. }
         ));
-        let (_, settle, applied) =
-            rounds.server_status(server(2, &[], Some((1, &["pa", "pb"]))), 14_200);
+        let (_, settle, applied) = report(
+            &mut rounds,
+            server(2, &[], Some((1, &["pa", "pb"]))),
+            14_200,
+        );
         assert_eq!(applied.unwrap().round, 1);
         assert_eq!(settle.len(), 2);
     }
@@ -1041,11 +1136,11 @@ mod tests {
         rounds.trainer_status("a", status(6, 5, Some(100.0)), 20);
         rounds.trainer_status("b", status(6, 5, Some(100.0)), 20);
         assert!(matches!(
-            rounds.server_status(server(6, &["pa", "pb"], None), 30).0,
+            report(&mut rounds, server(6, &["pa", "pb"], None), 30).0,
             ServerOrder::Close { round: 6, .. }
         ));
         let (_, settle, applied) =
-            rounds.server_status(server(7, &[], Some((6, &["pa", "pb"]))), 40);
+            report(&mut rounds, server(7, &[], Some((6, &["pa", "pb"]))), 40);
         assert_eq!(applied.unwrap().round, 6);
         assert_eq!(settle.len(), 2);
         // A server that replaces it later is a new one: trainers taken over then rejoin.
@@ -1064,7 +1159,7 @@ mod tests {
             rounds.trainer_status(job, TrainerStatus::default(), 0);
             rounds.trainer_status(job, status(0, 2, Some(100.0)), 0);
         }
-        rounds.server_status(server(0, &["pa"], None), 10);
+        report(&mut rounds, server(0, &["pa"], None), 10);
         // a's update is at the server when its job ends; b's is not when its job ends.
         assert!(rounds.trainer_ended("a"), "a's slices wait for the round");
         assert!(rounds.departed("a"));
@@ -1072,8 +1167,8 @@ mod tests {
         // A new job on a's peer is not credited with a's update.
         rounds.trainer_started("a2".into(), "pa".into());
         rounds.trainer_status("a2", TrainerStatus::default(), 20);
-        rounds.server_status(server(0, &["pa"], None), 13_000);
-        let (_, settle, applied) = rounds.server_status(server(1, &[], Some((0, &["pa"]))), 13_100);
+        report(&mut rounds, server(0, &["pa"], None), 13_000);
+        let (_, settle, applied) = report(&mut rounds, server(1, &[], Some((0, &["pa"]))), 13_100);
         assert_eq!(applied.unwrap().included, ["pa"]);
         assert_eq!(
             settle,
@@ -1087,7 +1182,7 @@ mod tests {
         let mut rounds = rounds_with(&[("a", "pa")]);
         rounds.trainer_status("a", TrainerStatus::default(), 0);
         rounds.trainer_status("a", status(0, 2, Some(100.0)), 0);
-        rounds.server_status(server(0, &["pa"], None), 10);
+        report(&mut rounds, server(0, &["pa"], None), 10);
         rounds.trainer_ended("a");
         rounds.server_lost();
         assert_eq!(

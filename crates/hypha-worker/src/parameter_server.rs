@@ -2,12 +2,14 @@
 //! job.
 //!
 //! It takes files from the job's inbox (what the task's trainers send over the resource
-//! protocol, see [`transfer`](crate::bridge::transfer)): a trainer's initial model (adopted
-//! when the server has none; answered with the current global model either way) and
-//! pseudo-gradients (added to the round they were trained for, as they arrive, or dropped
-//! when that round is closed). It reports to the job's scheduler after every file and every
-//! [`REPORT_EVERY`], and does what the answer says: wait, close the round (weighted mean,
-//! Nesterov step, checkpoint, new global model to every trainer), or finish.
+//! protocol, see [`transfer`](crate::bridge::transfer)): trainers' initial models (held
+//! while the server has none, until the scheduler names the one to adopt; answered with the
+//! global model) and pseudo-gradients (added to the round they were trained for, as they
+//! arrive, or dropped when that round is closed; taken only from the trainers the scheduler
+//! named). It reports to the job's scheduler after every file and every [`REPORT_EVERY`],
+//! and does what the answer says: wait, take updates from these trainers, adopt this
+//! trainer's model, close the round (weighted mean, Nesterov step, checkpoint, new global
+//! model to every trainer), or finish.
 //!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
 //! momentum, round; written atomically when the model is adopted and after every round),
@@ -55,6 +57,11 @@ pub const CHECKPOINT_TRANSFER: &str = "checkpoint.safetensors";
 pub const CHECKPOINT_PATIENCE: Duration = Duration::from_secs(120);
 /// The model when training is over, in the job's directory.
 pub const FINAL_MODEL: &str = "final.safetensors";
+/// Where initial models wait for the scheduler to name the one to adopt, in the job's
+/// directory (one file per peer, its last offer).
+const OFFERS_DIR: &str = "offers";
+/// Initial models held at once; offers from further peers are refused until one is adopted.
+const MAX_OFFERS: usize = 64;
 
 /// The parameter server's config (the scheduler's `{"outer": …}`).
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -166,10 +173,11 @@ impl ServerJob {
         let mut report = tokio::time::interval(REPORT_EVERY);
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let anyone = HashSet::new();
+        let mut peers = Peers::default();
         loop {
             tokio::select! {
                 arrived = self.inbox.next(&anyone) => {
-                    self.take(&mut server, &arrived, &mut dropped, &uploads).await;
+                    self.take(&mut server, &arrived, &mut dropped, &mut peers);
                 }
                 _ = report.tick() => {}
             }
@@ -185,6 +193,8 @@ impl ServerJob {
                     .collect(),
                 dropped: std::mem::take(&mut dropped),
                 applied: applied.clone(),
+                trainers: peers.trainers.iter().cloned().collect(),
+                offered: peers.offers.keys().cloned().collect(),
             };
             let order = self.report(status).await;
             if order.is_some() && std::mem::take(&mut announce) {
@@ -197,6 +207,12 @@ impl ServerJob {
                         applied = Some(self.close(&mut server, &send_to)?);
                         announce = true;
                     }
+                }
+                Some(ServerOrder::Trainers { peers: named }) => {
+                    peers.trainers = named.into_iter().collect();
+                }
+                Some(ServerOrder::Adopt { from }) => {
+                    self.adopt(&mut server, &from, &mut peers, &uploads);
                 }
                 Some(ServerOrder::Done) => {
                     let path = self.dir.join(FINAL_MODEL);
@@ -213,54 +229,50 @@ impl ServerJob {
 
     /// Takes one file from the inbox: a model offered by a trainer that joins, or a
     /// pseudo-gradient.
-    async fn take(
+    fn take(
         &self,
         server: &mut ParameterServer,
         arrived: &transfer::Arrived,
         dropped: &mut Vec<Late>,
-        uploads: &Uploads,
+        peers: &mut Peers,
     ) {
         let from = arrived.from.to_string();
-        let bytes = match self.inbox.deliver(arrived, Path::new("received")) {
-            Ok(path) => {
-                let path = self.dir.join(path);
-                let bytes = std::fs::read(&path);
-                let _ = std::fs::remove_file(&path);
-                bytes
-            }
-            Err(error) => Err(std::io::Error::other(error.to_string())),
-        };
-        let bytes = match bytes {
-            Ok(bytes) => bytes,
+        let path = match self.inbox.deliver(arrived, Path::new("received")) {
+            Ok(path) => self.dir.join(path),
             Err(error) => {
-                tracing::warn!(%from, %error, "could not read a file a trainer sent");
+                tracing::warn!(%from, %error, "could not take a file a trainer sent");
                 return;
             }
         };
-        let metadata = hypha_diloco::metadata(&bytes).unwrap_or_default();
+        let metadata = std::fs::File::open(&path)
+            .ok()
+            .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())
+            .unwrap_or_default();
         match metadata.get(meta::KIND).map(String::as_str) {
-            Some(meta::KIND_MODEL) => match server.offer(&bytes) {
-                Ok(adopted) => {
-                    if adopted {
-                        tracing::info!(%from, "adopted the first trainer's initial model as the global model");
-                        let written = tokio::task::block_in_place(|| {
-                            server.checkpoint(&self.dir.join(CHECKPOINT))
-                        });
-                        match written {
-                            Ok(()) => uploads.checkpointed(),
-                            Err(error) => {
-                                tracing::warn!(%error, "could not checkpoint the adopted model")
-                            }
-                        }
-                    }
-                    // A joining trainer starts from the current global model.
-                    if let Err(error) = self.send_model(server, std::slice::from_ref(&from)) {
-                        tracing::warn!(%from, %error, "could not send the global model");
-                    }
+            Some(meta::KIND_MODEL) if server.round().is_none() => {
+                peers.hold_offer(&self.dir, &from, &path);
+            }
+            Some(meta::KIND_MODEL) => {
+                let _ = std::fs::remove_file(&path);
+                // A joining trainer starts from the current global model.
+                if let Err(error) = self.send_model(server, std::slice::from_ref(&from)) {
+                    tracing::warn!(%from, %error, "could not send the global model");
                 }
-                Err(error) => tracing::warn!(%from, %error, "refused a trainer's model"),
-            },
+            }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
+                let bytes = std::fs::read(&path);
+                let _ = std::fs::remove_file(&path);
+                if !peers.trainers.contains(&from) {
+                    tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
+                    return;
+                }
+                let bytes = match bytes {
+                    Ok(bytes) => bytes,
+                    Err(error) => {
+                        tracing::warn!(%from, %error, "could not read a pseudo-gradient");
+                        return;
+                    }
+                };
                 let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
                     (Ok(round), Ok(samples)) => (round, samples),
                     (Err(error), _) | (_, Err(error)) => {
@@ -286,7 +298,54 @@ impl ServerJob {
                 }
             }
             other => {
+                let _ = std::fs::remove_file(&path);
                 tracing::warn!(%from, kind = ?other, "a file that is neither a model nor a pseudo-gradient: ignored")
+            }
+        }
+    }
+
+    /// Adopts the initial model `from` offered, as the scheduler said, and answers every
+    /// offer with it.
+    fn adopt(
+        &self,
+        server: &mut ParameterServer,
+        from: &str,
+        peers: &mut Peers,
+        uploads: &Uploads,
+    ) {
+        if server.round().is_some() {
+            return;
+        }
+        let Some(path) = peers.offers.get(from) else {
+            tracing::warn!(%from, "the scheduler named an initial model this server does not hold");
+            return;
+        };
+        let adopted = std::fs::read(path)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| {
+                tokio::task::block_in_place(|| server.offer(&bytes)).map_err(|e| e.to_string())
+            });
+        match adopted {
+            Ok(_) => {
+                tracing::info!(%from, "adopted the initial model the scheduler chose as the global model");
+                let written =
+                    tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)));
+                match written {
+                    Ok(()) => uploads.checkpointed(),
+                    Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
+                }
+                let offered: Vec<String> = peers.offers.keys().cloned().collect();
+                peers.clear_offers(&self.dir);
+                if let Err(error) = self.send_model(server, &offered) {
+                    tracing::warn!(%error, "could not send the global model");
+                }
+            }
+            Err(error) => {
+                // Its next status no longer names it: the scheduler chooses another.
+                tracing::warn!(%from, %error, "refused the initial model the scheduler chose");
+                if let Some(path) = peers.offers.remove(from) {
+                    let _ = std::fs::remove_file(path);
+                }
             }
         }
     }
@@ -432,6 +491,46 @@ impl ServerJob {
                 None
             }
         }
+    }
+}
+
+/// Who the server hears from, as far as the scheduler said.
+#[derive(Debug, Default)]
+struct Peers {
+    /// The peers whose pseudo-gradients it takes.
+    trainers: std::collections::BTreeSet<String>,
+    /// Initial models offered while the server has none, by peer: the files in
+    /// [`OFFERS_DIR`].
+    offers: std::collections::BTreeMap<String, PathBuf>,
+}
+
+impl Peers {
+    /// Keeps `from`'s initial model (the file at `path`) until the scheduler names one.
+    fn hold_offer(&mut self, dir: &Path, from: &str, path: &Path) {
+        if self.offers.len() >= MAX_OFFERS && !self.offers.contains_key(from) {
+            tracing::warn!(%from, "{MAX_OFFERS} initial models are waiting already: refused");
+            let _ = std::fs::remove_file(path);
+            return;
+        }
+        // Peer ids are base58: a file name as they are.
+        let held = dir.join(OFFERS_DIR).join(format!("{from}.safetensors"));
+        let moved = std::fs::create_dir_all(dir.join(OFFERS_DIR))
+            .and_then(|()| std::fs::rename(path, &held));
+        match moved {
+            Ok(()) => {
+                tracing::info!(%from, "holding an initial model until the scheduler names the one to adopt");
+                self.offers.insert(from.to_string(), held);
+            }
+            Err(error) => {
+                tracing::warn!(%from, %error, "could not keep an initial model");
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    fn clear_offers(&mut self, dir: &Path) {
+        self.offers.clear();
+        let _ = std::fs::remove_dir_all(dir.join(OFFERS_DIR));
     }
 }
 

@@ -4,16 +4,15 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod common;
+
 use std::{collections::HashSet, path::Path, sync::Arc};
 
+use common::{connected, peers};
 use futures::{AsyncReadExt, AsyncWriteExt};
-use hypha_certs::{
-    NodeIdentity, Roles, TrustStore,
-    authority::{self, Validity},
-};
 use hypha_messages::job::TaskPeers;
 use hypha_network::{
-    Network, Settings,
+    Network,
     frame::{read_frame, write_frame},
 };
 use hypha_transfer::{Answer, RefusalCode, Trailer};
@@ -27,32 +26,6 @@ async fn pair() -> (Network, Network) {
     let receiver = networks.pop().unwrap();
     let sender = networks.pop().unwrap();
     (sender, receiver)
-}
-
-/// Nodes named `names`, each connected to the last.
-async fn connected(names: &[&str]) -> Vec<Network> {
-    let root = authority::create_root("Transfer Root", Validity::days(2)).unwrap();
-    let org = authority::create_org(&root, "Transfer Org", Validity::days(2)).unwrap();
-    let trust = Arc::new(TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap());
-    let mut networks = Vec::new();
-    for &name in names {
-        let node = authority::create_node(&org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
-        let identity =
-            NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
-        let mut settings = Settings::new(name);
-        settings.listen_addresses = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-        settings.relay_circuit = false;
-        let (network, _inbound) = hypha_network::start(settings, &identity, trust.clone())
-            .await
-            .unwrap();
-        networks.push(network);
-    }
-    let (receiver, others) = networks.split_last().unwrap();
-    let address = receiver.listen_addresses().await.unwrap().remove(0);
-    for other in others {
-        other.dial(address.clone()).await.unwrap();
-    }
-    networks
 }
 
 /// Sends `header` and, when the receiver is ready, `bytes` with `sha256` as the trailer;
@@ -83,14 +56,6 @@ async fn raw_send(
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest).await;
     answer
-}
-
-/// A scheduler's list of the task's peers.
-fn peers(version: u64, of: &[&Network]) -> TaskPeers {
-    TaskPeers {
-        version,
-        peers: of.iter().map(|n| n.local_peer_id().to_string()).collect(),
-    }
 }
 
 fn refusal(answer: Answer) -> RefusalCode {

@@ -1,0 +1,227 @@
+//! The built-in parameter server on a real network, driven by a scripted scheduler: it adopts
+//! the initial model the scheduler names, not the first one offered, and takes
+//! pseudo-gradients only from the trainers the scheduler names, though every peer of the task
+//! may send it files.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+mod common;
+
+use std::{collections::BTreeMap, path::Path, sync::Arc, time::Duration};
+
+use common::{connected_serving, peers};
+use hypha_diloco::{Tensor, Tensors};
+use hypha_messages::{
+    Request, Response,
+    diloco::{ServerOrder, ServerStatus, Status, meta},
+};
+use hypha_network::Network;
+use hypha_worker::{
+    bridge::{
+        paths::JobDir,
+        transfer::{self, Header, Inboxes},
+    },
+    parameter_server::ServerJob,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// SafeTensors bytes of one tensor `w` with `values`, and the DiLoCo `metadata`.
+fn file(values: &[f32], metadata: &[(&str, &str)]) -> Vec<u8> {
+    let tensor = Tensor {
+        shape: vec![values.len()],
+        values: values.to_vec(),
+        dtype: safetensors::Dtype::F32,
+    };
+    let metadata = metadata
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Tensors(BTreeMap::from([("w".to_string(), tensor)]))
+        .to_bytes(&metadata)
+        .unwrap()
+}
+
+fn model(values: &[f32]) -> Vec<u8> {
+    file(values, &[(meta::KIND, meta::KIND_MODEL)])
+}
+
+fn pseudo_gradient(values: &[f32], round: u64) -> Vec<u8> {
+    let round = round.to_string();
+    file(
+        values,
+        &[
+            (meta::KIND, meta::KIND_PSEUDO_GRADIENT),
+            (meta::ROUND, &round),
+            (meta::SAMPLES, "10"),
+        ],
+    )
+}
+
+async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path) {
+    let path = dir.join(format!("{}-{name}", from.local_peer_id()));
+    std::fs::write(&path, bytes).unwrap();
+    let header = Header {
+        task: "task".into(),
+        name: name.into(),
+        size: bytes.len() as u64,
+    };
+    let file = std::fs::File::open(&path).unwrap();
+    transfer::send(
+        from,
+        to.local_peer_id(),
+        &header,
+        file,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+}
+
+/// (Checked by taking pseudo-gradients from any sender: the helper's update is taken; the
+/// first offer adopted, as before: the server holds a model before a's arrives.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trainers_updates() {
+    let names = ["scheduler", "trainer-a", "trainer-b", "helper", "server"];
+    let (networks, mut inbound) = connected_serving(&names).await;
+    let [scheduler, a, b, helper, server] = &networks[..] else {
+        unreachable!()
+    };
+    let inboxes = Arc::new(Inboxes::default());
+    tokio::spawn(transfer::serve(server.clone(), inboxes.clone()));
+    let job_dir = tempfile::tempdir().unwrap();
+    let outbox = tempfile::tempdir().unwrap();
+    // Every one of them runs a job of the task, as far as the transfer layer knows: the
+    // helper may send files; only the scheduler says who trains.
+    let registration = inboxes.open(
+        "task",
+        "ps-job",
+        Arc::new(JobDir::open(job_dir.path()).unwrap()),
+        scheduler.local_peer_id(),
+        &peers(1, &[a, b, helper]),
+    );
+    let job = ServerJob {
+        network: server.clone(),
+        scheduler: scheduler.local_peer_id(),
+        job: "ps-job".into(),
+        task: "task".into(),
+        dir: job_dir.path().to_path_buf(),
+        inbox: registration.inbox().clone(),
+        config: serde_json::json!({"outer": {"learning_rate": 1.0, "momentum": 0.0}}),
+    };
+    let (_cancel, cancelled) = oneshot::channel();
+    tokio::spawn(job.run(cancelled));
+
+    // The scheduler: the trainers are a and b; a's initial model is the one to adopt.
+    let trainers: Vec<String> = [a, b]
+        .iter()
+        .map(|n| n.local_peer_id().to_string())
+        .collect();
+    let chosen = a.local_peer_id().to_string();
+    let (statuses_tx, mut statuses) = mpsc::unbounded_channel::<ServerStatus>();
+    let mut requests = inbound.remove(0);
+    tokio::spawn(async move {
+        while let Some(request) = requests.recv().await {
+            let Request::ExecutorStatus { payload, .. } = request.request else {
+                continue;
+            };
+            let Ok(Status::ParameterServer(status)) = serde_json::from_str(&payload) else {
+                continue;
+            };
+            let mut named = status.trainers.clone();
+            named.sort();
+            let order = if named != trainers {
+                ServerOrder::Trainers {
+                    peers: trainers.clone(),
+                }
+            } else if status.round.is_none() && status.offered.contains(&chosen) {
+                ServerOrder::Adopt {
+                    from: chosen.clone(),
+                }
+            } else {
+                ServerOrder::Wait
+            };
+            let _ = statuses_tx.send(status);
+            let payload = serde_json::to_string(&order).unwrap();
+            let _ = request
+                .responder
+                .respond(Response::ExecutorStatus { payload })
+                .await;
+        }
+    });
+    let mut wait_for = async |what: &str, done: &dyn Fn(&ServerStatus) -> bool| {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let status = statuses.recv().await.unwrap();
+                if done(&status) {
+                    return status;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the server never reported {what}"))
+    };
+
+    // The helper and b offer first; neither is adopted.
+    send(
+        helper,
+        server,
+        "init.safetensors",
+        &model(&[9.0, 9.0]),
+        outbox.path(),
+    )
+    .await;
+    send(
+        b,
+        server,
+        "init.safetensors",
+        &model(&[2.0, 2.0]),
+        outbox.path(),
+    )
+    .await;
+    let held = wait_for("both offers held", &|s| s.offered.len() == 2).await;
+    assert_eq!(
+        held.round, None,
+        "nothing adopted before the scheduler named a model"
+    );
+    send(
+        a,
+        server,
+        "init.safetensors",
+        &model(&[1.0, 1.0]),
+        outbox.path(),
+    )
+    .await;
+    wait_for("a model adopted", &|s| s.round == Some(0)).await;
+    let global = Tensors::load(&job_dir.path().join("models/round-0.safetensors")).unwrap();
+    assert_eq!(
+        global.0["w"].values,
+        [1.0, 1.0],
+        "the named trainer's model"
+    );
+
+    // The helper's update is refused; a's is taken.
+    let a_id = a.local_peer_id().to_string();
+    let helper_id = helper.local_peer_id().to_string();
+    send(
+        helper,
+        server,
+        "pg.safetensors",
+        &pseudo_gradient(&[5.0, 5.0], 0),
+        outbox.path(),
+    )
+    .await;
+    send(
+        a,
+        server,
+        "pg.safetensors",
+        &pseudo_gradient(&[0.5, 0.5], 0),
+        outbox.path(),
+    )
+    .await;
+    let taken = wait_for("a's update", &|s| s.arrived.iter().any(|x| x.peer == a_id)).await;
+    assert!(
+        taken.arrived.iter().all(|x| x.peer != helper_id),
+        "{:?}",
+        taken.arrived
+    );
+}
