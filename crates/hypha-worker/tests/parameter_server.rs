@@ -117,7 +117,9 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         .map(|n| n.local_peer_id().to_string())
         .collect();
     let chosen = a.local_peer_id().to_string();
-    let (statuses_tx, mut statuses) = mpsc::unbounded_channel::<ServerStatus>();
+    // Statuses come every 250 ms and the test reads them as they come; were it ever 1024
+    // behind, further ones would be dropped (and a wait would time out, failing loudly).
+    let (statuses_tx, mut statuses) = mpsc::channel::<ServerStatus>(1024);
     let mut requests = inbound.remove(0);
     tokio::spawn(async move {
         while let Some(request) = requests.recv().await {
@@ -140,7 +142,7 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
             } else {
                 ServerOrder::Wait
             };
-            let _ = statuses_tx.send(status);
+            let _ = statuses_tx.try_send(status);
             let payload = serde_json::to_string(&order).unwrap();
             let _ = request
                 .responder
