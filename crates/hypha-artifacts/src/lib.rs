@@ -62,11 +62,12 @@ pub struct Settings {
     pub unpack_limits: unpack::Limits,
     /// The share of chunks (0–1) this node reads from the origin although peers hold them,
     /// to check the hashes the members that read them announced. Each node picks its own at
-    /// random and tells nobody. A member lying about a chunk only it read is caught with
-    /// probability `1 - (1 - share)^(n - 1)` in a swarm of n; the origin sends about
+    /// random and tells nobody. A member lying about a chunk that was its own to read is
+    /// caught with probability `1 - (1 - share)^(n - 1)` in a swarm of n (lies about other
+    /// members' chunks are caught by their owners whatever the share); the origin sends about
     /// `1 + share × (n - 1)` times the artifact. 1 reads everything from the origin (no
-    /// member's word is taken), 0 trusts whatever member read a chunk first unless another
-    /// disagrees. Default: 0.02.
+    /// member's word is taken). Default: 0, each chunk leaves the origin once: set a share
+    /// (0.02 costs 2% per other member) where a certified worker of the task may lie.
     pub origin_audit: f64,
 }
 
@@ -80,7 +81,7 @@ impl Default for Settings {
             join_timeout: Duration::from_secs(10),
             discovery_interval: Duration::from_millis(500),
             unpack_limits: unpack::Limits::default(),
-            origin_audit: 0.02,
+            origin_audit: 0.0,
         }
     }
 }

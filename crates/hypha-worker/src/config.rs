@@ -183,8 +183,8 @@ static ARTIFACT_KEYS: [Key; 10] = [
     Key {
         name: "origin_audit",
         kind: Kind::Float,
-        default: DefaultValue::Value("0.02"),
-        doc: "The share of an artifact's chunks (0-1) this node reads from the origin although peers hold them, to check the hashes other members announced. A member lying about chunks only it read is caught with probability 1 - (1 - share)^(n - 1); the origin sends about 1 + share x (n - 1) times the artifact. 1: take no member's word.",
+        default: DefaultValue::Value("0.0"),
+        doc: "The share of an artifact's chunks (0-1) this node reads from the origin although peers hold them, to check the hashes other members announced. A member lying about chunks that were its own to read is caught with probability 1 - (1 - share)^(n - 1); the origin sends about 1 + share x (n - 1) times the artifact. 0 (the default): each chunk leaves the origin once; 1: take no member's word.",
     },
     Key {
         name: "max_unpacked_bytes",
@@ -472,7 +472,7 @@ impl WorkerConfig {
                         loaded.error(
                             "artifacts.origin_audit",
                             format!("{} is not a share between 0 and 1", raw.artifacts.origin_audit),
-                            "use 0.02 (the default), 1 to read every chunk from the origin, or 0 to audit nothing",
+                            "use 0 (the default: no audit), 0.02 to check 2% of the chunks, or 1 to read every chunk from the origin",
                         )
                     })?,
                 unpack_limits: hypha_artifacts::unpack::Limits {
