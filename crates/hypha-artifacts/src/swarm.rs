@@ -37,7 +37,7 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -100,6 +100,9 @@ pub(crate) struct Held {
 pub(crate) struct Holding {
     pub(crate) assembly: Arc<Assembly>,
     chunks: Vec<Mutex<Option<Held>>>,
+    /// Whether each chunk is held, readable without a lock: the actor asks for every chunk
+    /// on every event.
+    present: Vec<AtomicBool>,
     held: AtomicU32,
     pub(crate) uploads: Arc<Semaphore>,
     upload_slots: usize,
@@ -115,6 +118,7 @@ impl Holding {
         Holding {
             assembly,
             chunks: (0..count).map(|_| Mutex::new(None)).collect(),
+            present: (0..count).map(|_| AtomicBool::new(false)).collect(),
             held: AtomicU32::new(0),
             uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
             upload_slots: upload_slots.max(1),
@@ -139,12 +143,19 @@ impl Holding {
         self.slot(chunk).and_then(|slot| *slot)
     }
 
+    pub(crate) fn is_held(&self, chunk: u32) -> bool {
+        self.present
+            .get(chunk as usize)
+            .is_some_and(|p| p.load(Ordering::Acquire))
+    }
+
     /// Records a chunk as held, unless it already is.
     pub(crate) fn hold(&self, chunk: u32, held: Held) {
         if let Some(mut slot) = self.slot(chunk)
             && slot.is_none()
         {
             *slot = Some(held);
+            self.present[chunk as usize].store(true, Ordering::Release);
             self.held.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -153,6 +164,7 @@ impl Holding {
     fn release(&self, chunk: u32) -> bool {
         let released = self.slot(chunk).and_then(|mut slot| slot.take()).is_some();
         if released {
+            self.present[chunk as usize].store(false, Ordering::Release);
             self.held.fetch_sub(1, Ordering::Relaxed);
         }
         released
@@ -394,6 +406,7 @@ pub(crate) fn spawn(
         peers: BTreeMap::new(),
         availability: vec![0; count as usize],
         verified: vec![None; count as usize],
+        vouches: vec![Vouched::Nobody; count as usize],
         audit,
         vouchers: HashMap::new(),
         to_sample: std::collections::BTreeSet::new(),
@@ -428,6 +441,9 @@ struct Actor {
     availability: Vec<u16>,
     /// The origin's hash of each chunk, where this node read it (or its hash) itself.
     verified: Vec<Option<[u8; 32]>>,
+    /// Whose word each chunk's hash rests on: kept as claims change, since every event looks
+    /// at every chunk.
+    vouches: Vec<Vouched>,
     /// Chunks this node reads from the origin even when peers hold them, to check them.
     audit: Vec<bool>,
     /// The members whose word a chunk held from a peer was taken on (those that announced its
@@ -454,6 +470,7 @@ impl Actor {
                 && held.from_origin
             {
                 self.verified[chunk as usize] = Some(held.hash);
+                self.revouch(chunk);
             }
         }
         let key = provider_key(self.manifest.id);
@@ -521,6 +538,7 @@ impl Actor {
                 match result {
                     Ok(hash) => {
                         self.verified[chunk as usize] = Some(hash);
+                        self.revouch(chunk);
                         self.held(
                             chunk,
                             Held {
@@ -644,6 +662,7 @@ impl Actor {
     /// member said otherwise: whoever vouched for the wrong hash is banned.
     fn settle(&mut self, chunk: u32, truth: [u8; 32]) {
         self.verified[chunk as usize] = Some(truth);
+        self.revouch(chunk);
         let vouchers = self.vouchers.remove(&chunk).unwrap_or_default();
         if self.holding.held(chunk).is_some_and(|held| held != truth) {
             self.release(chunk);
@@ -677,6 +696,9 @@ impl Actor {
         p.liar = true;
         tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "announced it read this chunk from the origin, but the origin's bytes have another hash; not trusting it again for this artifact");
         self.ban(peer);
+        for chunk in 0..self.manifest.chunk_count() {
+            self.revouch(chunk);
+        }
         let peers = &self.peers;
         let orphaned: Vec<u32> = self
             .vouchers
@@ -717,6 +739,11 @@ impl Actor {
                 tracing::warn!("cannot forget chunk {chunk} of {id}: {e}");
             }
         });
+    }
+
+    /// Takes note of whose word chunk `chunk`'s hash rests on now.
+    fn revouch(&mut self, chunk: u32) {
+        self.vouches[chunk as usize] = self.vouched(chunk);
     }
 
     /// Whose word chunk `chunk`'s hash rests on, as far as this node knows.
@@ -894,12 +921,16 @@ impl Actor {
                 if from_origin && !p.banned {
                     self.check_claim(peer, chunk, blake3);
                 }
+                if from_origin {
+                    self.revouch(chunk);
+                }
             }
             SwarmMessage::Dropped { chunk } => {
                 p.vouched.remove(&chunk);
                 if p.have.remove(&chunk).is_some() && !p.banned {
                     self.availability[chunk as usize] -= 1;
                 }
+                self.revouch(chunk);
             }
             SwarmMessage::Pulling { chunk } => {
                 if !p.banned {
@@ -935,7 +966,7 @@ impl Actor {
 
     /// A chunk arrived and was verified.
     fn held(&mut self, chunk: u32, held: Held, source: Source) {
-        if self.holding.held(chunk).is_some() {
+        if self.holding.is_held(chunk) {
             return;
         }
         let hash = held.hash;
@@ -1020,7 +1051,7 @@ impl Actor {
         while self.origin_in_flight < origin_slots
             && let Some(chunk) = self.to_sample.pop_first()
         {
-            if self.verified[chunk as usize].is_none() && self.holding.held(chunk).is_some() {
+            if self.verified[chunk as usize].is_none() && self.holding.is_held(chunk) {
                 self.sample_origin(chunk);
             }
         }
@@ -1042,10 +1073,10 @@ impl Actor {
     /// read from the origin that falls to it.
     fn next_origin_chunk(&self, members: &[PeerId]) -> Option<u32> {
         (0..self.manifest.chunk_count()).find(|&chunk| {
-            if self.holding.held(chunk).is_some() || self.in_flight.contains_key(&chunk) {
+            if self.holding.is_held(chunk) || self.in_flight.contains_key(&chunk) {
                 return false;
             }
-            match self.vouched(chunk) {
+            match self.vouches[chunk as usize] {
                 Vouched::Disputed => true,
                 Vouched::For(hash) => {
                     self.audit[chunk as usize]
@@ -1159,16 +1190,15 @@ impl Actor {
             .filter(|&c| {
                 self.availability[c as usize] > 0
                     && !self.audit[c as usize]
-                    && self.holding.held(c).is_none()
+                    && !self.holding.is_held(c)
                     && !self.in_flight.contains_key(&c)
-                    && !self.claimed_before_me(c, &members)
             })
-            .filter_map(|c| match self.vouched(c) {
-                Vouched::For(hash) => {
+            .filter_map(|c| match self.vouches[c as usize] {
+                Vouched::For(hash) if !self.claimed_before_me(c, &members) => {
                     let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     Some((self.availability[c as usize], spread, c, hash))
                 }
-                Vouched::Nobody | Vouched::Disputed => None,
+                _ => None,
             })
             .collect();
         candidates.sort_unstable();

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use hypha_artifacts::{Distributor, Settings, testing::S3Server};
+use hypha_artifacts::{Distributor, Fetched, Settings, testing::S3Server};
 
 async fn nodes(
     pki: &Pki,
@@ -311,9 +311,11 @@ async fn liar(
     network
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_the_origins_bytes()
-{
+/// Three honest nodes and a liar fetch a 16-chunk object. Each honest node waits for a
+/// fifth member that never comes, so nobody reads anything before the join timeout: by then
+/// the liar's claims are in everywhere. Checks that every honest node ends with the origin's
+/// bytes; returns what each fetched, and the liar's peer id.
+async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, libp2p::PeerId) {
     let dir = tempfile::tempdir().unwrap();
     let s3 = S3Server::start(&dir.path().join("s3"), Some(4 * 1024 * 1024))
         .await
@@ -323,49 +325,46 @@ async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_
     let pki = Pki::new();
     let (_gateway, gateway_addr) = pki.gateway().await;
     let request = object("m.bin", &dir.path().join("unused"));
-    let liar = liar(
-        &pki,
-        &gateway_addr,
-        &s3,
-        &request,
-        64 * 1024,
-        Lies::AboutEverything,
-    )
-    .await;
-    let liar_id = liar.local_peer_id();
+    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024, lies).await;
     let mut honest = Vec::new();
     for i in 0..3 {
         let settings = Settings {
             join_timeout: Duration::from_secs(1),
+            origin_audit,
             ..settings(64 * 1024)
         };
-        honest.push(
-            node(
-                &pki,
-                &format!("n{i}"),
-                &gateway_addr,
-                &s3,
-                dir.path(),
-                settings,
-            )
-            .await,
-        );
+        let name = format!("n{i}");
+        honest.push(node(&pki, &name, &gateway_addr, &s3, dir.path(), settings).await);
     }
-    // Each honest node waits for a fifth member that never comes, so nobody reads anything
-    // before the join timeout: by then the liar's claims for every chunk are in everywhere.
     let fetches = honest.iter().enumerate().map(|(i, node)| {
         let target = dir.path().join(format!("out{i}/m.bin"));
         async move { (fetch(node, &object("m.bin", &target), 5).await, target) }
     });
-    let results = futures::future::join_all(fetches).await;
-    for (i, (fetched, target)) in results.iter().enumerate() {
+    let mut fetched = Vec::new();
+    for (i, (result, target)) in futures::future::join_all(fetches)
+        .await
+        .into_iter()
+        .enumerate()
+    {
         assert!(
             std::fs::read(target).unwrap() == model,
             "node {i} ended with bytes the origin never had"
         );
+        fetched.push(result);
+    }
+    (fetched, liar.local_peer_id())
+}
+
+/// (Checked by letting owners trust a first claim, and by keeping chunks a banned member
+/// vouched for: the files differ from the origin's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_the_origins_bytes()
+{
+    let (fetched, liar) = fetch_beside_a_liar(Lies::AboutEverything, 0.0).await;
+    for (i, fetched) in fetched.iter().enumerate() {
         let mut liar_seen = false;
         for peer in &fetched.progress.peers {
-            if peer.peer == liar_id {
+            if peer.peer == liar {
                 liar_seen = true;
                 assert!(peer.banned, "node {i} did not ban the liar");
             } else {
@@ -381,48 +380,11 @@ async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_
 /// by ignoring the audit share: the files differ from the origin's.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_finds_out_a_member_that_lies_only_about_its_own_chunks() {
-    let dir = tempfile::tempdir().unwrap();
-    let s3 = S3Server::start(&dir.path().join("s3"), Some(4 * 1024 * 1024))
-        .await
-        .unwrap();
-    let model = pattern(16 * 64 * 1024, 12);
-    s3.put("m.bin", model.clone()).await.unwrap();
-    let pki = Pki::new();
-    let (_gateway, gateway_addr) = pki.gateway().await;
-    let request = object("m.bin", &dir.path().join("unused"));
     let lies = Lies::AboutItsOwn { members: 4 };
-    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024, lies).await;
-    let liar_id = liar.local_peer_id();
-    let mut honest = Vec::new();
-    for i in 0..3 {
-        let settings = Settings {
-            join_timeout: Duration::from_secs(1),
-            origin_audit: 1.0,
-            ..settings(64 * 1024)
-        };
-        honest.push(
-            node(
-                &pki,
-                &format!("n{i}"),
-                &gateway_addr,
-                &s3,
-                dir.path(),
-                settings,
-            )
-            .await,
-        );
-    }
-    let fetches = honest.iter().enumerate().map(|(i, node)| {
-        let target = dir.path().join(format!("out{i}/m.bin"));
-        async move { (fetch(node, &object("m.bin", &target), 5).await, target) }
-    });
-    for (i, (fetched, target)) in futures::future::join_all(fetches).await.iter().enumerate() {
-        assert!(
-            std::fs::read(target).unwrap() == model,
-            "node {i} ended with bytes the origin never had"
-        );
-        let liar = fetched.progress.peers.iter().find(|p| p.peer == liar_id);
-        assert!(liar.is_some_and(|p| p.banned), "node {i}: {liar:?}");
+    let (fetched, liar) = fetch_beside_a_liar(lies, 1.0).await;
+    for (i, fetched) in fetched.iter().enumerate() {
+        let seen = fetched.progress.peers.iter().find(|p| p.peer == liar);
+        assert!(seen.is_some_and(|p| p.banned), "node {i}: {seen:?}");
     }
 }
 

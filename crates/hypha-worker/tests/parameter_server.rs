@@ -7,9 +7,9 @@
 
 mod common;
 
-use std::{collections::BTreeMap, path::Path, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, path::Path, time::Duration};
 
-use common::{connected_serving, peers};
+use common::{JobInbox, connected_serving, job_inbox, peers};
 use hypha_diloco::{Tensor, Tensors};
 use hypha_messages::{
     Request, Response,
@@ -17,10 +17,7 @@ use hypha_messages::{
 };
 use hypha_network::Network;
 use hypha_worker::{
-    bridge::{
-        paths::JobDir,
-        transfer::{self, Header, Inboxes},
-    },
+    bridge::transfer::{self, Header},
     parameter_server::ServerJob,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -61,7 +58,7 @@ async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path
     let path = dir.join(format!("{}-{name}", from.local_peer_id()));
     std::fs::write(&path, bytes).unwrap();
     let header = Header {
-        task: "task".into(),
+        task: "task-1".into(),
         name: name.into(),
         size: bytes.len() as u64,
     };
@@ -86,24 +83,19 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     let [scheduler, a, b, helper, server] = &networks[..] else {
         unreachable!()
     };
-    let inboxes = Arc::new(Inboxes::default());
-    tokio::spawn(transfer::serve(server.clone(), inboxes.clone()));
-    let job_dir = tempfile::tempdir().unwrap();
     let outbox = tempfile::tempdir().unwrap();
     // Every one of them runs a job of the task, as far as the transfer layer knows: the
     // helper may send files; only the scheduler says who trains.
-    let registration = inboxes.open(
-        "task",
-        "ps-job",
-        Arc::new(JobDir::open(job_dir.path()).unwrap()),
-        scheduler.local_peer_id(),
-        &peers(1, &[a, b, helper]),
-    );
+    let JobInbox {
+        dir: job_dir,
+        registration,
+        ..
+    } = job_inbox(server, scheduler, &peers(1, &[a, b, helper]));
     let job = ServerJob {
         network: server.clone(),
         scheduler: scheduler.local_peer_id(),
-        job: "ps-job".into(),
-        task: "task".into(),
+        job: "job-1".into(),
+        task: "task-1".into(),
         dir: job_dir.path().to_path_buf(),
         inbox: registration.inbox().clone(),
         config: serde_json::json!({"outer": {"learning_rate": 1.0, "momentum": 0.0}}),

@@ -8,7 +8,7 @@ mod common;
 
 use std::{collections::HashSet, path::Path, sync::Arc};
 
-use common::{connected, peers};
+use common::{JobInbox, connected, job_inbox, peers};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use hypha_messages::job::TaskPeers;
 use hypha_network::{
@@ -75,16 +75,12 @@ fn staged_files(job: &Path) -> usize {
 async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
     let (sender, receiver) = pair().await;
     let inboxes = Arc::new(Inboxes::default());
-    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
-    let job = tempfile::tempdir().unwrap();
     // The sender is the task's scheduler as far as this inbox knows.
-    let registration = inboxes.open(
-        "task-1",
-        "job-1",
-        Arc::new(JobDir::open(job.path()).unwrap()),
-        sender.local_peer_id(),
-        &TaskPeers::default(),
-    );
+    let JobInbox {
+        dir: job,
+        registration,
+        ..
+    } = job_inbox(&receiver, &sender, &TaskPeers::default());
     let to = receiver.local_peer_id();
     let header = |task: &str, name: &str, size: u64| Header {
         task: task.to_string(),
@@ -230,16 +226,11 @@ async fn only_the_tasks_scheduler_and_workers_can_send_into_it() {
     let [scheduler, trainer, outsider, receiver] = &networks[..] else {
         unreachable!()
     };
-    let inboxes = Arc::new(Inboxes::default());
-    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
-    let job = tempfile::tempdir().unwrap();
-    let registration = inboxes.open(
-        "task-1",
-        "job-1",
-        Arc::new(JobDir::open(job.path()).unwrap()),
-        scheduler.local_peer_id(),
-        &peers(1, &[trainer, receiver]),
-    );
+    let JobInbox {
+        inboxes,
+        dir: job,
+        registration,
+    } = job_inbox(receiver, scheduler, &peers(1, &[trainer, receiver]));
     let to = receiver.local_peer_id();
     let header = Header {
         task: "task-1".into(),
@@ -302,15 +293,11 @@ async fn a_tasks_artifacts_are_shared_with_the_tasks_workers_only() {
     let [scheduler, trainer, outsider] = &networks[..] else {
         unreachable!()
     };
-    let inboxes = Arc::new(Inboxes::default());
-    let job = tempfile::tempdir().unwrap();
-    let registration = inboxes.open(
-        "task-1",
-        "job-1",
-        Arc::new(JobDir::open(job.path()).unwrap()),
-        scheduler.local_peer_id(),
-        &peers(1, &[trainer]),
-    );
+    let JobInbox {
+        inboxes,
+        registration,
+        ..
+    } = job_inbox(outsider, scheduler, &peers(1, &[trainer]));
     let admission = inboxes.artifact_admission("task-1");
     assert!(admission.admits(&trainer.local_peer_id()));
     assert!(!admission.admits(&outsider.local_peer_id()));
@@ -338,16 +325,7 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
     let [greedy, other, receiver] = &networks[..] else {
         unreachable!()
     };
-    let inboxes = Arc::new(Inboxes::default());
-    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
-    let job = tempfile::tempdir().unwrap();
-    let _registration = inboxes.open(
-        "task-1",
-        "job-1",
-        Arc::new(JobDir::open(job.path()).unwrap()),
-        greedy.local_peer_id(),
-        &peers(1, &[other]),
-    );
+    let JobInbox { dir: job, .. } = job_inbox(receiver, greedy, &peers(1, &[other]));
     let to = receiver.local_peer_id();
     let header = Header {
         task: "task-1".into(),

@@ -10,6 +10,10 @@ use hypha_certs::{
 };
 use hypha_messages::job::TaskPeers;
 use hypha_network::{InboundRequest, Network, Settings};
+use hypha_worker::bridge::{
+    paths::JobDir,
+    transfer::{self, Inboxes, Registration},
+};
 use tokio::sync::mpsc;
 
 /// Nodes named `names`, each connected to the last.
@@ -52,5 +56,31 @@ pub fn peers(version: u64, of: &[&Network]) -> TaskPeers {
     TaskPeers {
         version,
         peers: of.iter().map(|n| n.local_peer_id().to_string()).collect(),
+    }
+}
+
+/// Job `job-1` of task `task-1`, dispatched by `scheduler` with `peers`, with its inbox on
+/// `receiver`, which serves transfers.
+pub struct JobInbox {
+    pub inboxes: Arc<Inboxes>,
+    pub dir: tempfile::TempDir,
+    pub registration: Registration,
+}
+
+pub fn job_inbox(receiver: &Network, scheduler: &Network, peers: &TaskPeers) -> JobInbox {
+    let inboxes = Arc::new(Inboxes::default());
+    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let registration = inboxes.open(
+        "task-1",
+        "job-1",
+        Arc::new(JobDir::open(dir.path()).unwrap()),
+        scheduler.local_peer_id(),
+        peers,
+    );
+    JobInbox {
+        inboxes,
+        dir,
+        registration,
     }
 }
