@@ -104,10 +104,11 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     tokio::spawn(job.run(cancelled));
 
     // The scheduler: the trainers are a and b; a's initial model is the one to adopt.
-    let trainers: Vec<String> = [a, b]
+    let mut trainers: Vec<String> = [a, b]
         .iter()
         .map(|n| n.local_peer_id().to_string())
         .collect();
+    trainers.sort();
     let chosen = a.local_peer_id().to_string();
     // Statuses come every 250 ms and the test reads them as they come; were it ever 1024
     // behind, further ones would be dropped (and a wait would time out, failing loudly).

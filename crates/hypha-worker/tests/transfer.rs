@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::{collections::HashSet, path::Path, sync::Arc};
+use std::{collections::HashSet, path::Path};
 
 use common::{JobInbox, connected, job_inbox, peers};
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -16,10 +16,7 @@ use hypha_network::{
     frame::{read_frame, write_frame},
 };
 use hypha_transfer::{Answer, RefusalCode, Trailer};
-use hypha_worker::bridge::{
-    paths::JobDir,
-    transfer::{self, Header, Inboxes, STAGING_DIR},
-};
+use hypha_worker::bridge::transfer::{self, Header, STAGING_DIR};
 
 async fn pair() -> (Network, Network) {
     let mut networks = connected(&["sender", "receiver"]).await;
@@ -74,7 +71,6 @@ fn staged_files(job: &Path) -> usize {
 #[tokio::test]
 async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
     let (sender, receiver) = pair().await;
-    let inboxes = Arc::new(Inboxes::default());
     // The sender is the task's scheduler as far as this inbox knows.
     let JobInbox {
         dir: job,
@@ -325,7 +321,7 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
     let [greedy, other, receiver] = &networks[..] else {
         unreachable!()
     };
-    let JobInbox { dir: job, .. } = job_inbox(receiver, greedy, &peers(1, &[other]));
+    let _inbox = job_inbox(receiver, greedy, &peers(1, &[other]));
     let to = receiver.local_peer_id();
     let header = Header {
         task: "task-1".into(),
