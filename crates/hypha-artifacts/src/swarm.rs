@@ -14,20 +14,21 @@
 //!   from the holder with the fewest uploads under way, within the download slots.
 //! - **Integrity**: a chunk's hash is trusted only as far as the origin vouches for it. A
 //!   member that reads a chunk from the origin announces its hash `from_origin`. Chunks are
-//!   pulled from peers only with a hash vouched for by the chunk's owner (whose turn it was
-//!   when it announced it), by two members that agree, or by this node's own origin read,
-//!   and every transfer is checked against it; a hash vouched for by any other single member
-//!   (a liar announcing first, say) does not stop the owner reading the chunk itself. When
-//!   members vouch for different hashes, or for another hash than the one this node holds,
-//!   this node reads the chunk (or only its hash) from the origin and bans the members the
-//!   origin contradicts, never one that merely relayed what it was given; chunks it took on
-//!   a banned member's word alone are dropped and fetched again. A random share of the
-//!   chunks (`Settings::origin_audit`, chosen by each node and told to nobody) is read from
-//!   the origin although peers hold them: a member lying about chunks it owns is caught with
-//!   probability `1 - (1 - share)^(n - 1)` per chunk; one lying about any chunk another
-//!   member owns is caught by that owner. A peer whose bytes disagree with the hash it
-//!   announced, or that fails [`FAILURES_BEFORE_BAN`] requests in a row for chunks it
-//!   announced, is not asked again for this artifact.
+//!   pulled from peers only with a hash vouched for by a member whose turn it was to read the
+//!   chunk when it said so (as this node saw the ring), by two members that agree, or by
+//!   this node's own origin read, and every transfer is checked against it; a claim by any
+//!   other single member (a liar announcing first, say) leaves the chunk to be read in turn.
+//!   What a member vouched for stands after it leaves, and it cannot take it back. When
+//!   members vouch for different hashes, or for another hash than the one this node holds
+//!   (even while it arrives), this node reads the chunk (or only its hash) from the origin,
+//!   and the files are not final before it has; the members the origin contradicts are
+//!   banned, never one that merely relayed what it was given, and chunks taken on their word
+//!   alone are dropped and fetched again. A random share of the chunks
+//!   (`Settings::origin_audit`, chosen by each node and told to nobody) is read from the
+//!   origin although peers hold them: a member lying about chunks that were its own to read
+//!   is caught with probability `1 - (1 - share)^(n - 1)` per chunk. A peer whose bytes
+//!   disagree with the hash it announced, or that fails [`FAILURES_BEFORE_BAN`] requests in
+//!   a row for chunks it announced, is not asked again for this artifact.
 //!
 //! The actor owns all of this state; transfers, stream readers and writers are tasks that
 //! report back through one bounded queue, so the actor never waits on the network.
@@ -293,10 +294,10 @@ pub(crate) enum PeerFailure {
 struct Claim {
     hash: [u8; 32],
     from_origin: bool,
-    /// The chunk was this node's to read from the origin when the claim came (or when
-    /// reading started, for claims that came before): another member's word on it does not
-    /// stop this node reading it itself.
-    mine: bool,
+    /// It was the sender's turn to read the chunk from the origin when it said it did, or
+    /// when it said it was reading it (as this node saw the ring then, or when reading
+    /// started, for claims that came before): its word alone is taken.
+    in_turn: bool,
 }
 
 /// A member said it reads a chunk from the origin.
@@ -331,6 +332,8 @@ struct Peer {
     vouched: HashMap<u32, Claim>,
     /// Chunks it said it reads from the origin.
     pulling: HashMap<u32, Pull>,
+    /// When it first said it reads each chunk (kept when it stops or reconnects).
+    first_pulled: HashMap<u32, Instant>,
     uploads: u32,
     done: bool,
     /// Not asked again for this artifact.
@@ -414,6 +417,7 @@ pub(crate) fn spawn(
         in_flight: HashMap::new(),
         origin_attempts: HashMap::new(),
         origin_in_flight: 0,
+        samples_in_flight: 0,
         generation: 0,
         events_tx: events_tx.clone(),
         progress: progress_tx,
@@ -456,6 +460,8 @@ struct Actor {
     in_flight: HashMap<u32, Source>,
     origin_attempts: HashMap<u32, u32>,
     origin_in_flight: usize,
+    /// Hash-only origin reads under way (counted in `origin_in_flight` too).
+    samples_in_flight: usize,
     generation: u64,
     events_tx: mpsc::Sender<Event>,
     progress: watch::Sender<Progress>,
@@ -557,6 +563,7 @@ impl Actor {
             }
             Event::Sampled { chunk, result } => {
                 self.origin_in_flight -= 1;
+                self.samples_in_flight -= 1;
                 match result {
                     Ok(truth) => self.settle(chunk, truth),
                     Err(failure) => {
@@ -580,17 +587,37 @@ impl Actor {
                         if let Some(p) = self.peers.get_mut(&peer) {
                             p.failures = 0;
                         }
-                        if self.verified[chunk as usize] != Some(hash) {
+                        let verified = self.verified[chunk as usize] == Some(hash);
+                        let discredited = !vouchers.is_empty()
+                            && vouchers
+                                .iter()
+                                .all(|v| self.peers.get(v).is_some_and(|p| p.liar));
+                        // Taken on the word of members the origin contradicted meanwhile: not
+                        // kept (its bytes are written over when it is fetched again).
+                        if !verified && !discredited {
                             self.vouchers.insert(chunk, vouchers);
+                            self.held(
+                                chunk,
+                                Held {
+                                    hash,
+                                    from_origin: false,
+                                },
+                                Source::Peer(peer),
+                            );
+                            // Someone vouched for another hash while it came: ask the origin.
+                            if self.vouches[chunk as usize] != Vouched::For(hash) {
+                                self.to_sample.insert(chunk);
+                            }
+                        } else if verified {
+                            self.held(
+                                chunk,
+                                Held {
+                                    hash,
+                                    from_origin: false,
+                                },
+                                Source::Peer(peer),
+                            );
                         }
-                        self.held(
-                            chunk,
-                            Held {
-                                hash,
-                                from_origin: false,
-                            },
-                            Source::Peer(peer),
-                        );
                     }
                     Err(PeerFailure::Busy) => {
                         if let Some(p) = self.peers.get_mut(&peer) {
@@ -746,19 +773,29 @@ impl Actor {
         self.vouches[chunk as usize] = self.vouched(chunk);
     }
 
-    /// Whose word chunk `chunk`'s hash rests on, as far as this node knows.
+    /// Whose word chunk `chunk`'s hash rests on, as far as this node knows: this node's own
+    /// read, a claim made in turn, or two that agree.
     fn vouched(&self, chunk: u32) -> Vouched {
         if let Some(truth) = self.verified[chunk as usize] {
             return Vouched::For(truth);
         }
         let mut found = None;
+        let mut claimants = 0;
+        let mut in_turn = false;
         for claim in self.origin_claims(chunk) {
             match found {
                 Some(hash) if hash != claim.hash => return Vouched::Disputed,
                 _ => found = Some(claim.hash),
             }
+            claimants += 1;
+            in_turn |= claim.in_turn;
         }
-        found.map_or(Vouched::Nobody, Vouched::For)
+        // One member's word is taken where it was its turn; anyone else's alone could be a
+        // liar's that got in first, and the chunk is read from the origin in turn.
+        match found {
+            Some(hash) if in_turn || claimants >= 2 => Vouched::For(hash),
+            _ => Vouched::Nobody,
+        }
     }
 
     /// What members (live or gone) that said they read `chunk` from the origin announced,
@@ -910,15 +947,22 @@ impl Actor {
                 let claim = Claim {
                     hash: blake3,
                     from_origin,
-                    mine: turn == Some(self.me) && !pulled_in_turn,
+                    in_turn: turn == Some(peer) || pulled_in_turn,
                 };
-                if from_origin {
+                // An honest member reads a chunk of one version of an artifact with one hash.
+                let contradicts_itself = from_origin
+                    && p.vouched
+                        .get(&chunk)
+                        .is_some_and(|earlier| earlier.hash != blake3);
+                if from_origin && !contradicts_itself {
                     p.vouched.insert(chunk, claim);
                 }
                 if p.have.insert(chunk, claim).is_none() && !p.banned {
                     self.availability[chunk as usize] += 1;
                 }
-                if from_origin && !p.banned {
+                if contradicts_itself {
+                    self.convict(peer, chunk);
+                } else if from_origin && !p.liar {
                     self.check_claim(peer, chunk, blake3);
                 }
                 if from_origin {
@@ -926,7 +970,8 @@ impl Actor {
                 }
             }
             SwarmMessage::Dropped { chunk } => {
-                p.vouched.remove(&chunk);
+                // What it said it read from the origin stands: an honest member never drops
+                // such a chunk, and a liar must not take its word back before it is checked.
                 if p.have.remove(&chunk).is_some() && !p.banned {
                     self.availability[chunk as usize] -= 1;
                 }
@@ -934,8 +979,11 @@ impl Actor {
             }
             SwarmMessage::Pulling { chunk } => {
                 if !p.banned {
+                    // Its patience runs from the first time it said so: saying it again does
+                    // not wind the clock back.
+                    let since = *p.first_pulled.entry(chunk).or_insert_with(Instant::now);
                     p.pulling.entry(chunk).or_insert(Pull {
-                        since: Instant::now(),
+                        since,
                         in_turn: turn == Some(peer),
                     });
                 }
@@ -1026,7 +1074,8 @@ impl Actor {
         if self.finishing || self.failed() {
             return;
         }
-        if self.holding.complete() {
+        // Complete, and no chunk held is in doubt: the files are final.
+        if self.holding.complete() && self.to_sample.is_empty() && self.samples_in_flight == 0 {
             if !self.progress.borrow().complete {
                 self.finish();
             }
@@ -1055,6 +1104,9 @@ impl Actor {
                 self.sample_origin(chunk);
             }
         }
+        if self.holding.complete() {
+            return;
+        }
         while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {
             let Some(chunk) = self.next_origin_chunk(&members) else {
                 break;
@@ -1080,7 +1132,6 @@ impl Actor {
                 Vouched::Disputed => true,
                 Vouched::For(hash) => {
                     self.audit[chunk as usize]
-                        || self.claimed_before_me(chunk, members)
                         // Its voucher left (or this node read it, then dropped it), and no
                         // live member holds it so.
                         || (!self.peers.values().any(|p| {
@@ -1095,7 +1146,7 @@ impl Actor {
                         p.live()
                             && !p.banned
                             && p.pulling.get(&chunk).is_some_and(|pull| {
-                                now.duration_since(pull.since) < PULLING_PATIENCE
+                                pull.in_turn && now.duration_since(pull.since) < PULLING_PATIENCE
                             })
                     });
                     !someone_reads && self.reader(chunk, members) == Some(self.me)
@@ -1121,20 +1172,16 @@ impl Actor {
         for (id, chunk, turn) in said {
             if let Some(p) = self.peers.get_mut(&id) {
                 if let Some(claim) = p.vouched.get_mut(&chunk) {
-                    claim.mine = turn == Some(self.me);
+                    claim.in_turn = turn == Some(id);
                 }
                 if let Some(pull) = p.pulling.get_mut(&chunk) {
                     pull.in_turn = turn == Some(id);
                 }
             }
         }
-    }
-
-    /// Whether `chunk` is this node's to read and every member that says it read it from the
-    /// origin said so while it was this node's: a liar announcing first does not keep the
-    /// owner from the origin (nor, then, from finding it out).
-    fn claimed_before_me(&self, chunk: u32, members: &[PeerId]) -> bool {
-        self.owner(chunk, members) == Some(self.me) && self.origin_claims(chunk).all(|c| c.mine)
+        for chunk in 0..self.manifest.chunk_count() {
+            self.revouch(chunk);
+        }
     }
 
     /// The member to read `chunk` from the origin: its owner (`members[(chunk + k) % n]`),
@@ -1175,7 +1222,6 @@ impl Actor {
     /// only chunks whose hash the origin vouches for, only from holders that announced it.
     fn next_peer_chunks(&self, want: usize) -> Vec<(u32, PeerId, [u8; 32])> {
         let now = Instant::now();
-        let members = self.members();
         let upload_slots = self.context.settings.upload_slots.max(1) as u32;
         let mut load: HashMap<PeerId, u32> = self
             .peers
@@ -1194,7 +1240,7 @@ impl Actor {
                     && !self.in_flight.contains_key(&c)
             })
             .filter_map(|c| match self.vouches[c as usize] {
-                Vouched::For(hash) if !self.claimed_before_me(c, &members) => {
+                Vouched::For(hash) => {
                     let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     Some((self.availability[c as usize], spread, c, hash))
                 }
@@ -1247,6 +1293,7 @@ impl Actor {
     /// Reads the origin's hash of a held chunk that a member contradicted.
     fn sample_origin(&mut self, chunk: u32) {
         self.origin_in_flight += 1;
+        self.samples_in_flight += 1;
         let origin = self.context.origin.clone();
         let manifest = self.manifest.clone();
         let events = self.events_tx.clone();
@@ -1539,15 +1586,18 @@ async fn write_to(
         if reply == HelloReply::NotMember {
             return Err("not a member".into());
         }
-        for message in initial {
-            write_frame(&mut stream, &message)
+        // A member that stops reading is left, not waited for.
+        let mut send = async |message: &SwarmMessage| {
+            tokio::time::timeout(PEER_TIMEOUT, write_frame(&mut stream, message))
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|_| "the peer stopped reading".to_string())?
+                .map_err(|e| e.to_string())
+        };
+        for message in &initial {
+            send(message).await?;
         }
         while let Some(message) = queue.recv().await {
-            write_frame(&mut stream, &message)
-                .await
-                .map_err(|e| e.to_string())?;
+            send(&message).await?;
         }
         let _ = stream.close().await;
         Ok(())

@@ -355,8 +355,8 @@ async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, li
     (fetched, liar.local_peer_id())
 }
 
-/// (Checked by letting owners trust a first claim, and by keeping chunks a banned member
-/// vouched for: the files differ from the origin's.)
+/// (Checked by taking any single member's word, and by keeping chunks a banned member vouched
+/// for: the files differ from the origin's.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_the_origins_bytes()
 {
