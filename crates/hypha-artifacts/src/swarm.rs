@@ -594,29 +594,20 @@ impl Actor {
                                 .all(|v| self.peers.get(v).is_some_and(|p| p.liar));
                         // Taken on the word of members the origin contradicted meanwhile: not
                         // kept (its bytes are written over when it is fetched again).
-                        if !verified && !discredited {
-                            self.vouchers.insert(chunk, vouchers);
-                            self.held(
-                                chunk,
-                                Held {
-                                    hash,
-                                    from_origin: false,
-                                },
-                                Source::Peer(peer),
-                            );
-                            // Someone vouched for another hash while it came: ask the origin.
-                            if self.vouches[chunk as usize] != Vouched::For(hash) {
-                                self.to_sample.insert(chunk);
+                        if verified || !discredited {
+                            if !verified {
+                                self.vouchers.insert(chunk, vouchers);
+                                // Someone vouched for another hash while it came: ask the
+                                // origin.
+                                if self.vouches[chunk as usize] != Vouched::For(hash) {
+                                    self.to_sample.insert(chunk);
+                                }
                             }
-                        } else if verified {
-                            self.held(
-                                chunk,
-                                Held {
-                                    hash,
-                                    from_origin: false,
-                                },
-                                Source::Peer(peer),
-                            );
+                            let held = Held {
+                                hash,
+                                from_origin: false,
+                            };
+                            self.held(chunk, held, Source::Peer(peer));
                         }
                     }
                     Err(PeerFailure::Busy) => {
