@@ -51,9 +51,10 @@ fn job_artifacts_reach_every_worker_with_each_chunk_read_once() {
     });
 
     let cluster = Cluster::new();
-    // The origin's bytes are counted exactly: no audit reads (they have their own test).
+    // The origin's bytes are counted exactly: no audit reads (they have their own test), and
+    // no worker starts before the others are there (see `fetch`).
     let executors = format!(
-        "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {EXECUTOR:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n\n[artifacts]\norigin_audit = 0.0\n{}",
+        "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {EXECUTOR:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n\n[artifacts]\norigin_audit = 0.0\njoin_timeout_ms = 60000\n{}",
         s3.profile_toml("default")
     );
     let names = ["art-a", "art-b", "art-c"];
@@ -164,10 +165,12 @@ destination = "copy/same-object.bin"
 }
 
 /// A `hypha-worker fetch` process; its JSON summary goes to `{name}.json`, its log to
-/// `{name}.log`.
+/// `{name}.log`. It waits up to a minute for the others it expects: on a loaded machine a
+/// process may take more than the default 10 s to find them, and one that joins after the
+/// others started takes the chunks whose claims it saw made out of turn from the origin.
 fn fetch(cluster: &Cluster, s3: &S3Server, name: &str, args: &[&str]) -> std::process::Child {
     let extra = format!(
-        "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\norigin_audit = 0.0\n{}",
+        "work_dir = \"{name}-work\"\n[artifacts]\nchunk_bytes = {CHUNK}\norigin_audit = 0.0\njoin_timeout_ms = 60000\n{}",
         s3.profile_toml("default")
     );
     let config = cluster.config(name, Role::Worker, &extra);
