@@ -231,9 +231,12 @@ impl Distributor {
         {
             tracing::info!(artifact = %id, destination = %request.destination.display(), "cached, and the origin still has this version");
             if record.files_present() && !self.inner.swarms().contains_key(&id) {
-                self.seed(&record, origin.clone(), manifest.clone()).await;
+                let admission = &options.admission;
+                self.seed(&record, origin.clone(), manifest.clone(), admission)
+                    .await;
+            } else {
+                self.admit(id, &options.admission);
             }
-            self.admit(id, &options.admission);
             let unpacked = self.unpack_if_asked(request, record).await?;
             let progress = self
                 .inner
@@ -253,9 +256,14 @@ impl Distributor {
         }
 
         let mut progress = self
-            .join(request, origin.clone(), manifest.clone(), options.expect)
+            .join(
+                request,
+                origin.clone(),
+                manifest.clone(),
+                options.expect,
+                &options.admission,
+            )
             .await?;
-        self.admit(id, &options.admission);
         let outcome = loop {
             let current = progress.borrow_and_update().clone();
             if let Some(sender) = &options.progress {
@@ -313,9 +321,11 @@ impl Distributor {
         origin: Arc<Origin>,
         manifest: Arc<Manifest>,
         expect: usize,
+        admission: &Option<Admission>,
     ) -> Result<watch::Receiver<Progress>, FetchError> {
         let id = manifest.id;
         if let Some(progress) = self.existing(id, request)? {
+            self.admit(id, admission);
             return Ok(progress);
         }
         let cache = self.inner.cache.clone();
@@ -346,7 +356,7 @@ impl Distributor {
         if resumed > 0 {
             tracing::info!(artifact = %id, resumed, "resuming with chunks verified from an earlier run");
         }
-        Ok(self.register(request, origin, holding, expect, resumed))
+        Ok(self.register(request, origin, holding, expect, resumed, admission))
     }
 
     /// The swarm of `id` this node is already in, if it is still fetching.
@@ -380,6 +390,7 @@ impl Distributor {
         holding: Arc<Holding>,
         expect: usize,
         resumed: u32,
+        admission: &Option<Admission>,
     ) -> watch::Receiver<Progress> {
         let id = holding.assembly.manifest().id;
         let context = Context {
@@ -388,17 +399,21 @@ impl Distributor {
             cache: self.inner.cache.clone(),
             settings: self.inner.settings.clone(),
         };
+        // Locked from before the swarm announces itself until it is in, admission included:
+        // a peer's hello in between would be answered `not_member`, and the peer would stay
+        // away until its next discovery, which can take a DHT query's timeout.
+        let mut swarms = self.inner.swarms();
         let (events, progress) =
             swarm::spawn(context, request.clone(), holding.clone(), expect, resumed);
-        self.inner.swarms().insert(
+        swarms.insert(
             id,
             Member {
                 events,
                 holding,
                 progress: progress.clone(),
                 destination: request.destination.clone(),
-                anyone: false,
-                admissions: Vec::new(),
+                anyone: admission.is_none(),
+                admissions: admission.iter().cloned().collect(),
             },
         );
         progress
@@ -415,7 +430,13 @@ impl Distributor {
     }
 
     /// Serves a cached artifact to others.
-    async fn seed(&self, record: &Record, origin: Arc<Origin>, manifest: Arc<Manifest>) {
+    async fn seed(
+        &self,
+        record: &Record,
+        origin: Arc<Origin>,
+        manifest: Arc<Manifest>,
+        admission: &Option<Admission>,
+    ) {
         let request = record.request.clone();
         let (hashes, from_origin) = if record.manifest.chunk_size == manifest.chunk_size {
             (record.chunk_hashes(), record.from_origin.clone())
@@ -453,7 +474,7 @@ impl Distributor {
                     let from_origin = from_origin.contains(&chunk);
                     holding.hold(chunk, Held { hash, from_origin });
                 }
-                self.register(&request, origin, holding, 1, 0);
+                self.register(&request, origin, holding, 1, 0, admission);
             }
             Err(e) => tracing::warn!(artifact = %manifest.id, "cannot serve the cached files: {e}"),
         }
