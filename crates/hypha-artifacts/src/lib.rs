@@ -69,6 +69,12 @@ pub struct Settings {
     /// member's word is taken). Default: 0, each chunk leaves the origin once: set a share
     /// (0.02 costs 2% per other member) where a certified worker of the task may lie.
     pub origin_audit: f64,
+    /// How long this node waits, receiving nothing, on a chunk whose holders do not send it
+    /// (they answer `busy` or report full loads), or on a member whose turn it is to read
+    /// chunks from the origin and that reads nothing, before the next member in turn reads
+    /// those chunks from the origin. A certified member that holds chunks back delays the
+    /// others by about this much instead of stalling them. Default: 60 s.
+    pub stall_patience: Duration,
 }
 
 impl Default for Settings {
@@ -82,6 +88,7 @@ impl Default for Settings {
             discovery_interval: Duration::from_millis(500),
             unpack_limits: unpack::Limits::default(),
             origin_audit: 0.0,
+            stall_patience: Duration::from_secs(60),
         }
     }
 }

@@ -29,6 +29,13 @@
 //!   is caught with probability `1 - (1 - share)^(n - 1)` per chunk. A peer whose bytes
 //!   disagree with the hash it announced, or that fails [`FAILURES_BEFORE_BAN`] requests in
 //!   a row for chunks it announced, is not asked again for this artifact.
+//! - **Liveness**: no single member can hold a chunk up for longer than
+//!   `Settings::stall_patience`. A chunk whose holders never send it (they answer `busy`,
+//!   `missing`, or report full loads) while this node receives nothing else is read from the
+//!   origin by the next member in turn that does not hold it; a member whose turn it is to
+//!   read chunks and that reads nothing for that long (since it joined, the ring last
+//!   changed, or it last read one) is passed over, as one reading for longer than
+//!   [`PULLING_PATIENCE`] is.
 //!
 //! The actor owns all of this state; transfers, stream readers and writers are tasks that
 //! report back through one bounded queue, so the actor never waits on the network.
@@ -84,9 +91,10 @@ const BACKOFF: Duration = Duration::from_secs(1);
 const PULLING_PATIENCE: Duration = Duration::from_secs(300);
 /// Origin reads of one chunk tried before the fetch fails.
 const ORIGIN_ATTEMPTS: u32 = 3;
-/// Chunk requests in a row a holder may fail (no answer, stream closed, `missing`) before it
-/// is not asked again for this artifact: a member that announces chunks it never serves
-/// would otherwise stall everyone that waits for it.
+/// Chunk requests in a row a holder may fail (no answer, stream closed, a malformed answer)
+/// before it is not asked again for this artifact. Refusals an honest member gives too
+/// (`busy`, `missing`, `not_admitted`) are not counted: a member that only refuses holds its
+/// chunks up for at most `Settings::stall_patience`.
 const FAILURES_BEFORE_BAN: u32 = 3;
 
 /// A chunk this node holds: its hash, and whether the bytes came from the origin itself.
@@ -285,6 +293,9 @@ pub(crate) enum Event {
 #[derive(Debug)]
 pub(crate) enum PeerFailure {
     Busy,
+    /// An answer an honest holder gives too, for a moment: it dropped the chunk, or has not
+    /// registered this node's admission yet. Not counted towards [`FAILURES_BEFORE_BAN`].
+    Refused(String),
     Corrupt(String),
     Failed(String),
 }
@@ -345,6 +356,12 @@ struct Peer {
     /// Our chunk requests it failed in a row.
     failures: u32,
     left_alone_until: Option<Instant>,
+    /// When it joined, or last said it reads or read a chunk from the origin.
+    origin_active: Option<Instant>,
+    /// Chunks it holds and could not send this node (it refused, or had no free upload
+    /// slot), since the first time; kept when it drops them or leaves, so that announcing
+    /// them again does not wind the clock back.
+    held_back: HashMap<u32, Instant>,
 }
 
 impl Peer {
@@ -423,6 +440,8 @@ pub(crate) fn spawn(
         progress: progress_tx,
         finishing: false,
         reported_uploads: 0,
+        ring_changed: Instant::now(),
+        last_arrival: Instant::now(),
     };
     tokio::spawn(actor.run(events));
     (events_tx, progress_rx)
@@ -467,6 +486,11 @@ struct Actor {
     progress: watch::Sender<Progress>,
     finishing: bool,
     reported_uploads: u32,
+    /// When a member last joined, left or was banned (or the join gate opened): turns to
+    /// read from the origin changed hands, and members are given time to take them up.
+    ring_changed: Instant,
+    /// When a chunk last arrived (or the join gate opened).
+    last_arrival: Instant,
 }
 
 impl Actor {
@@ -612,7 +636,17 @@ impl Actor {
                     }
                     Err(PeerFailure::Busy) => {
                         if let Some(p) = self.peers.get_mut(&peer) {
-                            p.left_alone_until = Some(Instant::now() + TICK);
+                            let now = Instant::now();
+                            p.held_back.entry(chunk).or_insert(now);
+                            p.left_alone_until = Some(now + TICK);
+                        }
+                    }
+                    Err(PeerFailure::Refused(reason)) => {
+                        tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk request refused: {reason}");
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            let now = Instant::now();
+                            p.held_back.entry(chunk).or_insert(now);
+                            p.left_alone_until = Some(now + BACKOFF);
                         }
                     }
                     Err(PeerFailure::Corrupt(reason)) => {
@@ -818,9 +852,12 @@ impl Actor {
         }
         self.generation += 1;
         let generation = self.generation;
+        let now = Instant::now();
         let entry = self.peers.entry(peer).or_default();
         entry.reader = Some(generation);
         entry.left_alone_until = None;
+        entry.origin_active = Some(now);
+        self.ring_changed = now;
         tracing::debug!(artifact = %self.manifest.id, %peer, "member joined");
         tokio::spawn(read_from(peer, generation, stream, self.events_tx.clone()));
         self.connect(peer);
@@ -886,6 +923,7 @@ impl Actor {
             p.uploads = 0;
             p.reader = None;
             p.writer = None;
+            self.ring_changed = Instant::now();
         }
     }
 
@@ -898,6 +936,7 @@ impl Actor {
             for &chunk in p.have.keys() {
                 self.availability[chunk as usize] -= 1;
             }
+            self.ring_changed = Instant::now();
         }
     }
 
@@ -935,6 +974,9 @@ impl Actor {
                 from_origin,
             } => {
                 let pulled_in_turn = p.pulling.remove(&chunk).is_some_and(|pull| pull.in_turn);
+                if from_origin {
+                    p.origin_active = Some(Instant::now());
+                }
                 let claim = Claim {
                     hash: blake3,
                     from_origin,
@@ -973,6 +1015,7 @@ impl Actor {
                     // Its patience runs from the first time it said so: saying it again does
                     // not wind the clock back.
                     let since = *p.first_pulled.entry(chunk).or_insert_with(Instant::now);
+                    p.origin_active = Some(Instant::now());
                     p.pulling.entry(chunk).or_insert(Pull {
                         since,
                         in_turn: turn == Some(peer),
@@ -1011,6 +1054,7 @@ impl Actor {
         let hash = held.hash;
         let len = self.manifest.chunks()[chunk as usize].len;
         self.holding.hold(chunk, held);
+        self.last_arrival = Instant::now();
         self.progress.send_modify(|p| {
             p.held += 1;
             match source {
@@ -1079,6 +1123,9 @@ impl Actor {
             .is_some_and(|deadline| members.len() >= self.expect || Instant::now() >= deadline)
         {
             self.join_deadline = None;
+            let now = Instant::now();
+            self.ring_changed = now;
+            self.last_arrival = now;
             self.reassess_claims(&members);
         }
         // Nothing is read, from the origin or from peers, until the ring is whole: who owns
@@ -1086,6 +1133,7 @@ impl Actor {
         if self.join_deadline.is_some() {
             return;
         }
+        self.take_claims_now_in_turn(&members);
         let origin_slots =
             slots.min((self.context.settings.origin_connections / members.len()).max(1));
         while self.origin_in_flight < origin_slots
@@ -1105,16 +1153,30 @@ impl Actor {
             self.pull_from_origin(chunk);
         }
         if self.in_flight.len() < slots {
-            for (chunk, peer, hash) in self.next_peer_chunks(slots - self.in_flight.len()) {
+            let (picked, blocked) = self.next_peer_chunks(slots - self.in_flight.len());
+            let now = Instant::now();
+            for chunk in blocked {
+                for p in self.peers.values_mut() {
+                    if p.have.contains_key(&chunk) {
+                        p.held_back.entry(chunk).or_insert(now);
+                    }
+                }
+            }
+            for (chunk, peer, hash) in picked {
                 self.pull_from_peer(chunk, peer, hash);
             }
         }
     }
 
     /// The next chunk this node reads from the origin: one whose hash members dispute, one
-    /// it audits, one it owns that others claimed before it could read it, or one nobody
-    /// read from the origin that falls to it.
+    /// it audits, one it owns that others claimed before it could read it, one its holders
+    /// hold back that falls to it, or one nobody read from the origin that falls to it.
     fn next_origin_chunk(&self, members: &[PeerId]) -> Option<u32> {
+        let now = Instant::now();
+        let patience = self.context.settings.stall_patience;
+        // Nothing arrived for that long, so holders that do not send a chunk are not busy
+        // with this node's other requests.
+        let stalled = now.duration_since(self.last_arrival) >= patience;
         (0..self.manifest.chunk_count()).find(|&chunk| {
             if self.holding.is_held(chunk) || self.in_flight.contains_key(&chunk) {
                 return false;
@@ -1124,15 +1186,18 @@ impl Actor {
                 Vouched::For(hash) => {
                     self.audit[chunk as usize]
                         // Its voucher left (or this node read it, then dropped it), and no
-                        // live member holds it so.
+                        // live member that holds it so sends it.
                         || (!self.peers.values().any(|p| {
                             p.live()
                                 && !p.banned
                                 && p.have.get(&chunk).is_some_and(|c| c.hash == hash)
-                        }) && self.reader(chunk, members) == Some(self.me))
+                                && !(stalled
+                                    && p.held_back.get(&chunk).is_some_and(|since| {
+                                        now.duration_since(*since) >= patience
+                                    }))
+                        }) && self.rescuer(chunk, members) == Some(self.me))
                 }
                 Vouched::Nobody => {
-                    let now = Instant::now();
                     let someone_reads = self.peers.values().any(|p| {
                         p.live()
                             && !p.banned
@@ -1175,17 +1240,55 @@ impl Actor {
         }
     }
 
+    /// A member that read a chunk out of its turn as this node saw the ring then, and whose
+    /// turn the chunk is now (the members before it held their turns back, and this node's
+    /// clock passed them over a moment after the reader's): its word is taken now, so that
+    /// the chunk is not read again.
+    fn take_claims_now_in_turn(&mut self, members: &[PeerId]) {
+        let promoted: Vec<(PeerId, u32)> = (0..self.manifest.chunk_count())
+            .filter(|&chunk| {
+                self.vouches[chunk as usize] == Vouched::Nobody
+                    && self.origin_claims(chunk).next().is_some()
+            })
+            .filter_map(|chunk| {
+                let owner = self.owner(chunk, members)?;
+                let claim = self.peers.get(&owner)?.vouched.get(&chunk)?;
+                (!claim.in_turn).then_some((owner, chunk))
+            })
+            .collect();
+        for (owner, chunk) in promoted {
+            if let Some(claim) = self
+                .peers
+                .get_mut(&owner)
+                .and_then(|p| p.vouched.get_mut(&chunk))
+            {
+                claim.in_turn = true;
+            }
+            self.revouch(chunk);
+        }
+    }
+
     /// The member to read `chunk` from the origin: its owner (`members[(chunk + k) % n]`),
     /// or, where this node banned the owner or the owner has been reading it for longer than
-    /// [`PULLING_PATIENCE`], the next member in that order.
+    /// [`PULLING_PATIENCE`], the next member in that order. Each member in that order has
+    /// `stall_patience` of its own, counted from the last change of the ring: one that
+    /// reads nothing at all by the end of it is passed over (an honest member reads its turns
+    /// one after another from the moment they fall to it).
     fn owner(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
-        self.in_turn(chunk, members, |_| true)
+        self.in_turn(chunk, members, |_| true, true)
     }
 
     /// Like [`owner`](Self::owner), passing over members that hold the chunk (on a relayed
     /// word only, where this is asked): they will not read it again.
     fn reader(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
-        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk))
+        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk), true)
+    }
+
+    /// The member to read again a chunk that was read, when no live member sends it: the
+    /// first after its owner that does not hold it. Idle members are not passed over: having
+    /// read all their turns long ago, they are the ones free to.
+    fn rescuer(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk), false)
     }
 
     fn in_turn(
@@ -1193,25 +1296,48 @@ impl Actor {
         chunk: u32,
         members: &[PeerId],
         eligible: impl Fn(&Peer) -> bool,
+        pass_idle: bool,
     ) -> Option<PeerId> {
         let n = members.len();
         let first = (chunk as usize + self.offset) % n;
         let now = Instant::now();
+        let patience = self.context.settings.stall_patience;
+        let mut turn_ends = self.ring_changed;
         (0..n).map(|i| members[(first + i) % n]).find(|m| {
-            *m == self.me
-                || self.peers.get(m).is_none_or(|p| {
-                    !p.banned
-                        && eligible(p)
-                        && p.pulling
-                            .get(&chunk)
-                            .is_none_or(|pull| now.duration_since(pull.since) < PULLING_PATIENCE)
-                })
+            if *m == self.me {
+                return true;
+            }
+            let Some(p) = self.peers.get(m) else {
+                return true;
+            };
+            if p.banned
+                || !eligible(p)
+                || p.pulling
+                    .get(&chunk)
+                    .is_some_and(|pull| now.duration_since(pull.since) >= PULLING_PATIENCE)
+            {
+                return false;
+            }
+            turn_ends += patience;
+            !(pass_idle && now >= turn_ends && self.idle(p, now))
         })
     }
 
+    /// A live member that has read nothing from the origin, nor said it reads anything, for
+    /// `stall_patience`.
+    fn idle(&self, p: &Peer, now: Instant) -> bool {
+        p.live()
+            && p.pulling.is_empty()
+            && p.origin_active.is_none_or(|active| {
+                now.duration_since(active) >= self.context.settings.stall_patience
+            })
+    }
+
     /// Up to `want` (chunk, holder, hash) triples: rarest chunks first, least loaded holders,
-    /// only chunks whose hash the origin vouches for, only from holders that announced it.
-    fn next_peer_chunks(&self, want: usize) -> Vec<(u32, PeerId, [u8; 32])> {
+    /// only chunks whose hash the origin vouches for, only from holders that announced it;
+    /// and the chunks looked at that no holder could send now.
+    #[allow(clippy::type_complexity)]
+    fn next_peer_chunks(&self, want: usize) -> (Vec<(u32, PeerId, [u8; 32])>, Vec<u32>) {
         let now = Instant::now();
         let upload_slots = self.context.settings.upload_slots.max(1) as u32;
         let mut load: HashMap<PeerId, u32> = self
@@ -1221,7 +1347,7 @@ impl Actor {
             .map(|(id, p)| (*id, p.uploads.max(p.requests)))
             .collect();
         if load.is_empty() {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let mut candidates: Vec<(u16, u64, u32, [u8; 32])> = (0..self.manifest.chunk_count())
             .filter(|&c| {
@@ -1240,6 +1366,7 @@ impl Actor {
             .collect();
         candidates.sort_unstable();
         let mut picked = Vec::new();
+        let mut blocked = Vec::new();
         for (_, _, chunk, hash) in candidates {
             if picked.len() >= want {
                 break;
@@ -1260,12 +1387,15 @@ impl Actor {
                     )
                 })
                 .map(|(id, _)| *id);
-            if let Some(holder) = holder {
-                *load.entry(holder).or_default() += 1;
-                picked.push((chunk, holder, hash));
+            match holder {
+                Some(holder) => {
+                    *load.entry(holder).or_default() += 1;
+                    picked.push((chunk, holder, hash));
+                }
+                None => blocked.push(chunk),
             }
         }
-        picked
+        (picked, blocked)
     }
 
     fn pull_from_origin(&mut self, chunk: u32) {
@@ -1504,6 +1634,13 @@ async fn read_peer(
             code: ChunkErrorCode::Busy,
             ..
         } => return Err(PeerFailure::Busy),
+        ChunkHeader::Error {
+            code:
+                code @ (ChunkErrorCode::Missing
+                | ChunkErrorCode::NotAdmitted
+                | ChunkErrorCode::UnknownArtifact),
+            message,
+        } => return Err(PeerFailure::Refused(format!("{code:?}: {message}"))),
         ChunkHeader::Error { code, message } => {
             return Err(PeerFailure::Failed(format!("{code:?}: {message}")));
         }

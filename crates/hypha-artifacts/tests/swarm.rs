@@ -179,50 +179,62 @@ async fn an_object_replaced_mid_way_never_yields_a_mixed_file() {
     assert!(s3.bytes_served() >= v2.len() as u64);
 }
 
-/// Which chunks a [`liar`] lies about.
+/// What a [`rogue`] member does.
 #[derive(Clone, Copy)]
-enum Lies {
-    /// Every chunk, to each member the moment it finds it.
-    AboutEverything,
-    /// Only the chunks that are its own to read, once it knows all `members` (itself
-    /// included): the lies only an audit can find.
-    AboutItsOwn { members: usize },
+enum Rogue {
+    /// Announces that it read every chunk from the origin, with the hashes of bytes of its
+    /// own, to each member the moment it finds it, and serves those bytes.
+    LiesAboutEverything,
+    /// The same, but only for the chunks that are its own to read, once it knows all
+    /// `members` (itself included): the lies only an audit can find.
+    LiesAboutItsOwn { members: usize },
+    /// Announces the origin's true hashes of the chunks that are its own to read, once it
+    /// knows all `members`, and answers `busy` to every request for them.
+    HoldsBackItsOwn { members: usize },
+    /// Joins every member's swarm and then says and reads nothing.
+    Silent,
 }
 
-/// A certified member that lies: it announces that it read chunks from the origin, with the
-/// hashes of bytes of its own, and serves those bytes to whoever asks. Returns its network
-/// (its peer id is what the others should ban).
-async fn liar(
+/// A certified member of `request`'s swarm that behaves as `rogue` says; `truth` is the
+/// object's real bytes. Returns its network (its peer id is what the others should ban).
+async fn rogue(
     pki: &Pki,
     gateway: &libp2p::Multiaddr,
     s3: &S3Server,
     request: &hypha_artifacts::Request,
+    truth: &[u8],
     chunk_size: u64,
-    lies: Lies,
+    rogue: Rogue,
 ) -> hypha_network::Network {
     use futures::{AsyncWriteExt, StreamExt};
     use hypha_artifacts::{
         Manifest,
         protocol::{
-            CHUNK_PROTOCOL, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL, SwarmMessage,
-            provider_key, read_frame, write_frame,
+            CHUNK_PROTOCOL, ChunkErrorCode, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL,
+            SwarmMessage, provider_key, read_frame, write_frame,
         },
     };
     use std::sync::Arc;
 
-    let network = pki.start("liar", Some(gateway)).await;
+    let network = pki.start("rogue", Some(gateway)).await;
     let origin = origins(s3).get("default").unwrap();
     let manifest = Manifest::new(
         origin.url(),
         chunk_size,
         origin.resolve(request).await.unwrap(),
     );
-    let fakes: Arc<Vec<Vec<u8>>> = Arc::new(
+    // What it says it holds, and serves.
+    let claimed: Arc<Vec<Vec<u8>>> = Arc::new(
         manifest
             .chunks()
             .iter()
             .enumerate()
-            .map(|(i, c)| pattern(c.len as usize, 1000 + i as u64))
+            .map(|(i, c)| match rogue {
+                Rogue::HoldsBackItsOwn { .. } => {
+                    truth[c.offset as usize..(c.offset + c.len) as usize].to_vec()
+                }
+                _ => pattern(c.len as usize, 1000 + i as u64),
+            })
             .collect(),
     );
     let key = provider_key(manifest.id);
@@ -239,15 +251,25 @@ async fn liar(
         }
     });
     let mut requests = network.accept_streams(CHUNK_PROTOCOL).unwrap();
-    let served = fakes.clone();
+    let served = claimed.clone();
     tokio::spawn(async move {
         while let Some((_, mut stream)) = requests.next().await {
-            let fakes = served.clone();
+            let claimed = served.clone();
             tokio::spawn(async move {
                 let Ok(request) = read_frame::<ChunkRequest>(&mut stream).await else {
                     return;
                 };
-                let bytes = &fakes[request.chunk as usize];
+                if let Rogue::HoldsBackItsOwn { .. } = rogue {
+                    let busy = ChunkHeader::Error {
+                        code: ChunkErrorCode::Busy,
+                        message: "busy".into(),
+                    };
+                    let _ = write_frame(&mut stream, &busy).await;
+                    return;
+                }
+                let Some(bytes) = claimed.get(request.chunk as usize) else {
+                    return;
+                };
                 let size = bytes.len() as u64;
                 let _ = write_frame(&mut stream, &ChunkHeader::Ok { size }).await;
                 let _ = stream.write_all(bytes).await;
@@ -268,13 +290,15 @@ async fn liar(
             let mut members: Vec<_> = found.iter().copied().chain([me]).collect();
             members.sort();
             members.dedup();
-            let lie_about = |chunk: usize| match lies {
-                Lies::AboutEverything => true,
-                Lies::AboutItsOwn { .. } => {
+            let announce = |chunk: usize| match rogue {
+                Rogue::LiesAboutEverything => true,
+                Rogue::LiesAboutItsOwn { .. } | Rogue::HoldsBackItsOwn { .. } => {
                     members[(chunk + artifact.0[0] as usize) % members.len()] == me
                 }
+                Rogue::Silent => false,
             };
-            if let Lies::AboutItsOwn { members: all } = lies
+            if let Rogue::LiesAboutItsOwn { members: all } | Rogue::HoldsBackItsOwn { members: all } =
+                rogue
                 && members.len() < all
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -294,7 +318,7 @@ async fn liar(
                 {
                     continue;
                 }
-                for (chunk, bytes) in fakes.iter().enumerate().filter(|(c, _)| lie_about(*c)) {
+                for (chunk, bytes) in claimed.iter().enumerate().filter(|(c, _)| announce(*c)) {
                     let have = SwarmMessage::Have {
                         chunk: chunk as u32,
                         blake3: *blake3::hash(bytes).as_bytes(),
@@ -311,11 +335,28 @@ async fn liar(
     network
 }
 
-/// Three honest nodes and a liar fetch a 16-chunk object. Each honest node waits for a
-/// fifth member that never comes, so nobody reads anything before the join timeout: by then
-/// the liar's claims are in everywhere. Checks that every honest node ends with the origin's
-/// bytes; returns what each fetched, and the liar's peer id.
-async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, libp2p::PeerId) {
+/// When the honest nodes of [`fetch_beside_a_rogue`] begin.
+#[derive(Clone, Copy)]
+enum Start {
+    /// After a second, waiting for a fifth member that never comes: by then the rogue's
+    /// claims are in everywhere.
+    AfterTheRogueSpoke,
+    /// As soon as all four members know each other.
+    WithAllMembers,
+}
+
+/// Three honest nodes and a rogue member fetch a 16-chunk object. Checks that every honest
+/// node ends with the origin's bytes within a minute; returns what each fetched, and the
+/// rogue's peer id.
+async fn fetch_beside_a_rogue(
+    behaviour: Rogue,
+    start: Start,
+    origin_audit: f64,
+) -> (Vec<Fetched>, libp2p::PeerId) {
+    let (expect, join_timeout) = match start {
+        Start::AfterTheRogueSpoke => (5, Duration::from_secs(1)),
+        Start::WithAllMembers => (4, Duration::from_secs(60)),
+    };
     let dir = tempfile::tempdir().unwrap();
     let s3 = S3Server::start(&dir.path().join("s3"), Some(4 * 1024 * 1024))
         .await
@@ -325,12 +366,22 @@ async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, li
     let pki = Pki::new();
     let (_gateway, gateway_addr) = pki.gateway().await;
     let request = object("m.bin", &dir.path().join("unused"));
-    let liar = liar(&pki, &gateway_addr, &s3, &request, 64 * 1024, lies).await;
+    let rogue = rogue(
+        &pki,
+        &gateway_addr,
+        &s3,
+        &request,
+        &model,
+        64 * 1024,
+        behaviour,
+    )
+    .await;
     let mut honest = Vec::new();
     for i in 0..3 {
         let settings = Settings {
-            join_timeout: Duration::from_secs(1),
+            join_timeout,
             origin_audit,
+            stall_patience: Duration::from_secs(2),
             ..settings(64 * 1024)
         };
         let name = format!("n{i}");
@@ -338,7 +389,14 @@ async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, li
     }
     let fetches = honest.iter().enumerate().map(|(i, node)| {
         let target = dir.path().join(format!("out{i}/m.bin"));
-        async move { (fetch(node, &object("m.bin", &target), 5).await, target) }
+        async move {
+            let request = object("m.bin", &target);
+            let fetched =
+                tokio::time::timeout(Duration::from_secs(60), fetch(node, &request, expect))
+                    .await
+                    .unwrap_or_else(|_| panic!("node {i} was held up for a minute"));
+            (fetched, target)
+        }
     });
     let mut fetched = Vec::new();
     for (i, (result, target)) in futures::future::join_all(fetches)
@@ -352,7 +410,7 @@ async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, li
         );
         fetched.push(result);
     }
-    (fetched, liar.local_peer_id())
+    (fetched, rogue.local_peer_id())
 }
 
 /// (Checked by taking any single member's word, and by keeping chunks a banned member vouched
@@ -360,7 +418,8 @@ async fn fetch_beside_a_liar(lies: Lies, origin_audit: f64) -> (Vec<Fetched>, li
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_the_origins_bytes()
 {
-    let (fetched, liar) = fetch_beside_a_liar(Lies::AboutEverything, 0.0).await;
+    let (fetched, liar) =
+        fetch_beside_a_rogue(Rogue::LiesAboutEverything, Start::AfterTheRogueSpoke, 0.0).await;
     for (i, fetched) in fetched.iter().enumerate() {
         let mut liar_seen = false;
         for peer in &fetched.progress.peers {
@@ -380,12 +439,38 @@ async fn a_member_announcing_false_hashes_first_is_found_out_and_the_others_get_
 /// by ignoring the audit share: the files differ from the origin's.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_finds_out_a_member_that_lies_only_about_its_own_chunks() {
-    let lies = Lies::AboutItsOwn { members: 4 };
-    let (fetched, liar) = fetch_beside_a_liar(lies, 1.0).await;
+    let lies = Rogue::LiesAboutItsOwn { members: 4 };
+    let (fetched, liar) = fetch_beside_a_rogue(lies, Start::AfterTheRogueSpoke, 1.0).await;
     for (i, fetched) in fetched.iter().enumerate() {
         let seen = fetched.progress.peers.iter().find(|p| p.peer == liar);
         assert!(seen.is_some_and(|p| p.banned), "node {i}: {seen:?}");
     }
+}
+
+/// The chunks a rogue member announced and never sends, and the ones it never reads, are
+/// read from the origin by the next member in turn after `stall_patience`, once each.
+/// (Checked by ignoring the patience: the fetches are held up for good.)
+async fn the_others_go_on_beside(behaviour: Rogue) {
+    let (fetched, _) = fetch_beside_a_rogue(behaviour, Start::WithAllMembers, 0.0).await;
+    let from_origin: u32 = fetched.iter().map(|f| f.progress.origin_chunks).sum();
+    assert_eq!(from_origin, 16, "each chunk leaves the origin once");
+    for (i, fetched) in fetched.iter().enumerate() {
+        assert!(
+            fetched.progress.peers.iter().all(|p| !p.banned),
+            "node {i} banned a member nobody caught lying: {:?}",
+            fetched.progress.peers
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_never_sends_the_chunks_it_read_holds_nobody_up() {
+    the_others_go_on_beside(Rogue::HoldsBackItsOwn { members: 4 }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_never_reads_its_turns_holds_nobody_up() {
+    the_others_go_on_beside(Rogue::Silent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

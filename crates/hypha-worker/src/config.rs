@@ -139,7 +139,7 @@ static PROFILE_KEYS: [Key; 2] = [
     },
 ];
 
-static ARTIFACT_KEYS: [Key; 10] = [
+static ARTIFACT_KEYS: [Key; 11] = [
     Key {
         name: "dir",
         kind: Kind::Path,
@@ -185,6 +185,12 @@ static ARTIFACT_KEYS: [Key; 10] = [
         kind: Kind::Float,
         default: DefaultValue::Value("0.0"),
         doc: "The share of an artifact's chunks (0-1) this node reads from the origin although peers hold them, to check the hashes other members announced. A member lying about chunks that were its own to read is caught with probability 1 - (1 - share)^(n - 1); the origin sends about 1 + share x (n - 1) times the artifact. 0 (the default): each chunk leaves the origin once; 1: take no member's word.",
+    },
+    Key {
+        name: "stall_patience_ms",
+        kind: Kind::Integer,
+        default: DefaultValue::Value("60000"),
+        doc: "How long this node, receiving nothing, waits on chunks whose holders do not send them, or on a member whose turn it is to read chunks from the origin and that reads nothing, before the next member in turn reads those chunks from the origin. Raise it on links where one chunk takes longer than this to arrive.",
     },
     Key {
         name: "max_unpacked_bytes",
@@ -366,6 +372,7 @@ struct RawArtifacts {
     origin_connections: i64,
     join_timeout_ms: i64,
     origin_audit: f64,
+    stall_patience_ms: i64,
     max_unpacked_bytes: i64,
     max_unpacked_entries: i64,
     profiles: BTreeMap<String, Profile>,
@@ -466,6 +473,10 @@ impl WorkerConfig {
                     raw.artifacts.origin_connections,
                 )?,
                 join_timeout: millis("artifacts.join_timeout_ms", raw.artifacts.join_timeout_ms)?,
+                stall_patience: millis(
+                    "artifacts.stall_patience_ms",
+                    raw.artifacts.stall_patience_ms,
+                )?,
                 origin_audit: Some(raw.artifacts.origin_audit)
                     .filter(|share| (0.0..=1.0).contains(share))
                     .ok_or_else(|| {
