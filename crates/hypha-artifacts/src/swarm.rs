@@ -16,7 +16,9 @@
 //!   member that reads a chunk from the origin announces its hash `from_origin`. Chunks are
 //!   pulled from peers only with a hash vouched for by a member whose turn it was to read the
 //!   chunk when it said so (as this node saw the ring), by two members that agree, or by
-//!   this node's own origin read, and every transfer is checked against it; a claim by any
+//!   this node's own origin read, or held with it by two live members (where no two hold it
+//!   with another: a newcomer to members that hold everything cannot know whose turn each
+//!   chunk was), and every transfer is checked against it; a claim by any
 //!   other single member (a liar announcing first, say) leaves the chunk to be read in turn.
 //!   What a member vouched for stands after it leaves, and it cannot take it back. When
 //!   members vouch for different hashes, or for another hash than the one this node holds
@@ -620,10 +622,17 @@ impl Actor {
                         // kept (its bytes are written over when it is fetched again).
                         if verified || !discredited {
                             if !verified {
-                                self.vouchers.insert(chunk, vouchers);
+                                if !vouchers.is_empty() {
+                                    self.vouchers.insert(chunk, vouchers);
+                                }
                                 // Someone vouched for another hash while it came: ask the
-                                // origin.
-                                if self.vouches[chunk as usize] != Vouched::For(hash) {
+                                // origin. (Members that endorsed it leaving meanwhile take
+                                // nothing back.)
+                                if matches!(
+                                    self.vouches[chunk as usize],
+                                    Vouched::For(other) if other != hash
+                                ) || self.vouches[chunk as usize] == Vouched::Disputed
+                                {
                                     self.to_sample.insert(chunk);
                                 }
                             }
@@ -819,8 +828,36 @@ impl Actor {
         // liar's that got in first, and the chunk is read from the origin in turn.
         match found {
             Some(hash) if in_turn || claimants >= 2 => Vouched::For(hash),
-            _ => Vouched::Nobody,
+            _ => self.endorsed(chunk),
         }
+    }
+
+    /// The hash that two live members hold a chunk with, where no two hold it with another:
+    /// each took it only on a word it could check, so one of them is honest and right (a
+    /// newcomer to members that hold everything takes their chunks this way, not knowing
+    /// whose turn each was when it was read).
+    fn endorsed(&self, chunk: u32) -> Vouched {
+        let mut endorsed = None;
+        let mut counts: Vec<([u8; 32], u32)> = Vec::new();
+        for p in self.peers.values().filter(|p| p.live() && !p.banned) {
+            let Some(claim) = p.have.get(&chunk) else {
+                continue;
+            };
+            match counts.iter_mut().find(|(hash, _)| *hash == claim.hash) {
+                Some((_, count)) => {
+                    *count += 1;
+                    if *count == 2 {
+                        if endorsed.is_some() {
+                            // Two hashes with two members each: not one liar's doing.
+                            return Vouched::Disputed;
+                        }
+                        endorsed = Some(claim.hash);
+                    }
+                }
+                None => counts.push((claim.hash, 1)),
+            }
+        }
+        endorsed.map_or(Vouched::Nobody, Vouched::For)
     }
 
     /// What members (live or gone) that said they read `chunk` from the origin announced,
@@ -911,19 +948,24 @@ impl Actor {
 
     /// Drops everything a peer told us (it left, or reconnects).
     fn forget(&mut self, peer: PeerId) {
-        if let Some(p) = self.peers.get_mut(&peer) {
-            if !p.banned {
-                for &chunk in p.have.keys() {
-                    self.availability[chunk as usize] -= 1;
-                }
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let had: Vec<u32> = p.have.drain().map(|(chunk, _)| chunk).collect();
+        if !p.banned {
+            for &chunk in &had {
+                self.availability[chunk as usize] -= 1;
             }
-            p.have.clear();
-            p.pulling.clear();
-            p.done = false;
-            p.uploads = 0;
-            p.reader = None;
-            p.writer = None;
-            self.ring_changed = Instant::now();
+        }
+        p.pulling.clear();
+        p.done = false;
+        p.uploads = 0;
+        p.reader = None;
+        p.writer = None;
+        self.ring_changed = Instant::now();
+        // What it held counted towards endorsements.
+        for chunk in had {
+            self.revouch(chunk);
         }
     }
 
@@ -933,10 +975,14 @@ impl Actor {
         {
             p.banned = true;
             p.pulling.clear();
-            for &chunk in p.have.keys() {
+            let had: Vec<u32> = p.have.keys().copied().collect();
+            for &chunk in &had {
                 self.availability[chunk as usize] -= 1;
             }
             self.ring_changed = Instant::now();
+            for chunk in had {
+                self.revouch(chunk);
+            }
         }
     }
 
@@ -998,9 +1044,7 @@ impl Actor {
                 } else if from_origin && !p.liar {
                     self.check_claim(peer, chunk, blake3);
                 }
-                if from_origin {
-                    self.revouch(chunk);
-                }
+                self.revouch(chunk);
             }
             SwarmMessage::Dropped { chunk } => {
                 // What it said it read from the origin stands: an honest member never drops

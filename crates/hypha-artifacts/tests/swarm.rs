@@ -94,6 +94,48 @@ async fn six_nodes_get_exact_files_while_the_origin_serves_each_byte_once() {
     }
 }
 
+/// Three nodes hold an artifact; a fourth that asks for it later takes every chunk from them:
+/// it cannot know whose turn each chunk was when it was read, but two members holding a chunk
+/// with the same hash cannot both be lying. (Checked by taking only in-turn claims: the
+/// newcomer reads most chunks from the origin.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_takes_everything_from_members_that_hold_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let model = pattern(16 * 64 * 1024, 5);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let mut nodes = nodes(&pki, &gateway_addr, &s3, dir.path(), 3, 64 * 1024).await;
+    let first = futures::future::join_all(nodes.iter().enumerate().map(|(i, node)| {
+        let target = dir.path().join(format!("out{i}/m.bin"));
+        async move { fetch(node, &object("m.bin", &target), 3).await }
+    }))
+    .await;
+    let first_reads: u32 = first.iter().map(|f| f.progress.origin_chunks).sum();
+    assert_eq!(first_reads, 16);
+
+    nodes.push(
+        node(
+            &pki,
+            "late",
+            &gateway_addr,
+            &s3,
+            dir.path(),
+            settings(64 * 1024),
+        )
+        .await,
+    );
+    let target = dir.path().join("late/m.bin");
+    let late = fetch(&nodes[3], &object("m.bin", &target), 4).await;
+    assert_eq!(std::fs::read(&target).unwrap(), model);
+    assert_eq!(
+        late.progress.origin_chunks, 0,
+        "the newcomer read chunks from the origin that three members held"
+    );
+    assert_eq!(s3.bytes_served(), model.len() as u64);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_serving_corrupted_bytes_is_banned_and_routed_around() {
     let dir = tempfile::tempdir().unwrap();
