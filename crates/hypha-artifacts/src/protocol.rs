@@ -15,6 +15,8 @@
 //!                                                   for by a member the origin contradicted)
 //!                       {"load": {"uploads": 3}}    chunks it is sending
 //!                       "done"                      holds every chunk
+//!   After the welcome the sender first says everything it holds and reads, then one
+//!   `load`: until then the receiver does not start reading (see [`crate::swarm`]).
 //!   The stream's end means the sender left the swarm.
 //!
 //! /hypha/artifact/chunk/2.0.0   one chunk per stream

@@ -18,7 +18,8 @@
 //!   chunk when it said so (as this node saw the ring), by two members that agree, or by
 //!   this node's own origin read, or held with it by two live members (where no two hold it
 //!   with another: a newcomer to members that hold everything cannot know whose turn each
-//!   chunk was), and every transfer is checked against it; a claim by any
+//!   chunk was) unless it is this node's turn to read it, and every transfer is checked
+//!   against it; a claim by any
 //!   other single member (a liar announcing first, say) leaves the chunk to be read in turn.
 //!   What a member vouched for stands after it leaves, and it cannot take it back. When
 //!   members vouch for different hashes, or for another hash than the one this node holds
@@ -331,6 +332,10 @@ enum Vouched {
     For([u8; 32]),
     /// Members that read it from the origin announced different hashes.
     Disputed,
+    /// No member's word on it counts, but two live members hold it with this hash (see
+    /// [`Actor::endorsed`]): taken from them, except where it is this node's turn to read it,
+    /// so that each chunk's owner still checks it against the origin.
+    Endorsed([u8; 32]),
 }
 
 #[derive(Debug, Default)]
@@ -360,6 +365,8 @@ struct Peer {
     left_alone_until: Option<Instant>,
     /// When it joined, or last said it reads or read a chunk from the origin.
     origin_active: Option<Instant>,
+    /// It told us what it holds and reads: its first `load` ends what it sends on joining.
+    synced: bool,
     /// Chunks it holds and could not send this node (it refused, or had no free upload
     /// slot), since the first time; kept when it drops them or leaves, so that announcing
     /// them again does not wind the clock back.
@@ -630,7 +637,7 @@ impl Actor {
                                 // nothing back.)
                                 if matches!(
                                     self.vouches[chunk as usize],
-                                    Vouched::For(other) if other != hash
+                                    Vouched::For(other) | Vouched::Endorsed(other) if other != hash
                                 ) || self.vouches[chunk as usize] == Vouched::Disputed
                                 {
                                     self.to_sample.insert(chunk);
@@ -857,7 +864,16 @@ impl Actor {
                 None => counts.push((claim.hash, 1)),
             }
         }
-        endorsed.map_or(Vouched::Nobody, Vouched::For)
+        // Members that took a hash on the word of a member this node found out hold it in
+        // good faith: it is still a lie.
+        let a_liars_word = |hash: &[u8; 32]| {
+            self.peers
+                .values()
+                .any(|p| p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash == *hash))
+        };
+        endorsed
+            .filter(|hash| !a_liars_word(hash))
+            .map_or(Vouched::Nobody, Vouched::Endorsed)
     }
 
     /// What members (live or gone) that said they read `chunk` from the origin announced,
@@ -959,6 +975,7 @@ impl Actor {
         }
         p.pulling.clear();
         p.done = false;
+        p.synced = false;
         p.uploads = 0;
         p.reader = None;
         p.writer = None;
@@ -1069,7 +1086,10 @@ impl Actor {
             SwarmMessage::Released { chunk } => {
                 p.pulling.remove(&chunk);
             }
-            SwarmMessage::Load { uploads } => p.uploads = uploads,
+            SwarmMessage::Load { uploads } => {
+                p.uploads = uploads;
+                p.synced = true;
+            }
             SwarmMessage::Done => p.done = true,
             SwarmMessage::Hello { .. } => {}
         }
@@ -1162,9 +1182,15 @@ impl Actor {
         }
         let slots = self.context.settings.download_slots.max(1);
         let members = self.members();
+        // The ring is whole when the members expected are there and each has said what it
+        // holds (a newcomer must not read what they hold because their word is on its way).
+        let whole = || {
+            members.len() >= self.expect
+                && self.peers.values().filter(|p| p.live()).all(|p| p.synced)
+        };
         if self
             .join_deadline
-            .is_some_and(|deadline| members.len() >= self.expect || Instant::now() >= deadline)
+            .is_some_and(|deadline| whole() || Instant::now() >= deadline)
         {
             self.join_deadline = None;
             let now = Instant::now();
@@ -1227,7 +1253,8 @@ impl Actor {
             }
             match self.vouches[chunk as usize] {
                 Vouched::Disputed => true,
-                Vouched::For(hash) => {
+                Vouched::Endorsed(_) if self.owner(chunk, members) == Some(self.me) => true,
+                Vouched::For(hash) | Vouched::Endorsed(hash) => {
                     self.audit[chunk as usize]
                         // Its voucher left (or this node read it, then dropped it), and no
                         // live member that holds it so sends it.
@@ -1291,8 +1318,10 @@ impl Actor {
     fn take_claims_now_in_turn(&mut self, members: &[PeerId]) {
         let promoted: Vec<(PeerId, u32)> = (0..self.manifest.chunk_count())
             .filter(|&chunk| {
-                self.vouches[chunk as usize] == Vouched::Nobody
-                    && self.origin_claims(chunk).next().is_some()
+                matches!(
+                    self.vouches[chunk as usize],
+                    Vouched::Nobody | Vouched::Endorsed(_)
+                ) && self.origin_claims(chunk).next().is_some()
             })
             .filter_map(|chunk| {
                 let owner = self.owner(chunk, members)?;
@@ -1401,7 +1430,7 @@ impl Actor {
                     && !self.in_flight.contains_key(&c)
             })
             .filter_map(|c| match self.vouches[c as usize] {
-                Vouched::For(hash) => {
+                Vouched::For(hash) | Vouched::Endorsed(hash) => {
                     let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     Some((self.availability[c as usize], spread, c, hash))
                 }

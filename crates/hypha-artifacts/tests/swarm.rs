@@ -94,12 +94,13 @@ async fn six_nodes_get_exact_files_while_the_origin_serves_each_byte_once() {
     }
 }
 
-/// Three nodes hold an artifact; a fourth that asks for it later takes every chunk from them:
-/// it cannot know whose turn each chunk was when it was read, but two members holding a chunk
-/// with the same hash cannot both be lying. (Checked by taking only in-turn claims: the
-/// newcomer reads most chunks from the origin.)
+/// Three nodes hold an artifact; a fourth that asks for it later takes from them every chunk
+/// but those that are its own turn to read (it checks those against the origin, as every
+/// owner does): it cannot know whose turn each chunk was when it was read, but two members
+/// holding a chunk with the same hash cannot both be lying. (Checked by taking only in-turn
+/// claims: the newcomer reads most chunks from the origin.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_newcomer_takes_everything_from_members_that_hold_it() {
+async fn a_newcomer_takes_what_members_hold_but_its_own_turns() {
     let dir = tempfile::tempdir().unwrap();
     let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
     let model = pattern(16 * 64 * 1024, 5);
@@ -129,11 +130,12 @@ async fn a_newcomer_takes_everything_from_members_that_hold_it() {
     let target = dir.path().join("late/m.bin");
     let late = fetch(&nodes[3], &object("m.bin", &target), 4).await;
     assert_eq!(std::fs::read(&target).unwrap(), model);
-    assert_eq!(
-        late.progress.origin_chunks, 0,
-        "the newcomer read chunks from the origin that three members held"
+    // 16 chunks in turns over 4 members.
+    assert!(
+        late.progress.origin_chunks <= 4,
+        "the newcomer read {} chunks from the origin that three members held",
+        late.progress.origin_chunks
     );
-    assert_eq!(s3.bytes_served(), model.len() as u64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,6 +370,8 @@ async fn rogue(
                     };
                     let _ = write_frame(&mut stream, &have).await;
                 }
+                // What a member says on joining ends with its load.
+                let _ = write_frame(&mut stream, &SwarmMessage::Load { uploads: 0 }).await;
                 told.insert(peer);
                 streams.push(stream);
             }
