@@ -38,7 +38,9 @@
 //!   origin by the next member in turn that does not hold it; a member whose turn it is to
 //!   read chunks and that reads nothing for that long (since it joined, the ring last
 //!   changed, or it last read one) is passed over, as one reading for longer than
-//!   [`PULLING_PATIENCE`] is.
+//!   [`PULLING_PATIENCE`] is. A holder sending slower than [`MIN_PEER_RATE`] fails the
+//!   transfer, one holder gets at most half the download slots while there are others, and
+//!   a member that drops a chunk it read from the origin is not asked again.
 //!
 //! The actor owns all of this state; transfers, stream readers and writers are tasks that
 //! report back through one bounded queue, so the actor never waits on the network.
@@ -88,6 +90,9 @@ const NOT_ACCEPTED_ATTEMPTS: u32 = 5;
 const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 /// How long a peer that refused us (busy, not a member, unreachable) is left alone.
 const BACKOFF: Duration = Duration::from_secs(1);
+/// The slowest a holder may send a chunk (bytes per second, after [`PEER_TIMEOUT`]) before the
+/// transfer fails and counts against it.
+const MIN_PEER_RATE: u64 = 32 * 1024;
 /// How long a member may take to read a chunk from the origin before the next member reads it
 /// too: a member that says it is reading and never finishes must not stall the swarm. Long
 /// enough for a 64 MiB chunk at 256 KiB/s.
@@ -363,8 +368,12 @@ struct Peer {
     /// Our chunk requests it failed in a row.
     failures: u32,
     left_alone_until: Option<Instant>,
-    /// When it joined, or last said it reads or read a chunk from the origin.
-    origin_active: Option<Instant>,
+    /// When it last announced a chunk it read from the origin.
+    last_read: Option<Instant>,
+    /// When it first said it reads a chunk from the origin after that (kept when it
+    /// reconnects): a read may take up to [`PULLING_PATIENCE`], but saying it reads one chunk
+    /// after another never finishing any does not keep a member from being passed over.
+    reading_since: Option<Instant>,
     /// It told us what it holds and reads: its first `load` ends what it sends on joining.
     synced: bool,
     /// Chunks it holds and could not send this node (it refused, or had no free upload
@@ -899,18 +908,21 @@ impl Actor {
         if self.failed() {
             return;
         }
+        let now = Instant::now();
         if self.peers.get(&peer).is_some_and(Peer::live) {
-            // It reconnected: what it told us before no longer counts.
+            // It reconnected: what it told us before no longer counts, but the ring did not
+            // change (reconnecting again and again must not hold its turns up).
+            let ring_changed = self.ring_changed;
             self.forget(peer);
+            self.ring_changed = ring_changed;
+        } else {
+            self.ring_changed = now;
         }
         self.generation += 1;
         let generation = self.generation;
-        let now = Instant::now();
         let entry = self.peers.entry(peer).or_default();
         entry.reader = Some(generation);
         entry.left_alone_until = None;
-        entry.origin_active = Some(now);
-        self.ring_changed = now;
         tracing::debug!(artifact = %self.manifest.id, %peer, "member joined");
         tokio::spawn(read_from(peer, generation, stream, self.events_tx.clone()));
         self.connect(peer);
@@ -1038,7 +1050,8 @@ impl Actor {
             } => {
                 let pulled_in_turn = p.pulling.remove(&chunk).is_some_and(|pull| pull.in_turn);
                 if from_origin {
-                    p.origin_active = Some(Instant::now());
+                    p.last_read = Some(Instant::now());
+                    p.reading_since = p.pulling.values().map(|pull| pull.since).min();
                 }
                 let claim = Claim {
                     hash: blake3,
@@ -1069,6 +1082,11 @@ impl Actor {
                 if p.have.remove(&chunk).is_some() && !p.banned {
                     self.availability[chunk as usize] -= 1;
                 }
+                if p.vouched.contains_key(&chunk) {
+                    // Nobody else would read it again while it stayed the one to.
+                    tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "dropped a chunk it read from the origin; not asking it again for this artifact");
+                    self.ban(peer);
+                }
                 self.revouch(chunk);
             }
             SwarmMessage::Pulling { chunk } => {
@@ -1076,7 +1094,7 @@ impl Actor {
                     // Its patience runs from the first time it said so: saying it again does
                     // not wind the clock back.
                     let since = *p.first_pulled.entry(chunk).or_insert_with(Instant::now);
-                    p.origin_active = Some(Instant::now());
+                    p.reading_since.get_or_insert_with(Instant::now);
                     p.pulling.entry(chunk).or_insert(Pull {
                         since,
                         in_turn: turn == Some(peer),
@@ -1375,7 +1393,8 @@ impl Actor {
         let first = (chunk as usize + self.offset) % n;
         let now = Instant::now();
         let patience = self.context.settings.stall_patience;
-        let mut turn_ends = self.ring_changed;
+        // `None` once past what an `Instant` can hold: nobody is passed over.
+        let mut turn_ends = Some(self.ring_changed);
         (0..n).map(|i| members[(first + i) % n]).find(|m| {
             if *m == self.me {
                 return true;
@@ -1391,19 +1410,19 @@ impl Actor {
             {
                 return false;
             }
-            turn_ends += patience;
-            !(pass_idle && now >= turn_ends && self.idle(p, now))
+            turn_ends = turn_ends.and_then(|t| t.checked_add(patience));
+            !(pass_idle && turn_ends.is_some_and(|t| now >= t) && self.idle(p, now))
         })
     }
 
-    /// A live member that has read nothing from the origin, nor said it reads anything, for
-    /// `stall_patience`.
+    /// A live member that has announced no chunk read from the origin for `stall_patience`,
+    /// and has not said it reads one since, or said so more than [`PULLING_PATIENCE`] ago.
     fn idle(&self, p: &Peer, now: Instant) -> bool {
         p.live()
-            && p.pulling.is_empty()
-            && p.origin_active.is_none_or(|active| {
-                now.duration_since(active) >= self.context.settings.stall_patience
-            })
+            && p.last_read
+                .is_none_or(|t| now.duration_since(t) >= self.context.settings.stall_patience)
+            && p.reading_since
+                .is_none_or(|t| now.duration_since(t) >= PULLING_PATIENCE)
     }
 
     /// Up to `want` (chunk, holder, hash) triples: rarest chunks first, least loaded holders,
@@ -1422,6 +1441,18 @@ impl Actor {
         if load.is_empty() {
             return (Vec::new(), Vec::new());
         }
+        // Our requests under way to each holder: at most half the download slots go to one
+        // while there are others, so that one sending slowly cannot take them all.
+        let mut ours: HashMap<PeerId, u32> = load
+            .keys()
+            .map(|id| (*id, self.peers[id].requests))
+            .collect();
+        let slots = self.context.settings.download_slots.max(1) as u32;
+        let per_holder = if load.len() > 1 {
+            slots.div_ceil(2)
+        } else {
+            slots
+        };
         let mut candidates: Vec<(u16, u64, u32, [u8; 32])> = (0..self.manifest.chunk_count())
             .filter(|&c| {
                 self.availability[c as usize] > 0
@@ -1448,6 +1479,7 @@ impl Actor {
                 .iter()
                 .filter(|(id, l)| {
                     **l < upload_slots
+                        && ours.get(*id).is_some_and(|n| *n < per_holder)
                         && self.peers[*id]
                             .have
                             .get(&chunk)
@@ -1463,6 +1495,7 @@ impl Actor {
             match holder {
                 Some(holder) => {
                     *load.entry(holder).or_default() += 1;
+                    *ours.entry(holder).or_default() += 1;
                     picked.push((chunk, holder, hash));
                 }
                 None => blocked.push(chunk),
@@ -1691,7 +1724,9 @@ async fn read_peer(
                 pause *= 2;
                 attempt += 1;
             }
-            Ok(Err(reason)) => return Err(failed(&reason)),
+            // Its node does not take our streams now (it may be flooded by someone else's):
+            // that says nothing of what it announced.
+            Ok(Err(reason)) => return Err(PeerFailure::Refused(reason)),
             Err(_) => return Err(failed(&"no answer")),
         }
     };
@@ -1720,7 +1755,15 @@ async fn read_peer(
     }
     let mut sink = ChunkSink::new(holding.assembly.clone(), span);
     let mut buf = vec![0u8; 256 * 1024];
+    // A holder sending a byte now and then must not keep a download slot for ever.
+    let deadline = Instant::now() + PEER_TIMEOUT + Duration::from_secs(span.len / MIN_PEER_RATE);
     while sink.received() < span.len {
+        if Instant::now() >= deadline {
+            return Err(failed(&format!(
+                "sent slower than {} KiB/s",
+                MIN_PEER_RATE / 1024
+            )));
+        }
         let want = buf.len().min((span.len - sink.received()) as usize);
         let n = tokio::time::timeout(PEER_TIMEOUT, stream.read(&mut buf[..want]))
             .await
