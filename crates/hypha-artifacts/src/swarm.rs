@@ -8,7 +8,7 @@
 //!   within `origin_connections / n` connections. While the members agree on who is live,
 //!   every chunk leaves the origin once. When a member leaves, its chunks get new owners;
 //!   what it was reading is read again. Where this node banned the owner, or the owner has
-//!   said it is reading a chunk for longer than [`PULLING_PATIENCE`], the next member in
+//!   said it is reading a chunk for longer than `PULLING_PATIENCE`, the next member in
 //!   that order reads it.
 //! - **Peers**: the rarest chunk first (fewest live holders; ties broken at random per node),
 //!   from the holder with the fewest uploads under way, within the download slots.
@@ -30,7 +30,7 @@
 //!   (`Settings::origin_audit`, chosen by each node and told to nobody) is read from the
 //!   origin although peers hold them: a member lying about chunks that were its own to read
 //!   is caught with probability `1 - (1 - share)^(n - 1)` per chunk. A peer whose bytes
-//!   disagree with the hash it announced, or that fails [`FAILURES_BEFORE_BAN`] requests in
+//!   disagree with the hash it announced, or that fails `FAILURES_BEFORE_BAN` requests in
 //!   a row for chunks it announced, is not asked again for this artifact.
 //! - **Liveness**: no single member can hold a chunk up for longer than
 //!   `Settings::stall_patience`. A chunk whose holders never send it (they answer `busy`,
@@ -38,7 +38,7 @@
 //!   origin by the next member in turn that does not hold it; a member whose turn it is to
 //!   read chunks and that reads nothing for that long (since it joined, the ring last
 //!   changed, or it last read one) is passed over, as one reading for longer than
-//!   [`PULLING_PATIENCE`] is. A holder sending slower than [`MIN_PEER_RATE`] fails the
+//!   `PULLING_PATIENCE` is. A holder sending slower than `MIN_PEER_RATE` fails the
 //!   transfer, one holder gets at most half the download slots while there are others, and
 //!   a member that drops a chunk it read from the origin is not asked again.
 //!
