@@ -347,6 +347,9 @@ enum Vouched {
 struct Peer {
     /// Generation of the live inbound stream; `None` while the peer has not joined us.
     reader: Option<u64>,
+    /// The task reading it: stopped when the peer opens another (a peer saying hello again
+    /// and again must not leave a task per stream behind).
+    reader_task: Option<tokio::task::AbortHandle>,
     writer: Option<(u64, mpsc::Sender<SwarmMessage>)>,
     /// What it holds, while it is live.
     have: HashMap<u32, Claim>,
@@ -924,7 +927,10 @@ impl Actor {
         entry.reader = Some(generation);
         entry.left_alone_until = None;
         tracing::debug!(artifact = %self.manifest.id, %peer, "member joined");
-        tokio::spawn(read_from(peer, generation, stream, self.events_tx.clone()));
+        let task = tokio::spawn(read_from(peer, generation, stream, self.events_tx.clone()));
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.reader_task = Some(task.abort_handle());
+        }
         self.connect(peer);
     }
 
@@ -990,6 +996,9 @@ impl Actor {
         p.synced = false;
         p.uploads = 0;
         p.reader = None;
+        if let Some(task) = p.reader_task.take() {
+            task.abort();
+        }
         p.writer = None;
         self.ring_changed = Instant::now();
         // What it held counted towards endorsements.
