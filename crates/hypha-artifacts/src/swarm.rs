@@ -1507,7 +1507,19 @@ impl Actor {
                     *ours.entry(holder).or_default() += 1;
                     picked.push((chunk, holder, hash));
                 }
-                None => blocked.push(chunk),
+                // Held back only if no holder has an upload slot for it: this node's own share
+                // per holder is not the holders' doing.
+                None if !load.iter().any(|(id, l)| {
+                    *l < upload_slots
+                        && self.peers[id]
+                            .have
+                            .get(&chunk)
+                            .is_some_and(|c| c.hash == hash)
+                }) =>
+                {
+                    blocked.push(chunk)
+                }
+                None => {}
             }
         }
         (picked, blocked)
