@@ -1484,15 +1484,17 @@ impl Actor {
             if picked.len() >= want {
                 break;
             }
+            let has_slot = |id: &PeerId, load: u32| {
+                load < upload_slots
+                    && self.peers[id]
+                        .have
+                        .get(&chunk)
+                        .is_some_and(|c| c.hash == hash)
+            };
             let holder = load
                 .iter()
                 .filter(|(id, l)| {
-                    **l < upload_slots
-                        && ours.get(*id).is_some_and(|n| *n < per_holder)
-                        && self.peers[*id]
-                            .have
-                            .get(&chunk)
-                            .is_some_and(|c| c.hash == hash)
+                    has_slot(id, **l) && ours.get(*id).is_some_and(|n| *n < per_holder)
                 })
                 .min_by_key(|(id, l)| {
                     (
@@ -1509,16 +1511,7 @@ impl Actor {
                 }
                 // Held back only if no holder has an upload slot for it: this node's own share
                 // per holder is not the holders' doing.
-                None if !load.iter().any(|(id, l)| {
-                    *l < upload_slots
-                        && self.peers[id]
-                            .have
-                            .get(&chunk)
-                            .is_some_and(|c| c.hash == hash)
-                }) =>
-                {
-                    blocked.push(chunk)
-                }
+                None if !load.iter().any(|(id, l)| has_slot(id, *l)) => blocked.push(chunk),
                 None => {}
             }
         }
