@@ -1,5 +1,5 @@
 //! The human-facing commands of `hypha-data`: `prepare`, `inspect`, `verify`, `fetch`,
-//! `iterate`.
+//! `iterate`, `progress`, `audit`.
 
 use std::{io::IsTerminal, path::PathBuf};
 
@@ -764,5 +764,139 @@ mod tests {
         );
         let fresh = RunProgress::default();
         assert!(run_lines(&fresh, 0)[0].ends_with("no round applied yet"));
+    }
+}
+
+/// `audit`: exactly-once, checked from a ledger file's audit log alone.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuditArgs {
+    /// The ledger file: a scheduler's (`[data] ledger` of the job file, by default beside it
+    /// and named after it) or a data node's (`<iteration_dir>/<dataset>/<iteration>.ledger`).
+    /// No running node may hold it open.
+    pub ledger: PathBuf,
+    /// Print every transition too, in the order the ledger recorded them.
+    #[arg(long)]
+    pub transitions: bool,
+    /// Check the iteration as finished even if its last epoch is not used up: every slice of
+    /// every epoch must have been used (say so when the job that ran it ended).
+    #[arg(long)]
+    pub finished: bool,
+    /// Print the report as JSON (with `--transitions`, the transitions as well).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Reads a ledger's audit log, prints per epoch and worker where its slices stand, and fails
+/// (exit 1) when a slice was used twice in an epoch, or when the iteration is finished (its
+/// last epoch used up, or `--finished`) and a slice was never used.
+pub fn audit(args: &AuditArgs) -> Result<(), Error> {
+    use hypha_ledger::{Event, Finished};
+
+    let audit = hypha_ledger::read_audit(&args.ledger).map_err(|e| match e {
+        hypha_ledger::Error::Missing(_) | hypha_ledger::Error::InUse(_) => {
+            Error::BadInput(e.to_string())
+        }
+        e => Error::Failed(format!("{}: {e}", args.ledger.display())),
+    })?;
+    let report = audit.check(if args.finished {
+        Finished::Yes
+    } else {
+        Finished::WhenLastEpochIsUsed
+    });
+    if args.json {
+        let mut json = serde_json::to_value(&report).map_err(|e| Error::Failed(e.to_string()))?;
+        json["exactly_once"] = report.exactly_once().into();
+        if args.transitions {
+            json["transitions_log"] =
+                serde_json::to_value(&audit.records).map_err(|e| Error::Failed(e.to_string()))?;
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json).map_err(|e| Error::Failed(e.to_string()))?
+        );
+    } else {
+        if args.transitions {
+            let start = audit.records.first().map_or(0, |r| r.time_ms);
+            println!(
+                "{:>8} {:>10} {:>6} {:>8}  event",
+                "#", "seconds", "epoch", "slice"
+            );
+            for record in &audit.records {
+                let event = match &record.event {
+                    Event::Assigned { worker, .. } => format!("assigned to {worker}"),
+                    Event::Consumed { worker, round } => {
+                        format!("consumed by {worker} in round {round}")
+                    }
+                    Event::Used { worker, round } => format!("USED by {worker} in round {round}"),
+                    Event::Returned { worker, reason } => {
+                        format!("returned by {worker}: {reason:?}")
+                    }
+                };
+                println!(
+                    "{:>8} {:>10.3} {:>6} {:>8}  {event}",
+                    record.seq,
+                    record.time_ms.saturating_sub(start) as f64 / 1000.0,
+                    record.key.epoch,
+                    record.key.slice
+                );
+            }
+        }
+        println!(
+            "ledger {}: iteration {} of {:?}, {} epoch(s) of {} slices, {} transitions",
+            args.ledger.display(),
+            report.token,
+            report.dataset,
+            report.epochs.len(),
+            report.slices,
+            report.transitions
+        );
+        println!(
+            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "epoch", "available", "assigned", "consumed", "used", "returned"
+        );
+        for e in &report.epochs {
+            println!(
+                "{:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                e.epoch, e.available, e.assigned, e.consumed, e.used, e.returned
+            );
+        }
+        println!(
+            "{:<60} {:>8} {:>8} {:>8} {:>8}",
+            "worker", "assigned", "consumed", "used", "returned"
+        );
+        for w in &report.workers {
+            println!(
+                "{:<60} {:>8} {:>8} {:>8} {:>8}",
+                w.worker, w.assigned, w.consumed, w.used, w.returned
+            );
+        }
+        for problem in &report.problems {
+            println!("BAD  {problem}");
+        }
+    }
+    let state = if report.finished {
+        "finished"
+    } else {
+        "not finished"
+    };
+    match report.problems.first() {
+        None => {
+            if !args.json {
+                println!(
+                    "ok   exactly once: no slice was used twice{} (the iteration is {state})",
+                    if report.finished {
+                        ", every slice of every epoch was used"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            Ok(())
+        }
+        Some(first) => Err(Error::Failed(format!(
+            "exactly-once does not hold in {} ({state}): {} problem(s), the first: {first}",
+            args.ledger.display(),
+            report.problems.len()
+        ))),
     }
 }

@@ -43,6 +43,9 @@ enum Command {
     Iterate(hypha_data::commands::IterateArgs),
     /// Show where an iteration on a data node stands: per epoch and per client.
     Progress(hypha_data::commands::ProgressArgs),
+    /// Check exactly-once from an iteration's ledger file: per epoch and client where its
+    /// slices stand; exit 1 when a slice was used twice, or a finished iteration missed one.
+    Audit(hypha_data::commands::AuditArgs),
 }
 
 #[tokio::main]
@@ -61,5 +64,6 @@ async fn main() -> ExitCode {
         Command::Progress(args) => {
             hypha_data::commands::progress(&hypha_data::node::client_schema(), &args).await
         }
+        Command::Audit(args) => hypha_data::commands::audit(&args),
     })
 }

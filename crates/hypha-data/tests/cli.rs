@@ -432,3 +432,144 @@ fn clients_of_one_iteration_get_disjoint_slices_covering_the_node_each_epoch() {
         "{out:?}"
     );
 }
+
+/// `hypha-data audit LEDGER`: its exit code, what it printed on stdout, what on stderr.
+fn audit(ledger: &Path, flags: &[&str]) -> (Option<i32>, String, String) {
+    let output = Command::new(BIN)
+        .arg("audit")
+        .arg(ledger)
+        .args(flags)
+        .output()
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Two epochs of four slices, every slice used by one of two workers.
+fn used_up_ledger(path: &Path) -> hypha_ledger::Ledger {
+    use hypha_ledger::{Grant, IterationSpec, Ledger};
+    let spec = IterationSpec {
+        dataset: "digits".into(),
+        epochs: 2,
+        seed: 7,
+        samples: vec![10; 4],
+    };
+    let mut ledger = Ledger::create(path, spec, 60_000).unwrap();
+    let mut round = 0;
+    while !ledger.is_finished() {
+        for worker in ["w1", "w2"] {
+            let Grant::Slices(slices) = ledger.assign(worker, 1, &Default::default(), 1_000) else {
+                continue;
+            };
+            let keys: Vec<_> = slices.iter().map(|a| a.key).collect();
+            ledger.consume(worker, &keys, round, 1_000);
+            ledger.commit_round(worker, round, 1_000);
+        }
+        round += 1;
+    }
+    ledger.flush().unwrap();
+    ledger
+}
+
+#[test]
+fn audit_passes_a_used_up_ledger_and_names_a_slice_used_twice() {
+    use hypha_ledger::{Event, SliceKey};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.ledger");
+    let mut ledger = used_up_ledger(&path);
+
+    // Open in a running process: refused with what to do, not a store error.
+    let (code, _, stderr) = audit(&path, &[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("is open in another process"), "{stderr}");
+
+    ledger.record_unchecked(
+        SliceKey { epoch: 1, slice: 2 },
+        &Event::Used {
+            worker: "w2".into(),
+            round: 9,
+        },
+        2_000,
+    );
+    ledger.flush().unwrap();
+    drop(ledger);
+
+    let (code, stdout, stderr) = audit(&path, &[]);
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("epoch 1 slice 2 was used 2 times") && stderr.contains("by w2 in round 9"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("BAD  epoch 1 slice 2 was used 2 times"),
+        "{stdout}"
+    );
+    // The summary counts both workers' uses: 8 slices, plus the forged one.
+    assert!(stdout.contains("w1") && stdout.contains("w2"), "{stdout}");
+
+    let (code, stdout, _) = audit(&path, &["--json", "--transitions"]);
+    assert_eq!(code, Some(1));
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["exactly_once"], false);
+    assert_eq!(report["finished"], true);
+    let problems = report["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 1, "{report:#}");
+    assert_eq!(problems[0]["problem"], "used_twice");
+    assert_eq!(
+        (&problems[0]["epoch"], &problems[0]["slice"]),
+        (&1.into(), &2.into())
+    );
+    let used: u64 = report["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["used"].as_u64().unwrap())
+        .sum();
+    assert_eq!(used, 9);
+    assert_eq!(
+        report["transitions_log"].as_array().unwrap().len() as u64,
+        report["transitions"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn audit_fails_a_finished_iteration_that_misses_a_slice_only_when_it_is_finished() {
+    use hypha_ledger::{Grant, IterationSpec, Ledger};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.ledger");
+    let spec = IterationSpec {
+        dataset: "digits".into(),
+        epochs: 1,
+        seed: 7,
+        samples: vec![10; 3],
+    };
+    let mut ledger = Ledger::create(&path, spec, 60_000).unwrap();
+    let Grant::Slices(slices) = ledger.assign("w1", 3, &Default::default(), 1_000) else {
+        panic!("no slices");
+    };
+    let keys: Vec<_> = slices.iter().map(|a| a.key).collect();
+    ledger.consume("w1", &keys[..2], 0, 1_000);
+    ledger.commit_round("w1", 0, 1_000);
+    ledger.flush().unwrap();
+    drop(ledger);
+    let missing = keys[2];
+
+    // Running: one slice still assigned, nothing used twice.
+    let (code, stdout, stderr) = audit(&path, &[]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("(the iteration is not finished)"),
+        "{stdout}"
+    );
+
+    // The job ended: the slice it never used is named.
+    let (code, stdout, stderr) = audit(&path, &["--finished"]);
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!("{missing} was never used (it is left assigned)")),
+        "{stderr}"
+    );
+}

@@ -753,6 +753,32 @@ impl Ledger {
     }
 }
 
+#[cfg(feature = "testing")]
+impl Ledger {
+    /// Writes `event` for `key` without checking that the slice's state allows it: for tests
+    /// of audits, which must find a log that exactly-once does not hold in.
+    pub fn record_unchecked(&mut self, key: SliceKey, event: &crate::Event, now_ms: u64) {
+        use crate::Event;
+        let (worker, kind, value) = match event {
+            Event::Assigned {
+                worker,
+                deadline_ms,
+            } => (worker, Kind::Assigned, *deadline_ms),
+            Event::Consumed { worker, round } => (worker, Kind::Consumed, *round),
+            Event::Used { worker, round } => (worker, Kind::Used, *round),
+            Event::Returned { worker, reason } => (worker, Kind::Returned, reason.code()),
+        };
+        let worker = self.worker_number(worker);
+        self.record(Record {
+            time_ms: now_ms,
+            key,
+            kind,
+            worker,
+            value,
+        });
+    }
+}
+
 fn validate(spec: &IterationSpec) -> Result<(), Error> {
     if spec.dataset.is_empty() {
         return Err(Error::Invalid("the iteration names no dataset".into()));

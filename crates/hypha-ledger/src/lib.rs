@@ -29,6 +29,7 @@
 //! This crate knows nothing of networks, workers' addresses or data nodes: a worker is a name,
 //! a slice is a number.
 
+mod audit;
 mod handle;
 mod ledger;
 mod permutation;
@@ -38,6 +39,9 @@ use std::{fmt, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use audit::{
+    Audit, AuditRecord, EpochSummary, Finished, Problem, Report, Use, WorkerSummary, read_audit,
+};
 pub use handle::LedgerHandle;
 pub use ledger::{Assignment, Consumed, EpochProgress, Grant, Ledger, Progress, WorkerProgress};
 pub use permutation::permutation;
@@ -138,48 +142,6 @@ impl ReturnReason {
     }
 }
 
-/// One row of the audit log.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AuditRecord {
-    /// The row's position in the log, from 0.
-    pub seq: u64,
-    /// Milliseconds since the Unix epoch.
-    pub time_ms: u64,
-    #[serde(flatten)]
-    pub key: SliceKey,
-    #[serde(flatten)]
-    pub event: Event,
-}
-
-/// A ledger file read whole: what it iterates and everything that happened.
-#[derive(Debug, Clone)]
-pub struct Audit {
-    pub token: CheckpointToken,
-    pub spec: IterationSpec,
-    pub records: Vec<AuditRecord>,
-}
-
-/// Reads the ledger at `path` (which no running ledger may hold open).
-pub fn read_audit(path: &std::path::Path) -> Result<Audit, Error> {
-    let loaded = store::read_file(path)?;
-    let records = loaded
-        .records
-        .iter()
-        .enumerate()
-        .map(|(seq, record)| AuditRecord {
-            seq: seq as u64,
-            time_ms: record.time_ms,
-            key: record.key,
-            event: record.event(&loaded.workers),
-        })
-        .collect();
-    Ok(Audit {
-        token: CheckpointToken::new(&loaded.id, &loaded.spec),
-        spec: loaded.spec,
-        records,
-    })
-}
-
 /// Names an iteration: its id and the fingerprint of its spec. Handing it to
 /// [`Ledger::resume`] continues the iteration where its ledger file left off, and refuses a
 /// file that holds another iteration.
@@ -224,6 +186,11 @@ pub enum Error {
     Exists(PathBuf),
     #[error("{} holds no ledger", .0.display())]
     Missing(PathBuf),
+    #[error(
+        "{} is open in another process (a running scheduler or data node holds its ledger); read it once that process stops, or ask the running node with `progress`",
+        .0.display()
+    )]
+    InUse(PathBuf),
     #[error("{0}")]
     Mismatch(String),
     #[error("{0}")]

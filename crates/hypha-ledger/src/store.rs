@@ -167,7 +167,7 @@ impl Store {
         if !path.exists() {
             return Err(Error::Missing(path.to_path_buf()));
         }
-        let db = Database::create(path).map_err(redb::Error::from)?;
+        let db = open_file(path)?;
         let loaded = read(&db)?;
         let next_seq = loaded.records.len() as u64;
         Ok((Self { db, next_seq }, loaded))
@@ -210,8 +210,15 @@ pub(crate) fn read_file(path: &Path) -> Result<Loaded, Error> {
     if !path.exists() {
         return Err(Error::Missing(path.to_path_buf()));
     }
-    let db = Database::create(path).map_err(redb::Error::from)?;
-    read(&db)
+    read(&open_file(path)?)
+}
+
+/// Opens an existing ledger file, repairing it after a crash.
+fn open_file(path: &Path) -> Result<Database, Error> {
+    Database::create(path).map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => Error::InUse(path.to_path_buf()),
+        e => Error::Store(e.into()),
+    })
 }
 
 fn read(db: &Database) -> Result<Loaded, Error> {

@@ -29,6 +29,9 @@ enum Command {
     /// Show where a running scheduler's iteration stands: slices per epoch and state, and
     /// each job's share and pace.
     Progress(hypha_data::commands::ProgressArgs),
+    /// Check exactly-once from a job's ledger file: per epoch and worker where its slices
+    /// stand; exit 1 when a slice was used twice, or a finished iteration missed one.
+    Audit(hypha_data::commands::AuditArgs),
 }
 
 #[tokio::main]
@@ -40,5 +43,6 @@ async fn main() -> ExitCode {
         Command::Run(args) => hypha_scheduler::node::run(&args).await,
         Command::Probe(args) => hypha_node::probe(&schema, &args).await,
         Command::Progress(args) => hypha_data::commands::progress(&schema, &args).await,
+        Command::Audit(args) => hypha_data::commands::audit(&args),
     })
 }

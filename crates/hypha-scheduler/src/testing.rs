@@ -417,6 +417,34 @@ pub fn audit(path: &Path) -> (HashMap<(u32, u64), u32>, Vec<ReturnReason>) {
     (used, returned)
 }
 
+/// Runs `hypha-scheduler audit LEDGER --finished --json` as an operator would, asserts that
+/// it passed (exit 0) with every slice of `epochs` epochs of `slices` slices used, and returns
+/// its report.
+pub fn assert_audit_passes(ledger: &Path, epochs: u32, slices: u64) -> serde_json::Value {
+    let output = Command::new(bin("hypha-scheduler"))
+        .arg("audit")
+        .arg(ledger)
+        .args(["--finished", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "audit of {ledger:?} failed: {stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["exactly_once"], true, "{report:#}");
+    assert_eq!(report["slices"], slices, "{report:#}");
+    let used: Vec<u64> = report["epochs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["used"].as_u64().unwrap())
+        .collect();
+    assert_eq!(used, vec![slices; epochs as usize], "{report:#}");
+    report
+}
+
 pub fn assert_each_used_once(used: &HashMap<(u32, u64), u32>, epochs: u32, slices: u64) {
     for epoch in 0..epochs {
         for slice in 0..slices {

@@ -191,8 +191,8 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
     );
 
     // Each slice was trained exactly once per epoch; nothing went back to the ledger.
-    let (used, returned) = audit(&cluster.path("train-job.ledger"));
-    assert_each_used_once(&used, 2, SLICES);
+    assert_audit_passes(&cluster.path("train-job.ledger"), 2, SLICES);
+    let (_, returned) = audit(&cluster.path("train-job.ledger"));
     assert!(returned.is_empty(), "{returned:?}");
 
     // The parameter server wrote the final model; it is better than the starting one.
@@ -243,8 +243,8 @@ fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
             .any(|e| e["event"]["kind"] == "round"),
         "rounds go on after the kill"
     );
-    let (used, returned) = audit(&cluster.path("chaos-job.ledger"));
-    assert_each_used_once(&used, 2, SLICES);
+    assert_audit_passes(&cluster.path("chaos-job.ledger"), 2, SLICES);
+    let (_, returned) = audit(&cluster.path("chaos-job.ledger"));
     assert!(
         returned.contains(&ReturnReason::WorkerLost),
         "the killed trainer's slices went back: {returned:?}"
@@ -290,8 +290,7 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
         trainers_leased - server_leased
     );
     assert!(!of_kind(&events, "round").is_empty());
-    let (used, _) = audit(&cluster.path("patient-job.ledger"));
-    assert_each_used_once(&used, 1, SLICES);
+    assert_audit_passes(&cluster.path("patient-job.ledger"), 1, SLICES);
 }
 
 #[test]
@@ -377,8 +376,7 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         "evaluation loss {start} → {end}: {events:#?}"
     );
 
-    let (used, _) = audit(&cluster.path("failover-job.ledger"));
-    assert_each_used_once(&used, 2, SLICES);
+    assert_audit_passes(&cluster.path("failover-job.ledger"), 2, SLICES);
 }
 
 /// The round events of a run as the model it ends with saw them: each failover (with the
@@ -546,8 +544,7 @@ fn scheduler_killed_and_restarted(mid_round: bool) {
         first_after < 1.15 * last_before,
         "loss {last_before} before the restart, {first_after} right after it"
     );
-    let (used, _) = audit(&cluster.path("resume-job.ledger"));
-    assert_each_used_once(&used, 2, SLICES);
+    assert_audit_passes(&cluster.path("resume-job.ledger"), 2, SLICES);
     assert!(
         !cluster.path("resume-job.run.json").exists(),
         "a completed run leaves no record to resume"
@@ -596,8 +593,7 @@ fn a_parameter_server_lost_while_the_scheduler_is_down_is_replaced_from_the_chec
         (0..continued.len() as u64).collect::<Vec<_>>(),
         "{events:#?}"
     );
-    let (used, _) = audit(&cluster.path("outage-job.ledger"));
-    assert_each_used_once(&used, 2, SLICES);
+    assert_audit_passes(&cluster.path("outage-job.ledger"), 2, SLICES);
 }
 
 #[test]
@@ -639,8 +635,7 @@ fn a_scheduler_killed_while_it_leases_trainers_resumes_with_the_server_it_had() 
     let continued = continued_rounds(&events);
     assert!(!continued.is_empty());
     assert_eq!(continued, (0..continued.len() as u64).collect::<Vec<_>>());
-    let (used, _) = audit(&cluster.path("allocating-job.ledger"));
-    assert_each_used_once(&used, 1, SLICES);
+    assert_audit_passes(&cluster.path("allocating-job.ledger"), 1, SLICES);
 }
 
 /// The same seed, the same kill schedule (xorshift64*).
@@ -794,8 +789,7 @@ fn survive_kill_schedule(seed: u64) {
         (0..continued.len() as u64).collect::<Vec<_>>(),
         "seed {seed}, kills {kills:?}: no round applied twice to the final model"
     );
-    let (used, _) = audit(&cluster.path("chaos-job.ledger"));
-    assert_each_used_once(&used, EPOCHS, SLICES);
+    assert_audit_passes(&cluster.path("chaos-job.ledger"), EPOCHS, SLICES);
     eprintln!(
         "seed {seed}: kills {kills:?}, {} rounds in the final model",
         continued.len()
