@@ -17,6 +17,7 @@
 //! - [`record`]: a run's durable record beside its ledger, from which a restarted scheduler
 //!   resumes it.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
+//! - [`dashboard`]: the live dashboard and its JSON API, served while a job runs.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //! - `testing` (feature `testing`): clusters of real processes for tests and benchmarks.
 //!
@@ -24,6 +25,7 @@
 
 pub mod allocator;
 pub mod checkpoint;
+pub mod dashboard;
 pub mod data;
 pub mod history;
 pub mod node;

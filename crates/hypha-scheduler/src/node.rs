@@ -2,11 +2,13 @@
 
 use std::path::PathBuf;
 
-use hypha_config::{Schema, network, telemetry};
+use hypha_config::{DefaultValue, Key, Kind, Schema, network, telemetry};
 use hypha_node::{Error, Node, RunArgs};
+use serde::Deserialize;
 
 use crate::{
     allocator::{Allocator, Settings},
+    dashboard,
     run::{EventLog, RunError, run_job},
     spec::JobFile,
 };
@@ -15,6 +17,14 @@ use crate::{
 pub fn schema() -> Schema {
     let mut keys = network::keys();
     keys.extend(telemetry::keys());
+    keys.push(Key {
+        name: "http",
+        kind: Kind::String,
+        default: DefaultValue::Unset {
+            example: r#""127.0.0.1:8080""#,
+        },
+        doc: "Serve the live dashboard (a page and its JSON API under /api) on this address while the job runs: a port (listening on 127.0.0.1) or IP:PORT. It has no login: keep it on loopback, or behind a proxy of your own. Unset: no dashboard.",
+    });
     Schema::new("hypha-scheduler", keys)
 }
 
@@ -30,6 +40,18 @@ pub struct RunJobArgs {
     /// lines here, appended to what the file holds.
     #[arg(long, value_name = "FILE")]
     pub events: Option<PathBuf>,
+    /// Serve the live dashboard here: PORT (on 127.0.0.1) or IP:PORT (the `http` key).
+    #[arg(long, value_name = "ADDRESS")]
+    pub http: Option<String>,
+    /// After the job ends, keep serving the dashboard until interrupted (Ctrl-C); the exit
+    /// code still tells how the job ended.
+    #[arg(long)]
+    pub hold: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct SchedulerConfig {
+    http: Option<String>,
 }
 
 /// Runs a job to completion; exit 0 when every worker's share finished.
@@ -44,7 +66,39 @@ pub async fn run(args: &RunJobArgs) -> Result<(), Error> {
         })?,
         None => EventLog::console(),
     };
-    let node = Node::start("scheduler", &schema(), &args.node, |_| {}).await?;
+    let mut node_args = args.node.clone();
+    if let Some(http) = &args.http {
+        node_args.overrides.set.push(format!("http={http}"));
+    }
+    let loaded = hypha_node::load_run_config(&schema(), &node_args)?;
+    let config: SchedulerConfig = loaded.section()?;
+    let dashboard = match config.http.as_deref().filter(|a| !a.trim().is_empty()) {
+        Some(text) => {
+            let address = dashboard::parse_address(text).map_err(|problem| {
+                Error::from(loaded.error(
+                    "http",
+                    problem,
+                    "give a port such as 8080, or an address such as 127.0.0.1:8080",
+                ))
+            })?;
+            let listener = tokio::net::TcpListener::bind(address).await.map_err(|e| {
+                Error::BadInput(format!(
+                    "the dashboard cannot listen on {address}: {e}; choose another port with --http"
+                ))
+            })?;
+            let bound = listener.local_addr().unwrap_or(address);
+            // Printed, not only logged: the quickstart and users read it to open the page.
+            println!("dashboard: http://{bound}/");
+            let sources = events.dashboard();
+            Some(tokio::spawn(async move {
+                if let Err(e) = dashboard::serve(listener, sources).await {
+                    tracing::warn!(error = %e, "the dashboard stopped");
+                }
+            }))
+        }
+        None => None,
+    };
+    let node = Node::start_with("scheduler", loaded, |_| {}).await?;
     let allocator = Allocator::new(node.network.clone(), Settings::default());
     let outcome = run_job(
         node.network.clone(),
@@ -56,6 +110,13 @@ pub async fn run(args: &RunJobArgs) -> Result<(), Error> {
     )
     .await;
     node.network.shutdown().await;
+    if let Some(dashboard) = dashboard {
+        if args.hold && !matches!(outcome, Err(RunError::Interrupted)) {
+            println!("the job ended; the dashboard stays up until interrupted (Ctrl-C)");
+            hypha_node::shutdown_signal().await;
+        }
+        dashboard.abort();
+    }
     match outcome {
         Ok(()) => Ok(()),
         Err(RunError::Interrupted) => Err(Error::Failed("interrupted".into())),

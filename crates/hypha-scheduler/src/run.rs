@@ -33,6 +33,7 @@ use std::{
     time::Duration,
 };
 
+use hypha_data::iteration::IterationService;
 use hypha_messages::{
     Error as RemoteError, ErrorCode, Request, Response,
     iterate::RunProgress,
@@ -49,6 +50,7 @@ use tokio::{
 use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
     checkpoint::{self, Checkpoints},
+    dashboard::{self, Board, JobView},
     data::{CarriedOver, JobData},
     history,
     record::{self, RecordedJob, RunRecord},
@@ -152,6 +154,7 @@ pub struct EventLog {
     file: Option<std::fs::File>,
     observer: Option<mpsc::Sender<Event>>,
     history: watch::Sender<RunProgress>,
+    board: watch::Sender<Board>,
 }
 
 impl EventLog {
@@ -161,6 +164,7 @@ impl EventLog {
             file: None,
             observer: None,
             history: watch::Sender::new(RunProgress::default()),
+            board: watch::Sender::new(Board::default()),
         }
     }
 
@@ -184,12 +188,26 @@ impl EventLog {
         self
     }
 
+    /// What the dashboard reads: the board the events keep, and the run's history.
+    pub fn dashboard(&self) -> dashboard::Sources {
+        dashboard::Sources {
+            board: self.board.subscribe(),
+            history: self.history.subscribe(),
+        }
+    }
+
     /// Starts the history of run `task`, going on from what an earlier process of it counted.
     fn begin(&mut self, task: &str, earlier: RunProgress) {
         self.history.send_replace(RunProgress {
             task: task.to_string(),
             ..earlier
         });
+        self.board.send_modify(|board| board.set_task(task));
+    }
+
+    /// Names the job on the board, and where its iteration's counts are asked.
+    fn describe(&mut self, job: JobView, iteration: Option<IterationService>) {
+        self.board.send_replace(Board::new(job, iteration));
     }
 
     /// The run's history as it is now.
@@ -288,6 +306,7 @@ impl EventLog {
         let now = unix_ms();
         self.history
             .send_modify(|history| history::tally(history, &event, now));
+        self.board.send_modify(|board| board.apply(&event, now));
         let stamped = serde_json::json!({ "time_ms": now, "event": &event });
         if let Some(file) = &mut self.file
             && let Ok(mut line) = serde_json::to_string(&stamped)
@@ -755,6 +774,7 @@ impl<'a> JobRun<'a> {
         mut events: EventLog,
         record: Option<PathBuf>,
     ) -> (Self, Channels) {
+        events.describe(spec.view(), data.as_ref().map(|d| d.service().clone()));
         events.begin(&task, RunProgress::default());
         let (status_tx, statuses) = mpsc::channel(256);
         let (executor_tx, executor_statuses) = mpsc::channel(256);

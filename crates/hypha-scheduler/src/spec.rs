@@ -105,6 +105,10 @@ pub struct JobFile {
     pub data: Option<DataSpec>,
     #[serde(default)]
     pub diloco: Option<DilocoSpec>,
+    /// The job file's name without its extension (`job` for `job.toml`; empty when parsed
+    /// from text).
+    #[serde(skip)]
+    pub name: String,
 }
 
 /// DiLoCo training: rounds, optimizers and the parameter server.
@@ -257,7 +261,25 @@ impl JobFile {
         if let Some(diloco) = &mut spec.diloco {
             diloco.metrics = Some(beside(diloco.metrics.take(), "metrics.jsonl"));
         }
+        spec.name = path
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         Ok(spec)
+    }
+
+    /// The job as the dashboard names it.
+    pub fn view(&self) -> crate::dashboard::JobView {
+        crate::dashboard::JobView {
+            name: self.name.clone(),
+            executor: format!("{}/{}", self.executor.class, self.executor.name),
+            workers: self.workers,
+            diloco: self.diloco.is_some(),
+            dataset: self.data.as_ref().map(|d| d.dataset.clone()),
+            epochs: self.data.as_ref().map(|d| d.epochs),
+            rounds: self.diloco.as_ref().and_then(|d| d.rounds),
+        }
     }
 
     /// Parses and checks a job file; errors name the file, the line and the key.

@@ -4,7 +4,7 @@ use std::{io::IsTerminal, path::PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use hypha::quickstart::{self, OwnData, Settings};
+use hypha::quickstart::{self, OwnData, Progress, Settings};
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
 
 /// Hypha: decentralized training over mutual TLS.
@@ -53,6 +53,13 @@ enum Command {
         /// With --dataset: the classifiers' target tensor (default: labels).
         #[arg(long, value_name = "NAME", requires = "dataset")]
         target: Option<String>,
+        /// Where the scheduler serves the live dashboard: a port or IP:PORT (default: a free
+        /// port on 127.0.0.1; the address is printed when training starts).
+        #[arg(long, value_name = "ADDRESS", default_value = "127.0.0.1:0")]
+        http: String,
+        /// Keep the network and its dashboard up after training, until Ctrl-C.
+        #[arg(long)]
+        hold: bool,
     },
 }
 
@@ -81,6 +88,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             model,
             input,
             target,
+            http,
+            hold,
         } => {
             let exe = std::env::current_exe().context("cannot find this program's path")?;
             let model = model
@@ -101,6 +110,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 samples_per_round,
                 bin_dir: exe.parent().map(PathBuf::from).unwrap_or_default(),
                 dataset,
+                http,
+                hold,
             };
             let bar = if std::io::stderr().is_terminal() {
                 let bar = indicatif::ProgressBar::new_spinner();
@@ -109,14 +120,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 indicatif::ProgressBar::hidden()
             };
-            let summary = quickstart::run(&settings, |step| {
-                if bar.is_hidden() {
-                    eprintln!("{step}");
-                } else {
-                    bar.set_message(step.to_string());
-                }
+            let finished = quickstart::run(&settings, |progress| match progress {
+                Progress::Step(step) if !bar.is_hidden() => bar.set_message(step.to_string()),
+                Progress::Notice(notice) if !bar.is_hidden() => bar.println(notice),
+                Progress::Step(line) | Progress::Notice(line) => eprintln!("{line}"),
             })?;
             bar.finish_and_clear();
+            let summary = finished.summary;
             let dir = dir.display();
             println!(
                 "trained {} for {} rounds in {:.0} s\nevaluated on {}\nevaluation loss {:.4} → {:.4}, accuracy {:.1} % → {:.1} %\nwrote {dir}/model.safetensors, {dir}/metrics.jsonl, {dir}/loss.svg; logs in {dir}/logs",
@@ -129,6 +139,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 100.0 * summary.accuracy_before,
                 100.0 * summary.accuracy_after,
             );
+            if let Some(held) = finished.held {
+                println!(
+                    "the network stays up: the dashboard is at {}; press Ctrl-C to stop it",
+                    held.dashboard
+                );
+                held.wait()?;
+            }
         }
     }
     Ok(())

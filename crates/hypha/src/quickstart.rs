@@ -12,7 +12,6 @@
 //! are in `logs/`.
 
 use std::{
-    fmt::Write as _,
     io::{BufRead, BufReader, Seek},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -45,6 +44,52 @@ pub struct Settings {
     pub bin_dir: PathBuf,
     /// The user's own dataset instead of the synthetic one.
     pub dataset: Option<OwnData>,
+    /// Where the scheduler serves its live dashboard: a port or IP:PORT (port 0: any free
+    /// one).
+    pub http: String,
+    /// Keep the network and the dashboard up after training, until [`Held::wait`] returns.
+    pub hold: bool,
+}
+
+/// What [`run`] tells its caller as it goes.
+#[derive(Debug, Clone, Copy)]
+pub enum Progress<'a> {
+    /// The step it is at now (replaced by the next).
+    Step(&'a str),
+    /// Something to keep on screen: where the dashboard is.
+    Notice(&'a str),
+}
+
+/// The network kept up after training (`--hold`): stopped when dropped.
+#[derive(Debug)]
+pub struct Held {
+    nodes: Vec<Node>,
+    /// The dashboard's address.
+    pub dashboard: String,
+}
+
+impl Held {
+    /// Waits for Ctrl-C (SIGINT) or SIGTERM, then stops every process of the network.
+    pub fn wait(self) -> Result<(), QuickstartError> {
+        use nix::sys::signal::{SigSet, Signal};
+        let mut signals = SigSet::empty();
+        signals.add(Signal::SIGINT);
+        signals.add(Signal::SIGTERM);
+        // Blocked, they wait for `wait` instead of ending this process before its children.
+        signals
+            .thread_block()
+            .and_then(|()| signals.wait())
+            .map_err(|e| QuickstartError::Signal(e.to_string()))?;
+        drop(self.nodes);
+        Ok(())
+    }
+}
+
+/// What [`run`] leaves: the scores, and with `hold` the network still up.
+#[derive(Debug)]
+pub struct Finished {
+    pub summary: Summary,
+    pub held: Option<Held>,
 }
 
 /// A dataset the user brings (`--dataset`), and what to train on it.
@@ -119,6 +164,8 @@ pub enum QuickstartError {
     Tensors(#[from] hypha_diloco::Error),
     #[error("evaluating: {0}")]
     Evaluate(#[from] candle_core::Error),
+    #[error("cannot wait for Ctrl-C: {0}")]
+    Signal(String),
 }
 
 /// The model the quickstart trains.
@@ -133,6 +180,7 @@ const MODEL_SEED: u64 = 1;
 const READY: Duration = Duration::from_secs(60);
 
 /// A child process, stopped when dropped.
+#[derive(Debug)]
 struct Node {
     name: String,
     child: Child,
@@ -159,11 +207,13 @@ impl Drop for Node {
     }
 }
 
-/// Runs the quickstart; `progress` is told each round's number and loss as it is applied.
+/// Runs the quickstart; `progress` is told each step, each round's number and loss as it is
+/// applied, and where the dashboard is.
 pub fn run(
     settings: &Settings,
-    mut progress: impl FnMut(&str),
-) -> Result<Summary, QuickstartError> {
+    mut report: impl FnMut(Progress<'_>),
+) -> Result<Finished, QuickstartError> {
+    let mut progress = |step: &str| report(Progress::Step(step));
     let started = Instant::now();
     let dir = &settings.dir;
     if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
@@ -261,36 +311,59 @@ pub fn run(
     let job = dir.join("job.toml");
     write(&job, &job_file(settings, &training))?;
     let scheduler_config = certs.config("scheduler", Role::Scheduler, &join)?;
+    let events = dir.join("logs/scheduler-events.jsonl");
+    let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job, &events)?;
+    let dashboard = wait_for(&scheduler, DASHBOARD_LINE)?
+        .split(DASHBOARD_LINE)
+        .nth(1)
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    report(Progress::Notice(&format!(
+        "the dashboard of the training: {dashboard}"
+    )));
+    let mut progress = |step: &str| report(Progress::Step(step));
     progress("training");
-    let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job)?;
     let metrics = dir.join("job.metrics.jsonl");
     let mut follow = Follow::default();
-    let status = loop {
+    let failed = |scheduler: &Node| QuickstartError::Job {
+        reason: failure(&scheduler.log),
+        log: scheduler.log.clone(),
+    };
+    // The job ends with its `done` event; a held scheduler goes on serving the dashboard.
+    loop {
         for (round, loss) in follow.rounds(&metrics) {
             progress(&format!("round {round} applied, training loss {loss:.4}"));
         }
-        match scheduler.child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
-            Err(_) => {
-                return Err(QuickstartError::Job {
-                    reason: failure(&scheduler.log),
-                    log: scheduler.log.clone(),
-                });
-            }
+        match job_done(&events) {
+            Some(true) => break,
+            Some(false) => return Err(failed(&scheduler)),
+            None => {}
         }
-    };
+        match scheduler.child.try_wait() {
+            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
+            // Stopped: its last events may have come after the look above.
+            Ok(Some(status)) if status.success() && job_done(&events) == Some(true) => break,
+            Ok(Some(_)) | Err(_) => return Err(failed(&scheduler)),
+        }
+    }
     for (round, loss) in follow.rounds(&metrics) {
         progress(&format!("round {round} applied, training loss {loss:.4}"));
     }
-    if !status.success() {
-        return Err(QuickstartError::Job {
-            reason: failure(&scheduler.log),
-            log: scheduler.log.clone(),
-        });
+    // Unless held, the scheduler ends by itself once its workers heard the job is over.
+    if !settings.hold && !scheduler.child.wait().is_ok_and(|s| s.success()) {
+        return Err(failed(&scheduler));
     }
-    drop(scheduler);
-    drop(nodes);
+    nodes.push(scheduler);
+    let held = if settings.hold {
+        Some(Held {
+            nodes,
+            dashboard: dashboard.clone(),
+        })
+    } else {
+        drop(nodes);
+        None
+    };
 
     let final_model =
         find_final(&dir.join("work/parameter-server")).ok_or_else(|| QuickstartError::Job {
@@ -307,14 +380,18 @@ pub fn run(
         path: metrics_path,
         error,
     })?;
-    write(&dir.join("loss.svg"), &loss_plot(&follow.losses))?;
+    let plot = hypha_plot::loss_by_round(&follow.losses).map_err(|e| QuickstartError::Write {
+        path: dir.join("loss.svg"),
+        error: std::io::Error::other(e.to_string()),
+    })?;
+    write(&dir.join("loss.svg"), &plot)?;
 
     let before = Model::new(&training.model, MODEL_SEED)?;
     let after = Model::new(&training.model, MODEL_SEED)?;
     after.load(&hypha_diloco::Tensors::load(&model_path)?)?;
     let ((loss_before, accuracy_before), (loss_after, accuracy_after)) =
         (training.score(&before)?, training.score(&after)?);
-    Ok(Summary {
+    let summary = Summary {
         loss_before,
         accuracy_before,
         loss_after,
@@ -323,7 +400,8 @@ pub fn run(
         seconds: started.elapsed().as_secs_f64(),
         evaluated_on: training.evaluation.to_string(),
         model: training.model,
-    })
+    };
+    Ok(Finished { summary, held })
 }
 
 /// What the quickstart trains, on which data, and how it is scored.
@@ -592,7 +670,10 @@ fn spawn(
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(file.try_clone().map_err(|error| QuickstartError::Write {
+            path: log.clone(),
+            error,
+        })?)
         .stderr(file)
         .spawn()
         .map_err(|error| QuickstartError::Start { program, error })?;
@@ -619,20 +700,40 @@ fn start(
     )
 }
 
+/// What the scheduler prints before its dashboard's address.
+const DASHBOARD_LINE: &str = "dashboard: ";
+
 fn start_scheduler(
     settings: &Settings,
     dir: &Path,
     config: &Path,
     job: &Path,
+    events: &Path,
 ) -> Result<Node, QuickstartError> {
-    let args = [
+    let mut args: Vec<&std::ffi::OsStr> = vec![
         "run".as_ref(),
         "--config".as_ref(),
         config.as_os_str(),
         "--job".as_ref(),
         job.as_os_str(),
+        "--events".as_ref(),
+        events.as_os_str(),
+        "--http".as_ref(),
+        settings.http.as_ref(),
     ];
+    if settings.hold {
+        args.push("--hold".as_ref());
+    }
     spawn(settings, dir, "scheduler", "hypha-scheduler", &args)
+}
+
+/// Whether the scheduler's events file tells the job ended, and how: `Some(ok)`.
+fn job_done(events: &Path) -> Option<bool> {
+    let text = std::fs::read_to_string(events).ok()?;
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|e| e["event"]["kind"] == "done")
+        .and_then(|e| e["event"]["ok"].as_bool())
 }
 
 /// Waits until `node`'s log has a line containing `needle`; that line.
@@ -700,35 +801,6 @@ fn find_final(work: &Path) -> Option<PathBuf> {
         .flatten()
         .map(|e| e.path().join("final.safetensors"))
         .find(|p| p.exists())
-}
-
-/// Training loss per round as an SVG line chart.
-pub fn loss_plot(losses: &[(u64, f64)]) -> String {
-    let (width, height, margin) = (640.0, 360.0, 48.0);
-    let max_round = losses.iter().map(|(r, _)| *r).max().unwrap_or(1).max(1) as f64;
-    let max_loss = losses.iter().map(|(_, l)| *l).fold(0.0, f64::max).max(1e-9);
-    let x = |round: u64| margin + round as f64 / max_round * (width - 2.0 * margin);
-    let y = |loss: f64| height - margin - loss / max_loss * (height - 2.0 * margin);
-    let mut points = String::new();
-    for (round, loss) in losses {
-        let _ = write!(points, "{:.1},{:.1} ", x(*round), y(*loss));
-    }
-    format!(
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
-<rect width="100%" height="100%" fill="white"/>
-<line x1="{margin}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>
-<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{bottom}" stroke="black"/>
-<text x="{mid}" y="{label_y}" text-anchor="middle">round (0 to {max_round})</text>
-<text x="12" y="{mid_y}" transform="rotate(-90 12 {mid_y})" text-anchor="middle">training loss (0 to {max_loss:.3})</text>
-<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/>
-</svg>
-"##,
-        bottom = height - margin,
-        right = width - margin,
-        mid = width / 2.0,
-        label_y = height - 12.0,
-        mid_y = height / 2.0,
-    )
 }
 
 #[cfg(test)]

@@ -7,8 +7,11 @@
 
 use std::{
     ffi::OsStr,
+    io::{BufRead, BufReader, Read, Write},
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
 };
 
 /// The workspace's binaries the quickstart starts; `cargo test --workspace` builds them all,
@@ -33,13 +36,13 @@ fn ensure_built(bin_dir: &Path) {
 }
 
 #[test]
-fn quickstart_trains_a_model_and_leaves_its_files() {
+fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
     let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
     ensure_built(hypha.parent().unwrap());
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("quick");
-    let output = Command::new(hypha)
-        .args(["quickstart", "--dir"])
+    let mut child = Command::new(hypha)
+        .args(["quickstart", "--hold", "--dir"])
         .arg(&dir)
         .args([
             "--rounds",
@@ -51,14 +54,89 @@ fn quickstart_trains_a_model_and_leaves_its_files() {
             "--samples-per-round",
             "384",
         ])
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "quickstart failed:\n{stdout}\n{stderr}"
+    let (lines, stdout_lines) = mpsc::channel();
+    let stderr_lines = lines.clone();
+    let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || read_lines(stdout, "", lines));
+    let err = std::thread::spawn(move || read_lines(stderr, "stderr: ", stderr_lines));
+    let browser = browser();
+
+    // During training: the page renders the job.
+    let dashboard = wait_for_line(&stdout_lines, "the dashboard of the training: ")
+        .unwrap_or_else(|seen| panic!("no dashboard address; it printed:\n{seen}"));
+    if let Some(browser) = &browser {
+        let page = dump_dom(browser, &dashboard);
+        assert!(page.contains(r#"data-rendered="yes""#), "{page}");
+        assert!(page.contains("job · train/diloco"), "{page}");
+    }
+
+    // Trained and held: the dashboard tells the whole job.
+    let held = wait_for_line(&stdout_lines, "the network stays up: the dashboard is at ")
+        .unwrap_or_else(|seen| panic!("the quickstart did not hold; it printed:\n{seen}"));
+    let held = held.split(';').next().unwrap().trim().to_string();
+    assert_eq!(held, dashboard);
+    let state: serde_json::Value =
+        serde_json::from_str(&http_get(&dashboard, "/api/state")).unwrap();
+    assert_eq!(state["run"]["done"]["ok"], true, "{state:#}");
+    let roles: Vec<&str> = state["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        ["trainer", "trainer", "trainer", "parameter server"],
+        "{state:#}"
     );
+    assert_eq!(state["rounds"].as_array().unwrap().len(), 4, "{state:#}");
+    let used: u64 = state["iteration"]["epochs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["used"].as_u64().unwrap())
+        .sum();
+    assert!(used > 0, "{state:#}");
+    let plot = http_get(&dashboard, "/api/loss.svg");
+    assert_eq!(markers(&plot), 4);
+
+    match &browser {
+        Some(browser) => {
+            let page = dump_dom(browser, &dashboard);
+            assert!(page.contains(r#"id="status" class="badge ok""#), "{page}");
+            assert!(
+                page.contains(r#"<span id="rounds-count">4</span>"#),
+                "{page}"
+            );
+            assert_eq!(page.matches("data-peer=").count(), 4, "{page}");
+            assert_eq!(
+                page.matches(r#"data-state="finished""#).count(),
+                4,
+                "{page}"
+            );
+            assert!(page.contains(r#"data-epoch="0""#), "{page}");
+            // The loss plot arrived and has its size.
+            assert!(page.contains(r#"data-loaded="720""#), "{page}");
+        }
+        None => eprintln!(
+            "SKIPPED the browser check: no headless Chromium found (apt-get install chromium-headless-shell); the dashboard's JSON and plot were checked"
+        ),
+    }
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    let stdout = out.join().unwrap();
+    let stderr = err.join().unwrap();
+    assert!(status.success(), "quickstart failed:\n{stdout}\n{stderr}");
 
     for file in ["model.safetensors", "metrics.jsonl", "loss.svg", "job.toml"] {
         assert!(
@@ -72,10 +150,9 @@ fn quickstart_trains_a_model_and_leaves_its_files() {
         .filter(|l| l.contains("\"kind\":\"round\""))
         .count();
     assert_eq!(rounds, 4);
-    assert!(
-        std::fs::read_to_string(dir.join("loss.svg"))
-            .unwrap()
-            .contains("<polyline")
+    assert_eq!(
+        markers(&std::fs::read_to_string(dir.join("loss.svg")).unwrap()),
+        4
     );
 
     // "evaluation loss A → B": B < A.
@@ -88,13 +165,101 @@ fn quickstart_trains_a_model_and_leaves_its_files() {
         .filter_map(|t| t.parse().ok())
         .collect();
     assert!(numbers[1] < numbers[0], "{line}");
+    no_errors_logged(&dir);
+}
 
-    for log in std::fs::read_dir(dir.join("logs")).unwrap() {
-        let log = log.unwrap().path();
-        let text = std::fs::read_to_string(&log).unwrap();
-        let errors: Vec<&str> = text.lines().filter(|l| l.contains("ERROR")).collect();
-        assert!(errors.is_empty(), "{}: {errors:#?}", log.display());
+/// Sends each line of `stream` to `lines` (prefixed) and returns them all at its end.
+fn read_lines(stream: impl std::io::Read, prefix: &str, lines: mpsc::Sender<String>) -> String {
+    let mut all = String::new();
+    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+        all.push_str(&line);
+        all.push('\n');
+        let _ = lines.send(format!("{prefix}{line}"));
     }
+    all
+}
+
+/// What follows `needle` on the first line holding it, within five minutes; what was seen
+/// until then otherwise.
+fn wait_for_line(lines: &mpsc::Receiver<String>, needle: &str) -> Result<String, String> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut seen = String::new();
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        let Ok(line) = lines.recv_timeout(left) else {
+            break;
+        };
+        if let Some((_, rest)) = line.split_once(needle) {
+            return Ok(rest.trim().to_string());
+        }
+        seen.push_str(&line);
+        seen.push('\n');
+    }
+    Err(seen)
+}
+
+/// A headless Chromium on this machine, if there is one.
+fn browser() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    [
+        "chromium-headless-shell",
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ]
+    .iter()
+    .flat_map(|name| std::env::split_paths(&path).map(move |dir| dir.join(name)))
+    .find(|candidate| candidate.is_file())
+}
+
+/// The page at `url` as the browser rendered it, after its script fetched the state and the
+/// plot.
+fn dump_dom(browser: &Path, url: &str) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let output = Command::new(browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{} failed: {}",
+        browser.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The body of `GET path` from the server at `url` (`http://IP:PORT/`).
+fn http_get(url: &str, path: &str) -> String {
+    let address = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
+/// The markers of a loss plot: one per round, read by an XML parser.
+fn markers(svg: &str) -> usize {
+    let doc = roxmltree::Document::parse(svg).unwrap();
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("circle"))
+        .count()
 }
 
 /// Runs `hypha quickstart ARGS --dataset DATASET` in `cwd`; exit success, stdout and stderr.
