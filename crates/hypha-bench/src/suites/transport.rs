@@ -14,8 +14,7 @@ use std::{
 use anyhow::Context;
 use futures::{AsyncWriteExt as _, StreamExt};
 use hypha_network::{Network, Settings, StreamProtocol};
-use libp2p::swarm::SwarmEvent;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::ceilings::{CHUNK, Pki, Sides, drain, raw_tcp, raw_tls};
 use crate::{Report, mb_per_s, median};
@@ -40,18 +39,24 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         let tcp = raw_tcp(&sides, bytes, &payload).await?;
         let one = streams(&sides, &client, &server, &mut received, bytes, 1, &payload).await?;
         let four = streams(&sides, &client, &server, &mut received, bytes, 4, &payload).await?;
-        let stock = stock_libp2p(&sides, bytes, &payload).await?;
-        rounds.push(BTreeMap::from([
+        let round = BTreeMap::from([
             ("raw_tcp_mb_s", tcp),
             ("raw_tls_mb_s", tls),
             ("one_stream_mb_s", one),
             ("four_streams_mb_s", four),
-            ("stock_libp2p_one_stream_mb_s", stock),
             ("one_stream_vs_raw_tls", one / tls),
             ("four_streams_vs_raw_tls", four / tls),
             ("raw_tls_vs_raw_tcp", tls / tcp),
-            ("stock_libp2p_vs_raw_tls", stock / tls),
-        ]));
+        ]);
+        #[cfg(feature = "stock-libp2p")]
+        let round = {
+            let mut round = round;
+            let stock = stock::one_stream(&sides, bytes, &payload).await?;
+            round.insert("stock_libp2p_one_stream_mb_s", stock);
+            round.insert("stock_libp2p_vs_raw_tls", stock / tls);
+            round
+        };
+        rounds.push(round);
     }
     client.shutdown().await;
     server.shutdown().await;
@@ -158,84 +163,103 @@ async fn streams(
     Ok(mb_per_s(total, start.elapsed()))
 }
 
-/// One stream over stock libp2p-tls (self-signed libp2p certificates) and libp2p-yamux
-/// (16 KiB frames) from crates.io: what our transport replaces, measured for comparison.
-async fn stock_libp2p(sides: &Sides, bytes: u64, payload: &[u8]) -> anyhow::Result<f64> {
-    let (listening_tx, listening_rx) = oneshot::channel();
-    let server = sides.receiver(async move {
-        let mut server = stock_swarm()?;
-        server.listen_on("/ip4/127.0.0.1/tcp/0".parse()?)?;
-        let address = loop {
-            if let SwarmEvent::NewListenAddr { address, .. } = server.select_next_some().await {
-                break address;
-            }
-        };
-        let mut incoming = server.behaviour().new_control().accept(PROTOCOL)?;
-        let _ = listening_tx.send((address, *server.local_peer_id()));
-        let swarm = tokio::spawn(async move {
-            loop {
-                server.select_next_some().await;
-            }
-        });
-        let (_, stream) = incoming.next().await.context("no stream")?;
-        let received = drain(tokio_util::compat::FuturesAsyncReadCompatExt::compat(
-            stream,
-        ))
-        .await;
-        swarm.abort();
-        anyhow::Ok(received?)
-    });
-    let (address, server_peer) = listening_rx.await?;
-    let payload = payload.to_vec();
-    let client = sides.sender(async move {
-        let mut client = stock_swarm()?;
-        let mut control = client.behaviour().new_control();
-        client.dial(address)?;
-        loop {
-            match client.select_next_some().await {
-                SwarmEvent::ConnectionEstablished { .. } => break,
-                SwarmEvent::OutgoingConnectionError { error, .. } => {
-                    anyhow::bail!("stock libp2p could not connect: {error}")
-                }
-                _ => {}
-            }
-        }
-        let swarm = tokio::spawn(async move {
-            loop {
-                client.select_next_some().await;
-            }
-        });
-        let mut stream = control.open_stream(server_peer, PROTOCOL).await?;
-        let start = Instant::now();
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(payload.len() as u64) as usize;
-            stream.write_all(&payload[..n]).await?;
-            left -= n as u64;
-        }
-        stream.close().await?;
-        anyhow::Ok((start, swarm))
-    });
-    let (start, client_swarm) = client.await??;
-    let received = server.await??;
-    let elapsed = start.elapsed();
-    client_swarm.abort();
-    anyhow::ensure!(
-        received == bytes,
-        "stock libp2p lost bytes: {received} of {bytes}"
-    );
-    Ok(mb_per_s(bytes, elapsed))
-}
+/// The comparison with stock crates.io libp2p (`--features stock-libp2p`): its TLS needs
+/// aws-lc, a C library that alone takes a minute to build, so the default build leaves it out.
+#[cfg(feature = "stock-libp2p")]
+mod stock {
+    use std::time::{Duration, Instant};
 
-fn stock_swarm() -> anyhow::Result<libp2p::Swarm<libp2p_stream::Behaviour>> {
-    Ok(libp2p::SwarmBuilder::with_new_identity()
-        .with_tokio()
-        .with_tcp(
-            libp2p::tcp::Config::default().nodelay(true),
-            libp2p::tls::Config::new,
-            libp2p::yamux::Config::default,
-        )?
-        .with_behaviour(|_| libp2p_stream::Behaviour::new())?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
-        .build())
+    use anyhow::Context;
+    use futures::{AsyncWriteExt as _, StreamExt};
+    use libp2p::swarm::SwarmEvent;
+    use tokio::sync::oneshot;
+
+    use super::{PROTOCOL, Sides, drain};
+    use crate::mb_per_s;
+
+    /// One stream over stock libp2p-tls (self-signed libp2p certificates) and libp2p-yamux
+    /// (16 KiB frames) from crates.io: what our transport replaces, measured for comparison.
+    pub(super) async fn one_stream(
+        sides: &Sides,
+        bytes: u64,
+        payload: &[u8],
+    ) -> anyhow::Result<f64> {
+        let (listening_tx, listening_rx) = oneshot::channel();
+        let server = sides.receiver(async move {
+            let mut server = swarm()?;
+            server.listen_on("/ip4/127.0.0.1/tcp/0".parse()?)?;
+            let address = loop {
+                if let SwarmEvent::NewListenAddr { address, .. } = server.select_next_some().await {
+                    break address;
+                }
+            };
+            let mut incoming = server.behaviour().new_control().accept(PROTOCOL)?;
+            let _ = listening_tx.send((address, *server.local_peer_id()));
+            let swarm = tokio::spawn(async move {
+                loop {
+                    server.select_next_some().await;
+                }
+            });
+            let (_, stream) = incoming.next().await.context("no stream")?;
+            let received = drain(tokio_util::compat::FuturesAsyncReadCompatExt::compat(
+                stream,
+            ))
+            .await;
+            swarm.abort();
+            anyhow::Ok(received?)
+        });
+        let (address, server_peer) = listening_rx.await?;
+        let payload = payload.to_vec();
+        let client = sides.sender(async move {
+            let mut client = swarm()?;
+            let mut control = client.behaviour().new_control();
+            client.dial(address)?;
+            loop {
+                match client.select_next_some().await {
+                    SwarmEvent::ConnectionEstablished { .. } => break,
+                    SwarmEvent::OutgoingConnectionError { error, .. } => {
+                        anyhow::bail!("stock libp2p could not connect: {error}")
+                    }
+                    _ => {}
+                }
+            }
+            let swarm = tokio::spawn(async move {
+                loop {
+                    client.select_next_some().await;
+                }
+            });
+            let mut stream = control.open_stream(server_peer, PROTOCOL).await?;
+            let start = Instant::now();
+            let mut left = bytes;
+            while left > 0 {
+                let n = left.min(payload.len() as u64) as usize;
+                stream.write_all(&payload[..n]).await?;
+                left -= n as u64;
+            }
+            stream.close().await?;
+            anyhow::Ok((start, swarm))
+        });
+        let (start, client_swarm) = client.await??;
+        let received = server.await??;
+        let elapsed = start.elapsed();
+        client_swarm.abort();
+        anyhow::ensure!(
+            received == bytes,
+            "stock libp2p lost bytes: {received} of {bytes}"
+        );
+        Ok(mb_per_s(bytes, elapsed))
+    }
+
+    fn swarm() -> anyhow::Result<libp2p::Swarm<libp2p_stream::Behaviour>> {
+        Ok(libp2p::SwarmBuilder::with_new_identity()
+            .with_tokio()
+            .with_tcp(
+                libp2p::tcp::Config::default().nodelay(true),
+                libp2p::tls::Config::new,
+                libp2p::yamux::Config::default,
+            )?
+            .with_behaviour(|_| libp2p_stream::Behaviour::new())?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+            .build())
+    }
 }
