@@ -24,8 +24,6 @@ pub mod manifest;
 pub mod origin;
 pub mod protocol;
 pub mod swarm;
-#[cfg(feature = "testing")]
-pub mod testing;
 pub mod unpack;
 
 use std::time::Duration;

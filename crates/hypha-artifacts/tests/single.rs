@@ -7,7 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use hypha_artifacts::{FetchError, FetchOptions, Unpack, UnpackMethod, testing::S3Server};
+use hypha_artifacts::{FetchError, FetchOptions, Unpack, UnpackMethod};
+use hypha_testing::s3::S3Server;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_object_and_a_prefix_arrive_byte_exact_and_the_origin_serves_each_byte_once() {

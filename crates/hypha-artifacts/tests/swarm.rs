@@ -8,7 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use hypha_artifacts::{Distributor, Fetched, Settings, testing::S3Server};
+use hypha_artifacts::{Distributor, Fetched, Settings};
+use hypha_testing::s3::S3Server;
 
 async fn nodes(
     pki: &Pki,

@@ -19,7 +19,6 @@
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
 //! - [`dashboard`]: the live dashboard and its JSON API, served while a job runs.
 //! - [`node`]: the `hypha-scheduler` program's commands.
-//! - `testing` (feature `testing`): clusters of real processes for tests and benchmarks.
 //!
 //! This crate knows how to choose and drive workers, not how they run executors.
 
@@ -34,8 +33,6 @@ pub mod rounds;
 pub mod run;
 pub mod slots;
 pub mod spec;
-#[cfg(feature = "testing")]
-pub mod testing;
 pub mod training;
 
 /// Milliseconds since the Unix epoch, as events and records stamp them.

@@ -10,7 +10,7 @@ use hypha_certs::Role;
 use std::{os::unix::fs::MetadataExt, process::Command, time::Duration};
 
 use common::{Cluster, job_dir};
-use hypha_artifacts::testing::{S3Server, pattern};
+use hypha_testing::s3::{S3Server, pattern};
 use sha2::{Digest, Sha256};
 
 /// Calls the bridge's Artifact fetch for a prefix and records the answer in results.txt.

@@ -4,14 +4,13 @@
 
 use std::{path::Path, sync::Arc, time::Duration};
 
-use hypha_artifacts::{
-    Distributor, FetchOptions, Fetched, Kind, Origins, Request, Settings, testing::S3Server,
-};
+use hypha_artifacts::{Distributor, FetchOptions, Fetched, Kind, Origins, Request, Settings};
 use hypha_certs::{
     NodeIdentity, Roles, TrustStore,
     authority::{self, Authority, Validity},
 };
 use hypha_network::Network;
+use hypha_testing::s3::S3Server;
 
 pub struct Pki {
     root: Authority,
@@ -112,7 +111,7 @@ pub fn prefix(uri: &str, destination: &Path) -> Request {
     }
 }
 
-pub use hypha_artifacts::testing::pattern;
+pub use hypha_testing::s3::pattern;
 
 pub async fn fetch(node: &Distributor, request: &Request, expect: usize) -> Fetched {
     node.fetch(

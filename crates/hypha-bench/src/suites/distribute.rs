@@ -15,9 +15,8 @@
 use std::{sync::Arc, time::Duration};
 
 use futures::StreamExt;
-use hypha_artifacts::{
-    Distributor, FetchOptions, Kind, Origins, Request, Settings, testing::S3Server,
-};
+use hypha_artifacts::{Distributor, FetchOptions, Kind, Origins, Request, Settings};
+use hypha_testing::s3::S3Server;
 use tokio::time::Instant;
 
 use super::{
@@ -47,7 +46,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     for n in [4usize, 8] {
         let dir = tmp.path().join(format!("n{n}"));
         let s3 = S3Server::start(&dir.join("s3"), Some(bandwidth)).await?;
-        s3.put(KEY, hypha_artifacts::testing::pattern(size as usize, 1))
+        s3.put(KEY, hypha_testing::s3::pattern(size as usize, 1))
             .await?;
         let before = s3.bytes_served();
 

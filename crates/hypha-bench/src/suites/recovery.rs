@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use hypha_scheduler::testing::{Cluster, Proc, events, of_kind};
+use hypha_testing::cluster::{Cluster, Proc, events, of_kind};
 
 use crate::{Report, median};
 

@@ -1,3 +1,3 @@
 //! What the scheduler's process tests share: [`hypha_scheduler::testing`].
 
-pub use hypha_scheduler::testing::*;
+pub use hypha_testing::cluster::*;

@@ -1,12 +1,10 @@
-//! Real processes for tests and benchmarks (feature `testing`): building the workspace's
+//! Real processes for tests and benchmarks: building the workspace's
 //! binaries, a cluster of them (gateway, workers, schedulers, data nodes) with real
 //! certificates in a temporary directory, and reading what they leave behind (ledger audits,
 //! events files).
 //!
 //! Everything here panics on failure: it is for tests and benchmark harnesses, which should
 //! fail loudly at the step that went wrong.
-
-#![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 use std::{
     collections::{HashMap, HashSet},

@@ -23,7 +23,7 @@ use s3s::{
 };
 use tokio::time::Instant;
 
-use crate::origin::Profile;
+use hypha_artifacts::origin::Profile;
 
 const ACCESS_KEY: &str = "hypha-test";
 const SECRET_KEY: &str = "hypha-test-secret";
