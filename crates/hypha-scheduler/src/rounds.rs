@@ -61,6 +61,10 @@ struct Trainer {
     /// Taken over with the server that went on: it trains the current round before it has
     /// said so, and the round waits for it.
     awaited: bool,
+    /// When its last status arrived.
+    heard_ms: u64,
+    /// The batch target it was last given: (round, batches).
+    ordered: Option<(u64, u64)>,
 }
 
 /// A round the server applied.
@@ -236,6 +240,8 @@ impl Rounds {
             settled_below: self.round,
             generation: None,
             awaited: false,
+            heard_ms: 0,
+            ordered: None,
         };
         self.trainers.insert(job, trainer);
     }
@@ -372,6 +378,7 @@ impl Rounds {
                 trainer.last_loss = Some((round, loss, status.samples));
             }
             trainer.status = status.clone();
+            trainer.heard_ms = now_ms;
             trainer.awaited = false;
         }
         if round == self.round && self.started_ms.is_none() {
@@ -390,6 +397,9 @@ impl Rounds {
         } else {
             self.target(&status, now_ms)
         };
+        if let Some(trainer) = self.trainers.get_mut(job) {
+            trainer.ordered = Some((round, batches));
+        }
         let order = TrainerOrder::Train {
             round,
             batches,
@@ -401,11 +411,13 @@ impl Rounds {
     /// The batches `status`'s trainer should have done when the round ends.
     fn target(&self, status: &TrainerStatus, now_ms: u64) -> u64 {
         let plan = &self.plan;
-        let in_round: Vec<&TrainerStatus> = self
+        // Those who train this round: trainers in it, and those that just sent the last
+        // round and will ask for this one (their status still names the last). Counting only
+        // the first would hand the first trainer to ask the whole round.
+        let in_round: Vec<&Trainer> = self
             .trainers
             .values()
-            .map(|t| &t.status)
-            .filter(|s| s.round == Some(self.round))
+            .filter(|t| t.status.round.is_some_and(|r| r + 1 >= self.round))
             .collect();
         let count = self.trainers.len().max(1) as u64;
         let even = plan
@@ -417,13 +429,17 @@ impl Rounds {
         };
         let rates: Vec<f64> = in_round
             .iter()
-            .filter_map(|s| s.batch_ms.filter(|ms| *ms > 0.0))
+            .filter_map(|t| t.status.batch_ms.filter(|ms| *ms > 0.0))
             .map(|ms| plan.batch_size as f64 * 1000.0 / ms)
             .collect();
         let known: f64 = rates.iter().sum();
         let unknown = in_round.len().saturating_sub(rates.len()) as f64;
         let throughput = known + unknown * known / rates.len().max(1) as f64;
-        let done: u64 = in_round.iter().map(|s| s.samples).sum();
+        let done: u64 = in_round
+            .iter()
+            .filter(|t| t.status.round == Some(self.round))
+            .map(|t| self.trained_by_now(t, now_ms))
+            .sum();
         let remaining = plan.samples_per_round.saturating_sub(done) as f64;
         let bound_ms = self.started_ms.map_or(plan.round_ms, |start| {
             (start + plan.round_ms).saturating_sub(now_ms)
@@ -431,6 +447,23 @@ impl Rounds {
         let left_ms = (remaining / throughput * 1000.0).min(bound_ms);
         let more = (left_ms / batch_ms).floor() as u64;
         (status.batches + more).max(1)
+    }
+
+    /// The samples `trainer` has trained in this round by `now_ms`: what it last said, plus
+    /// the batches its pace gave it since, up to the target it was given. Trainers report
+    /// only every few seconds or at their target, so without this each one reaching its
+    /// target would see the others where they last spoke, and be told to train their share
+    /// again: rounds twice `samples_per_round`.
+    fn trained_by_now(&self, trainer: &Trainer, now_ms: u64) -> u64 {
+        let status = &trainer.status;
+        let since = match (status.batch_ms, trainer.ordered) {
+            (Some(batch_ms), Some((round, target))) if batch_ms > 0.0 && round == self.round => {
+                let paced = (now_ms.saturating_sub(trainer.heard_ms) as f64 / batch_ms) as u64;
+                paced.min(target.saturating_sub(status.batches))
+            }
+            _ => 0,
+        };
+        status.samples + since * self.plan.batch_size
     }
 
     /// The server's status: what it should do next, and what the ledger must settle.
@@ -754,6 +787,60 @@ mod tests {
         assert!((29..=31).contains(&b), "b: {b}");
         let (a_ms, b_ms) = ((a - 3) as f64 * 100.0, (b - 1) as f64 * 300.0);
         assert!((a_ms - b_ms).abs() <= 300.0, "{a_ms} vs {b_ms}");
+    }
+
+    #[test]
+    fn a_trainer_at_its_target_counts_what_the_others_trained_since_they_last_spoke() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
+        // Each at 100 ms a batch: 1200 samples are 40 batches each, 4 s.
+        let mut targets = Vec::new();
+        for job in ["a", "b", "c"] {
+            rounds.trainer_status(job, status(0, 0, Some(100.0)), 0);
+        }
+        for job in ["a", "b", "c"] {
+            targets.push(target(
+                rounds.trainer_status(job, status(0, 0, Some(100.0)), 0).0,
+            ));
+        }
+        assert_eq!(targets, [40, 40, 40]);
+        // At 4 s, a reaches its target and speaks first; b and c last spoke at 0 but have
+        // trained theirs too: the round is full, a syncs now.
+        let a = target(
+            rounds
+                .trainer_status("a", status(0, 40, Some(100.0)), 4000)
+                .0,
+        );
+        assert_eq!(a, 40, "a was told to train {} more batches", a - 40);
+        // Halfway, a trainer that speaks gets what is left of its own share, not more.
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        for job in ["a", "b", "a", "b"] {
+            rounds.trainer_status(job, status(0, 0, Some(100.0)), 0);
+        }
+        let a = target(
+            rounds
+                .trainer_status("a", status(0, 30, Some(100.0)), 3000)
+                .0,
+        );
+        assert!((59..=61).contains(&a), "a: {a}");
+    }
+
+    #[test]
+    fn the_first_trainer_to_ask_in_a_new_round_gets_its_share_not_the_whole_round() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
+        for job in ["a", "b", "c"] {
+            rounds.trainer_status(job, status(0, 40, Some(100.0)), 0);
+        }
+        report(&mut rounds, server(0, &["pa", "pb", "pc"], None), 100);
+        report(
+            &mut rounds,
+            server(1, &[], Some((0, &["pa", "pb", "pc"]))),
+            200,
+        );
+        assert_eq!(rounds.round(), 1);
+        // a asks for round 1 while b's and c's last word is still of round 0: the round's
+        // 1200 samples are 120 batches over three, 40 each.
+        let a = target(rounds.trainer_status("a", status(1, 0, Some(100.0)), 300).0);
+        assert!((39..=41).contains(&a), "a: {a}");
     }
 
     #[test]

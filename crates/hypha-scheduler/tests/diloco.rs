@@ -703,7 +703,7 @@ fn survive_kill_schedule(seed: u64) {
     let job = cluster.diloco_job("chaos", TRAINERS, EPOCHS, "");
     let text = std::fs::read_to_string(&job)
         .unwrap()
-        .replace("samples_per_round = 384", "samples_per_round = 128")
+        .replace("samples_per_round = 768", "samples_per_round = 128")
         .replace("max_attempts = 3", "max_attempts = 10");
     std::fs::write(&job, text).unwrap();
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
