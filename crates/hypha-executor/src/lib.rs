@@ -26,7 +26,6 @@
 //! This crate knows models, the bridge's endpoints and DiLoCo's messages; it knows nothing of
 //! networks, leases or ledgers.
 
-pub mod bridge;
 pub mod contract;
 pub mod local;
 pub mod model;

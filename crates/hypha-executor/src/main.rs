@@ -118,9 +118,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             work_dir,
             job,
         } => {
-            let job: serde_json::Value =
+            let job: hypha_bridge::JobDescription =
                 serde_json::from_str(&job).context("--job is not the job's JSON")?;
-            let config: JobConfig = serde_json::from_value(job["config"].clone()).context(
+            let config: JobConfig = serde_json::from_value(job.config).context(
                 "the job's config is not a trainer's: it needs \"model\", \"data\" and \"diloco\" (a [diloco] job file gives them)",
             )?;
             Trainer::new(&socket, &work_dir, config)?.run()?;

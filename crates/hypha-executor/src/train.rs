@@ -20,7 +20,6 @@
 //! reached is asked again every [`RETRY`].
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -33,8 +32,12 @@ use hypha_messages::{
 };
 use serde::Deserialize;
 
+use hypha_bridge::{
+    ConsumedRequest, FetchRequest, FileEntry, Reference, SendRequest, Strategy, Target,
+    client::{Client, ClientError},
+};
+
 use crate::{
-    bridge::{Bridge, BridgeError},
     contract::{Batch, DataError, TensorNames},
     model::{Model, ModelError, ModelSpec},
 };
@@ -67,7 +70,7 @@ pub struct JobConfig {
     #[serde(flatten)]
     pub tensors: TensorNames,
     /// Where slices come from: handed to `/resources/fetch` as it is.
-    pub data: serde_json::Value,
+    pub data: Reference,
     pub diloco: TrainerSettings,
 }
 
@@ -89,7 +92,7 @@ pub struct Inner {
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(transparent)]
-    Bridge(#[from] BridgeError),
+    Bridge(#[from] ClientError),
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
@@ -113,13 +116,7 @@ impl TrainError {
     /// A peer could not be reached or was busy (the bridge answers 502, 503 or 504): asking
     /// again later may work.
     fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Self::Bridge(BridgeError::Status {
-                status: 502..=504,
-                ..
-            })
-        )
+        matches!(self, Self::Bridge(error) if matches!(error.status(), Some(502..=504)))
     }
 }
 
@@ -129,18 +126,10 @@ impl From<candle_core::Error> for TrainError {
     }
 }
 
-/// A file the bridge answers with.
-#[derive(Debug, Deserialize)]
-struct FileEntry {
-    path: String,
-    #[serde(default)]
-    metadata: BTreeMap<String, serde_json::Value>,
-}
-
 /// One training job.
 #[derive(Debug)]
 pub struct Trainer {
-    bridge: Bridge,
+    bridge: Client,
     dir: PathBuf,
     config: JobConfig,
     model: Model,
@@ -184,7 +173,7 @@ impl Trainer {
             },
         )?;
         let global = model.tensors()?;
-        let bridge = Bridge::new(socket);
+        let bridge = Client::new(socket);
         Ok(Self {
             data: Reader::new(bridge.clone(), dir, &config),
             bridge,
@@ -299,7 +288,7 @@ impl Trainer {
             data_done: self.data.out_of_data(),
             eval: None,
         });
-        Ok(self.bridge.post("/status/send", &status)?)
+        Ok(self.bridge.status(&status)?)
     }
 
     /// One AdamW step on the next batch; false when the data is done.
@@ -368,12 +357,12 @@ impl Trainer {
         if self.stats.consumed.is_empty() {
             return Ok(());
         }
-        let consumed = serde_json::json!({
-            "slices": self.stats.consumed,
-            "round": self.round.unwrap_or(0),
-            "data": self.config.data,
-        });
-        let _: serde_json::Value = self.bridge.post("/data/consumed", &consumed)?;
+        self.bridge.consumed(&ConsumedRequest {
+            slices: self.stats.consumed.clone(),
+            round: self.round.unwrap_or(0),
+            completed_round: None,
+            data: self.config.data.clone(),
+        })?;
         self.stats.consumed.clear();
         Ok(())
     }
@@ -422,12 +411,11 @@ impl Trainer {
         };
         std::fs::create_dir_all(&outbox).map_err(file_error)?;
         std::fs::write(&path, bytes).map_err(file_error)?;
-        let request = serde_json::json!({
-            "send": {"type": "Peers", "peers": [peer], "strategy": "All"},
-            "path": format!("outbox/{name}"),
-            "patience_ms": SEND_PATIENCE.as_millis() as u64,
-        });
-        let _: serde_json::Value = self.bridge.post("/resources/send", &request)?;
+        self.bridge.send(&SendRequest {
+            send: Target::peers([peer], Strategy::All),
+            path: format!("outbox/{name}"),
+            patience_ms: Some(SEND_PATIENCE.as_millis() as u64),
+        })?;
         let _ = std::fs::remove_file(&path);
         Ok(())
     }
@@ -437,14 +425,17 @@ impl Trainer {
     /// (join another server, training is over) is returned instead. A model of a round this
     /// trainer already took (a server answers each join offer) is skipped.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
-        let request = serde_json::json!({
-            "fetch": {"type": "Peers", "peers": [peer]},
-            "out_dir": "models",
-            "wait_ms": MODEL_WAIT.as_millis() as u64,
-        });
+        let request = FetchRequest {
+            fetch: Reference::Peers {
+                peers: vec![peer.to_string()],
+                strategy: Strategy::All,
+            },
+            out_dir: "models".to_string(),
+            wait_ms: Some(MODEL_WAIT.as_millis() as u64),
+        };
         let mut offered = Instant::now();
         loop {
-            let entries: Vec<FileEntry> = self.bridge.post("/resources/fetch", &request)?;
+            let entries = self.bridge.fetch(&request)?;
             if let Some(entry) = entries.into_iter().next() {
                 let bytes = take(&self.dir, &entry)?;
                 let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
@@ -498,9 +489,9 @@ fn take(dir: &Path, entry: &FileEntry) -> Result<Vec<u8>, TrainError> {
 /// The job's slices, read batch by batch.
 #[derive(Debug)]
 struct Reader {
-    bridge: Bridge,
+    bridge: Client,
     dir: PathBuf,
-    reference: serde_json::Value,
+    reference: Reference,
     model: ModelSpec,
     tensors: TensorNames,
     current: Option<Slice>,
@@ -521,7 +512,7 @@ struct Slice {
 }
 
 impl Reader {
-    fn new(bridge: Bridge, dir: &Path, config: &JobConfig) -> Self {
+    fn new(bridge: Client, dir: &Path, config: &JobConfig) -> Self {
         Self {
             bridge,
             dir: dir.to_path_buf(),
@@ -582,16 +573,14 @@ impl Reader {
         if self.done {
             return Ok(None);
         }
-        let request = serde_json::json!({
-            "fetch": self.reference,
-            "out_dir": "slices",
-            "wait_ms": DATA_WAIT.as_millis() as u64,
-        });
-        let entries: Vec<FileEntry> = match self.bridge.post("/resources/fetch", &request) {
+        let request = FetchRequest {
+            fetch: self.reference.clone(),
+            out_dir: "slices".to_string(),
+            wait_ms: Some(DATA_WAIT.as_millis() as u64),
+        };
+        let entries = match self.bridge.fetch(&request) {
             Ok(entries) => entries,
-            Err(BridgeError::Status {
-                status: 503, body, ..
-            }) if body.contains("data_wait") => {
+            Err(error) if error.code() == Some("data_wait") => {
                 self.waiting = true;
                 return Ok(None);
             }

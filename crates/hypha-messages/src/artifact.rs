@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The profile a request uses when it names none.
@@ -47,7 +48,7 @@ fn default_profile() -> String {
 }
 
 /// Whether a request names one object or everything under a prefix.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
     #[default]
@@ -65,7 +66,7 @@ pub struct Unpack {
 }
 
 /// How an archive is read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UnpackMethod {
     /// By the file name (`.tar`, `.tar.gz`, `.tgz`, `.zip`), else by the first bytes.

@@ -32,6 +32,7 @@
 //! (`/resources/send`, `/resources/fetch` with `{"type": "Peers"}`); what a file is travels in
 //! its SafeTensors metadata under the [`meta`] keys.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// SafeTensors metadata keys (`__metadata__`) on the files of a DiLoCo job.
@@ -51,7 +52,7 @@ pub mod meta {
 }
 
 /// A DiLoCo status, as sent to the scheduler.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "diloco", rename_all = "snake_case")]
 pub enum Status {
     Trainer(TrainerStatus),
@@ -59,7 +60,7 @@ pub enum Status {
 }
 
 /// Where a trainer stands in its round.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TrainerStatus {
     /// The round it trains, that is the round of the global model it holds; `None` before it
     /// holds one.
@@ -86,7 +87,7 @@ pub struct TrainerStatus {
 }
 
 /// An evaluation of a model on held-out data.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Evaluation {
     pub loss: f64,
     /// For classifiers: the fraction of correct predictions.
@@ -95,7 +96,7 @@ pub struct Evaluation {
 }
 
 /// The scheduler's answer to a trainer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "action", rename_all = "snake_case")]
 pub enum TrainerOrder {
     /// Send your initial model to the parameter server, then fetch the global model from it.
@@ -114,7 +115,7 @@ pub enum TrainerOrder {
 }
 
 /// What the parameter server holds.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ServerStatus {
     /// The round it collects pseudo-gradients for; `None` before it holds a model.
     #[serde(default)]
@@ -137,26 +138,26 @@ pub struct ServerStatus {
     pub offered: Vec<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Arrival {
     pub peer: String,
     pub samples: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Late {
     pub peer: String,
     pub round: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Applied {
     pub round: u64,
     pub included: Vec<String>,
 }
 
 /// The scheduler's answer to the parameter server.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "action", rename_all = "snake_case")]
 pub enum ServerOrder {
     /// Keep collecting.

@@ -6,10 +6,13 @@
 //! clients. Either way one [`IterateRequest`] both reports (slices consumed, a round that
 //! reached the model) and asks (more slices), so a consumer needs one round trip per step.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// One slice in one epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 pub struct SliceRef {
     pub epoch: u32,
     pub slice: u64,

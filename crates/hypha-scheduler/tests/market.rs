@@ -424,9 +424,11 @@ exit 0"#
     assert_eq!(line("missing").0, "502");
     let (code, body) = line("status");
     assert_eq!(code, "200");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
-        body, r#"{"received":true}"#,
-        "the scheduler's answer comes back"
+        answer,
+        serde_json::json!({"received": true, "type": "Ok"}),
+        "the scheduler's answer comes back, with the upstream client's type"
     );
     let statuses = of_kind(&events(&events_path), "executor_status")
         .into_iter()

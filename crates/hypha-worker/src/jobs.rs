@@ -591,15 +591,15 @@ fn signal_group(pid: Option<Pid>, signal: Signal) {
 fn job_json(id: &str, spec: &JobSpec) -> String {
     let config = serde_json::from_str::<serde_json::Value>(&spec.config)
         .unwrap_or_else(|_| serde_json::Value::String(spec.config.clone()));
-    serde_json::json!({
-        "id": id,
-        "task": spec.task,
-        "lease": spec.lease,
-        "executor": spec.executor,
-        "config": config,
-        "secrets_file": (!spec.secrets.is_empty()).then_some("secrets.json"),
-    })
-    .to_string()
+    let job = hypha_bridge::JobDescription::new(
+        id,
+        &spec.task,
+        spec.lease,
+        &spec.executor,
+        config,
+        !spec.secrets.is_empty(),
+    );
+    serde_json::to_string(&job).unwrap_or_default()
 }
 
 /// Replaces the seed's placeholders in executor arguments.

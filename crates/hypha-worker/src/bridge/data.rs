@@ -21,85 +21,50 @@
 use std::{ffi::OsStr, path::Path};
 
 use axum::http::StatusCode;
+use hypha_bridge::{ConsumedAnswer, ConsumedRequest, Reference, SchedulerReference};
 use hypha_data::iteration::AskError;
-use hypha_messages::iterate::{IterateRequest, SliceRef};
+use hypha_messages::iterate::IterateRequest;
 use hypha_network::PeerId;
-use serde::{Deserialize, Serialize};
 
 use super::{Bridge, BridgeError, FileEntry, timestamp};
 use crate::slices::{Next, Prefetcher, Ready, Source};
 
-/// Where a job's slices come from: the reference the scheduler hands its executors.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct SchedulerReference {
-    pub peer: String,
-    pub dataset: String,
-    /// 0: whatever the scheduler's iteration runs.
-    #[serde(default)]
-    pub epochs: u32,
-    #[serde(default)]
-    pub seed: u64,
+/// The scheduler `reference` names.
+fn scheduler_of(reference: &SchedulerReference) -> Result<PeerId, BridgeError> {
+    reference.peer.parse().map_err(|e| {
+        BridgeError::bad_request(format!(
+            "\"peer\": {:?} is not a peer ID: {e}",
+            reference.peer
+        ))
+    })
 }
 
-/// `POST /data/consumed`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConsumedRequest {
-    #[serde(default)]
-    pub slices: Vec<SliceRef>,
-    #[serde(default)]
-    pub round: u64,
-    #[serde(default)]
-    pub completed_round: Option<u64>,
-    /// The reference the slices came from (the job's `data`).
-    pub data: SchedulerReferenceTagged,
+/// The slices `reference` names, as this job reads them.
+fn source_of(reference: &SchedulerReference, bridge: &Bridge) -> Result<Source, BridgeError> {
+    Ok(Source {
+        scheduler: scheduler_of(reference)?,
+        dataset: reference.dataset.clone(),
+        iteration: bridge.context.task.clone(),
+        consumer: bridge.context.job.clone(),
+        epochs: reference.epochs,
+        seed: reference.seed,
+    })
 }
 
-/// The `data` reference as the job's config carries it, `type` included.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "type")]
-pub enum SchedulerReferenceTagged {
-    #[serde(alias = "scheduler")]
-    Scheduler(SchedulerReference),
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct ConsumedAnswer {
-    pub refused: Vec<SliceRef>,
-}
-
-impl SchedulerReference {
-    fn scheduler(&self) -> Result<PeerId, BridgeError> {
-        self.peer.parse().map_err(|e| {
-            BridgeError::bad_request(format!("\"peer\": {:?} is not a peer ID: {e}", self.peer))
-        })
-    }
-
-    fn source(&self, bridge: &Bridge) -> Result<Source, BridgeError> {
-        Ok(Source {
-            scheduler: self.scheduler()?,
-            dataset: self.dataset.clone(),
-            iteration: bridge.context.task.clone(),
-            consumer: bridge.context.job.clone(),
-            epochs: self.epochs,
-            seed: self.seed,
-        })
-    }
-
-    fn request(&self, bridge: &Bridge, want: u32) -> IterateRequest {
-        IterateRequest {
-            iteration: bridge.context.task.clone(),
-            dataset: self.dataset.clone(),
-            consumer: bridge.context.job.clone(),
-            epochs: self.epochs,
-            seed: self.seed,
-            want,
-            cached: Vec::new(),
-            consumed: Vec::new(),
-            round: 0,
-            completed_round: None,
-            holding: None,
-        }
+/// An iterate request of this job for `reference`'s iteration, asking for `want` slices.
+fn iterate_request(reference: &SchedulerReference, bridge: &Bridge, want: u32) -> IterateRequest {
+    IterateRequest {
+        iteration: bridge.context.task.clone(),
+        dataset: reference.dataset.clone(),
+        consumer: bridge.context.job.clone(),
+        epochs: reference.epochs,
+        seed: reference.seed,
+        want,
+        cached: Vec::new(),
+        consumed: Vec::new(),
+        round: 0,
+        completed_round: None,
+        holding: None,
     }
 }
 
@@ -129,7 +94,7 @@ pub(super) async fn fetch(
     out_dir: &Path,
     wait: Option<std::time::Duration>,
 ) -> Result<Vec<FileEntry>, BridgeError> {
-    let source = reference.source(bridge)?;
+    let source = source_of(&reference, bridge)?;
     let holding = bridge.holding(&source);
     let mut prefetchers = bridge.prefetchers.lock().await;
     let prefetcher = match prefetchers.entry(source.clone()) {
@@ -223,9 +188,13 @@ pub(super) async fn consumed(
     bridge: &Bridge,
     request: ConsumedRequest,
 ) -> Result<ConsumedAnswer, BridgeError> {
-    let SchedulerReferenceTagged::Scheduler(reference) = request.data;
-    let source = reference.source(bridge)?;
-    let mut iterate = reference.request(bridge, 0);
+    let Reference::Scheduler(reference) = request.data else {
+        return Err(BridgeError::bad_request(
+            "\"data\" must be the job's data reference, {\"type\": \"Scheduler\", …}, as its config gives it",
+        ));
+    };
+    let source = source_of(&reference, bridge)?;
+    let mut iterate = iterate_request(&reference, bridge, 0);
     iterate.consumed = request.slices.clone();
     iterate.round = request.round;
     iterate.completed_round = request.completed_round;

@@ -32,62 +32,11 @@ use std::{ffi::OsStr, io::Write, path::Path};
 
 use axum::http::StatusCode;
 use futures::StreamExt;
-use serde::Deserialize;
+use hypha_bridge::{FetchRequest, Reference};
+use hypha_messages::artifact;
 use sha2::{Digest, Sha256};
 
-use hypha_messages::artifact;
-
 use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
-
-/// Where a resource comes from (the seed's reference types; lower-case names are accepted too).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "type")]
-pub enum Reference {
-    #[serde(alias = "uri", alias = "Url", alias = "url")]
-    Uri { value: String },
-    #[serde(alias = "huggingface")]
-    HuggingFace {
-        repository: String,
-        #[serde(default)]
-        revision: Option<String>,
-        filenames: Vec<String>,
-        #[serde(default)]
-        token: Option<String>,
-    },
-    #[serde(alias = "peers")]
-    Peers {
-        #[serde(default)]
-        peers: Vec<String>,
-        #[serde(default)]
-        strategy: super::peers::Strategy,
-    },
-    #[serde(alias = "scheduler")]
-    Scheduler(super::data::SchedulerReference),
-    #[serde(alias = "artifact")]
-    Artifact {
-        #[serde(default = "default_profile")]
-        profile: String,
-        uri: String,
-        #[serde(default)]
-        kind: artifact::Kind,
-        #[serde(default)]
-        unpack: Option<artifact::UnpackMethod>,
-    },
-}
-
-fn default_profile() -> String {
-    artifact::DEFAULT_PROFILE.to_string()
-}
-
-#[derive(Debug, Deserialize)]
-pub struct FetchRequest {
-    pub fetch: Reference,
-    pub out_dir: String,
-    /// How long to wait: for `Scheduler` references while no slice is free (then 503
-    /// `data_wait`), for `Peers` for the files (then the ones that came, maybe none).
-    #[serde(default)]
-    pub wait_ms: Option<u64>,
-}
 
 pub(super) async fn fetch(
     bridge: &Bridge,

@@ -27,7 +27,7 @@ pub mod socket;
 pub mod transfer;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::Arc,
     time::SystemTime,
@@ -37,14 +37,17 @@ use axum::{
     Json, Router,
     body::Body,
     extract::State,
-    http::StatusCode,
+    http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
+};
+use hypha_bridge::{
+    ConsumedAnswer, ConsumedRequest, ErrorBody, ReceiveRequest, SendRequest, fetch::FetchBody,
+    status,
 };
 use hypha_messages::Request;
 use hypha_network::Network;
 use libp2p::PeerId;
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -57,8 +60,7 @@ use self::{
     transfer::{Inbox, Inboxes, Registration},
 };
 
-/// The largest request body the bridge reads.
-pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+pub use hypha_bridge::{FileEntry, MAX_BODY_BYTES};
 /// The Hugging Face endpoint used unless `HF_ENDPOINT` says otherwise.
 pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
 
@@ -285,6 +287,10 @@ impl BridgeError {
     fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
     }
+
+    fn body(&self) -> ErrorBody {
+        ErrorBody::new(self.code, self.message.clone())
+    }
 }
 
 impl From<PathError> for BridgeError {
@@ -305,11 +311,7 @@ impl From<PathError> for BridgeError {
 
 impl IntoResponse for BridgeError {
     fn into_response(self) -> Response {
-        (
-            self.status,
-            Json(serde_json::json!({ "code": self.code, "message": self.message })),
-        )
-            .into_response()
+        (self.status, Json(self.body())).into_response()
     }
 }
 
@@ -328,17 +330,6 @@ async fn json_body<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, Brid
         .map_err(|e| BridgeError::bad_request(format!("the body is not the expected JSON: {e}")))
 }
 
-/// A file the bridge wrote or read for the executor.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct FileEntry {
-    /// Relative to the job's directory.
-    pub path: String,
-    pub size: u64,
-    /// `sha256:<hex>`.
-    pub checksum: String,
-    pub metadata: BTreeMap<String, serde_json::Value>,
-}
-
 fn timestamp() -> String {
     time::OffsetDateTime::from(SystemTime::now())
         .format(&time::format_description::well_known::Rfc3339)
@@ -349,31 +340,43 @@ async fn fetch_handler(
     State(bridge): State<Arc<Bridge>>,
     body: Body,
 ) -> Result<Json<Vec<FileEntry>>, BridgeError> {
-    let request: fetch::FetchRequest = json_body(body).await?;
-    fetch::fetch(&bridge, request).await.map(Json)
+    let request: FetchBody = json_body(body).await?;
+    fetch::fetch(&bridge, request.into()).await.map(Json)
 }
 
 async fn send_handler(
     State(bridge): State<Arc<Bridge>>,
     body: Body,
 ) -> Result<Json<FileEntry>, BridgeError> {
-    let request: peers::SendRequest = json_body(body).await?;
+    let request: SendRequest = json_body(body).await?;
     peers::send(&bridge, request).await.map(Json)
 }
 
 async fn receive_handler(
     State(bridge): State<Arc<Bridge>>,
+    headers: HeaderMap,
     body: Body,
-) -> Result<Response, BridgeError> {
-    let request: peers::ReceiveRequest = json_body(body).await?;
-    peers::receive(bridge, request).map(IntoResponse::into_response)
+) -> Response {
+    let wants_events = headers
+        .get(header::ACCEPT)
+        .and_then(|accept| accept.to_str().ok())
+        .is_some_and(|accept| accept.contains("text/event-stream"));
+    let stream = match json_body::<ReceiveRequest>(body).await {
+        Ok(request) => peers::receive(bridge, request),
+        Err(error) => Err(error),
+    };
+    match stream {
+        Ok(stream) => stream.into_response(),
+        Err(error) if wants_events => peers::refused_stream(error),
+        Err(error) => error.into_response(),
+    }
 }
 
 async fn consumed_handler(
     State(bridge): State<Arc<Bridge>>,
     body: Body,
-) -> Result<Json<data::ConsumedAnswer>, BridgeError> {
-    let request: data::ConsumedRequest = json_body(body).await?;
+) -> Result<Json<ConsumedAnswer>, BridgeError> {
+    let request: ConsumedRequest = json_body(body).await?;
     data::consumed(&bridge, request).await.map(Json)
 }
 
@@ -381,7 +384,7 @@ async fn status_send(
     State(bridge): State<Arc<Bridge>>,
     body: Body,
 ) -> Result<Response, BridgeError> {
-    let payload: serde_json::Value = json_body(body).await?;
+    let status: serde_json::Value = json_body(body).await?;
     let answer = bridge
         .shared
         .network
@@ -389,7 +392,7 @@ async fn status_send(
             bridge.context.scheduler,
             Request::ExecutorStatus {
                 job: bridge.context.job.clone(),
-                payload: payload.to_string(),
+                payload: status.to_string(),
             },
         )
         .await
@@ -401,11 +404,16 @@ async fn status_send(
             )
         })?;
     match answer {
-        hypha_messages::Response::ExecutorStatus { payload } => Ok((
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            payload,
-        )
-            .into_response()),
+        hypha_messages::Response::ExecutorStatus { payload } => {
+            let answer = serde_json::from_str(&payload).map_err(|e| {
+                BridgeError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "scheduler_unreachable",
+                    format!("the scheduler's answer is not JSON: {e}"),
+                )
+            })?;
+            Ok(Json(status::with_upstream_type(answer, &status)).into_response())
+        }
         _ => Err(BridgeError::new(
             StatusCode::BAD_GATEWAY,
             "scheduler_unreachable",
@@ -424,7 +432,7 @@ async fn not_found() -> BridgeError {
 
 async fn openapi() -> impl IntoResponse {
     (
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        include_str!("openapi.json"),
+        [(header::CONTENT_TYPE, "application/json")],
+        hypha_bridge::openapi::JSON,
     )
 }

@@ -19,68 +19,21 @@ use std::{
 };
 
 use axum::{
-    http::StatusCode,
-    response::sse::{Event, KeepAlive, Sse},
+    http::{StatusCode, header},
+    response::{
+        IntoResponse, Response,
+        sse::{Event, KeepAlive, Sse},
+    },
 };
 use futures::Stream;
+use hypha_bridge::{ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target};
 use hypha_network::PeerId;
 use rand::seq::SliceRandom;
-use serde::{Deserialize, Serialize};
 
 use super::{
     Bridge, BridgeError, FileEntry, paths, timestamp,
     transfer::{self, Arrived, Header},
 };
-
-/// How a resource is spread over, or gathered from, several peers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Strategy {
-    #[default]
-    #[serde(alias = "all")]
-    All,
-    #[serde(alias = "one")]
-    One,
-    #[serde(alias = "random")]
-    Random,
-}
-
-/// The peers of `/resources/send` and `/resources/receive`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "type")]
-pub enum Target {
-    #[serde(alias = "peers")]
-    Peers {
-        #[serde(default)]
-        peers: Vec<String>,
-        #[serde(default)]
-        strategy: Strategy,
-    },
-}
-
-#[derive(Debug, Deserialize)]
-pub struct SendRequest {
-    pub send: Target,
-    pub path: String,
-    /// How long to keep trying a peer that cannot be reached or refuses for now; default
-    /// [`transfer::SEND_PATIENCE`].
-    #[serde(default)]
-    pub patience_ms: Option<u64>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ReceiveRequest {
-    pub receive: Target,
-    pub out_dir: String,
-}
-
-/// One event of `/resources/receive`.
-#[derive(Debug, Serialize)]
-struct ReceiveEvent {
-    #[serde(flatten)]
-    entry: FileEntry,
-    from_peer: String,
-    sequence: u64,
-}
 
 fn parse_peers(peers: &[String]) -> Result<Vec<PeerId>, BridgeError> {
     let mut parsed = Vec::with_capacity(peers.len());
@@ -238,24 +191,46 @@ pub(super) fn receive(
                 () = bridge.stopping.cancelled() => return None,
             };
             let event = match deliver(&bridge, &arrived, &out_dir) {
-                Ok(entry) => {
-                    Event::default()
-                        .id(arrived.sequence.to_string())
-                        .json_data(ReceiveEvent {
-                            entry,
-                            from_peer: arrived.from.to_string(),
-                            sequence: arrived.sequence,
-                        })
-                }
-                Err(e) => Event::default()
-                    .event("error")
-                    .json_data(serde_json::json!({ "code": e.code, "message": e.message })),
-            }
-            .unwrap_or_default();
+                Ok(entry) => Event::default()
+                    .id(arrived.sequence.to_string())
+                    .json_data(ReceiveEvent {
+                        entry,
+                        from_peer: arrived.from.to_string(),
+                        sequence: arrived.sequence,
+                    })
+                    .unwrap_or_default(),
+                Err(e) => error_event(e),
+            };
             Some((Ok(event), (!just_one).then_some(())))
         }
     });
     Ok(Sse::new(events).keep_alive(KeepAlive::default()))
+}
+
+/// An error in a receive stream: `event: error`, its data a [`StreamError`].
+fn error_event(error: BridgeError) -> Event {
+    Event::default()
+        .event("error")
+        .json_data(StreamError {
+            error: error.body(),
+        })
+        .unwrap_or_default()
+}
+
+/// A receive refused before its stream started, answered to a client that reads event
+/// streams: the error's status, and the error as the stream's one event, so that a client
+/// that never looks at the status (the upstream one) still sees it.
+pub(super) fn refused_stream(error: BridgeError) -> Response {
+    let data = serde_json::to_string(&StreamError {
+        error: error.body(),
+    })
+    .unwrap_or_default();
+    (
+        error.status,
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        format!("event: error\ndata: {data}\n\n"),
+    )
+        .into_response()
 }
 
 /// `/resources/fetch` of `{"type": "Peers"}`: waits for files sent to the job; with `wait`,

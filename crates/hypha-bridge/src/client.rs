@@ -1,4 +1,5 @@
-//! A client of the job bridge: JSON over HTTP/1.1 on the job's Unix socket.
+//! A blocking client of the job bridge: JSON over HTTP/1.1 on the job's Unix socket, with the
+//! standard library alone (an executor needs no async runtime to talk to its worker).
 //!
 //! One connection per request (`Connection: close`): requests are few and some wait long
 //! (the next slice, the next global model), so there is nothing to gain from keeping one open.
@@ -11,9 +12,11 @@ use std::{
 
 use serde::{Serialize, de::DeserializeOwned};
 
+use crate::{ConsumedAnswer, ConsumedRequest, ErrorBody, FetchRequest, FileEntry, SendRequest};
+
 /// Why a bridge request failed.
 #[derive(Debug, thiserror::Error)]
-pub enum BridgeError {
+pub enum ClientError {
     #[error("cannot reach the job bridge at {socket}: {error}")]
     Connect {
         socket: PathBuf,
@@ -21,11 +24,11 @@ pub enum BridgeError {
     },
     #[error("the job bridge's answer to {path} is not HTTP: {detail}")]
     Malformed { path: String, detail: String },
-    #[error("the job bridge answered {path} with {status}: {body}")]
-    Status {
+    #[error("the job bridge answered {path} with {status}: {error}")]
+    Refused {
         path: String,
         status: u16,
-        body: String,
+        error: ErrorBody,
     },
     #[error("the job bridge's answer to {path} is not the expected JSON: {error}")]
     Json {
@@ -34,30 +37,68 @@ pub enum BridgeError {
     },
 }
 
+impl ClientError {
+    /// The error code the bridge answered with, if it answered with one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Refused { error, .. } => Some(&error.code),
+            _ => None,
+        }
+    }
+
+    /// The HTTP status the bridge answered with, if it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Refused { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
 /// The job bridge of one job.
 #[derive(Debug, Clone)]
-pub struct Bridge {
+pub struct Client {
     socket: PathBuf,
 }
 
-impl Bridge {
+impl Client {
     pub fn new(socket: &Path) -> Self {
         Self {
             socket: socket.to_path_buf(),
         }
     }
 
+    /// `POST /resources/fetch`: the files the reference brought into the job's directory.
+    pub fn fetch(&self, request: &FetchRequest) -> Result<Vec<FileEntry>, ClientError> {
+        self.post("/resources/fetch", request)
+    }
+
+    /// `POST /resources/send`: the file as sent, `metadata.peers` naming who took it.
+    pub fn send(&self, request: &SendRequest) -> Result<FileEntry, ClientError> {
+        self.post("/resources/send", request)
+    }
+
+    /// `POST /data/consumed`: the slices refused (held too long; another job has them).
+    pub fn consumed(&self, request: &ConsumedRequest) -> Result<ConsumedAnswer, ClientError> {
+        self.post("/data/consumed", request)
+    }
+
+    /// `POST /status/send`: the scheduler's answer, read as `A`.
+    pub fn status<A: DeserializeOwned>(&self, status: &impl Serialize) -> Result<A, ClientError> {
+        self.post("/status/send", status)
+    }
+
     /// `POST path` with `body` as JSON; the answer read as `R`.
-    pub fn post<R: DeserializeOwned>(
+    fn post<R: DeserializeOwned>(
         &self,
         path: &str,
         body: &impl Serialize,
-    ) -> Result<R, BridgeError> {
-        let connect = |error| BridgeError::Connect {
+    ) -> Result<R, ClientError> {
+        let connect = |error| ClientError::Connect {
             socket: self.socket.clone(),
             error,
         };
-        let body = serde_json::to_vec(body).map_err(|error| BridgeError::Json {
+        let body = serde_json::to_vec(body).map_err(|error| ClientError::Json {
             path: path.to_string(),
             error,
         })?;
@@ -71,18 +112,23 @@ impl Bridge {
         let mut response = Vec::new();
         stream.read_to_end(&mut response).map_err(connect)?;
         let (status, body) =
-            parse_response(&response).map_err(|detail| BridgeError::Malformed {
+            parse_response(&response).map_err(|detail| ClientError::Malformed {
                 path: path.to_string(),
                 detail,
             })?;
         if status != 200 {
-            return Err(BridgeError::Status {
+            // An answer that is not the bridge's error JSON (a proxy, a crash) still says
+            // what it was.
+            let error = serde_json::from_slice(&body).unwrap_or_else(|_| {
+                ErrorBody::new("unknown", String::from_utf8_lossy(&body).into_owned())
+            });
+            return Err(ClientError::Refused {
                 path: path.to_string(),
                 status,
-                body: String::from_utf8_lossy(&body).into_owned(),
+                error,
             });
         }
-        serde_json::from_slice(&body).map_err(|error| BridgeError::Json {
+        serde_json::from_slice(&body).map_err(|error| ClientError::Json {
             path: path.to_string(),
             error,
         })

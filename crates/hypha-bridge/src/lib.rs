@@ -1,0 +1,56 @@
+//! The job bridge's interface: what an executor and its worker say to each other over the
+//! job's Unix socket (HTTP/1.1, JSON), as Rust types both ends share.
+//!
+//! The worker's bridge (`hypha-worker`) reads the requests and writes the answers defined
+//! here; our reference executor (`hypha-executor`) writes and reads the same types through
+//! [`client::Client`]; `openapi.json` is generated from them ([`openapi`]) and a test fails
+//! when the committed file differs. A change to the bridge's shapes is one change here, seen
+//! by every side at compile time.
+//!
+//! **Two dialects.** Requests are read in seed 003's shapes and in those of the upstream
+//! Hypha project's Python client (`Session` of its accelerate executor): a bare reference as
+//! a fetch body, `resource`/`path` for `send`/`receive`/`out_dir`, strategies as `"All"` or
+//! `{"type": "All"}`, lower-case reference types. Status answers carry the upstream `type`
+//! beside our fields ([`status`]); the job's JSON carries `job_id` and `executor.config`
+//! beside `id` and `config` ([`job`]); error events of a receive stream are told from files
+//! by their `error` field alone ([`peers::StreamError`]).
+//!
+//! This crate owns shapes and their documentation only: it knows nothing of networks,
+//! ledgers, models or files on disk.
+
+pub mod client;
+mod dialect;
+pub mod error;
+pub mod fetch;
+pub mod job;
+pub mod openapi;
+pub mod peers;
+pub mod status;
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use error::ErrorBody;
+pub use fetch::{ConsumedAnswer, ConsumedRequest, FetchRequest, Reference, SchedulerReference};
+pub use job::{ExecutorDescription, JobDescription};
+pub use peers::{ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target};
+
+/// The largest request body the bridge reads.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// A file the bridge wrote or read for the executor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileEntry {
+    /// Relative to the job's directory.
+    pub path: String,
+    /// In bytes.
+    pub size: u64,
+    /// `sha256:<hex>`.
+    pub checksum: String,
+    /// What the bridge knows of the file: `epoch`, `slice` and `samples` of a slice,
+    /// `from_peer` and `sequence` of a file a peer sent, `peers` a file was sent to, …
+    #[serde(default)]
+    pub metadata: BTreeMap<String, serde_json::Value>,
+}
