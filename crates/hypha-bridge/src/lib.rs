@@ -54,3 +54,61 @@ pub struct FileEntry {
     #[serde(default)]
     pub metadata: BTreeMap<String, serde_json::Value>,
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::fetch::FetchBody;
+
+    fn read<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> T {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn both_dialects_read_as_the_same_requests() {
+        let ours: FetchBody =
+            read(json!({"fetch": {"type": "Uri", "value": "https://x/y"}, "out_dir": "artifacts"}));
+        let upstream: FetchBody = read(json!({"type": "uri", "value": "https://x/y"}));
+        assert_eq!(FetchRequest::from(ours), FetchRequest::from(upstream));
+
+        let ours: SendRequest = read(
+            json!({"send": {"type": "Peers", "peers": ["p"], "strategy": "All"}, "path": "f"}),
+        );
+        let upstream: SendRequest = read(
+            json!({"resource": {"type": "peers", "peers": ["p"], "strategy": {"type": "All"}}, "path": "f"}),
+        );
+        assert_eq!(ours, upstream);
+
+        let ours: ReceiveRequest =
+            read(json!({"receive": {"type": "Peers", "peers": ["p"]}, "out_dir": "incoming"}));
+        let upstream: ReceiveRequest =
+            read(json!({"resource": {"type": "peers", "peers": ["p"]}, "path": "incoming"}));
+        let defaulted: ReceiveRequest =
+            read(json!({"resource": {"type": "peers", "peers": ["p"]}}));
+        assert_eq!(ours, upstream);
+        assert_eq!(ours, defaulted);
+    }
+
+    #[test]
+    fn a_mistake_is_reported_in_the_shape_it_was_made_in() {
+        let error = |value: serde_json::Value| {
+            serde_json::from_value::<FetchBody>(value)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error(json!({"fetch": {"type": "Uri"}})).contains("missing field `value`"));
+        assert!(error(json!({"type": "Nowhere"})).contains("unknown variant `Nowhere`"));
+        assert!(error(json!({"out_dir": "x"})).contains("a bare reference"));
+        let strategy = serde_json::from_value::<Strategy>(json!({"type": "Most"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            strategy.contains("\"All\", \"One\" or \"Random\""),
+            "{strategy}"
+        );
+    }
+}

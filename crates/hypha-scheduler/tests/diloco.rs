@@ -8,6 +8,7 @@
 mod common;
 
 use std::{
+    collections::HashSet,
     io::{BufRead, BufReader, Read, Write},
     net::TcpListener,
     path::PathBuf,
@@ -800,5 +801,104 @@ fn survive_kill_schedule(seed: u64) {
 fn seeded_kill_schedules_over_every_role_leave_each_slice_used_once() {
     for seed in 1..=3 {
         survive_kill_schedule(seed);
+    }
+}
+
+/// Two Rust reference trainers and one numpy trainer written with the Python SDK
+/// (`python/examples/numpy_trainer.py`, the same MLP under the same parameter names) train one
+/// DiLoCo job: every slice once per epoch, the Python trainer's pseudo-gradients in the rounds,
+/// the loss falls.
+#[test]
+fn rust_and_numpy_trainers_train_one_job_together() {
+    if python_with(&["numpy"], true) {
+        train_with_python_trainer("examples/numpy_trainer.py", 2);
+    }
+}
+
+/// The PyTorch example trainer (`python/examples/torch_trainer.py`) trains a job, where torch
+/// is installed (CI does not install it: the test says it skipped). It trains alone: importing
+/// torch takes seconds, longer than a reference trainer needs for this whole job.
+#[test]
+fn a_torch_trainer_trains_a_job() {
+    if python_with(&["numpy", "torch"], false) {
+        train_with_python_trainer("examples/torch_trainer.py", 0);
+    }
+}
+
+/// Runs a DiLoCo job of `rust_trainers` reference trainers and one trainer that is the Python
+/// `script`, and checks what a user would: it succeeded, exactly once, the Python trainer
+/// reported and was in at least two rounds, the model learned.
+fn train_with_python_trainer(script: &str, rust_trainers: usize) {
+    const EPOCHS: u32 = 2;
+    let (mut cluster, _data, mut server) = cluster();
+    // The dataset is tiny (24 slices of 4 KiB): with the default budget, the reference
+    // trainers' workers would prefetch all of them before a Python trainer, a second slower to
+    // start, asks for its first (a real dataset's thousands of slices of megabytes leave the
+    // same budget a few ahead of each).
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut rust: Vec<Proc> = (0..rust_trainers)
+        .map(|i| cluster.trainer_worker(&format!("rust{i}"), ""))
+        .collect();
+    let (python_peer, mut python) = cluster.peer_id_after("python", |cluster| {
+        cluster.python_worker("python", "train", "diloco", script, &[])
+    });
+    let job = cluster.diloco_job("mixed", rust_trainers + 1, EPOCHS, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = rust.iter_mut().collect();
+    procs.push(&mut python);
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    // The Python trainer reported, and its pseudo-gradients went into rounds.
+    let python_dir = job_dir(&cluster.path("python-work"));
+    let python_job = python_dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .trim_start_matches("hypha-")
+        .to_string();
+    let metrics = lines_of(&cluster.path("mixed-job.metrics.jsonl"));
+    let trainers: HashSet<&str> = metrics.iter().filter_map(|m| m["job"].as_str()).collect();
+    assert!(
+        metrics.iter().any(|m| m["kind"] == "trainer"
+            && m["job"] == python_job.as_str()
+            && m["loss"].is_f64()),
+        "no loss from the Python trainer {python_job} (trainers: {trainers:?}); its reports: {:?}; it said:\n{}",
+        metrics
+            .iter()
+            .filter(|m| m["job"] == python_job.as_str())
+            .map(|m| m.to_string())
+            .collect::<Vec<_>>(),
+        std::fs::read_to_string(python_dir.join("stderr.log")).unwrap_or_default()
+    );
+    let rounds: Vec<_> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    let with_python = rounds
+        .iter()
+        .filter(|r| {
+            r["included"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p == python_peer.as_str())
+        })
+        .count();
+    assert!(
+        with_python >= 2,
+        "the Python trainer is in {with_python} of {} rounds",
+        rounds.len()
+    );
+    assert_eq!(of_kind(&events(&events_path), "round").len(), rounds.len());
+
+    // Each slice trained once per epoch; the model learned.
+    assert_audit_passes(&cluster.path("mixed-job.ledger"), EPOCHS, SLICES);
+    let ps_dir = job_dir(&cluster.path("ps-work"));
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(ps_dir.join("final.safetensors")));
+    assert!(after < 0.5 * before, "evaluation loss {before} → {after}");
+
+    for trainer in rust.iter_mut().chain([&mut python]) {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
     }
 }

@@ -699,3 +699,90 @@ fn a_lapsed_lease_of_an_earlier_process_never_stops_a_job_of_a_later_one() {
         "{finished:#?}"
     );
 }
+
+/// The Python SDK's tests (`python/tests`, run by `in_job.py`) and the upstream Hypha client's
+/// request shapes, inside two jobs of one task on two real workers: fetch, send and receive
+/// between the jobs, status, slices and `/data/consumed`, error events raised. Each job writes
+/// what passed; the job fails if a test does.
+#[test]
+fn the_python_sdk_and_the_upstream_client_work_against_real_bridges() {
+    if !python_with(&["json"], true) {
+        return;
+    }
+    let cluster = Cluster::new();
+    let _data = cluster.blobs_data_node("data");
+    let shared = cluster.path("python-shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    let start = |name: &'static str| {
+        let env = [
+            ("SDK_TEST_DIR", shared.display().to_string()),
+            ("SDK_TEST_NAME", name.to_string()),
+        ];
+        move |cluster: &Cluster| {
+            cluster.python_worker(name, "test", "python-sdk", "tests/in_job.py", &env)
+        }
+    };
+    let (a_id, mut a) = cluster.peer_id_after("a", start("a"));
+    let (b_id, mut b) = cluster.peer_id_after("b", start("b"));
+    std::fs::write(shared.join("peer-for-a"), &b_id).unwrap();
+    std::fs::write(shared.join("peer-for-b"), &a_id).unwrap();
+    let job = cluster.job(
+        "sdk",
+        "workers = 2\nbid = 100.0\nmax_attempts = 1\n[executor]\nclass = \"test\"\nname = \"python-sdk\"\n[resources]\ncpu = 1\n[data]\ndataset = \"blobs\"\nepochs = 1\nseed = 3\n",
+    );
+    let (mut scheduler, _) = cluster.scheduler("scheduler", &job);
+    let (ok, logs) = scheduler.wait(Duration::from_secs(180));
+    let logs_of = |name: &str| {
+        let dir = job_dir(&cluster.path(&format!("{name}-work")));
+        std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+    };
+    assert!(
+        ok,
+        "{}\n--- a\n{}\n--- b\n{}",
+        logs.join("\n"),
+        logs_of("a"),
+        logs_of("b")
+    );
+
+    let mut slices = 0;
+    for name in ["a", "b"] {
+        let dir = job_dir(&cluster.path(&format!("{name}-work")));
+        let results: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap())
+                .unwrap();
+        assert_eq!(results["failed"], serde_json::json!([]), "{name}");
+        let passed: Vec<&str> = results["passed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
+        for test in [
+            "test_bridge.BridgeEndpoints.test_a_fetch_downloads_a_url_into_the_job_directory",
+            "test_bridge.BridgeEndpoints.test_a_status_reaches_the_scheduler_and_its_answer_comes_back",
+            "test_bridge.Peers.test_files_go_both_ways_between_the_jobs_of_the_task",
+            "test_bridge.Peers.test_an_error_event_in_a_stream_is_raised",
+            "test_bridge.Peers.test_a_receive_refused_before_its_stream_raises",
+            "test_bridge.Slices.test_every_slice_taken_is_read_and_reported_consumed",
+            "test_upstream_dialect.UpstreamClient.test_its_fetch_posts_a_bare_reference",
+            "test_upstream_dialect.UpstreamClient.test_its_send_resource_and_receive_exchange_files",
+            "test_upstream_dialect.UpstreamClient.test_its_send_status_reads_the_answers_type",
+            "test_upstream_dialect.UpstreamClient.test_a_refused_receive_is_an_event_it_tells_from_a_file",
+            "test_upstream_dialect.UpstreamClient.test_its_job_json_has_job_id_and_executor_config",
+        ] {
+            assert!(
+                passed.contains(&test),
+                "{name}: {test} did not pass: {results}"
+            );
+        }
+        slices += std::fs::read_to_string(shared.join(format!("slices-{name}.txt")))
+            .unwrap()
+            .parse::<u64>()
+            .unwrap();
+    }
+    // The two jobs read every slice once between them, and the ledger agrees.
+    assert_eq!(slices, DILOCO_SLICES);
+    assert_audit_passes(&cluster.path("sdk-job.ledger"), 1, DILOCO_SLICES);
+    a.kill();
+    b.kill();
+}

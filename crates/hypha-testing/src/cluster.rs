@@ -59,6 +59,8 @@ pub struct Cluster {
     pub gateway_address: String,
     /// The `[offer] lease_ms` of the workers it starts; `None`: the workers' default.
     pub worker_lease_ms: Option<u64>,
+    /// The `prefetch_bytes` of the workers it starts; `None`: the workers' default.
+    pub worker_prefetch_bytes: Option<u64>,
 }
 
 impl Cluster {
@@ -74,6 +76,7 @@ impl Cluster {
             gateway_address: String::new(),
             // Short, so that tests of lapsing leases are quick.
             worker_lease_ms: Some(3000),
+            worker_prefetch_bytes: None,
         };
         let config = cluster.config("gateway", Role::Gateway, "");
         let mut gateway = Proc::start(
@@ -167,8 +170,11 @@ impl Cluster {
         let lease = self
             .worker_lease_ms
             .map_or(String::new(), |ms| format!("lease_ms = {ms}\n"));
+        let prefetch = self
+            .worker_prefetch_bytes
+            .map_or(String::new(), |bytes| format!("prefetch_bytes = {bytes}\n"));
         let extra = format!(
-            "work_dir = \"{}\"\nkill_grace_ms = 1000\n[resources]\n{resources}\n[offer]\n{lease}{offer}\n{executors}",
+            "work_dir = \"{}\"\nkill_grace_ms = 1000\n{prefetch}[resources]\n{resources}\n[offer]\n{lease}{offer}\n{executors}",
             work.display()
         );
         let config = self.config(name, Role::Worker, &extra);
@@ -479,6 +485,36 @@ pub const DILOCO_MODEL: ModelSpec = ModelSpec::Mlp {
     hidden: 32,
     classes: 4,
 };
+/// The repository's Python SDK and its examples and tests (`python/`).
+pub fn python_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    dir.canonicalize().unwrap_or(dir)
+}
+
+/// Whether `python3` runs and imports `modules`; where it does not, the test that asked says
+/// it skipped. `ci_installs`: CI installs them (`.ci/run`), so where `CI` is set their absence
+/// fails the test instead.
+pub fn python_with(modules: &[&str], ci_installs: bool) -> bool {
+    let imports = modules
+        .iter()
+        .map(|m| format!("import {m}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let found = std::process::Command::new("python3")
+        .args(["-c", &format!("{imports}\n")])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !found {
+        let what = format!("python3 with {modules:?}");
+        assert!(
+            !ci_installs || std::env::var_os("CI").is_none(),
+            "{what} is missing; .ci/run installs it"
+        );
+        eprintln!("SKIPPED: {what} is not installed");
+    }
+    found
+}
+
 /// The slices of `blobs` (64 samples each).
 pub const DILOCO_SLICES: u64 = 24;
 
@@ -512,6 +548,28 @@ impl Cluster {
             bin("hypha-executor").display().to_string()
         );
         self.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])
+    }
+
+    /// A worker whose executor `class`/`name` is the Python script `script` (relative to the
+    /// repository's `python/`), started as the SDK's executors are (`--socket`,
+    /// `--work-dir`, `--job`), with the SDK on its `PYTHONPATH` and `env` in its environment.
+    pub fn python_worker(
+        &self,
+        name: &str,
+        class: &str,
+        executor: &str,
+        script: &str,
+        env: &[(&str, String)],
+    ) -> Proc {
+        let python = python_dir();
+        let mut env = env.to_vec();
+        env.push(("PYTHONPATH", python.display().to_string()));
+        let names: Vec<&str> = env.iter().map(|(name, _)| *name).collect();
+        let executors = format!(
+            "[[executors]]\nclass = {class:?}\nname = {executor:?}\nruntime = \"process\"\ncmd = \"python3\"\nargs = [{:?}, \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\nenv = {names:?}\n",
+            python.join(script).display().to_string()
+        );
+        self.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executors, &env)
     }
 
     /// A DiLoCo job file `name` on `blobs`: `workers` trainers, `epochs` epochs, `extra` lines

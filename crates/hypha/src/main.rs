@@ -4,7 +4,7 @@ use std::{io::IsTerminal, path::PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use hypha::quickstart::{self, OwnData, Progress, Settings};
+use hypha::quickstart::{self, OwnData, Progress, PythonTrainer, Settings};
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
 
 /// Hypha: decentralized training over mutual TLS.
@@ -60,6 +60,19 @@ enum Command {
         /// Keep the network and its dashboard up after training, until Ctrl-C.
         #[arg(long)]
         hold: bool,
+        /// One more trainer: this Python script, written with the SDK in `python/` (e.g.
+        /// python/examples/numpy_trainer.py; `pip install ./python` first, or set
+        /// PYTHONPATH=python).
+        #[arg(long, value_name = "SCRIPT")]
+        python_trainer: Option<PathBuf>,
+        /// The interpreter that runs --python-trainer (a virtual environment's python, …).
+        #[arg(
+            long,
+            value_name = "PROGRAM",
+            default_value = "python3",
+            requires = "python_trainer"
+        )]
+        python: String,
     },
 }
 
@@ -90,6 +103,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             target,
             http,
             hold,
+            python_trainer,
+            python,
         } => {
             let exe = std::env::current_exe().context("cannot find this program's path")?;
             let model = model
@@ -112,6 +127,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 dataset,
                 http,
                 hold,
+                python_trainer: python_trainer.map(|script| PythonTrainer { script, python }),
             };
             let bar = if std::io::stderr().is_terminal() {
                 let bar = indicatif::ProgressBar::new_spinner();

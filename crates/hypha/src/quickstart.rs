@@ -49,6 +49,23 @@ pub struct Settings {
     pub http: String,
     /// Keep the network and the dashboard up after training, until [`Held::wait`] returns.
     pub hold: bool,
+    /// One more trainer, written in Python with `hypha_sdk`: the script and the interpreter
+    /// that runs it.
+    pub python_trainer: Option<PythonTrainer>,
+}
+
+/// A trainer the quickstart runs as `{python} {script} --socket … --work-dir … --job …`.
+#[derive(Debug, Clone)]
+pub struct PythonTrainer {
+    pub script: PathBuf,
+    pub python: String,
+}
+
+impl Settings {
+    /// Every trainer of the job: the reference executors and the Python one.
+    fn all_trainers(&self) -> usize {
+        self.trainers + usize::from(self.python_trainer.is_some())
+    }
 }
 
 /// What [`run`] tells its caller as it goes.
@@ -154,6 +171,8 @@ pub enum QuickstartError {
     },
     #[error("--dataset {dir}: {error}")]
     OwnData { dir: PathBuf, error: EvaluateError },
+    #[error("--python-trainer {script}: {problem}")]
+    PythonTrainer { script: PathBuf, problem: String },
     #[error(transparent)]
     Certs(#[from] hypha_certs::Error),
     #[error(transparent)]
@@ -227,6 +246,11 @@ pub fn run(
         }
         None => None,
     };
+    let python_trainer = settings
+        .python_trainer
+        .as_ref()
+        .map(check_python_trainer)
+        .transpose()?;
     for sub in ["", "certs", "logs", "data", "work"] {
         let path = dir.join(sub);
         std::fs::create_dir_all(&path).map_err(|error| QuickstartError::Write { path, error })?;
@@ -287,6 +311,17 @@ pub fn run(
             executor.display().to_string()
         );
         workers.push((format!("trainer-{i}"), trainer));
+    }
+    if let Some((python, script, python_path)) = &python_trainer {
+        let env = python_path.as_ref().map_or(String::new(), |path| {
+            format!("env = [{:?}]\n", format!("PYTHONPATH={path}"))
+        });
+        let trainer = format!(
+            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [{:?}, \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{env}",
+            python.python,
+            script.display().to_string()
+        );
+        workers.push(("python-trainer".to_string(), trainer));
     }
     let mut started_workers = Vec::new();
     for (name, executors) in &workers {
@@ -590,11 +625,57 @@ fn job_file(settings: &Settings, training: &Training) -> String {
          [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = 32\nround_seconds = 10\n\
          inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
          [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
-        trainers = settings.trainers,
+        trainers = settings.all_trainers(),
         dataset = training.dataset,
         rounds = settings.rounds,
         samples = settings.samples_per_round,
     )
+}
+
+/// The Python trainer, its script and the `PYTHONPATH` its executor gets, as the worker will
+/// see them: absolute, since jobs run in their own directories. Checked first: the script is
+/// a file and its interpreter imports the SDK.
+fn check_python_trainer(
+    python: &PythonTrainer,
+) -> Result<(&PythonTrainer, PathBuf, Option<String>), QuickstartError> {
+    let problem = |problem: String| QuickstartError::PythonTrainer {
+        script: python.script.clone(),
+        problem,
+    };
+    let script = std::path::absolute(&python.script).map_err(|e| problem(e.to_string()))?;
+    if !script.is_file() {
+        return Err(problem("no such file".into()));
+    }
+    let python_path = std::env::var_os("PYTHONPATH")
+        .filter(|path| !path.is_empty())
+        .map(|path| {
+            let absolute: Vec<PathBuf> = std::env::split_paths(&path)
+                .map(|p| std::path::absolute(&p).unwrap_or(p))
+                .collect();
+            std::env::join_paths(absolute)
+                .map(|joined| joined.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| path.to_string_lossy().into_owned())
+        });
+    let mut imports = std::process::Command::new(&python.python);
+    imports.args(["-c", "import hypha_sdk.diloco, numpy"]);
+    if let Some(path) = &python_path {
+        imports.env("PYTHONPATH", path);
+    }
+    let imports = imports.output().map_err(|e| {
+        problem(format!(
+            "cannot run {}: {e} (--python names the interpreter)",
+            python.python
+        ))
+    })?;
+    if !imports.status.success() {
+        let stderr = String::from_utf8_lossy(&imports.stderr);
+        let why = stderr.lines().last().unwrap_or("it failed").to_string();
+        return Err(problem(format!(
+            "{} cannot import the SDK: {why}; install it with `pip install './python[numpy]'` (or set PYTHONPATH=python)",
+            python.python
+        )));
+    }
+    Ok((python, script, python_path))
 }
 
 /// A flat JSON object (a model spec) as a TOML inline table.

@@ -1,0 +1,395 @@
+"""The DiLoCo trainer protocol, as a loop you give a model.
+
+A Hypha DiLoCo job has trainers and a parameter server; its scheduler drives the rounds. A
+trainer (this loop) does what the scheduler's orders say, through the job bridge:
+
+1. Ask (``/status/send`` with a trainer status). ``join``: offer the model it holds to the
+   parameter server, then take the global model the server answers with.
+2. ``train``: run inner steps (your ``train_step``) on batches of the job's slices
+   (``/resources/fetch`` with the job's ``data``) until the round's batch target; report batch
+   times and loss every ``report_every`` seconds and take the new target.
+3. At the target, finish the slice being read (each slice's samples go into one round), tell
+   the ledger which slices the round consumed (``/data/consumed``), send the pseudo-gradient
+   θ_global − θ_local with its round and sample count to the parameter server, and wait for
+   the next global model.
+4. ``done``: return.
+
+Your model provides three methods (see :class:`Model`): ``parameters()`` and ``load()`` as
+numpy float32 arrays by name (names and shapes as the job's other trainers use them: a job
+can mix Python and Rust trainers), and ``train_step(batch)``, one optimiser step on a batch
+(a dict of numpy arrays, one per tensor of the slice, rows ``[i, i + batch_size)``) that
+returns the loss. Keep your optimiser's state across rounds, as DiLoCo does.
+
+Needs numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+try:  # Protocol is typing's from 3.8 on.
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    Protocol = object  # type: ignore
+
+from . import safetensors
+from .client import Bridge, BridgeError, peers
+from .job import Job
+
+__all__ = ["Model", "Trainer", "KIND", "ROUND", "SAMPLES"]
+
+# SafeTensors metadata keys of a DiLoCo job's files.
+KIND = "hypha.kind"
+ROUND = "hypha.round"
+SAMPLES = "hypha.samples"
+KIND_MODEL = "model"
+KIND_PSEUDO_GRADIENT = "pseudo_gradient"
+
+
+class Model(Protocol):
+    """What the loop needs of a model."""
+
+    def parameters(self) -> Mapping[str, Any]:
+        """The model's parameters now, as numpy float32 arrays by name."""
+
+    def load(self, parameters: Mapping[str, Any]) -> None:
+        """Replaces the parameters with ``parameters`` (a new global model)."""
+
+    def train_step(self, batch: Mapping[str, Any]) -> float:
+        """One optimiser step on ``batch``; returns its loss."""
+
+
+class ProtocolError(RuntimeError):
+    """A peer answered something the protocol does not allow."""
+
+
+@dataclass
+class _RoundStats:
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    batch_ms: Optional[float] = None
+    consumed: List[Dict[str, int]] = field(default_factory=list)
+    syncing: bool = False
+    sent: bool = False
+
+    def fresh(self) -> "_RoundStats":
+        """The stats of a new round: the pace carries over."""
+        return _RoundStats(batch_ms=self.batch_ms)
+
+
+@dataclass
+class _Slice:
+    tensors: Dict[str, Any]
+    rows: int
+    id: Dict[str, int]
+    next: int = 0
+
+
+class _Reader:
+    """The job's slices, batch by batch, never a batch across two slices."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+        self.current: Optional[_Slice] = None
+        self.finished: List[Dict[str, int]] = []
+        self.done = False
+        self.waiting = False
+
+    def out_of_data(self) -> bool:
+        return (self.done or self.waiting) and not self.in_slice()
+
+    def in_slice(self) -> bool:
+        return self.current is not None and self.current.next < self.current.rows
+
+    def rewind(self) -> None:
+        if self.in_slice():
+            self.current.next = 0  # type: ignore[union-attr]
+
+    def next_batch(self, size: int) -> Optional[Dict[str, Any]]:
+        while not self.in_slice():
+            self.current = self._fetch()
+            if self.current is None:
+                return None
+            if self.current.rows == 0:
+                self.finished.append(self.current.id)
+        current = self.current
+        assert current is not None
+        take = max(1, min(size, current.rows - current.next))
+        batch = {
+            name: array[current.next : current.next + take]
+            for name, array in current.tensors.items()
+        }
+        current.next += take
+        if current.next == current.rows:
+            self.finished.append(current.id)
+        return batch
+
+    def _fetch(self) -> Optional[_Slice]:
+        if self.done:
+            return None
+        trainer = self.trainer
+        try:
+            entry = trainer.bridge.next_slice(
+                trainer.data, out_dir="slices", wait_ms=int(trainer.data_wait * 1000)
+            )
+        except BridgeError as error:
+            if error.code == "data_wait":
+                self.waiting = True
+                return None
+            raise
+        self.waiting = False
+        if entry is None:
+            self.done = True
+            return None
+        try:
+            slice_id = {"epoch": int(entry.metadata["epoch"]), "slice": int(entry.metadata["slice"])}
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"the slice {entry.path} has no epoch and slice in its metadata")
+        tensors, _ = safetensors.loads(trainer.take(entry.path))
+        arrays = {name: tensor.to_numpy() for name, tensor in tensors.items()}
+        rows = {len(a) for a in arrays.values() if getattr(a, "ndim", 0) > 0}
+        if len(rows) > 1:
+            raise ProtocolError(
+                f"slice {slice_id}: its tensors have different row counts {sorted(rows)}"
+            )
+        return _Slice(arrays, rows.pop() if rows else 0, slice_id)
+
+
+class Trainer:
+    """Trains ``model`` in the DiLoCo job ``job`` until its scheduler says training is over.
+
+    ``batch_size`` defaults to the job's ``[diloco] batch_size``. The timings mirror the
+    reference executor's: report every ``report_every`` s, wait ``data_wait`` s for a free
+    slice and ``model_wait`` s for a global model before asking the scheduler again, keep
+    trying an unreachable parameter server ``send_patience`` s, offer the model again every
+    ``offer_again`` s while joining, ask again every ``retry`` s after a peer was away.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        model: Model,
+        batch_size: Optional[int] = None,
+        report_every: float = 0.2,
+        data_wait: float = 1.0,
+        model_wait: float = 1.0,
+        send_patience: float = 2.0,
+        offer_again: float = 5.0,
+        retry: float = 0.5,
+        log=None,
+    ) -> None:
+        import numpy  # noqa: F401  (fail now, not in the middle of a round)
+
+        self.job = job
+        self.bridge: Bridge = job.bridge
+        self.model = model
+        diloco = job.config.get("diloco") or {}
+        self.batch_size = int(batch_size or diloco.get("batch_size") or 32)
+        if "data" not in job.config:
+            raise ValueError("the job's config has no \"data\": is it a DiLoCo job with a dataset?")
+        self.data = job.config["data"]
+        self.report_every = report_every
+        self.data_wait = data_wait
+        self.model_wait = model_wait
+        self.send_patience = send_patience
+        self.offer_again = offer_again
+        self.retry = retry
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.global_parameters = {k: _f32(v) for k, v in model.parameters().items()}
+        self.round: Optional[int] = None
+        self.last_model: Optional[int] = None
+        self.stats = _RoundStats()
+        self.reader = _Reader(self)
+        self.rounds_trained = 0
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Trains until the scheduler says ``done``; returns the rounds whose
+        pseudo-gradient this trainer sent."""
+        order: Optional[Dict[str, Any]] = None
+        reported = time.monotonic()
+        unreachable = False
+        while True:
+            try:
+                order, reported = self._step(order, reported)
+                if order is not None and order.get("action") == "done":
+                    return self.rounds_trained
+                unreachable = False
+            except BridgeError as error:
+                if not error.transient:
+                    raise
+                if not unreachable:
+                    self.log(f"{error}; asking again every {self.retry} s")
+                unreachable = True
+                order = None
+                time.sleep(self.retry)
+
+    def _step(self, order: Optional[Dict[str, Any]], reported: float):
+        target_reached = (
+            order is not None
+            and order.get("action") == "train"
+            and self.stats.batches >= order["batches"]
+        )
+        if order is None or target_reached or time.monotonic() - reported >= self.report_every:
+            order = self._report()
+            reported = time.monotonic()
+        action = order.get("action")
+        if action == "done":
+            return order, reported
+        if action == "wait":
+            time.sleep(min(max(order.get("retry_ms", 100), 10), 5000) / 1000)
+            return None, reported
+        if action == "join":
+            return self._join(order["parameter_server"]), reported
+        if action != "train":
+            raise ProtocolError(f"the scheduler answered an unknown order: {order}")
+        if self.round != order["round"]:
+            return None, reported
+        wants_more = self.stats.batches < order["batches"] or self.reader.in_slice()
+        if wants_more and not self.stats.syncing:
+            if self._train_batch():
+                return order, reported
+            if self.stats.samples == 0:
+                # Nothing trained and nothing free: wait for slices to come back or the end.
+                time.sleep(self.report_every)
+                return None, reported
+        return self._sync(order["parameter_server"]), reported
+
+    def _report(self) -> Dict[str, Any]:
+        self._report_consumed()
+        stats = self.stats
+        status = {
+            "diloco": "trainer",
+            "round": self.round,
+            "batches": stats.batches,
+            "samples": stats.samples,
+            "batch_ms": stats.batch_ms,
+            "loss": stats.loss_sum / stats.batches if stats.batches else None,
+            "data_done": self.reader.out_of_data(),
+        }
+        return self.bridge.status(status)
+
+    def _train_batch(self) -> bool:
+        started = time.monotonic()
+        batch = self.reader.next_batch(self.batch_size)
+        self.stats.consumed.extend(self.reader.finished)
+        self.reader.finished.clear()
+        if batch is None:
+            return False
+        rows = max((len(a) for a in batch.values() if getattr(a, "ndim", 0) > 0), default=0)
+        loss = float(self.model.train_step(batch))
+        elapsed = (time.monotonic() - started) * 1000
+        stats = self.stats
+        stats.batches += 1
+        stats.samples += rows
+        stats.loss_sum += loss
+        stats.batch_ms = elapsed if stats.batch_ms is None else 0.7 * stats.batch_ms + 0.3 * elapsed
+        return True
+
+    def _join(self, server: str) -> Optional[Dict[str, Any]]:
+        if self.round is not None:
+            self.log(f"round {self.round}: abandoned; joining the parameter server {server}")
+            self.round = None
+            self.reader.rewind()
+            self.stats = self.stats.fresh()
+            self.last_model = None
+            if self._report().get("action") == "done":
+                return {"action": "done"}
+        self._offer(server)
+        return self._receive(server)
+
+    def _offer(self, server: str) -> None:
+        metadata = {KIND: KIND_MODEL, ROUND: "0"}
+        self._send(server, "initial-model.safetensors", self.global_parameters, metadata)
+
+    def _report_consumed(self) -> None:
+        if not self.stats.consumed:
+            return
+        self.bridge.consumed(self.stats.consumed, self.round or 0, self.data)
+        self.stats.consumed = []
+
+    def _sync(self, server: str) -> Optional[Dict[str, Any]]:
+        round_ = self.round or 0
+        self.stats.syncing = True
+        self._report_consumed()
+        if self.stats.samples > 0 and not self.stats.sent:
+            local = self.model.parameters()
+            delta = {
+                name: global_ - _f32(local[name]) if name in local else global_ * 0
+                for name, global_ in self.global_parameters.items()
+            }
+            metadata = {KIND: KIND_PSEUDO_GRADIENT, ROUND: str(round_), SAMPLES: str(self.stats.samples)}
+            self._send(server, f"pseudo-gradient-{round_}.safetensors", delta, metadata)
+            self.stats.sent = True
+            self.rounds_trained += 1
+            self.log(
+                f"round {round_}: pseudo-gradient of {self.stats.samples} samples "
+                f"({self.stats.batches} batches) sent"
+            )
+        return self._receive(server)
+
+    def _send(self, server: str, name: str, tensors: Mapping[str, Any], metadata: Dict[str, str]) -> None:
+        outbox = self.job.path("outbox")
+        os.makedirs(outbox, exist_ok=True)
+        path = os.path.join(outbox, name)
+        safetensors.save(path, tensors, metadata)
+        self.bridge.send(f"outbox/{name}", [server], "All", patience_ms=int(self.send_patience * 1000))
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _receive(self, server: str) -> Optional[Dict[str, Any]]:
+        offered = time.monotonic()
+        while True:
+            entries = self.bridge.fetch(
+                peers([server]), out_dir="models", wait_ms=int(self.model_wait * 1000)
+            )
+            if entries:
+                tensors, metadata = safetensors.loads(self.take(entries[0].path))
+                try:
+                    round_ = int(metadata[ROUND])
+                except (KeyError, ValueError):
+                    raise ProtocolError(f"a model from {server} without its round: {metadata}")
+                if self.last_model is not None and round_ <= self.last_model:
+                    continue
+                parameters = {name: _f32(t.to_numpy()) for name, t in tensors.items()}
+                self.model.load(parameters)
+                self.global_parameters = parameters
+                self.round = round_
+                self.last_model = round_
+                self.log(f"round {round_}: global model received")
+                self.stats = self.stats.fresh()
+                return None
+            order = self._report()
+            action = order.get("action")
+            if action == "done":
+                return order
+            if action == "join":
+                if self.round is None and order.get("parameter_server") == server:
+                    if time.monotonic() - offered >= self.offer_again:
+                        self._offer(server)
+                        offered = time.monotonic()
+                else:
+                    return order
+
+    def take(self, relative: str) -> bytes:
+        """The bytes of a file the bridge delivered; the file is removed, so that a long
+        job's directory does not fill up."""
+        path = self.job.path(relative)
+        with open(path, "rb") as file:
+            raw = file.read()
+        os.unlink(path)
+        return raw
+
+
+def _f32(array: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(array, dtype=np.float32)
