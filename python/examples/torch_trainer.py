@@ -85,13 +85,13 @@ class TorchModel:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(description="A DiLoCo trainer in PyTorch (an MLP classifier)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    own, rest = parser.parse_known_args(argv)
-    job = hypha_job.from_args(rest, description="A DiLoCo trainer in PyTorch (an MLP classifier)")
-    model = TorchModel.from_config(job.config, own.device)
+    job = hypha_job.from_args(argv, parser=parser)
+    device = job.args.device
+    model = TorchModel.from_config(job.config, device)
     rounds = diloco.Trainer(job, model).run()
-    print(f"torch trainer on {own.device}: done after {rounds} rounds", file=sys.stderr)
+    print(f"torch trainer on {device}: done after {rounds} rounds", file=sys.stderr)
     return 0
 
 

@@ -46,7 +46,7 @@ class BridgeError(Exception):
     @property
     def transient(self) -> bool:
         """A peer could not be reached or was busy: asking again later may work."""
-        return self.status in (502, 503, 504) and self.code != "data_wait"
+        return self.status in (502, 503, 504) and self.code not in ("data_wait", "scheduler_answer")
 
 
 @dataclass(frozen=True)
@@ -171,9 +171,12 @@ class Bridge:
         self, data: JSON, out_dir: str = "slices", wait_ms: Optional[int] = None
     ) -> Optional[FileEntry]:
         """The next slice of the job's dataset (``data`` is the job config's ``data``), with
-        ``epoch``, ``slice`` and ``samples`` in its metadata; ``None`` when every slice is
-        used or held by jobs still running. With ``wait_ms``, a :class:`BridgeError` with
-        code ``data_wait`` says no slice was free in that time."""
+        ``epoch``, ``slice`` and ``samples`` in its metadata.
+
+        ``None``: the iteration is over for this job, every slice of every epoch used or
+        held by jobs still running. While slices are held by others and may come back, the
+        request waits; with ``wait_ms``, at most that long, then a :class:`BridgeError` with
+        code ``data_wait`` says to ask again later."""
         entries = self.fetch(data, out_dir=out_dir, wait_ms=wait_ms)
         return entries[0] if entries else None
 
@@ -231,17 +234,20 @@ class Bridge:
         completed_round: Optional[int] = None,
     ) -> List[JSON]:
         """``POST /data/consumed``: the slices (``{"epoch": …, "slice": …}``) read to their
-        end went into ``round``. Returns the slices refused: the job held them too long and
-        another job has them now."""
+        end went into ``round``. A job without a parameter server also says which round
+        reached the model with ``completed_round`` (its slices are then used for good).
+        Returns the slices refused: the job held them too long and another job has them
+        now."""
         body: JSON = {"slices": [dict(s) for s in slices], "round": int(round), "data": data}
         if completed_round is not None:
             body["completed_round"] = int(completed_round)
         return list(self._post("/data/consumed", body)["refused"])
 
     def status(self, payload: Any) -> JSON:
-        """``POST /status/send``: ``payload`` to the job's scheduler; returns its answer (a
-        DiLoCo order for a trainer's status, ``{"received": true}`` otherwise, with the
-        upstream ``type`` beside)."""
+        """``POST /status/send``: ``payload`` (any JSON) to the job's scheduler; returns its
+        answer: a DiLoCo order (``{"action": "train", …}``) for a trainer's status,
+        ``{"received": true}`` for any other. Every answer also has a ``type`` (``Ok``,
+        ``Continue``, ``ScheduleUpdate``, ``Done``) for clients of the upstream dialect."""
         return self._post("/status/send", payload)
 
     def openapi(self) -> JSON:
@@ -265,7 +271,10 @@ class Bridge:
     def _request(
         self, connection: _UnixConnection, path: str, body: Any, accept: str = "application/json"
     ) -> http.client.HTTPResponse:
-        encoded = json.dumps(body).encode()
+        try:
+            encoded = json.dumps(body, allow_nan=False).encode()
+        except ValueError as error:
+            raise ValueError(f"{path}: {error} (JSON has no NaN or infinity: send None)") from None
         connection.request(
             "POST",
             path,

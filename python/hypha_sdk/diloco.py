@@ -29,12 +29,8 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
-
-try:  # Protocol is typing's from 3.8 on.
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    Protocol = object  # type: ignore
+import math
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from . import safetensors
 from .client import Bridge, BridgeError, peers
@@ -51,16 +47,24 @@ KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 
 
 class Model(Protocol):
-    """What the loop needs of a model."""
+    """What the loop needs of a model.
+
+    Its parameters must have exactly the names and shapes of the job's global model (the
+    other trainers' and the model the job file describes); the loop checks and stops with a
+    :class:`ProtocolError` naming the differences.
+    """
 
     def parameters(self) -> Mapping[str, Any]:
-        """The model's parameters now, as numpy float32 arrays by name."""
+        """The model's parameters now, as numpy float32 arrays by name (copies or not: the
+        loop copies what it keeps)."""
 
     def load(self, parameters: Mapping[str, Any]) -> None:
-        """Replaces the parameters with ``parameters`` (a new global model)."""
+        """Replaces the parameters with ``parameters``, a new global model with every name
+        :meth:`parameters` has. Keep the optimiser's state: DiLoCo carries it across rounds."""
 
     def train_step(self, batch: Mapping[str, Any]) -> float:
-        """One optimiser step on ``batch``; returns its loss."""
+        """One optimiser step on ``batch`` (the slice's tensors by name, numpy arrays with
+        up to ``batch_size`` rows: a slice's last batch may be smaller); returns its loss."""
 
 
 class ProtocolError(RuntimeError):
@@ -110,7 +114,9 @@ class _Reader:
         if self.in_slice():
             self.current.next = 0  # type: ignore[union-attr]
 
-    def next_batch(self, size: int) -> Optional[Dict[str, Any]]:
+    def next_batch(self, size: int) -> Optional[Tuple[Dict[str, Any], int]]:
+        """The next batch of at most ``size`` rows and its row count; ``None`` when the data
+        is done (for now)."""
         while not self.in_slice():
             self.current = self._fetch()
             if self.current is None:
@@ -120,14 +126,18 @@ class _Reader:
         current = self.current
         assert current is not None
         take = max(1, min(size, current.rows - current.next))
+        # Tensors of one row per sample are cut into batches; any other tensor of the slice
+        # (a vocabulary, a scalar) comes whole with every batch.
         batch = {
             name: array[current.next : current.next + take]
+            if getattr(array, "ndim", 0) > 0 and len(array) == current.rows
+            else array
             for name, array in current.tensors.items()
         }
         current.next += take
         if current.next == current.rows:
             self.finished.append(current.id)
-        return batch
+        return batch, take
 
     def _fetch(self) -> Optional[_Slice]:
         if self.done:
@@ -152,12 +162,11 @@ class _Reader:
             raise ProtocolError(f"the slice {entry.path} has no epoch and slice in its metadata")
         tensors, _ = safetensors.loads(trainer.take(entry.path))
         arrays = {name: tensor.to_numpy() for name, tensor in tensors.items()}
-        rows = {len(a) for a in arrays.values() if getattr(a, "ndim", 0) > 0}
-        if len(rows) > 1:
-            raise ProtocolError(
-                f"slice {slice_id}: its tensors have different row counts {sorted(rows)}"
-            )
-        return _Slice(arrays, rows.pop() if rows else 0, slice_id)
+        try:
+            rows = int(entry.metadata["samples"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"the slice {entry.path} has no samples in its metadata")
+        return _Slice(arrays, rows, slice_id)
 
 
 class Trainer:
@@ -270,19 +279,19 @@ class Trainer:
             "batches": stats.batches,
             "samples": stats.samples,
             "batch_ms": stats.batch_ms,
-            "loss": stats.loss_sum / stats.batches if stats.batches else None,
+            "loss": _finite(stats.loss_sum / stats.batches) if stats.batches else None,
             "data_done": self.reader.out_of_data(),
         }
         return self.bridge.status(status)
 
     def _train_batch(self) -> bool:
         started = time.monotonic()
-        batch = self.reader.next_batch(self.batch_size)
+        next_batch = self.reader.next_batch(self.batch_size)
         self.stats.consumed.extend(self.reader.finished)
         self.reader.finished.clear()
-        if batch is None:
+        if next_batch is None:
             return False
-        rows = max((len(a) for a in batch.values() if getattr(a, "ndim", 0) > 0), default=0)
+        batch, rows = next_batch
         loss = float(self.model.train_step(batch))
         elapsed = (time.monotonic() - started) * 1000
         stats = self.stats
@@ -320,10 +329,8 @@ class Trainer:
         self._report_consumed()
         if self.stats.samples > 0 and not self.stats.sent:
             local = self.model.parameters()
-            delta = {
-                name: global_ - _f32(local[name]) if name in local else global_ * 0
-                for name, global_ in self.global_parameters.items()
-            }
+            _check_same("the global model", self.global_parameters, "this trainer's model", local)
+            delta = {name: global_ - _f32(local[name]) for name, global_ in self.global_parameters.items()}
             metadata = {KIND: KIND_PSEUDO_GRADIENT, ROUND: str(round_), SAMPLES: str(self.stats.samples)}
             self._send(server, f"pseudo-gradient-{round_}.safetensors", delta, metadata)
             self.stats.sent = True
@@ -360,6 +367,7 @@ class Trainer:
                 if self.last_model is not None and round_ <= self.last_model:
                     continue
                 parameters = {name: _f32(t.to_numpy()) for name, t in tensors.items()}
+                _check_same("the global model", parameters, "this trainer's model", self.model.parameters())
                 self.model.load(parameters)
                 self.global_parameters = parameters
                 self.round = round_
@@ -389,7 +397,39 @@ class Trainer:
         return raw
 
 
+def _check_same(
+    expected_name: str, expected: Mapping[str, Any], actual_name: str, actual: Mapping[str, Any]
+) -> None:
+    """Stops with the differences when two sets of parameters differ in names or shapes: a
+    trainer whose model is not the job's would send updates that mean nothing."""
+    missing = sorted(set(expected) - set(actual))
+    extra = sorted(set(actual) - set(expected))
+    shapes = [
+        f"{name}: {tuple(expected[name].shape)} vs {tuple(getattr(actual[name], 'shape', ()))}"
+        for name in sorted(set(expected) & set(actual))
+        if tuple(expected[name].shape) != tuple(getattr(actual[name], "shape", ()))
+    ]
+    if missing or extra or shapes:
+        problems = []
+        if missing:
+            problems.append(f"{actual_name} lacks {missing}")
+        if extra:
+            problems.append(f"{actual_name} has {extra}, which {expected_name} does not")
+        if shapes:
+            problems.append("shapes differ: " + "; ".join(shapes))
+        raise ProtocolError(
+            f"{actual_name} is not {expected_name}: " + ", ".join(problems)
+            + " (parameter names and shapes must be those of the job's other trainers)"
+        )
+
+
 def _f32(array: Any) -> Any:
+    """A float32 copy: the global model must not share memory with the model that trains."""
     import numpy as np
 
-    return np.asarray(array, dtype=np.float32)
+    return np.array(array, dtype=np.float32, copy=True)
+
+
+def _finite(value: float) -> Optional[float]:
+    """JSON has no NaN: a diverging loss is reported as none."""
+    return value if math.isfinite(value) else None

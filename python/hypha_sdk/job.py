@@ -22,7 +22,12 @@ __all__ = ["Job", "from_args"]
 
 @dataclass
 class Job:
-    """A job: its id, task, executor, the job file's ``[config]``, and its bridge."""
+    """A job: its id, task, executor, the job file's ``[config]``, and its bridge.
+
+    A DiLoCo job's ``config`` holds the job file's ``[config]`` (``model``, ``seed``, …), its
+    ``diloco`` settings (``batch_size``, ``inner`` = the inner optimiser's ``learning_rate``,
+    ``weight_decay``, ``beta1``, ``beta2``) and ``data``, the reference its slices come from.
+    """
 
     id: str
     task: str
@@ -34,6 +39,8 @@ class Job:
     bridge: Bridge
     secrets_file: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict)
+    # The command line as parsed by from_args (with the caller's own options).
+    args: Optional[argparse.Namespace] = None
 
     @classmethod
     def from_json(cls, description: Dict[str, Any], socket_path: str, work_dir: str) -> "Job":
@@ -67,9 +74,17 @@ class Job:
             return json.load(file)
 
 
-def from_args(argv: Optional[Sequence[str]] = None, description: str = "A Hypha executor") -> Job:
-    """The job named by ``--socket``, ``--work-dir`` and ``--job`` on the command line."""
-    parser = argparse.ArgumentParser(description=description)
+def from_args(
+    argv: Optional[Sequence[str]] = None,
+    description: str = "A Hypha executor",
+    parser: Optional[argparse.ArgumentParser] = None,
+) -> Job:
+    """The job named by ``--socket``, ``--work-dir`` and ``--job`` on the command line.
+
+    Give your own ``parser`` to take more options (a worker's ``args`` may add them): they
+    are parsed with the three, and the result is the job's ``args``.
+    """
+    parser = parser or argparse.ArgumentParser(description=description)
     parser.add_argument("--socket", required=True, help="the job bridge's socket ({SOCKET_PATH})")
     parser.add_argument("--work-dir", required=True, help="the job's directory ({WORK_DIR})")
     parser.add_argument(
@@ -85,4 +100,6 @@ def from_args(argv: Optional[Sequence[str]] = None, description: str = "A Hypha 
     else:
         with open(os.path.join(args.work_dir, "job.json"), encoding="utf-8") as file:
             description = json.load(file)
-    return Job.from_json(description, args.socket, args.work_dir)
+    job = Job.from_json(description, args.socket, args.work_dir)
+    job.args = args
+    return job

@@ -127,7 +127,12 @@ _NUMPY_DTYPES = {
 
 
 def loads(raw: bytes) -> Tuple[Dict[str, Tensor], Dict[str, str]]:
-    """The tensors and the metadata of SafeTensors bytes."""
+    """The tensors and the metadata of SafeTensors bytes.
+
+    The file may come from a peer: it is checked as the format's own library checks it (the
+    tensors' byte ranges follow each other from 0 and cover the data exactly, each holds what
+    its dtype and shape need), and anything else is a :class:`SafeTensorsError`.
+    """
     if len(raw) < 8:
         raise SafeTensorsError("shorter than the 8-byte header length")
     (length,) = struct.unpack("<Q", raw[:8])
@@ -135,25 +140,44 @@ def loads(raw: bytes) -> Tuple[Dict[str, Tensor], Dict[str, str]]:
         raise SafeTensorsError(f"a header of {length} bytes does not fit a file of {len(raw)}")
     try:
         header = json.loads(raw[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise SafeTensorsError(f"the header is not JSON: {error}") from None
     if not isinstance(header, dict):
         raise SafeTensorsError("the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafeTensorsError("__metadata__ is not an object of strings")
     body = memoryview(raw)[8 + length :]
-    tensors = {}
+    entries = []
     for name, info in header.items():
         try:
             begin, end = info["data_offsets"]
-            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+            dtype, shape = info["dtype"], info["shape"]
         except (KeyError, TypeError, ValueError):
             raise SafeTensorsError(f"tensor {name!r}: a malformed header entry {info!r}") from None
-        if not 0 <= begin <= end <= len(body):
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            raise SafeTensorsError(f"tensor {name!r}: a malformed header entry {info!r}")
+        numbers = [begin, end, *shape]
+        if not all(type(n) is int and n >= 0 for n in numbers):
+            raise SafeTensorsError(f"tensor {name!r}: offsets and dimensions must be whole numbers ≥ 0")
+        entries.append((begin, end, name, dtype, tuple(shape)))
+    entries.sort()
+    position = 0
+    tensors = {}
+    for begin, end, name, dtype, shape in entries:
+        if begin != position or end < begin:
+            raise SafeTensorsError(
+                f"tensor {name!r}: bytes {begin}..{end} do not follow the previous tensor's end {position}"
+            )
+        if end > len(body):
             raise SafeTensorsError(
                 f"tensor {name!r}: bytes {begin}..{end} lie outside the {len(body)} of the file"
             )
+        position = end
         tensors[name] = Tensor(dtype, shape, bytes(body[begin:end]))
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    if position != len(body):
+        raise SafeTensorsError(f"the tensors cover {position} of the {len(body)} data bytes")
+    return tensors, dict(metadata)
 
 
 def load(path: "os.PathLike[str] | str") -> Tuple[Dict[str, Tensor], Dict[str, str]]:

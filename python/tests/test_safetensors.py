@@ -46,10 +46,20 @@ class Format(unittest.TestCase):
             struct.pack("<Q", 2) + b"[]": "not a JSON object",
             struct.pack("<Q", 3) + b"{x}": "not JSON",
         }
-        header = b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
-        cases[struct.pack("<Q", len(header)) + header + b"\x00" * 8] = "outside"
-        header = b'{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}'
-        cases[struct.pack("<Q", len(header)) + header + b"\x00" * 8] = "needs 12 bytes"
+        def file(header: bytes, data: int) -> bytes:
+            return struct.pack("<Q", len(header)) + header + b"\x00" * data
+
+        cases[file(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', 8)] = "outside"
+        cases[file(b'{"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', 8)] = "needs 12 bytes"
+        cases[file(b'{"t":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}}', 16)] = "≥ 0"
+        cases[file(b'{"t":{"dtype":"F32","shape":[2],"data_offsets":["0",8]}}', 8)] = "≥ 0"
+        cases[file(b'{"t":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}', 8)] = "malformed"
+        cases[file(b'{"__metadata__":"x","t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8)] = "object of strings"
+        cases[file(b"[" * 100_000 + b"]" * 100_000, 0)] = "not JSON"
+        cases[file(b'{"t":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}', 8)] = "cover 4 of the 8"
+        # Tensors sharing bytes: a small file must not become a large one in memory.
+        shared = ",".join(f'"t{i}":{{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}' for i in range(3))
+        cases[file(("{" + shared + "}").encode(), 8)] = "do not follow"
         for raw, expected in cases.items():
             with self.assertRaises(SafeTensorsError) as error:
                 loads(raw)

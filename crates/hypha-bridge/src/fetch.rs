@@ -137,6 +137,13 @@ impl<'de> Deserialize<'de> for FetchBody {
                 .map(FetchBody::Request)
                 .map_err(D::Error::custom)
         } else if has("type") {
+            // A bare reference names no directory and no wait: settings beside it would be
+            // silently ignored.
+            if let Some(key) = ["out_dir", "wait_ms"].into_iter().find(|key| has(key)) {
+                return Err(D::Error::custom(format!(
+                    "\"{key}\" beside a bare reference is not read: write {{\"fetch\": <reference>, \"{key}\": …}}"
+                )));
+            }
             Reference::deserialize(value)
                 .map(FetchBody::Bare)
                 .map_err(D::Error::custom)

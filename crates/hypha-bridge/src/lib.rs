@@ -103,6 +103,7 @@ mod tests {
         assert!(error(json!({"fetch": {"type": "Uri"}})).contains("missing field `value`"));
         assert!(error(json!({"type": "Nowhere"})).contains("unknown variant `Nowhere`"));
         assert!(error(json!({"out_dir": "x"})).contains("a bare reference"));
+        assert!(error(json!({"type": "peers", "wait_ms": 100})).contains("\"wait_ms\" beside"));
         let strategy = serde_json::from_value::<Strategy>(json!({"type": "Most"}))
             .unwrap_err()
             .to_string();

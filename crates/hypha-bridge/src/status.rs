@@ -41,37 +41,61 @@ pub struct StatusAnswer {
     pub scheduler: Map<String, Value>,
 }
 
+/// Why a scheduler's answer could not be passed on.
+#[derive(Debug, thiserror::Error)]
+pub enum AnswerError {
+    #[error("the scheduler's answer is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("the scheduler's answer is {0} bytes; answers are limited to {MAX_ANSWER_BYTES}")]
+    TooLarge(usize),
+}
+
+/// The largest scheduler answer passed on to an executor: orders are a few hundred bytes.
+pub const MAX_ANSWER_BYTES: usize = crate::MAX_BODY_BYTES;
+
 /// `answer` (the scheduler's JSON) with the upstream `type` added; `status` is what the
 /// executor sent, whose `batches` turns a trainer's batch target into the steps left. An
-/// answer that has a `type` already, or is not an object, is returned as it is.
-pub fn with_upstream_type(answer: Value, status: &Value) -> Value {
-    let Value::Object(scheduler) = answer else {
-        return answer;
-    };
-    if scheduler.contains_key("type") {
-        return Value::Object(scheduler);
+/// answer that has a `type` already, or is not an object, is passed on as it is. The
+/// scheduler's own values are passed on byte for byte, never parsed into numbers and written
+/// again.
+pub fn with_upstream_type(answer: &str, status: &Value) -> Result<String, AnswerError> {
+    if answer.len() > MAX_ANSWER_BYTES {
+        return Err(AnswerError::TooLarge(answer.len()));
     }
-    let action = scheduler.get("action").and_then(Value::as_str);
+    let parsed: Value = serde_json::from_str(answer).map_err(AnswerError::NotJson)?;
+    let Value::Object(fields) = &parsed else {
+        return Ok(answer.to_string());
+    };
+    if fields.contains_key("type") {
+        return Ok(answer.to_string());
+    }
+    let action = fields.get("action").and_then(Value::as_str);
     let (kind, counter) = match action {
         Some("done") => (AnswerType::Done, None),
         Some("train") => {
-            let target = scheduler.get("batches").and_then(Value::as_u64);
+            let target = fields.get("batches").and_then(Value::as_u64).unwrap_or(0);
             let done = status.get("batches").and_then(Value::as_u64).unwrap_or(0);
             (
                 AnswerType::ScheduleUpdate,
-                Some(target.unwrap_or(0).saturating_sub(done)),
+                Some(target.saturating_sub(done)),
             )
         }
         Some(_) => (AnswerType::Continue, None),
-        None if scheduler.contains_key("error") => (AnswerType::Error, None),
+        None if fields.contains_key("error") => (AnswerType::Error, None),
         None => (AnswerType::Ok, None),
     };
-    let answer = StatusAnswer {
-        kind,
-        counter,
-        scheduler,
-    };
-    serde_json::to_value(answer).unwrap_or(Value::Null)
+    // The object's own text, with `type` (and `counter`) added after its opening brace.
+    let mut added = format!(
+        "\"type\":{}",
+        serde_json::to_string(&kind).map_err(AnswerError::NotJson)?
+    );
+    if let Some(counter) = counter {
+        added.push_str(&format!(",\"counter\":{counter}"));
+    }
+    let body = answer.trim();
+    let inner = &body[1..body.len() - 1];
+    let separator = if fields.is_empty() { "" } else { "," };
+    Ok(format!("{{{added}{separator}{inner}}}"))
 }
 
 #[cfg(test)]
@@ -86,7 +110,7 @@ mod tests {
     fn every_answer_gains_the_upstream_type_and_keeps_ours() {
         let trainer = json!({"diloco": "trainer", "round": 2, "batches": 5});
         let order = json!({"action": "train", "round": 2, "batches": 9, "parameter_server": "ps"});
-        let answer = with_upstream_type(order, &trainer);
+        let answer = upstream(order, &trainer);
         assert_eq!(answer["type"], "ScheduleUpdate");
         assert_eq!(answer["counter"], 4);
         assert_eq!(answer["action"], "train");
@@ -94,7 +118,7 @@ mod tests {
         // Past the target: sync now.
         let late = json!({"batches": 12});
         let order = json!({"action": "train", "round": 2, "batches": 9, "parameter_server": "ps"});
-        assert_eq!(with_upstream_type(order, &late)["counter"], 0);
+        assert_eq!(upstream(order, &late)["counter"], 0);
 
         let cases = [
             (json!({"action": "done"}), "Done"),
@@ -107,7 +131,7 @@ mod tests {
             (json!({"error": "no"}), "Error"),
         ];
         for (scheduler, kind) in cases {
-            let answer = with_upstream_type(scheduler.clone(), &json!("update"));
+            let answer = upstream(scheduler.clone(), &json!("update"));
             assert_eq!(answer["type"], kind, "{scheduler}");
             for (key, value) in scheduler.as_object().unwrap() {
                 assert_eq!(&answer[key], value, "{scheduler}");
@@ -115,6 +139,28 @@ mod tests {
         }
         // A scheduler that speaks the upstream dialect itself is left alone.
         let own = json!({"type": "Continue", "received": true});
-        assert_eq!(with_upstream_type(own.clone(), &json!({})), own);
+        assert_eq!(upstream(own.clone(), &json!({})), own);
+        // Values pass byte for byte: a number beyond f64 stays as the scheduler wrote it.
+        let precise = r#"{"received": true, "id": 123456789012345678901234567890}"#;
+        let passed = with_upstream_type(precise, &json!({})).unwrap();
+        assert!(
+            passed.contains("123456789012345678901234567890"),
+            "{passed}"
+        );
+        assert_eq!(
+            with_upstream_type("{}", &json!({})).unwrap(),
+            r#"{"type":"Ok"}"#
+        );
+        assert!(with_upstream_type("not json", &json!({})).is_err());
+        let huge = format!("{{\"pad\": \"{}\"}}", "x".repeat(MAX_ANSWER_BYTES));
+        assert!(matches!(
+            with_upstream_type(&huge, &json!({})),
+            Err(AnswerError::TooLarge(_))
+        ));
+    }
+
+    fn upstream(answer: Value, status: &Value) -> Value {
+        let text = with_upstream_type(&answer.to_string(), status).unwrap();
+        serde_json::from_str(&text).unwrap()
     }
 }

@@ -405,14 +405,10 @@ async fn status_send(
         })?;
     match answer {
         hypha_messages::Response::ExecutorStatus { payload } => {
-            let answer = serde_json::from_str(&payload).map_err(|e| {
-                BridgeError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "scheduler_unreachable",
-                    format!("the scheduler's answer is not JSON: {e}"),
-                )
+            let answer = status::with_upstream_type(&payload, &status).map_err(|e| {
+                BridgeError::new(StatusCode::BAD_GATEWAY, "scheduler_answer", e.to_string())
             })?;
-            Ok(Json(status::with_upstream_type(answer, &status)).into_response())
+            Ok(([(header::CONTENT_TYPE, "application/json")], answer).into_response())
         }
         _ => Err(BridgeError::new(
             StatusCode::BAD_GATEWAY,
