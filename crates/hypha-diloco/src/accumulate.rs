@@ -5,52 +5,291 @@ use std::collections::BTreeMap;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::{
-    Error, Tensor, Tensors,
+    Error, Metadata, Tensor, Tensors,
+    codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
     tensors::{all_finite, decode, squared_norm},
 };
 
-/// A pseudo-gradient as SafeTensors bytes, read and checked: every tensor F32, F64 or BF16,
-/// every value finite (one NaN would make the whole global model NaN once averaged in). Its
-/// values are decoded again only as they are added (or measured, for [`norm`](Self::norm)).
+/// A pseudo-gradient as SafeTensors bytes, read and checked: plain (every tensor F32, F64 or
+/// BF16) or compressed by one of the [`codec`](crate::codec)s, every value finite (one NaN
+/// would make the whole global model NaN once averaged in), a compressed tensor's parts
+/// consistent (scales for every block, positions inside the tensor and increasing). Its values
+/// are decoded only as they are added (or measured, for [`norm`](Self::norm)): the update is
+/// never held decoded.
 pub struct Update<'a> {
-    views: Vec<(String, TensorView<'a>)>,
+    parts: Vec<(String, Part<'a>)>,
+}
+
+/// One parameter of an update, as its codec stored it.
+enum Part<'a> {
+    /// `none` and `bf16`: the values.
+    Dense(TensorView<'a>),
+    /// `int8`: quantised values and a scale per block.
+    Int8 {
+        values: TensorView<'a>,
+        scales: TensorView<'a>,
+    },
+    /// `topk`: the shape, and the kept values at their positions.
+    Sparse {
+        shape: Vec<usize>,
+        indices: TensorView<'a>,
+        values: TensorView<'a>,
+    },
+}
+
+impl Part<'_> {
+    fn shape(&self) -> &[usize] {
+        match self {
+            Part::Dense(view) | Part::Int8 { values: view, .. } => view.shape(),
+            Part::Sparse { shape, .. } => shape,
+        }
+    }
+
+    /// `op(target, value)` for each value, with the target of its position in `targets`
+    /// (positions a sparse part does not hold are left alone: their value is 0).
+    fn apply(&self, targets: &mut [f32], op: impl Fn(&mut f32, f32)) {
+        match self {
+            Part::Dense(view) => {
+                decode(view.dtype(), view.data(), targets, op);
+            }
+            Part::Int8 { values, scales } => {
+                let blocks = targets
+                    .chunks_mut(INT8_BLOCK)
+                    .zip(values.data().chunks(INT8_BLOCK))
+                    .zip(scales.data().chunks_exact(4));
+                for ((targets, quantised), scale) in blocks {
+                    let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
+                    for (t, q) in targets.iter_mut().zip(quantised) {
+                        op(t, f32::from(*q as i8) * scale);
+                    }
+                }
+            }
+            Part::Sparse {
+                indices, values, ..
+            } => {
+                let pairs = indices
+                    .data()
+                    .chunks_exact(4)
+                    .zip(values.data().chunks_exact(4));
+                for (index, value) in pairs {
+                    let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
+                    let value = f32::from_le_bytes([value[0], value[1], value[2], value[3]]);
+                    if let Some(t) = targets.get_mut(index as usize) {
+                        op(t, value);
+                    }
+                }
+            }
+        }
+    }
+
+    fn squared_norm(&self) -> f64 {
+        match self {
+            Part::Dense(view) => squared_norm(view.dtype(), view.data()),
+            Part::Sparse { values, .. } => squared_norm(values.dtype(), values.data()),
+            Part::Int8 { values, scales } => values
+                .data()
+                .chunks(INT8_BLOCK)
+                .zip(scales.data().chunks_exact(4))
+                .map(|(quantised, scale)| {
+                    let scale =
+                        f64::from(f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]));
+                    let sum: f64 = quantised.iter().map(|q| f64::from(*q as i8).powi(2)).sum();
+                    sum * scale * scale
+                })
+                .sum(),
+        }
+    }
 }
 
 impl<'a> Update<'a> {
     pub fn read(bytes: &'a [u8]) -> Result<Self, Error> {
         let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
-        let mut views = Vec::new();
-        for (name, view) in file.iter() {
-            if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
-                return Err(Error::Dtype {
-                    name: name.to_string(),
-                    dtype: view.dtype().to_string(),
-                });
-            }
-            if !all_finite(view.dtype(), view.data()) {
-                return Err(Error::NotFinite {
-                    name: name.to_string(),
-                });
-            }
-            views.push((name.to_string(), view));
+        let metadata = crate::metadata(bytes)?;
+        let codec = metadata.get(CODEC).map_or("none", String::as_str);
+        if metadata.contains_key(CODEC)
+            && metadata.get(CODEC_VERSION).map(String::as_str) != Some(VERSION)
+        {
+            return Err(Error::Format(format!(
+                "codec version {:?}; this node reads version {VERSION}",
+                metadata.get(CODEC_VERSION)
+            )));
         }
-        Ok(Update { views })
+        let views: BTreeMap<String, TensorView<'a>> =
+            file.iter().map(|(n, v)| (n.to_string(), v)).collect();
+        let parts = match codec {
+            "none" | "bf16" => dense_parts(views)?,
+            "int8" => int8_parts(views)?,
+            "topk" => sparse_parts(views, &metadata)?,
+            other => {
+                return Err(Error::Format(format!(
+                    "codec {other:?}; this node reads none, bf16, int8 and topk"
+                )));
+            }
+        };
+        Ok(Update { parts })
     }
 
     /// The L2 norm over all its values: one more pass over them, so taken only when asked.
     pub fn norm(&self) -> f64 {
-        self.views
+        self.parts
             .iter()
-            .map(|(_, view)| squared_norm(view.dtype(), view.data()))
+            .map(|(_, part)| part.squared_norm())
             .sum::<f64>()
             .sqrt()
     }
+
+    /// The update decoded, each parameter f32.
+    pub fn to_tensors(&self) -> Tensors {
+        Tensors(
+            self.parts
+                .iter()
+                .map(|(name, part)| {
+                    let mut values = vec![0.0; part.shape().iter().product()];
+                    part.apply(&mut values, |t, v| *t = v);
+                    (name.clone(), codec::tensor(part.shape().to_vec(), values))
+                })
+                .collect(),
+        )
+    }
+}
+
+fn not_finite(name: &str) -> Error {
+    Error::NotFinite {
+        name: name.to_string(),
+    }
+}
+
+fn malformed(name: &str, problem: impl Into<String>) -> Error {
+    Error::Mismatch {
+        name: name.to_string(),
+        problem: problem.into(),
+    }
+}
+
+fn dense_parts(views: BTreeMap<String, TensorView<'_>>) -> Result<Vec<(String, Part<'_>)>, Error> {
+    let mut parts = Vec::new();
+    for (name, view) in views {
+        if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
+            return Err(Error::Dtype {
+                name,
+                dtype: view.dtype().to_string(),
+            });
+        }
+        if !all_finite(view.dtype(), view.data()) {
+            return Err(not_finite(&name));
+        }
+        parts.push((name, Part::Dense(view)));
+    }
+    Ok(parts)
+}
+
+fn int8_parts(
+    mut views: BTreeMap<String, TensorView<'_>>,
+) -> Result<Vec<(String, Part<'_>)>, Error> {
+    let names: Vec<String> = views
+        .keys()
+        .filter(|n| !n.ends_with(SCALE))
+        .cloned()
+        .collect();
+    let mut parts = Vec::new();
+    for name in names {
+        let values = views
+            .remove(&name)
+            .ok_or_else(|| malformed(&name, "is missing"))?;
+        let scales = views
+            .remove(&format!("{name}{SCALE}"))
+            .ok_or_else(|| malformed(&name, "has no scales"))?;
+        if values.dtype() != Dtype::I8 || scales.dtype() != Dtype::F32 {
+            return Err(malformed(&name, "int8 values and F32 scales expected"));
+        }
+        let blocks = values.data().len().div_ceil(INT8_BLOCK);
+        if scales.shape() != [blocks] {
+            return Err(malformed(
+                &name,
+                format!(
+                    "{} scales for {blocks} blocks",
+                    scales.shape().iter().product::<usize>()
+                ),
+            ));
+        }
+        if !all_finite(Dtype::F32, scales.data()) {
+            return Err(not_finite(&name));
+        }
+        parts.push((name, Part::Int8 { values, scales }));
+    }
+    if let Some(stray) = views.keys().next() {
+        return Err(malformed(stray, "scales of no parameter"));
+    }
+    Ok(parts)
+}
+
+fn sparse_parts<'a>(
+    mut views: BTreeMap<String, TensorView<'a>>,
+    metadata: &Metadata,
+) -> Result<Vec<(String, Part<'a>)>, Error> {
+    let names: Vec<String> = views
+        .keys()
+        .filter_map(|n| n.strip_suffix(INDEX).map(str::to_string))
+        .collect();
+    let mut parts = Vec::new();
+    for name in names {
+        let indices = views
+            .remove(&format!("{name}{INDEX}"))
+            .ok_or_else(|| malformed(&name, "has no positions"))?;
+        let values = views
+            .remove(&format!("{name}{VALUE}"))
+            .ok_or_else(|| malformed(&name, "has no values"))?;
+        let shape_text = metadata
+            .get(&format!("{SHAPE}{name}"))
+            .ok_or_else(|| malformed(&name, "has no shape in the metadata"))?;
+        let shape = codec::parse_shape(&name, shape_text)?;
+        let len = shape
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d))
+            .ok_or_else(|| malformed(&name, "a shape too large"))?;
+        if indices.dtype() != Dtype::U32 || values.dtype() != Dtype::F32 {
+            return Err(malformed(&name, "U32 positions and F32 values expected"));
+        }
+        let k = indices.shape().iter().product::<usize>();
+        if indices.shape().len() != 1 || values.shape() != indices.shape() || k > len {
+            return Err(malformed(
+                &name,
+                "positions and values of different or impossible counts",
+            ));
+        }
+        let mut previous: Option<u32> = None;
+        for index in indices.data().chunks_exact(4) {
+            let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
+            if index as usize >= len || previous.is_some_and(|p| index <= p) {
+                return Err(malformed(
+                    &name,
+                    "positions outside the tensor or not increasing",
+                ));
+            }
+            previous = Some(index);
+        }
+        if !all_finite(Dtype::F32, values.data()) {
+            return Err(not_finite(&name));
+        }
+        parts.push((
+            name,
+            Part::Sparse {
+                shape,
+                indices,
+                values,
+            },
+        ));
+    }
+    if let Some(stray) = views.keys().next() {
+        return Err(malformed(stray, "values of no parameter"));
+    }
+    Ok(parts)
 }
 
 impl std::fmt::Debug for Update<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Update")
-            .field("tensors", &self.views.len())
+            .field("tensors", &self.parts.len())
             .finish()
     }
 }
@@ -107,16 +346,14 @@ impl Accumulator {
     /// [`add`](Self::add) of an update already [read](Update::read) and checked.
     pub fn add_update(&mut self, update: &Update<'_>, weight: f64) -> Result<(), Error> {
         let shapes = update
-            .views
+            .parts
             .iter()
-            .map(|(n, v)| (n.as_str(), v.shape(), v.dtype()));
+            .map(|(n, part)| (n.as_str(), part.shape(), Dtype::F32));
         self.prepare(shapes, weight)?;
         let w = weight as f32;
-        for (name, view) in &update.views {
+        for (name, part) in &update.parts {
             if let Some(sum) = self.sums.get_mut(name) {
-                decode(view.dtype(), view.data(), &mut sum.values, |s, v| {
-                    *s += w * v
-                });
+                part.apply(&mut sum.values, |s, v| *s += w * v);
             }
         }
         self.added(weight);

@@ -18,16 +18,21 @@
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
 //!
+//! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`), their wire format, and
+//!   error feedback; [`Update`] reads every codec and the [`Accumulator`] adds them without
+//!   decoding a copy.
 //! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint.
 //!
 //! This crate knows tensors, files and rounds; it knows nothing of networks or schedulers.
 
 mod accumulate;
+pub mod codec;
 mod optimizer;
 pub mod server;
 mod tensors;
 
 pub use accumulate::{Accumulator, Update};
+pub use codec::{Codec, ErrorFeedback};
 pub use optimizer::OuterOptimizer;
 pub use tensors::{MAX_HEADER, Metadata, Tensor, Tensors, metadata, read_metadata};
 

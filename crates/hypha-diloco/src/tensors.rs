@@ -246,7 +246,7 @@ fn from_f32(tensor: &Tensor) -> Vec<u8> {
 }
 
 /// f32 → bfloat16 with round-to-nearest-even, as PyTorch converts; NaN stays NaN.
-fn bf16_bits(value: f32) -> u16 {
+pub(crate) fn bf16_bits(value: f32) -> u16 {
     let bits = value.to_bits();
     if value.is_nan() {
         return ((bits >> 16) as u16) | 0x0040;

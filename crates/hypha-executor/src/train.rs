@@ -25,7 +25,7 @@ use std::{
 };
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use hypha_diloco::{Metadata, Tensors};
+use hypha_diloco::{Codec, ErrorFeedback, Metadata, Tensors};
 use hypha_messages::{
     diloco::{Status, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
@@ -74,10 +74,25 @@ pub struct JobConfig {
     pub diloco: TrainerSettings,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct TrainerSettings {
     pub batch_size: usize,
     pub inner: Inner,
+    /// How pseudo-gradients are compressed (see [`hypha_diloco::codec`]); `none` by default.
+    #[serde(default)]
+    pub compression: Option<String>,
+    #[serde(default)]
+    pub topk_density: Option<f32>,
+}
+
+impl TrainerSettings {
+    /// The codec the job chose.
+    pub fn codec(&self) -> Result<Codec, String> {
+        Codec::named(
+            self.compression.as_deref().unwrap_or("none"),
+            self.topk_density,
+        )
+    }
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -116,7 +131,9 @@ impl TrainError {
     /// A peer could not be reached or was busy (the bridge answers 502, 503 or 504): asking
     /// again later may work.
     fn is_transient(&self) -> bool {
-        matches!(self, Self::Bridge(error) if matches!(error.status(), Some(502..=504)))
+        // A scheduler that answered something unreadable would answer it again.
+        matches!(self, Self::Bridge(error)
+            if matches!(error.status(), Some(502..=504)) && error.code() != Some("scheduler_answer"))
     }
 }
 
@@ -141,6 +158,9 @@ pub struct Trainer {
     last_model: Option<u64>,
     data: Reader,
     stats: RoundStats,
+    /// How pseudo-gradients are compressed, and what compression dropped so far.
+    codec: Codec,
+    feedback: ErrorFeedback,
 }
 
 #[derive(Debug, Default)]
@@ -155,12 +175,16 @@ struct RoundStats {
     syncing: bool,
     /// The round's pseudo-gradient reached the parameter server.
     sent: bool,
+    /// The round's pseudo-gradient, compressed once: a retried send sends these bytes, and
+    /// error feedback moves on once a round.
+    pseudo_gradient: Option<Vec<u8>>,
 }
 
 impl Trainer {
     /// A trainer for the job whose bridge is at `socket` and directory is `dir`.
     pub fn new(socket: &Path, dir: &Path, config: JobConfig) -> Result<Self, TrainError> {
         let model = Model::new(&config.model, config.seed)?;
+        let codec = config.diloco.codec().map_err(TrainError::Protocol)?;
         let inner = config.diloco.inner;
         let optimizer = AdamW::new(
             model.parameters(),
@@ -185,6 +209,8 @@ impl Trainer {
             round: None,
             last_model: None,
             stats: RoundStats::default(),
+            codec,
+            feedback: ErrorFeedback::new(),
         })
     }
 
@@ -329,8 +355,10 @@ impl Trainer {
                 batch_ms: self.stats.batch_ms,
                 ..RoundStats::default()
             };
-            // The new server may go on from an earlier round than the lost one reached.
+            // The new server may go on from an earlier round than the lost one reached; what
+            // compression dropped was measured against the lost server's model.
             self.last_model = None;
+            self.feedback.reset();
             // The scheduler learns that this trainer holds no model of the lost server now:
             // until then, it keeps telling it to join.
             if self.report()? == TrainerOrder::Done {
@@ -374,25 +402,16 @@ impl Trainer {
         self.stats.syncing = true;
         self.report_consumed()?;
         if self.stats.samples > 0 && !self.stats.sent {
-            let mut delta = self.global.clone();
-            let local = self.model.tensors()?;
-            for (name, tensor) in &mut delta.0 {
-                if let Some(trained) = local.0.get(name) {
-                    for (g, l) in tensor.values.iter_mut().zip(&trained.values) {
-                        *g -= l;
-                    }
-                }
-            }
-            let metadata = Metadata::from([
-                (
-                    meta::KIND.to_string(),
-                    meta::KIND_PSEUDO_GRADIENT.to_string(),
-                ),
-                (meta::ROUND.to_string(), round.to_string()),
-                (meta::SAMPLES.to_string(), self.stats.samples.to_string()),
-            ]);
+            let bytes = match self.stats.pseudo_gradient.take() {
+                Some(bytes) => bytes,
+                None => self.pseudo_gradient(round)?,
+            };
             let name = format!("pseudo-gradient-{round}.safetensors");
-            self.send(parameter_server, &name, &delta.to_bytes(&metadata)?)?;
+            let sent = self.send(parameter_server, &name, &bytes);
+            if sent.is_err() {
+                self.stats.pseudo_gradient = Some(bytes);
+            }
+            sent?;
             self.stats.sent = true;
             eprintln!(
                 "round {round}: pseudo-gradient of {} samples ({} batches) sent",
@@ -400,6 +419,32 @@ impl Trainer {
             );
         }
         self.receive(parameter_server)
+    }
+
+    /// The round's pseudo-gradient θ_global − θ_local, compressed with the job's codec, as
+    /// the file sent to the parameter server.
+    fn pseudo_gradient(&mut self, round: u64) -> Result<Vec<u8>, TrainError> {
+        let mut delta = self.global.clone();
+        let local = self.model.tensors()?;
+        for (name, tensor) in &mut delta.0 {
+            let trained = local.0.get(name).ok_or_else(|| {
+                TrainError::Protocol(format!(
+                    "the global model's {name} is not a parameter of this trainer's model"
+                ))
+            })?;
+            for (g, l) in tensor.values.iter_mut().zip(&trained.values) {
+                *g -= l;
+            }
+        }
+        let metadata = Metadata::from([
+            (
+                meta::KIND.to_string(),
+                meta::KIND_PSEUDO_GRADIENT.to_string(),
+            ),
+            (meta::ROUND.to_string(), round.to_string()),
+            (meta::SAMPLES.to_string(), self.stats.samples.to_string()),
+        ]);
+        Ok(self.feedback.compress(&delta, self.codec, &metadata)?)
     }
 
     fn send(&self, peer: &str, name: &str, bytes: &[u8]) -> Result<(), TrainError> {

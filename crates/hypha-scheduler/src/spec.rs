@@ -53,6 +53,8 @@
 //! forward = "http://127.0.0.1:8080/metrics"  # also POST each metrics line there (optional)
 //! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
 //! outer = { learning_rate = 0.7, momentum = 0.9 }
+//! compression = "int8"     # pseudo-gradients: "none" (default), "bf16", "int8" or "topk",
+//! topk_density = 0.01      # with error feedback on the trainers (see hypha_diloco::codec)
 //!
 //! [diloco.parameter_server]
 //! bid = 50.0
@@ -60,8 +62,8 @@
 //! resources = { cpu = 1, memory = 2 }
 //! ```
 //!
-//! Trainers' config gains `"diloco": {"batch_size", "inner"}`; the parameter server's is
-//! `{"outer": …}`.
+//! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "topk_density"}`;
+//! the parameter server's is `{"outer": …}` (it reads every codec from the files themselves).
 //!
 //! With `[data]`, the executor's config gains `"data"`: the reference to hand the job bridge's
 //! `/resources/fetch` for the next slice (`{"type": "Scheduler", "peer": …, "dataset": …}`).
@@ -75,6 +77,7 @@
 use std::path::{Path, PathBuf};
 
 use hypha_dataset::Manifest;
+use hypha_diloco::Codec;
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
 use hypha_messages::{
     artifact,
@@ -138,7 +141,17 @@ pub struct DilocoSpec {
     pub inner: InnerOptimizer,
     #[serde(default)]
     pub outer: OuterOptimizer,
+    /// How trainers compress their pseudo-gradients (`none`, `bf16`, `int8`, `topk`).
+    #[serde(default = "default_compression")]
+    pub compression: String,
+    /// For `topk`: the share of each tensor's values sent.
+    #[serde(default)]
+    pub topk_density: Option<f32>,
     pub parameter_server: ServerSpec,
+}
+
+fn default_compression() -> String {
+    Codec::None.name().to_string()
 }
 
 /// The trainers' AdamW.
@@ -366,7 +379,12 @@ impl JobFile {
         if let Some(object) = config.as_object_mut() {
             object.insert(
                 "diloco".into(),
-                serde_json::json!({"batch_size": diloco.batch_size, "inner": diloco.inner}),
+                serde_json::json!({
+                    "batch_size": diloco.batch_size,
+                    "inner": diloco.inner,
+                    "compression": diloco.compression,
+                    "topk_density": diloco.topk_density,
+                }),
             );
         }
         config.to_string()
@@ -480,6 +498,14 @@ impl DilocoSpec {
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
+        Codec::named(&self.compression, self.topk_density)
+            .map_err(|e| format!("diloco.compression = {:?}: {e}", self.compression))?;
+        if self.topk_density.is_some() && self.compression != "topk" {
+            return Err(format!(
+                "diloco.topk_density is read only with compression = \"topk\" (this job compresses with {:?}): remove it or choose topk",
+                self.compression
+            ));
+        }
         if let Some(ratio) = self.max_update_norm_ratio
             && !(ratio.is_finite() && ratio > 1.0)
         {
@@ -573,6 +599,17 @@ mod tests {
             JobFile::parse("job.toml", &text).unwrap_err().to_string()
         };
         assert!(bad("quorum = 1.5").contains("diloco.quorum = 1.5"));
+        assert!(bad("compression = \"zip\"").contains("diloco.compression = \"zip\""));
+        assert!(bad("compression = \"topk\"").contains("topk needs a density"));
+        assert!(bad("compression = \"topk\"\ntopk_density = 2.0").contains("not in (0, 1]"));
+        assert!(bad("topk_density = 0.1").contains("read only with compression = \"topk\""));
+        let compressed = format!("{base}{diloco}").replace(
+            "batch_size = 32\n",
+            "batch_size = 32\ncompression = \"int8\"\n",
+        );
+        let spec = JobFile::parse("job.toml", &compressed).unwrap();
+        let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
+        assert_eq!(trainer["diloco"]["compression"], "int8");
         assert!(bad("max_update_norm_ratio = 0.5").contains("diloco.max_update_norm_ratio = 0.5"));
         assert!(bad("forward = \"ftp://x\"").contains("diloco.forward"));
         assert!(bad("rounds = 0").contains("diloco.rounds = 0"));

@@ -211,6 +211,32 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
     no_errors("the parameter server's worker", &server.seen);
 }
 
+/// Trainers that send int8 pseudo-gradients with error feedback (`compression = "int8"`): a
+/// quarter of the bytes, every slice still once per epoch, the loss still halves.
+#[test]
+fn int8_compressed_rounds_train_every_slice_once_and_the_loss_falls() {
+    let (cluster, _data, mut server) = cluster();
+    let mut trainers: Vec<Proc> = (0..3)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    let job = cluster.diloco_job("int8", 3, 2, "compression = \"int8\"\n");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+    assert!(of_kind(&events(&events_path), "round").len() >= 3);
+    assert_audit_passes(&cluster.path("int8-job.ledger"), 2, SLICES);
+    let ps_dir = job_dir(&cluster.path("ps-work"));
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(ps_dir.join("final.safetensors")));
+    assert!(after < 0.5 * before, "evaluation loss {before} → {after}");
+    for (i, trainer) in trainers.iter_mut().enumerate() {
+        trainer.kill();
+        no_errors(&format!("trainer{i}"), &trainer.seen);
+    }
+}
+
 #[test]
 fn a_trainer_killed_mid_round_leaves_it_and_its_slices_are_trained_by_others() {
     let (cluster, _data, _server) = cluster();

@@ -1,0 +1,300 @@
+//! Compressed updates: the codecs a DiLoCo job chooses (`[diloco] compression`), their wire
+//! format, and the error feedback that carries what they drop into the next round.
+//!
+//! # Wire format, version 1
+//!
+//! A compressed update is a SafeTensors file like every other file of a DiLoCo job. Its
+//! `__metadata__` says how to read it: [`CODEC`] (`none` when absent) and [`CODEC_VERSION`]
+//! (`1`); a reader refuses a codec or a version it does not know. For each parameter `name`
+//! (its n values in row-major order):
+//!
+//! | codec | tensors | value i |
+//! |---|---|---|
+//! | `none` | `name`: F32 (or F64, BF16), the parameter's shape | as stored |
+//! | `bf16` | `name`: BF16, the parameter's shape | f32 rounded to the nearest bfloat16, ties to even |
+//! | `int8` | `name`: I8, the parameter's shape; `name#scale`: F32 `[⌈n / 256⌉]` | `q[i] · scale[i / 256]` |
+//! | `topk` | `name#index`: U32 `[k]`, strictly increasing; `name#value`: F32 `[k]`; the shape in metadata `hypha.shape.name`, e.g. `[64,16]` | `value[j]` where `index[j] = i`, else 0 |
+//!
+//! `int8` quantises blocks of [`INT8_BLOCK`] values: a block's scale is its largest magnitude
+//! / 127 and each value becomes `round(x / scale)` (a block of zeros has scale 0). `topk` keeps
+//! the k = ⌈density · n⌉ values of largest magnitude (at least one of a non-empty tensor).
+//! Sizes against f32: `bf16` ½, `int8` ¼ + 1/256 for the scales, `topk` 2 × density.
+//!
+//! # Error feedback
+//!
+//! A trainer keeps what the codec dropped from its last update, a residual per parameter
+//! ([`ErrorFeedback`]). The next update is compressed with the residual added, and what is
+//! dropped then is the new residual: eₜ₊₁ = (Δₜ + eₜ) − C(Δₜ + eₜ). The sum of everything sent
+//! is then the sum of the true updates less the last residual: what compression drops is
+//! delayed, never lost.
+
+use std::collections::BTreeMap;
+
+use safetensors::{Dtype, tensor::TensorView};
+
+use crate::{Error, Metadata, Tensor, Tensors, tensors::bf16_bits};
+
+/// Metadata key: the codec of an update (`none`, `bf16`, `int8`, `topk`).
+pub const CODEC: &str = "hypha.codec";
+/// Metadata key: the version of the wire format, [`VERSION`].
+pub const CODEC_VERSION: &str = "hypha.codec_version";
+/// The version of the wire format this module writes and reads.
+pub const VERSION: &str = "1";
+/// Metadata key prefix of a `topk` parameter's shape.
+pub const SHAPE: &str = "hypha.shape.";
+/// Values per `int8` block, each with its own scale.
+pub const INT8_BLOCK: usize = 256;
+/// The suffixes of a parameter's companion tensors.
+pub(crate) const SCALE: &str = "#scale";
+pub(crate) const INDEX: &str = "#index";
+pub(crate) const VALUE: &str = "#value";
+
+/// How updates are compressed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum Codec {
+    /// Full f32.
+    #[default]
+    None,
+    /// bfloat16: half the bytes, about 3 significant digits.
+    Bf16,
+    /// Blockwise int8 with an f32 scale per [`INT8_BLOCK`] values: a quarter of the bytes.
+    Int8,
+    /// The `density` share of values of largest magnitude, with their positions.
+    TopK { density: f32 },
+}
+
+impl Codec {
+    /// The codec named `name` (as in [`CODEC`] and in job files); `density` is `topk`'s.
+    pub fn named(name: &str, density: Option<f32>) -> Result<Self, String> {
+        match name {
+            "none" => Ok(Codec::None),
+            "bf16" => Ok(Codec::Bf16),
+            "int8" => Ok(Codec::Int8),
+            "topk" => match density {
+                Some(density) if density > 0.0 && density <= 1.0 => Ok(Codec::TopK { density }),
+                Some(density) => Err(format!(
+                    "a topk density of {density} is not in (0, 1]: it is the share of values kept, e.g. 0.01"
+                )),
+                None => Err("topk needs a density, the share of values kept, e.g. 0.01".into()),
+            },
+            other => Err(format!(
+                "{other:?} is not a codec: write \"none\", \"bf16\", \"int8\" or \"topk\""
+            )),
+        }
+    }
+
+    /// Its name, as in [`CODEC`].
+    pub fn name(&self) -> &'static str {
+        match self {
+            Codec::None => "none",
+            Codec::Bf16 => "bf16",
+            Codec::Int8 => "int8",
+            Codec::TopK { .. } => "topk",
+        }
+    }
+}
+
+/// One tensor of the encoded file: name, dtype, shape, bytes.
+type Encoded = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
+/// own keys. Refuses an update with a NaN or infinite value.
+pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {
+    let mut metadata = metadata.clone();
+    metadata.insert(CODEC.into(), codec.name().into());
+    metadata.insert(CODEC_VERSION.into(), VERSION.into());
+    let mut encoded: Vec<Encoded> = Vec::new();
+    for (name, tensor) in &update.0 {
+        if tensor.values.iter().any(|v| !v.is_finite()) {
+            return Err(Error::NotFinite { name: name.clone() });
+        }
+        let shape = tensor.shape.clone();
+        match codec {
+            Codec::None => {
+                encoded.push((name.clone(), Dtype::F32, shape, f32_bytes(&tensor.values)))
+            }
+            Codec::Bf16 => {
+                let bytes = tensor
+                    .values
+                    .iter()
+                    .flat_map(|v| bf16_bits(*v).to_le_bytes())
+                    .collect();
+                encoded.push((name.clone(), Dtype::BF16, shape, bytes));
+            }
+            Codec::Int8 => {
+                let (quantised, scales) = int8(&tensor.values);
+                let blocks = scales.len();
+                encoded.push((name.clone(), Dtype::I8, shape, quantised));
+                encoded.push((
+                    format!("{name}{SCALE}"),
+                    Dtype::F32,
+                    vec![blocks],
+                    f32_bytes(&scales),
+                ));
+            }
+            Codec::TopK { density } => {
+                let (indices, values) = top_k(&tensor.values, density);
+                let k = indices.len();
+                metadata.insert(format!("{SHAPE}{name}"), shape_text(&shape));
+                encoded.push((
+                    format!("{name}{INDEX}"),
+                    Dtype::U32,
+                    vec![k],
+                    indices.iter().flat_map(|i| i.to_le_bytes()).collect(),
+                ));
+                encoded.push((
+                    format!("{name}{VALUE}"),
+                    Dtype::F32,
+                    vec![k],
+                    f32_bytes(&values),
+                ));
+            }
+        }
+    }
+    let views = encoded
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            TensorView::new(*dtype, shape.clone(), data)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| Error::Format(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata = metadata.into_iter().collect();
+    safetensors::serialize(views, Some(metadata)).map_err(|e| Error::Format(e.to_string()))
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Blockwise int8: the quantised values (as bytes) and each block's scale.
+fn int8(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    let mut quantised = Vec::with_capacity(values.len());
+    let mut scales = Vec::with_capacity(values.len().div_ceil(INT8_BLOCK));
+    for block in values.chunks(INT8_BLOCK) {
+        let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = largest / 127.0;
+        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        quantised.extend(
+            block
+                .iter()
+                .map(|v| ((v * inverse).round().clamp(-127.0, 127.0) as i8) as u8),
+        );
+        scales.push(scale);
+    }
+    (quantised, scales)
+}
+
+/// The positions (increasing) and values of the ⌈density · n⌉ values of largest magnitude.
+fn top_k(values: &[f32], density: f32) -> (Vec<u32>, Vec<f32>) {
+    let n = values.len();
+    if n == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let k = ((density as f64 * n as f64).ceil() as usize).clamp(1, n);
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    if k < n {
+        // Largest magnitude first; ties by position, so that the choice is deterministic.
+        order.select_nth_unstable_by(k - 1, |&a, &b| {
+            values[b as usize]
+                .abs()
+                .total_cmp(&values[a as usize].abs())
+                .then(a.cmp(&b))
+        });
+        order.truncate(k);
+    }
+    order.sort_unstable();
+    let kept = order.iter().map(|&i| values[i as usize]).collect();
+    (order, kept)
+}
+
+fn shape_text(shape: &[usize]) -> String {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    format!("[{}]", dims.join(","))
+}
+
+/// A `topk` parameter's shape from its metadata value.
+pub(crate) fn parse_shape(name: &str, text: &str) -> Result<Vec<usize>, Error> {
+    serde_json::from_str(text).map_err(|_| Error::Mismatch {
+        name: name.to_string(),
+        problem: format!("its shape {text:?} is not a list of dimensions"),
+    })
+}
+
+/// The residuals of error feedback: what the codec dropped, per parameter, carried into the
+/// next update.
+#[derive(Debug, Default, Clone)]
+pub struct ErrorFeedback {
+    residual: BTreeMap<String, Vec<f32>>,
+}
+
+impl ErrorFeedback {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `update` with the carried residual added, compressed with `codec` (see [`encode`]);
+    /// what the codec dropped this time is carried on. With [`Codec::None`] nothing is
+    /// dropped and nothing is kept.
+    pub fn compress(
+        &mut self,
+        update: &Tensors,
+        codec: Codec,
+        metadata: &Metadata,
+    ) -> Result<Vec<u8>, Error> {
+        let mut carried = update.clone();
+        for (name, tensor) in &mut carried.0 {
+            if let Some(residual) = self.residual.get(name)
+                && residual.len() == tensor.values.len()
+            {
+                for (value, r) in tensor.values.iter_mut().zip(residual) {
+                    *value += r;
+                }
+            }
+        }
+        let bytes = encode(&carried, codec, metadata)?;
+        if codec == Codec::None {
+            self.residual.clear();
+            return Ok(bytes);
+        }
+        // What the receiver will read, decoded by the same code it uses.
+        let sent = crate::Update::read(&bytes)?.to_tensors();
+        self.residual = carried
+            .0
+            .into_iter()
+            .map(|(name, tensor)| {
+                let residual = match sent.0.get(&name) {
+                    Some(sent) => tensor
+                        .values
+                        .iter()
+                        .zip(&sent.values)
+                        .map(|(c, s)| c - s)
+                        .collect(),
+                    None => tensor.values,
+                };
+                (name, residual)
+            })
+            .collect();
+        Ok(bytes)
+    }
+
+    /// Forgets the residuals: the model they were measured against is gone (a new parameter
+    /// server, an abandoned round).
+    pub fn reset(&mut self) {
+        self.residual.clear();
+    }
+
+    /// The carried residual of each parameter.
+    pub fn residual(&self) -> &BTreeMap<String, Vec<f32>> {
+        &self.residual
+    }
+}
+
+/// A decoded update's tensor, for [`crate::Update::to_tensors`].
+pub(crate) fn tensor(shape: Vec<usize>, values: Vec<f32>) -> Tensor {
+    Tensor {
+        shape,
+        values,
+        dtype: Dtype::F32,
+    }
+}

@@ -1,0 +1,358 @@
+//! Compressed updates: what each codec keeps, what error feedback carries, what the
+//! accumulator adds, and what a hostile file gets.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use hypha_diloco::{
+    Accumulator, Codec, ErrorFeedback, Metadata, Tensor, Tensors, Update,
+    codec::{self, INT8_BLOCK},
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use safetensors::{Dtype, tensor::TensorView};
+
+fn tensor(shape: &[usize], values: Vec<f32>) -> Tensor {
+    Tensor {
+        shape: shape.to_vec(),
+        values,
+        dtype: Dtype::F32,
+    }
+}
+
+/// Two parameters of normal-ish values, one not a whole number of int8 blocks.
+fn update(seed: u64) -> Tensors {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.0f32..1.0).powi(3))
+            .collect()
+    };
+    let weight = values(64 * 33);
+    let bias = values(33);
+    Tensors(
+        [
+            ("l1.weight".to_string(), tensor(&[33, 64], weight)),
+            ("l1.bias".to_string(), tensor(&[33], bias)),
+        ]
+        .into(),
+    )
+}
+
+fn decoded(bytes: &[u8]) -> Tensors {
+    Update::read(bytes).unwrap().to_tensors()
+}
+
+#[test]
+fn none_is_exact_and_bf16_keeps_three_digits() {
+    let update = update(1);
+    let none = codec::encode(&update, Codec::None, &Metadata::new()).unwrap();
+    assert_eq!(decoded(&none), update);
+
+    let bf16 = codec::encode(&update, Codec::Bf16, &Metadata::new()).unwrap();
+    let back = decoded(&bf16);
+    for (name, tensor) in &update.0 {
+        for (x, y) in tensor.values.iter().zip(&back.0[name].values) {
+            // Round to nearest: at most half a unit in the last of bfloat16's 8 bits.
+            assert!((x - y).abs() <= x.abs() / 256.0, "{name}: {x} → {y}");
+        }
+    }
+}
+
+#[test]
+fn int8_errs_by_at_most_half_a_step_of_its_block() {
+    let update = update(2);
+    let bytes = codec::encode(&update, Codec::Int8, &Metadata::new()).unwrap();
+    let back = decoded(&bytes);
+    for (name, tensor) in &update.0 {
+        for (block, (xs, ys)) in tensor
+            .values
+            .chunks(INT8_BLOCK)
+            .zip(back.0[name].values.chunks(INT8_BLOCK))
+            .enumerate()
+        {
+            let step = xs.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 127.0;
+            for (x, y) in xs.iter().zip(ys) {
+                assert!(
+                    (x - y).abs() <= step / 2.0 * 1.0001,
+                    "{name} block {block}: {x} → {y}, step {step}"
+                );
+            }
+        }
+    }
+}
+
+/// File sizes against the same update in f32, for a parameter of 256 Ki values (headers are
+/// a few hundred bytes, whatever the size).
+#[test]
+fn bf16_is_half_int8_a_quarter_and_topk_twice_its_density() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let values: Vec<f32> = (0..256 * 1024)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let update = Tensors([("w".to_string(), tensor(&[256, 1024], values))].into());
+    let size = |codec| {
+        codec::encode(&update, codec, &Metadata::new())
+            .unwrap()
+            .len() as f64
+    };
+    let f32_size = size(Codec::None);
+    let ratios = [
+        (Codec::Bf16, 0.5),
+        (Codec::Int8, 0.25 + 1.0 / 256.0),
+        (Codec::TopK { density: 0.01 }, 0.02),
+    ];
+    for (codec, expected) in ratios {
+        let ratio = size(codec) / f32_size;
+        assert!(
+            (ratio - expected).abs() < 0.001,
+            "{codec:?}: {ratio} of f32, expected {expected}"
+        );
+    }
+}
+
+#[test]
+fn topk_keeps_the_largest_values_where_they_were() {
+    let update = update(3);
+    let bytes = codec::encode(&update, Codec::TopK { density: 0.1 }, &Metadata::new()).unwrap();
+    let back = decoded(&bytes);
+    for (name, tensor) in &update.0 {
+        let kept: Vec<usize> = back.0[name]
+            .values
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v != 0.0)
+            .map(|(i, _)| i)
+            .collect();
+        let k = (tensor.values.len() as f64 * 0.1).ceil() as usize;
+        assert_eq!(kept.len(), k, "{name}");
+        let smallest_kept = kept
+            .iter()
+            .map(|&i| tensor.values[i].abs())
+            .fold(f32::INFINITY, f32::min);
+        for (i, (x, y)) in tensor.values.iter().zip(&back.0[name].values).enumerate() {
+            if kept.contains(&i) {
+                assert_eq!(x, y, "{name}[{i}] is kept exactly");
+            } else {
+                assert!(
+                    x.abs() <= smallest_kept,
+                    "{name}[{i}] = {x} was larger than a kept one"
+                );
+            }
+        }
+        assert_eq!(back.0[name].shape, tensor.shape);
+    }
+}
+
+/// Over many rounds, the sum of what was sent is the sum of the true updates less the last
+/// residual, which stays as small as one round's error: nothing is lost. Without feedback
+/// the same codec's error grows with the rounds.
+#[test]
+fn error_feedback_delivers_the_sum_of_the_true_updates() {
+    for codec in [Codec::Int8, Codec::TopK { density: 0.05 }, Codec::Bf16] {
+        let mut feedback = ErrorFeedback::new();
+        let rounds = 200;
+        let shape = update(0);
+        let mut truth = zeros_like(&shape);
+        let mut sent = zeros_like(&shape);
+        let mut sent_plain = zeros_like(&shape);
+        // Updates with a steady direction, as pseudo-gradients of a model that learns.
+        let drift = update(99);
+        for round in 0..rounds {
+            let mut delta = update(1000 + round);
+            for (name, t) in &mut delta.0 {
+                for (v, d) in t.values.iter_mut().zip(&drift.0[name].values) {
+                    *v = 0.1 * *v + *d;
+                }
+            }
+            add(&mut truth, &delta);
+            add(
+                &mut sent,
+                &decoded(&feedback.compress(&delta, codec, &Metadata::new()).unwrap()),
+            );
+            add(
+                &mut sent_plain,
+                &decoded(&codec::encode(&delta, codec, &Metadata::new()).unwrap()),
+            );
+        }
+        let error = distance(&truth, &sent);
+        let error_plain = distance(&truth, &sent_plain);
+        let residual: f64 = feedback
+            .residual()
+            .values()
+            .flatten()
+            .map(|r| f64::from(*r).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        // Σ sent = Σ true − the last residual, up to f32 rounding over 200 additions.
+        assert!(
+            (error - residual).abs() <= 1e-3 * (1.0 + residual),
+            "{codec:?}: {error} vs {residual}"
+        );
+        assert!(
+            error * 10.0 < error_plain,
+            "{codec:?}: with feedback {error}, without {error_plain}"
+        );
+    }
+}
+
+fn zeros_like(update: &Tensors) -> Tensors {
+    let mut zeros = update.clone();
+    for t in zeros.0.values_mut() {
+        t.values.iter_mut().for_each(|v| *v = 0.0);
+    }
+    zeros
+}
+
+fn add(sum: &mut Tensors, update: &Tensors) {
+    for (name, t) in &mut sum.0 {
+        for (s, v) in t.values.iter_mut().zip(&update.0[name].values) {
+            *s += v;
+        }
+    }
+}
+
+fn distance(a: &Tensors, b: &Tensors) -> f64 {
+    a.0.iter()
+        .flat_map(|(name, t)| t.values.iter().zip(&b.0[name].values))
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
+#[test]
+fn the_accumulator_adds_compressed_updates_as_their_decoded_values() {
+    let codecs = [
+        Codec::None,
+        Codec::Bf16,
+        Codec::Int8,
+        Codec::TopK { density: 0.2 },
+    ];
+    let files: Vec<Vec<u8>> = codecs
+        .iter()
+        .enumerate()
+        .map(|(i, codec)| codec::encode(&update(10 + i as u64), *codec, &Metadata::new()).unwrap())
+        .collect();
+    let mut compressed = Accumulator::new();
+    let mut plain = Accumulator::new();
+    for (i, file) in files.iter().enumerate() {
+        let weight = 10.0 + i as f64;
+        compressed.add_safetensors(file, weight).unwrap();
+        plain.add(&decoded(file), weight).unwrap();
+    }
+    let (a, b) = (compressed.mean().unwrap(), plain.mean().unwrap());
+    assert!(distance(&a, &b) < 1e-6, "{}", distance(&a, &b));
+    // The norm is the decoded update's.
+    for file in &files {
+        let norm = Update::read(file).unwrap().norm();
+        let expected = distance(&decoded(file), &zeros_like(&decoded(file)));
+        assert!(
+            (norm - expected).abs() <= 1e-6 * expected,
+            "{norm} vs {expected}"
+        );
+    }
+}
+
+/// A file a peer made up: each mistake is refused with what is wrong, never a panic.
+#[test]
+fn hostile_compressed_files_are_refused() {
+    let serialize = |tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)>,
+                     metadata: &[(&str, &str)]| {
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        let metadata = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        safetensors::serialize(views, Some(metadata)).unwrap()
+    };
+    let int8 = [("hypha.codec", "int8"), ("hypha.codec_version", "1")];
+    let topk = [
+        ("hypha.codec", "topk"),
+        ("hypha.codec_version", "1"),
+        ("hypha.shape.w", "[4]"),
+    ];
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let u32s = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (
+            serialize(vec![("w", Dtype::I8, vec![4], vec![1; 4])], &int8),
+            "has no scales",
+        ),
+        (
+            serialize(
+                vec![
+                    ("w", Dtype::I8, vec![4], vec![1; 4]),
+                    ("w#scale", Dtype::F32, vec![2], f32s(&[1.0, 1.0])),
+                ],
+                &int8,
+            ),
+            "2 scales for 1 blocks",
+        ),
+        (
+            serialize(
+                vec![
+                    ("w", Dtype::I8, vec![4], vec![1; 4]),
+                    ("w#scale", Dtype::F32, vec![1], f32s(&[f32::NAN])),
+                ],
+                &int8,
+            ),
+            "NaN",
+        ),
+        (
+            serialize(
+                vec![
+                    ("w#index", Dtype::U32, vec![2], u32s(&[1, 9])),
+                    ("w#value", Dtype::F32, vec![2], f32s(&[1.0, 1.0])),
+                ],
+                &topk,
+            ),
+            "outside the tensor",
+        ),
+        (
+            serialize(
+                vec![
+                    ("w#index", Dtype::U32, vec![2], u32s(&[2, 2])),
+                    ("w#value", Dtype::F32, vec![2], f32s(&[1.0, 1.0])),
+                ],
+                &topk,
+            ),
+            "not increasing",
+        ),
+        (
+            serialize(
+                vec![
+                    ("w#index", Dtype::U32, vec![1], u32s(&[0])),
+                    ("w#value", Dtype::F32, vec![1], f32s(&[1.0])),
+                ],
+                &[
+                    ("hypha.codec", "topk"),
+                    ("hypha.codec_version", "1"),
+                    ("hypha.shape.w", "[99999999999, 99999999999]"),
+                ],
+            ),
+            "too large",
+        ),
+        (
+            serialize(
+                vec![("w", Dtype::F32, vec![1], f32s(&[1.0]))],
+                &[("hypha.codec", "int8"), ("hypha.codec_version", "7")],
+            ),
+            "version",
+        ),
+        (
+            serialize(
+                vec![("w", Dtype::F32, vec![1], f32s(&[1.0]))],
+                &[("hypha.codec", "zip"), ("hypha.codec_version", "1")],
+            ),
+            "codec \"zip\"",
+        ),
+    ];
+    for (bytes, expected) in cases {
+        let error = Update::read(&bytes).unwrap_err().to_string();
+        assert!(
+            error.contains(expected),
+            "{error:?} should say {expected:?}"
+        );
+    }
+}
