@@ -4,7 +4,9 @@
 //!   bytes in memory) added into the weighted sum the way the parameter server adds them
 //!   ([`Accumulator::add_safetensors`]); `aggregate_gb_per_s` is update bytes added per second.
 //!   The ceiling is `memcpy_gb_per_s`, copying a 400 MB buffer in the same run;
-//!   `ratios.aggregate_vs_memcpy` compares the two (target ≥ 0.5).
+//!   `ratios.aggregate_vs_memcpy` compares the two (target ≥ 0.5). The same updates
+//!   compressed with `int8` (a quarter of the bytes): `aggregate_int8_f32_gb_per_s` counts the
+//!   f32 bytes they stand for, so that it compares with `aggregate_gb_per_s` directly.
 //! - **Memory**: a child process runs a parameter server ([`ParameterServer`]) through one
 //!   round of 2 and of 8 updates of a 25 M-parameter model read from files, as a worker's
 //!   parameter server reads them from its inbox, and reports its peak RSS (`VmHWM`):
@@ -18,7 +20,9 @@
 use std::{collections::BTreeMap, path::Path, time::Instant};
 
 use anyhow::Context;
-use hypha_diloco::{Accumulator, OuterOptimizer, Tensor, Tensors, server::ParameterServer};
+use hypha_diloco::{
+    Accumulator, Codec, OuterOptimizer, Tensor, Tensors, codec, server::ParameterServer,
+};
 use safetensors::Dtype;
 
 use crate::Report;
@@ -38,21 +42,20 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         move || memcpy_gb_per_s(&update)
     })
     .await?;
-    let (aggregate, update) = tokio::task::spawn_blocking(move || {
-        let mut times = Vec::new();
-        for _ in 0..3 {
-            let mut sum = Accumulator::new();
-            let started = Instant::now();
-            for _ in 0..UPDATES {
-                sum.add_safetensors(&update, 64.0)?;
-            }
-            let elapsed = started.elapsed().as_secs_f64();
-            std::hint::black_box(sum.mean()?);
-            times.push(elapsed);
-        }
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let rate = (UPDATES * update.len()) as f64 / best / 1e9;
-        anyhow::Ok((rate, update))
+    let (aggregate, aggregate_int8, update) = tokio::task::spawn_blocking(move || {
+        let aggregate = aggregation_seconds(&update)?;
+        let int8 = codec::encode(
+            &Tensors::from_bytes(&update)?,
+            Codec::Int8,
+            &BTreeMap::new(),
+        )?;
+        let aggregate_int8 = aggregation_seconds(&int8)?;
+        let f32_bytes = (UPDATES * update.len()) as f64;
+        anyhow::Ok((
+            f32_bytes / aggregate / 1e9,
+            f32_bytes / aggregate_int8 / 1e9,
+            update,
+        ))
     })
     .await??;
 
@@ -82,6 +85,9 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     report
         .metrics
         .insert("aggregate_gb_per_s".into(), aggregate);
+    report
+        .metrics
+        .insert("aggregate_int8_f32_gb_per_s".into(), aggregate_int8);
     report.metrics.insert("memcpy_gb_per_s".into(), memcpy);
     report.metrics.insert("ps_peak_rss_mb_2".into(), rss_2);
     report.metrics.insert("ps_peak_rss_mb_8".into(), rss_8);
@@ -104,6 +110,23 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         diloco_bytes / data_parallel_bytes,
     );
     Ok(report)
+}
+
+/// The best of 3 times to add [`UPDATES`] copies of `update` into a sum, the parameter
+/// server's way.
+fn aggregation_seconds(update: &[u8]) -> anyhow::Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let mut sum = Accumulator::new();
+        let started = Instant::now();
+        for _ in 0..UPDATES {
+            sum.add_safetensors(update, 64.0)?;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        std::hint::black_box(sum.mean()?);
+        times.push(elapsed);
+    }
+    Ok(times.iter().copied().fold(f64::INFINITY, f64::min))
 }
 
 /// A model of `parameters` f32 values, all `value`, in tensors of 1 M.
