@@ -78,14 +78,8 @@ class ReceivedFile(FileEntry):
 
     @classmethod
     def from_json(cls, entry: JSON) -> "ReceivedFile":
-        return cls(
-            path=entry["path"],
-            size=entry["size"],
-            checksum=entry["checksum"],
-            metadata=entry.get("metadata") or {},
-            from_peer=entry["from_peer"],
-            sequence=entry["sequence"],
-        )
+        file = FileEntry.from_json(entry)
+        return cls(**vars(file), from_peer=entry["from_peer"], sequence=entry["sequence"])
 
 
 def uri(url: str) -> JSON:

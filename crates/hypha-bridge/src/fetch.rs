@@ -5,7 +5,7 @@ use hypha_messages::{artifact, iterate::SliceRef};
 use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize, de::Error as _};
 
-use crate::{dialect, peers::Strategy};
+use crate::{dialect, peers::Peers};
 
 /// Where fetched files go when the request names no directory: the upstream executors'
 /// choice, so that their bare-reference fetches land where they look.
@@ -36,13 +36,7 @@ pub enum Reference {
     /// Files other jobs of the task sent. `All` with peers listed waits for one file from
     /// each; otherwise the first file from any of them (from anyone when the list is empty).
     #[serde(alias = "peers")]
-    Peers {
-        /// Peer ids (`12D3KooW…`).
-        #[serde(default)]
-        peers: Vec<String>,
-        #[serde(default)]
-        strategy: Strategy,
-    },
+    Peers(Peers),
     /// The next slice of the job's dataset, from the iteration its scheduler runs: the `data`
     /// reference the scheduler puts in the job's config. One entry,
     /// `{out_dir}/e{epoch}-slice-{slice}.safetensors`, with `epoch`, `slice` and `samples` in

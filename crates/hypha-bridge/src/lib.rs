@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 pub use error::ErrorBody;
 pub use fetch::{ConsumedAnswer, ConsumedRequest, FetchRequest, Reference, SchedulerReference};
 pub use job::{ExecutorDescription, JobDescription};
-pub use peers::{ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target};
+pub use peers::{Peers, ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target};
 
 /// The largest request body the bridge reads.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;

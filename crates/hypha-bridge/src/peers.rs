@@ -70,29 +70,33 @@ impl JsonSchema for Strategy {
     }
 }
 
+/// Jobs of this job's task on other workers, by their workers' peer ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Peers {
+    /// Peer ids (`12D3KooW…`).
+    #[serde(default)]
+    pub peers: Vec<String>,
+    #[serde(default)]
+    pub strategy: Strategy,
+}
+
+impl Peers {
+    /// `peers` with the strategy `strategy`.
+    pub fn new(peers: impl IntoIterator<Item = impl Into<String>>, strategy: Strategy) -> Self {
+        Peers {
+            peers: peers.into_iter().map(Into::into).collect(),
+            strategy,
+        }
+    }
+}
+
 /// The peers of a send or a receive.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type")]
 #[schemars(transform = dialect::lower_case_tags)]
 pub enum Target {
     #[serde(alias = "peers")]
-    Peers {
-        /// Peer ids (`12D3KooW…`): workers that run jobs of this job's task.
-        #[serde(default)]
-        peers: Vec<String>,
-        #[serde(default)]
-        strategy: Strategy,
-    },
-}
-
-impl Target {
-    /// `peers` with the strategy `strategy`.
-    pub fn peers(peers: impl IntoIterator<Item = impl Into<String>>, strategy: Strategy) -> Self {
-        Target::Peers {
-            peers: peers.into_iter().map(Into::into).collect(),
-            strategy,
-        }
-    }
+    Peers(Peers),
 }
 
 /// `POST /resources/send`. The upstream client names `send` `resource`.

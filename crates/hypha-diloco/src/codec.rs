@@ -30,9 +30,12 @@
 
 use std::collections::BTreeMap;
 
-use safetensors::{Dtype, tensor::TensorView};
+use safetensors::Dtype;
 
-use crate::{Error, Metadata, Tensor, Tensors, tensors::bf16_bits};
+use crate::{
+    Error, Metadata, Tensor, Tensors,
+    tensors::{Encoded, bf16_bits, serialize},
+};
 
 /// Metadata key: the codec of an update (`none`, `bf16`, `int8`, `topk`).
 pub const CODEC: &str = "hypha.codec";
@@ -94,9 +97,6 @@ impl Codec {
     }
 }
 
-/// One tensor of the encoded file: name, dtype, shape, bytes.
-type Encoded = (String, Dtype, Vec<usize>, Vec<u8>);
-
 /// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
 /// own keys. Refuses an update with a NaN or infinite value.
 pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {
@@ -151,16 +151,7 @@ pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec
             }
         }
     }
-    let views = encoded
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            TensorView::new(*dtype, shape.clone(), data)
-                .map(|view| (name.clone(), view))
-                .map_err(|e| Error::Format(e.to_string()))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata = metadata.into_iter().collect();
-    safetensors::serialize(views, Some(metadata)).map_err(|e| Error::Format(e.to_string()))
+    serialize(&encoded, &metadata)
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {

@@ -58,26 +58,12 @@ impl Tensors {
 
     /// The SafeTensors form, each tensor in its own dtype, with `metadata`.
     pub fn to_bytes(&self, metadata: &Metadata) -> Result<Vec<u8>, Error> {
-        let encoded: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = self
+        let encoded: Vec<Encoded> = self
             .0
             .iter()
             .map(|(name, t)| (name.clone(), t.dtype, t.shape.clone(), from_f32(t)))
             .collect();
-        let views = encoded
-            .iter()
-            .map(|(name, dtype, shape, data)| {
-                TensorView::new(*dtype, shape.clone(), data)
-                    .map(|view| (name.clone(), view))
-                    .map_err(|e| Error::Format(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let metadata = (!metadata.is_empty()).then(|| {
-            metadata
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        });
-        safetensors::serialize(views, metadata).map_err(|e| Error::Format(e.to_string()))
+        serialize(&encoded, metadata)
     }
 
     /// Writes the file atomically (temporary file, fsync, rename).
@@ -86,6 +72,28 @@ impl Tensors {
         hypha_files::write_atomic(path, &bytes, hypha_files::Mode::Private, true)?;
         Ok(())
     }
+}
+
+/// One tensor ready to be written: name, dtype, shape, little-endian bytes.
+pub(crate) type Encoded = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// The SafeTensors bytes of `encoded`, with `metadata` (none when empty).
+pub(crate) fn serialize(encoded: &[Encoded], metadata: &Metadata) -> Result<Vec<u8>, Error> {
+    let views = encoded
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            TensorView::new(*dtype, shape.clone(), data)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| Error::Format(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    });
+    safetensors::serialize(views, metadata).map_err(|e| Error::Format(e.to_string()))
 }
 
 /// The `__metadata__` of a SafeTensors file's bytes (empty when it has none).

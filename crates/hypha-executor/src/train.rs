@@ -33,7 +33,7 @@ use hypha_messages::{
 use serde::Deserialize;
 
 use hypha_bridge::{
-    ConsumedRequest, FetchRequest, FileEntry, Reference, SendRequest, Strategy, Target,
+    ConsumedRequest, FetchRequest, FileEntry, Peers, Reference, SendRequest, Strategy, Target,
     client::{Client, ClientError},
 };
 
@@ -457,7 +457,7 @@ impl Trainer {
         std::fs::create_dir_all(&outbox).map_err(file_error)?;
         std::fs::write(&path, bytes).map_err(file_error)?;
         self.bridge.send(&SendRequest {
-            send: Target::peers([peer], Strategy::All),
+            send: Target::Peers(Peers::new([peer], Strategy::All)),
             path: format!("outbox/{name}"),
             patience_ms: Some(SEND_PATIENCE.as_millis() as u64),
         })?;
@@ -471,10 +471,7 @@ impl Trainer {
     /// trainer already took (a server answers each join offer) is skipped.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let request = FetchRequest {
-            fetch: Reference::Peers {
-                peers: vec![peer.to_string()],
-                strategy: Strategy::All,
-            },
+            fetch: Reference::Peers(Peers::new([peer], Strategy::All)),
             out_dir: "models".to_string(),
             wait_ms: Some(MODEL_WAIT.as_millis() as u64),
         };

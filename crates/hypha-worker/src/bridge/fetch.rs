@@ -32,7 +32,7 @@ use std::{ffi::OsStr, io::Write, path::Path};
 
 use axum::http::StatusCode;
 use futures::StreamExt;
-use hypha_bridge::{FetchRequest, Reference};
+use hypha_bridge::{FetchRequest, Peers, Reference};
 use hypha_messages::artifact;
 use sha2::{Digest, Sha256};
 
@@ -44,7 +44,7 @@ pub(super) async fn fetch(
 ) -> Result<Vec<FileEntry>, BridgeError> {
     let out_dir = paths::check(&request.out_dir)?;
     match request.fetch {
-        Reference::Peers { peers, strategy } => {
+        Reference::Peers(Peers { peers, strategy }) => {
             let wait = request.wait_ms.map(std::time::Duration::from_millis);
             super::peers::fetch(bridge, &peers, strategy, &request.out_dir, wait).await
         }

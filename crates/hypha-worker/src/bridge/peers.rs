@@ -26,7 +26,9 @@ use axum::{
     },
 };
 use futures::Stream;
-use hypha_bridge::{ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target};
+use hypha_bridge::{
+    Peers, ReceiveEvent, ReceiveRequest, SendRequest, Strategy, StreamError, Target,
+};
 use hypha_network::PeerId;
 use rand::seq::SliceRandom;
 
@@ -52,7 +54,7 @@ fn parse_peers(peers: &[String]) -> Result<Vec<PeerId>, BridgeError> {
 
 /// Sends a file of the job to the jobs of its task on other workers.
 pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEntry, BridgeError> {
-    let Target::Peers { peers, strategy } = request.send;
+    let Target::Peers(Peers { peers, strategy }) = request.send;
     let patience = request
         .patience_ms
         .map_or(transfer::SEND_PATIENCE, std::time::Duration::from_millis);
@@ -176,7 +178,7 @@ pub(super) fn receive(
     bridge: Arc<Bridge>,
     request: ReceiveRequest,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, BridgeError> {
-    let Target::Peers { peers, strategy } = request.receive;
+    let Target::Peers(Peers { peers, strategy }) = request.receive;
     let from: HashSet<PeerId> = parse_peers(&peers)?.into_iter().collect();
     let out_dir = checked_out_dir(&bridge, &request.out_dir)?;
     let just_one = strategy != Strategy::All;
