@@ -7,12 +7,13 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use crate::{
     Error, Metadata, Tensor, Tensors,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
-    tensors::{all_finite, decode, squared_norm},
+    tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm},
 };
 
 /// A pseudo-gradient as SafeTensors bytes, read and checked: plain (every tensor F32, F64 or
-/// BF16) or compressed by one of the [`codec`](crate::codec)s, every value finite (one NaN
-/// would make the whole global model NaN once averaged in), a compressed tensor's parts
+/// BF16) or compressed by one of the [`codec`](crate::codec)s, every value finite and within
+/// [`MAX_UPDATE_VALUE`] (one NaN, or one value near f32's largest, would make the whole global
+/// model NaN once averaged in), a compressed tensor's parts
 /// consistent (scales for every block, positions inside the tensor and increasing). Its values
 /// are decoded only as they are added (or measured, for [`norm`](Self::norm)): the update is
 /// never held decoded.
@@ -138,7 +139,9 @@ impl<'a> Update<'a> {
             .sqrt()
     }
 
-    /// The update decoded, each parameter f32.
+    /// The update decoded, each parameter f32. A `topk` part is as large as the shape its
+    /// file claims: decode only bytes whose shapes were checked against the model (the
+    /// [`Accumulator`] never decodes a copy).
     pub fn to_tensors(&self) -> Tensors {
         Tensors(
             self.parts
@@ -175,7 +178,7 @@ fn dense_parts(views: BTreeMap<String, TensorView<'_>>) -> Result<Vec<(String, P
                 dtype: view.dtype().to_string(),
             });
         }
-        if !all_finite(view.dtype(), view.data()) {
+        if !all_within(view.dtype(), view.data(), MAX_UPDATE_VALUE) {
             return Err(not_finite(&name));
         }
         parts.push((name, Part::Dense(view)));
@@ -212,7 +215,8 @@ fn int8_parts(
                 ),
             ));
         }
-        if !all_finite(Dtype::F32, scales.data()) {
+        // |q| ≤ 127: a scale within the limit / 127 keeps every value within it.
+        if !all_within(Dtype::F32, scales.data(), MAX_UPDATE_VALUE / 127.0) {
             return Err(not_finite(&name));
         }
         parts.push((name, Part::Int8 { values, scales }));
@@ -268,7 +272,7 @@ fn sparse_parts<'a>(
             }
             previous = Some(index);
         }
-        if !all_finite(Dtype::F32, values.data()) {
+        if !all_within(Dtype::F32, values.data(), MAX_UPDATE_VALUE) {
             return Err(not_finite(&name));
         }
         parts.push((
@@ -345,6 +349,19 @@ impl Accumulator {
 
     /// [`add`](Self::add) of an update already [read](Update::read) and checked.
     pub fn add_update(&mut self, update: &Update<'_>, weight: f64) -> Result<(), Error> {
+        // A top-k file states its shapes in a line of metadata: only a model's shapes may
+        // say how large the sum is.
+        if self.sums.is_empty()
+            && let Some((name, _)) = update
+                .parts
+                .iter()
+                .find(|(_, part)| matches!(part, Part::Sparse { .. }))
+        {
+            return Err(Error::Mismatch {
+                name: name.clone(),
+                problem: "a top-k update is added only to a sum shaped like the model (Accumulator::shaped_like)".into(),
+            });
+        }
         let shapes = update
             .parts
             .iter()

@@ -17,7 +17,9 @@
 //!
 //! `int8` quantises blocks of [`INT8_BLOCK`] values: a block's scale is its largest magnitude
 //! / 127 and each value becomes `round(x / scale)` (a block of zeros has scale 0). `topk` keeps
-//! the k = ⌈density · n⌉ values of largest magnitude (at least one of a non-empty tensor).
+//! the k = ⌈density · n⌉ values of largest magnitude ([`kept_count`]; at least one of a
+//! non-empty tensor; a tensor of more than 2³² values cannot be sent top-k). A reader refuses
+//! values (and scales × 127) beyond [`MAX_UPDATE_VALUE`](crate::MAX_UPDATE_VALUE).
 //! Sizes against f32: `bf16` ½, `int8` ¼ + 1/256 for the scales, `topk` 2 × density.
 //!
 //! # Error feedback
@@ -26,7 +28,8 @@
 //! ([`ErrorFeedback`]). The next update is compressed with the residual added, and what is
 //! dropped then is the new residual: eₜ₊₁ = (Δₜ + eₜ) − C(Δₜ + eₜ). The sum of everything sent
 //! is then the sum of the true updates less the last residual: what compression drops is
-//! delayed, never lost.
+//! delayed rather than dropped, as long as one server takes the updates (the residual is
+//! forgotten when a trainer joins another, and an update the server refuses is lost whole).
 
 use std::collections::BTreeMap;
 
@@ -133,6 +136,12 @@ pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec
                 ));
             }
             Codec::TopK { density } => {
+                if u32::try_from(tensor.values.len()).is_err() {
+                    return Err(Error::Mismatch {
+                        name: name.clone(),
+                        problem: "has more values than top-k positions (u32) can name".into(),
+                    });
+                }
                 let (indices, values) = top_k(&tensor.values, density);
                 let k = indices.len();
                 metadata.insert(format!("{SHAPE}{name}"), shape_text(&shape));
@@ -165,12 +174,14 @@ fn int8(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
     for block in values.chunks(INT8_BLOCK) {
         let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let scale = largest / 127.0;
-        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        quantised.extend(
-            block
-                .iter()
-                .map(|v| ((v * inverse).round().clamp(-127.0, 127.0) as i8) as u8),
-        );
+        quantised.extend(block.iter().map(|v| {
+            let q = if scale > 0.0 {
+                (v / scale).round()
+            } else {
+                0.0
+            };
+            (q.clamp(-127.0, 127.0) as i8) as u8
+        }));
         scales.push(scale);
     }
     (quantised, scales)
@@ -182,7 +193,7 @@ fn top_k(values: &[f32], density: f32) -> (Vec<u32>, Vec<f32>) {
     if n == 0 {
         return (Vec::new(), Vec::new());
     }
-    let k = ((density as f64 * n as f64).ceil() as usize).clamp(1, n);
+    let k = kept_count(density, n);
     let mut order: Vec<u32> = (0..n as u32).collect();
     if k < n {
         // Largest magnitude first; ties by position, so that the choice is deterministic.
@@ -197,6 +208,20 @@ fn top_k(values: &[f32], density: f32) -> (Vec<u32>, Vec<f32>) {
     order.sort_unstable();
     let kept = order.iter().map(|&i| values[i as usize]).collect();
     (order, kept)
+}
+
+/// k = ⌈density · n⌉, at least 1, at most n. The density was written in decimal and read as
+/// binary (0.1 is 0.10000000149 as an f32): a product within a millionth of a whole number is
+/// that number, so a density of 0.1 keeps 100 of 1 000, not 101.
+pub fn kept_count(density: f32, n: usize) -> usize {
+    let exact = f64::from(density) * n as f64;
+    let whole = exact.round();
+    let k = if (exact - whole).abs() <= 1e-6 * exact.max(1.0) {
+        whole
+    } else {
+        exact.ceil()
+    };
+    (k as usize).clamp(1, n.max(1))
 }
 
 fn shape_text(shape: &[usize]) -> String {

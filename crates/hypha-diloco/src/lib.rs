@@ -34,7 +34,9 @@ mod tensors;
 pub use accumulate::{Accumulator, Update};
 pub use codec::{Codec, ErrorFeedback};
 pub use optimizer::OuterOptimizer;
-pub use tensors::{MAX_HEADER, Metadata, Tensor, Tensors, metadata, read_metadata};
+pub use tensors::{
+    MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -46,7 +48,9 @@ pub enum Error {
     Mismatch { name: String, problem: String },
     #[error("weight {0} is not a positive number of samples")]
     Weight(f64),
-    #[error("tensor {name:?} holds a NaN or infinite value")]
+    #[error(
+        "tensor {name:?} holds a NaN, an infinite value or one beyond ±1e9 (no round moves a parameter that far)"
+    )]
     NotFinite { name: String },
     #[error("it claims {samples} samples; an update may count for at most {max}")]
     Samples { samples: u64, max: u64 },

@@ -135,16 +135,31 @@ pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error>
 /// The largest SafeTensors header [`read_metadata`] reads.
 pub const MAX_HEADER: u64 = 100 << 20;
 
-/// Whether every value of `data`, read as `dtype`, is finite (false for another dtype).
+/// The largest magnitude a value of an update may have. Pseudo-gradients are differences of
+/// parameters after a round's steps: none moves a parameter by a billion. Bounding them
+/// keeps the weighted sum, the mean and the momentum finite in f32 whatever the weights
+/// (u64 samples × 1e9 is below f32::MAX by ten orders of magnitude), where a liar's finite
+/// but huge value would make the global model infinite.
+pub const MAX_UPDATE_VALUE: f32 = 1e9;
+
+/// Whether every value of `data`, read as `dtype`, is finite and at most `limit` in
+/// magnitude (false for another dtype).
 ///
-/// Σ v·0 is 0 when every v is finite and NaN as soon as one is NaN or infinite, and unlike a
-/// test per value it vectorises: the check runs near memory speed instead of at a quarter
-/// of it (BENCHMARKS.md, diloco).
-pub(crate) fn all_finite(dtype: Dtype, data: &[u8]) -> bool {
+/// Σ (v·0 + [|v| > limit]) is 0 exactly when every v is finite and within the limit (NaN as
+/// soon as one is NaN or infinite), and unlike a test per value it vectorises: the check runs
+/// near memory speed instead of at a quarter of it (BENCHMARKS.md, diloco).
+pub(crate) fn all_within(dtype: Dtype, data: &[u8], limit: f32) -> bool {
+    let each = |v: f32| v * 0.0 + f32::from(u8::from(v.abs() > limit));
     let zero = match dtype {
-        Dtype::F32 => fold_lanes::<4>(data, f32_at, |v| v * 0.0),
-        Dtype::BF16 => fold_lanes::<2>(data, bf16_at, |v| v * 0.0),
-        Dtype::F64 => data.chunks_exact(8).map(|b| f64_at(b) * 0.0).sum(),
+        Dtype::F32 => fold_lanes::<4>(data, f32_at, each),
+        Dtype::BF16 => fold_lanes::<2>(data, bf16_at, each),
+        Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|b| {
+                let v = f64_at(b);
+                v * 0.0 + f64::from(u8::from(v.abs() > f64::from(limit)))
+            })
+            .sum(),
         _ => return false,
     };
     zero == 0.0

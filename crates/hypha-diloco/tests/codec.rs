@@ -110,6 +110,16 @@ fn bf16_is_half_int8_a_quarter_and_topk_twice_its_density() {
 }
 
 #[test]
+fn topk_keeps_a_density_of_the_values_as_written_in_decimal() {
+    // 0.1 is 0.10000000149 as an f32: still 100 of 1 000, not 101.
+    assert_eq!(codec::kept_count(0.1, 1000), 100);
+    assert_eq!(codec::kept_count(0.1, 10), 1);
+    assert_eq!(codec::kept_count(0.1, 2112), 212);
+    assert_eq!(codec::kept_count(0.001, 10), 1, "at least one");
+    assert_eq!(codec::kept_count(1.0, 7), 7);
+}
+
+#[test]
 fn topk_keeps_the_largest_values_where_they_were() {
     let update = update(3);
     let bytes = codec::encode(&update, Codec::TopK { density: 0.1 }, &Metadata::new()).unwrap();
@@ -122,7 +132,7 @@ fn topk_keeps_the_largest_values_where_they_were() {
             .filter(|(_, v)| **v != 0.0)
             .map(|(i, _)| i)
             .collect();
-        let k = (tensor.values.len() as f64 * 0.1).ceil() as usize;
+        let k = codec::kept_count(0.1, tensor.values.len());
         assert_eq!(kept.len(), k, "{name}");
         let smallest_kept = kept
             .iter()
@@ -348,11 +358,54 @@ fn hostile_compressed_files_are_refused() {
             "codec \"zip\"",
         ),
     ];
-    for (bytes, expected) in cases {
+    let f64s = |v: &[f64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let more: Vec<(Vec<u8>, &str)> = vec![
+        // Finite, but 127 × the scale is beyond f32: the sum would be infinite.
+        (
+            serialize(
+                vec![
+                    ("w", Dtype::I8, vec![4], vec![127; 4]),
+                    ("w#scale", Dtype::F32, vec![1], f32s(&[3.0e38])),
+                ],
+                &int8,
+            ),
+            "beyond ±1e9",
+        ),
+        // A plain f64 value f32 cannot hold.
+        (
+            serialize(vec![("w", Dtype::F64, vec![2], f64s(&[1e300, 0.0]))], &[]),
+            "beyond ±1e9",
+        ),
+    ];
+    for (bytes, expected) in cases.into_iter().chain(more) {
         let error = Update::read(&bytes).unwrap_err().to_string();
         assert!(
             error.contains(expected),
             "{error:?} should say {expected:?}"
         );
     }
+
+    // A top-k file claiming a shape of 2⁴⁰ values, with one value: refused by a sum not yet
+    // shaped like a model, before anything is allocated.
+    let huge = serialize(
+        vec![
+            ("w#index", Dtype::U32, vec![1], u32s(&[0])),
+            ("w#value", Dtype::F32, vec![1], f32s(&[1.0])),
+        ],
+        &[
+            ("hypha.codec", "topk"),
+            ("hypha.codec_version", "1"),
+            ("hypha.shape.w", "[1099511627776]"),
+        ],
+    );
+    let error = Accumulator::new().add_safetensors(&huge, 1.0).unwrap_err();
+    assert!(
+        error.to_string().contains("shaped like the model"),
+        "{error}"
+    );
+    let model = Tensors([("w".to_string(), tensor(&[4], vec![0.0; 4]))].into());
+    let error = Accumulator::shaped_like(&model)
+        .add_safetensors(&huge, 1.0)
+        .unwrap_err();
+    assert!(error.to_string().contains("shape"), "{error}");
 }
