@@ -360,6 +360,11 @@ class Trainer:
             )
             if entries:
                 tensors, metadata = safetensors.loads(self.take(entries[0].path))
+                if metadata.get(KIND, KIND_MODEL) != KIND_MODEL:
+                    # This loop takes whole models only, and its pseudo-gradients do not say
+                    # it takes the model's changes (hypha.accepts): a server sends it none.
+                    self.log(f"a file of kind {metadata.get(KIND)!r} from {server}: ignored")
+                    continue
                 try:
                     round_ = int(metadata[ROUND])
                 except (KeyError, ValueError):

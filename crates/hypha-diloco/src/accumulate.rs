@@ -139,6 +139,25 @@ impl<'a> Update<'a> {
             .sqrt()
     }
 
+    /// Adds the update to `model` value by value in f32 (θ ← θ + d): how the parameter
+    /// server and every trainer apply a broadcast change to the global model, so that they
+    /// hold it bit for bit alike. Refused, with `model` left as it was, unless the update has
+    /// exactly the model's parameters and shapes.
+    pub fn add_to(&self, model: &mut Tensors) -> Result<(), Error> {
+        check_same(
+            &model.0,
+            self.parts
+                .iter()
+                .map(|(name, part)| (name.as_str(), part.shape(), Dtype::F32)),
+        )?;
+        for (name, part) in &self.parts {
+            if let Some(tensor) = model.0.get_mut(name) {
+                part.apply(&mut tensor.values, |t, v| *t += v);
+            }
+        }
+        Ok(())
+    }
+
     /// The update decoded, each parameter f32. A `topk` part is as large as the shape its
     /// file claims: decode only bytes whose shapes were checked against the model (the
     /// [`Accumulator`] never decodes a copy).

@@ -89,6 +89,19 @@ impl Codec {
         }
     }
 
+    /// The codec the parameter server sends the global model's changes with when trainers
+    /// compress with this one: the same, except that `topk` goes back as `int8`. A sparse
+    /// change leaves most parameters behind the server's optimizer for rounds, and with
+    /// Nesterov momentum the gap grows: in the seeded in-process run of
+    /// `hypha-executor/tests/diloco.rs`, top-k 10 % both ways ends at an evaluation loss of
+    /// 10.45 where top-k up and int8 back ends at 0.38 (uncompressed: 0.20).
+    pub fn for_broadcast(self) -> Self {
+        match self {
+            Codec::TopK { .. } => Codec::Int8,
+            codec => codec,
+        }
+    }
+
     /// Its name, as in [`CODEC`].
     pub fn name(&self) -> &'static str {
         match self {
@@ -292,6 +305,12 @@ impl ErrorFeedback {
             })
             .collect();
         Ok(bytes)
+    }
+
+    /// Error feedback that goes on with `residual` (as [`residual`](Self::residual) gave
+    /// it, e.g. from a checkpoint).
+    pub fn with_residual(residual: BTreeMap<String, Vec<f32>>) -> Self {
+        Self { residual }
     }
 
     /// Forgets the residuals: the model they were measured against is gone (a new parameter

@@ -35,7 +35,7 @@ pub use accumulate::{Accumulator, Update};
 pub use codec::{Codec, ErrorFeedback};
 pub use optimizer::OuterOptimizer;
 pub use tensors::{
-    MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata,
+    MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata, with_metadata,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -1,11 +1,22 @@
 //! The parameter server's state between rounds: the global model, the outer optimizer, the
 //! round being collected and what arrived for it, and the checkpoint that survives a restart.
+//!
+//! **Broadcast changes.** With a codec ([`ParameterServer::broadcast_changes`]) a closed round
+//! also yields the change of the global model, compressed with that codec and error feedback
+//! on the server: the global model everybody holds moves by exactly the decoded change
+//! (θ̂ ← θ̂ + C(step + e)), what the codec dropped (e) is carried into the next round's
+//! change. Trainers that hold the round's model apply the same bytes with the same code
+//! ([`Update::add_to`]) and check the result against the fingerprint the change carries
+//! ([`Tensors::digest`]); the server sends the whole model to everybody else.
 
 use std::{collections::BTreeMap, path::Path};
 
 use hypha_messages::diloco::meta;
 
-use crate::{Accumulator, Error, Metadata, OuterOptimizer, Tensor, Tensors, Update, metadata};
+use crate::{
+    Accumulator, Codec, Error, ErrorFeedback, Metadata, OuterOptimizer, Tensor, Tensors, Update,
+    metadata, with_metadata,
+};
 
 /// What became of a pseudo-gradient handed to [`ParameterServer::add`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +36,13 @@ pub struct Closed {
     /// Who contributed, in arrival order.
     pub included: Vec<String>,
     pub samples: u64,
+    /// The change the round made to the global model, as the file sent to trainers that hold
+    /// the round's model ([`meta::KIND_MODEL_DELTA`]); `None` without
+    /// [`broadcast_changes`](ParameterServer::broadcast_changes).
+    pub delta: Option<Vec<u8>>,
+    /// Why a compressing server sends no change this round (the step took values the codec
+    /// cannot carry): the model took the step exactly and goes whole to everybody.
+    pub uncompressed: Option<String>,
 }
 
 /// The DiLoCo parameter server's state.
@@ -41,6 +59,12 @@ pub struct ParameterServer {
     max_norm_ratio: Option<f64>,
     /// The norms of the updates last taken, newest last, at most [`NORM_HISTORY`].
     norms: std::collections::VecDeque<f64>,
+    /// How the changes of the global model are compressed; [`Codec::None`]: not sent.
+    broadcast: Codec,
+    /// What compressing the last changes dropped.
+    feedback: ErrorFeedback,
+    /// The global model's fingerprint.
+    hash: Option<String>,
 }
 
 /// How many of the last updates' norms make the typical norm.
@@ -50,6 +74,7 @@ pub const NORM_WARMUP: usize = 3;
 
 const MODEL_PREFIX: &str = "model/";
 const MOMENTUM_PREFIX: &str = "momentum/";
+const RESIDUAL_PREFIX: &str = "residual/";
 
 impl ParameterServer {
     /// A server without a model: it adopts the first one [`offered`](Self::offer).
@@ -63,7 +88,26 @@ impl ParameterServer {
             max_samples: None,
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
+            broadcast: Codec::None,
+            feedback: ErrorFeedback::new(),
+            hash: None,
         }
+    }
+
+    /// The same server making each round's change of the global model a file compressed
+    /// with `codec` ([`Closed::delta`]), with error feedback; the global model is then held
+    /// and sent as F32, the values its holders compute. [`Codec::None`]: no changes, the
+    /// whole model is sent.
+    pub fn broadcast_changes(mut self, codec: Codec) -> Self {
+        self.broadcast = codec;
+        if codec != Codec::None
+            && let Some(model) = self.model.take()
+        {
+            let model = model.into_f32();
+            self.hash = Some(model.digest());
+            self.model = Some(model);
+        }
+        self
     }
 
     /// The same server refusing an update whose L2 norm is more than `ratio` times the
@@ -100,16 +144,22 @@ impl ParameterServer {
         let round = round_of(&metadata(&bytes)?)?;
         let mut model = BTreeMap::new();
         let mut buffers = BTreeMap::new();
+        let mut residual = BTreeMap::new();
         for (name, tensor) in Tensors::from_bytes(&bytes)?.0 {
             if let Some(name) = name.strip_prefix(MODEL_PREFIX) {
                 model.insert(name.to_string(), tensor);
             } else if let Some(name) = name.strip_prefix(MOMENTUM_PREFIX) {
                 buffers.insert(name.to_string(), tensor.values);
+            } else if let Some(name) = name.strip_prefix(RESIDUAL_PREFIX) {
+                residual.insert(name.to_string(), tensor.values);
             }
         }
         let model = Tensors(model);
         Ok(Self {
             sum: Accumulator::shaped_like(&model),
+            hash: Some(model.digest()),
+            broadcast: Codec::None,
+            feedback: ErrorFeedback::with_residual(residual),
             model: Some(model),
             optimizer: optimizer.with_buffers(buffers),
             round,
@@ -135,8 +185,13 @@ impl ParameterServer {
         if self.model.is_some() {
             return Ok(false);
         }
-        let model = Tensors::from_bytes(bytes)?;
+        let mut model = Tensors::from_bytes(bytes)?;
+        if self.broadcast != Codec::None {
+            model = model.into_f32();
+        }
         self.sum = Accumulator::shaped_like(&model);
+        self.hash = Some(model.digest());
+        self.feedback.reset();
         self.model = Some(model);
         Ok(true)
     }
@@ -192,36 +247,91 @@ impl ParameterServer {
 
     /// Closes the round: the sample-weighted mean of what arrived is the outer gradient of one
     /// Nesterov step. Fails (leaving everything as it was) when nothing arrived.
+    ///
+    /// With [`broadcast_changes`](Self::broadcast_changes), the step is compressed (with
+    /// what earlier compressions dropped) and the model moves by exactly the decoded change,
+    /// which [`Closed::delta`] holds.
     pub fn close(&mut self) -> Result<Closed, Error> {
         let model = self.model.as_mut().ok_or(Error::Empty)?;
         if self.arrived.is_empty() {
             return Err(Error::Empty);
         }
         let gradient = self.sum.mean()?;
-        self.optimizer.step(model, &gradient)?;
-        drop(gradient);
+        let delta = if self.broadcast == Codec::None {
+            self.optimizer.step(model, &gradient)?;
+            Ok(None)
+        } else {
+            let mut stepped = model.clone();
+            self.optimizer.step(&mut stepped, &gradient)?;
+            drop(gradient);
+            let change = compress_change(
+                &mut self.feedback,
+                self.broadcast,
+                model,
+                &stepped,
+                self.round,
+                self.hash.clone().unwrap_or_default(),
+            );
+            match change {
+                Ok(bytes) => Ok(bytes),
+                Err(error) => {
+                    // A step the codec cannot carry (values beyond what a reader takes):
+                    // the model takes it exactly and goes whole to everybody this round.
+                    self.feedback.reset();
+                    *model = stepped;
+                    Err(error.to_string())
+                }
+            }
+            .map(Some)
+        };
+        let hash = model.digest();
+        let (delta, uncompressed) = match delta {
+            Ok(delta) => (delta, None),
+            Err(why) => (None, Some(why)),
+        };
+        let delta = match delta {
+            Some(bytes) => {
+                let mut metadata = metadata(&bytes)?;
+                metadata.insert(meta::MODEL_HASH.to_string(), hash.clone());
+                Some(with_metadata(&bytes, &metadata)?)
+            }
+            None => None,
+        };
+        self.hash = Some(hash);
         self.sum = Accumulator::shaped_like(model);
         let arrived = std::mem::take(&mut self.arrived);
         let closed = Closed {
             round: self.round,
             samples: arrived.iter().map(|(_, n)| n).sum(),
             included: arrived.into_iter().map(|(peer, _)| peer).collect(),
+            delta,
+            uncompressed,
         };
         self.round += 1;
         Ok(closed)
     }
 
+    /// The global model's fingerprint ([`Tensors::digest`]); `None` before it holds one.
+    pub fn model_hash(&self) -> Option<&str> {
+        self.hash.as_deref()
+    }
+
     /// The global model as SafeTensors, marked as the model to train round
-    /// [`round`](Self::round) from.
+    /// [`round`](Self::round) from, with its fingerprint.
     pub fn model_bytes(&self) -> Result<Vec<u8>, Error> {
         let model = self.model.as_ref().ok_or(Error::Empty)?;
         model.to_bytes(&Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), self.round.to_string()),
+            (
+                meta::MODEL_HASH.to_string(),
+                self.hash.clone().unwrap_or_default(),
+            ),
         ]))
     }
 
-    /// Writes model, momentum and round atomically to `path`.
+    /// Writes model, momentum, what the broadcast compression dropped, and round atomically
+    /// to `path`.
     pub fn checkpoint(&self, path: &Path) -> Result<(), Error> {
         let model = self.model.as_ref().ok_or(Error::Empty)?;
         let mut all = BTreeMap::new();
@@ -234,6 +344,14 @@ impl ParameterServer {
                 };
                 all.insert(format!("{MOMENTUM_PREFIX}{name}"), momentum);
             }
+            if let Some(residual) = self.feedback.residual().get(name) {
+                let residual = Tensor {
+                    values: residual.clone(),
+                    shape: tensor.shape.clone(),
+                    dtype: safetensors::Dtype::F32,
+                };
+                all.insert(format!("{RESIDUAL_PREFIX}{name}"), residual);
+            }
         }
         Tensors(all).save(
             path,
@@ -243,6 +361,39 @@ impl ParameterServer {
             ]),
         )
     }
+}
+
+/// The change from `model` to `stepped` (round `round` to the next), compressed with `codec`
+/// and error feedback, as the file trainers get; `model` is moved by exactly the decoded
+/// change. On an error, `model` and `feedback` are as they were.
+fn compress_change(
+    feedback: &mut ErrorFeedback,
+    codec: Codec,
+    model: &mut Tensors,
+    stepped: &Tensors,
+    round: u64,
+    base_hash: String,
+) -> Result<Vec<u8>, Error> {
+    let mut change = stepped.clone();
+    for (name, tensor) in &mut change.0 {
+        if let Some(base) = model.0.get(name) {
+            for (c, b) in tensor.values.iter_mut().zip(&base.values) {
+                *c -= b;
+            }
+        }
+    }
+    let metadata = Metadata::from([
+        (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
+        (meta::ROUND.to_string(), (round + 1).to_string()),
+        (meta::BASE_ROUND.to_string(), round.to_string()),
+        (meta::BASE_HASH.to_string(), base_hash),
+    ]);
+    let mut next = feedback.clone();
+    let bytes = next.compress(&change, codec, &metadata)?;
+    drop(change);
+    Update::read(&bytes)?.add_to(model)?;
+    *feedback = next;
+    Ok(bytes)
 }
 
 /// The round a file's metadata names.

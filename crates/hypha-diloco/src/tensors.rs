@@ -66,6 +66,46 @@ impl Tensors {
         serialize(&encoded, metadata)
     }
 
+    /// The model's fingerprint, `sha256:` and 64 hex digits: equal exactly when two holders
+    /// hold the same parameters bit for bit, as they would write them. SHA-256 over four
+    /// fields per parameter, in name order, each preceded by its length in bytes (u64 LE):
+    /// the name (UTF-8), the dtype's name (`F32`, `BF16`, `F64`), the shape (each dimension
+    /// u64 LE) and the values as the file stores them (little-endian in that dtype). A trainer
+    /// checks the global model it built from a broadcast change against the parameter
+    /// server's fingerprint ([`meta::MODEL_HASH`](hypha_messages::diloco::meta::MODEL_HASH)).
+    pub fn digest(&self) -> String {
+        use sha2::Digest;
+        let mut hasher = sha2::Sha256::new();
+        let mut part = |bytes: &[u8]| {
+            hasher.update((bytes.len() as u64).to_le_bytes());
+            hasher.update(bytes);
+        };
+        for (name, tensor) in &self.0 {
+            part(name.as_bytes());
+            part(tensor.dtype.to_string().as_bytes());
+            let dims: Vec<u8> = tensor
+                .shape
+                .iter()
+                .flat_map(|d| (*d as u64).to_le_bytes())
+                .collect();
+            part(&dims);
+            part(&from_f32(tensor));
+        }
+        let digest = hasher.finalize();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("sha256:{hex}")
+    }
+
+    /// The same parameters, each written as F32 from now on: a model that changes by
+    /// broadcast deltas must be sent as the f32 values its holders compute, not rounded to a
+    /// narrower dtype on the way.
+    pub fn into_f32(mut self) -> Self {
+        for tensor in self.0.values_mut() {
+            tensor.dtype = Dtype::F32;
+        }
+        self
+    }
+
     /// Writes the file atomically (temporary file, fsync, rename).
     pub fn save(&self, path: &Path, metadata: &Metadata) -> Result<(), Error> {
         let bytes = self.to_bytes(metadata)?;
@@ -94,6 +134,17 @@ pub(crate) fn serialize(encoded: &[Encoded], metadata: &Metadata) -> Result<Vec<
             .collect()
     });
     safetensors::serialize(views, metadata).map_err(|e| Error::Format(e.to_string()))
+}
+
+/// The SafeTensors file `bytes` with its `__metadata__` replaced by `metadata`, tensors
+/// unchanged.
+pub fn with_metadata(bytes: &[u8], metadata: &Metadata) -> Result<Vec<u8>, Error> {
+    let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
+    let metadata = metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    safetensors::serialize(file.iter(), Some(metadata)).map_err(|e| Error::Format(e.to_string()))
 }
 
 /// The `__metadata__` of a SafeTensors file's bytes (empty when it has none).

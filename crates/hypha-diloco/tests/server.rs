@@ -7,9 +7,11 @@
 use std::collections::BTreeMap;
 
 use hypha_diloco::{
-    OuterOptimizer, Tensor, Tensors,
+    Codec, OuterOptimizer, Tensor, Tensors, Update, codec,
     server::{ParameterServer, Taken, round_of},
 };
+use hypha_messages::diloco::meta;
+use rand::{Rng, SeedableRng, rngs::StdRng};
 use safetensors::Dtype;
 
 fn bytes(values: &[f32]) -> Vec<u8> {
@@ -182,4 +184,147 @@ fn an_update_whose_norm_is_an_outlier_is_refused() {
         (before[0] - after[0] - 0.5 * 9.0).abs() < 1e-4,
         "only the bold update moved the model: {before:?} -> {after:?}"
     );
+}
+
+/// A model of `n` values, stored as BF16 as a trainer in bfloat16 would offer it.
+fn bf16_model(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Tensors(BTreeMap::from([(
+        "w".to_string(),
+        Tensor {
+            shape: vec![n],
+            values: (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+            dtype: Dtype::BF16,
+        },
+    )]))
+    .to_bytes(&BTreeMap::new())
+    .unwrap()
+}
+
+fn random_update(n: usize, rng: &mut StdRng) -> Vec<u8> {
+    let values: Vec<f32> = (0..n)
+        .map(|_| rng.random_range(-0.1f32..0.1) * rng.random_range(0.0f32..1.0).powi(2))
+        .collect();
+    bytes(&values)
+}
+
+fn held(bytes: &[u8]) -> Tensors {
+    Tensors::from_bytes(bytes).unwrap()
+}
+
+fn distance(a: &Tensors, b: &Tensors) -> f64 {
+    a.0["w"]
+        .values
+        .iter()
+        .zip(&b.0["w"].values)
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Issue 21, item 2: a trainer that holds the round's model and applies each round's int8
+/// change holds the server's global model bit for bit (the fingerprint says so, and the
+/// values agree), and that model stays within what the codec drops of the model an
+/// uncompressed server reaches with the same pseudo-gradients; a server restarted from its
+/// checkpoint sends the very same changes (its residual came back).
+#[test]
+fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed() {
+    const N: usize = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint = dir.path().join("checkpoint.safetensors");
+    let optimizer = || OuterOptimizer::new(0.7, 0.9);
+    let mut exact = ParameterServer::new(optimizer());
+    let mut server = ParameterServer::new(optimizer()).broadcast_changes(Codec::Int8);
+    let initial = bf16_model(N, 1);
+    exact.offer(&initial).unwrap();
+    server.offer(&initial).unwrap();
+
+    let full = server.model_bytes().unwrap();
+    let mut trainer = held(&full);
+    assert_eq!(
+        hypha_diloco::metadata(&full).unwrap()[meta::MODEL_HASH],
+        trainer.digest(),
+        "the whole model carries its own fingerprint"
+    );
+    assert_eq!(trainer.0["w"].dtype, Dtype::F32, "sent as F32");
+    let start = held(&exact.model_bytes().unwrap());
+
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut restarted: Option<ParameterServer> = None;
+    for round in 0..20u64 {
+        let updates: Vec<Vec<u8>> = (0..3).map(|_| random_update(N, &mut rng)).collect();
+        let mut deltas = Vec::new();
+        for s in [Some(&mut exact), Some(&mut server), restarted.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            for (i, update) in updates.iter().enumerate() {
+                s.add(&format!("t{i}"), update, round, 10 + i as u64)
+                    .unwrap();
+            }
+            deltas.push(s.close().unwrap().delta);
+        }
+        assert!(deltas[0].is_none(), "no changes without a codec");
+        let delta = deltas[1].clone().unwrap();
+        if let Some(Some(again)) = deltas.get(2) {
+            // The same metadata and tensors (SafeTensors writes metadata in any order).
+            let read = |bytes: &[u8]| {
+                let metadata = hypha_diloco::metadata(bytes).unwrap();
+                (metadata, Update::read(bytes).unwrap().to_tensors())
+            };
+            assert!(
+                read(again) == read(&delta),
+                "round {round}: the restarted server's change differs"
+            );
+        }
+        // A byte a value, a scale per 256, and a header with the fingerprints: under 40 % of
+        // the f32 model's 4 bytes a value even at this small size.
+        assert!(
+            delta.len() * 10 < N * 4 * 4,
+            "{} bytes for {N} values",
+            delta.len()
+        );
+        let metadata = hypha_diloco::metadata(&delta).unwrap();
+        assert_eq!(metadata[meta::KIND], meta::KIND_MODEL_DELTA);
+        assert_eq!(metadata[meta::ROUND], (round + 1).to_string());
+        assert_eq!(metadata[meta::BASE_ROUND], round.to_string());
+        assert_eq!(metadata[meta::BASE_HASH], trainer.digest());
+        Update::read(&delta).unwrap().add_to(&mut trainer).unwrap();
+        assert_eq!(trainer.digest(), metadata[meta::MODEL_HASH]);
+        assert_eq!(Some(trainer.digest().as_str()), server.model_hash());
+        assert_eq!(
+            trainer.0["w"].values,
+            held(&server.model_bytes().unwrap()).0["w"].values
+        );
+        if round == 9 {
+            server.checkpoint(&checkpoint).unwrap();
+            restarted = Some(
+                ParameterServer::resume(&checkpoint, optimizer())
+                    .unwrap()
+                    .broadcast_changes(Codec::Int8),
+            );
+        }
+    }
+    let uncompressed = held(&exact.model_bytes().unwrap());
+    let travelled = distance(&uncompressed, &start);
+    let apart = distance(&uncompressed, &trainer);
+    assert!(
+        apart < 0.01 * travelled,
+        "the compressed global model is {apart} from the uncompressed one, which moved {travelled}"
+    );
+    assert!(apart > 0.0, "int8 drops something");
+
+    // A change that does not fit the model is refused and leaves it as it was.
+    let before = trainer.clone();
+    let other = Tensors(BTreeMap::from([(
+        "w".to_string(),
+        Tensor {
+            shape: vec![N + 1],
+            values: vec![0.0; N + 1],
+            dtype: Dtype::F32,
+        },
+    )]));
+    let wrong = codec::encode(&other, Codec::Int8, &BTreeMap::new()).unwrap();
+    assert!(Update::read(&wrong).unwrap().add_to(&mut trainer).is_err());
+    assert_eq!(trainer, before);
 }

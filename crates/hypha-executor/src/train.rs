@@ -15,6 +15,26 @@
 //!    whether to wait on. AdamW's moments carry over from round to round, as in DiLoCo.
 //! 4. `done`: exit.
 //!
+//! **Overlap** (`[diloco] overlap = true`). At the target, the pseudo-gradient goes to the
+//! server in a thread of its own and the trainer goes on training, into the next round, while
+//! it travels and the round closes (at most as many batches as the round it synced, and only
+//! while slices come). When the new global model θ̂ᵣ₊₁ arrives, what it learned since the sync
+//! is moved onto it: θ ← θ + (θ̂ᵣ₊₁ − θ_sync), θ_sync its own model at the sync, and those
+//! batches are the first of round r + 1 (their slices go to the ledger as consumed by it). The
+//! outer update thus lands one round late for those batches, as in Streaming DiLoCo's
+//! overlapping variant, and communication hides behind compute. Reports carry the batches
+//! trained ahead and how long sends take (`send_ms`), which the scheduler's plan counts.
+//!
+//! **Global models as changes.** The trainer's pseudo-gradients say it takes the model's
+//! changes ([`meta::ACCEPTS`]); a parameter server that compresses then sends it each round's
+//! change of the global model instead of the whole model. The trainer applies the change to
+//! the global model it holds (the change names that model's round and fingerprint) with the
+//! server's own arithmetic ([`hypha_diloco::Update::add_to`]) and checks the result against
+//! the fingerprint the change carries; a change that does not fit, or a result that does not
+//! match, makes it ask for the whole model ([`meta::KIND_MODEL_REQUEST`]). Its reports carry
+//! the fingerprint of the model it holds, so the scheduler's metrics show that every trainer
+//! and the server hold the same one.
+//!
 //! Slices read to their end reach the ledger with every report, not only at the round's end:
 //! whatever the scheduler answers, it knows what the round holds. A peer that cannot be
 //! reached is asked again every [`RETRY`].
@@ -25,7 +45,7 @@ use std::{
 };
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use hypha_diloco::{Codec, ErrorFeedback, Metadata, Tensors};
+use hypha_diloco::{Codec, ErrorFeedback, Metadata, Tensors, Update};
 use hypha_messages::{
     diloco::{Status, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
@@ -83,6 +103,9 @@ pub struct TrainerSettings {
     pub compression: Option<String>,
     #[serde(default)]
     pub topk_density: Option<f32>,
+    /// Train on into the next round while the pseudo-gradient travels (see [`Trainer`]).
+    #[serde(default)]
+    pub overlap: bool,
 }
 
 impl TrainerSettings {
@@ -151,8 +174,11 @@ pub struct Trainer {
     config: JobConfig,
     model: Model,
     optimizer: AdamW,
-    /// The global model this round started from.
+    /// The global model this round started from, and its fingerprint.
     global: Tensors,
+    global_hash: String,
+    /// Global models built from the server's changes so far.
+    deltas_applied: u64,
     round: Option<u64>,
     /// The round of the last global model taken from the current server.
     last_model: Option<u64>,
@@ -161,6 +187,45 @@ pub struct Trainer {
     /// How pseudo-gradients are compressed, and what compression dropped so far.
     codec: Codec,
     feedback: ErrorFeedback,
+    /// With overlap: the batches trained into the next round while this round's update
+    /// travels.
+    ahead: Option<Ahead>,
+    /// With overlap: the pseudo-gradient being sent in the background.
+    sending: Option<Sending>,
+    /// How long pseudo-gradients took to reach the server lately (a moving average, ms).
+    send_ms: Option<f64>,
+    /// Time spent in inner steps since the trainer started.
+    train_time: Duration,
+    /// When it last asked the server for the whole model, while it waits for it.
+    asked_whole: Option<Instant>,
+}
+
+/// Training into round r + 1 before its global model arrived (one round of delay, as in
+/// Streaming DiLoCo's overlapping variant): when θ̂ᵣ₊₁ arrives, the trainer keeps what it
+/// learned since the sync and moves it onto the new global model,
+/// θ ← θ + (θ̂ᵣ₊₁ − θ_sync), where θ_sync is its model when it sent round r's update.
+#[derive(Debug)]
+struct Ahead {
+    /// The round it synced: the batches are of the next.
+    round: u64,
+    /// The trainer's own model when it synced.
+    synced: Tensors,
+    /// The batches, samples and slices of round r + 1 so far.
+    stats: RoundStats,
+    /// It trains ahead at most this many batches (the round it synced had as many), then
+    /// waits: a round that takes long to close does not become a round of its own.
+    limit: u64,
+    /// No slice was free for it: it waits for the model instead.
+    starved: bool,
+}
+
+/// A pseudo-gradient on its way to the parameter server, in a thread of its own.
+#[derive(Debug)]
+struct Sending {
+    task: std::thread::JoinHandle<Result<(), TrainError>>,
+    started: Instant,
+    bytes: Vec<u8>,
+    round: u64,
 }
 
 #[derive(Debug, Default)]
@@ -197,6 +262,7 @@ impl Trainer {
             },
         )?;
         let global = model.tensors()?;
+        let global_hash = global.digest();
         let bridge = Client::new(socket);
         Ok(Self {
             data: Reader::new(bridge.clone(), dir, &config),
@@ -206,11 +272,18 @@ impl Trainer {
             model,
             optimizer,
             global,
+            global_hash,
+            deltas_applied: 0,
             round: None,
             last_model: None,
             stats: RoundStats::default(),
             codec,
             feedback: ErrorFeedback::new(),
+            ahead: None,
+            sending: None,
+            send_ms: None,
+            train_time: Duration::ZERO,
+            asked_whole: None,
         })
     }
 
@@ -283,7 +356,7 @@ impl Trainer {
                 // same pseudo-gradient.
                 let wants_more = self.stats.batches < *batches || self.data.in_slice();
                 if wants_more && !self.stats.syncing {
-                    if self.train_batch()? {
+                    if self.train_batch(false)? {
                         return Ok(Some(order));
                     }
                     if self.stats.samples == 0 {
@@ -305,31 +378,44 @@ impl Trainer {
     fn report(&mut self) -> Result<TrainerOrder, TrainError> {
         self.report_consumed()?;
         let stats = &self.stats;
+        let ahead = self.ahead.as_ref().map(|ahead| &ahead.stats);
         let status = Status::Trainer(TrainerStatus {
             round: self.round,
             batches: stats.batches,
             samples: stats.samples,
-            batch_ms: stats.batch_ms,
+            batch_ms: ahead.and_then(|a| a.batch_ms).or(stats.batch_ms),
+            send_ms: self.send_ms,
+            train_ms: self.train_time.as_millis() as u64,
+            ahead_batches: ahead.map_or(0, |a| a.batches),
             loss: (stats.batches > 0).then(|| stats.loss_sum / stats.batches as f64),
-            data_done: self.data.out_of_data(),
+            // Samples trained ahead still go to the server with the next round.
+            data_done: self.data.out_of_data() && ahead.is_none_or(|a| a.samples == 0),
+            model_hash: self.round.map(|_| self.global_hash.clone()),
+            deltas_applied: self.deltas_applied,
             eval: None,
         });
         Ok(self.bridge.status(&status)?)
     }
 
-    /// One AdamW step on the next batch; false when the data is done.
-    fn train_batch(&mut self) -> Result<bool, TrainError> {
+    /// One AdamW step on the next batch, counted for this round or, `ahead`, for the next;
+    /// false when the data is done.
+    fn train_batch(&mut self, ahead: bool) -> Result<bool, TrainError> {
         let started = Instant::now();
         let next = self.data.next_batch(self.config.diloco.batch_size)?;
-        self.stats.consumed.append(&mut self.data.finished);
+        let stats = match self.ahead.as_mut() {
+            Some(next_round) if ahead => &mut next_round.stats,
+            _ => &mut self.stats,
+        };
+        stats.consumed.append(&mut self.data.finished);
         let Some((batch, rows)) = next else {
             return Ok(false);
         };
         let loss = self.model.loss(&batch)?;
         self.optimizer.backward_step(&loss)?;
         let loss = f64::from(loss.to_scalar::<f32>()?);
-        let elapsed = started.elapsed().as_secs_f64() * 1000.0;
-        let stats = &mut self.stats;
+        let took = started.elapsed();
+        self.train_time += took;
+        let elapsed = took.as_secs_f64() * 1000.0;
         stats.batches += 1;
         stats.samples += rows as u64;
         stats.loss_sum += loss;
@@ -344,12 +430,18 @@ impl Trainer {
 
     /// Joins `parameter_server`: offers it the model this trainer holds (a new server with
     /// no model adopts the first one offered) and takes the global model it answers with.
-    /// A trainer that held a round of an earlier server abandons it: what it read into the
-    /// round went to the ledger with its reports, and the scheduler gives it back; the slice
-    /// being read is read again from its start in the next round.
+    /// A trainer that held a round of an earlier server abandons it, and what it trained
+    /// ahead: what it read into them went to the ledger with its reports, and the scheduler
+    /// gives it back; the slice being read is read again from its start in the next round.
     fn join(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
+        if self.round.is_some() {
+            self.report_consumed()?;
+        }
         if let Some(round) = self.round.take() {
             eprintln!("round {round}: abandoned; joining the parameter server {parameter_server}");
+            self.ahead = None;
+            self.asked_whole = None;
+            self.sending = None;
             self.data.rewind();
             self.stats = RoundStats {
                 batch_ms: self.stats.batch_ms,
@@ -380,45 +472,126 @@ impl Trainer {
         self.send(parameter_server, "initial-model.safetensors", &bytes)
     }
 
-    /// Reports the slices read to their end since the last report as consumed by the round.
+    /// Reports the slices read to their end since the last report as consumed: by the round,
+    /// or by the next one when they were read ahead.
     fn report_consumed(&mut self) -> Result<(), TrainError> {
-        if self.stats.consumed.is_empty() {
-            return Ok(());
+        let round = self.round.unwrap_or(0);
+        if !self.stats.consumed.is_empty() {
+            self.report_slices(&self.stats.consumed, round)?;
+            self.stats.consumed.clear();
         }
+        if let Some(ahead) = &self.ahead
+            && !ahead.stats.consumed.is_empty()
+        {
+            self.report_slices(&ahead.stats.consumed, round + 1)?;
+            if let Some(ahead) = self.ahead.as_mut() {
+                ahead.stats.consumed.clear();
+            }
+        }
+        Ok(())
+    }
+
+    fn report_slices(&self, slices: &[SliceRef], round: u64) -> Result<(), TrainError> {
         self.bridge.consumed(&ConsumedRequest {
-            slices: self.stats.consumed.clone(),
-            round: self.round.unwrap_or(0),
+            slices: slices.to_vec(),
+            round,
             completed_round: None,
             data: self.config.data.clone(),
         })?;
-        self.stats.consumed.clear();
         Ok(())
     }
 
     /// Ends the round: consumed slices to the ledger, the pseudo-gradient to the parameter
-    /// server, then the next global model.
+    /// server, then the next global model. With overlap, the pseudo-gradient goes in the
+    /// background and the trainer trains ahead until the model arrives.
     fn sync(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let round = self.round.unwrap_or(0);
         self.stats.syncing = true;
         self.report_consumed()?;
-        if self.stats.samples > 0 && !self.stats.sent {
+        let overlap = self.config.diloco.overlap;
+        if self.stats.samples > 0 && !self.stats.sent && self.sending.is_none() {
             let bytes = match self.stats.pseudo_gradient.take() {
                 Some(bytes) => bytes,
                 None => self.pseudo_gradient(round)?,
             };
-            let name = format!("pseudo-gradient-{round}.safetensors");
-            let sent = self.send(parameter_server, &name, &bytes);
-            if sent.is_err() {
-                self.stats.pseudo_gradient = Some(bytes);
+            if overlap {
+                self.send_in_background(parameter_server, round, bytes);
+            } else {
+                let started = Instant::now();
+                let name = format!("pseudo-gradient-{round}.safetensors");
+                let sent = self.send(parameter_server, &name, &bytes);
+                if sent.is_err() {
+                    self.stats.pseudo_gradient = Some(bytes);
+                }
+                sent?;
+                self.sent(round, started.elapsed());
             }
-            sent?;
-            self.stats.sent = true;
-            eprintln!(
-                "round {round}: pseudo-gradient of {} samples ({} batches) sent",
-                self.stats.samples, self.stats.batches
-            );
+        }
+        if overlap && self.ahead.is_none() {
+            self.ahead = Some(Ahead {
+                round,
+                synced: self.model.tensors()?,
+                stats: RoundStats {
+                    batch_ms: self.stats.batch_ms,
+                    ..RoundStats::default()
+                },
+                limit: self.stats.batches.max(1),
+                starved: false,
+            });
         }
         self.receive(parameter_server)
+    }
+
+    /// The round's pseudo-gradient reached the server after `took`.
+    fn sent(&mut self, round: u64, took: Duration) {
+        self.stats.sent = true;
+        let ms = took.as_secs_f64() * 1000.0;
+        self.send_ms = Some(self.send_ms.map_or(ms, |last| 0.5 * last + 0.5 * ms));
+        eprintln!(
+            "round {round}: pseudo-gradient of {} samples ({} batches) sent in {ms:.0} ms",
+            self.stats.samples, self.stats.batches
+        );
+    }
+
+    /// Starts sending round `round`'s pseudo-gradient `bytes` in a thread of its own.
+    fn send_in_background(&mut self, peer: &str, round: u64, bytes: Vec<u8>) {
+        let (bridge, dir, peer_owned) = (self.bridge.clone(), self.dir.clone(), peer.to_string());
+        let file = bytes.clone();
+        let task = std::thread::spawn(move || {
+            let name = format!("pseudo-gradient-{round}.safetensors");
+            send_file(&bridge, &dir, &peer_owned, &name, &file)
+        });
+        self.sending = Some(Sending {
+            task,
+            started: Instant::now(),
+            bytes,
+            round,
+        });
+    }
+
+    /// Looks after the pseudo-gradient being sent in the background: done, sent again after a
+    /// failure that may pass, or the error.
+    fn poll_send(&mut self, peer: &str) -> Result<(), TrainError> {
+        if !self.sending.as_ref().is_some_and(|s| s.task.is_finished()) {
+            return Ok(());
+        }
+        let Some(sending) = self.sending.take() else {
+            return Ok(());
+        };
+        let result = sending.task.join().unwrap_or_else(|_| {
+            Err(TrainError::Protocol(
+                "the thread sending the pseudo-gradient panicked".into(),
+            ))
+        });
+        match result {
+            Ok(()) => self.sent(sending.round, sending.started.elapsed()),
+            Err(error) if error.is_transient() => {
+                eprintln!("round {}: {error}; sending again", sending.round);
+                self.send_in_background(peer, sending.round, sending.bytes);
+            }
+            Err(error) => return Err(error),
+        }
+        Ok(())
     }
 
     /// The round's pseudo-gradient θ_global − θ_local, compressed with the job's codec, as
@@ -443,59 +616,63 @@ impl Trainer {
             ),
             (meta::ROUND.to_string(), round.to_string()),
             (meta::SAMPLES.to_string(), self.stats.samples.to_string()),
+            (
+                meta::ACCEPTS.to_string(),
+                meta::KIND_MODEL_DELTA.to_string(),
+            ),
         ]);
         Ok(self.feedback.compress(&delta, self.codec, &metadata)?)
     }
 
     fn send(&self, peer: &str, name: &str, bytes: &[u8]) -> Result<(), TrainError> {
-        let outbox = self.dir.join("outbox");
-        let path = outbox.join(name);
-        let file_error = |error| TrainError::File {
-            path: path.clone(),
-            error,
-        };
-        std::fs::create_dir_all(&outbox).map_err(file_error)?;
-        std::fs::write(&path, bytes).map_err(file_error)?;
-        self.bridge.send(&SendRequest {
-            send: Target::Peers(Peers::new([peer], Strategy::All)),
-            path: format!("outbox/{name}"),
-            patience_ms: Some(SEND_PATIENCE.as_millis() as u64),
-        })?;
-        let _ = std::fs::remove_file(&path);
-        Ok(())
+        send_file(&self.bridge, &self.dir, peer, name, bytes)
     }
 
-    /// Waits for the parameter server's next global model and starts a round from it. Every
-    /// [`MODEL_WAIT`] without it, asks the scheduler: an order other than to go on waiting
-    /// (join another server, training is over) is returned instead. A model of a round this
-    /// trainer already took (a server answers each join offer) is skipped.
+    /// Waits for the parameter server's next global model (whole, or as the change of the
+    /// one this trainer holds) and starts a round from it. Every [`MODEL_WAIT`] without it,
+    /// asks the scheduler: an order other than to go on waiting (join another server,
+    /// training is over) is returned instead. A model of a round this trainer already took
+    /// (a server answers each join offer) is skipped. With overlap, it trains ahead between
+    /// looks for the model, up to its limit and as long as slices come.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
-        let request = FetchRequest {
-            fetch: Reference::Peers(Peers::new([peer], Strategy::All)),
-            out_dir: "models".to_string(),
-            wait_ms: Some(MODEL_WAIT.as_millis() as u64),
-        };
         let mut offered = Instant::now();
+        let mut asked = Instant::now();
         loop {
-            let entries = self.bridge.fetch(&request)?;
+            self.poll_send(peer)?;
+            if self
+                .asked_whole
+                .is_some_and(|asked| asked.elapsed() >= OFFER_AGAIN)
+            {
+                self.ask_whole(peer)?;
+            }
+            let ahead = self
+                .ahead
+                .as_ref()
+                .is_some_and(|a| a.stats.batches < a.limit && !a.starved);
+            let wait = if ahead { Duration::ZERO } else { MODEL_WAIT };
+            let entries = self.bridge.fetch(&FetchRequest {
+                fetch: Reference::Peers(Peers::new([peer], Strategy::All)),
+                out_dir: "models".to_string(),
+                wait_ms: Some(wait.as_millis() as u64),
+            })?;
             if let Some(entry) = entries.into_iter().next() {
                 let bytes = take(&self.dir, &entry)?;
-                let round = hypha_diloco::server::round_of(&hypha_diloco::metadata(&bytes)?)?;
-                if self.last_model.is_some_and(|last| round <= last) {
+                if self.take_model(peer, &bytes)? {
+                    return Ok(None);
+                }
+                continue;
+            }
+            if ahead {
+                if !self.train_batch(true)?
+                    && let Some(ahead) = self.ahead.as_mut()
+                {
+                    ahead.starved = true;
+                }
+                if asked.elapsed() < MODEL_WAIT {
                     continue;
                 }
-                let global = Tensors::from_bytes(&bytes)?;
-                self.model.load(&global)?;
-                self.global = global;
-                self.round = Some(round);
-                self.last_model = Some(round);
-                eprintln!("round {round}: global model received");
-                self.stats = RoundStats {
-                    batch_ms: self.stats.batch_ms,
-                    ..RoundStats::default()
-                };
-                return Ok(None);
             }
+            asked = Instant::now();
             match self.report()? {
                 TrainerOrder::Done => return Ok(Some(TrainerOrder::Done)),
                 // Joining this server already: its answer may be on its way. The offer is
@@ -514,6 +691,195 @@ impl Trainer {
             }
         }
     }
+
+    /// Takes a file the parameter server sent: a global model, whole or as a change of the
+    /// one this trainer holds. True when a round starts from it; false when it was of an
+    /// earlier round, did not fit (the whole model is asked for), or is not a model.
+    fn take_model(&mut self, peer: &str, bytes: &[u8]) -> Result<bool, TrainError> {
+        let metadata = hypha_diloco::metadata(bytes)?;
+        let round = hypha_diloco::server::round_of(&metadata)?;
+        if self.last_model.is_some_and(|last| round <= last) {
+            return Ok(false);
+        }
+        let (global, changed) = match metadata.get(meta::KIND).map(String::as_str) {
+            Some(meta::KIND_MODEL_DELTA) => match self.apply_change(bytes, &metadata) {
+                Ok(global) => (global, true),
+                Err(why) => {
+                    eprintln!(
+                        "round {round}: the model's change does not fit this trainer's copy ({why}); asking for the whole model"
+                    );
+                    self.ask_whole(peer)?;
+                    return Ok(false);
+                }
+            },
+            Some(meta::KIND_MODEL) => (Tensors::from_bytes(bytes)?, false),
+            other => {
+                eprintln!("a file of kind {other:?} from the parameter server: ignored");
+                return Ok(false);
+            }
+        };
+        let hash = global.digest();
+        if metadata
+            .get(meta::MODEL_HASH)
+            .is_some_and(|expected| *expected != hash)
+        {
+            let what = if changed {
+                "the model built from the change"
+            } else {
+                "the whole model"
+            };
+            eprintln!(
+                "round {round}: {what} does not match the server's fingerprint; asking for the whole model"
+            );
+            self.ask_whole(peer)?;
+            return Ok(false);
+        }
+        self.start_round(round, global)?;
+        self.global_hash = hash;
+        if changed {
+            self.deltas_applied += 1;
+        }
+        let how = if changed { "as a change" } else { "whole" };
+        eprintln!("round {round}: global model received ({how})");
+        Ok(true)
+    }
+
+    /// Starts round `round` from the global model `global`: loaded as it is, or, when the
+    /// trainer trained ahead, with what it learned since the sync moved onto it.
+    fn start_round(&mut self, round: u64, global: Tensors) -> Result<(), TrainError> {
+        // An update still on its way is of a round that is over.
+        if let Some(sending) = self.sending.take()
+            && sending.task.is_finished()
+            && matches!(sending.task.join(), Ok(Ok(())))
+        {
+            self.sent(sending.round, sending.started.elapsed());
+        }
+        self.asked_whole = None;
+        let batch_ms = self.stats.batch_ms;
+        match self.ahead.take() {
+            // What it trained ahead belongs to the round after the one it synced: on any
+            // other model it is thrown away, its slices reported as consumed by that round
+            // (which the scheduler gives back, as the trainer was not in it).
+            Some(ahead) if ahead.stats.batches > 0 && round != ahead.round + 1 => {
+                eprintln!(
+                    "round {round}: {} batches trained ahead for round {} thrown away",
+                    ahead.stats.batches,
+                    ahead.round + 1
+                );
+                if !ahead.stats.consumed.is_empty() {
+                    self.report_slices(&ahead.stats.consumed, ahead.round + 1)?;
+                }
+                self.data.rewind();
+                self.model.load(&global)?;
+                self.stats = RoundStats {
+                    batch_ms,
+                    ..RoundStats::default()
+                };
+            }
+            Some(ahead) if ahead.stats.batches > 0 => {
+                let mut local = self.model.tensors()?;
+                for (name, tensor) in &mut local.0 {
+                    let (Some(new), Some(synced)) = (global.0.get(name), ahead.synced.0.get(name))
+                    else {
+                        continue;
+                    };
+                    for ((l, n), s) in tensor
+                        .values
+                        .iter_mut()
+                        .zip(&new.values)
+                        .zip(&synced.values)
+                    {
+                        *l += n - s;
+                    }
+                }
+                self.model.load(&local)?;
+                eprintln!(
+                    "round {round}: {} batches trained ahead moved onto the new global model",
+                    ahead.stats.batches
+                );
+                self.stats = RoundStats {
+                    batch_ms: ahead.stats.batch_ms.or(batch_ms),
+                    ..ahead.stats
+                };
+            }
+            ahead => {
+                self.model.load(&global)?;
+                self.stats = RoundStats {
+                    batch_ms,
+                    consumed: ahead.map(|a| a.stats.consumed).unwrap_or_default(),
+                    ..RoundStats::default()
+                };
+            }
+        }
+        self.global = global;
+        self.round = Some(round);
+        self.last_model = Some(round);
+        Ok(())
+    }
+
+    /// The global model the change `bytes` (with its `metadata`) makes of the one this
+    /// trainer holds; why not, when the change is of another model.
+    fn apply_change(&self, bytes: &[u8], metadata: &Metadata) -> Result<Tensors, String> {
+        let base_round = metadata
+            .get(meta::BASE_ROUND)
+            .and_then(|r| r.parse::<u64>().ok());
+        let round = hypha_diloco::server::round_of(metadata).ok();
+        if base_round.is_none() || base_round != self.last_model {
+            return Err(format!(
+                "it changes the model of round {base_round:?}, this trainer holds {:?}",
+                self.last_model
+            ));
+        }
+        if round != base_round.map(|base| base + 1) {
+            return Err(format!(
+                "it claims to lead from round {base_round:?} to {round:?}"
+            ));
+        }
+        if metadata.get(meta::BASE_HASH) != Some(&self.global_hash) {
+            return Err("it changes a model with another fingerprint".into());
+        }
+        let mut global = self.global.clone();
+        Update::read(bytes)
+            .and_then(|change| change.add_to(&mut global))
+            .map_err(|error| error.to_string())?;
+        Ok(global)
+    }
+
+    /// Asks `parameter_server` for the whole global model, again every [`OFFER_AGAIN`] until
+    /// a model arrives.
+    fn ask_whole(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+        self.asked_whole = Some(Instant::now());
+        let metadata =
+            Metadata::from([(meta::KIND.to_string(), meta::KIND_MODEL_REQUEST.to_string())]);
+        let bytes = Tensors::default().to_bytes(&metadata)?;
+        self.send(parameter_server, "model-request.safetensors", &bytes)
+    }
+}
+
+/// Sends `bytes` to `peer` through the job's bridge, as the file `outbox/{name}` of the job's
+/// directory `dir` (removed once sent).
+fn send_file(
+    bridge: &Client,
+    dir: &Path,
+    peer: &str,
+    name: &str,
+    bytes: &[u8],
+) -> Result<(), TrainError> {
+    let outbox = dir.join("outbox");
+    let path = outbox.join(name);
+    let file_error = |error| TrainError::File {
+        path: path.clone(),
+        error,
+    };
+    std::fs::create_dir_all(&outbox).map_err(file_error)?;
+    std::fs::write(&path, bytes).map_err(file_error)?;
+    bridge.send(&SendRequest {
+        send: Target::Peers(Peers::new([peer], Strategy::All)),
+        path: format!("outbox/{name}"),
+        patience_ms: Some(SEND_PATIENCE.as_millis() as u64),
+    })?;
+    let _ = std::fs::remove_file(&path);
+    Ok(())
 }
 
 /// The bytes of a file the bridge delivered into the job's directory `dir`; the file is

@@ -45,6 +45,22 @@ pub mod meta {
     /// The samples a pseudo-gradient was trained on: its weight in the mean.
     pub const SAMPLES: &str = "hypha.samples";
     pub const KIND_MODEL: &str = "model";
+    /// The change of the global model from round `BASE_ROUND` to `ROUND`, compressed with
+    /// the job's codec (`hypha_diloco::codec`'s wire format): what the parameter server sends
+    /// a trainer that holds the round before, instead of the whole model.
+    pub const KIND_MODEL_DELTA: &str = "model_delta";
+    /// A trainer asks for the whole global model (its copy does not fit the change it got):
+    /// a file with no tensors.
+    pub const KIND_MODEL_REQUEST: &str = "model_request";
+    /// The fingerprint of the global model a model or a change leads to
+    /// (`hypha_diloco::Tensors::digest`).
+    pub const MODEL_HASH: &str = "hypha.model_hash";
+    /// A change's base: the round and the fingerprint of the model it applies to.
+    pub const BASE_ROUND: &str = "hypha.base_round";
+    pub const BASE_HASH: &str = "hypha.base_hash";
+    /// On a pseudo-gradient: the file kinds its sender takes besides whole models
+    /// ([`KIND_MODEL_DELTA`]); a sender without it gets whole models.
+    pub const ACCEPTS: &str = "hypha.accepts";
     pub const KIND_PSEUDO_GRADIENT: &str = "pseudo_gradient";
     /// The parameter server's state: model and outer momentum, its round the next one to
     /// train.
@@ -75,12 +91,33 @@ pub struct TrainerStatus {
     /// its speed.
     #[serde(default)]
     pub batch_ms: Option<f64>,
+    /// How long its pseudo-gradients took to reach the parameter server lately (a moving
+    /// average of the sends, in ms): the scheduler has a trainer on a slow link stop its
+    /// inner steps that much earlier, so that every update arrives together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub send_ms: Option<f64>,
+    /// Wall time it spent in inner steps since it started, in ms (batches read and trained;
+    /// not waiting for models, slices or sends): its utilisation over an interval is the
+    /// growth of this over the interval's length.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub train_ms: u64,
+    /// Batches it trained ahead, into the next round, while its update was on its way
+    /// (`[diloco] overlap`): they count for the round after `round`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ahead_batches: u64,
     /// Mean training loss of this round's batches so far.
     #[serde(default)]
     pub loss: Option<f64>,
     /// Its data reference answered that every slice is used or taken.
     #[serde(default)]
     pub data_done: bool,
+    /// The fingerprint of the global model it holds (`hypha_diloco::Tensors::digest`),
+    /// checked against the parameter server's when it took it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
+    /// Global models it built from broadcast changes rather than took whole, so far.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub deltas_applied: u64,
     /// Evaluation loss and accuracy of the global model it holds, when it measured them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<Evaluation>,
@@ -154,6 +191,17 @@ pub struct Late {
 pub struct Applied {
     pub round: u64,
     pub included: Vec<String>,
+    /// The fingerprint of the global model the round led to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
+    /// The size of the compressed change sent instead of the model to the trainers that
+    /// held the round's model; `None` when the job does not compress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_bytes: Option<u64>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The scheduler's answer to the parameter server.

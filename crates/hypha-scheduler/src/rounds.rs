@@ -45,6 +45,35 @@ pub enum Settle {
     Drop { job: String, round: u64 },
 }
 
+/// When (s from now) the round's updates should all arrive, for trainers of `paces` (samples
+/// per s, seconds their update takes to reach the server) with `remaining` samples to train:
+/// the A with Σ rateᵢ · max(0, A − sendᵢ) = remaining. Trainer i trains until A − sendᵢ, so
+/// that every update arrives together; one whose send alone outlasts A trains no more.
+fn arrival(paces: &mut [(f64, f64)], remaining: f64) -> f64 {
+    paces.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let (mut rate, mut lag, mut arrive) = (0.0, 0.0, f64::INFINITY);
+    for (i, (r, send)) in paces.iter().enumerate() {
+        rate += r;
+        lag += r * send;
+        arrive = (remaining + lag) / rate;
+        if paces.get(i + 1).is_none_or(|next| next.1 >= arrive) {
+            break;
+        }
+    }
+    arrive
+}
+
+/// How long `status`'s trainer said its updates take to reach the server (0 when it did not).
+fn send_ms(status: &TrainerStatus) -> f64 {
+    status
+        .send_ms
+        .filter(|ms| ms.is_finite() && *ms > 0.0)
+        .unwrap_or(0.0)
+}
+
+/// The shortest batch time the plan believes, in ms.
+const MIN_BATCH_MS: f64 = 0.01;
+
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
@@ -76,6 +105,12 @@ pub struct AppliedRound {
     pub samples: u64,
     /// Mean training loss over the included trainers, weighted by samples.
     pub loss: Option<f64>,
+    /// The fingerprint of the global model the round led to, as the server said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
+    /// The size of the compressed change the server sent instead of the model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta_bytes: Option<u64>,
 }
 
 /// The rounds of one DiLoCo job.
@@ -347,7 +382,8 @@ impl Rounds {
                 // It trained on a model of a server that is gone: its rounds that are not in
                 // the model the job goes on from give their slices back (again, harmlessly,
                 // if it is told twice). It sent its consumed slices before it asked.
-                let held = held.min(highest);
+                // Batches trained ahead were read into the round after the one it held.
+                let held = held.min(highest) + u64::from(status.ahead_batches > 0);
                 let lost = trainer.settled_below.min(restart)..held + 1;
                 settle.extend(left_out(&self.included, job, &trainer.peer, lost));
                 trainer.settled_below = restart;
@@ -427,26 +463,54 @@ impl Rounds {
         let Some(batch_ms) = status.batch_ms.filter(|ms| *ms > 0.0) else {
             return even.max(status.batches + 1);
         };
-        let rates: Vec<f64> = in_round
+        // A pace of more than a batch every 10 µs is a report to distrust, not a plan.
+        let batch_ms = batch_ms.max(MIN_BATCH_MS);
+        let send_ms = |status: &TrainerStatus| send_ms(status).min(plan.round_ms as f64);
+        // Each trainer's pace (samples per s) and how long its update takes to reach the
+        // server (s); trainers without a pace yet count as the average of those with one.
+        let mut paces: Vec<(f64, f64)> = in_round
             .iter()
-            .filter_map(|t| t.status.batch_ms.filter(|ms| *ms > 0.0))
-            .map(|ms| plan.batch_size as f64 * 1000.0 / ms)
+            .filter_map(|t| {
+                let ms = t.status.batch_ms.filter(|ms| *ms > 0.0)?.max(MIN_BATCH_MS);
+                Some((
+                    plan.batch_size as f64 * 1000.0 / ms,
+                    send_ms(&t.status) / 1000.0,
+                ))
+            })
             .collect();
-        let known: f64 = rates.iter().sum();
-        let unknown = in_round.len().saturating_sub(rates.len()) as f64;
-        let throughput = known + unknown * known / rates.len().max(1) as f64;
+        let known = paces.len().max(1) as f64;
+        let average = (
+            paces.iter().map(|(rate, _)| rate).sum::<f64>() / known,
+            paces.iter().map(|(_, send)| send).sum::<f64>() / known,
+        );
+        paces.extend(std::iter::repeat_n(
+            average,
+            in_round.len().saturating_sub(paces.len()),
+        ));
+        // What trainers said they trained this round, and what those still waiting for its
+        // model trained ahead into it.
         let done: u64 = in_round
             .iter()
-            .filter(|t| t.status.round == Some(self.round))
-            .map(|t| self.trained_by_now(t, now_ms))
+            .map(|t| match t.status.round {
+                Some(round) if round == self.round => self.trained_by_now(t, now_ms),
+                Some(round) if round + 1 == self.round => {
+                    t.status.ahead_batches.saturating_mul(plan.batch_size)
+                }
+                _ => 0,
+            })
             .sum();
         let remaining = plan.samples_per_round.saturating_sub(done) as f64;
         let bound_ms = self.started_ms.map_or(plan.round_ms, |start| {
             (start + plan.round_ms).saturating_sub(now_ms)
         }) as f64;
-        let left_ms = (remaining / throughput * 1000.0).min(bound_ms);
-        let more = (left_ms / batch_ms).floor() as u64;
-        (status.batches + more).max(1)
+        let arrive_ms = arrival(&mut paces, remaining) * 1000.0;
+        let arrive_ms = if arrive_ms.is_finite() {
+            arrive_ms.min(bound_ms)
+        } else {
+            bound_ms
+        };
+        let more = ((arrive_ms - send_ms(status)).max(0.0) / batch_ms).floor() as u64;
+        status.batches.saturating_add(more).max(1)
     }
 
     /// The samples `trainer` has trained in this round by `now_ms`: what it last said, plus
@@ -523,6 +587,8 @@ impl Rounds {
                 included: applied.included,
                 samples,
                 loss: (weighted_loss.1 > 0).then(|| weighted_loss.0 / weighted_loss.1 as f64),
+                model_hash: applied.model_hash,
+                delta_bytes: applied.delta_bytes,
             });
         }
         if self.done {
@@ -709,6 +775,8 @@ mod tests {
             applied: applied.map(|(round, included)| Applied {
                 round,
                 included: included.iter().map(|p| p.to_string()).collect(),
+                model_hash: None,
+                delta_bytes: None,
             }),
             ..ServerStatus::default()
         }
@@ -787,6 +855,77 @@ mod tests {
         assert!((29..=31).contains(&b), "b: {b}");
         let (a_ms, b_ms) = ((a - 3) as f64 * 100.0, (b - 1) as f64 * 300.0);
         assert!((a_ms - b_ms).abs() <= 300.0, "{a_ms} vs {b_ms}");
+    }
+
+    /// Issue 21, item 3: a trainer whose update takes 2 s to reach the server stops its
+    /// inner steps 2 s earlier than one on a fast link, so that both updates arrive together,
+    /// and the round still holds its samples.
+    #[test]
+    fn a_trainer_on_a_slow_link_stops_earlier_so_that_updates_arrive_together() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        let slow_link = |batches| TrainerStatus {
+            send_ms: Some(2000.0),
+            ..status(0, batches, Some(100.0))
+        };
+        rounds.trainer_status("a", status(0, 0, Some(100.0)), 0);
+        rounds.trainer_status("b", slow_link(0), 0);
+        let a = target(rounds.trainer_status("a", status(0, 0, Some(100.0)), 0).0);
+        let b = target(rounds.trainer_status("b", slow_link(0), 0).0);
+        // 1200 samples at 0.1 + 0.1 samples/ms, 200 of them lost to b's send: A = 7 s; a
+        // trains 70 batches, b 50, and b's update arrives at 5 s + 2 s.
+        assert!((69..=70).contains(&a), "a: {a}");
+        assert!((49..=50).contains(&b), "b: {b}");
+        assert!((a + b) * 10 >= 1180, "{} samples", (a + b) * 10);
+        let arrivals = (a as f64 * 100.0, b as f64 * 100.0 + 2000.0);
+        assert!((arrivals.0 - arrivals.1).abs() <= 200.0, "{arrivals:?}");
+    }
+
+    /// Once a round holds its samples, no trainer is given more, whatever its link: a
+    /// trainer quicker to send than the others must not be told to fill their send time.
+    #[test]
+    fn a_full_round_gives_nobody_more_batches_whatever_their_links() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
+        let linked = |batches, send| TrainerStatus {
+            send_ms: Some(send),
+            ..status(0, batches, Some(1.0))
+        };
+        for (job, send) in [("a", 4.0), ("b", 7.0), ("c", 19.0)] {
+            rounds.trainer_status(job, linked(0, send), 0);
+        }
+        // Each has trained 40 batches of 10: the round's 1200 samples are done.
+        for (job, send) in [("a", 4.0), ("b", 7.0), ("c", 19.0)] {
+            rounds.trainer_status(job, linked(40, send), 40);
+        }
+        for (job, send) in [("a", 4.0), ("b", 7.0), ("c", 19.0)] {
+            assert_eq!(
+                target(rounds.trainer_status(job, linked(40, send), 41).0),
+                40
+            );
+        }
+        assert_eq!(arrival(&mut [(1.0, 0.5), (1.0, 1.0)], 0.0), 0.5);
+        assert_eq!(arrival(&mut [(1.0, 1.0), (1.0, 0.0)], 1.0), 1.0);
+        assert_eq!(arrival(&mut [(1.0, 0.0), (1.0, 0.0)], 2.0), 1.0);
+    }
+
+    /// A liar's impossible pace (a batch in 1e-310 ms) and send time (1e300 ms) neither make
+    /// the plan NaN nor overflow its target: the others are planned within the round's time.
+    #[test]
+    fn impossible_paces_and_send_times_neither_overflow_nor_unbound_the_plan() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+        let liar = |batches| TrainerStatus {
+            send_ms: Some(1e300),
+            ..status(0, batches, Some(1e-310))
+        };
+        rounds.trainer_status("a", status(0, 0, Some(100.0)), 0);
+        rounds.trainer_status("b", liar(0), 0);
+        let a = target(rounds.trainer_status("a", status(0, 0, Some(100.0)), 0).0);
+        assert!(
+            (1..=100).contains(&a),
+            "a: {a} (the round's 10 s are 100 batches)"
+        );
+        // Its own target: as many as it likes, without overflowing.
+        let b = target(rounds.trainer_status("b", liar(1 << 40), 0).0);
+        assert!(b >= 1 << 40, "b: {b}");
     }
 
     #[test]

@@ -55,6 +55,7 @@
 //! outer = { learning_rate = 0.7, momentum = 0.9 }
 //! compression = "int8"     # pseudo-gradients: "none" (default), "bf16", "int8" or "topk",
 //! topk_density = 0.01      # with error feedback on the trainers (see hypha_diloco::codec)
+//! overlap = true           # train on while the update travels (default false)
 //!
 //! [diloco.parameter_server]
 //! bid = 50.0
@@ -62,8 +63,11 @@
 //! resources = { cpu = 1, memory = 2 }
 //! ```
 //!
-//! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "topk_density"}`;
-//! the parameter server's is `{"outer": …}` (it reads every codec from the files themselves).
+//! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "topk_density",
+//! "overlap"}`;
+//! the parameter server's is `{"outer", "max_samples", "compression", "topk_density"}` (it reads
+//! every codec from the files themselves, and sends the global model's changes compressed with
+//! the job's).
 //!
 //! With `[data]`, the executor's config gains `"data"`: the reference to hand the job bridge's
 //! `/resources/fetch` for the next slice (`{"type": "Scheduler", "peer": …, "dataset": …}`).
@@ -147,6 +151,11 @@ pub struct DilocoSpec {
     /// For `topk`: the share of each tensor's values sent.
     #[serde(default)]
     pub topk_density: Option<f32>,
+    /// Trainers go on training into the next round while their update is on its way and
+    /// apply the outer update when it arrives (one round of delay), so that communication
+    /// hides behind compute. Off by default.
+    #[serde(default)]
+    pub overlap: bool,
     pub parameter_server: ServerSpec,
 }
 
@@ -384,6 +393,7 @@ impl JobFile {
                     "inner": diloco.inner,
                     "compression": diloco.compression,
                     "topk_density": diloco.topk_density,
+                    "overlap": diloco.overlap,
                 }),
             );
         }
@@ -536,7 +546,14 @@ impl DilocoSpec {
             .samples_per_round
             .saturating_mul(2)
             .saturating_add(largest_slice);
-        let mut config = serde_json::json!({ "outer": self.outer, "max_samples": max_samples });
+        let mut config = serde_json::json!({
+            "outer": self.outer,
+            "max_samples": max_samples,
+            "compression": self.compression,
+        });
+        if let Some(density) = self.topk_density {
+            config["topk_density"] = density.into();
+        }
         if let Some(ratio) = self.max_update_norm_ratio {
             config["max_norm_ratio"] = ratio.into();
         }
@@ -590,7 +607,7 @@ mod tests {
         assert_eq!(trainer["seed"], 1);
         assert_eq!(
             d.server_config(64),
-            r#"{"max_samples":1088,"outer":{"learning_rate":0.7,"momentum":0.9}}"#
+            r#"{"compression":"none","max_samples":1088,"outer":{"learning_rate":0.7,"momentum":0.9}}"#
         );
 
         let bad = |extra: &str| {
@@ -610,6 +627,13 @@ mod tests {
         let spec = JobFile::parse("job.toml", &compressed).unwrap();
         let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
         assert_eq!(trainer["diloco"]["compression"], "int8");
+        assert_eq!(trainer["diloco"]["overlap"], false);
+        let server: serde_json::Value =
+            serde_json::from_str(&spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
+        assert_eq!(
+            server["compression"], "int8",
+            "the server compresses its changes alike"
+        );
         assert!(bad("max_update_norm_ratio = 0.5").contains("diloco.max_update_norm_ratio = 0.5"));
         assert!(bad("forward = \"ftp://x\"").contains("diloco.forward"));
         assert!(bad("rounds = 0").contains("diloco.rounds = 0"));

@@ -337,6 +337,8 @@ impl Training {
             included: applied.included,
             samples: 0,
             loss: None,
+            model_hash: applied.model_hash,
+            delta_bytes: applied.delta_bytes,
         }))
     }
 

@@ -61,10 +61,36 @@ pub struct Cluster {
     pub worker_lease_ms: Option<u64>,
     /// The `prefetch_bytes` of the workers it starts; `None`: the workers' default.
     pub worker_prefetch_bytes: Option<u64>,
+    /// Where the nodes it starts next run: 127.0.0.1 unless a benchmark puts them behind a
+    /// slow link ([`netns`](crate::netns)).
+    pub place: Place,
+}
+
+/// Where a node runs: the address it listens on, and the network namespace it runs in
+/// (`None`: this process's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub ip: String,
+    pub netns: Option<String>,
+}
+
+impl Place {
+    pub fn loopback() -> Self {
+        Self {
+            ip: "127.0.0.1".into(),
+            netns: None,
+        }
+    }
 }
 
 impl Cluster {
     pub fn new() -> Self {
+        Self::at(Place::loopback())
+    }
+
+    /// A cluster whose gateway (and every node until [`place`](Self::place) changes) runs at
+    /// `place`.
+    pub fn at(place: Place) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let root = authority::create_root("Market Root", Validity::days(5)).unwrap();
         let org = authority::create_org(&root, "Market Org", Validity::days(5)).unwrap();
@@ -77,6 +103,7 @@ impl Cluster {
             // Short, so that tests of lapsing leases are quick.
             worker_lease_ms: Some(3000),
             worker_prefetch_bytes: None,
+            place,
         };
         let config = cluster.config("gateway", Role::Gateway, "");
         let mut gateway = Proc::start(
@@ -113,7 +140,8 @@ impl Cluster {
         std::fs::write(
             &path,
             format!(
-                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{gateways}{extra}"
+                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/{}/tcp/0\"]\n{gateways}{extra}",
+                self.place.ip
             ),
         )
         .unwrap();
@@ -182,7 +210,13 @@ impl Cluster {
             env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         command_env.push(("RUST_LOG", "info"));
         let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
-        let mut worker = Proc::spawn(&bin("hypha-worker"), &args, &command_env, name);
+        let mut worker = Proc::spawn_in(
+            self.place.netns.as_deref(),
+            &bin("hypha-worker"),
+            &args,
+            &command_env,
+            name,
+        );
         worker.wait_for("worker ready for advertisements");
         worker
     }
@@ -292,7 +326,27 @@ impl Proc {
     }
 
     pub fn spawn(bin: &Path, args: &[&std::ffi::OsStr], env: &[(&str, &str)], name: &str) -> Self {
-        let mut child = Command::new(bin)
+        Self::spawn_in(None, bin, args, env, name)
+    }
+
+    /// [`spawn`](Self::spawn) in the network namespace `netns` (`ip netns exec`, which execs
+    /// the program: the child is the program itself).
+    pub fn spawn_in(
+        netns: Option<&str>,
+        bin: &Path,
+        args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        name: &str,
+    ) -> Self {
+        let mut command = match netns {
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", netns]).arg(bin);
+                command
+            }
+            None => Command::new(bin),
+        };
+        let mut child = command
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::null())

@@ -6,6 +6,8 @@
 //!   temporary directory (gateway, data nodes, workers, schedulers), and what they leave
 //!   behind (ledger audits, events files).
 //! - [`s3`]: a real S3 server in-process that counts and can throttle the bytes it serves.
+//! - [`netns`]: network namespaces behind rate-limited links (`tc … tbf`), for nodes on slow
+//!   links on one machine.
 //!
 //! Everything here panics on failure: it is for tests and benchmark harnesses, which should
 //! fail loudly at the step that went wrong. It knows the programs by their command lines and
@@ -14,4 +16,5 @@
 #![allow(clippy::unwrap_used, clippy::missing_panics_doc)]
 
 pub mod cluster;
+pub mod netns;
 pub mod s3;

@@ -11,9 +11,17 @@
 //! trainer's model, close the round (weighted mean, Nesterov step, checkpoint, new global
 //! model to every trainer), or finish.
 //!
+//! **What trainers get.** A job that compresses (`"compression"` in its config) has the
+//! server send each round's change of the global model, compressed with that codec, to the
+//! trainers whose update made the round and that take changes (their pseudo-gradient says
+//! so, [`meta::ACCEPTS`]): they hold the round's model. Everybody else, and a trainer that
+//! asks ([`meta::KIND_MODEL_REQUEST`]: its copy did not fit the change), gets the whole model.
+//! Both carry the fingerprint of the model they lead to ([`meta::MODEL_HASH`]).
+//!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
 //! momentum, round; written atomically when the model is adopted and after every round),
 //! `models/round-{r}.safetensors` (the global model each round starts from, as sent),
+//! `models/delta-{r}.safetensors` (the change that leads to it, when the job compresses),
 //! `final.safetensors` (the model when training is over).
 //!
 //! **The checkpoint's second place.** Every checkpoint is pushed to the scheduler over the
@@ -32,7 +40,7 @@ use std::{
 };
 
 use hypha_diloco::{
-    OuterOptimizer,
+    Codec, OuterOptimizer,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
@@ -62,9 +70,12 @@ pub const FINAL_MODEL: &str = "final.safetensors";
 const OFFERS_DIR: &str = "offers";
 /// Initial models held at once; offers from further peers are refused until one is adopted.
 const MAX_OFFERS: usize = 64;
+/// How often a peer is sent the whole model on its own offer or request, at most: a trainer
+/// asks again after `hypha_executor::train::OFFER_AGAIN` (5 s) without an answer.
+const WHOLE_MODEL_EVERY: Duration = Duration::from_secs(4);
 
 /// The parameter server's config (the scheduler's `{"outer": …}`).
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct Config {
     outer: Outer,
     /// Start from the scheduler's checkpoint of this round instead of a trainer's model.
@@ -76,6 +87,11 @@ struct Config {
     /// How many times the typical norm an update's may be.
     #[serde(default)]
     max_norm_ratio: Option<f64>,
+    /// The job's codec: the changes of the global model are sent compressed with it.
+    #[serde(default)]
+    compression: Option<String>,
+    #[serde(default)]
+    topk_density: Option<f32>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -109,6 +125,8 @@ enum ServerError {
         "the job's config is not a parameter server's ({0}); it needs {{\"outer\": {{\"learning_rate\": …, \"momentum\": …}}}}"
     )]
     Config(serde_json::Error),
+    #[error("the job's config: compression {0}")]
+    Codec(String),
     #[error(transparent)]
     Diloco(#[from] hypha_diloco::Error),
     #[error("cannot write {path}: {error}")]
@@ -158,6 +176,12 @@ impl ServerJob {
         if let Some(ratio) = config.max_norm_ratio {
             server = server.limit_norm(ratio);
         }
+        let codec = Codec::named(
+            config.compression.as_deref().unwrap_or("none"),
+            config.topk_density,
+        )
+        .map_err(ServerError::Codec)?;
+        server = server.broadcast_changes(codec.for_broadcast());
         let uploads = Uploads::start(
             self.network.clone(),
             self.scheduler,
@@ -204,7 +228,7 @@ impl ServerJob {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
-                        applied = Some(self.close(&mut server, &send_to)?);
+                        applied = Some(self.close(&mut server, &send_to, &peers)?);
                         announce = true;
                     }
                 }
@@ -252,10 +276,27 @@ impl ServerJob {
             Some(meta::KIND_MODEL) if server.round().is_none() => {
                 peers.hold_offer(&self.dir, &from, &path);
             }
-            Some(meta::KIND_MODEL) => {
+            Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
                 let _ = std::fs::remove_file(&path);
-                // A joining trainer starts from the current global model.
-                if let Err(error) = self.send_model(server, std::slice::from_ref(&from)) {
+                if kind == meta::KIND_MODEL_REQUEST && !peers.trainers.contains(&from) {
+                    tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
+                    return;
+                }
+                // A joining trainer starts from the current global model; one whose copy
+                // does not fit a change asks for it. One whole model per peer per
+                // WHOLE_MODEL_EVERY: asking more often cannot fill the server's link.
+                let now = std::time::Instant::now();
+                if peers
+                    .whole_sent
+                    .get(&from)
+                    .is_some_and(|sent| now.duration_since(*sent) < WHOLE_MODEL_EVERY)
+                {
+                    tracing::debug!(%from, "sent the whole model moments ago: not again yet");
+                    return;
+                }
+                peers.whole_sent.insert(from.clone(), now);
+                if let Err(error) = self.send_models(server, None, &[], std::slice::from_ref(&from))
+                {
                     tracing::warn!(%from, %error, "could not send the global model");
                 }
             }
@@ -285,7 +326,15 @@ impl ServerJob {
                     tokio::task::block_in_place(|| server.add(&from, &bytes, round, samples));
                 match taken {
                     Ok(Taken::Added) => {
-                        tracing::debug!(%from, round, samples, "pseudo-gradient added")
+                        tracing::debug!(%from, round, samples, "pseudo-gradient added");
+                        let accepts = metadata.get(meta::ACCEPTS).map(String::as_str);
+                        if accepts.is_some_and(|kinds| {
+                            kinds.split(',').any(|k| k.trim() == meta::KIND_MODEL_DELTA)
+                        }) {
+                            peers.take_changes.insert(from);
+                        } else {
+                            peers.take_changes.remove(&from);
+                        }
                     }
                     Ok(Taken::Late { round }) => {
                         tracing::info!(%from, round, "a pseudo-gradient for a closed round: dropped");
@@ -336,7 +385,7 @@ impl ServerJob {
                 }
                 let offered: Vec<String> = peers.offers.keys().cloned().collect();
                 peers.clear_offers(&self.dir);
-                if let Err(error) = self.send_model(server, &offered) {
+                if let Err(error) = self.send_models(server, None, &[], &offered) {
                     tracing::warn!(%error, "could not send the global model");
                 }
             }
@@ -350,11 +399,13 @@ impl ServerJob {
         }
     }
 
-    /// Closes the round: step, checkpoint, and the new model to `send_to`.
+    /// Closes the round: step, checkpoint, and the new model to `send_to`: as the round's
+    /// change to those whose update made the round and that take changes, whole to the rest.
     fn close(
         &self,
         server: &mut ParameterServer,
         send_to: &[String],
+        peers: &Peers,
     ) -> Result<Applied, ServerError> {
         let closed = tokio::task::block_in_place(|| {
             let closed = server.close()?;
@@ -367,23 +418,60 @@ impl ServerJob {
             samples = closed.samples,
             "round closed"
         );
-        if let Err(error) = self.send_model(server, send_to) {
+        if let Some(why) = &closed.uncompressed {
+            tracing::warn!(round = closed.round, %why, "the round's change cannot be compressed; every trainer gets the whole model");
+        }
+        let (changed, whole): (Vec<String>, Vec<String>) =
+            send_to.iter().cloned().partition(|peer| {
+                closed.delta.is_some()
+                    && peers.take_changes.contains(peer)
+                    && closed.included.contains(peer)
+            });
+        if let Err(error) = self.send_models(server, closed.delta.as_deref(), &changed, &whole) {
             tracing::warn!(%error, "could not send the new global model");
         }
         Ok(Applied {
             round: closed.round,
+            delta_bytes: closed.delta.as_ref().map(|delta| delta.len() as u64),
             included: closed.included,
+            model_hash: server.model_hash().map(str::to_string),
         })
     }
 
-    /// Writes the global model for its round (once) and sends it to `peers` in the
-    /// background: a slow trainer does not hold up the others or the server.
-    fn send_model(&self, server: &ParameterServer, peers: &[String]) -> Result<(), ServerError> {
+    /// Sends the global model of the current round in the background, as the change `delta`
+    /// (when there is one) to `changed` and whole to `whole`: a slow trainer does not hold
+    /// up the others or the server. Each file is written once per round.
+    fn send_models(
+        &self,
+        server: &ParameterServer,
+        delta: Option<&[u8]>,
+        changed: &[String],
+        whole: &[String],
+    ) -> Result<(), ServerError> {
         let round = server.round().unwrap_or(0);
-        let name = format!("round-{round}.safetensors");
-        let path = self.dir.join("models").join(&name);
+        if let Some(delta) = delta.filter(|_| !changed.is_empty()) {
+            let path =
+                self.model_file(&format!("delta-{round}.safetensors"), || Ok(delta.to_vec()))?;
+            self.send_file(&path, round, changed);
+        }
+        if !whole.is_empty() {
+            let path = self.model_file(&format!("round-{round}.safetensors"), || {
+                tokio::task::block_in_place(|| server.model_bytes())
+            })?;
+            self.send_file(&path, round, whole);
+        }
+        Ok(())
+    }
+
+    /// `models/{name}` in the job's directory, written from `bytes` unless it exists.
+    fn model_file(
+        &self,
+        name: &str,
+        bytes: impl FnOnce() -> Result<Vec<u8>, hypha_diloco::Error>,
+    ) -> Result<PathBuf, ServerError> {
+        let path = self.dir.join("models").join(name);
         if !path.exists() {
-            let bytes = tokio::task::block_in_place(|| server.model_bytes())?;
+            let bytes = bytes()?;
             let write = |error| ServerError::Write {
                 path: path.display().to_string(),
                 error,
@@ -392,13 +480,22 @@ impl ServerJob {
             hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, false)
                 .map_err(hypha_diloco::Error::from)?;
         }
+        Ok(path)
+    }
+
+    /// Sends the file at `path` to `peers`, each in a task of its own.
+    fn send_file(&self, path: &Path, round: u64, peers: &[String]) {
+        let name = path
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default();
         for peer in peers {
             let Ok(peer) = peer.parse::<PeerId>() else {
                 tracing::warn!(%peer, "the scheduler named a trainer that is not a peer ID");
                 continue;
             };
             let network = self.network.clone();
-            let path = path.clone();
+            let path = path.to_path_buf();
             let header = Header {
                 task: self.task.clone(),
                 name: name.clone(),
@@ -418,7 +515,6 @@ impl ServerJob {
                 }
             });
         }
-        Ok(())
     }
 
     /// Waits for the scheduler's checkpoint of `round` and makes it this server's.
@@ -502,6 +598,10 @@ struct Peers {
     /// Initial models offered while the server has none, by peer: the files in
     /// [`OFFERS_DIR`].
     offers: std::collections::BTreeMap<String, PathBuf>,
+    /// Trainers whose last pseudo-gradient said they take the model's changes.
+    take_changes: std::collections::BTreeSet<String>,
+    /// When each peer was last sent the whole model on its own offer or request.
+    whole_sent: std::collections::HashMap<String, std::time::Instant>,
 }
 
 impl Peers {
