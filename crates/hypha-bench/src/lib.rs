@@ -31,6 +31,10 @@ pub enum Suite {
     /// next applied DiLoCo round (real processes; build them first with `cargo build
     /// --release`).
     Recovery,
+    /// DiLoCo with a parameter server and 3 trainers each behind a 50 Mbit/s link (network
+    /// namespaces and `tc … tbf`; needs root): bytes, utilisation and loss without
+    /// compression, with int8, and with int8 and overlap.
+    Wan,
 }
 
 impl Suite {
@@ -44,6 +48,7 @@ impl Suite {
             Suite::Diloco => "diloco",
             Suite::Distribute => "distribute",
             Suite::Recovery => "recovery",
+            Suite::Wan => "wan",
         }
     }
 }
@@ -90,6 +95,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Diloco => suites::diloco::run(quick).await,
                 Suite::Distribute => suites::distribute::run(quick).await,
                 Suite::Recovery => suites::recovery::run(quick).await,
+                Suite::Wan => suites::wan::run(quick).await,
             }
         })
         .await

@@ -252,12 +252,23 @@ impl ParameterServer {
     /// what earlier compressions dropped) and the model moves by exactly the decoded change,
     /// which [`Closed::delta`] holds.
     pub fn close(&mut self) -> Result<Closed, Error> {
+        self.close_with(true)
+    }
+
+    /// [`close`](Self::close) with the step applied exactly and no change made: for a round
+    /// whose trainers all take whole models, a compressed change would cost the model
+    /// precision and save no bytes.
+    pub fn close_without_change(&mut self) -> Result<Closed, Error> {
+        self.close_with(false)
+    }
+
+    fn close_with(&mut self, change: bool) -> Result<Closed, Error> {
         let model = self.model.as_mut().ok_or(Error::Empty)?;
         if self.arrived.is_empty() {
             return Err(Error::Empty);
         }
         let gradient = self.sum.mean()?;
-        let delta = if self.broadcast == Codec::None {
+        let delta = if self.broadcast == Codec::None || !change {
             self.optimizer.step(model, &gradient)?;
             Ok(None)
         } else {

@@ -328,3 +328,26 @@ fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed()
     assert!(Update::read(&wrong).unwrap().add_to(&mut trainer).is_err());
     assert_eq!(trainer, before);
 }
+
+/// A round whose trainers all take whole models makes no change: the compressing server's
+/// model is then the uncompressed server's, bit for bit.
+#[test]
+fn a_round_without_takers_of_changes_steps_the_model_exactly() {
+    let optimizer = || OuterOptimizer::new(0.7, 0.9);
+    let mut exact = ParameterServer::new(optimizer());
+    let mut server = ParameterServer::new(optimizer()).broadcast_changes(Codec::Int8);
+    let initial = bytes(&[0.25, -1.0, 3.0]);
+    exact.offer(&initial).unwrap();
+    server.offer(&initial).unwrap();
+    for s in [&mut exact, &mut server] {
+        s.add("a", &bytes(&[0.1, 0.2, -0.3]), 0, 8).unwrap();
+    }
+    exact.close().unwrap();
+    let closed = server.close_without_change().unwrap();
+    assert!(closed.delta.is_none());
+    assert_eq!(model_of(&server), model_of(&exact));
+    assert_eq!(
+        hypha_diloco::metadata(&server.model_bytes().unwrap()).unwrap()[meta::MODEL_HASH],
+        held(&exact.model_bytes().unwrap()).digest()
+    );
+}

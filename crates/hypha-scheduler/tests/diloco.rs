@@ -511,7 +511,10 @@ fn scheduler_killed_and_restarted(mid_round: bool) {
     let mut trainers: Vec<Proc> = (0..2)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
-    let job = cluster.diloco_job("resume", 2, 2, "");
+    // Three epochs: rounds overshoot their size by up to a slice a trainer, and with two the
+    // data could run out in the round the restart interrupts, leaving no later round whose
+    // loss the checks below compare (seen once in a loaded full-suite run).
+    let job = cluster.diloco_job("resume", 2, 3, "");
     let (mut first, events_path) = cluster.scheduler("scheduler", &job);
     first.wait_for("round applied");
     first.wait_for("round applied");
@@ -640,7 +643,7 @@ fn scheduler_killed_and_restarted(mid_round: bool) {
         first_after < 1.15 * last_before,
         "loss {last_before} before the restart, {first_after} right after it"
     );
-    assert_audit_passes(&cluster.path("resume-job.ledger"), 2, SLICES);
+    assert_audit_passes(&cluster.path("resume-job.ledger"), 3, SLICES);
     assert!(
         !cluster.path("resume-job.run.json").exists(),
         "a completed run leaves no record to resume"

@@ -408,7 +408,16 @@ impl ServerJob {
         peers: &Peers,
     ) -> Result<Applied, ServerError> {
         let closed = tokio::task::block_in_place(|| {
-            let closed = server.close()?;
+            // A change is made only for trainers that take one.
+            let changes_wanted = server
+                .arrived()
+                .iter()
+                .any(|(peer, _)| peers.take_changes.contains(peer));
+            let closed = if changes_wanted {
+                server.close()?
+            } else {
+                server.close_without_change()?
+            };
             server.checkpoint(&self.dir.join(CHECKPOINT))?;
             Ok::<_, hypha_diloco::Error>(closed)
         })?;

@@ -65,6 +65,13 @@ enum Command {
         /// PYTHONPATH=python).
         #[arg(long, value_name = "SCRIPT")]
         python_trainer: Option<PathBuf>,
+        /// How the trainers compress their pseudo-gradients and the server the model's
+        /// changes: none, bf16 or int8 (README, "DiLoCo training").
+        #[arg(long, default_value = "none", value_parser = ["none", "bf16", "int8"])]
+        compression: String,
+        /// Trainers train on while their update travels (README, "DiLoCo training").
+        #[arg(long)]
+        overlap: bool,
         /// The interpreter that runs --python-trainer (a virtual environment's python, …).
         #[arg(
             long,
@@ -105,6 +112,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             hold,
             python_trainer,
             python,
+            compression,
+            overlap,
         } => {
             let exe = std::env::current_exe().context("cannot find this program's path")?;
             let model = model
@@ -128,6 +137,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 http,
                 hold,
                 python_trainer: python_trainer.map(|script| PythonTrainer { script, python }),
+                compression,
+                overlap,
             };
             let bar = if std::io::stderr().is_terminal() {
                 let bar = indicatif::ProgressBar::new_spinner();

@@ -52,6 +52,10 @@ pub struct Settings {
     /// One more trainer, written in Python with `hypha_sdk`: the script and the interpreter
     /// that runs it.
     pub python_trainer: Option<PythonTrainer>,
+    /// `[diloco] compression`: `none`, `bf16` or `int8`.
+    pub compression: String,
+    /// `[diloco] overlap`.
+    pub overlap: bool,
 }
 
 /// A trainer the quickstart runs as `{python} {script} --socket … --work-dir … --job …`.
@@ -623,12 +627,15 @@ fn job_file(settings: &Settings, training: &Training) -> String {
          [config]\n{config}\
          [data]\ndataset = {dataset:?}\nepochs = {epochs}\nseed = 7\n\
          [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = 32\nround_seconds = 10\n\
+         compression = {compression:?}\noverlap = {overlap}\n\
          inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
          [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
         trainers = settings.all_trainers(),
         dataset = training.dataset,
         rounds = settings.rounds,
         samples = settings.samples_per_round,
+        compression = settings.compression,
+        overlap = settings.overlap,
     )
 }
 

@@ -7,3 +7,4 @@ pub(crate) mod ledger;
 pub(crate) mod prefetch;
 pub(crate) mod recovery;
 pub(crate) mod transport;
+pub(crate) mod wan;

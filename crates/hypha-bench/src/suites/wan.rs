@@ -1,0 +1,344 @@
+//! `wan`: DiLoCo on slow links. The parameter server's worker and three trainer workers each
+//! run in a network namespace of their own behind a link of 50 Mbit/s each way (`tc … tbf`,
+//! [`hypha_testing::netns`]); the gateway, the data node and the scheduler run on the bridge.
+//! Real processes of the release binaries, the reference executor's MLP with about 10 M
+//! parameters (1 M with `--quick`) on the learnable `blobs` dataset, the same rounds of the
+//! same samples in every mode: `none` (f32 both ways), `int8` (int8 pseudo-gradients and
+//! model changes, error feedback on both sides), `int8 + overlap`.
+//!
+//! Measured per mode over the rounds after the first (the first one holds the joining: every
+//! trainer's initial model to the server and the whole global model back):
+//! - bytes per round through the trainers' links, sent and received: their pseudo-gradients
+//!   and the global models or changes they get (and their slices and statuses, a few
+//!   hundred KB); beside it, what else crossed the parameter server's link (its checkpoint
+//!   to the scheduler after every round: model, momentum and, compressing, the residual, in
+//!   f32);
+//! - the trainers' utilisation: the growth of the inner-step time they report (`train_ms`)
+//!   over the wall time between the first and the last round applied, averaged over trainers
+//!   (their reports come every 0.2–1 s, which bounds the error);
+//! - the evaluation loss of the final model on held-out data.
+//!
+//! `traffic_vs_data_parallel` compares the best mode's bytes with what per-step data-parallel
+//! training would move for the same samples: a ring all-reduce of f32 gradients every step, in
+//! which each of N trainers sends and receives 2 (N − 1) / N × 4 bytes × parameters, counted
+//! on the trainers' links as ours are (sent and received).
+//!
+//! Needs root (CAP_NET_ADMIN) for the namespaces; without it the suite says so and reports no
+//! ratios. `WAN_BENCH_DEBUG=1` prints each mode's metrics lines and the trainers' logs. Targets (issue 21): bytes ≤ 0.26 × f32, loss ≤ 1.02 × uncompressed, utilisation
+//! with overlap ≥ 0.9, ≥ 500× less traffic than data parallel.
+
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use hypha_executor::{
+    model::{Model, ModelSpec},
+    synthetic::Synthetic,
+};
+use hypha_testing::{
+    cluster::{Cluster, DILOCO_MODEL, Proc, events, job_dir, of_kind},
+    netns::Wan,
+};
+
+use crate::Report;
+
+/// The rate of every link, each way.
+const MBIT: u32 = 50;
+const TRAINERS: usize = 3;
+const BATCH: u64 = 32;
+/// The longest one mode may take.
+const PATIENCE: Duration = Duration::from_secs(900);
+
+/// A run's size.
+#[derive(Debug, Clone, Copy)]
+struct Size {
+    /// The MLP's hidden width (two hidden layers): parameters = hidden² + 22 hidden + 4.
+    hidden: usize,
+    rounds: u64,
+    samples_per_round: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    name: &'static str,
+    compression: &'static str,
+    overlap: bool,
+}
+
+const MODES: [Mode; 3] = [
+    Mode {
+        name: "none",
+        compression: "none",
+        overlap: false,
+    },
+    Mode {
+        name: "int8",
+        compression: "int8",
+        overlap: false,
+    },
+    Mode {
+        name: "int8_overlap",
+        compression: "int8",
+        overlap: true,
+    },
+];
+
+/// What one mode measured.
+#[derive(Debug)]
+struct Measured {
+    bytes_per_round: f64,
+    /// Bytes through the trainers' links and samples trained over the rounds after the first.
+    window_bytes: f64,
+    /// What else crossed the server's link per round (checkpoints, statuses).
+    other_server_bytes_per_round: f64,
+    window_samples: f64,
+    utilisation: f64,
+    loss: f64,
+    seconds_per_round: f64,
+}
+
+pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
+    // Starting and watching processes blocks: off the runtime's threads.
+    tokio::task::spawn_blocking(move || measure(quick)).await?
+}
+
+fn measure(quick: bool) -> anyhow::Result<Report> {
+    let wan = match Wan::new("hyw", 1 + TRAINERS, MBIT) {
+        Ok(wan) => wan,
+        Err(why) => {
+            eprintln!(
+                "wan: skipped: the suite needs root for network namespaces and tc ({why}); no ratios"
+            );
+            return Ok(Report::default());
+        }
+    };
+    let size = if quick {
+        Size {
+            hidden: 990,
+            rounds: 3,
+            samples_per_round: 1536,
+        }
+    } else {
+        Size {
+            hidden: 3151,
+            rounds: 4,
+            // About 96 inner steps a trainer a round: DiLoCo's traffic against per-step data
+            // parallelism is about 1 / (4 × steps) with int8 (BENCHMARKS.md, "wan").
+            samples_per_round: 9216,
+        }
+    };
+    let spec = ModelSpec::Mlp {
+        inputs: 16,
+        hidden: size.hidden,
+        classes: 4,
+    };
+    let parameters = Model::new(&spec, 1)?
+        .tensors()?
+        .0
+        .values()
+        .map(|t| t.values.len())
+        .sum::<usize>() as f64;
+    let mut report = Report::default();
+    report.metrics.insert("parameters".into(), parameters);
+    report.metrics.insert("link_mbit".into(), f64::from(MBIT));
+    let mut results = Vec::new();
+    for mode in MODES {
+        let measured =
+            run_mode(&wan, mode, size, &spec).with_context(|| format!("mode {}", mode.name))?;
+        eprintln!("wan: {}: {measured:?}", mode.name);
+        let metrics = &mut report.metrics;
+        metrics.insert(
+            format!("bytes_per_round_{}", mode.name),
+            measured.bytes_per_round,
+        );
+        metrics.insert(
+            format!("server_other_bytes_per_round_{}", mode.name),
+            measured.other_server_bytes_per_round,
+        );
+        metrics.insert(format!("utilisation_{}", mode.name), measured.utilisation);
+        metrics.insert(format!("loss_{}", mode.name), measured.loss);
+        metrics.insert(
+            format!("seconds_per_round_{}", mode.name),
+            measured.seconds_per_round,
+        );
+        results.push(measured);
+    }
+    let [none, int8, overlap] = &results[..] else {
+        bail!("three modes measured");
+    };
+    let ratios = &mut report.ratios;
+    ratios.insert(
+        "bytes_per_round_int8_vs_f32".into(),
+        int8.bytes_per_round / none.bytes_per_round,
+    );
+    ratios.insert("loss_int8_vs_none".into(), int8.loss / none.loss);
+    ratios.insert("loss_int8_overlap_vs_none".into(), overlap.loss / none.loss);
+    // Per-step data parallel for the same samples: a ring all-reduce of the f32 gradient,
+    // each trainer sending and receiving 2 (N − 1) / N of it.
+    let n = TRAINERS as f64;
+    let steps = overlap.window_samples / (BATCH as f64 * n);
+    let data_parallel = steps * n * 2.0 * (2.0 * (n - 1.0) / n) * 4.0 * parameters;
+    ratios.insert(
+        "traffic_vs_data_parallel".into(),
+        overlap.window_bytes / data_parallel,
+    );
+    Ok(report)
+}
+
+fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Result<Measured> {
+    let mut cluster = Cluster::at(wan.root());
+    // Lease renewals share the links with the models: long leases.
+    cluster.worker_lease_ms = Some(60_000);
+    let _data = cluster.blobs_data_node("data");
+    cluster.place = wan.host(0);
+    let _server = cluster.server_worker("ps");
+    let _trainers: Vec<Proc> = (1..=TRAINERS)
+        .map(|i| {
+            cluster.place = wan.host(i);
+            cluster.trainer_worker(&format!("trainer{i}"), "")
+        })
+        .collect();
+    cluster.place = wan.root();
+    let epochs = (size.rounds * size.samples_per_round).div_ceil(1536) + 2;
+    let ModelSpec::Mlp { hidden, .. } = spec else {
+        bail!("the wan suite trains an MLP");
+    };
+    let job = cluster.job(
+        "wan",
+        &format!(
+            "workers = {TRAINERS}\nbid = 50\nmax_attempts = 3\n\
+             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+             [resources]\ncpu = 1\n\
+             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {hidden}, classes = 4 }}\n\
+             [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
+             [diloco]\nrounds = {}\nsamples_per_round = {}\nbatch_size = {BATCH}\nround_seconds = 600\n\
+             compression = \"{}\"\noverlap = {}\n\
+             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
+            size.rounds, size.samples_per_round, mode.compression, mode.overlap
+        ),
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    // At every applied round: the trainers' links' counters and the server's.
+    let mut marks: Vec<(u64, u64)> = Vec::new();
+    let link = |i: usize| {
+        let (sent, received) = wan.bytes(i);
+        sent + received
+    };
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let all = events(&events_path);
+        let rounds = of_kind(&all, "round").len();
+        while marks.len() < rounds {
+            marks.push(((1..=TRAINERS).map(link).sum(), link(0)));
+        }
+        if let Some(done) = of_kind(&all, "done").last() {
+            if marks.len() < 2 {
+                bail!(
+                    "the job ended after {} rounds: {}",
+                    marks.len(),
+                    done["event"]
+                );
+            }
+            break;
+        }
+        if Instant::now() >= deadline {
+            bail!("not done within {PATIENCE:?} ({} rounds)", marks.len());
+        }
+        if let Ok(Some(status)) = scheduler.child.try_wait() {
+            bail!(
+                "the scheduler exited with {status} after {} rounds",
+                marks.len()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (first, last) = (marks[0], marks[marks.len() - 1]);
+    let intervals = (marks.len() - 1) as f64;
+    let window_bytes = (last.0 - first.0) as f64;
+    // Every byte between a trainer and the server crosses both links.
+    let other_server_bytes = (last.1 - first.1) as f64 - window_bytes;
+    let metrics_lines = lines(&cluster.path("wan-job.metrics.jsonl"));
+    let applied: Vec<&serde_json::Value> = metrics_lines
+        .iter()
+        .filter(|m| m["kind"] == "round")
+        .collect();
+    let window_samples: f64 = applied
+        .iter()
+        .skip(1)
+        .filter_map(|m| m["samples"].as_f64())
+        .sum();
+    let (t0, t1) = (
+        applied.first().and_then(|m| m["time_ms"].as_f64()),
+        applied.last().and_then(|m| m["time_ms"].as_f64()),
+    );
+    let (Some(t0), Some(t1)) = (t0, t1) else {
+        bail!("no rounds in the metrics file");
+    };
+    let utilisation = utilisation(&metrics_lines, t0, t1);
+    if std::env::var_os("WAN_BENCH_DEBUG").is_some() {
+        for m in &metrics_lines {
+            eprintln!("{m}");
+        }
+        for i in 1..=TRAINERS {
+            let dir = job_dir(&cluster.path(&format!("trainer{i}-work")));
+            eprintln!(
+                "trainer{i}: {}",
+                std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+            );
+        }
+    }
+    let final_model = job_dir(&cluster.path("ps-work")).join("final.safetensors");
+    let _ = scheduler.wait(Duration::from_secs(60));
+    Ok(Measured {
+        bytes_per_round: window_bytes / intervals,
+        window_bytes,
+        other_server_bytes_per_round: other_server_bytes / intervals,
+        window_samples,
+        utilisation,
+        loss: evaluation_loss(spec, &final_model)?,
+        seconds_per_round: (t1 - t0) / 1000.0 / intervals,
+    })
+}
+
+/// The trainers' mean share of the wall time from `t0` to `t1` (ms) spent in inner steps,
+/// from the `train_ms` of their last reports at or before each.
+fn utilisation(lines: &[serde_json::Value], t0: f64, t1: f64) -> f64 {
+    let trainers: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter(|m| m["kind"] == "trainer")
+        .filter_map(|m| m["job"].as_str())
+        .collect();
+    let at = |job: &str, time: f64| {
+        lines
+            .iter()
+            .rev()
+            .filter(|m| m["kind"] == "trainer" && m["job"] == job)
+            .find(|m| m["time_ms"].as_f64().is_some_and(|t| t <= time))
+            .and_then(|m| m["train_ms"].as_f64())
+            .unwrap_or(0.0)
+    };
+    let shares: Vec<f64> = trainers
+        .iter()
+        .map(|job| (at(job, t1) - at(job, t0)) / (t1 - t0))
+        .collect();
+    shares.iter().sum::<f64>() / shares.len().max(1) as f64
+}
+
+fn lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The evaluation loss of the model file at `path` on held-out `blobs` samples.
+fn evaluation_loss(spec: &ModelSpec, path: &Path) -> anyhow::Result<f64> {
+    let model = Model::new(spec, 1)?;
+    model.load(&hypha_diloco::Tensors::load(path)?)?;
+    let held_out = Synthetic::for_model(&DILOCO_MODEL).batch(2048, 1 << 40)?;
+    Ok(model.evaluate(&held_out)?.0)
+}
