@@ -260,7 +260,8 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
     let window_bytes = (last.0 - first.0) as f64;
     // Every byte between a trainer and the server crosses both links.
     let other_server_bytes = (last.1 - first.1) as f64 - window_bytes;
-    let metrics_lines = lines(&cluster.path("wan-job.metrics.jsonl"));
+    // The metrics file is JSON lines, as the events file is.
+    let metrics_lines = events(&cluster.path("wan-job.metrics.jsonl"));
     let applied: Vec<&serde_json::Value> = metrics_lines
         .iter()
         .filter(|m| m["kind"] == "round")
@@ -325,14 +326,6 @@ fn utilisation(lines: &[serde_json::Value], t0: f64, t1: f64) -> f64 {
         .map(|job| (at(job, t1) - at(job, t0)) / (t1 - t0))
         .collect();
     shares.iter().sum::<f64>() / shares.len().max(1) as f64
-}
-
-fn lines(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 /// The evaluation loss of the model file at `path` on held-out `blobs` samples.
