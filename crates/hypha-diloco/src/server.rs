@@ -53,6 +53,8 @@ pub struct ParameterServer {
     round: u64,
     sum: Accumulator,
     arrived: Vec<(String, u64)>,
+    /// Who sent an update of the current round that was refused, with why (the last one).
+    refused: Vec<(String, String)>,
     /// The most samples one update may claim; `None`: any.
     max_samples: Option<u64>,
     /// How many times the typical norm an update's may be; `None`: any.
@@ -85,6 +87,7 @@ impl ParameterServer {
             round: 0,
             sum: Accumulator::new(),
             arrived: Vec::new(),
+            refused: Vec::new(),
             max_samples: None,
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
@@ -164,6 +167,7 @@ impl ParameterServer {
             optimizer: optimizer.with_buffers(buffers),
             round,
             arrived: Vec::new(),
+            refused: Vec::new(),
             max_samples: None,
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
@@ -178,6 +182,12 @@ impl ParameterServer {
     /// Who contributed to the current round so far, with their samples.
     pub fn arrived(&self) -> &[(String, u64)] {
         &self.arrived
+    }
+
+    /// Who sent an update of the current round that was [refused](Self::add) and has none in
+    /// it, with the reason: the round need not wait for them.
+    pub fn refused(&self) -> &[(String, String)] {
+        &self.refused
     }
 
     /// A trainer's initial model: adopted when the server has none (true), ignored otherwise.
@@ -197,9 +207,10 @@ impl ParameterServer {
     }
 
     /// A pseudo-gradient from `from`, trained in `round` on `samples` samples, as SafeTensors
-    /// bytes. Refused (and the round left as it was) when its tensors are not the model's,
-    /// hold a NaN or an infinity, it claims more samples than the server's limit, or its norm
-    /// is an outlier ([`limit_norm`](Self::limit_norm)).
+    /// bytes. Refused (and the round left as it was, but for `from` in
+    /// [`refused`](Self::refused)) when its tensors are not the model's, hold a NaN or an
+    /// infinity, it claims more samples than the server's limit, or its norm is an outlier
+    /// ([`limit_norm`](Self::limit_norm)).
     pub fn add(
         &mut self,
         from: &str,
@@ -213,6 +224,15 @@ impl ParameterServer {
         if self.arrived.iter().any(|(peer, _)| peer == from) {
             return Ok(Taken::Duplicate);
         }
+        self.refused.retain(|(peer, _)| peer != from);
+        let taken = self.take(from, bytes, samples);
+        if let Err(error) = &taken {
+            self.refused.push((from.to_string(), error.to_string()));
+        }
+        taken
+    }
+
+    fn take(&mut self, from: &str, bytes: &[u8], samples: u64) -> Result<Taken, Error> {
         if let Some(max) = self.max_samples.filter(|max| samples > *max) {
             return Err(Error::Samples { samples, max });
         }
@@ -260,6 +280,28 @@ impl ParameterServer {
     /// precision and save no bytes.
     pub fn close_without_change(&mut self) -> Result<Closed, Error> {
         self.close_with(false)
+    }
+
+    /// Ends a round that no update made (every one that came was refused): the model, its
+    /// momentum and fingerprint stay as they are and the next round starts from it. Fails
+    /// before the server holds a model, or when an update arrived (close the round instead).
+    pub fn skip(&mut self) -> Result<Closed, Error> {
+        if self.model.is_none() {
+            return Err(Error::Empty);
+        }
+        if !self.arrived.is_empty() {
+            return Err(Error::NotSkippable { round: self.round });
+        }
+        self.refused.clear();
+        let closed = Closed {
+            round: self.round,
+            included: Vec::new(),
+            samples: 0,
+            delta: None,
+            uncompressed: None,
+        };
+        self.round += 1;
+        Ok(closed)
     }
 
     fn close_with(&mut self, change: bool) -> Result<Closed, Error> {
@@ -311,6 +353,7 @@ impl ParameterServer {
         self.hash = Some(hash);
         self.sum = Accumulator::shaped_like(model);
         let arrived = std::mem::take(&mut self.arrived);
+        self.refused.clear();
         let closed = Closed {
             round: self.round,
             samples: arrived.iter().map(|(_, n)| n).sum(),

@@ -135,16 +135,59 @@ fn poisoned_updates_are_refused_and_the_model_is_as_without_them() {
         );
     }
     assert!(server.arrived().is_empty(), "nothing of the liar's counted");
+    let refused = server.refused();
+    assert_eq!(refused.len(), 1, "one entry per peer: {refused:?}");
+    assert_eq!(refused[0].0, "liar");
+    assert!(refused[0].1.contains("101"), "the last reason: {refused:?}");
     assert_eq!(
         server.add("a", &bytes(&[1.0, 0.0]), 0, 100).unwrap(),
         Taken::Added
     );
     server.close().unwrap();
+    assert!(server.refused().is_empty(), "refusals are the round's");
     // The honest update alone: g = [1, 0], θ = [1, 2] − 0.5·1.9·g = [0.05, 2].
     let (values, _) = model_of(&server);
     assert!(
         (values[0] - 0.05).abs() < 1e-6 && (values[1] - 2.0).abs() < 1e-6,
         "{values:?}"
+    );
+}
+
+/// A round whose every update was refused ends with the model as it was: same values, same
+/// fingerprint, same momentum (the next round's step is what it would have been), and a
+/// round that has an update cannot be skipped.
+#[test]
+fn a_round_nobody_made_is_skipped_and_leaves_the_model_as_it_was() {
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.9)).limit_samples(100);
+    assert!(matches!(server.skip(), Err(hypha_diloco::Error::Empty)));
+    server.offer(&bytes(&[1.0, 2.0])).unwrap();
+    server.add("a", &bytes(&[1.0, 0.0]), 0, 10).unwrap();
+    assert!(matches!(
+        server.skip(),
+        Err(hypha_diloco::Error::NotSkippable { round: 0 })
+    ));
+    server.close().unwrap();
+    let (before, hash) = (model_of(&server), server.model_hash().map(str::to_string));
+
+    server
+        .add("liar", &bytes(&[1.0, 0.0]), 1, 1000)
+        .unwrap_err();
+    let skipped = server.skip().unwrap();
+    assert_eq!((skipped.round, skipped.samples), (1, 0));
+    assert!(skipped.included.is_empty() && skipped.delta.is_none());
+    let (values, round) = model_of(&server);
+    assert_eq!((values, round), (before.0.clone(), 2));
+    assert_eq!(server.model_hash().map(str::to_string), hash);
+    assert!(server.refused().is_empty());
+
+    // Round 2 steps as round 1 would have: momentum 0.9·g + g, Nesterov: θ − 0.5(g + 0.9·m).
+    server.add("a", &bytes(&[1.0, 0.0]), 2, 10).unwrap();
+    server.close().unwrap();
+    let (values, _) = model_of(&server);
+    let expected = before.0[0] - 0.5 * (1.0 + 0.9 * 1.9);
+    assert!(
+        (values[0] - expected).abs() < 1e-6,
+        "{values:?} against {expected}"
     );
 }
 

@@ -163,6 +163,10 @@ pub struct ServerStatus {
     /// Pseudo-gradients that came for a round already closed, since the last status.
     #[serde(default)]
     pub dropped: Vec<Late>,
+    /// Trainers whose pseudo-gradient of this round was refused (and that have none in it),
+    /// with why: the round does not wait for them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<Refusal>,
     /// The last round it applied, with whose updates.
     #[serde(default)]
     pub applied: Option<Applied>,
@@ -179,6 +183,12 @@ pub struct ServerStatus {
 pub struct Arrival {
     pub peer: String,
     pub samples: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Refusal {
+    pub peer: String,
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

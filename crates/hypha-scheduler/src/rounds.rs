@@ -12,7 +12,10 @@
 //!
 //! **Closing.** A round closes when every trainer holding a model has sent its pseudo-gradient,
 //! or, once `round_seconds` (plus a grace of a quarter of it) have passed since the round
-//! began, with at least `quorum` of them. Trainers that are lost leave the round at once.
+//! began, with at least `quorum` of them. Trainers that are lost leave the round at once, and
+//! so do trainers whose update the server refused (a liar, or an honest outlier: it sent what
+//! it had, and waiting for it would stall the round or, below quorum, hold it forever); a
+//! round whose every update was refused ends without a change, its slices going back.
 //!
 //! **Data.** A trainer reports the slices of round `r` consumed before it sends the round's
 //! pseudo-gradient. When the server applies round `r`, the round's slices of each included
@@ -132,6 +135,9 @@ pub struct Rounds {
     continued_from: Option<u64>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
+    /// Peers whose pseudo-gradient of `round` the server refused, with why: they sent what
+    /// they had, so the round does not wait for them.
+    refused: HashMap<String, String>,
     /// Trainers' jobs that ended after their pseudo-gradient of `round` arrived, by peer: the
     /// round settles their slices when it is applied (or lost).
     departed: HashMap<String, String>,
@@ -153,6 +159,7 @@ impl Rounds {
             generation: 0,
             continued_from: None,
             arrived: HashMap::new(),
+            refused: HashMap::new(),
             departed: HashMap::new(),
             closing: None,
             included: BTreeMap::new(),
@@ -239,6 +246,7 @@ impl Rounds {
         self.highest = self.highest.max(round);
         self.started_ms = None;
         self.arrived.clear();
+        self.refused.clear();
         self.closing = None;
         self.server_started(peer);
         self.continued_from = Some(from);
@@ -252,6 +260,7 @@ impl Rounds {
         self.highest = self.highest.max(round);
         self.started_ms = None;
         self.arrived.clear();
+        self.refused.clear();
         self.closing = None;
         self.included.retain(|applied, _| *applied < round);
     }
@@ -581,6 +590,7 @@ impl Rounds {
             self.highest = self.highest.max(self.round);
             self.started_ms = None;
             self.arrived.clear();
+            self.refused.clear();
             self.done = self.plan.rounds.is_some_and(|n| self.round >= n) || everyone_out_of_data;
             applied_round = Some(AppliedRound {
                 round: applied.round,
@@ -609,6 +619,21 @@ impl Rounds {
                 .arrived
                 .iter()
                 .map(|a| (a.peer.clone(), a.samples))
+                .collect();
+            for refusal in &status.refused {
+                if !self.refused.contains_key(&refusal.peer) {
+                    tracing::warn!(
+                        round = self.round,
+                        peer = %refusal.peer,
+                        reason = %refusal.reason,
+                        "the parameter server refused a trainer's update: the round goes on without it"
+                    );
+                }
+            }
+            self.refused = status
+                .refused
+                .into_iter()
+                .map(|refusal| (refusal.peer, refusal.reason))
                 .collect();
         }
         let send_to = || self.trainers.values().map(|t| t.peer.clone()).collect();
@@ -662,9 +687,6 @@ impl Rounds {
     }
 
     fn should_close(&self, now_ms: u64) -> bool {
-        if self.arrived.is_empty() {
-            return false;
-        }
         // Every trainer that holds a model trains this round, even one that has not taken
         // this round's model yet; one out of data with nothing trained sends nothing.
         let expected: Vec<&Trainer> = self
@@ -673,16 +695,26 @@ impl Rounds {
             .filter(|t| t.status.round.is_some() || t.awaited)
             .filter(|t| !(t.status.data_done && t.status.samples == 0))
             .collect();
+        // One whose update was refused has sent what it had: nothing more will come.
+        let awaited: Vec<&Trainer> = expected
+            .iter()
+            .copied()
+            .filter(|t| !self.refused.contains_key(&t.peer))
+            .collect();
+        if self.arrived.is_empty() {
+            // Every update was refused: the round ends with the model as it was.
+            return !expected.is_empty() && awaited.is_empty();
+        }
         // With none known (trainers taken over after a restart are known only once the
         // server is), the new model would go to nobody.
-        if !expected.is_empty() && expected.iter().all(|t| self.arrived.contains_key(&t.peer)) {
+        if !awaited.is_empty() && awaited.iter().all(|t| self.arrived.contains_key(&t.peer)) {
             return true;
         }
         let grace = self.plan.round_ms / 4;
         let overdue = self
             .started_ms
             .is_some_and(|start| now_ms >= start + self.plan.round_ms + grace);
-        let needed = (self.plan.quorum * expected.len() as f64).ceil() as usize;
+        let needed = (self.plan.quorum * awaited.len() as f64).ceil() as usize;
         overdue && self.arrived.len() >= needed.max(1)
     }
 }
@@ -711,7 +743,7 @@ fn left_out(
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use hypha_messages::diloco::{Applied, Arrival};
+    use hypha_messages::diloco::{Applied, Arrival, Refusal};
 
     use super::*;
 
@@ -1051,6 +1083,92 @@ mod tests {
         ));
         report(&mut rounds, server(1, &[], Some((0, &["pa"]))), 30);
         assert!(target(rounds.trainer_status("a", status(1, 0, None), 40).0) > 0);
+    }
+
+    /// `status` saying the server refused an update of each of `peers`.
+    fn refusing(mut status: ServerStatus, peers: &[&str]) -> ServerStatus {
+        status.refused = peers
+            .iter()
+            .map(|peer| Refusal {
+                peer: peer.to_string(),
+                reason: "claims 1000000000000 samples, more than 1200".into(),
+            })
+            .collect();
+        status
+    }
+
+    /// A trainer whose update the server refused is not waited for: the round closes as soon
+    /// as the others are in (long before its deadline), even where they are below quorum
+    /// counted with it, and the refused trainer's slices go back. A round whose every update
+    /// was refused closes too (the server skips it), leaving out everybody.
+    #[test]
+    fn a_round_does_not_wait_for_a_trainer_whose_update_was_refused() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(3),
+            quorum: 1.0,
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        for (job, peer) in [("a", "pa"), ("b", "pb"), ("c", "pc")] {
+            rounds.trainer_started(job.into(), peer.into());
+            rounds.trainer_status(job, status(0, 1, Some(100.0)), 0);
+        }
+        let (order, _, _) = report(&mut rounds, server(0, &["pa", "pb"], None), 100);
+        assert_eq!(order, ServerOrder::Wait, "c may still send");
+        let (order, _, _) = report(
+            &mut rounds,
+            refusing(server(0, &["pa", "pb"], None), &["pc"]),
+            200,
+        );
+        assert!(
+            matches!(order, ServerOrder::Close { round: 0, .. }),
+            "{order:?}"
+        );
+        let (_, settle, applied) =
+            report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 300);
+        assert_eq!(settle.len(), 2);
+        assert_eq!(applied.unwrap().included, ["pa", "pb"]);
+        let (_, settle) = rounds.trainer_status("c", status(1, 0, None), 400);
+        assert_eq!(
+            settle,
+            vec![Settle::Drop {
+                job: "c".into(),
+                round: 0
+            }]
+        );
+
+        // Round 1: a's update refused, b and c not in yet: the quorum (1.0) counts b and c.
+        for job in ["a", "b", "c"] {
+            rounds.trainer_status(job, status(1, 1, Some(100.0)), 500);
+        }
+        let (order, _, _) = report(&mut rounds, refusing(server(1, &[], None), &["pa"]), 600);
+        assert_eq!(order, ServerOrder::Wait);
+        // Every update refused: the round closes with nobody in it.
+        let (order, _, _) = report(
+            &mut rounds,
+            refusing(server(1, &[], None), &["pa", "pb", "pc"]),
+            700,
+        );
+        assert!(
+            matches!(order, ServerOrder::Close { round: 1, .. }),
+            "{order:?}"
+        );
+        let (order, settle, applied) = report(&mut rounds, server(2, &[], Some((1, &[]))), 800);
+        assert!(settle.is_empty());
+        assert!(applied.unwrap().included.is_empty());
+        assert_eq!(order, ServerOrder::Wait);
+        assert_eq!(rounds.round(), 2);
+        for job in ["a", "b", "c"] {
+            let (_, settle) = rounds.trainer_status(job, status(2, 0, None), 900);
+            assert_eq!(
+                settle,
+                vec![Settle::Drop {
+                    job: job.into(),
+                    round: 1
+                }],
+                "{job}"
+            );
+        }
     }
 
     #[test]

@@ -923,6 +923,73 @@ fn a_torch_trainer_trains_a_job() {
     }
 }
 
+/// A trainer of the run that lies (`python/tests/lying_trainer.py`: the numpy trainer, its
+/// every pseudo-gradient claiming a trillion samples) beside two honest reference trainers.
+/// The parameter server refuses its updates and the rounds go on without it: with
+/// `quorum = 1.0` (every trainer's update awaited) a round that waited for the liar would
+/// never close. Its slices go back to the ledger, none is used twice, the scheduler's log
+/// names the liar and why, and the model learns from the honest trainers.
+#[test]
+fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
+    const ROUNDS: usize = 4;
+    if !python_with(&["numpy"], true) {
+        return;
+    }
+    let (mut cluster, _data, mut server) = cluster();
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut honest: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("honest{i}"), ""))
+        .collect();
+    let (liar_peer, mut liar) = cluster.peer_id_after("liar", |cluster| {
+        cluster.python_worker("liar", "train", "diloco", "tests/lying_trainer.py", &[])
+    });
+    // More data than the rounds use: the run ends after its rounds, not when the data does.
+    let job = cluster.diloco_job("lies", 3, 6, &format!("rounds = {ROUNDS}\nquorum = 1.0\n"));
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = honest.iter_mut().collect();
+    procs.push(&mut liar);
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    assert_eq!(of_kind(&events(&events_path), "round").len(), ROUNDS);
+    let metrics = lines_of(&cluster.path("lies-job.metrics.jsonl"));
+    for round in metrics.iter().filter(|m| m["kind"] == "round") {
+        let included = round["included"].as_array().unwrap();
+        assert!(!included.is_empty(), "{round}");
+        assert!(
+            !included.iter().any(|p| p == liar_peer.as_str()),
+            "the liar's update is in {round}"
+        );
+    }
+    let refusals: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.contains("refused a trainer's update") && l.contains(liar_peer.as_str()))
+        .collect();
+    assert!(
+        refusals.iter().any(|l| l.contains("1000000000000")),
+        "the scheduler's log names the liar and its claim: {refusals:#?}"
+    );
+    let (used, returned) = audit(&cluster.path("lies-job.ledger"));
+    assert!(
+        used.values().all(|times| *times == 1),
+        "a slice used twice: {used:?}"
+    );
+    assert!(
+        returned.contains(&ReturnReason::Dropped),
+        "the liar's slices went back: {returned:?}"
+    );
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(
+        job_dir(&cluster.path("ps-work")).join("final.safetensors"),
+    ));
+    assert!(after < 0.8 * before, "evaluation loss {before} → {after}");
+    for trainer in &mut honest {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
 /// Runs a DiLoCo job of `rust_trainers` reference trainers and one trainer that is the Python
 /// `script`, and checks what a user would: it succeeded, exactly once, the Python trainer
 /// reported and was in at least two rounds, the model learned.

@@ -9,7 +9,9 @@
 //! named). It reports to the job's scheduler after every file and every [`REPORT_EVERY`],
 //! and does what the answer says: wait, take updates from these trainers, adopt this
 //! trainer's model, close the round (weighted mean, Nesterov step, checkpoint, new global
-//! model to every trainer), or finish.
+//! model to every trainer; a round whose every update was refused ends with the model as it
+//! was), or finish. Refused updates are in every status until their round closes: the
+//! scheduler does not wait for them.
 //!
 //! **What trainers get.** A job that compresses (`"compression"` in its config) has the
 //! server send each round's change of the global model, compressed with that codec, to the
@@ -45,7 +47,7 @@ use hypha_diloco::{
 };
 use hypha_messages::{
     Request, Response,
-    diloco::{Applied, Arrival, Late, ServerOrder, ServerStatus, Status, meta},
+    diloco::{Applied, Arrival, Late, Refusal, ServerOrder, ServerStatus, Status, meta},
     job::JobStatus,
 };
 use hypha_network::{Network, PeerId};
@@ -216,6 +218,14 @@ impl ServerJob {
                     })
                     .collect(),
                 dropped: std::mem::take(&mut dropped),
+                refused: server
+                    .refused()
+                    .iter()
+                    .map(|(peer, reason)| Refusal {
+                        peer: peer.clone(),
+                        reason: reason.clone(),
+                    })
+                    .collect(),
                 applied: applied.clone(),
                 trainers: peers.trainers.iter().cloned().collect(),
                 offered: peers.offers.keys().cloned().collect(),
@@ -413,7 +423,10 @@ impl ServerJob {
                 .arrived()
                 .iter()
                 .any(|(peer, _)| peers.take_changes.contains(peer));
-            let closed = if changes_wanted {
+            // The scheduler closes a round without updates when every one was refused.
+            let closed = if server.arrived().is_empty() {
+                server.skip()?
+            } else if changes_wanted {
                 server.close()?
             } else {
                 server.close_without_change()?
@@ -421,12 +434,19 @@ impl ServerJob {
             server.checkpoint(&self.dir.join(CHECKPOINT))?;
             Ok::<_, hypha_diloco::Error>(closed)
         })?;
-        tracing::info!(
-            round = closed.round,
-            trainers = closed.included.len(),
-            samples = closed.samples,
-            "round closed"
-        );
+        if closed.included.is_empty() {
+            tracing::warn!(
+                round = closed.round,
+                "round closed without updates (every one was refused): the model stays as it was"
+            );
+        } else {
+            tracing::info!(
+                round = closed.round,
+                trainers = closed.included.len(),
+                samples = closed.samples,
+                "round closed"
+            );
+        }
         if let Some(why) = &closed.uncompressed {
             tracing::warn!(round = closed.round, %why, "the round's change cannot be compressed; every trainer gets the whole model");
         }
