@@ -60,8 +60,6 @@ pub enum Error {
     Norm { norm: f64, limit: f64 },
     #[error("no update was added")]
     Empty,
-    #[error("round {round} has updates: it is closed, not skipped")]
-    NotSkippable { round: u64 },
     #[error(transparent)]
     File(#[from] hypha_files::Error),
 }

@@ -227,7 +227,7 @@ impl ParameterServer {
         self.refused.retain(|(peer, _)| peer != from);
         let taken = self.take(from, bytes, samples);
         if let Err(error) = &taken {
-            self.refused.push((from.to_string(), error.to_string()));
+            self.refused.push((from.to_string(), reason(error)));
         }
         taken
     }
@@ -282,16 +282,13 @@ impl ParameterServer {
         self.close_with(false)
     }
 
-    /// Ends a round that no update made (every one that came was refused): the model, its
-    /// momentum and fingerprint stay as they are and the next round starts from it. Fails
-    /// before the server holds a model, or when an update arrived (close the round instead).
+    /// Ends the round without a change (too few of its updates were taken to apply any):
+    /// what arrived is discarded; the model, its momentum and fingerprint stay as they are
+    /// and the next round starts from them. Fails before the server holds a model.
     pub fn skip(&mut self) -> Result<Closed, Error> {
-        if self.model.is_none() {
-            return Err(Error::Empty);
-        }
-        if !self.arrived.is_empty() {
-            return Err(Error::NotSkippable { round: self.round });
-        }
+        let model = self.model.as_ref().ok_or(Error::Empty)?;
+        self.sum = Accumulator::shaped_like(model);
+        self.arrived.clear();
         self.refused.clear();
         let closed = Closed {
             round: self.round,
@@ -415,6 +412,22 @@ impl ParameterServer {
             ]),
         )
     }
+}
+
+/// The longest reason kept for a refusal, in characters.
+pub const REASON_CHARS: usize = 200;
+
+/// `error` as a refusal's reason: at most [`REASON_CHARS`] characters, control characters
+/// escaped. Its text may quote the refused file (a tensor's name, a codec's), which its sender
+/// chose: a reason of megabytes would make every status too large to send.
+fn reason(error: &Error) -> String {
+    let text = error.to_string();
+    let mut escaped = text.chars().flat_map(char::escape_debug);
+    let mut reason: String = escaped.by_ref().take(REASON_CHARS).collect();
+    if escaped.next().is_some() {
+        reason.push('…');
+    }
+    reason
 }
 
 /// The change from `model` to `stepped` (round `round` to the next), compressed with `codec`

@@ -223,6 +223,9 @@ pub enum ServerOrder {
     /// Close `round` with what arrived, step, checkpoint, and send the new global model to
     /// `send_to` (every trainer of the job, contributors or not).
     Close { round: u64, send_to: Vec<String> },
+    /// End `round` without a change: discard what arrived (too few of the round's updates
+    /// were taken for its quorum), checkpoint, and send the model, as it was, to `send_to`.
+    Skip { round: u64, send_to: Vec<String> },
     /// Take pseudo-gradients only from these peers (the job's trainers, and those that left
     /// during the round): sent whenever the status names others.
     Trainers { peers: Vec<String> },
@@ -268,5 +271,19 @@ mod tests {
                 send_to: vec!["a".into()]
             }
         );
+        let order: ServerOrder =
+            serde_json::from_str(r#"{"action": "skip", "round": 3, "send_to": []}"#).unwrap();
+        assert_eq!(
+            order,
+            ServerOrder::Skip {
+                round: 3,
+                send_to: vec![]
+            }
+        );
+        let status: ServerStatus = serde_json::from_str(
+            r#"{"round": 3, "refused": [{"peer": "p", "reason": "it claims 10 samples"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(status.refused[0].peer, "p");
     }
 }

@@ -12,10 +12,11 @@
 //!
 //! **Closing.** A round closes when every trainer holding a model has sent its pseudo-gradient,
 //! or, once `round_seconds` (plus a grace of a quarter of it) have passed since the round
-//! began, with at least `quorum` of them. Trainers that are lost leave the round at once, and
-//! so do trainers whose update the server refused (a liar, or an honest outlier: it sent what
-//! it had, and waiting for it would stall the round or, below quorum, hold it forever); a
-//! round whose every update was refused ends without a change, its slices going back.
+//! began, with at least `quorum` of them. Trainers that are lost leave the round at once. A
+//! trainer whose update the server refused (a liar, or an honest outlier) has sent what it
+//! had: the round does not wait for it, but its refusal counts against the quorum, and a
+//! round that cannot reach its quorum any more ends without a change at its deadline, its
+//! slices going back.
 //!
 //! **Data.** A trainer reports the slices of round `r` consumed before it sends the round's
 //! pseudo-gradient. When the server applies round `r`, the round's slices of each included
@@ -76,6 +77,9 @@ fn send_ms(status: &TrainerStatus) -> f64 {
 
 /// The shortest batch time the plan believes, in ms.
 const MIN_BATCH_MS: f64 = 0.01;
+
+/// The most of a refusal's reason logged, in characters.
+const REASON_CHARS: usize = 200;
 
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
@@ -141,8 +145,8 @@ pub struct Rounds {
     /// Trainers' jobs that ended after their pseudo-gradient of `round` arrived, by peer: the
     /// round settles their slices when it is applied (or lost).
     departed: HashMap<String, String>,
-    /// A close was ordered for this round and is not applied yet.
-    closing: Option<u64>,
+    /// A close (or skip) was ordered for this round and is not applied yet.
+    closing: Option<(u64, Ending)>,
     included: BTreeMap<u64, HashSet<String>>,
     done: bool,
 }
@@ -433,7 +437,8 @@ impl Rounds {
             self.done = true;
             return (TrainerOrder::Done, settle);
         }
-        let batches = if round != self.round || self.closing == Some(round) {
+        let closing = self.closing.is_some_and(|(closing, _)| closing == round);
+        let batches = if round != self.round || closing {
             // Behind, or the round is closing: sync now.
             status.batches
         } else if status.data_done {
@@ -548,7 +553,9 @@ impl Rounds {
         let mut settle = Vec::new();
         let mut applied_round = None;
         if let Some(applied) = status.applied
-            && self.closing == Some(applied.round)
+            && self
+                .closing
+                .is_some_and(|(closing, _)| closing == applied.round)
         {
             let included: HashSet<String> = applied.included.iter().cloned().collect();
             let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
@@ -622,10 +629,12 @@ impl Rounds {
                 .collect();
             for refusal in &status.refused {
                 if !self.refused.contains_key(&refusal.peer) {
+                    // The server bounds its reasons; a server that does not is not believed.
+                    let reason: String = refusal.reason.chars().take(REASON_CHARS).collect();
                     tracing::warn!(
                         round = self.round,
                         peer = %refusal.peer,
-                        reason = %refusal.reason,
+                        reason = %reason.escape_debug(),
                         "the parameter server refused a trainer's update: the round goes on without it"
                     );
                 }
@@ -636,23 +645,32 @@ impl Rounds {
                 .map(|refusal| (refusal.peer, refusal.reason))
                 .collect();
         }
-        let send_to = || self.trainers.values().map(|t| t.peer.clone()).collect();
-        if self.closing == Some(self.round) {
-            let order = ServerOrder::Close {
-                round: self.round,
-                send_to: send_to(),
-            };
-            return (order, settle, applied_round);
-        }
-        if status.round == Some(self.round) && self.should_close(now_ms) {
-            self.closing = Some(self.round);
-            let order = ServerOrder::Close {
-                round: self.round,
-                send_to: send_to(),
-            };
-            return (order, settle, applied_round);
-        }
-        (ServerOrder::Wait, settle, applied_round)
+        let ending = match self.closing {
+            Some((round, ending)) if round == self.round => Some(ending),
+            _ if status.round == Some(self.round) => self.ending(now_ms),
+            _ => None,
+        };
+        let Some(ending) = ending else {
+            return (ServerOrder::Wait, settle, applied_round);
+        };
+        self.closing = Some((self.round, ending));
+        let (round, send_to) = (
+            self.round,
+            self.trainers.values().map(|t| t.peer.clone()).collect(),
+        );
+        let order = match ending {
+            Ending::Close => ServerOrder::Close { round, send_to },
+            Ending::Skip => {
+                tracing::warn!(
+                    round,
+                    refused = self.refused.len(),
+                    arrived = self.arrived.len(),
+                    "too few of the round's updates were taken for its quorum: it ends without a change"
+                );
+                ServerOrder::Skip { round, send_to }
+            }
+        };
+        (order, settle, applied_round)
     }
 
     /// The peers whose pseudo-gradients the server is to take: the trainers, and those that
@@ -686,7 +704,13 @@ impl Rounds {
             })
     }
 
-    fn should_close(&self, now_ms: u64) -> bool {
+    /// Whether and how the round ends now. It closes once every trainer that can still send
+    /// has sent, or after its deadline, with updates from at least `quorum` of the trainers
+    /// expected in it; refused updates count against the quorum (a liar whose update alone
+    /// was taken cannot steer the model where the others' were refused). A round that cannot
+    /// reach its quorum any more (everybody sent, too many refused) ends without a change
+    /// once its deadline passed, so that honest trainers still joining get their chance.
+    fn ending(&self, now_ms: u64) -> Option<Ending> {
         // Every trainer that holds a model trains this round, even one that has not taken
         // this round's model yet; one out of data with nothing trained sends nothing.
         let expected: Vec<&Trainer> = self
@@ -695,28 +719,34 @@ impl Rounds {
             .filter(|t| t.status.round.is_some() || t.awaited)
             .filter(|t| !(t.status.data_done && t.status.samples == 0))
             .collect();
-        // One whose update was refused has sent what it had: nothing more will come.
-        let awaited: Vec<&Trainer> = expected
-            .iter()
-            .copied()
-            .filter(|t| !self.refused.contains_key(&t.peer))
-            .collect();
-        if self.arrived.is_empty() {
-            // Every update was refused: the round ends with the model as it was.
-            return !expected.is_empty() && awaited.is_empty();
-        }
-        // With none known (trainers taken over after a restart are known only once the
-        // server is), the new model would go to nobody.
-        if !awaited.is_empty() && awaited.iter().all(|t| self.arrived.contains_key(&t.peer)) {
-            return true;
-        }
+        // One whose update was refused has sent what it had: nothing more will come. With
+        // none known (trainers taken over after a restart are known only once the server
+        // is), the new model would go to nobody: only arrivals at the deadline close it.
+        let all_sent = !expected.is_empty()
+            && expected
+                .iter()
+                .all(|t| self.arrived.contains_key(&t.peer) || self.refused.contains_key(&t.peer));
         let grace = self.plan.round_ms / 4;
         let overdue = self
             .started_ms
             .is_some_and(|start| now_ms >= start + self.plan.round_ms + grace);
-        let needed = (self.plan.quorum * awaited.len() as f64).ceil() as usize;
-        overdue && self.arrived.len() >= needed.max(1)
+        let needed = ((self.plan.quorum * expected.len() as f64).ceil() as usize).max(1);
+        let quorate = self.arrived.len() >= needed;
+        match (all_sent, overdue, quorate) {
+            (_, _, true) if all_sent || overdue => Some(Ending::Close),
+            (true, true, false) if !self.refused.is_empty() => Some(Ending::Skip),
+            _ => None,
+        }
     }
+}
+
+/// How a round ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// With the updates that arrived.
+    Close,
+    /// Without a change to the model: too few updates were taken.
+    Skip,
 }
 
 /// A [`Settle::Drop`] for each of `rounds` that `peer`'s job `job` is not included in.
@@ -1098,14 +1128,14 @@ mod tests {
     }
 
     /// A trainer whose update the server refused is not waited for: the round closes as soon
-    /// as the others are in (long before its deadline), even where they are below quorum
-    /// counted with it, and the refused trainer's slices go back. A round whose every update
-    /// was refused closes too (the server skips it), leaving out everybody.
+    /// as the others are in (long before its deadline) where they make the quorum, and the
+    /// refused trainer's slices go back. Refusals count against the quorum: where too few
+    /// updates were taken (a liar's alone, say), the round ends without a change at its
+    /// deadline, everybody left out; so does a round whose every update was refused.
     #[test]
     fn a_round_does_not_wait_for_a_trainer_whose_update_was_refused() {
         let mut rounds = Rounds::new(RoundPlan {
-            rounds: Some(3),
-            quorum: 1.0,
+            rounds: Some(4),
             ..plan()
         });
         rounds.server_started("ps".into());
@@ -1129,45 +1159,46 @@ mod tests {
         assert_eq!(settle.len(), 2);
         assert_eq!(applied.unwrap().included, ["pa", "pb"]);
         let (_, settle) = rounds.trainer_status("c", status(1, 0, None), 400);
-        assert_eq!(
-            settle,
-            vec![Settle::Drop {
-                job: "c".into(),
-                round: 0
-            }]
-        );
+        assert_eq!(settle, [drop("c", 0)]);
 
-        // Round 1: a's update refused, b and c not in yet: the quorum (1.0) counts b and c.
+        // Round 1: a and b refused, c's update taken: 1 of 3, below the quorum of 2. Not
+        // applied; at the deadline (10 s + 2.5 s), skipped.
         for job in ["a", "b", "c"] {
             rounds.trainer_status(job, status(1, 1, Some(100.0)), 500);
         }
-        let (order, _, _) = report(&mut rounds, refusing(server(1, &[], None), &["pa"]), 600);
+        let refused = || refusing(server(1, &["pc"], None), &["pa", "pb"]);
+        let (order, _, _) = report(&mut rounds, refused(), 600);
         assert_eq!(order, ServerOrder::Wait);
-        // Every update refused: the round closes with nobody in it.
-        let (order, _, _) = report(
-            &mut rounds,
-            refusing(server(1, &[], None), &["pa", "pb", "pc"]),
-            700,
-        );
+        let (order, _, _) = report(&mut rounds, refused(), 13_000);
         assert!(
-            matches!(order, ServerOrder::Close { round: 1, .. }),
+            matches!(order, ServerOrder::Skip { round: 1, .. }),
             "{order:?}"
         );
-        let (order, settle, applied) = report(&mut rounds, server(2, &[], Some((1, &[]))), 800);
+        let (order, settle, applied) = report(&mut rounds, server(2, &[], Some((1, &[]))), 13_100);
         assert!(settle.is_empty());
         assert!(applied.unwrap().included.is_empty());
         assert_eq!(order, ServerOrder::Wait);
         assert_eq!(rounds.round(), 2);
         for job in ["a", "b", "c"] {
-            let (_, settle) = rounds.trainer_status(job, status(2, 0, None), 900);
-            assert_eq!(
-                settle,
-                vec![Settle::Drop {
-                    job: job.into(),
-                    round: 1
-                }],
-                "{job}"
-            );
+            let (_, settle) = rounds.trainer_status(job, status(2, 1, Some(100.0)), 13_200);
+            assert_eq!(settle, [drop(job, 1)], "{job}");
+        }
+
+        // Round 2: every update refused: skipped at the deadline, not before.
+        let refused = || refusing(server(2, &[], None), &["pa", "pb", "pc"]);
+        let (order, _, _) = report(&mut rounds, refused(), 13_300);
+        assert_eq!(order, ServerOrder::Wait);
+        let (order, _, _) = report(&mut rounds, refused(), 30_000);
+        assert!(
+            matches!(order, ServerOrder::Skip { round: 2, .. }),
+            "{order:?}"
+        );
+    }
+
+    fn drop(job: &str, round: u64) -> Settle {
+        Settle::Drop {
+            job: job.into(),
+            round,
         }
     }
 

@@ -627,9 +627,15 @@ impl Cluster {
     }
 
     /// A DiLoCo job file `name` on `blobs`: `workers` trainers, `epochs` epochs, `extra` lines
-    /// in its `[diloco]` table. Rounds of 768 samples: 8 inner steps each for 3 trainers, which
-    /// the model needs to halve its loss in the 2 epochs of a test (with 4 steps it does not).
+    /// in its `[diloco]` table (`round_seconds` there replaces the default of 5 s). Rounds of
+    /// 768 samples: 8 inner steps each for 3 trainers, which the model needs to halve its loss
+    /// in the 2 epochs of a test (with 4 steps it does not).
     pub fn diloco_job(&self, name: &str, workers: usize, epochs: u32, extra: &str) -> PathBuf {
+        let round_seconds = if extra.contains("round_seconds") {
+            ""
+        } else {
+            "round_seconds = 5\n"
+        };
         self.job(
             name,
             &format!(
@@ -638,7 +644,7 @@ impl Cluster {
                  [resources]\ncpu = 1\n\
                  [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 32, classes = 4 }}\n\
                  [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
-                 [diloco]\nsamples_per_round = 768\nbatch_size = 32\nround_seconds = 5\n\
+                 [diloco]\nsamples_per_round = 768\nbatch_size = 32\n{round_seconds}\
                  inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n{extra}\
                  [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
             ),

@@ -9,9 +9,9 @@
 //! named). It reports to the job's scheduler after every file and every [`REPORT_EVERY`],
 //! and does what the answer says: wait, take updates from these trainers, adopt this
 //! trainer's model, close the round (weighted mean, Nesterov step, checkpoint, new global
-//! model to every trainer; a round whose every update was refused ends with the model as it
-//! was), or finish. Refused updates are in every status until their round closes: the
-//! scheduler does not wait for them.
+//! model to every trainer), skip the round (too few of its updates were taken: the model
+//! stays as it was), or finish. Refused updates are in every status until their round
+//! ends, with a reason of at most 200 characters: the scheduler does not wait for them.
 //!
 //! **What trainers get.** A job that compresses (`"compression"` in its config) has the
 //! server send each round's change of the global model, compressed with that codec, to the
@@ -242,6 +242,12 @@ impl ServerJob {
                         announce = true;
                     }
                 }
+                Some(ServerOrder::Skip { round, send_to }) => {
+                    if server.round() == Some(round) {
+                        applied = Some(self.skip(&mut server, &send_to)?);
+                        announce = true;
+                    }
+                }
                 Some(ServerOrder::Trainers { peers: named }) => {
                     peers.trainers = named.into_iter().collect();
                 }
@@ -423,10 +429,7 @@ impl ServerJob {
                 .arrived()
                 .iter()
                 .any(|(peer, _)| peers.take_changes.contains(peer));
-            // The scheduler closes a round without updates when every one was refused.
-            let closed = if server.arrived().is_empty() {
-                server.skip()?
-            } else if changes_wanted {
+            let closed = if changes_wanted {
                 server.close()?
             } else {
                 server.close_without_change()?
@@ -434,19 +437,12 @@ impl ServerJob {
             server.checkpoint(&self.dir.join(CHECKPOINT))?;
             Ok::<_, hypha_diloco::Error>(closed)
         })?;
-        if closed.included.is_empty() {
-            tracing::warn!(
-                round = closed.round,
-                "round closed without updates (every one was refused): the model stays as it was"
-            );
-        } else {
-            tracing::info!(
-                round = closed.round,
-                trainers = closed.included.len(),
-                samples = closed.samples,
-                "round closed"
-            );
-        }
+        tracing::info!(
+            round = closed.round,
+            trainers = closed.included.len(),
+            samples = closed.samples,
+            "round closed"
+        );
         if let Some(why) = &closed.uncompressed {
             tracing::warn!(round = closed.round, %why, "the round's change cannot be compressed; every trainer gets the whole model");
         }
@@ -463,6 +459,33 @@ impl ServerJob {
             round: closed.round,
             delta_bytes: closed.delta.as_ref().map(|delta| delta.len() as u64),
             included: closed.included,
+            model_hash: server.model_hash().map(str::to_string),
+        })
+    }
+
+    /// Ends the round without a change, as the scheduler said: what arrived is discarded,
+    /// and every trainer in `send_to` gets the model whole, marked for the next round.
+    fn skip(
+        &self,
+        server: &mut ParameterServer,
+        send_to: &[String],
+    ) -> Result<Applied, ServerError> {
+        let skipped = tokio::task::block_in_place(|| {
+            let skipped = server.skip()?;
+            server.checkpoint(&self.dir.join(CHECKPOINT))?;
+            Ok::<_, hypha_diloco::Error>(skipped)
+        })?;
+        tracing::warn!(
+            round = skipped.round,
+            "round ended without a change: too few of its updates were taken"
+        );
+        if let Err(error) = self.send_models(server, None, &[], send_to) {
+            tracing::warn!(%error, "could not send the global model");
+        }
+        Ok(Applied {
+            round: skipped.round,
+            delta_bytes: None,
+            included: Vec::new(),
             model_hash: server.model_hash().map(str::to_string),
         })
     }
