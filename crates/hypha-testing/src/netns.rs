@@ -10,9 +10,11 @@
 //! ```
 //!
 //! The root-side end of each veth limits what the host receives, the namespace-side end what
-//! it sends; traffic between two hosts crosses both. Needs root (CAP_NET_ADMIN) and iproute2
-//! (`ip`, `tc`). Everything is removed when the [`Wan`] is dropped, and left-overs of a run
-//! that was killed are removed when the next one starts.
+//! it sends; traffic between two hosts crosses both. A link counts all its bytes
+//! ([`Wan::bytes`]); the bytes between two hosts are counted by `iptables` rules in the first
+//! one's namespace ([`Wan::count_between`]). Needs root (CAP_NET_ADMIN), iproute2 (`ip`, `tc`)
+//! and, to count between hosts, `iptables`. Everything is removed when the [`Wan`] is dropped,
+//! and left-overs of a run that was killed are removed when the next one starts.
 
 use std::process::Command;
 
@@ -106,6 +108,42 @@ impl Wan {
         (counter("rx_bytes"), counter("tx_bytes"))
     }
 
+    /// Starts counting the bytes between hosts `i` and `j`
+    /// ([`bytes_between`](Self::bytes_between)): accounting rules in `i`'s namespace, IP
+    /// packets whole.
+    pub fn count_between(&self, i: usize, j: usize) -> Result<(), String> {
+        let (netns, peer) = (self.netns(i), self.ip(j));
+        for (chain, side) in [("OUTPUT", "-d"), ("INPUT", "-s")] {
+            run(&[
+                "ip", "netns", "exec", &netns, "iptables", "-w", "-A", chain, side, &peer,
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// The bytes host `i` has sent to host `j` and received from it since
+    /// [`count_between`](Self::count_between)`(i, j)`.
+    pub fn bytes_between(&self, i: usize, j: usize) -> Result<(u64, u64), String> {
+        let (netns, peer) = (self.netns(i), self.ip(j));
+        // `iptables -nvxL` rows: pkts bytes [target] prot opt in out source destination.
+        let counted = |chain: &str, column_from_end: usize| {
+            let command = [
+                "ip", "netns", "exec", &netns, "iptables", "-w", "-nvxL", chain,
+            ];
+            let output = output(&command)?;
+            output
+                .lines()
+                .filter_map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let address = fields.len().checked_sub(column_from_end)?;
+                    (fields[address] == peer).then(|| fields.get(1)?.parse::<u64>().ok())?
+                })
+                .next()
+                .ok_or_else(|| format!("no count of {chain} with {peer} in {netns}"))
+        };
+        Ok((counted("OUTPUT", 1)?, counted("INPUT", 2)?))
+    }
+
     fn bridge(&self) -> String {
         format!("{}br", self.prefix)
     }
@@ -144,12 +182,17 @@ impl Drop for Wan {
 }
 
 fn run(command: &[&str]) -> Result<(), String> {
+    output(command).map(drop)
+}
+
+/// What `command` printed, or what failed.
+fn output(command: &[&str]) -> Result<String, String> {
     let output = Command::new(command[0])
         .args(&command[1..])
         .output()
         .map_err(|e| format!("{}: {e}", command.join(" ")))?;
     if output.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     } else {
         Err(format!(
             "{}: {}",
