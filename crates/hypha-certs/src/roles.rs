@@ -2,7 +2,8 @@
 //!
 //! Roles are written into a node certificate's subject as an organizational unit (`OU`) whose
 //! value is `hypha:` followed by role names separated by commas: `hypha:worker`,
-//! `hypha:scheduler,worker`. The roles are `scheduler`, `worker`, `data` and `gateway`. Several
+//! `hypha:scheduler,worker`. The roles are `scheduler`, `worker`, `data`, `gateway` and
+//! `operator`. Several
 //! such units add up (`/OU=hypha:worker/OU=hypha:data` is the same as `/OU=hypha:worker,data`).
 //! An `OU` rather than a private extension, so that any CA tool can issue them
 //! (`openssl req -subj "/CN=worker-1/OU=hypha:worker"`) and any tool shows them; the CA's
@@ -30,11 +31,20 @@ pub enum Role {
     Data,
     /// Holds the network together; only gateways relay.
     Gateway,
+    /// Watches runs: a scheduler tells its run's progress (the task id, the workers) only to
+    /// an operator or to the peers running the run's jobs.
+    Operator,
 }
 
 impl Role {
     /// Every role, in the order they are shown.
-    pub const ALL: [Role; 4] = [Role::Scheduler, Role::Worker, Role::Data, Role::Gateway];
+    pub const ALL: [Role; 5] = [
+        Role::Scheduler,
+        Role::Worker,
+        Role::Data,
+        Role::Gateway,
+        Role::Operator,
+    ];
 
     /// The role's name, as `--role` takes it.
     pub fn name(self) -> &'static str {
@@ -43,6 +53,7 @@ impl Role {
             Role::Worker => "worker",
             Role::Data => "data",
             Role::Gateway => "gateway",
+            Role::Operator => "operator",
         }
     }
 
@@ -59,7 +70,7 @@ impl fmt::Display for Role {
 
 /// A name that is no role.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a role; the roles are scheduler, worker, data and gateway")]
+#[error("{0:?} is not a role; the roles are scheduler, worker, data, gateway and operator")]
 pub struct UnknownRole(pub String);
 
 impl FromStr for Role {
@@ -78,10 +89,11 @@ impl FromStr for Role {
 pub struct Roles(u8);
 
 impl Roles {
-    /// No role: the peer may only do what any certified peer may (health, manifests, progress).
+    /// No role: the peer may only do what any certified peer may (health, manifests, a data
+    /// node's progress).
     pub const NONE: Roles = Roles(0);
     /// Every role.
-    pub const ALL: Roles = Roles(0b1111);
+    pub const ALL: Roles = Roles(0b1_1111);
 
     /// Whether the set holds `role`.
     pub fn contains(self, role: Role) -> bool {

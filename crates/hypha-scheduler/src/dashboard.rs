@@ -16,7 +16,11 @@
 //! | `/api/loss.svg`   | training loss by round (the plot `hypha quickstart` writes)        |
 //!
 //! The dashboard has no login: it listens on loopback unless given another address, and
-//! says so in the log when it is not.
+//! says so in the log when it is not. On loopback its reader is the operator at the
+//! scheduler's machine; beyond loopback anyone who reaches it reads it, so it withholds the
+//! run's task id (`run.task` and `iteration.iteration` read [`WITHHELD`]): whoever knows a
+//! task id could try to dispatch under it (workers refuse a second scheduler, but a first one
+//! on a worker the run has not reached yet would take the id there).
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -39,6 +43,9 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::run::Event;
+
+/// What the dashboard shows for the task id when it listens beyond loopback.
+pub const WITHHELD: &str = "withheld (the dashboard listens beyond loopback)";
 
 /// Events the board keeps for `/api/events`.
 const RECENT_EVENTS: usize = 100;
@@ -310,16 +317,24 @@ pub struct RunView {
 pub struct Sources {
     pub board: watch::Receiver<Board>,
     pub history: watch::Receiver<RunProgress>,
+    /// Whether the task id is shown; [`serve`] decides by the address it listens on.
+    pub reveal_task: bool,
 }
 
 impl Sources {
     /// The board as it is now, with the iteration's counts and each worker's pace.
     pub async fn snapshot(&self) -> Snapshot {
         let (mut board, history) = (self.board.borrow().clone(), self.history.borrow().clone());
-        let iteration = match &board.iteration {
+        let mut iteration = match &board.iteration {
             Some(service) => service.progress().await.ok(),
             None => None,
         };
+        if !self.reveal_task {
+            board.task = WITHHELD.to_string();
+            if let Some(progress) = &mut iteration {
+                progress.iteration = WITHHELD.to_string();
+            }
+        }
         if let Some(progress) = &iteration {
             for worker in board.workers.values_mut() {
                 let (Some(job), Ok(peer)) = (&worker.job, worker.peer.parse()) else {
@@ -360,13 +375,13 @@ pub fn parse_address(text: &str) -> Result<SocketAddr, String> {
 }
 
 /// Serves the dashboard on `listener` until the returned future is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, sources: Sources) -> std::io::Result<()> {
-    if let Ok(address) = listener.local_addr()
-        && !address.ip().is_loopback()
-    {
+pub async fn serve(listener: tokio::net::TcpListener, mut sources: Sources) -> std::io::Result<()> {
+    let address = listener.local_addr()?;
+    sources.reveal_task = address.ip().is_loopback();
+    if !sources.reveal_task {
         tracing::warn!(
             %address,
-            "the dashboard listens beyond this machine and has no login: anyone who reaches the address sees the job"
+            "the dashboard listens beyond this machine and has no login: anyone who reaches the address sees the job (not its task id)"
         );
     }
     let app = Router::new()

@@ -193,6 +193,7 @@ impl EventLog {
         dashboard::Sources {
             board: self.board.subscribe(),
             history: self.history.subscribe(),
+            reveal_task: false,
         }
     }
 
@@ -415,6 +416,36 @@ impl LiveJobs {
             .unwrap_or_else(|p| p.into_inner())
             .contains(&(peer, job.to_string()))
     }
+
+    /// Whether `peer` runs a job of the run.
+    fn runs_any(&self, peer: PeerId) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(p, _)| *p == peer)
+    }
+}
+
+/// Who may ask a run for what: its live jobs for data, its workers and operators for its
+/// progress.
+#[derive(Debug, Clone)]
+struct Askers {
+    live: LiveJobs,
+    network: Network,
+}
+
+impl Askers {
+    /// Whether `peer` may hear the run's progress, which names its task (whoever knows a task
+    /// id can dispatch under it, and a worker refuses only a second scheduler, not the
+    /// first): the run's workers and operators (certificates with the `operator` role) may.
+    fn may_watch(&self, peer: PeerId) -> bool {
+        self.live.runs_any(peer)
+            || self
+                .network
+                .roles(&peer)
+                .is_some_and(|roles| roles.contains(hypha_network::Role::Operator))
+    }
 }
 
 /// What an executor status is answered with when nobody has more to say.
@@ -422,8 +453,9 @@ const RECEIVED: &str = r#"{"received":true}"#;
 
 /// Answers what reaches a scheduler from the network: offers go to the allocator, job
 /// statuses to `statuses`, executor statuses to `executor_statuses`, whose answer goes back
-/// to the executor; progress requests get the iteration's counts and the run's `history`.
-/// Answers still on their way are dropped with the returned future.
+/// to the executor; progress requests get the iteration's counts and the run's `history`, if
+/// the asking peer [`may watch`](Askers::may_watch) the run. Answers still on their way are
+/// dropped with the returned future.
 async fn route_inbound(
     mut inbound: mpsc::Receiver<InboundRequest>,
     allocator: Allocator,
@@ -431,7 +463,7 @@ async fn route_inbound(
     executor_statuses: mpsc::Sender<ExecutorStatus>,
     data: Option<JobData>,
     history: watch::Receiver<RunProgress>,
-    live: LiveJobs,
+    askers: Askers,
 ) {
     // Iterate and progress requests wait for the ledger: they are answered concurrently, at
     // most ANSWERING at once; the inbound queue fills behind them.
@@ -448,10 +480,10 @@ async fn route_inbound(
             };
             let service = data.service().clone();
             let history = history.clone();
-            let live = live.clone();
+            let askers = askers.clone();
             answers.spawn(async move {
                 let response = match &request.request {
-                    Request::Iterate(iterate) if !live.contains(peer, &iterate.consumer) => {
+                    Request::Iterate(iterate) if !askers.live.contains(peer, &iterate.consumer) => {
                         Err(RemoteError::new(
                             ErrorCode::Gone,
                             format!("{} is not a running job of this run", iterate.consumer),
@@ -460,6 +492,10 @@ async fn route_inbound(
                     Request::Iterate(iterate) => {
                         service.iterate(&peer, iterate).await.map(Response::Iterate)
                     }
+                    _ if !askers.may_watch(peer) => Err(RemoteError::new(
+                        ErrorCode::Forbidden,
+                        "a run's progress names its task, so a scheduler tells it only to the run's workers and to operators; ask with a certificate issued with `hypha-certutil node --role operator`",
+                    )),
                     _ => service.progress().await.map(|progress| {
                         Response::Progress(hypha_messages::iterate::IterationProgress {
                             run: Some(Box::new(history.borrow().clone())),
@@ -800,7 +836,10 @@ impl<'a> JobRun<'a> {
             executor_tx,
             data.clone(),
             events.history.subscribe(),
-            live.clone(),
+            Askers {
+                live: live.clone(),
+                network: network.clone(),
+            },
         );
         tasks.spawn(async move {
             router.await;

@@ -290,11 +290,17 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
     let listening = first.wait_for("listening");
     wait_for_uses(&cluster, 80);
 
-    // Anyone in the network can ask how far it got.
+    // An operator can ask how far it got.
     let progress = cluster.progress("first", &listening);
     assert_eq!(progress["dataset"], "tokens");
     assert_eq!(progress["run"]["restarts"], 0, "{progress}");
-    // But only the run's jobs get its slices: any other certified peer asking is refused.
+    // Any other certified peer is not told: the answer names the run's task.
+    cluster.config("outsider", hypha_certs::Roles::NONE, "");
+    let refused = cluster
+        .progress_as("first", &listening, "outsider")
+        .unwrap_err();
+    assert!(refused.contains("--role operator"), "{refused}");
+    // Nor does it get the run's slices, knowing the iteration's id.
     let address = listening
         .split("address=")
         .nth(1)
@@ -307,14 +313,14 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
         let network = hypha_node::start_client(
             "outsider",
             &hypha_scheduler::node::schema(),
-            Some(&cluster.path("observer.toml")),
+            Some(&cluster.path("outsider.toml")),
             &hypha_node::Overrides::default(),
             false,
         )
         .await
         .unwrap();
         let scheduler = network.dial(address).await.unwrap();
-        // The iteration's id is no secret: progress tells it.
+        // Say the iteration's id leaked (an operator's screen).
         let request = hypha_messages::iterate::IterateRequest {
             iteration: progress["iteration"].as_str().unwrap().to_string(),
             dataset: "tokens".into(),

@@ -263,18 +263,28 @@ impl Cluster {
     }
 
     /// What `hypha-scheduler progress --json` says of scheduler `name`, which logged the
-    /// `listening` line: asked as any node of the network would, with an identity of its own.
+    /// `listening` line, to an operator (a peer of its own with the `operator` role).
     pub fn progress(&self, name: &str, listening: &str) -> serde_json::Value {
+        if !self.path("operator.toml").exists() {
+            self.config("operator", Role::Operator, "");
+        }
+        self.progress_as(name, listening, "operator")
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// What `hypha-scheduler progress --json` says of scheduler `name` to node `asker` (whose
+    /// config [`config`](Self::config) wrote), or what it printed when it failed.
+    pub fn progress_as(
+        &self,
+        name: &str,
+        listening: &str,
+        asker: &str,
+    ) -> Result<serde_json::Value, String> {
         let address = listening
             .split("address=")
             .nth(1)
             .and_then(|rest| rest.split_whitespace().next())
             .unwrap_or_else(|| panic!("no address in {listening:?}"));
-        let observer = self.path("observer.toml");
-        if !observer.exists() {
-            // Progress is for anyone certified: no role.
-            self.config("observer", Roles::NONE, "");
-        }
         let out = Command::new(bin("hypha-scheduler"))
             .args([
                 "progress",
@@ -282,11 +292,14 @@ impl Cluster {
                 "--json",
                 "--config",
             ])
-            .arg(&observer)
+            .arg(self.path(&format!("{asker}.toml")))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        serde_json::from_slice(&out.stdout).unwrap()
+        if out.status.success() {
+            Ok(serde_json::from_slice(&out.stdout).unwrap())
+        } else {
+            Err(format!("{out:?}"))
+        }
     }
 }
 

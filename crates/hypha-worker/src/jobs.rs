@@ -114,6 +114,8 @@ pub enum StartError {
     File(#[from] hypha_files::Error),
     #[error("cannot start the job bridge: {0}")]
     Bridge(std::io::Error),
+    #[error(transparent)]
+    ForeignTask(#[from] Box<bridge::transfer::ForeignTask>),
 }
 
 struct Running {
@@ -204,6 +206,8 @@ impl JobManager {
         if self.running.contains_key(&id) {
             return Err(StartError::Duplicate(id));
         }
+        // Before anything is created: a job of another scheduler's task changes nothing.
+        self.bridge.inboxes().check_owner(&spec.task, scheduler)?;
         let runtime = self
             .executors
             .get(&spec.executor)
@@ -266,7 +270,10 @@ impl JobManager {
             store: self.bridge.artifacts().clone(),
             requests: spec.artifacts.clone(),
             peers: spec.artifact_peers,
-            admission: self.bridge.inboxes().artifact_admission(&spec.task),
+            admission: self
+                .bridge
+                .inboxes()
+                .artifact_admission(scheduler, &spec.task),
         };
         let (cancel_tx, mut cancel_rx) = oneshot::channel();
         self.running.insert(

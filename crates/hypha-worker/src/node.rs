@@ -29,7 +29,7 @@ use crate::{
     artifacts::ArtifactStore,
     bridge::{self, socket::SocketPlace},
     config::{WorkerConfig, schema},
-    jobs::{Ended, JobManager},
+    jobs::{Ended, JobManager, StartError},
     lease::{LeaseId, LeaseManager, Stage},
     metrics,
     slices::{self, SliceCache},
@@ -434,6 +434,10 @@ impl Worker {
             Ok(()) => {
                 tracing::info!(scheduler = %peer, %job, "job dispatched");
                 Response::Ack
+            }
+            Err(StartError::ForeignTask(foreign)) => {
+                tracing::warn!(scheduler = %peer, owner = %foreign.owner, task = foreign.task, %job, "refused a job of a task another scheduler owns on this worker");
+                error(ErrorCode::Forbidden, foreign.to_string())
             }
             Err(e) => error(ErrorCode::BadRequest, e.to_string()),
         }

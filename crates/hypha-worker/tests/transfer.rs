@@ -294,13 +294,19 @@ async fn a_tasks_artifacts_are_shared_with_the_tasks_workers_only() {
         registration,
         ..
     } = job_inbox(outsider, scheduler, &peers(1, &[trainer]));
-    let admission = inboxes.artifact_admission("task-1");
+    let admission = inboxes.artifact_admission(scheduler.local_peer_id(), "task-1");
     assert!(admission.admits(&trainer.local_peer_id()));
     assert!(!admission.admits(&outsider.local_peer_id()));
     assert!(!admission.admits(&scheduler.local_peer_id()));
     assert!(
         !inboxes
-            .artifact_admission("task-2")
+            .artifact_admission(scheduler.local_peer_id(), "task-2")
+            .admits(&trainer.local_peer_id())
+    );
+    // The same task id under another scheduler is another task: it admits nobody.
+    assert!(
+        !inboxes
+            .artifact_admission(outsider.local_peer_id(), "task-1")
             .admits(&trainer.local_peer_id())
     );
 

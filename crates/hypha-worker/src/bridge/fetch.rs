@@ -142,7 +142,7 @@ pub(super) async fn fetch(
                     bridge
                         .shared
                         .inboxes()
-                        .artifact_admission(&bridge.context.task),
+                        .artifact_admission(bridge.context.scheduler, &bridge.context.task),
                 )
                 .await
                 .map_err(|e| {

@@ -222,13 +222,18 @@ pub fn serve(
     // so nobody else can reach it even in the moment between bind and chmod.
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
-    let registration = shared.inboxes.open(
-        &context.task,
-        &context.job,
-        dir.clone(),
-        context.scheduler,
-        &context.task_peers,
-    );
+    // The job manager checked the task's owner before it made the job's directory; this is
+    // the same check, under the inboxes' lock.
+    let registration = shared
+        .inboxes
+        .open(
+            &context.task,
+            &context.job,
+            dir.clone(),
+            context.scheduler,
+            &context.task_peers,
+        )
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, e))?;
     let stopping = CancellationToken::new();
     let inbox = registration.inbox().clone();
     let bridge = Arc::new(Bridge {

@@ -12,6 +12,13 @@
 //! ([`Inboxes::set_peers`]). Anyone else is refused `not_in_task` after the header, before a
 //! byte of the file is read.
 //!
+//! **A task belongs to its scheduler.** Task ids are not secret (a run record names one, and
+//! every job of the task carries it), so the task's entry here is owned by the scheduler that
+//! dispatched its first job on this worker, for as long as a job of the task runs here: a job
+//! of the same task id from any other scheduler is refused ([`ForeignTask`]) before anything
+//! changes, and only the owner names the task's peers. A scheduler restarted with its
+//! certificate's key is the same peer, so it adopts its jobs as before.
+//!
 //! The bytes are staged in the job's directory under [`STAGING_DIR`] (opened beneath the job
 //! directory like every other path, so an executor cannot redirect them), checked against the
 //! sender's SHA-256, fsynced, and only then queued. The executor takes them with
@@ -160,11 +167,23 @@ pub struct Inboxes {
     by_task: Mutex<HashMap<String, Task>>,
 }
 
+/// A job for a task that another scheduler owns on this worker.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "task {task} belongs to scheduler {owner} on this worker; a job of it from {claimant} is refused"
+)]
+pub struct ForeignTask {
+    pub task: String,
+    pub owner: PeerId,
+    pub claimant: PeerId,
+}
+
 /// One task's jobs on this worker, and who may send to them.
 #[derive(Debug)]
 struct Task {
     inboxes: Vec<Arc<Inbox>>,
-    /// The scheduler that dispatched the task's jobs; it may send, and tell who else may.
+    /// The scheduler that dispatched the task's first job here; it alone dispatches further
+    /// jobs of the task, may send to them, and tells who else may. Never changes.
     scheduler: PeerId,
     /// The workers that run the task's jobs, as the scheduler last said.
     peers: HashSet<PeerId>,
@@ -186,8 +205,22 @@ impl Task {
 }
 
 impl Inboxes {
+    /// Whether `scheduler` may run a job of `task` here: nobody else owns the task.
+    pub fn check_owner(&self, task: &str, scheduler: PeerId) -> Result<(), Box<ForeignTask>> {
+        match self.lock().get(task) {
+            Some(entry) if entry.scheduler != scheduler => Err(Box::new(ForeignTask {
+                task: task.to_string(),
+                owner: entry.scheduler,
+                claimant: scheduler,
+            })),
+            _ => Ok(()),
+        }
+    }
+
     /// Opens the inbox of `job`, dispatched by `scheduler` with the task's `peers`; it
-    /// receives what those send to `task` until the returned registration is dropped.
+    /// receives what those send to `task` until the returned registration is dropped. The
+    /// first job of a task makes `scheduler` its owner; a job of a task another scheduler
+    /// owns is refused and changes nothing.
     pub fn open(
         self: &Arc<Self>,
         task: &str,
@@ -195,13 +228,7 @@ impl Inboxes {
         dir: Arc<JobDir>,
         scheduler: PeerId,
         peers: &TaskPeers,
-    ) -> Registration {
-        let inbox = Arc::new(Inbox {
-            job: job.to_string(),
-            dir,
-            state: Mutex::default(),
-            arrived: Notify::new(),
-        });
+    ) -> Result<Registration, Box<ForeignTask>> {
         let mut by_task = self.lock();
         let entry = by_task.entry(task.to_string()).or_insert_with(|| Task {
             inboxes: Vec::new(),
@@ -209,15 +236,27 @@ impl Inboxes {
             peers: HashSet::new(),
             version: 0,
         });
-        entry.scheduler = scheduler;
+        if entry.scheduler != scheduler {
+            return Err(Box::new(ForeignTask {
+                task: task.to_string(),
+                owner: entry.scheduler,
+                claimant: scheduler,
+            }));
+        }
         entry.update(peers);
+        let inbox = Arc::new(Inbox {
+            job: job.to_string(),
+            dir,
+            state: Mutex::default(),
+            arrived: Notify::new(),
+        });
         entry.inboxes.push(inbox.clone());
         drop(by_task);
-        Registration {
+        Ok(Registration {
             inboxes: self.clone(),
             task: task.to_string(),
             inbox,
-        }
+        })
     }
 
     /// `from` says which workers run `task`'s jobs now. Taken only from the scheduler that
@@ -234,15 +273,18 @@ impl Inboxes {
         }
     }
 
-    /// Who may share `task`'s artifacts with this worker: the workers of the task's jobs, as
-    /// its scheduler last said (while an artifact is shared, the list may change).
-    pub fn artifact_admission(self: &Arc<Self>, task: &str) -> Admission {
+    /// Who may share the artifacts of `scheduler`'s `task` with this worker: the workers of
+    /// the task's jobs, as its scheduler last said (while an artifact is shared, the list may
+    /// change). Nobody, should the task here belong to another scheduler.
+    pub fn artifact_admission(self: &Arc<Self>, scheduler: PeerId, task: &str) -> Admission {
         let inboxes = Arc::downgrade(self);
         let task = task.to_string();
         Admission::new(move |peer| {
-            inboxes
-                .upgrade()
-                .is_some_and(|i| i.lock().get(&task).is_some_and(|t| t.peers.contains(peer)))
+            inboxes.upgrade().is_some_and(|i| {
+                i.lock()
+                    .get(&task)
+                    .is_some_and(|t| t.scheduler == scheduler && t.peers.contains(peer))
+            })
         })
     }
 

@@ -71,13 +71,15 @@ pub fn job_inbox(receiver: &Network, scheduler: &Network, peers: &TaskPeers) -> 
     let inboxes = Arc::new(Inboxes::default());
     tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
     let dir = tempfile::tempdir().unwrap();
-    let registration = inboxes.open(
-        "task-1",
-        "job-1",
-        Arc::new(JobDir::open(dir.path()).unwrap()),
-        scheduler.local_peer_id(),
-        peers,
-    );
+    let registration = inboxes
+        .open(
+            "task-1",
+            "job-1",
+            Arc::new(JobDir::open(dir.path()).unwrap()),
+            scheduler.local_peer_id(),
+            peers,
+        )
+        .unwrap();
     JobInbox {
         inboxes,
         dir,
