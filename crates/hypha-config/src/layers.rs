@@ -14,6 +14,36 @@ pub struct Layers<'s> {
     table: toml::Table,
     origins: BTreeMap<String, Origin>,
     file: Option<PathBuf>,
+    ignored: Vec<IgnoredVariable>,
+}
+
+/// A `HYPHA_*` variable that names no setting of the program: ignored, since the variables of
+/// one shell reach every Hypha program (a worker's `HYPHA_WORK_DIR` reaches the scheduler
+/// too). The program says so once it can log: a warning where a setting of its own is close
+/// (a typo, most likely), a debug line otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IgnoredVariable {
+    /// The variable's name.
+    pub name: String,
+    /// The program's closest setting, as a variable (`HYPHA_WORK_DIR`).
+    pub closest: Option<String>,
+}
+
+impl std::fmt::Display for IgnoredVariable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.closest {
+            Some(closest) => write!(
+                f,
+                "{} names no setting of this program and is ignored; did you mean {closest}?",
+                self.name
+            ),
+            None => write!(
+                f,
+                "{} names no setting of this program (another Hypha program's, or a stray) and is ignored",
+                self.name
+            ),
+        }
+    }
 }
 
 /// The merged settings, with the origin of every value.
@@ -23,6 +53,7 @@ pub struct Loaded {
     table: toml::Table,
     origins: BTreeMap<String, Origin>,
     schema: Schema,
+    ignored: Vec<IgnoredVariable>,
 }
 
 impl<'s> Layers<'s> {
@@ -33,6 +64,7 @@ impl<'s> Layers<'s> {
             table: toml::Table::new(),
             origins: BTreeMap::new(),
             file: None,
+            ignored: Vec::new(),
         };
         for key in schema.keys() {
             layers.apply_default(key, "");
@@ -116,7 +148,9 @@ impl<'s> Layers<'s> {
         Ok(self)
     }
 
-    /// Adds `HYPHA_*` variables from `vars` (other variables are ignored).
+    /// Adds `HYPHA_*` variables from `vars` (other variables are ignored). A variable that
+    /// names no setting of the program is ignored too, and listed in
+    /// [`Loaded::ignored_variables`]; one that names a setting with a bad value is an error.
     pub fn env(
         mut self,
         vars: impl IntoIterator<Item = (String, String)>,
@@ -130,6 +164,13 @@ impl<'s> Layers<'s> {
             let path = name["HYPHA_".len()..]
                 .to_ascii_lowercase()
                 .replace("__", ".");
+            let parts: Vec<&str> = path.split('.').collect();
+            if self.schema.find(&parts).is_none() {
+                let closest = closest_path(self.schema.keys(), &path)
+                    .map(|p| format!("HYPHA_{}", p.replace('.', "__").to_ascii_uppercase()));
+                self.ignored.push(IgnoredVariable { name, closest });
+                continue;
+            }
             let origin = Origin::Env(name.clone());
             let value = self.parse_override(&path, &value, &origin, &format!("unset {name}"))?;
             self.set_override(&path, value, origin)?;
@@ -330,6 +371,7 @@ impl<'s> Layers<'s> {
             table: self.table,
             origins: self.origins,
             schema: self.schema.clone(),
+            ignored: self.ignored,
         })
     }
 }
@@ -382,6 +424,11 @@ fn require(
 }
 
 impl Loaded {
+    /// The `HYPHA_*` variables that named no setting of the program, in name order.
+    pub fn ignored_variables(&self) -> &[IgnoredVariable] {
+        &self.ignored
+    }
+
     /// Deserializes the settings into `T`, which may read any subset of the keys.
     pub fn section<T: DeserializeOwned>(&self) -> Result<T, ConfigError> {
         let value = toml::Value::Table(self.table.clone());
@@ -670,6 +717,27 @@ fn parse_literal(literal: &str) -> Result<toml::Value, String> {
 }
 
 /// The known key closest to `name`, if one is close enough to be a likely typo.
+/// The dotted path of a setting (at any depth) closest to `path`, if one is close.
+fn closest_path(keys: &[Key], path: &str) -> Option<String> {
+    fn all(keys: &[Key], prefix: &str, out: &mut Vec<String>) {
+        for key in keys {
+            let path = join(prefix, key.name);
+            if let Kind::Table(children) = key.kind {
+                all(children, &path, out);
+            }
+            out.push(path);
+        }
+    }
+    let mut paths = Vec::new();
+    all(keys, "", &mut paths);
+    paths
+        .into_iter()
+        .map(|p| (distance(&p, path), p))
+        .filter(|(d, p)| *d <= 2.max(p.len() / 4))
+        .min()
+        .map(|(_, p)| p)
+}
+
 fn suggest(keys: &[Key], name: &str) -> Option<&'static str> {
     keys.iter()
         .map(|k| (distance(k.name, name), k.name))

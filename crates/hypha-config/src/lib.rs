@@ -5,7 +5,8 @@
 //! 1. the defaults in the node's [`Schema`],
 //! 2. its TOML file (`--config FILE`),
 //! 3. `HYPHA_*` environment variables (`HYPHA_WORK_DIR`, nested keys with `__`:
-//!    `HYPHA_RESOURCES__CPU`),
+//!    `HYPHA_RESOURCES__CPU`); one that names no key of the node is ignored and listed in
+//!    [`Loaded::ignored_variables`] (the variables of one shell reach every program),
 //! 4. command-line flags.
 //!
 //! The schema lists every key a node accepts with its type, default and documentation; it is the
@@ -43,5 +44,5 @@ mod schema;
 pub mod telemetry;
 
 pub use error::{ConfigError, Origin};
-pub use layers::{Layers, Loaded};
+pub use layers::{IgnoredVariable, Layers, Loaded};
 pub use schema::{DefaultValue, Key, Kind, Schema};

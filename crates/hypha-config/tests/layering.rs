@@ -160,15 +160,48 @@ fn unknown_key_names_its_position_and_a_suggestion() {
     );
 }
 
+/// One shell's variables reach every Hypha program: a variable that is no setting of this one
+/// is ignored, and named with the closest setting where one is close (a typo).
 #[test]
-fn unknown_environment_variable_is_rejected() {
+fn environment_variables_of_no_setting_are_ignored_and_typos_get_the_closest_setting() {
     let schema = schema();
-    let err = Layers::new(&schema)
-        .env(vars(&[("HYPHA_WROK_DIR", "/x")]))
-        .unwrap_err();
-    assert_eq!(err.origin, Origin::Env("HYPHA_WROK_DIR".into()));
-    assert!(err.fix.contains("unset HYPHA_WROK_DIR"), "{err}");
-    assert!(err.fix.contains("work_dir"), "{err}");
+    let loaded = Layers::new(&schema)
+        .file_text("w.toml", FILE)
+        .unwrap()
+        .env(vars(&[
+            ("HYPHA_WROK_DIR", "/x"),
+            ("HYPHA_MIRROR", "x"),
+            ("HYPHA_RESOURCES__MEMROY", "3"),
+            ("HYPHA_WORK_DIR", "/from/env"),
+        ]))
+        .unwrap()
+        .load()
+        .unwrap();
+    let w: Worker = loaded.section().unwrap();
+    assert_eq!(w.work_dir, PathBuf::from("/from/env"));
+    let ignored: Vec<(String, Option<String>)> = loaded
+        .ignored_variables()
+        .iter()
+        .map(|i| (i.name.clone(), i.closest.clone()))
+        .collect();
+    assert_eq!(
+        ignored,
+        [
+            ("HYPHA_MIRROR".to_string(), None),
+            (
+                "HYPHA_RESOURCES__MEMROY".to_string(),
+                Some("HYPHA_RESOURCES__MEMORY".to_string())
+            ),
+            (
+                "HYPHA_WROK_DIR".to_string(),
+                Some("HYPHA_WORK_DIR".to_string())
+            ),
+        ]
+    );
+    assert_eq!(
+        loaded.ignored_variables()[2].to_string(),
+        "HYPHA_WROK_DIR names no setting of this program and is ignored; did you mean HYPHA_WORK_DIR?"
+    );
 }
 
 #[test]

@@ -50,6 +50,12 @@ impl Node {
 
         let guard = hypha_telemetry::init(&telemetry)
             .map_err(|e| Error::BadInput(format!("telemetry: {e}")))?;
+        for ignored in config.ignored_variables() {
+            match ignored.closest {
+                Some(_) => tracing::warn!("{ignored}"),
+                None => tracing::debug!("{ignored}"),
+            }
+        }
         check_own_role(&config, &identity, kind)?;
 
         let mut settings = Settings::new(kind);

@@ -17,6 +17,12 @@ pub async fn start_client(
     join: bool,
 ) -> Result<hypha_network::Network, Error> {
     let config = node::load(schema, config, overrides)?;
+    // A client logs nothing; a likely typo is worth a line on stderr all the same.
+    for ignored in config.ignored_variables() {
+        if ignored.closest.is_some() {
+            eprintln!("warning: {ignored}");
+        }
+    }
     let network_config = NetworkConfig::from_loaded(&config)?;
     let (identity, trust) = node::load_identity(&config, &network_config)?;
     let mut settings = Settings::new(kind);

@@ -162,6 +162,13 @@ pub enum QuickstartError {
         seconds: u64,
         log: PathBuf,
     },
+    #[error("{name} exited while starting ({status}); the end of its log ({log}):\n{tail}")]
+    Exited {
+        name: String,
+        status: std::process::ExitStatus,
+        log: PathBuf,
+        tail: String,
+    },
     #[error("the training job failed: {reason}\n(the scheduler's log: {log})")]
     Job { reason: String, log: PathBuf },
     #[error(
@@ -289,8 +296,8 @@ pub fn run(
     progress("starting the gateway");
     let gateway_config = certs.config("gateway", Role::Gateway, "")?;
     let mut nodes = Vec::new();
-    let gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
-    let line = wait_for(&gateway, "nodes can join with gateway_addresses")?;
+    let mut gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
+    let line = wait_for(&mut gateway, "nodes can join with gateway_addresses")?;
     let gateway_address = line
         .split("[\"")
         .nth(1)
@@ -306,7 +313,7 @@ pub fn run(
         Role::Data,
         &format!("{join}dataset_path = {:?}\n", dir.join("data")),
     )?;
-    let data = start(settings, &dir, "data", "hypha-data", &data_config)?;
+    let mut data = start(settings, &dir, "data", "hypha-data", &data_config)?;
     let executor = settings.bin_dir.join("hypha-executor");
     let mut workers = vec![("parameter-server".to_string(), SERVER_EXECUTOR.to_string())];
     for i in 0..settings.trainers {
@@ -340,10 +347,10 @@ pub fn run(
         )?;
         started_workers.push(start(settings, &dir, name, "hypha-worker", &config)?);
     }
-    wait_for(&data, "announced")?;
+    wait_for(&mut data, "announced")?;
     nodes.push(data);
-    for worker in started_workers {
-        wait_for(&worker, "worker ready for advertisements")?;
+    for mut worker in started_workers {
+        wait_for(&mut worker, "worker ready for advertisements")?;
         nodes.push(worker);
     }
 
@@ -352,7 +359,7 @@ pub fn run(
     let scheduler_config = certs.config("scheduler", Role::Scheduler, &join)?;
     let events = dir.join("logs/scheduler-events.jsonl");
     let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job, &events)?;
-    let dashboard = wait_for(&scheduler, DASHBOARD_LINE)?
+    let dashboard = wait_for(&mut scheduler, DASHBOARD_LINE)?
         .split(DASHBOARD_LINE)
         .nth(1)
         .unwrap_or_default()
@@ -824,17 +831,28 @@ fn job_done(events: &Path) -> Option<bool> {
         .and_then(|e| e["event"]["ok"].as_bool())
 }
 
-/// Waits until `node`'s log has a line containing `needle`; that line.
-fn wait_for(node: &Node, needle: &str) -> Result<String, QuickstartError> {
+/// Lines of a node's log shown when it exits while starting.
+const EXITED_TAIL_LINES: usize = 10;
+
+/// Waits until `node`'s log has a line containing `needle`; that line. A node that exits
+/// first is reported at once, with the end of its log.
+fn wait_for(node: &mut Node, needle: &str) -> Result<String, QuickstartError> {
     let deadline = Instant::now() + READY;
     while Instant::now() < deadline {
-        if let Ok(file) = std::fs::File::open(&node.log)
-            && let Some(line) = BufReader::new(file)
-                .lines()
-                .map_while(Result::ok)
-                .find(|l| l.contains(needle))
-        {
-            return Ok(line);
+        let lines: Vec<String> = std::fs::File::open(&node.log)
+            .map(|file| BufReader::new(file).lines().map_while(Result::ok).collect())
+            .unwrap_or_default();
+        if let Some(line) = lines.iter().find(|l| l.contains(needle)) {
+            return Ok(line.clone());
+        }
+        if let Ok(Some(status)) = node.child.try_wait() {
+            let tail = lines[lines.len().saturating_sub(EXITED_TAIL_LINES)..].join("\n");
+            return Err(QuickstartError::Exited {
+                name: node.name.clone(),
+                status,
+                log: node.log.clone(),
+                tail,
+            });
         }
         std::thread::sleep(Duration::from_millis(100));
     }

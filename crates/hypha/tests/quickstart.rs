@@ -44,6 +44,8 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
     let mut child = Command::new(hypha)
         .args(["quickstart", "--hold", "--dir"])
         .arg(&dir)
+        // A stray variable in the user's shell names no setting: every program ignores it.
+        .env("HYPHA_MIRROR", "x")
         .args([
             "--rounds",
             "4",
@@ -263,6 +265,31 @@ fn markers(svg: &str) -> usize {
 }
 
 /// Runs `hypha quickstart ARGS --dataset DATASET` in `cwd`; exit success, stdout and stderr.
+/// A node that cannot start (here every node: a bad `HYPHA_LISTEN_ADDRESSES` in the shell) is
+/// reported as soon as it exits, with the end of its log, not after the minute a slow start
+/// is given (the error says which of the two happened).
+#[test]
+fn a_node_that_exits_while_starting_is_reported_at_once_with_its_log() {
+    let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
+    ensure_built(hypha.parent().unwrap());
+    let tmp = tempfile::tempdir().unwrap();
+    let output = Command::new(hypha)
+        .args(["quickstart", "--dir"])
+        .arg(tmp.path().join("quick"))
+        .env("HYPHA_LISTEN_ADDRESSES", "not-an-address")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("gateway exited while starting")
+            && stderr.contains("HYPHA_LISTEN_ADDRESSES"),
+        "{stderr}"
+    );
+    // Not the minute's timeout: the exit itself was noticed.
+    assert!(!stderr.contains("did not get ready"), "{stderr}");
+}
+
 fn quickstart(cwd: &Path, args: &[&str], dataset: &Path) -> (bool, String, String) {
     let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
     ensure_built(hypha.parent().unwrap());
