@@ -35,6 +35,10 @@ pub enum Suite {
     /// namespaces and `tc … tbf`; needs root): bytes, utilisation and loss without
     /// compression, with int8, and with int8 and overlap.
     Wan,
+    /// DiLoCo across three sites behind NAT routers with 50 Mbit/s uplinks (network
+    /// namespaces, `tc`, `iptables`; needs root): direct pairs, bytes through the gateway's
+    /// relay, round and job time against the same links without NAT.
+    Sites,
 }
 
 impl Suite {
@@ -49,6 +53,7 @@ impl Suite {
             Suite::Distribute => "distribute",
             Suite::Recovery => "recovery",
             Suite::Wan => "wan",
+            Suite::Sites => "sites",
         }
     }
 }
@@ -96,6 +101,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Distribute => suites::distribute::run(quick).await,
                 Suite::Recovery => suites::recovery::run(quick).await,
                 Suite::Wan => suites::wan::run(quick).await,
+                Suite::Sites => suites::sites::run(quick).await,
             }
         })
         .await

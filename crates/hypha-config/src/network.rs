@@ -9,8 +9,8 @@ use serde::Deserialize;
 use crate::{ConfigError, DefaultValue, Key, Kind, Loaded};
 
 /// Ranges excluded by default: addresses that never lead to another machine worth dialling.
-/// Internet deployments usually add the private ranges (10.0.0.0/8, 172.16.0.0/12,
-/// 192.168.0.0/16, fc00::/7) and loopback.
+/// Loopback and other sites' private addresses need no entry: a node dials them only where
+/// they lead somewhere (`hypha_network::reach`).
 pub const DEFAULT_EXCLUDE_CIDR: &str =
     r#"["0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "fe80::/10", "ff00::/8"]"#;
 
@@ -77,7 +77,7 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
             name: "exclude_cidr",
             kind: Kind::Cidrs,
             default: DefaultValue::Value(DEFAULT_EXCLUDE_CIDR),
-            doc: "Address ranges never dialled and never added to the routing table, whatever peers announce. Add private ranges for nodes on the internet.",
+            doc: "Address ranges never dialled and never added to the routing table, whatever peers announce. Loopback and other sites' private addresses need no entry: they are dialled only where they lead somewhere (one machine; the same LAN).",
         },
         Key {
             name: "relay_circuit",

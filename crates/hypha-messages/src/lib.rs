@@ -93,7 +93,7 @@ impl Request {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Response {
-    Health(health::Status),
+    Health(Box<health::Status>),
     Manifest(hypha_dataset::Manifest),
     /// The request was taken; nothing more to say.
     Ack,
@@ -160,6 +160,24 @@ pub mod health {
         pub detail: String,
         pub uptime_secs: u64,
         pub connected_peers: u32,
+        /// What the node believes of the NAT it is behind, in words (absent from nodes older
+        /// than it).
+        #[serde(default)]
+        pub nat: String,
+        /// How the node reaches its connected peers (at most [`MAX_PATHS`] of them).
+        #[serde(default)]
+        pub paths: Vec<PeerPath>,
+    }
+
+    /// Peers listed in a [`Status`] at most.
+    pub const MAX_PATHS: usize = 256;
+
+    /// How a node reaches one peer.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct PeerPath {
+        pub peer: String,
+        /// `direct`, `hole-punched` or `relayed`.
+        pub path: String,
     }
 }
 

@@ -1,9 +1,10 @@
-//! `exclude_cidr`: address ranges a node never dials and never puts in its routing table.
+//! The transport's dial filter: `exclude_cidr` (address ranges a node never dials and never
+//! puts in its routing table) and the rest of [`Reach`]'s rules (no loopback of other
+//! machines, no private address of another site).
 //!
-//! Peers announce every address they listen on, including private and container-internal ones
-//! that nobody else can reach; dialling those wastes time and can reach the wrong machine. The
-//! filter sits in the transport, under DNS resolution, so it holds for every dial whatever asked
-//! for it (Kademlia queries, identify, the application) and for names that resolve into a range.
+//! The filter sits in the transport, under DNS resolution, so it holds for every dial whatever
+//! asked for it (Kademlia queries, DCUtR, the application) and for names that resolve into a
+//! range.
 
 use std::{
     pin::Pin,
@@ -19,6 +20,8 @@ use libp2p::{
         transport::{DialOpts, ListenerId, TransportError, TransportEvent},
     },
 };
+
+use crate::reach::Reach;
 
 /// Address ranges to stay away from.
 #[derive(Debug, Clone, Default)]
@@ -41,16 +44,17 @@ impl ExcludedRanges {
     }
 }
 
-/// A transport that refuses to dial excluded addresses and passes everything else through.
+/// A transport that refuses to dial what [`Reach`] says leads nowhere, and passes everything
+/// else through.
 #[derive(Debug)]
 pub struct Transport<T> {
     inner: T,
-    excluded: ExcludedRanges,
+    reach: Reach,
 }
 
 impl<T> Transport<T> {
-    pub fn new(inner: T, excluded: ExcludedRanges) -> Self {
-        Transport { inner, excluded }
+    pub fn new(inner: T, reach: Reach) -> Self {
+        Transport { inner, reach }
     }
 }
 
@@ -77,8 +81,8 @@ impl<T: libp2p::core::Transport + Unpin> libp2p::core::Transport for Transport<T
         addr: Multiaddr,
         opts: DialOpts,
     ) -> Result<Self::Dial, TransportError<Self::Error>> {
-        if self.excluded.excludes(&addr) {
-            tracing::debug!(%addr, "not dialling an address inside exclude_cidr");
+        if let Err(why) = self.reach.check(&addr) {
+            tracing::debug!(%addr, %why, "not dialling");
             return Err(TransportError::MultiaddrNotSupported(addr));
         }
         self.inner.dial(addr, opts)

@@ -99,7 +99,10 @@ impl Behaviour {
 
         Ok(Behaviour {
             identify: identify::Behaviour::new(
+                // Only announced addresses go out (`announce_listen_address`): a listener on
+                // 0.0.0.0 would otherwise tell every peer its 127.0.0.1.
                 identify::Config::new(IDENTIFY_PROTOCOL.into(), keypair.public())
+                    .with_hide_listen_addrs(true)
                     .with_agent_version(format!(
                         "hypha-{}/{}",
                         settings.kind,

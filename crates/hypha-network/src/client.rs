@@ -137,6 +137,9 @@ pub(crate) enum Command {
     ConnectedPeers {
         reply: oneshot::Sender<Vec<PeerId>>,
     },
+    Paths {
+        reply: oneshot::Sender<Vec<(PeerId, crate::paths::Path)>>,
+    },
     StartProviding {
         key: RecordKey,
         reply: Reply<()>,
@@ -244,8 +247,8 @@ impl Network {
         self.ask(|reply| Command::Connect { peer, reply }).await
     }
 
-    /// What `peer`'s certificate lets it do (as this node applies roles); `None` while it is
-    /// not connected.
+    /// What `peer`'s certificate lets it do (as this node applies roles); `None` when it has
+    /// not been connected in the last few seconds.
     pub fn roles(&self, peer: &PeerId) -> Option<Roles> {
         self.peers.roles(peer)
     }
@@ -289,6 +292,12 @@ impl Network {
     /// The peers this node is connected to.
     pub async fn connected_peers(&self) -> Result<Vec<PeerId>, NetworkError> {
         self.tell(|reply| Command::ConnectedPeers { reply }).await
+    }
+
+    /// Every connected peer and how it is reached: directly, hole-punched, or only through a
+    /// gateway's relay.
+    pub async fn paths(&self) -> Result<Vec<(PeerId, crate::paths::Path)>, NetworkError> {
+        self.tell(|reply| Command::Paths { reply }).await
     }
 
     /// Announces this node as a provider of `key` in the DHT. The record is republished
@@ -371,7 +380,7 @@ impl Network {
     /// Asks `peer` for its health.
     pub async fn health(&self, peer: PeerId) -> Result<health::Status, NetworkError> {
         match self.request(peer, Request::Health).await? {
-            Response::Health(status) => Ok(status),
+            Response::Health(status) => Ok(*status),
             _ => Err(NetworkError::UnexpectedResponse { peer }),
         }
     }

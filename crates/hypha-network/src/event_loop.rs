@@ -16,7 +16,7 @@ use hypha_messages::{Envelope, ErrorCode, Request, Response, health};
 use libp2p::{
     Multiaddr, PeerId, Swarm,
     core::ConnectedPoint,
-    gossipsub, identify, kad,
+    dcutr, gossipsub, identify, kad,
     multiaddr::Protocol,
     relay, request_response,
     swarm::{
@@ -27,10 +27,13 @@ use libp2p::{
 use tokio::sync::mpsc;
 
 use crate::{
-    ExcludedRanges, Settings,
+    Settings,
     behaviour::{Behaviour, BehaviourEvent, KAD_PROTOCOL, peer_id_of},
     certified::{CertifiedPeers, required_role},
     client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
+    nat::NatBelief,
+    paths::{Established, Kind, PUNCH_WINDOW, Paths},
+    reach::{Reach, Unreachable},
 };
 
 type Reply<T> = tokio::sync::oneshot::Sender<Result<T, NetworkError>>;
@@ -39,6 +42,10 @@ type Reply<T> = tokio::sync::oneshot::Sender<Result<T, NetworkError>>;
 const GATEWAY_RETRY: Duration = Duration::from_secs(5);
 /// How often the routing table is refreshed while it has peers.
 const BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(5 * 60);
+/// How often windows for a direct connection ([`PUNCH_WINDOW`]) are checked for their end.
+const PUNCH_WINDOW_CHECK: Duration = Duration::from_millis(250);
+/// How long a peer's certificate is kept after its last connection closed.
+const DEPARTED_GRACE: Duration = Duration::from_secs(5);
 
 pub(crate) struct EventLoop {
     pub(crate) swarm: Swarm<Behaviour>,
@@ -46,7 +53,7 @@ pub(crate) struct EventLoop {
     /// Kept to hand to [`Responder`]s.
     pub(crate) command_sender: mpsc::WeakSender<Command>,
     pub(crate) inbound: mpsc::Sender<InboundRequest>,
-    pub(crate) excluded: ExcludedRanges,
+    pub(crate) reach: Reach,
     pub(crate) kind: String,
     pub(crate) gateways: Vec<Multiaddr>,
     pub(crate) relay_circuit: bool,
@@ -69,6 +76,18 @@ pub(crate) struct EventLoop {
     last_drop_warning: Option<Instant>,
     /// The first dial of each gateway, and who waits until they have all succeeded or failed.
     startup: Option<(HashSet<ConnectionId>, tokio::sync::oneshot::Sender<()>)>,
+    /// How each peer is reached, and the connects waiting for a direct connection.
+    paths: Paths<Reply<()>>,
+    /// What this node believes of its NAT, and its dials of gateways: they leave from its
+    /// listen port, so the address a gateway observes on one tells of the NAT.
+    nat: NatBelief,
+    gateway_dials: HashSet<ConnectionId>,
+    /// Peers whose last connection closed, and when: forgotten after [`DEPARTED_GRACE`]
+    /// unless they are back.
+    departed: std::collections::VecDeque<(PeerId, Instant)>,
+    /// The addresses hole-punched connections were dialled at: peers' NAT mappings, kept out
+    /// of the routing table.
+    nat_mappings: HashMap<PeerId, HashSet<Multiaddr>>,
 }
 
 /// Reaching a peer: the addresses already known, then the addresses the DHT knows, then each
@@ -77,8 +96,8 @@ pub(crate) struct EventLoop {
 struct PendingConnect {
     stage: ConnectStage,
     failures: Vec<String>,
-    /// Addresses of the peer that the DHT lookup came across but the transport refused.
-    excluded_seen: Vec<Multiaddr>,
+    /// Addresses of the peer that the DHT lookup came across but [`Reach`] refused, and why.
+    unreachable_seen: Vec<(Multiaddr, Unreachable)>,
     replies: Vec<Reply<()>>,
 }
 
@@ -110,13 +129,18 @@ impl EventLoop {
         inbound: mpsc::Sender<InboundRequest>,
         settings: Settings,
         peers: CertifiedPeers,
+        reach: Reach,
     ) -> Self {
+        let mut nat = NatBelief::default();
+        for address in swarm.listeners().chain(swarm.external_addresses()) {
+            nat.own_address(address);
+        }
         EventLoop {
             swarm,
             commands: commands.1,
             command_sender: commands.0,
             inbound,
-            excluded: ExcludedRanges::new(settings.exclude_cidr.iter().copied()),
+            reach,
             kind: settings.kind,
             gateways: settings.gateway_addresses,
             relay_circuit: settings.relay_circuit,
@@ -136,6 +160,11 @@ impl EventLoop {
             gossip_dropped: 0,
             last_drop_warning: None,
             startup: None,
+            paths: Paths::default(),
+            nat,
+            gateway_dials: HashSet::new(),
+            departed: std::collections::VecDeque::new(),
+            nat_mappings: HashMap::new(),
         }
     }
 
@@ -152,6 +181,8 @@ impl EventLoop {
         gateway_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut bootstrap = tokio::time::interval(BOOTSTRAP_INTERVAL);
         bootstrap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut punch_windows = tokio::time::interval(PUNCH_WINDOW_CHECK);
+        punch_windows.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
@@ -169,6 +200,10 @@ impl EventLoop {
                 },
                 _ = gateway_retry.tick() => {
                     self.dial_gateways();
+                }
+                _ = punch_windows.tick() => {
+                    self.end_punch_windows();
+                    self.forget_departed();
                 }
                 _ = bootstrap.tick() => {
                     let kad = &mut self.swarm.behaviour_mut().kad;
@@ -211,7 +246,10 @@ impl EventLoop {
             };
             let id = opts.connection_id();
             match self.swarm.dial(opts) {
-                Ok(()) => started.push(id),
+                Ok(()) => {
+                    self.gateway_dials.insert(id);
+                    started.push(id);
+                }
                 Err(e) => tracing::debug!(%address, error = %e, "cannot dial gateway"),
             }
         }
@@ -246,10 +284,10 @@ impl EventLoop {
     fn on_command(&mut self, command: Command) {
         match command {
             Command::Dial { address, reply } => {
-                if self.excluded.excludes(&address) {
+                if let Err(why) = self.reach.check(&address) {
                     let _ = reply.send(Err(NetworkError::Dial {
                         target: address.to_string(),
-                        reason: "the address lies inside exclude_cidr".into(),
+                        reason: why.to_string(),
                     }));
                     return;
                 }
@@ -257,8 +295,12 @@ impl EventLoop {
                     Some(peer) => DialOpts::peer_id(peer)
                         .addresses(vec![address.clone()])
                         .condition(PeerCondition::Always)
+                        .allocate_new_port()
                         .build(),
-                    None => DialOpts::unknown_peer_id().address(address.clone()).build(),
+                    None => DialOpts::unknown_peer_id()
+                        .address(address.clone())
+                        .allocate_new_port()
+                        .build(),
                 };
                 let id = opts.connection_id();
                 match self.swarm.dial(opts) {
@@ -274,8 +316,15 @@ impl EventLoop {
                 }
             }
             Command::Connect { peer, reply } => {
-                if self.swarm.is_connected(&peer) || peer == *self.swarm.local_peer_id() {
+                if peer == *self.swarm.local_peer_id() {
                     let _ = reply.send(Ok(()));
+                    return;
+                }
+                if self.swarm.is_connected(&peer) {
+                    // Only through a relay, and a hole punch may still come: wait for it.
+                    if let Some(reply) = self.paths.connect(peer, reply, Instant::now()) {
+                        let _ = reply.send(Ok(()));
+                    }
                     return;
                 }
                 let first = !self.pending_connects.contains_key(&peer);
@@ -284,7 +333,7 @@ impl EventLoop {
                     .or_insert_with(|| PendingConnect {
                         stage: ConnectStage::Known,
                         failures: Vec::new(),
-                        excluded_seen: Vec::new(),
+                        unreachable_seen: Vec::new(),
                         replies: Vec::new(),
                     })
                     .replies
@@ -292,6 +341,7 @@ impl EventLoop {
                 if first {
                     let opts = DialOpts::peer_id(peer)
                         .condition(PeerCondition::DisconnectedAndNotDialing)
+                        .allocate_new_port()
                         .build();
                     if let Err(e) = self.swarm.dial(opts) {
                         self.connect_failed(peer, e.to_string());
@@ -299,7 +349,7 @@ impl EventLoop {
                 }
             }
             Command::AddAddress { peer, address } => {
-                if !self.excluded.excludes(&address) {
+                if self.reach.worth_keeping(&address) {
                     self.swarm
                         .behaviour_mut()
                         .kad
@@ -312,6 +362,9 @@ impl EventLoop {
             }
             Command::ConnectedPeers { reply } => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Paths { reply } => {
+                let _ = reply.send(self.paths.all());
             }
             Command::StartProviding { key, reply } => {
                 match self.swarm.behaviour_mut().kad.start_providing(key) {
@@ -452,23 +505,33 @@ impl EventLoop {
             return;
         };
         // Only gateways relay: a circuit through any other peer is not dialled.
-        let (mut excluded, usable): (Vec<Multiaddr>, Vec<Multiaddr>) = peers
+        let mut usable = Vec::new();
+        let mut unreachable = Vec::new();
+        for address in peers
             .into_iter()
             .filter(|info| info.peer_id == peer)
             .flat_map(|info| info.addrs)
             .filter(|address| relay_of(address).is_none_or(|r| self.gateway_peers.contains_key(&r)))
-            .partition(|address| self.excluded.excludes(address));
+        {
+            match self.reach.check(&address) {
+                Ok(()) => usable.push(address),
+                Err(why) => unreachable.push((address, why)),
+            }
+        }
         if let Some(pending) = self.pending_connects.get_mut(&peer) {
-            excluded.append(&mut pending.excluded_seen);
+            unreachable.append(&mut pending.unreachable_seen);
         }
         if usable.is_empty() {
-            let reason = if excluded.is_empty() {
+            let reason = if unreachable.is_empty() {
                 "the DHT knows no address".to_string()
             } else {
-                let list: Vec<String> = excluded.iter().map(ToString::to_string).collect();
+                let list: Vec<String> = unreachable
+                    .iter()
+                    .map(|(address, why)| format!("{address}: {why}"))
+                    .collect();
                 format!(
-                    "every address the DHT knows lies inside exclude_cidr ({})",
-                    list.join(", ")
+                    "no address the DHT knows leads there from here ({})",
+                    list.join("; ")
                 )
             };
             return self.connect_failed(peer, reason);
@@ -480,10 +543,16 @@ impl EventLoop {
     }
 
     /// Dials `peer` at `addresses` for the current stage of a pending connect.
+    ///
+    /// Dials of connects, like those of the application, leave from a new port: only gateway
+    /// dials and DCUtR's reuse the listen port (the NAT mapping of the one is what the other
+    /// punches through). Two peers that dial each other at the same moment from their listen
+    /// ports would otherwise meet in one TCP simultaneous open, both as TLS clients.
     fn dial_for_connect(&mut self, peer: PeerId, addresses: Vec<Multiaddr>) {
         let opts = DialOpts::peer_id(peer)
             .addresses(addresses)
             .condition(PeerCondition::Always)
+            .allocate_new_port()
             .build();
         if let Err(e) = self.swarm.dial(opts) {
             self.connect_failed(peer, e.to_string());
@@ -501,10 +570,117 @@ impl EventLoop {
         }
     }
 
+    /// Connection `id` to `peer` came up: the connects waiting for the peer go on, unless it is
+    /// only relayed and a hole punch may still come; a direct connection closes the relayed
+    /// ones.
+    fn on_connection_path(&mut self, peer: PeerId, id: ConnectionId, endpoint: &ConnectedPoint) {
+        let waiting = self
+            .pending_connects
+            .remove(&peer)
+            .map(|pending| pending.replies)
+            .unwrap_or_default();
+        let kind = if endpoint.is_relayed() {
+            let local = *self.swarm.local_peer_id();
+            let dialler_is_local = endpoint.is_dialer();
+            Kind::Relayed {
+                dialled_by_smaller_id: if dialler_is_local {
+                    local < peer
+                } else {
+                    peer < local
+                },
+            }
+        } else {
+            Kind::Direct
+        };
+        let (close, waiting, after_relay) = match self.paths.established(
+            peer,
+            id,
+            kind,
+            waiting,
+            Instant::now(),
+        ) {
+            Established::Wait { close } => {
+                tracing::debug!(%peer, duplicates = close.len(), "reached through a relay; waiting for a direct connection");
+                for connection in close {
+                    self.swarm.close_connection(connection);
+                }
+                return;
+            }
+            Established::Direct {
+                close,
+                waiting,
+                after_relay,
+            } => (close, waiting, after_relay),
+        };
+        if let Some(after) = after_relay {
+            tracing::info!(%peer, after_ms = after.as_millis(), "a direct connection replaces the relayed one");
+            // Kademlia files the address a connection was dialled at under the peer; after a
+            // relay that is the peer's NAT mapping, which takes no connection but this one.
+            // Handed out by the DHT it would make third peers dial it as TLS clients while the
+            // peer's own DCUtR dial is a client too.
+            // Kademlia files it again when its protocol is confirmed on the connection: it is
+            // remembered, and taken out each time (`RoutingUpdated`).
+            if let ConnectedPoint::Dialer { address, .. } = endpoint {
+                self.swarm
+                    .behaviour_mut()
+                    .kad
+                    .remove_address(&peer, address);
+                self.nat_mappings
+                    .entry(peer)
+                    .or_default()
+                    .insert(address.clone());
+            }
+        }
+        for connection in close {
+            self.swarm.close_connection(connection);
+        }
+        for reply in waiting {
+            let _ = reply.send(Ok(()));
+        }
+    }
+
+    /// Forgets the certificates and NAT observations of peers gone for [`DEPARTED_GRACE`].
+    fn forget_departed(&mut self) {
+        while let Some((peer, since)) = self.departed.front().copied() {
+            if since.elapsed() < DEPARTED_GRACE {
+                break;
+            }
+            self.departed.pop_front();
+            if !self.swarm.is_connected(&peer) {
+                self.peers.remove(&peer);
+                self.nat.forget(&peer);
+                self.nat_mappings.remove(&peer);
+            }
+        }
+    }
+
+    /// Connects whose window for a direct connection closed go on through the relay.
+    fn end_punch_windows(&mut self) {
+        for ended in self.paths.expire(Instant::now()) {
+            match &ended.failure {
+                Some(failure) => {
+                    tracing::info!(peer = %ended.peer, %failure, "no direct connection (hole punching failed); this peer's traffic goes through the gateway's relay")
+                }
+                None => {
+                    tracing::info!(peer = %ended.peer, window = ?PUNCH_WINDOW, "no direct connection within the window; this peer's traffic goes through the gateway's relay")
+                }
+            }
+            for reply in ended.waiting {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(%address, "listening");
+                self.nat.own_address(&address);
+                crate::announce_listen_address(&mut self.swarm, &self.reach, address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                tracing::info!(%address, "no longer listening");
+                self.swarm.remove_external_address(&address);
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -513,11 +689,12 @@ impl EventLoop {
                 ..
             } => {
                 tracing::debug!(peer = %peer_id, address = %endpoint.get_remote_address(), "connected");
+                self.reach.learn_direct(endpoint.get_remote_address());
                 if let Some(reply) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Ok(peer_id));
                 }
                 self.dial_ended(connection_id);
-                self.finish_connect(peer_id, Ok(()));
+                self.on_connection_path(peer_id, connection_id, &endpoint);
                 if let ConnectedPoint::Dialer { address, .. } = &endpoint
                     && self.is_gateway_address(address)
                 {
@@ -530,6 +707,7 @@ impl EventLoop {
                 error,
             } => {
                 self.dial_ended(connection_id);
+                self.gateway_dials.remove(&connection_id);
                 if let Some(reply) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(NetworkError::Dial {
                         target: peer_id.map(|p| p.to_string()).unwrap_or_default(),
@@ -542,12 +720,12 @@ impl EventLoop {
                     match self.pending_connects.get_mut(&peer) {
                         Some(pending) if pending.stage == ConnectStage::Lookup => {
                             if let libp2p::swarm::DialError::Transport(attempts) = &error {
-                                pending.excluded_seen.extend(
-                                    attempts
-                                        .iter()
-                                        .map(|(address, _)| address.clone())
-                                        .filter(|address| self.excluded.excludes(address)),
-                                );
+                                let reach = &self.reach;
+                                pending.unreachable_seen.extend(attempts.iter().filter_map(
+                                    |(address, _)| {
+                                        reach.check(address).err().map(|why| (address.clone(), why))
+                                    },
+                                ));
                             }
                         }
                         Some(_) => self.connect_failed(peer, error.to_string()),
@@ -557,10 +735,18 @@ impl EventLoop {
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
-                num_established: 0,
+                connection_id,
+                num_established,
                 ..
-            } if !self.swarm.is_connected(&peer_id) => {
-                self.peers.remove(&peer_id);
+            } => {
+                self.paths.closed(peer_id, connection_id);
+                self.gateway_dials.remove(&connection_id);
+                if num_established == 0 && !self.swarm.is_connected(&peer_id) {
+                    // Not at once: the peer's next connection may have passed its handshake
+                    // (and recorded its certificate) already, as when the other side closes a
+                    // relayed connection a moment before this side's hole-punched one is up.
+                    self.departed.push_back((peer_id, Instant::now()));
+                }
             }
             SwarmEvent::IncomingConnectionError {
                 send_back_addr,
@@ -636,11 +822,21 @@ impl EventLoop {
 
     fn on_behaviour_event(&mut self, event: BehaviourEvent) {
         match event {
-            BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. })
-                if info.protocols.contains(&KAD_PROTOCOL) =>
-            {
+            BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                connection_id,
+            }) => {
+                if self.gateway_dials.contains(&connection_id)
+                    && let Some(belief) = self.nat.observed(peer_id, &info.observed_addr)
+                {
+                    tracing::info!(nat = %belief, observer = %peer_id, observed = %info.observed_addr, "what this node believes of its NAT changed");
+                }
+                if !info.protocols.contains(&KAD_PROTOCOL) {
+                    return;
+                }
                 for address in info.listen_addrs {
-                    if self.excluded.excludes(&address) || is_relayed(&address) {
+                    if !self.reach.worth_keeping(&address) || is_relayed(&address) {
                         continue;
                     }
                     self.swarm
@@ -654,6 +850,21 @@ impl EventLoop {
                 self.on_gossip(message);
             }
             BehaviourEvent::Rpc(event) => self.on_rpc_event(event),
+            BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            }) => match result {
+                Ok(_) => {
+                    tracing::info!(peer = %remote_peer_id, "hole punched: a direct connection through the NATs");
+                    self.paths.hole_punched(remote_peer_id);
+                }
+                Err(error) => {
+                    // The inner error is not a `source()`; its Debug form names the cause.
+                    let failure = format!("{error} ({error:?})");
+                    tracing::info!(peer = %remote_peer_id, %failure, "hole punch failed");
+                    self.paths.punch_failed(remote_peer_id, failure);
+                }
+            },
             BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
                 relay_peer_id,
                 renewal: false,
@@ -667,9 +878,24 @@ impl EventLoop {
 
     fn on_kad_event(&mut self, event: kad::Event) {
         match event {
-            kad::Event::RoutablePeer { peer, address } if !self.excluded.excludes(&address) => {
-                self.swarm.behaviour_mut().kad.add_address(&peer, address);
+            kad::Event::RoutingUpdated {
+                peer, addresses, ..
+            } => {
+                if let Some(mappings) = self.nat_mappings.get(&peer) {
+                    for address in addresses.iter().filter(|a| mappings.contains(*a)) {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .remove_address(&peer, address);
+                    }
+                }
             }
+            // Not `RoutablePeer`: its address is the one a connection was dialled at, which for
+            // a hole-punched connection is the peer's NAT mapping. That takes no connection but
+            // the punched one, and handed out by the DHT it makes third peers dial it as
+            // clients while the peer's own DCUtR dial is a client too (a simultaneous open
+            // with two TLS clients). Peers enter the routing table with what they announce
+            // (identify) and gateways with the address they were configured at.
             kad::Event::OutboundQueryProgressed {
                 id, result, step, ..
             } => match result {
@@ -845,8 +1071,19 @@ impl EventLoop {
                     uptime_secs: self.started.elapsed().as_secs(),
                     connected_peers: u32::try_from(self.swarm.connected_peers().count())
                         .unwrap_or(u32::MAX),
+                    nat: self.nat.belief().to_string(),
+                    paths: self
+                        .paths
+                        .all()
+                        .into_iter()
+                        .take(health::MAX_PATHS)
+                        .map(|(peer, path)| health::PeerPath {
+                            peer: peer.to_string(),
+                            path: path.to_string(),
+                        })
+                        .collect(),
                 };
-                answer(self, channel, Response::Health(status));
+                answer(self, channel, Response::Health(Box::new(status)));
             }
             body => {
                 let Some(commands) = self.command_sender.upgrade() else {

@@ -24,6 +24,9 @@ mod client;
 mod event_loop;
 pub mod frame;
 pub mod muxer;
+pub mod nat;
+pub mod paths;
+pub mod reach;
 pub mod rpc;
 mod settings;
 pub mod shares;
@@ -106,11 +109,16 @@ pub async fn start(
     let peers = CertifiedPeers::new(settings.allow_roleless);
     let tls = tls::Config::new(identity, trust.clone(), peers.clone())?;
     let local_peer_id = identity.peer_id();
-    let excluded = ExcludedRanges::new(settings.exclude_cidr.iter().copied());
+    let reach = reach::Reach::new(
+        ExcludedRanges::new(settings.exclude_cidr.iter().copied()),
+        &settings.gateway_addresses,
+        &settings.listen_addresses,
+    );
 
     let (relay_transport, relay_client) = relay::client::new(local_peer_id);
     let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
-    let filtered = address_filter::Transport::new(OrTransport::new(relay_transport, tcp), excluded);
+    let filtered =
+        address_filter::Transport::new(OrTransport::new(relay_transport, tcp), reach.clone());
     let dns = match dns::tokio::Transport::system(filtered) {
         Ok(dns) => dns,
         Err(e) => return Err(StartError::Dns(e)),
@@ -149,12 +157,7 @@ pub async fn start(
             })?;
         pending += 1;
     }
-    wait_for_listeners(
-        &mut swarm,
-        pending,
-        settings.relay_server && settings.external_addresses.is_empty(),
-    )
-    .await?;
+    wait_for_listeners(&mut swarm, pending, &reach).await?;
 
     let (command_tx, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (inbound_tx, inbound_rx) = mpsc::channel(settings.inbound_request_queue.max(1));
@@ -164,6 +167,7 @@ pub async fn start(
         inbound_tx,
         settings,
         peers.clone(),
+        reach,
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     tokio::spawn(event_loop.run(joined_tx));
@@ -188,13 +192,12 @@ pub async fn start(
     ))
 }
 
-/// Drives the swarm until `count` listeners have reported an address. With
-/// `confirm_as_external`, concrete (non-wildcard) listen addresses become external addresses:
-/// a relay with no configured external address would otherwise have nothing to hand out.
+/// Drives the swarm until `count` listeners have reported an address, announcing those
+/// that [`announce_listen_address`] takes.
 async fn wait_for_listeners(
     swarm: &mut Swarm<behaviour::Behaviour>,
     mut count: usize,
-    confirm_as_external: bool,
+    reach: &reach::Reach,
 ) -> Result<(), StartError> {
     let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
     let mut seen = std::collections::HashSet::new();
@@ -206,9 +209,7 @@ async fn wait_for_listeners(
                 address,
             }) => {
                 tracing::info!(%address, "listening");
-                if confirm_as_external && !is_wildcard(&address) {
-                    swarm.add_external_address(address);
-                }
+                announce_listen_address(swarm, reach, address);
                 if seen.insert(listener_id) {
                     count -= 1;
                 }
@@ -233,11 +234,27 @@ async fn wait_for_listeners(
     Ok(())
 }
 
-fn is_wildcard(address: &Multiaddr) -> bool {
-    use libp2p::multiaddr::Protocol;
-    address.iter().any(|p| match p {
-        Protocol::Ip4(ip) => ip.is_unspecified(),
-        Protocol::Ip6(ip) => ip.is_unspecified(),
-        _ => false,
-    })
+/// Announces a listen address to peers (identify sends only announced addresses) where it
+/// can lead somewhere from another machine: public and private addresses (a private one
+/// serves the peers on the same LAN; others do not dial it), loopback only in a network on
+/// one machine. Relay circuits are announced by the relay client itself.
+pub(crate) fn announce_listen_address(
+    swarm: &mut Swarm<behaviour::Behaviour>,
+    reach: &reach::Reach,
+    address: Multiaddr,
+) {
+    if address
+        .iter()
+        .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit))
+    {
+        return;
+    }
+    let announce = match reach::Scope::of_address(&address) {
+        Some(reach::Scope::Public | reach::Scope::Private) => true,
+        Some(reach::Scope::Loopback) => reach.one_machine(),
+        None => false,
+    };
+    if announce && reach.check(&address) != Err(reach::Unreachable::Excluded) {
+        swarm.add_external_address(address);
+    }
 }

@@ -81,6 +81,12 @@ pub async fn probe(schema: &Schema, args: &ProbeArgs) -> Result<(), Error> {
                 status.uptime_secs,
                 status.connected_peers
             );
+            if !status.nat.is_empty() {
+                println!("  NAT: {}", status.nat);
+            }
+            for path in &status.paths {
+                println!("  {}  {}", path.path, path.peer);
+            }
             if status.healthy {
                 Ok(())
             } else {

@@ -101,6 +101,9 @@ pub struct WorkerView {
     /// Its pace over the last 30 s, when it takes slices.
     pub slices_per_s: Option<f64>,
     pub samples_per_s: Option<f64>,
+    /// How the scheduler reaches it: `direct`, `hole-punched` or `relayed` (`None`: not
+    /// connected now).
+    pub path: Option<String>,
 }
 
 /// A DiLoCo round the parameter server applied.
@@ -176,6 +179,7 @@ impl Board {
                         dispatches,
                         slices_per_s: None,
                         samples_per_s: None,
+                        path: None,
                     },
                 );
             }
@@ -274,6 +278,7 @@ impl Board {
             dispatches: 0,
             slices_per_s: None,
             samples_per_s: None,
+            path: None,
         });
         if worker.peer != peer {
             worker.peer = peer.to_string();
@@ -319,6 +324,8 @@ pub struct Sources {
     pub history: watch::Receiver<RunProgress>,
     /// Whether the task id is shown; [`serve`] decides by the address it listens on.
     pub reveal_task: bool,
+    /// How the scheduler reaches each peer (`direct`, `hole-punched`, `relayed`), by peer id.
+    pub paths: watch::Receiver<BTreeMap<String, String>>,
 }
 
 impl Sources {
@@ -334,6 +341,10 @@ impl Sources {
             if let Some(progress) = &mut iteration {
                 progress.iteration = WITHHELD.to_string();
             }
+        }
+        let paths = self.paths.borrow().clone();
+        for worker in board.workers.values_mut() {
+            worker.path = paths.get(&worker.peer).cloned();
         }
         if let Some(progress) = &iteration {
             for worker in board.workers.values_mut() {

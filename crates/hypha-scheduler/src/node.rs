@@ -99,6 +99,9 @@ pub async fn run(args: &RunJobArgs) -> Result<(), Error> {
         None => None,
     };
     let node = Node::start_with("scheduler", loaded, |_| {}).await?;
+    let paths = dashboard
+        .is_some()
+        .then(|| tokio::spawn(events.watch_paths(node.network.clone())));
     let allocator = Allocator::new(node.network.clone(), Settings::default());
     let outcome = run_job(
         node.network.clone(),
@@ -109,6 +112,9 @@ pub async fn run(args: &RunJobArgs) -> Result<(), Error> {
         hypha_node::shutdown_signal(),
     )
     .await;
+    if let Some(paths) = paths {
+        paths.abort();
+    }
     node.network.shutdown().await;
     if let Some(dashboard) = dashboard {
         if args.hold && !matches!(outcome, Err(RunError::Interrupted)) {

@@ -155,6 +155,8 @@ pub struct EventLog {
     observer: Option<mpsc::Sender<Event>>,
     history: watch::Sender<RunProgress>,
     board: watch::Sender<Board>,
+    /// How the scheduler reaches its peers, for the dashboard ([`EventLog::watch_paths`]).
+    paths: watch::Sender<std::collections::BTreeMap<String, String>>,
 }
 
 impl EventLog {
@@ -165,6 +167,7 @@ impl EventLog {
             observer: None,
             history: watch::Sender::new(RunProgress::default()),
             board: watch::Sender::new(Board::default()),
+            paths: watch::Sender::new(std::collections::BTreeMap::new()),
         }
     }
 
@@ -194,6 +197,27 @@ impl EventLog {
             board: self.board.subscribe(),
             history: self.history.subscribe(),
             reveal_task: false,
+            paths: self.paths.subscribe(),
+        }
+    }
+
+    /// Keeps the dashboard's paths (how the scheduler reaches each peer) current from
+    /// `network`, every 2 s, until the network stops or nobody watches.
+    pub fn watch_paths(&self, network: Network) -> impl std::future::Future<Output = ()> + use<> {
+        let paths = self.paths.clone();
+        async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(2));
+            while !paths.is_closed() {
+                every.tick().await;
+                let Ok(now) = network.paths().await else {
+                    return;
+                };
+                paths.send_replace(
+                    now.into_iter()
+                        .map(|(peer, path)| (peer.to_string(), path.to_string()))
+                        .collect(),
+                );
+            }
         }
     }
 

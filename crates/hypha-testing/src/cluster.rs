@@ -50,6 +50,12 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// The `RUST_LOG` of the nodes a test starts: `info`, or `CLUSTER_RUST_LOG` where set (say
+/// `info,hypha_network=debug` to see every connection).
+fn node_log_filter() -> String {
+    std::env::var("CLUSTER_RUST_LOG").unwrap_or_else(|_| "info".into())
+}
+
 /// A gateway and the nodes a test starts beside it, in one temporary directory with one
 /// certificate authority.
 pub struct Cluster {
@@ -66,12 +72,14 @@ pub struct Cluster {
     pub place: Place,
 }
 
-/// Where a node runs: the address it listens on, and the network namespace it runs in
-/// (`None`: this process's).
+/// Where a node runs: the address others reach it at, the network namespace it runs in
+/// (`None`: this process's), and whether it listens on every interface (`0.0.0.0`, as `init`
+/// writes) rather than on `ip` alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Place {
     pub ip: String,
     pub netns: Option<String>,
+    pub every_interface: bool,
 }
 
 impl Place {
@@ -79,6 +87,16 @@ impl Place {
         Self {
             ip: "127.0.0.1".into(),
             netns: None,
+            every_interface: false,
+        }
+    }
+
+    /// The address a node here listens on (a free port).
+    fn listen(&self) -> String {
+        if self.every_interface {
+            "/ip4/0.0.0.0/tcp/0".into()
+        } else {
+            format!("/ip4/{}/tcp/0", self.ip)
         }
     }
 }
@@ -106,13 +124,12 @@ impl Cluster {
             place,
         };
         let config = cluster.config("gateway", Role::Gateway, "");
-        let mut gateway = Proc::start(
-            &bin("hypha-gateway"),
-            &["run", "--config"],
-            &config,
-            "gateway",
-        );
-        let line = gateway.wait_for("nodes can join with gateway_addresses");
+        let mut gateway = cluster.run_node("hypha-gateway", &config, "gateway");
+        // One line per address it listens on: the one others reach it at.
+        let line = gateway.wait_for(&format!(
+            "nodes can join with gateway_addresses = [\"/ip4/{}/",
+            cluster.place.ip
+        ));
         let start = line.find("[\"").unwrap() + 2;
         let end = line[start..].find('"').unwrap() + start;
         cluster.gateway_address = line[start..end].to_string();
@@ -140,8 +157,8 @@ impl Cluster {
         std::fs::write(
             &path,
             format!(
-                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"/ip4/{}/tcp/0\"]\n{gateways}{extra}",
-                self.place.ip
+                "cert_pem = \"{name}-cert.pem\"\nkey_pem = \"{name}-key.pem\"\ntrust_pem = \"root.pem\"\nlisten_addresses = [\"{}\"]\n{gateways}{extra}",
+                self.place.listen()
             ),
         )
         .unwrap();
@@ -208,7 +225,8 @@ impl Cluster {
         let config = self.config(name, Role::Worker, &extra);
         let mut command_env: Vec<(&str, &str)> =
             env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        command_env.push(("RUST_LOG", "info"));
+        let log = node_log_filter();
+        command_env.push(("RUST_LOG", &log));
         let args = ["run".as_ref(), "--config".as_ref(), config.as_os_str()];
         let mut worker = Proc::spawn_in(
             self.place.netns.as_deref(),
@@ -225,9 +243,30 @@ impl Cluster {
     /// after its machine restarted, and waits until it logged `ready`.
     pub fn restart(&self, name: &str, bin_name: &str, ready: &str) -> Proc {
         let config = self.path(&format!("{name}.toml"));
-        let mut node = Proc::start(&bin(bin_name), &["run", "--config"], &config, name);
+        let mut node = self.run_node(bin_name, &config, name);
         node.wait_for(ready);
         node
+    }
+
+    /// Starts `bin_name run --config CONFIG` at the cluster's [`place`](Self::place).
+    pub fn run_node(&self, bin_name: &str, config: &Path, name: &str) -> Proc {
+        self.run_at_place(
+            bin_name,
+            &["run".as_ref(), "--config".as_ref(), config.as_os_str()],
+            name,
+        )
+    }
+
+    /// Starts `bin_name` with `args` at the cluster's [`place`](Self::place), logging at
+    /// info.
+    pub fn run_at_place(&self, bin_name: &str, args: &[&std::ffi::OsStr], name: &str) -> Proc {
+        Proc::spawn_in(
+            self.place.netns.as_deref(),
+            &bin(bin_name),
+            args,
+            &[("RUST_LOG", &node_log_filter())],
+            name,
+        )
     }
 
     pub fn job(&self, name: &str, text: &str) -> PathBuf {
@@ -246,8 +285,8 @@ impl Cluster {
     pub fn restart_scheduler(&self, name: &str, job: &Path) -> (Proc, PathBuf) {
         let config = self.path(&format!("{name}.toml"));
         let events = self.path(&format!("{name}-events.jsonl"));
-        let proc = Proc::start_with(
-            &bin("hypha-scheduler"),
+        let proc = self.run_at_place(
+            "hypha-scheduler",
             &[
                 "run".as_ref(),
                 "--job".as_ref(),
@@ -335,7 +374,7 @@ impl Proc {
     }
 
     pub fn start_with(bin: &Path, args: &[&std::ffi::OsStr], name: &str) -> Self {
-        Self::spawn(bin, args, &[("RUST_LOG", "info")], name)
+        Self::spawn(bin, args, &[("RUST_LOG", &node_log_filter())], name)
     }
 
     pub fn spawn(bin: &Path, args: &[&std::ffi::OsStr], env: &[(&str, &str)], name: &str) -> Self {
@@ -463,7 +502,7 @@ pub fn data_node(cluster: &Cluster, name: &str, dataset_path: &Path) -> Proc {
 "
         ),
     );
-    let mut node = Proc::start(&bin("hypha-data"), &["run", "--config"], &config, name);
+    let mut node = cluster.run_node("hypha-data", &config, name);
     node.wait_for("announced");
     node
 }

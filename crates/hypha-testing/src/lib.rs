@@ -8,6 +8,8 @@
 //! - [`s3`]: a real S3 server in-process that counts and can throttle the bytes it serves.
 //! - [`netns`]: network namespaces behind rate-limited links (`tc … tbf`), for nodes on slow
 //!   links on one machine.
+//! - [`sites`]: a public network with the gateway and sites that are private LANs behind NAT
+//!   routers (cone or symmetric) with rate-limited uplinks.
 //!
 //! Everything here panics on failure: it is for tests and benchmark harnesses, which should
 //! fail loudly at the step that went wrong. It knows the programs by their command lines and
@@ -18,3 +20,4 @@
 pub mod cluster;
 pub mod netns;
 pub mod s3;
+pub mod sites;

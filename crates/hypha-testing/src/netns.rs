@@ -84,6 +84,7 @@ impl Wan {
         Place {
             ip: self.ip(i),
             netns: Some(self.netns(i)),
+            every_interface: false,
         }
     }
 
@@ -92,6 +93,7 @@ impl Wan {
         Place {
             ip: BRIDGE_IP.into(),
             netns: None,
+            every_interface: false,
         }
     }
 
@@ -181,12 +183,12 @@ impl Drop for Wan {
     }
 }
 
-fn run(command: &[&str]) -> Result<(), String> {
+pub(crate) fn run(command: &[&str]) -> Result<(), String> {
     output(command).map(drop)
 }
 
 /// What `command` printed, or what failed.
-fn output(command: &[&str]) -> Result<String, String> {
+pub(crate) fn output(command: &[&str]) -> Result<String, String> {
     let output = Command::new(command[0])
         .args(&command[1..])
         .output()

@@ -6,5 +6,6 @@ pub(crate) mod distribute;
 pub(crate) mod ledger;
 pub(crate) mod prefetch;
 pub(crate) mod recovery;
+pub(crate) mod sites;
 pub(crate) mod transport;
 pub(crate) mod wan;

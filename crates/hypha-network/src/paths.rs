@@ -1,0 +1,458 @@
+//! How each connected peer is reached, and moving its traffic off the relay.
+//!
+//! Two nodes behind NATs first meet through a gateway's relay; DCUtR then tries to punch a
+//! direct connection. While both exist, libp2p spreads requests and streams over both
+//! (request-response round-robin, streams at random), so the relay would keep carrying half of
+//! everything. The rules here:
+//!
+//! - A connect that ends on a relayed connection waits for a direct one for at most
+//!   [`PUNCH_WINDOW`] (a hole punch takes a few round trips), so that the application's first
+//!   requests and streams do not start on the relay.
+//! - Once a direct connection exists, the peer's relayed connections are closed: everything
+//!   goes direct. A relayed connection is opened again only if the direct one is lost.
+//! - Two peers that reach for each other at the same moment make two relayed connections, one
+//!   each way, and DCUtR would run on both: each side then dials the other from its listen port
+//!   twice, once as TLS client and once as server, and the simultaneous opens can pair two
+//!   clients or two servers. Only the relayed connection dialled by the peer with the smaller
+//!   id is kept (both sides choose the same one); the other is closed at once.
+//! - Without a direct connection at the end of the window, the relay carries the peer's
+//!   traffic, and the node says so once, with the hole punch's failure where it knows it.
+//!
+//! This is state and rules only (time is passed in); the event loop performs what they say.
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use libp2p::{PeerId, swarm::ConnectionId};
+use serde::{Deserialize, Serialize};
+
+/// How long a connect that reached a peer only through a relay waits for a direct connection.
+pub const PUNCH_WINDOW: Duration = Duration::from_secs(4);
+
+/// How a peer is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Path {
+    /// A connection over the network, made by dialling or accepting an address.
+    Direct,
+    /// A direct connection that DCUtR punched through NATs, the relay closed.
+    HolePunched,
+    /// Only through a gateway's relay.
+    Relayed,
+}
+
+impl std::fmt::Display for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Path::Direct => "direct",
+            Path::HolePunched => "hole-punched",
+            Path::Relayed => "relayed",
+        })
+    }
+}
+
+/// What the event loop does after a connection came up.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Established<W> {
+    /// Only relayed so far: the connects wait (the event loop parks them here); `close` are
+    /// relayed connections to the same peer that are not kept.
+    Wait { close: Vec<ConnectionId> },
+    /// The peer is reached directly: close `close` (relayed connections a direct one makes
+    /// needless) and release the waiting connects. `after_relay`: how long the peer was
+    /// reached only through a relay before this direct connection came, if it was (the
+    /// connection is then most likely hole-punched, and the address it was dialled at a NAT
+    /// mapping).
+    Direct {
+        close: Vec<ConnectionId>,
+        waiting: Vec<W>,
+        after_relay: Option<Duration>,
+    },
+}
+
+/// How a connection reaches its peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Direct,
+    /// Through a relay circuit; `dialled_by_smaller_id`: the side with the smaller peer id
+    /// dialled it (the one kept of two).
+    Relayed {
+        dialled_by_smaller_id: bool,
+    },
+}
+
+/// The end of a window without a direct connection.
+#[derive(Debug, PartialEq, Eq)]
+pub struct StaysRelayed<W> {
+    pub peer: PeerId,
+    pub waiting: Vec<W>,
+    /// Why the last hole punch failed, if this node heard.
+    pub failure: Option<String>,
+}
+
+/// Every connected peer's connections, and the connects waiting for a direct one; `W` is what
+/// a waiting connect is (a reply channel in the event loop).
+#[derive(Debug)]
+pub struct Paths<W> {
+    peers: HashMap<PeerId, PeerState<W>>,
+}
+
+#[derive(Debug)]
+struct PeerState<W> {
+    direct: HashSet<ConnectionId>,
+    /// Relayed connections, and whether each was dialled by the peer with the smaller id.
+    relayed: HashMap<ConnectionId, bool>,
+    /// When the first relayed connection came up while none was direct.
+    relayed_since: Option<Instant>,
+    hole_punched: bool,
+    waiting: Vec<W>,
+    failure: Option<String>,
+}
+
+impl<W> Default for PeerState<W> {
+    fn default() -> Self {
+        PeerState {
+            direct: HashSet::new(),
+            relayed: HashMap::new(),
+            relayed_since: None,
+            hole_punched: false,
+            waiting: Vec::new(),
+            failure: None,
+        }
+    }
+}
+
+impl<W> Default for Paths<W> {
+    fn default() -> Self {
+        Paths {
+            peers: HashMap::new(),
+        }
+    }
+}
+
+impl<W> Paths<W> {
+    /// Connection `id` to `peer` came up, directly or through a relay circuit; `waiting` are
+    /// the connects that asked for the peer.
+    pub fn established(
+        &mut self,
+        peer: PeerId,
+        id: ConnectionId,
+        kind: Kind,
+        mut waiting: Vec<W>,
+        now: Instant,
+    ) -> Established<W> {
+        let state = self.peers.entry(peer).or_default();
+        if let Kind::Relayed {
+            dialled_by_smaller_id,
+        } = kind
+        {
+            if !state.direct.is_empty() {
+                // A direct connection is there already: this one is not needed.
+                waiting.append(&mut state.waiting);
+                return Established::Direct {
+                    close: vec![id],
+                    waiting,
+                    after_relay: None,
+                };
+            }
+            let close = if state.relayed.is_empty() {
+                state.relayed.insert(id, dialled_by_smaller_id);
+                Vec::new()
+            } else if dialled_by_smaller_id && !state.relayed.values().any(|kept| *kept) {
+                let others: Vec<ConnectionId> = state.relayed.drain().map(|(id, _)| id).collect();
+                state.relayed.insert(id, true);
+                others
+            } else {
+                vec![id]
+            };
+            state.relayed_since.get_or_insert(now);
+            state.waiting.append(&mut waiting);
+            return Established::Wait { close };
+        }
+        state.direct.insert(id);
+        let after_relay = state
+            .relayed_since
+            .take()
+            .map(|since| now.duration_since(since));
+        waiting.append(&mut state.waiting);
+        Established::Direct {
+            close: state.relayed.keys().copied().collect(),
+            waiting,
+            after_relay,
+        }
+    }
+
+    /// DCUtR made connection `id` to `peer` (it came up as direct before, or comes up next).
+    pub fn hole_punched(&mut self, peer: PeerId) {
+        let state = self.peers.entry(peer).or_default();
+        state.hole_punched = true;
+        state.failure = None;
+    }
+
+    /// A hole punch to `peer` failed, for `reason`.
+    pub fn punch_failed(&mut self, peer: PeerId, reason: String) {
+        self.peers.entry(peer).or_default().failure = Some(reason);
+    }
+
+    /// Connection `id` to `peer` closed.
+    pub fn closed(&mut self, peer: PeerId, id: ConnectionId) {
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        state.direct.remove(&id);
+        state.relayed.remove(&id);
+        if state.direct.is_empty() {
+            state.hole_punched = false;
+        }
+        // The other side may close the relayed connection as soon as its own direct one is
+        // up, a moment before this side's is: the window stays open for it.
+        if state.direct.is_empty() && state.relayed.is_empty() && state.relayed_since.is_none() {
+            self.peers.remove(&peer);
+        }
+    }
+
+    /// A connect for `peer` that found it connected: returned at once unless the peer is
+    /// reached only through a relay whose window for a direct connection is still open, in
+    /// which case it waits here.
+    pub fn connect(&mut self, peer: PeerId, waiting: W, now: Instant) -> Option<W> {
+        match self.peers.get_mut(&peer) {
+            Some(state)
+                if state.direct.is_empty()
+                    && state
+                        .relayed_since
+                        .is_some_and(|since| now.duration_since(since) < PUNCH_WINDOW) =>
+            {
+                state.waiting.push(waiting);
+                None
+            }
+            _ => Some(waiting),
+        }
+    }
+
+    /// The peers whose window closed without a direct connection by `now`: their connects go
+    /// on through the relay.
+    pub fn expire(&mut self, now: Instant) -> Vec<StaysRelayed<W>> {
+        let mut ended = Vec::new();
+        self.peers.retain(|_, state| {
+            !(state.direct.is_empty()
+                && state.relayed.is_empty()
+                && state.waiting.is_empty()
+                && state
+                    .relayed_since
+                    .is_none_or(|since| now.duration_since(since) >= PUNCH_WINDOW))
+        });
+        for (peer, state) in &mut self.peers {
+            let Some(since) = state.relayed_since else {
+                continue;
+            };
+            if now.duration_since(since) >= PUNCH_WINDOW {
+                state.relayed_since = None;
+                ended.push(StaysRelayed {
+                    peer: *peer,
+                    waiting: std::mem::take(&mut state.waiting),
+                    failure: state.failure.clone(),
+                });
+            }
+        }
+        ended
+    }
+
+    /// How `peer` is reached, if it is connected.
+    pub fn path(&self, peer: &PeerId) -> Option<Path> {
+        let state = self.peers.get(peer)?;
+        if !state.direct.is_empty() {
+            Some(if state.hole_punched {
+                Path::HolePunched
+            } else {
+                Path::Direct
+            })
+        } else if !state.relayed.is_empty() {
+            Some(Path::Relayed)
+        } else {
+            None
+        }
+    }
+
+    /// Every connected peer and how it is reached.
+    pub fn all(&self) -> Vec<(PeerId, Path)> {
+        let mut all: Vec<(PeerId, Path)> = self
+            .peers
+            .keys()
+            .filter_map(|peer| Some((*peer, self.path(peer)?)))
+            .collect();
+        all.sort_by_key(|(peer, _)| peer.to_bytes());
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RELAYED: Kind = Kind::Relayed {
+        dialled_by_smaller_id: true,
+    };
+
+    /// Both sides reached for each other at once: each keeps the connection the smaller id
+    /// dialled, whichever came up first.
+    #[test]
+    fn of_two_relayed_connections_both_sides_keep_the_one_the_smaller_id_dialled() {
+        let t0 = Instant::now();
+        let (mine, theirs) = ids();
+        let peer = PeerId::random();
+        let theirs_kind = Kind::Relayed {
+            dialled_by_smaller_id: false,
+        };
+        // Mine (dialled by the smaller id) first: theirs is closed when it comes.
+        let mut paths = Paths::<&str>::default();
+        paths.established(peer, mine, RELAYED, Vec::new(), t0);
+        assert_eq!(
+            paths.established(peer, theirs, theirs_kind, Vec::new(), t0),
+            Established::Wait {
+                close: vec![theirs]
+            }
+        );
+        // Theirs first: it is closed when mine comes.
+        let mut paths = Paths::<&str>::default();
+        paths.established(peer, theirs, theirs_kind, Vec::new(), t0);
+        assert_eq!(
+            paths.established(peer, mine, RELAYED, Vec::new(), t0),
+            Established::Wait {
+                close: vec![theirs]
+            }
+        );
+        assert_eq!(paths.path(&peer), Some(Path::Relayed));
+    }
+
+    fn ids() -> (ConnectionId, ConnectionId) {
+        (
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+        )
+    }
+
+    #[test]
+    fn a_connect_over_the_relay_waits_for_the_hole_punch_and_the_relay_is_closed() {
+        let mut paths = Paths::default();
+        let peer = PeerId::random();
+        let (relayed, direct) = ids();
+        let t0 = Instant::now();
+        assert_eq!(
+            paths.established(peer, relayed, RELAYED, vec!["first"], t0),
+            Established::Wait { close: Vec::new() }
+        );
+        assert_eq!(paths.path(&peer), Some(Path::Relayed));
+        // A second connect finds the peer connected, but only through the relay: it waits.
+        assert_eq!(
+            paths.connect(peer, "second", t0 + Duration::from_secs(1)),
+            None
+        );
+        paths.hole_punched(peer);
+        assert_eq!(
+            paths.established(
+                peer,
+                direct,
+                Kind::Direct,
+                Vec::new(),
+                t0 + Duration::from_secs(1)
+            ),
+            Established::Direct {
+                close: vec![relayed],
+                waiting: vec!["first", "second"],
+                after_relay: Some(Duration::from_secs(1)),
+            }
+        );
+        paths.closed(peer, relayed);
+        assert_eq!(paths.path(&peer), Some(Path::HolePunched));
+        // From now on connects go straight through.
+        assert_eq!(
+            paths.connect(peer, "third", t0 + Duration::from_secs(2)),
+            Some("third")
+        );
+        assert!(paths.expire(t0 + Duration::from_secs(60)).is_empty());
+    }
+
+    #[test]
+    fn without_a_direct_connection_the_relay_carries_the_traffic_after_the_window() {
+        let mut paths = Paths::default();
+        let peer = PeerId::random();
+        let (relayed, _) = ids();
+        let t0 = Instant::now();
+        paths.established(peer, relayed, RELAYED, vec!["first"], t0);
+        paths.punch_failed(peer, "Giving up after 3 dial attempts".into());
+        assert!(paths.expire(t0 + PUNCH_WINDOW / 2).is_empty());
+        assert_eq!(
+            paths.expire(t0 + PUNCH_WINDOW),
+            vec![StaysRelayed {
+                peer,
+                waiting: vec!["first"],
+                failure: Some("Giving up after 3 dial attempts".into()),
+            }]
+        );
+        // Said once; later connects use the relay at once.
+        assert!(paths.expire(t0 + PUNCH_WINDOW * 2).is_empty());
+        assert_eq!(
+            paths.connect(peer, "later", t0 + PUNCH_WINDOW * 2),
+            Some("later")
+        );
+        assert_eq!(paths.path(&peer), Some(Path::Relayed));
+    }
+
+    #[test]
+    fn a_relayed_connection_next_to_a_direct_one_is_closed_at_once() {
+        let mut paths = Paths::default();
+        let peer = PeerId::random();
+        let (relayed, direct) = ids();
+        let t0 = Instant::now();
+        assert_eq!(
+            paths.established(peer, direct, Kind::Direct, vec!["a"], t0),
+            Established::Direct {
+                close: Vec::new(),
+                waiting: vec!["a"],
+                after_relay: None,
+            }
+        );
+        assert_eq!(
+            paths.established(peer, relayed, RELAYED, vec!["b"], t0),
+            Established::Direct {
+                close: vec![relayed],
+                waiting: vec!["b"],
+                after_relay: None,
+            }
+        );
+        assert_eq!(paths.path(&peer), Some(Path::Direct));
+        paths.closed(peer, direct);
+        paths.closed(peer, relayed);
+        assert_eq!(paths.path(&peer), None);
+        assert!(paths.all().is_empty());
+    }
+
+    /// The other side closes the relay once its direct connection is up, a moment before this
+    /// side's comes up: the waiting connects still wait for it, and it counts as punched.
+    #[test]
+    fn a_relay_closed_by_the_other_side_first_still_counts_as_replaced() {
+        let mut paths = Paths::default();
+        let peer = PeerId::random();
+        let (relayed, direct) = ids();
+        let t0 = Instant::now();
+        paths.established(peer, relayed, RELAYED, vec!["first"], t0);
+        paths.closed(peer, relayed);
+        assert_eq!(paths.path(&peer), None);
+        assert_eq!(
+            paths.established(
+                peer,
+                direct,
+                Kind::Direct,
+                Vec::new(),
+                t0 + Duration::from_millis(5)
+            ),
+            Established::Direct {
+                close: Vec::new(),
+                waiting: vec!["first"],
+                after_relay: Some(Duration::from_millis(5)),
+            }
+        );
+        assert_eq!(paths.path(&peer), Some(Path::Direct));
+    }
+}

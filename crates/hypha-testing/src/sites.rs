@@ -1,0 +1,479 @@
+//! Sites behind NATs, on one machine: a public network with the gateway, and sites that are
+//! each a private LAN behind a NAT router with a rate-limited uplink, as homes and labs are.
+//!
+//! ```text
+//!   root namespace ("the internet"): bridge {p}pb, 198.51.100.1/24, no route to any LAN
+//!     ├── {p}gr ═ veth ═ {p}gn  in {p}gw, 198.51.100.2: the gateway's public host
+//!     ├── {p}r0w ═ veth ═ {p}r0u in router {p}r0, 198.51.100.10 (tbf both ways)
+//!     │     router {p}r0: MASQUERADE out of {p}r0u (`--random-fully`: symmetric NAT),
+//!     │     a stateful firewall (nothing in from the WAN but replies), LAN bridge {p}r0l
+//!     │     10.60.0.1/24
+//!     │       ├── {p}r0h0 ═ veth ═ {p}s0n0 in {p}s0n0, 10.60.0.10 (default route: the router)
+//!     │       └── {p}r0h1 ═ veth ═ {p}s0n1 in {p}s0n1, 10.60.0.11
+//!     ├── {p}r1w ═ veth ═ {p}r1u in router {p}r1, 198.51.100.11, LAN 10.61.0.0/24
+//!     …
+//! ```
+//!
+//! Public addresses are from TEST-NET-2 (198.51.100.0/24), which is no private range, so
+//! nodes treat them as public. The LANs are unroutable beyond their router: a node of one
+//! site that dials another site's private address gets no answer, as on the internet. The
+//! routers do not hairpin (a node dialling its own router's public address gets nowhere):
+//! nodes of one site must find each other on their LAN.
+//!
+//! A site without NAT ([`Nat::None`]) is the same LAN on the same links, but public: its
+//! nodes have addresses from TEST-NET-3 (203.0.113.32k + 10 + j), its router only routes, and
+//! every other host has a route to it. Sites without NAT are what the links allow, the
+//! yardstick for sites behind NATs.
+//!
+//! One testbed at a time in a process (its public addresses are fixed): [`Sites::new`] waits
+//! for the one before to be dropped.
+//!
+//! Bytes are counted where they cross: [`Sites::gateway_bytes`] (the gateway's host) and
+//! [`Sites::site_bytes`] (a site's uplink and downlink). Needs root (CAP_NET_ADMIN), iproute2
+//! and iptables; everything is removed when the [`Sites`] is dropped, and left-overs of a run
+//! that was killed when the next one with the same prefix starts.
+
+use std::collections::BTreeMap;
+
+use crate::{
+    cluster::{Cluster, Place, Proc, bin},
+    netns::{output, run},
+};
+
+/// The public address of the root namespace on the internet bridge.
+pub const INTERNET_IP: &str = "198.51.100.1";
+/// The gateway host's public address.
+pub const GATEWAY_IP: &str = "198.51.100.2";
+
+/// How a site's router translates addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nat {
+    /// No NAT, no firewall: a public LAN, routed.
+    None,
+    /// Linux MASQUERADE: keeps a connection's source port where it is free (an
+    /// endpoint-independent mapping, as most home routers), lets in only replies.
+    Cone,
+    /// MASQUERADE `--random-fully`: a random port for every connection, so what one peer
+    /// observes says nothing about the port another will see.
+    Symmetric,
+}
+
+/// One site: its NAT and how many nodes sit on its LAN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Site {
+    pub nat: Nat,
+    pub nodes: usize,
+}
+
+/// The internet, a gateway host and sites behind NATs; removed when dropped.
+#[derive(Debug)]
+pub struct Sites {
+    prefix: String,
+    sites: Vec<Site>,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Held by the testbed that exists.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+impl Sites {
+    /// The testbed `prefix` (at most 5 characters: interface names are at most 15), with
+    /// each site's uplink and downlink limited to `mbit` Mbit/s. An error says which command
+    /// failed, e.g. without root.
+    pub fn new(prefix: &str, sites: &[Site], mbit: u32) -> Result<Self, String> {
+        let testbed = Sites {
+            prefix: prefix.to_string(),
+            sites: sites.to_vec(),
+            _one_at_a_time: ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner()),
+        };
+        testbed.remove();
+        testbed.build(mbit)?;
+        Ok(testbed)
+    }
+
+    fn build(&self, mbit: u32) -> Result<(), String> {
+        let p = &self.prefix;
+        let internet = format!("{p}pb");
+        run(&["ip", "link", "add", &internet, "type", "bridge"])?;
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{INTERNET_IP}/24"),
+            "dev",
+            &internet,
+        ])?;
+        run(&["ip", "link", "set", &internet, "up"])?;
+
+        let gateway = self.gateway_netns();
+        self.host_on(&internet, &gateway, &format!("{p}gr"), &format!("{p}gn"))?;
+        run_in(
+            &gateway,
+            &[
+                "ip",
+                "addr",
+                "add",
+                &format!("{GATEWAY_IP}/24"),
+                "dev",
+                &format!("{p}gn"),
+            ],
+        )?;
+        run_in(&gateway, &["ip", "link", "set", &format!("{p}gn"), "up"])?;
+
+        let rate = format!("{mbit}mbit");
+        // A burst of a few ms of traffic and a queue of 50 ms: what a home router holds.
+        let limit = [
+            "tbf",
+            "rate",
+            rate.as_str(),
+            "burst",
+            "64kb",
+            "latency",
+            "50ms",
+        ];
+        for (k, site) in self.sites.iter().enumerate() {
+            let router = self.router_netns(k);
+            let (wan_root, wan) = (format!("{p}r{k}w"), format!("{p}r{k}u"));
+            self.host_on(&internet, &router, &wan_root, &wan)?;
+            run_in(
+                &router,
+                &[
+                    "ip",
+                    "addr",
+                    "add",
+                    &format!("{}/24", self.public_ip(k)),
+                    "dev",
+                    &wan,
+                ],
+            )?;
+            run_in(&router, &["ip", "link", "set", &wan, "up"])?;
+            let mut down = vec!["tc", "qdisc", "add", "dev", wan_root.as_str(), "root"];
+            down.extend(limit);
+            run(&down)?;
+            let mut up = vec!["tc", "qdisc", "add", "dev", wan.as_str(), "root"];
+            up.extend(limit);
+            run_in(&router, &up)?;
+
+            let lan = format!("{p}r{k}l");
+            let lan_prefix = self
+                .lan_net(k)
+                .split('/')
+                .nth(1)
+                .unwrap_or("24")
+                .to_string();
+            run_in(&router, &["ip", "link", "add", &lan, "type", "bridge"])?;
+            let router_lan_ip = format!("{}/{lan_prefix}", self.lan_ip(k, None));
+            run_in(&router, &["ip", "addr", "add", &router_lan_ip, "dev", &lan])?;
+            run_in(&router, &["ip", "link", "set", &lan, "up"])?;
+            run_in(&router, &["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+            if site.nat != Nat::None {
+                let mut masquerade = vec!["iptables", "-w", "-t", "nat", "-A", "POSTROUTING"];
+                masquerade.extend(["-o", &wan, "-j", "MASQUERADE"]);
+                if site.nat == Nat::Symmetric {
+                    masquerade.push("--random-fully");
+                }
+                run_in(&router, &masquerade)?;
+                // A stateful firewall: from the WAN only replies come in.
+                for chain in ["FORWARD", "INPUT"] {
+                    let mut replies = vec!["iptables", "-w", "-A", chain, "-i", &wan];
+                    replies.extend(["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]);
+                    replies.extend(["-j", "ACCEPT"]);
+                    run_in(&router, &replies)?;
+                    let drop = ["iptables", "-w", "-A", chain, "-i", &wan, "-j", "DROP"];
+                    run_in(&router, &drop)?;
+                }
+            }
+
+            for j in 0..site.nodes {
+                let node = self.node_netns(k, j);
+                let (router_end, node_end) = (format!("{p}r{k}h{j}"), format!("{p}s{k}n{j}"));
+                run(&["ip", "netns", "add", &node])?;
+                run_in(
+                    &router,
+                    &[
+                        "ip",
+                        "link",
+                        "add",
+                        &router_end,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        &node_end,
+                    ],
+                )?;
+                run_in(&router, &["ip", "link", "set", &node_end, "netns", &node])?;
+                run_in(&router, &["ip", "link", "set", &router_end, "master", &lan])?;
+                run_in(&router, &["ip", "link", "set", &router_end, "up"])?;
+                run_in(
+                    &node,
+                    &[
+                        "ip",
+                        "addr",
+                        "add",
+                        &format!("{}/{lan_prefix}", self.lan_ip(k, Some(j))),
+                        "dev",
+                        &node_end,
+                    ],
+                )?;
+                run_in(&node, &["ip", "link", "set", &node_end, "up"])?;
+                run_in(&node, &["ip", "link", "set", "lo", "up"])?;
+                run_in(
+                    &node,
+                    &[
+                        "ip",
+                        "route",
+                        "add",
+                        "default",
+                        "via",
+                        &self.lan_ip(k, None),
+                    ],
+                )?;
+            }
+        }
+        // A public LAN: the other hosts of the internet route to it through its router.
+        for (k, _) in self
+            .sites
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.nat == Nat::None)
+        {
+            let (net, via) = (self.lan_net(k), self.public_ip(k));
+            run(&["ip", "route", "add", &net, "via", &via])?;
+            run_in(&gateway, &["ip", "route", "add", &net, "via", &via])?;
+            for other in (0..self.sites.len()).filter(|other| *other != k) {
+                run_in(
+                    &self.router_netns(other),
+                    &["ip", "route", "add", &net, "via", &via],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes namespace `netns` with a veth whose end `root_end` is on the internet bridge and
+    /// whose end `inner` is inside it.
+    fn host_on(
+        &self,
+        bridge: &str,
+        netns: &str,
+        root_end: &str,
+        inner: &str,
+    ) -> Result<(), String> {
+        run(&["ip", "netns", "add", netns])?;
+        run(&[
+            "ip", "link", "add", root_end, "type", "veth", "peer", "name", inner,
+        ])?;
+        run(&["ip", "link", "set", inner, "netns", netns])?;
+        run(&["ip", "link", "set", root_end, "master", bridge])?;
+        run(&["ip", "link", "set", root_end, "up"])?;
+        run_in(netns, &["ip", "link", "set", "lo", "up"])
+    }
+
+    /// Where the gateway runs: its public host, listening on every interface as `init`
+    /// writes.
+    pub fn gateway(&self) -> Place {
+        Place {
+            ip: GATEWAY_IP.into(),
+            netns: Some(self.gateway_netns()),
+            every_interface: true,
+        }
+    }
+
+    /// Where node `node` of site `site` runs, listening on every interface as `init` writes.
+    pub fn node(&self, site: usize, node: usize) -> Place {
+        Place {
+            ip: self.lan_ip(site, Some(node)),
+            netns: Some(self.node_netns(site, node)),
+            every_interface: true,
+        }
+    }
+
+    /// Site `site`'s public address: its router's on the internet.
+    pub fn public_ip(&self, site: usize) -> String {
+        format!("198.51.100.{}", 10 + site)
+    }
+
+    /// The bytes the gateway's host has sent and received so far.
+    pub fn gateway_bytes(&self) -> (u64, u64) {
+        // The root end receives what the host sends.
+        let end = format!("{}gr", self.prefix);
+        (counter(&end, "rx_bytes"), counter(&end, "tx_bytes"))
+    }
+
+    /// The bytes site `site` has sent (its uplink) and received (its downlink) so far.
+    pub fn site_bytes(&self, site: usize) -> (u64, u64) {
+        let end = format!("{}r{site}w", self.prefix);
+        (counter(&end, "rx_bytes"), counter(&end, "tx_bytes"))
+    }
+
+    fn gateway_netns(&self) -> String {
+        format!("{}gw", self.prefix)
+    }
+
+    fn router_netns(&self, site: usize) -> String {
+        format!("{}r{site}", self.prefix)
+    }
+
+    fn node_netns(&self, site: usize, node: usize) -> String {
+        format!("{}s{site}n{node}", self.prefix)
+    }
+
+    /// The LAN address of node `node` of site `site`, or its router's with `None`.
+    fn lan_ip(&self, site: usize, node: Option<usize>) -> String {
+        let host = node.map_or(1, |n| 10 + n);
+        match self.sites[site].nat {
+            Nat::None => format!("203.0.113.{}", 32 * site + host),
+            Nat::Cone | Nat::Symmetric => format!("10.{}.0.{host}", 60 + site),
+        }
+    }
+
+    /// The LAN's network, as `ip route` takes it.
+    fn lan_net(&self, site: usize) -> String {
+        match self.sites[site].nat {
+            Nat::None => format!("203.0.113.{}/27", 32 * site),
+            Nat::Cone | Nat::Symmetric => format!("10.{}.0.0/24", 60 + site),
+        }
+    }
+
+    /// Removes the namespaces (their veths and LAN bridges go with them) and the internet
+    /// bridge, as far as they exist.
+    fn remove(&self) {
+        let p = &self.prefix;
+        // Left-overs of a run with more sites or nodes go too: every namespace of the prefix.
+        if let Ok(list) = output(&["ip", "netns", "list"]) {
+            for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
+                let ours = name == self.gateway_netns()
+                    || name
+                        .strip_prefix(p.as_str())
+                        .is_some_and(|rest| rest.starts_with('r') || rest.starts_with('s'));
+                if ours {
+                    let _ = run(&["ip", "netns", "del", name]);
+                }
+            }
+        }
+        if let Ok(links) = output(&["ip", "-o", "link", "show"]) {
+            for link in links.lines().filter_map(|l| l.split(": ").nth(1)) {
+                let name = link.split('@').next().unwrap_or(link);
+                if name.starts_with(p.as_str()) {
+                    let _ = run(&["ip", "link", "del", name]);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Sites {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+/// Runs `command` in namespace `netns`.
+fn run_in(netns: &str, command: &[&str]) -> Result<(), String> {
+    let mut full = vec!["ip", "netns", "exec", netns];
+    full.extend_from_slice(command);
+    run(&full)
+}
+
+fn counter(interface: &str, name: &str) -> u64 {
+    let path = format!("/sys/class/net/{interface}/statistics/{name}");
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The layout of issue 35 on three sites: site A holds the data node (`data`, serving
+/// `blobs`) and the scheduler, site B two trainers (`trainer0`, `trainer1`), site C the
+/// parameter server (`ps`) and a trainer (`trainer2`). Starts all but the scheduler, whose
+/// place `cluster.place` is left at; returns the nodes with where each runs.
+pub fn start_three_site_nodes(cluster: &mut Cluster, sites: &Sites) -> Vec<(Proc, Place)> {
+    let mut nodes = Vec::new();
+    let mut at = |cluster: &mut Cluster, site, node, start: &dyn Fn(&Cluster) -> Proc| {
+        cluster.place = sites.node(site, node);
+        nodes.push((start(cluster), cluster.place.clone()));
+    };
+    at(cluster, 0, 0, &|c| c.blobs_data_node("data"));
+    at(cluster, 1, 0, &|c| c.trainer_worker("trainer0", ""));
+    at(cluster, 1, 1, &|c| c.trainer_worker("trainer1", ""));
+    at(cluster, 2, 0, &|c| c.server_worker("ps"));
+    at(cluster, 2, 1, &|c| c.trainer_worker("trainer2", ""));
+    cluster.place = sites.node(0, 1);
+    nodes
+}
+
+/// What `hypha-gateway probe` says of a node: the NAT it believes it is behind, and how it
+/// reaches each connected peer (`direct`, `hole-punched`, `relayed`) by peer id.
+#[derive(Debug, Clone, Default)]
+pub struct Probed {
+    pub nat: String,
+    pub paths: BTreeMap<String, String>,
+    /// The whole output, for messages.
+    pub text: String,
+}
+
+impl Probed {
+    /// How the probed node reaches node `name` of `cluster` (`None`: not connected).
+    pub fn path_to(&self, cluster: &Cluster, name: &str) -> Option<&str> {
+        self.paths.get(&cluster.peer_id(name)).map(String::as_str)
+    }
+}
+
+/// Probes `node` (started by `cluster`, running at `place`, its log read for the port it
+/// listens on) with `hypha-gateway probe` run at `from`, a place on the same LAN (behind a NAT
+/// nothing else reaches it).
+pub fn probe(cluster: &Cluster, node: &mut Proc, place: &Place, from: &Place) -> Probed {
+    while let Ok(line) = node.lines.try_recv() {
+        node.seen.push(line);
+    }
+    let prefix = format!("listening address=/ip4/{}/tcp/", place.ip);
+    let port = node
+        .seen
+        .iter()
+        .find_map(|l| l.split(&prefix).nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{} never listened on {}", node.name, place.ip))
+        .to_string();
+    if !cluster.path("prober.toml").exists() {
+        cluster.config("prober", hypha_certs::Roles::NONE, "");
+    }
+    let address = format!(
+        "/ip4/{}/tcp/{port}/p2p/{}",
+        place.ip,
+        cluster.peer_id(&node.name)
+    );
+    let mut command = match &from.netns {
+        Some(netns) => {
+            let mut command = std::process::Command::new("ip");
+            command
+                .args(["netns", "exec", netns])
+                .arg(bin("hypha-gateway"));
+            command
+        }
+        None => std::process::Command::new(bin("hypha-gateway")),
+    };
+    let out = command
+        .args(["probe", &address, "--config"])
+        .arg(cluster.path("prober.toml"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let nat = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("NAT: "))
+        .unwrap_or_default()
+        .to_string();
+    let paths = text
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let (path, peer) = (words.next()?, words.next()?);
+            ["direct", "hole-punched", "relayed"]
+                .contains(&path)
+                .then(|| (peer.to_string(), path.to_string()))
+        })
+        .collect();
+    Probed { nat, paths, text }
+}
