@@ -15,10 +15,7 @@ use std::{
 use ipnet::IpNet;
 use libp2p::{
     Multiaddr,
-    core::{
-        multiaddr::Protocol,
-        transport::{DialOpts, ListenerId, TransportError, TransportEvent},
-    },
+    core::transport::{DialOpts, ListenerId, TransportError, TransportEvent},
 };
 
 use crate::reach::Reach;
@@ -35,12 +32,7 @@ impl ExcludedRanges {
     /// Whether `addr` points into an excluded range (judged by its first IP component;
     /// addresses without one, such as DNS names before resolution, are not excluded).
     pub fn excludes(&self, addr: &Multiaddr) -> bool {
-        let ip = addr.iter().find_map(|p| match p {
-            Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
-            Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
-            _ => None,
-        });
-        ip.is_some_and(|ip| self.0.iter().any(|net| net.contains(&ip)))
+        crate::reach::first_ip(addr).is_some_and(|ip| self.0.iter().any(|net| net.contains(&ip)))
     }
 }
 

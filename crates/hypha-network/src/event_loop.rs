@@ -18,7 +18,7 @@ use libp2p::{
     core::ConnectedPoint,
     dcutr, gossipsub, identify, kad,
     multiaddr::Protocol,
-    relay, request_response,
+    ping, relay, request_response,
     swarm::{
         ConnectionId, SwarmEvent,
         dial_opts::{DialOpts, PeerCondition},
@@ -32,7 +32,7 @@ use crate::{
     certified::{CertifiedPeers, required_role},
     client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
     nat::NatBelief,
-    paths::{Established, Kind, PUNCH_WINDOW, Paths},
+    paths::{Established, Kind, PUNCH_WINDOW, Paths, StaysRelayed},
     reach::{Reach, Unreachable},
 };
 
@@ -44,6 +44,8 @@ const GATEWAY_RETRY: Duration = Duration::from_secs(5);
 const BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(5 * 60);
 /// How often windows for a direct connection ([`PUNCH_WINDOW`]) are checked for their end.
 const PUNCH_WINDOW_CHECK: Duration = Duration::from_millis(250);
+/// Ping timeouts in a row after which a connection is closed as dead.
+const PING_TIMEOUTS_TO_CLOSE: u32 = 2;
 /// How long a peer's certificate is kept after its last connection closed.
 const DEPARTED_GRACE: Duration = Duration::from_secs(5);
 
@@ -84,10 +86,15 @@ pub(crate) struct EventLoop {
     gateway_dials: HashSet<ConnectionId>,
     /// Peers whose last connection closed, and when: forgotten after [`DEPARTED_GRACE`]
     /// unless they are back.
-    departed: std::collections::VecDeque<(PeerId, Instant)>,
+    departed: HashMap<PeerId, Instant>,
     /// The addresses hole-punched connections were dialled at: peers' NAT mappings, kept out
     /// of the routing table.
     nat_mappings: HashMap<PeerId, HashSet<Multiaddr>>,
+    /// Where each connection this node dialled leads: DCUtR names its punched connection by
+    /// id.
+    dialled_at: HashMap<ConnectionId, (PeerId, Multiaddr)>,
+    /// Pings in a row each connection left unanswered.
+    ping_timeouts: HashMap<ConnectionId, u32>,
 }
 
 /// Reaching a peer: the addresses already known, then the addresses the DHT knows, then each
@@ -163,8 +170,10 @@ impl EventLoop {
             paths: Paths::default(),
             nat,
             gateway_dials: HashSet::new(),
-            departed: std::collections::VecDeque::new(),
+            departed: HashMap::new(),
             nat_mappings: HashMap::new(),
+            dialled_at: HashMap::new(),
+            ping_timeouts: HashMap::new(),
         }
     }
 
@@ -641,11 +650,14 @@ impl EventLoop {
 
     /// Forgets the certificates and NAT observations of peers gone for [`DEPARTED_GRACE`].
     fn forget_departed(&mut self) {
-        while let Some((peer, since)) = self.departed.front().copied() {
-            if since.elapsed() < DEPARTED_GRACE {
-                break;
-            }
-            self.departed.pop_front();
+        let gone: Vec<PeerId> = self
+            .departed
+            .iter()
+            .filter(|(_, since)| since.elapsed() >= DEPARTED_GRACE)
+            .map(|(peer, _)| *peer)
+            .collect();
+        for peer in gone {
+            self.departed.remove(&peer);
             if !self.swarm.is_connected(&peer) {
                 self.peers.remove(&peer);
                 self.nat.forget(&peer);
@@ -654,20 +666,42 @@ impl EventLoop {
         }
     }
 
-    /// Connects whose window for a direct connection closed go on through the relay.
+    /// Connects whose window for a direct connection closed go on through the relay, and
+    /// relayed connections whose drain is over close.
     fn end_punch_windows(&mut self) {
-        for ended in self.paths.expire(Instant::now()) {
-            match &ended.failure {
-                Some(failure) => {
-                    tracing::info!(peer = %ended.peer, %failure, "no direct connection (hole punching failed); this peer's traffic goes through the gateway's relay")
-                }
-                None => {
-                    tracing::info!(peer = %ended.peer, window = ?PUNCH_WINDOW, "no direct connection within the window; this peer's traffic goes through the gateway's relay")
-                }
-            }
+        let expired = self.paths.expire(Instant::now());
+        for connection in expired.close {
+            self.swarm.close_connection(connection);
+        }
+        for ended in expired.stay_relayed {
+            self.stays_relayed(ended);
+        }
+    }
+
+    /// No direct connection to a peer will come: its waiting connects go on through the
+    /// relay, if it is still connected at all.
+    fn stays_relayed(&mut self, ended: StaysRelayed<Reply<()>>) {
+        let peer = ended.peer;
+        if !self.swarm.is_connected(&peer) {
+            tracing::debug!(%peer, "the peer left while waiting for a direct connection");
             for reply in ended.waiting {
-                let _ = reply.send(Ok(()));
+                let _ = reply.send(Err(NetworkError::Dial {
+                    target: peer.to_string(),
+                    reason: "the relayed connection closed before a direct one came".into(),
+                }));
             }
+            return;
+        }
+        match &ended.failure {
+            Some(failure) => {
+                tracing::info!(%peer, %failure, "no direct connection (hole punching failed); this peer's traffic goes through the gateway's relay")
+            }
+            None => {
+                tracing::info!(%peer, window = ?PUNCH_WINDOW, "no direct connection within the window; this peer's traffic goes through the gateway's relay")
+            }
+        }
+        for reply in ended.waiting {
+            let _ = reply.send(Ok(()));
         }
     }
 
@@ -694,6 +728,12 @@ impl EventLoop {
                     let _ = reply.send(Ok(peer_id));
                 }
                 self.dial_ended(connection_id);
+                if let ConnectedPoint::Dialer { address, .. } = &endpoint
+                    && !endpoint.is_relayed()
+                {
+                    self.dialled_at
+                        .insert(connection_id, (peer_id, address.clone()));
+                }
                 self.on_connection_path(peer_id, connection_id, &endpoint);
                 if let ConnectedPoint::Dialer { address, .. } = &endpoint
                     && self.is_gateway_address(address)
@@ -741,11 +781,13 @@ impl EventLoop {
             } => {
                 self.paths.closed(peer_id, connection_id);
                 self.gateway_dials.remove(&connection_id);
+                self.dialled_at.remove(&connection_id);
+                self.ping_timeouts.remove(&connection_id);
                 if num_established == 0 && !self.swarm.is_connected(&peer_id) {
                     // Not at once: the peer's next connection may have passed its handshake
                     // (and recorded its certificate) already, as when the other side closes a
                     // relayed connection a moment before this side's hole-punched one is up.
-                    self.departed.push_back((peer_id, Instant::now()));
+                    self.departed.insert(peer_id, Instant::now());
                 }
             }
             SwarmEvent::IncomingConnectionError {
@@ -827,7 +869,12 @@ impl EventLoop {
                 info,
                 connection_id,
             }) => {
-                if self.gateway_dials.contains(&connection_id)
+                let by_gateway = self
+                    .peers
+                    .roles(&peer_id)
+                    .is_some_and(|roles| roles.contains(Role::Gateway));
+                if by_gateway
+                    && self.gateway_dials.contains(&connection_id)
                     && let Some(belief) = self.nat.observed(peer_id, &info.observed_addr)
                 {
                     tracing::info!(nat = %belief, observer = %peer_id, observed = %info.observed_addr, "what this node believes of its NAT changed");
@@ -850,19 +897,55 @@ impl EventLoop {
                 self.on_gossip(message);
             }
             BehaviourEvent::Rpc(event) => self.on_rpc_event(event),
+            // A connection that stops answering pings is closed, so that the next connect finds
+            // another way (a hole-punched path whose NAT mapping lapsed, a router that
+            // rebooted): TCP alone would hold it for many minutes. Two timeouts in a row (20 s
+            // each), so that one slow answer on a loaded link does not cut a transfer.
+            BehaviourEvent::Ping(ping::Event {
+                peer,
+                connection,
+                result,
+            }) => match result {
+                Err(ping::Failure::Timeout) => {
+                    let timeouts = self.ping_timeouts.entry(connection).or_default();
+                    *timeouts += 1;
+                    if *timeouts >= PING_TIMEOUTS_TO_CLOSE {
+                        tracing::info!(%peer, "a connection stopped answering pings; closing it");
+                        self.swarm.close_connection(connection);
+                    }
+                }
+                Err(_) => {}
+                Ok(_) => {
+                    self.ping_timeouts.remove(&connection);
+                }
+            },
             BehaviourEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
                 result,
             }) => match result {
-                Ok(_) => {
+                Ok(connection) => {
                     tracing::info!(peer = %remote_peer_id, "hole punched: a direct connection through the NATs");
                     self.paths.hole_punched(remote_peer_id);
+                    // Kademlia filed the address this connection was dialled at under the
+                    // peer: its NAT mapping, which takes no connection but this one. Handed out
+                    // by the DHT it would make third peers dial it as TLS clients while the
+                    // peer's own DCUtR dial is a client too. It is taken out now and each
+                    // time Kademlia files it again (`RoutingUpdated`).
+                    if let Some((peer, address)) = self.dialled_at.get(&connection).cloned() {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .remove_address(&peer, &address);
+                        self.nat_mappings.entry(peer).or_default().insert(address);
+                    }
                 }
                 Err(error) => {
                     // The inner error is not a `source()`; its Debug form names the cause.
                     let failure = format!("{error} ({error:?})");
                     tracing::info!(peer = %remote_peer_id, %failure, "hole punch failed");
-                    self.paths.punch_failed(remote_peer_id, failure);
+                    if let Some(ended) = self.paths.punch_failed(remote_peer_id, failure) {
+                        self.stays_relayed(ended);
+                    }
                 }
             },
             BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {

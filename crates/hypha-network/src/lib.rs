@@ -236,8 +236,9 @@ async fn wait_for_listeners(
 
 /// Announces a listen address to peers (identify sends only announced addresses) where it
 /// can lead somewhere from another machine: public and private addresses (a private one
-/// serves the peers on the same LAN; others do not dial it), loopback only in a network on
-/// one machine. Relay circuits are announced by the relay client itself.
+/// serves the peers on the same LAN; others do not dial it) but those of container and VM
+/// bridges, loopback only in a network on one machine. Relay circuits are announced by the
+/// relay client itself.
 pub(crate) fn announce_listen_address(
     swarm: &mut Swarm<behaviour::Behaviour>,
     reach: &reach::Reach,
@@ -250,9 +251,14 @@ pub(crate) fn announce_listen_address(
         return;
     }
     let announce = match reach::Scope::of_address(&address) {
-        Some(reach::Scope::Public | reach::Scope::Private) => true,
+        Some(reach::Scope::Public) => true,
+        // Container and VM bridges carry the same addresses on every machine (docker0 is
+        // 172.17.0.1 everywhere): a peer dialling one reaches its own machine.
+        Some(reach::Scope::Private) => {
+            !reach::first_ip(&address).is_some_and(reach::on_virtual_bridge)
+        }
         Some(reach::Scope::Loopback) => reach.one_machine(),
-        None => false,
+        Some(reach::Scope::Unspecified) | None => false,
     };
     if announce && reach.check(&address) != Err(reach::Unreachable::Excluded) {
         swarm.add_external_address(address);

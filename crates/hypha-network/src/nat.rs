@@ -2,8 +2,9 @@
 //! observe of it.
 //!
 //! A node on a public address (an interface's, or `external_addresses` it was given) is not
-//! behind a NAT. Otherwise the peers it dials tell it (identify) the address they saw the
-//! connection come from: on a NAT that keeps ports (a cone NAT, as Linux MASQUERADE and most
+//! behind a NAT. Otherwise the gateways it dials tell it (identify) the address they saw the
+//! connection come from (the event loop takes the word of certified gateways only, on its own
+//! dials of them, which leave from its listen port): on a NAT that keeps ports (a cone NAT, as Linux MASQUERADE and most
 //! home routers) that is the router's address with this node's own listen port, because dials
 //! reuse the listen port; a NAT that gives every connection a port of its own (symmetric, or
 //! `--random-fully`) shows other ports, and different ones to different peers. Hole punching

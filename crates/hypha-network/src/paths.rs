@@ -9,14 +9,19 @@
 //!   [`PUNCH_WINDOW`] (a hole punch takes a few round trips), so that the application's first
 //!   requests and streams do not start on the relay.
 //! - Once a direct connection exists, the peer's relayed connections are closed: everything
-//!   goes direct. A relayed connection is opened again only if the direct one is lost.
+//!   goes direct. Inside the window nothing of the application's runs on the relay yet, so it
+//!   is closed at once; a direct connection that comes after the window (DCUtR tries three
+//!   times) leaves the relay [`DRAIN`] to finish what it carries. Lost, a direct connection
+//!   is replaced by the next connect like any other (known addresses, the DHT, a relay).
 //! - Two peers that reach for each other at the same moment make two relayed connections, one
 //!   each way, and DCUtR would run on both: each side then dials the other from its listen port
 //!   twice, once as TLS client and once as server, and the simultaneous opens can pair two
-//!   clients or two servers. Only the relayed connection dialled by the peer with the smaller
-//!   id is kept (both sides choose the same one); the other is closed at once.
-//! - Without a direct connection at the end of the window, the relay carries the peer's
-//!   traffic, and the node says so once, with the hole punch's failure where it knows it.
+//!   clients or two servers. The relayed connection dialled by the peer with the smaller id is
+//!   kept, one dialled by the other closed (both sides choose the same); two dialled by the
+//!   same side (through two gateways) are both kept.
+//! - Without a direct connection at the end of the window, or once DCUtR gave up, the relay
+//!   carries the peer's traffic, and the node says so once, with the hole punch's failure
+//!   where it knows it.
 //!
 //! This is state and rules only (time is passed in); the event loop performs what they say.
 
@@ -30,6 +35,9 @@ use serde::{Deserialize, Serialize};
 
 /// How long a connect that reached a peer only through a relay waits for a direct connection.
 pub const PUNCH_WINDOW: Duration = Duration::from_secs(4);
+/// How long a relayed connection that carried traffic stays open beside a new direct one, to
+/// finish what it carries (a transfer cut after it is sent again by its sender).
+pub const DRAIN: Duration = Duration::from_secs(30);
 
 /// How a peer is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,10 +68,9 @@ pub enum Established<W> {
     /// relayed connections to the same peer that are not kept.
     Wait { close: Vec<ConnectionId> },
     /// The peer is reached directly: close `close` (relayed connections a direct one makes
-    /// needless) and release the waiting connects. `after_relay`: how long the peer was
-    /// reached only through a relay before this direct connection came, if it was (the
-    /// connection is then most likely hole-punched, and the address it was dialled at a NAT
-    /// mapping).
+    /// needless; those that carried traffic come later from [`Paths::expire`]) and release
+    /// the waiting connects. `after_relay`: how long the peer was reached only through a relay
+    /// before this direct connection came inside the window.
     Direct {
         close: Vec<ConnectionId>,
         waiting: Vec<W>,
@@ -91,11 +98,21 @@ pub struct StaysRelayed<W> {
     pub failure: Option<String>,
 }
 
+/// What time did: windows that ended without a direct connection, and relayed connections
+/// whose [`DRAIN`] is over.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Expired<W> {
+    pub stay_relayed: Vec<StaysRelayed<W>>,
+    pub close: Vec<ConnectionId>,
+}
+
 /// Every connected peer's connections, and the connects waiting for a direct one; `W` is what
 /// a waiting connect is (a reply channel in the event loop).
 #[derive(Debug)]
 pub struct Paths<W> {
     peers: HashMap<PeerId, PeerState<W>>,
+    /// Relayed connections beside a direct one, and when they are closed.
+    draining: Vec<(ConnectionId, Instant)>,
 }
 
 #[derive(Debug)]
@@ -127,6 +144,7 @@ impl<W> Default for Paths<W> {
     fn default() -> Self {
         Paths {
             peers: HashMap::new(),
+            draining: Vec::new(),
         }
     }
 }
@@ -156,30 +174,47 @@ impl<W> Paths<W> {
                     after_relay: None,
                 };
             }
-            let close = if state.relayed.is_empty() {
-                state.relayed.insert(id, dialled_by_smaller_id);
-                Vec::new()
-            } else if dialled_by_smaller_id && !state.relayed.values().any(|kept| *kept) {
-                let others: Vec<ConnectionId> = state.relayed.drain().map(|(id, _)| id).collect();
+            let kept_exists = state.relayed.values().any(|kept| *kept);
+            let others_exist = state.relayed.values().any(|kept| !*kept);
+            let close = if dialled_by_smaller_id && others_exist {
+                let others: Vec<ConnectionId> = state
+                    .relayed
+                    .iter()
+                    .filter(|(_, kept)| !**kept)
+                    .map(|(id, _)| *id)
+                    .collect();
+                state.relayed.retain(|_, kept| *kept);
                 state.relayed.insert(id, true);
                 others
-            } else {
+            } else if !dialled_by_smaller_id && kept_exists {
                 vec![id]
+            } else {
+                state.relayed.insert(id, dialled_by_smaller_id);
+                Vec::new()
             };
             state.relayed_since.get_or_insert(now);
             state.waiting.append(&mut waiting);
             return Established::Wait { close };
         }
         state.direct.insert(id);
-        let after_relay = state
-            .relayed_since
-            .take()
-            .map(|since| now.duration_since(since));
         waiting.append(&mut state.waiting);
-        Established::Direct {
-            close: state.relayed.keys().copied().collect(),
-            waiting,
-            after_relay,
+        let relayed: Vec<ConnectionId> = state.relayed.keys().copied().collect();
+        match state.relayed_since.take() {
+            // Inside the window: nothing of the application's is on the relay yet.
+            Some(since) => Established::Direct {
+                close: relayed,
+                waiting,
+                after_relay: Some(now.duration_since(since)),
+            },
+            None => {
+                self.draining
+                    .extend(relayed.iter().map(|relayed| (*relayed, now + DRAIN)));
+                Established::Direct {
+                    close: Vec::new(),
+                    waiting,
+                    after_relay: None,
+                }
+            }
         }
     }
 
@@ -190,13 +225,22 @@ impl<W> Paths<W> {
         state.failure = None;
     }
 
-    /// A hole punch to `peer` failed, for `reason`.
-    pub fn punch_failed(&mut self, peer: PeerId, reason: String) {
-        self.peers.entry(peer).or_default().failure = Some(reason);
+    /// A hole punch to `peer` failed, for `reason`; DCUtR has given up. Ends the peer's
+    /// window: no direct connection will come.
+    pub fn punch_failed(&mut self, peer: PeerId, reason: String) -> Option<StaysRelayed<W>> {
+        let state = self.peers.entry(peer).or_default();
+        state.failure = Some(reason.clone());
+        state.relayed_since.take()?;
+        Some(StaysRelayed {
+            peer,
+            waiting: std::mem::take(&mut state.waiting),
+            failure: Some(reason),
+        })
     }
 
     /// Connection `id` to `peer` closed.
     pub fn closed(&mut self, peer: PeerId, id: ConnectionId) {
+        self.draining.retain(|(draining, _)| *draining != id);
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -230,9 +274,17 @@ impl<W> Paths<W> {
         }
     }
 
-    /// The peers whose window closed without a direct connection by `now`: their connects go
-    /// on through the relay.
-    pub fn expire(&mut self, now: Instant) -> Vec<StaysRelayed<W>> {
+    /// The peers whose window closed without a direct connection by `now` (their connects go
+    /// on through the relay), and the relayed connections whose drain is over.
+    pub fn expire(&mut self, now: Instant) -> Expired<W> {
+        let mut close = Vec::new();
+        self.draining.retain(|(id, due)| {
+            let over = *due <= now;
+            if over {
+                close.push(*id);
+            }
+            !over
+        });
         let mut ended = Vec::new();
         self.peers.retain(|_, state| {
             !(state.direct.is_empty()
@@ -255,7 +307,10 @@ impl<W> Paths<W> {
                 });
             }
         }
-        ended
+        Expired {
+            stay_relayed: ended,
+            close,
+        }
     }
 
     /// How `peer` is reached, if it is connected.
@@ -370,7 +425,13 @@ mod tests {
             paths.connect(peer, "third", t0 + Duration::from_secs(2)),
             Some("third")
         );
-        assert!(paths.expire(t0 + Duration::from_secs(60)).is_empty());
+        assert_eq!(
+            paths.expire(t0 + Duration::from_secs(60)),
+            Expired {
+                stay_relayed: Vec::new(),
+                close: Vec::new()
+            }
+        );
     }
 
     #[test]
@@ -380,23 +441,85 @@ mod tests {
         let (relayed, _) = ids();
         let t0 = Instant::now();
         paths.established(peer, relayed, RELAYED, vec!["first"], t0);
-        paths.punch_failed(peer, "Giving up after 3 dial attempts".into());
-        assert!(paths.expire(t0 + PUNCH_WINDOW / 2).is_empty());
+        assert!(paths.expire(t0 + PUNCH_WINDOW / 2).stay_relayed.is_empty());
         assert_eq!(
-            paths.expire(t0 + PUNCH_WINDOW),
+            paths.expire(t0 + PUNCH_WINDOW).stay_relayed,
             vec![StaysRelayed {
                 peer,
                 waiting: vec!["first"],
-                failure: Some("Giving up after 3 dial attempts".into()),
+                failure: None,
             }]
         );
         // Said once; later connects use the relay at once.
-        assert!(paths.expire(t0 + PUNCH_WINDOW * 2).is_empty());
+        assert!(paths.expire(t0 + PUNCH_WINDOW * 2).stay_relayed.is_empty());
         assert_eq!(
             paths.connect(peer, "later", t0 + PUNCH_WINDOW * 2),
             Some("later")
         );
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
+    }
+
+    /// DCUtR gave up (symmetric NATs): the connects go on through the relay at once, not after
+    /// the rest of the window.
+    #[test]
+    fn a_failed_hole_punch_ends_the_window() {
+        let mut paths = Paths::default();
+        let peer = PeerId::random();
+        let (relayed, _) = ids();
+        let t0 = Instant::now();
+        paths.established(peer, relayed, RELAYED, vec!["first"], t0);
+        assert_eq!(
+            paths.punch_failed(peer, "Giving up after 3 dial attempts".into()),
+            Some(StaysRelayed {
+                peer,
+                waiting: vec!["first"],
+                failure: Some("Giving up after 3 dial attempts".into()),
+            })
+        );
+        assert!(paths.expire(t0 + PUNCH_WINDOW).stay_relayed.is_empty());
+        assert_eq!(paths.connect(peer, "later", t0), Some("later"));
+    }
+
+    /// A hole punch that succeeds after the window finds the relay carrying traffic: it is
+    /// closed only after the drain.
+    #[test]
+    fn a_relay_that_carried_traffic_drains_before_it_is_closed() {
+        let mut paths = Paths::<&str>::default();
+        let peer = PeerId::random();
+        let (relayed, direct) = ids();
+        let t0 = Instant::now();
+        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
+        paths.expire(t0 + PUNCH_WINDOW);
+        let late = t0 + PUNCH_WINDOW * 2;
+        assert_eq!(
+            paths.established(peer, direct, Kind::Direct, Vec::new(), late),
+            Established::Direct {
+                close: Vec::new(),
+                waiting: Vec::new(),
+                after_relay: None,
+            }
+        );
+        assert!(paths.expire(late + DRAIN / 2).close.is_empty());
+        assert_eq!(paths.expire(late + DRAIN).close, vec![relayed]);
+        assert!(paths.expire(late + DRAIN * 2).close.is_empty());
+    }
+
+    /// Two relayed connections dialled by the same side (through two gateways) are both kept:
+    /// each side alone could not tell which one the other keeps.
+    #[test]
+    fn two_relayed_connections_dialled_by_the_same_side_are_both_kept() {
+        let mut paths = Paths::<&str>::default();
+        let peer = PeerId::random();
+        let (one, two) = ids();
+        let t0 = Instant::now();
+        let theirs = Kind::Relayed {
+            dialled_by_smaller_id: false,
+        };
+        paths.established(peer, one, theirs, Vec::new(), t0);
+        assert_eq!(
+            paths.established(peer, two, theirs, Vec::new(), t0),
+            Established::Wait { close: Vec::new() }
+        );
     }
 
     #[test]

@@ -40,6 +40,7 @@ const INTERFACES_FRESH: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unreachable {
     Excluded,
+    Unspecified,
     Loopback,
     ForeignPrivate,
 }
@@ -48,6 +49,7 @@ impl std::fmt::Display for Unreachable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Unreachable::Excluded => "the address lies inside exclude_cidr",
+            Unreachable::Unspecified => "an unspecified address (0.0.0.0, ::) leads to this machine",
             Unreachable::Loopback => {
                 "a loopback address leads to this machine, and this node's network is not on one machine"
             }
@@ -61,6 +63,8 @@ impl std::fmt::Display for Unreachable {
 /// What kind of address an IP is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
+    /// `0.0.0.0`, `::`: a connect to it reaches this machine.
+    Unspecified,
     Loopback,
     Private,
     Public,
@@ -68,7 +72,9 @@ pub enum Scope {
 
 impl Scope {
     pub fn of(ip: IpAddr) -> Scope {
-        match ip {
+        match ip.to_canonical() {
+            IpAddr::V4(v4) if v4.is_unspecified() => Scope::Unspecified,
+            IpAddr::V6(v6) if v6.is_unspecified() => Scope::Unspecified,
             IpAddr::V4(v4) if v4.is_loopback() => Scope::Loopback,
             IpAddr::V4(v4) if v4.is_private() || is_shared(v4) || v4.is_link_local() => {
                 Scope::Private
@@ -96,11 +102,12 @@ fn is_shared(ip: std::net::Ipv4Addr) -> bool {
     a == 100 && (b & 0b1100_0000) == 64
 }
 
-/// The first IP component of `address`.
+/// The first IP component of `address`, an IPv4-mapped IPv6 address as the IPv4 address it
+/// is (so that ranges and scopes judge what the connect reaches).
 pub fn first_ip(address: &Multiaddr) -> Option<IpAddr> {
     address.iter().find_map(|p| match p {
         Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-        Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+        Protocol::Ip6(ip) => Some(IpAddr::V6(ip).to_canonical()),
         _ => None,
     })
 }
@@ -173,6 +180,7 @@ impl Reach {
             return Ok(());
         };
         match Scope::of(ip) {
+            Scope::Unspecified => Err(Unreachable::Unspecified),
             Scope::Public => Ok(()),
             Scope::Loopback if self.0.one_machine => Ok(()),
             Scope::Loopback => Err(Unreachable::Loopback),
@@ -187,7 +195,7 @@ impl Reach {
     pub fn worth_keeping(&self, address: &Multiaddr) -> bool {
         match self.check(address) {
             Ok(()) | Err(Unreachable::ForeignPrivate) => true,
-            Err(Unreachable::Excluded | Unreachable::Loopback) => false,
+            Err(Unreachable::Excluded | Unreachable::Unspecified | Unreachable::Loopback) => false,
         }
     }
 
@@ -226,6 +234,33 @@ impl Reach {
             .as_ref()
             .is_some_and(|(_, nets)| nets.iter().any(|net| net.contains(&ip)))
     }
+}
+
+/// Name prefixes of the interfaces container runtimes and hypervisors make: the same
+/// addresses on every machine that runs them.
+const VIRTUAL_BRIDGES: [&str; 8] = [
+    "docker", "br-", "virbr", "cni", "flannel", "cali", "kube", "podman",
+];
+
+/// Whether `ip` belongs to a container or VM bridge of this machine (`docker0`, `virbr0`, …).
+pub fn on_virtual_bridge(ip: IpAddr) -> bool {
+    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else {
+        return false;
+    };
+    interfaces
+        .filter(|i| {
+            VIRTUAL_BRIDGES
+                .iter()
+                .any(|p| i.interface_name.starts_with(p))
+        })
+        .filter_map(|i| i.address)
+        .any(|address| {
+            let own = address
+                .as_sockaddr_in()
+                .map(|a| IpAddr::V4(a.ip()))
+                .or_else(|| address.as_sockaddr_in6().map(|a| IpAddr::V6(a.ip())));
+            own == Some(ip)
+        })
 }
 
 /// The networks of this machine's interfaces (address and netmask), loopback left out.
@@ -271,6 +306,10 @@ mod tests {
             ("198.51.100.7", Scope::Public),
             ("2001:db8::1", Scope::Public),
             ("::ffff:10.0.0.1", Scope::Private),
+            ("::ffff:127.0.0.1", Scope::Loopback),
+            ("0.0.0.0", Scope::Unspecified),
+            ("::", Scope::Unspecified),
+            ("::ffff:0.0.0.0", Scope::Unspecified),
         ] {
             assert_eq!(Scope::of(ip.parse().unwrap()), scope, "{ip}");
         }
@@ -348,7 +387,7 @@ mod tests {
     }
 
     #[test]
-    fn excluded_ranges_are_never_dialled() {
+    fn excluded_ranges_and_unspecified_addresses_are_never_dialled() {
         let reach = Reach::new(
             ExcludedRanges::new(["203.0.113.0/24".parse().unwrap()]),
             &[],
@@ -359,5 +398,22 @@ mod tests {
             Err(Unreachable::Excluded)
         );
         assert!(!reach.worth_keeping(&addr("/ip4/203.0.113.9/tcp/9")));
+        // The same address written as IPv4-mapped IPv6 is the same address.
+        assert_eq!(
+            reach.check(&addr("/ip6/::ffff:203.0.113.9/tcp/9")),
+            Err(Unreachable::Excluded)
+        );
+        for unspecified in [
+            "/ip4/0.0.0.0/tcp/9",
+            "/ip6/::/tcp/9",
+            "/ip6/::ffff:0.0.0.0/tcp/9",
+        ] {
+            assert_eq!(
+                reach.check(&addr(unspecified)),
+                Err(Unreachable::Unspecified),
+                "{unspecified}"
+            );
+            assert!(!reach.worth_keeping(&addr(unspecified)));
+        }
     }
 }
