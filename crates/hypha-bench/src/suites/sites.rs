@@ -35,6 +35,9 @@ use crate::{Report, median};
 
 /// Every site's uplink and downlink.
 const MBIT: u32 = 50;
+/// The MLP's hidden width: about 1.1 M parameters, 4.4 MB an update in f32, so that the
+/// model's traffic, not the control plane's, fills the links.
+const HIDDEN: usize = 1024;
 /// The longest one network's job may take.
 const PATIENCE: Duration = Duration::from_secs(600);
 
@@ -136,7 +139,7 @@ fn run_network(sites: &Sites, epochs: u32) -> anyhow::Result<Measured> {
             "workers = 3\nbid = 50\nmax_attempts = 3\n\
              [executor]\nclass = \"train\"\nname = \"diloco\"\n\
              [resources]\ncpu = 1\n\
-             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = 256, classes = 4 }}\n\
+             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {HIDDEN}, classes = 4 }}\n\
              [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
              [diloco]\nsamples_per_round = 768\nbatch_size = 32\nround_seconds = 60\n\
              inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
