@@ -16,7 +16,9 @@
 //! | `/api/loss.svg`   | training loss by round (the plot `hypha quickstart` writes)        |
 //!
 //! The dashboard has no login: it listens on loopback unless given another address, and
-//! says so in the log when it is not. On loopback its reader is the operator at the
+//! says so in the log when it is not. It answers only requests whose `Host` is an IP address
+//! or `localhost` (421 otherwise): a web page that points a DNS name of its own at 127.0.0.1
+//! (DNS rebinding) cannot make the operator's browser read it. On loopback its reader is the operator at the
 //! scheduler's machine; beyond loopback anyone who reaches it reads it, so it withholds the
 //! run's task id (`run.task` and `iteration.iteration` read [`WITHHELD`]): whoever knows a
 //! task id could try to dispatch under it (workers refuse a second scheduler, but a first one
@@ -404,8 +406,39 @@ pub async fn serve(listener: tokio::net::TcpListener, mut sources: Sources) -> s
         .route("/api/rounds", get(rounds))
         .route("/api/events", get(events))
         .route("/api/loss.svg", get(loss_plot))
+        .layer(axum::middleware::from_fn(literal_hosts_only))
         .with_state(sources);
     axum::serve(listener, app).await
+}
+
+/// Passes on requests whose `Host` is an IP address or `localhost`; others get 421.
+async fn literal_hosts_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or_default();
+    if is_literal_host(host) {
+        next.run(request).await
+    } else {
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "the dashboard answers requests to an IP address or localhost only",
+        )
+            .into_response()
+    }
+}
+
+/// Whether a `Host` header (with or without a port) names an IP address or `localhost`.
+fn is_literal_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => host.split(':').next().unwrap_or_default(),
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok()
 }
 
 async fn state(State(sources): State<Sources>) -> Json<Snapshot> {
@@ -444,5 +477,59 @@ async fn loss_plot(State(sources): State<Sources>) -> Response {
         )
             .into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ip_addresses_and_localhost_are_hosts_it_answers() {
+        for host in [
+            "127.0.0.1:8080",
+            "127.0.0.1",
+            "localhost:8080",
+            "LOCALHOST",
+            "[::1]:8080",
+            "10.0.0.5:80",
+        ] {
+            assert!(is_literal_host(host), "{host}");
+        }
+        for host in [
+            "",
+            "evil.example:8080",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io",
+        ] {
+            assert!(!is_literal_host(host), "{host}");
+        }
+    }
+
+    /// A browser led to the dashboard under a DNS name of an attacker's gets nothing; under
+    /// its address it gets the run.
+    #[tokio::test]
+    async fn a_request_under_a_foreign_host_name_is_refused() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let sources = Sources {
+            board: watch::channel(Board::default()).1,
+            history: watch::channel(RunProgress::default()).1,
+            reveal_task: false,
+            paths: watch::channel(BTreeMap::new()).1,
+        };
+        tokio::spawn(serve(listener, sources));
+        let ask = |host: String| async move {
+            let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+            let request =
+                format!("GET /api/run HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).await.unwrap();
+            let mut answer = String::new();
+            stream.read_to_string(&mut answer).await.unwrap();
+            answer
+        };
+        assert!(ask("evil.example".into()).await.starts_with("HTTP/1.1 421"));
+        assert!(ask(address.to_string()).await.starts_with("HTTP/1.1 200"));
     }
 }
