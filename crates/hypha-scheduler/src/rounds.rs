@@ -443,7 +443,9 @@ impl Rounds {
             status.batches
         } else if status.data_done {
             // Out of data: sync what it has; with nothing, keep asking for slices.
-            status.batches + u64::from(status.samples == 0)
+            status
+                .batches
+                .saturating_add(u64::from(status.samples == 0))
         } else {
             self.target(&status, now_ms)
         };
@@ -467,7 +469,11 @@ impl Rounds {
         let in_round: Vec<&Trainer> = self
             .trainers
             .values()
-            .filter(|t| t.status.round.is_some_and(|r| r + 1 >= self.round))
+            .filter(|t| {
+                t.status
+                    .round
+                    .is_some_and(|r| r.saturating_add(1) >= self.round)
+            })
             .collect();
         let count = self.trainers.len().max(1) as u64;
         let even = plan
@@ -475,7 +481,7 @@ impl Rounds {
             .div_ceil(plan.batch_size.max(1) * count)
             .max(1);
         let Some(batch_ms) = status.batch_ms.filter(|ms| *ms > 0.0) else {
-            return even.max(status.batches + 1);
+            return even.max(status.batches.saturating_add(1));
         };
         // A pace of more than a batch every 10 µs is a report to distrust, not a plan.
         let batch_ms = batch_ms.max(MIN_BATCH_MS);
@@ -507,9 +513,11 @@ impl Rounds {
             .iter()
             .map(|t| match t.status.round {
                 Some(round) if round == self.round => self.trained_by_now(t, now_ms),
-                Some(round) if round + 1 == self.round => {
-                    t.status.ahead_batches.saturating_mul(plan.batch_size)
-                }
+                Some(round) if round.saturating_add(1) == self.round => t
+                    .status
+                    .ahead_batches
+                    .saturating_mul(plan.batch_size)
+                    .min(plan.samples_per_round),
                 _ => 0,
             })
             .sum();
@@ -532,8 +540,17 @@ impl Rounds {
     /// only every few seconds or at their target, so without this each one reaching its
     /// target would see the others where they last spoke, and be told to train their share
     /// again: rounds twice `samples_per_round`.
+    ///
+    /// What a trainer says it trained is believed up to what it was told to train this round
+    /// (or a whole round before it was told anything): a trainer claiming 10¹² samples would
+    /// otherwise leave the others nothing to train, and every honest target one batch.
     fn trained_by_now(&self, trainer: &Trainer, now_ms: u64) -> u64 {
         let status = &trainer.status;
+        let batch = self.plan.batch_size;
+        let told = match trainer.ordered {
+            Some((round, target)) if round == self.round => target.saturating_mul(batch),
+            _ => self.plan.samples_per_round,
+        };
         let since = match (status.batch_ms, trainer.ordered) {
             (Some(batch_ms), Some((round, target))) if batch_ms > 0.0 && round == self.round => {
                 let paced = (now_ms.saturating_sub(trainer.heard_ms) as f64 / batch_ms) as u64;
@@ -541,7 +558,10 @@ impl Rounds {
             }
             _ => 0,
         };
-        status.samples + since * self.plan.batch_size
+        status
+            .samples
+            .min(told)
+            .saturating_add(since.saturating_mul(batch))
     }
 
     /// The server's status: what it should do next, and what the ledger must settle.
@@ -1023,6 +1043,39 @@ mod tests {
                 .0,
         );
         assert!((59..=61).contains(&a), "a: {a}");
+    }
+
+    /// A trainer that claims 10¹² samples (or u64::MAX) is believed only up to what it was
+    /// told to train: the honest trainer's target is what it would be had the liar trained
+    /// its share, and nothing overflows.
+    #[test]
+    fn a_trainer_claiming_more_samples_than_it_was_given_does_not_shrink_the_others_rounds() {
+        let honest_target = |claim: u64| {
+            let mut rounds = rounds_with(&[("liar", "l"), ("honest", "h")]);
+            let paced = |batches| status(0, batches, Some(100.0));
+            rounds.trainer_status("liar", TrainerStatus::default(), 0);
+            rounds.trainer_status("honest", TrainerStatus::default(), 0);
+            rounds.trainer_status("liar", paced(0), 0);
+            rounds.trainer_status("honest", paced(0), 0);
+            let lie = TrainerStatus {
+                samples: claim,
+                ..paced(4)
+            };
+            rounds.trainer_status("liar", lie, 400);
+            target(rounds.trainer_status("honest", paced(4), 400).0)
+        };
+        let truthful = honest_target(40);
+        assert!(
+            truthful > 1,
+            "an honest report leaves the round to train: {truthful}"
+        );
+        for claim in [1_000_000_000_000, u64::MAX] {
+            assert!(
+                honest_target(claim) >= truthful / 2,
+                "a claim of {claim} samples shrank the honest target to {} (from {truthful})",
+                honest_target(claim)
+            );
+        }
     }
 
     #[test]
