@@ -63,11 +63,12 @@ enum Command {
         /// What the node may do; repeat for several. Written into the certificate's subject
         /// as `OU=hypha:<roles>`. Peers refuse what a role grants to a node without it: only
         /// schedulers lease and dispatch, only workers offer and report on jobs, only data
-        /// nodes are taken as dataset providers, only gateways relay. Without any, the
+        /// nodes are taken as dataset providers, only gateways relay, only operators hear a
+        /// scheduler's run progress (with the run's own workers). Without any, the
         /// certificate is role-less: fine for a client that reads data or health, and accepted
         /// in every role only by nodes configured with `allow_roleless = true`.
-        #[arg(long = "role", value_enum)]
-        roles: Vec<RoleArg>,
+        #[arg(long = "role", value_parser = role_parser())]
+        roles: Vec<Role>,
     },
     /// Add a certificate to its issuer's revocation list (created if absent, else updated).
     Revoke {
@@ -134,23 +135,11 @@ struct CaArgs {
     ca_key: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum RoleArg {
-    Scheduler,
-    Worker,
-    Data,
-    Gateway,
-}
-
-impl From<RoleArg> for Role {
-    fn from(role: RoleArg) -> Role {
-        match role {
-            RoleArg::Scheduler => Role::Scheduler,
-            RoleArg::Worker => Role::Worker,
-            RoleArg::Data => Role::Data,
-            RoleArg::Gateway => Role::Gateway,
-        }
-    }
+/// `--role`: every role the certificates know (`Role::ALL`), listed in `--help`.
+fn role_parser() -> impl clap::builder::TypedValueParser<Value = Role> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(Role::ALL.map(Role::name))
+        .try_map(|name| name.parse::<Role>())
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -190,7 +179,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             roles,
         } => {
             let org = load_ca(&ca)?;
-            let roles: Roles = roles.into_iter().map(Role::from).collect();
+            let roles: Roles = roles.into_iter().collect();
             let node = authority::create_node(
                 &org,
                 &new.name,

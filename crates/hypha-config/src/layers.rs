@@ -136,7 +136,13 @@ impl<'s> Layers<'s> {
 
         let origin_of = |key: &str| at(positions.get(key).copied().unwrap_or(0));
         check(self.schema, self.schema.keys(), &table, "", &origin_of)?;
-        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        // Relative to the file, and absolute: `run --config worker.toml` must not leave a
+        // `work_dir = "work"` relative to the working directory, where an executor started in
+        // its job's directory would look for its bridge socket.
+        let base = std::path::absolute(&path)
+            .ok()
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+            .unwrap_or_default();
         anchor_paths(self.schema.keys(), &mut table, &base);
 
         let mut new_origins = BTreeMap::new();
