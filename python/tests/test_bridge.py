@@ -99,6 +99,10 @@ class Slices(unittest.TestCase):
             refused = bridge.consumed([slice_id], round_, data, completed_round=round_)
             self.assertEqual(refused, [])
             taken.append(slice_id)
+            if len(taken) == 1:
+                # Each job takes its first slice before either goes on: on a loaded machine
+                # one job could otherwise read the whole dataset while the other still starts.
+                ctx.barrier("first-slice", limit=120.0)
         # Both jobs read; each took some, and the Rust test checks the ledger has every slice
         # used once.
         with open(os.path.join(ctx.shared, f"slices-{ctx.me}.txt"), "w") as file:

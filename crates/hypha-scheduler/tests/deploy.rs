@@ -3,7 +3,8 @@
 //! public network, sites A, B and C behind NAT routers) with a directory of its own, the
 //! programs on `PATH`, `scp HOST:` copying into that host's directory, and `203.0.113.7`, the
 //! guide's stand-in for the gateway's public address, replaced by the testbed's. Blocks marked
-//! `service` are started in the background and waited for until they log their `ready` text.
+//! `service` are started in the background and waited for (30 s at most) until they log their
+//! `ready` text.
 //! A `sh` block without `on=` fails the test: nothing in the guide goes untried.
 //! Skipped, with a message, where network namespaces cannot be made.
 
@@ -11,14 +12,7 @@
 
 mod common;
 
-use std::{
-    collections::BTreeMap,
-    io::{BufRead, BufReader},
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::mpsc,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, path::Path};
 
 use common::*;
 use hypha_testing::sites::{GATEWAY_IP, Nat, Site, Sites};
@@ -61,20 +55,6 @@ fn blocks(guide: &str) -> Vec<Block> {
         });
     }
     blocks
-}
-
-/// A service started from the guide, and its log so far.
-struct Service {
-    name: String,
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 #[test]
@@ -152,7 +132,7 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
         std::env::var("PATH").unwrap_or_default()
     );
 
-    let mut services: Vec<Service> = Vec::new();
+    let mut services: Vec<Proc> = Vec::new();
     for block in &blocks {
         let netns = places.get(block.machine.as_str()).unwrap_or_else(|| {
             panic!(
@@ -161,15 +141,8 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
             )
         });
         let script = block.script.replace(PLACEHOLDER, GATEWAY_IP);
-        let dir: PathBuf = machines.join(&block.machine);
-        let mut command = match netns {
-            Some(netns) => {
-                let mut command = Command::new("ip");
-                command.args(["netns", "exec", netns, "bash"]);
-                command
-            }
-            None => Command::new("bash"),
-        };
+        let dir = machines.join(&block.machine);
+        let mut command = command_in(netns.as_deref(), "bash");
         command
             .args(["-euo", "pipefail", "-c", &script])
             .current_dir(&dir)
@@ -189,47 +162,8 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
                 );
             }
             Some(ready) => {
-                let mut child = command
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap();
-                let stderr = child.stderr.take().unwrap();
-                let (tx, lines) = mpsc::channel();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                        if tx.send(line).is_err() {
-                            break;
-                        }
-                    }
-                });
-                let service = Service {
-                    name: block.machine.clone(),
-                    child,
-                    lines,
-                };
-                let deadline = Instant::now() + Duration::from_secs(60);
-                let mut seen = Vec::new();
-                loop {
-                    match service.lines.recv_timeout(Duration::from_millis(100)) {
-                        Ok(line) if line.contains(ready.as_str()) => break,
-                        Ok(line) => seen.push(line),
-                        Err(mpsc::RecvTimeoutError::Timeout) => {}
-                        Err(mpsc::RecvTimeoutError::Disconnected) => {
-                            panic!(
-                                "{} exited before {ready:?}:\n{}",
-                                service.name,
-                                seen.join("\n")
-                            )
-                        }
-                    }
-                    assert!(
-                        Instant::now() < deadline,
-                        "{} never logged {ready:?}:\n{}",
-                        service.name,
-                        seen.join("\n")
-                    );
-                }
+                let mut service = Proc::from_command(command, &block.machine);
+                service.wait_for(ready);
                 services.push(service);
             }
         }
@@ -237,9 +171,12 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
     // The job ran to its end above; its ledger is audited by the guide itself. What the
     // services logged must hold no error.
     for service in &mut services {
-        let errors: Vec<String> = service
-            .lines
-            .try_iter()
+        while let Ok(line) = service.lines.try_recv() {
+            service.seen.push(line);
+        }
+        let errors: Vec<&String> = service
+            .seen
+            .iter()
             .filter(|l| l.contains("ERROR"))
             .collect();
         assert!(errors.is_empty(), "{} logged {errors:#?}", service.name);

@@ -66,6 +66,19 @@ fn train_across(sites: &Sites) -> (Cluster, Vec<String>, Vec<(Proc, Place)>) {
     (cluster, lines, nodes)
 }
 
+/// [`train_across`], then the checks every network must pass: every slice used once per
+/// epoch, and no error in the scheduler's log.
+fn train_and_audit(sites: &Sites) -> (Cluster, Vec<(Proc, Place)>) {
+    let (cluster, lines, nodes) = train_across(sites);
+    assert_audit_passes(&cluster.path("sites-job.ledger"), 2, DILOCO_SLICES);
+    let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
+    assert!(
+        errors.is_empty(),
+        "the scheduler logged errors: {errors:#?}"
+    );
+    (cluster, nodes)
+}
+
 /// Probes node `name` of `nodes` from its LAN neighbour `from`.
 fn probe_node(cluster: &Cluster, nodes: &mut [(Proc, Place)], name: &str, from: &Place) -> Probed {
     let (proc, place) = nodes.iter_mut().find(|(p, _)| p.name == name).unwrap();
@@ -81,13 +94,7 @@ fn the_diloco_job_trains_across_three_sites_behind_nats() {
     let Some(sites) = three_sites("hst", Nat::Cone) else {
         return;
     };
-    let (cluster, lines, mut nodes) = train_across(&sites);
-    assert_audit_passes(&cluster.path("sites-job.ledger"), 2, DILOCO_SLICES);
-    let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
-    assert!(
-        errors.is_empty(),
-        "the scheduler logged errors: {errors:#?}"
-    );
+    let (cluster, mut nodes) = train_and_audit(&sites);
 
     let ps = probe_node(&cluster, &mut nodes, "ps", &sites.node(2, 1));
     let text = &ps.text;
@@ -122,13 +129,7 @@ fn behind_a_symmetric_nat_the_job_trains_through_the_relay() {
     let Some(sites) = three_sites("hsy", Nat::Symmetric) else {
         return;
     };
-    let (cluster, lines, mut nodes) = train_across(&sites);
-    assert_audit_passes(&cluster.path("sites-job.ledger"), 2, DILOCO_SLICES);
-    let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
-    assert!(
-        errors.is_empty(),
-        "the scheduler logged errors: {errors:#?}"
-    );
+    let (cluster, mut nodes) = train_and_audit(&sites);
 
     let ps = probe_node(&cluster, &mut nodes, "ps", &sites.node(2, 1));
     let text = &ps.text;

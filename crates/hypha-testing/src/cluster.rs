@@ -357,6 +357,18 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
+/// `program`, to run in the network namespace `netns` (`None`: this process's).
+pub fn command_in(netns: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match netns {
+        Some(netns) => {
+            let mut command = Command::new("ip");
+            command.args(["netns", "exec", netns]).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
 /// A running program whose stderr is collected line by line; killed when dropped.
 #[derive(Debug)]
 pub struct Proc {
@@ -390,17 +402,14 @@ impl Proc {
         env: &[(&str, &str)],
         name: &str,
     ) -> Self {
-        let mut command = match netns {
-            Some(netns) => {
-                let mut command = Command::new("ip");
-                command.args(["netns", "exec", netns]).arg(bin);
-                command
-            }
-            None => Command::new(bin),
-        };
+        let mut command = command_in(netns, bin);
+        command.args(args).envs(env.iter().copied());
+        Self::from_command(command, name)
+    }
+
+    /// Starts `command` (its stdout discarded, its stderr collected).
+    pub fn from_command(mut command: Command, name: &str) -> Self {
         let mut child = command
-            .args(args)
-            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

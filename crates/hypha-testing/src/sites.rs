@@ -36,7 +36,7 @@
 use std::collections::BTreeMap;
 
 use crate::{
-    cluster::{Cluster, Place, Proc, bin},
+    cluster::{Cluster, Place, Proc, bin, command_in},
     netns::{output, run},
 };
 
@@ -443,17 +443,7 @@ pub fn probe(cluster: &Cluster, node: &mut Proc, place: &Place, from: &Place) ->
         place.ip,
         cluster.peer_id(&node.name)
     );
-    let mut command = match &from.netns {
-        Some(netns) => {
-            let mut command = std::process::Command::new("ip");
-            command
-                .args(["netns", "exec", netns])
-                .arg(bin("hypha-gateway"));
-            command
-        }
-        None => std::process::Command::new(bin("hypha-gateway")),
-    };
-    let out = command
+    let out = command_in(from.netns.as_deref(), bin("hypha-gateway"))
         .args(["probe", &address, "--config"])
         .arg(cluster.path("prober.toml"))
         .output()
