@@ -33,7 +33,7 @@ use crate::{
     client::{Command, GossipMessage, InboundRequest, NetworkError, Responder},
     nat::NatBelief,
     paths::{Established, Kind, PUNCH_WINDOW, Paths, StaysRelayed},
-    reach::{Reach, Unreachable},
+    reach::{Reach, Unreachable, is_relayed},
 };
 
 type Reply<T> = tokio::sync::oneshot::Sender<Result<T, NetworkError>>;
@@ -1230,8 +1230,4 @@ fn relay_of(address: &Multiaddr) -> Option<PeerId> {
         }
     }
     None
-}
-
-fn is_relayed(address: &Multiaddr) -> bool {
-    address.iter().any(|p| matches!(p, Protocol::P2pCircuit))
 }

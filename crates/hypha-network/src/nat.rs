@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 
 use libp2p::{Multiaddr, PeerId, multiaddr::Protocol};
 
-use crate::reach::{Scope, first_ip};
+use crate::reach::{Scope, first_ip, is_relayed};
 
 /// What the node believes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,10 +110,6 @@ fn tcp_port(address: &Multiaddr) -> Option<u16> {
         Protocol::Tcp(port) => Some(port),
         _ => None,
     })
-}
-
-fn is_relayed(address: &Multiaddr) -> bool {
-    address.iter().any(|p| matches!(p, Protocol::P2pCircuit))
 }
 
 #[cfg(test)]

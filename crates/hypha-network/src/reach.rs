@@ -202,7 +202,7 @@ impl Reach {
     /// A direct connection with `remote` (an address of the peer, not a relay circuit)
     /// shows that its LAN routes to this node.
     pub fn learn_direct(&self, remote: &Multiaddr) {
-        if remote.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
+        if is_relayed(remote) {
             return;
         }
         if let Some(ip) = first_ip(remote).filter(|ip| Scope::of(*ip) == Scope::Private)
@@ -244,44 +244,43 @@ const VIRTUAL_BRIDGES: [&str; 8] = [
 
 /// Whether `ip` belongs to a container or VM bridge of this machine (`docker0`, `virbr0`, …).
 pub fn on_virtual_bridge(ip: IpAddr) -> bool {
-    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else {
-        return false;
-    };
-    interfaces
-        .filter(|i| {
-            VIRTUAL_BRIDGES
+    interfaces().any(|(name, own, _)| {
+        own == ip
+            && VIRTUAL_BRIDGES
                 .iter()
-                .any(|p| i.interface_name.starts_with(p))
-        })
-        .filter_map(|i| i.address)
-        .any(|address| {
-            let own = address
-                .as_sockaddr_in()
-                .map(|a| IpAddr::V4(a.ip()))
-                .or_else(|| address.as_sockaddr_in6().map(|a| IpAddr::V6(a.ip())));
-            own == Some(ip)
-        })
+                .any(|prefix| name.starts_with(prefix))
+    })
 }
 
 /// The networks of this machine's interfaces (address and netmask), loopback left out.
 pub fn interface_networks() -> Vec<IpNet> {
-    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else {
-        return Vec::new();
-    };
-    interfaces
-        .filter_map(|interface| {
-            let (address, netmask) = (interface.address?, interface.netmask?);
-            let (ip, mask) = match (address.as_sockaddr_in(), netmask.as_sockaddr_in()) {
-                (Some(ip), Some(mask)) => (IpAddr::V4(ip.ip()), IpAddr::V4(mask.ip())),
-                _ => match (address.as_sockaddr_in6(), netmask.as_sockaddr_in6()) {
-                    (Some(ip), Some(mask)) => (IpAddr::V6(ip.ip()), IpAddr::V6(mask.ip())),
-                    _ => return None,
-                },
-            };
-            let net = IpNet::with_netmask(ip, mask).ok()?.trunc();
-            (Scope::of(ip) != Scope::Loopback).then_some(net)
-        })
+    interfaces()
+        .filter(|(_, ip, _)| Scope::of(*ip) != Scope::Loopback)
+        .filter_map(|(_, ip, mask)| Some(IpNet::with_netmask(ip, mask?).ok()?.trunc()))
         .collect()
+}
+
+/// This machine's interface addresses: name, address and netmask.
+fn interfaces() -> impl Iterator<Item = (String, IpAddr, Option<IpAddr>)> {
+    let ip_of = |address: &nix::sys::socket::SockaddrStorage| {
+        address
+            .as_sockaddr_in()
+            .map(|a| IpAddr::V4(a.ip()))
+            .or_else(|| address.as_sockaddr_in6().map(|a| IpAddr::V6(a.ip())))
+    };
+    nix::ifaddrs::getifaddrs()
+        .into_iter()
+        .flatten()
+        .filter_map(move |interface| {
+            let ip = ip_of(interface.address.as_ref()?)?;
+            let mask = interface.netmask.as_ref().and_then(ip_of);
+            Some((interface.interface_name, ip, mask))
+        })
+}
+
+/// Whether `address` goes through a relay (`…/p2p-circuit/…`).
+pub fn is_relayed(address: &Multiaddr) -> bool {
+    address.iter().any(|p| matches!(p, Protocol::P2pCircuit))
 }
 
 #[cfg(test)]
