@@ -17,7 +17,7 @@ use hypha_messages::artifact::Request;
 use std::{
     fs::{File, OpenOptions},
     io,
-    os::unix::fs::FileExt,
+    os::unix::fs::{FileExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -134,7 +134,7 @@ fn with_path(path: &Path) -> impl FnOnce(io::Error) -> io::Error + '_ {
     move |e| io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
-fn part_path(target: &Path) -> PathBuf {
+pub(crate) fn part_path(target: &Path) -> PathBuf {
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -306,10 +306,18 @@ impl Assembly {
         });
     }
 
-    /// Syncs every part file and renames it over its destination (blocking). The open handles
-    /// keep working, so the files can still be served.
+    /// Makes every part file read-only (see `cache::make_read_only`), syncs it and renames it
+    /// over its destination (blocking). The open handles keep working, so the files can still
+    /// be served.
     pub fn finish(&self) -> io::Result<()> {
         for ((file, part), target) in self.files.iter().zip(&self.parts).zip(&self.targets) {
+            let mode = file
+                .metadata()
+                .map_err(with_path(part))?
+                .permissions()
+                .mode();
+            file.set_permissions(std::fs::Permissions::from_mode(mode & !0o222))
+                .map_err(with_path(part))?;
             file.sync_all().map_err(with_path(part))?;
             std::fs::rename(part, target).map_err(with_path(target))?;
         }

@@ -5,9 +5,19 @@
 //! A chunk is recorded after its bytes were written but before they are synced; on resume
 //! every recorded chunk is hashed again, so a crash between the two costs that chunk, never a
 //! corrupt file.
+//!
+//! A completed artifact's files are made read-only and [`Stamp`]ed when they are recorded, and
+//! a cache hit compares the stamps again before the files are used: whatever changed a file
+//! since (a job that wrote through a link, a process of the node's user that made it writable,
+//! a disk) changed its stamp, and the file's chunks are hashed again (see `Distributor::fetch`).
 
 use hypha_messages::artifact::Request;
-use std::path::{Path, PathBuf};
+use std::{
+    collections::BTreeMap,
+    io,
+    os::unix::fs::{MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
 
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -48,6 +58,76 @@ pub struct Record {
     pub from_origin: Vec<u32>,
     /// Whether the archive was unpacked into `request.unpack`'s destination.
     pub unpacked: bool,
+    /// Each file's stamp when it was completed, in manifest order. Absent in older records:
+    /// their files are hashed again once.
+    #[serde(default)]
+    pub stamps: Vec<Stamp>,
+    /// Every file and link of the unpacked tree, by its path in the tree, when it was unpacked.
+    #[serde(default)]
+    pub unpacked_stamps: BTreeMap<String, Stamp>,
+}
+
+/// What a file looked like on disk: a write, a `chmod`, a new link, a rename onto it or a
+/// replacement changes at least its change time, which no process can set back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stamp {
+    pub len: u64,
+    pub inode: u64,
+    /// Modification time: seconds, nanoseconds.
+    pub modified: (i64, i64),
+    /// Change time: seconds, nanoseconds.
+    pub changed: (i64, i64),
+}
+
+impl Stamp {
+    /// The stamp of `path` (not following a link).
+    pub fn of(path: &Path) -> io::Result<Stamp> {
+        let m = std::fs::symlink_metadata(path)?;
+        Ok(Stamp {
+            len: m.len(),
+            inode: m.ino(),
+            modified: (m.mtime(), m.mtime_nsec()),
+            changed: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    /// Stamps of every file and link under `dir`, by path relative to it.
+    pub fn of_tree(dir: &Path) -> io::Result<BTreeMap<String, Stamp>> {
+        let mut stamps = BTreeMap::new();
+        let mut pending = vec![PathBuf::new()];
+        while let Some(relative) = pending.pop() {
+            for entry in std::fs::read_dir(dir.join(&relative))? {
+                let entry = entry?;
+                let path = relative.join(entry.file_name());
+                if entry.file_type()?.is_dir() {
+                    pending.push(path);
+                } else {
+                    stamps.insert(
+                        path.to_string_lossy().into_owned(),
+                        Stamp::of(&dir.join(&path))?,
+                    );
+                }
+            }
+        }
+        Ok(stamps)
+    }
+}
+
+/// Takes every write permission off the files (not the directories) under `path`, a file or a
+/// tree: the store's files are shared by jobs and served to peers, and are never written again
+/// in place. (A process of the node's own user can put the permission back: the stamps find
+/// out.)
+pub fn make_read_only(path: &Path) -> io::Result<()> {
+    let metadata = std::fs::symlink_metadata(path)?;
+    if metadata.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            make_read_only(&entry?.path())?;
+        }
+    } else if metadata.is_file() && metadata.permissions().mode() & 0o222 != 0 {
+        let mode = metadata.permissions().mode() & !0o222;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
 }
 
 impl Record {
@@ -66,6 +146,15 @@ impl Record {
                 .unpack
                 .as_ref()
                 .is_some_and(|u| u.destination.is_dir())
+    }
+
+    /// Whether the archive was unpacked as `request` asks and every file and link of the tree
+    /// is as it was unpacked (blocking).
+    pub fn tree_intact(&self, request: &Request) -> bool {
+        self.unpacked_as(request)
+            && request.unpack.as_ref().is_some_and(|unpack| {
+                Stamp::of_tree(&unpack.destination).is_ok_and(|now| now == self.unpacked_stamps)
+            })
     }
 
     /// Whether every file is on disk at its size, so this node can serve it.
@@ -149,6 +238,17 @@ impl Cache {
             let mut chunks = txn.open_table(CHUNKS)?;
             let id: &[u8] = &record.manifest.id.0;
             chunks.retain_in((id, 0)..=(id, u32::MAX), |_, _| false)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets a completed artifact: its files are to be fetched (or repaired) again.
+    pub fn forget_completed(&self, request: &Request) -> Result<(), CacheError> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut table = txn.open_table(COMPLETED)?;
+            table.remove(Self::key(request).as_str())?;
         }
         txn.commit()?;
         Ok(())

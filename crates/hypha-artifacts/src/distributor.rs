@@ -3,6 +3,7 @@
 use hypha_messages::artifact::Request;
 use std::{
     collections::HashMap,
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, Weak},
     time::Duration,
@@ -14,8 +15,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::{
     Settings,
-    assembly::Assembly,
-    cache::{Cache, CacheError, Record},
+    assembly::{Assembly, part_path},
+    cache::{Cache, CacheError, Record, Stamp, make_read_only},
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
     protocol::{
@@ -226,9 +227,16 @@ impl Distributor {
         let cache = self.inner.cache.clone();
         let lookup = request.clone();
         let record = blocking(move || cache.completed(&lookup)).await?;
-        if let Some(record) =
-            record.filter(|r| r.manifest.same_files(&manifest) && r.satisfies(request))
-        {
+        let record =
+            match record.filter(|r| r.manifest.same_files(&manifest) && r.satisfies(request)) {
+                Some(record) => {
+                    let cache = self.inner.cache.clone();
+                    let request = request.clone();
+                    blocking(move || check_cached(&cache, record, &request)).await?
+                }
+                None => None,
+            };
+        if let Some(record) = record {
             tracing::info!(artifact = %id, destination = %request.destination.display(), "cached, and the origin still has this version");
             if record.files_present() && !self.inner.swarms().contains_key(&id) {
                 let admission = &options.admission;
@@ -301,6 +309,8 @@ impl Distributor {
             hashes: Vec::new(),
             from_origin: Vec::new(),
             unpacked: false,
+            stamps: Vec::new(),
+            unpacked_stamps: Default::default(),
         };
         let unpacked = self.unpack_if_asked(request, record).await?;
         Ok(Fetched {
@@ -489,21 +499,27 @@ impl Distributor {
         let Some(options) = request.unpack.clone() else {
             return Ok(None);
         };
-        if record.unpacked_as(request) {
-            return Ok(Some(options.destination));
-        }
         let archive = record.manifest.target(request, 0);
         let cache = self.inner.cache.clone();
         let destination = options.destination.clone();
         let request = request.clone();
         let limits = self.inner.settings.unpack_limits;
         blocking(move || {
+            if record.unpacked_as(&request) {
+                if record.tree_intact(&request) {
+                    return Ok(());
+                }
+                tracing::warn!(destination = %options.destination.display(), "the unpacked tree changed on disk since it was unpacked; unpacking the archive again");
+            }
             unpack(&archive, &options, &limits)?;
+            make_read_only(&options.destination)?;
+            let unpacked_stamps = Stamp::of_tree(&options.destination)?;
             if let Some(done) = cache.completed(&request)? {
                 record = done;
             }
             record.request = request;
             record.unpacked = true;
+            record.unpacked_stamps = unpacked_stamps;
             cache.record_completed(&record)?;
             Ok::<_, FetchError>(())
         })
@@ -548,6 +564,86 @@ impl Distributor {
     pub fn progress(&self, id: ArtifactId) -> Option<watch::Receiver<Progress>> {
         self.inner.swarms().get(&id).map(|m| m.progress.clone())
     }
+}
+
+/// A cache hit, checked before its files are used: files whose stamps changed since they were
+/// recorded are hashed chunk by chunk. The record if every chunk is as fetched (its stamps
+/// renewed where they changed); `None` for a damaged entry, which is left ready for the swarm
+/// to repair: its files moved back to part files, its good chunks recorded, so that only the
+/// damaged ones are fetched again (blocking).
+fn check_cached(
+    cache: &Cache,
+    mut record: Record,
+    request: &Request,
+) -> Result<Option<Record>, FetchError> {
+    if !record.files_present() {
+        // Only the unpacked tree is left: a hit while it is intact.
+        return Ok(record.tree_intact(request).then_some(record));
+    }
+    let manifest = Arc::new(record.manifest.clone());
+    let targets: Vec<PathBuf> = (0..manifest.files.len())
+        .map(|i| manifest.target(request, i))
+        .collect();
+    let stamp_all = || {
+        targets
+            .iter()
+            .map(|target| Stamp::of(target))
+            .collect::<std::io::Result<Vec<_>>>()
+    };
+    let stamps = stamp_all()?;
+    let changed: Vec<bool> = stamps
+        .iter()
+        .enumerate()
+        .map(|(i, stamp)| record.stamps.get(i) != Some(stamp))
+        .collect();
+    if !changed.contains(&true) {
+        return Ok(Some(record));
+    }
+    let hashes = record.chunk_hashes();
+    let assembly = Assembly::open_complete(manifest.clone(), request)?;
+    let mut good = Vec::new();
+    let mut damaged = 0;
+    for (index, span) in manifest.chunks().iter().enumerate() {
+        match hashes.as_ref().map(|hashes| hashes[index]) {
+            Some(hash) if !changed[span.file] || assembly.hash_chunk(*span)? == hash => {
+                good.push((index as u32, hash));
+            }
+            _ => damaged += 1,
+        }
+    }
+    drop(assembly);
+    if damaged == 0 {
+        // Touched, linked or made writable, but every byte as fetched.
+        for target in &targets {
+            make_read_only(target)?;
+        }
+        record.stamps = stamp_all()?;
+        cache.record_completed(&record)?;
+        return Ok(Some(record));
+    }
+    tracing::warn!(
+        artifact = %manifest.id,
+        destination = %request.destination.display(),
+        damaged,
+        chunks = manifest.chunk_count(),
+        "the cached files changed on disk since they were fetched; fetching the changed chunks again"
+    );
+    // Completed record first: a crash after it leaves files the next fetch does not trust.
+    cache.forget_completed(request)?;
+    for target in &targets {
+        let mode = std::fs::metadata(target)?.permissions().mode();
+        std::fs::set_permissions(target, std::fs::Permissions::from_mode(mode | 0o200))?;
+        std::fs::rename(target, part_path(target))?;
+    }
+    for (chunk, hash) in good {
+        cache.record_chunk(
+            manifest.id,
+            chunk,
+            &hash,
+            record.from_origin.contains(&chunk),
+        )?;
+    }
+    Ok(None)
 }
 
 async fn accept_swarm_streams(mut incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {

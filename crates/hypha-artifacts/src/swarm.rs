@@ -66,7 +66,7 @@ use tokio::{
 use crate::{
     Settings,
     assembly::{Assembly, ChunkSink},
-    cache::{Cache, Record},
+    cache::{Cache, Record, Stamp},
     manifest::{ArtifactId, Manifest},
     origin::{Origin, OriginError},
     protocol::{
@@ -120,6 +120,9 @@ pub(crate) struct Holding {
     /// Whether each chunk is held, readable without a lock: the actor asks for every chunk
     /// on every event.
     present: Vec<AtomicBool>,
+    /// Chunks found changed on disk while being served: no longer served from here (the
+    /// cache's stamps have them fetched again by the next fetch of the artifact).
+    damaged: Vec<AtomicBool>,
     held: AtomicU32,
     pub(crate) uploads: Arc<Semaphore>,
     upload_slots: usize,
@@ -136,6 +139,7 @@ impl Holding {
             assembly,
             chunks: (0..count).map(|_| Mutex::new(None)).collect(),
             present: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            damaged: (0..count).map(|_| AtomicBool::new(false)).collect(),
             held: AtomicU32::new(0),
             uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
             upload_slots: upload_slots.max(1),
@@ -185,6 +189,25 @@ impl Holding {
             self.held.fetch_sub(1, Ordering::Relaxed);
         }
         released
+    }
+
+    /// Takes note that `chunk`'s bytes on disk no longer match its hash.
+    fn damaged(&self, chunk: u32) {
+        if let Some(flag) = self.damaged.get(chunk as usize)
+            && !flag.swap(true, Ordering::AcqRel)
+        {
+            tracing::warn!(
+                artifact = %self.assembly.manifest().id,
+                chunk,
+                "a chunk on disk no longer matches the hash it was verified with; no longer serving it"
+            );
+        }
+    }
+
+    fn is_damaged(&self, chunk: u32) -> bool {
+        self.damaged
+            .get(chunk as usize)
+            .is_some_and(|flag| flag.load(Ordering::Acquire))
     }
 
     pub(crate) fn held_count(&self) -> u32 {
@@ -1592,6 +1615,13 @@ impl Actor {
                 let from_origin = (0..manifest.chunk_count())
                     .filter(|&c| held[c as usize].is_some_and(|h| h.from_origin))
                     .collect();
+                let stamps = holding
+                    .assembly
+                    .targets()
+                    .iter()
+                    .map(|target| Stamp::of(target))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| format!("cannot stamp the completed files: {e}"))?;
                 cache
                     .record_completed(&Record {
                         request,
@@ -1599,6 +1629,8 @@ impl Actor {
                         hashes,
                         from_origin,
                         unpacked: false,
+                        stamps,
+                        unpacked_stamps: Default::default(),
                     })
                     .map_err(|e| e.to_string())
             })
@@ -1950,7 +1982,10 @@ pub(crate) async fn serve_chunk(
         .await;
         return;
     };
-    let Some(serving) = holding.held(request.chunk) else {
+    let Some(serving) = holding
+        .held(request.chunk)
+        .filter(|_| !holding.is_damaged(request.chunk))
+    else {
         let _ = write_frame(
             &mut stream,
             &refuse(
@@ -1996,11 +2031,18 @@ pub(crate) async fn serve_chunk(
         };
         let mut offset = 0u64;
         let mut next = (span.len > 0).then(|| read(0));
+        // The bytes are hashed as they are read, and the last block goes out only if they
+        // match what this node holds: a chunk changed on disk since it was verified (by a
+        // process of this node's user, by the disk) ends short, which costs the peer a retry
+        // elsewhere, instead of reaching it whole, costing it a download and this node its
+        // place in the swarm.
+        let mut hasher = blake3::Hasher::new();
         while let Some(pending) = next.take() {
             let block = pending
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
+            hasher.update(&block);
             offset += block.len() as u64;
             if offset < span.len {
                 next = Some(read(offset));
@@ -2008,6 +2050,9 @@ pub(crate) async fn serve_chunk(
                 // Dropped (and perhaps being written again) while it was being sent: end the
                 // stream short rather than hand out bytes that match no hash.
                 return Err("the chunk was dropped while being sent".to_string());
+            } else if *hasher.finalize().as_bytes() != serving {
+                holding.damaged(request.chunk);
+                return Err("the chunk on disk no longer matches its hash".to_string());
             }
             tokio::time::timeout(PEER_TIMEOUT, stream.write_all(&block))
                 .await

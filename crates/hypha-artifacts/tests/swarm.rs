@@ -140,7 +140,56 @@ async fn a_newcomer_takes_what_members_hold_but_its_own_turns() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_serving_corrupted_bytes_is_banned_and_routed_around() {
+async fn a_peer_serving_other_bytes_than_it_announced_is_banned_and_routed_around() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let model = pattern(8 * 64 * 1024, 9);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let request = object("m.bin", &dir.path().join("unused"));
+    let rogue = rogue(
+        &pki,
+        &gateway_addr,
+        &s3,
+        &request,
+        &model,
+        64 * 1024,
+        Rogue::ServesOtherBytes { members: 2 },
+    )
+    .await;
+    let honest = node(
+        &pki,
+        "honest",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+    let target = dir.path().join("honest/m.bin");
+    let fetched = fetch(&honest, &object("m.bin", &target), 2).await;
+    assert!(std::fs::read(&target).unwrap() == model);
+    assert_eq!(fetched.progress.peer_chunks, 0);
+    assert_eq!(fetched.progress.origin_chunks, 8);
+    let seen = fetched
+        .progress
+        .peers
+        .iter()
+        .find(|p| p.peer == rogue.local_peer_id());
+    assert!(
+        seen.is_some_and(|p| p.banned),
+        "{:?}",
+        fetched.progress.peers
+    );
+}
+
+/// A node whose files changed on disk after it verified them (a disk that rots, a process of
+/// its user that wrote into them) hands out none of the changed chunks whole: a transfer ends
+/// short and the chunk is served no more. Its own next fetch finds the damage and repairs it.
+/// (Checked by serving without the hash check: all 8 chunks are uploaded.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_files_rotted_serves_none_of_them_and_repairs_them() {
     let dir = tempfile::tempdir().unwrap();
     let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
     let model = pattern(8 * 64 * 1024, 9);
@@ -150,31 +199,29 @@ async fn a_peer_serving_corrupted_bytes_is_banned_and_routed_around() {
     let nodes = nodes(&pki, &gateway_addr, &s3, dir.path(), 2, 64 * 1024).await;
 
     let first_target = dir.path().join("first/m.bin");
-    fetch(&nodes[0], &object("m.bin", &first_target), 1).await;
-    // Its disk rots after it verified the chunks: it now serves bytes that no longer match.
-    {
-        use std::os::unix::fs::FileExt;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&first_target)
-            .unwrap();
-        for chunk in 0..8u64 {
-            file.write_all_at(b"rot", chunk * 64 * 1024 + 100).unwrap();
-        }
-    }
+    let first = fetch(&nodes[0], &object("m.bin", &first_target), 1).await;
+    rot(&first_target, &[0, 1, 2, 3, 4, 5, 6, 7], 64 * 1024);
     let second_target = dir.path().join("second/m.bin");
     let fetched = fetch(&nodes[1], &object("m.bin", &second_target), 2).await;
-    assert_eq!(std::fs::read(&second_target).unwrap(), model);
+    assert!(std::fs::read(&second_target).unwrap() == model);
     assert_eq!(fetched.progress.peer_chunks, 0);
     assert_eq!(
         fetched.progress.origin_chunks, 8,
-        "every chunk came from the origin after the ban"
+        "every chunk came from the origin"
     );
+    let uploaded = nodes[0]
+        .progress(first.artifact)
+        .unwrap()
+        .borrow()
+        .uploaded_chunks;
+    assert_eq!(uploaded, 0, "a changed chunk was handed out whole");
+
+    let repaired = fetch(&nodes[0], &object("m.bin", &first_target), 1).await;
     assert!(
-        fetched.progress.peers.iter().all(|p| p.banned),
-        "{:?}",
-        fetched.progress.peers
+        !repaired.from_cache,
+        "the damaged files are not a cache hit"
     );
+    assert!(std::fs::read(&first_target).unwrap() == model);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,6 +285,9 @@ enum Rogue {
     HoldsBackItsOwn { members: usize },
     /// Joins every member's swarm and then says and reads nothing.
     Silent,
+    /// Announces the origin's true hashes of the chunks that are its own to read, once it
+    /// knows all `members`, and serves other bytes under them.
+    ServesOtherBytes { members: usize },
 }
 
 /// A certified member of `request`'s swarm that behaves as `rogue` says; `truth` is the
@@ -282,6 +332,18 @@ async fn rogue(
             })
             .collect(),
     );
+    // The hashes it announces for them.
+    let announced: Vec<[u8; 32]> = manifest
+        .chunks()
+        .iter()
+        .zip(claimed.iter())
+        .map(|(span, bytes)| match rogue {
+            Rogue::ServesOtherBytes { .. } => {
+                *blake3::hash(&truth[span.offset as usize..][..span.len as usize]).as_bytes()
+            }
+            _ => *blake3::hash(bytes).as_bytes(),
+        })
+        .collect();
     let key = provider_key(manifest.id);
     network.start_providing(&key).await.unwrap();
 
@@ -337,13 +399,16 @@ async fn rogue(
             members.dedup();
             let announce = |chunk: usize| match rogue {
                 Rogue::LiesAboutEverything => true,
-                Rogue::LiesAboutItsOwn { .. } | Rogue::HoldsBackItsOwn { .. } => {
+                Rogue::LiesAboutItsOwn { .. }
+                | Rogue::HoldsBackItsOwn { .. }
+                | Rogue::ServesOtherBytes { .. } => {
                     members[(chunk + artifact.0[0] as usize) % members.len()] == me
                 }
                 Rogue::Silent => false,
             };
-            if let Rogue::LiesAboutItsOwn { members: all } | Rogue::HoldsBackItsOwn { members: all } =
-                rogue
+            if let Rogue::LiesAboutItsOwn { members: all }
+            | Rogue::HoldsBackItsOwn { members: all }
+            | Rogue::ServesOtherBytes { members: all } = rogue
                 && members.len() < all
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -363,10 +428,10 @@ async fn rogue(
                 {
                     continue;
                 }
-                for (chunk, bytes) in claimed.iter().enumerate().filter(|(c, _)| announce(*c)) {
+                for chunk in (0..claimed.len()).filter(|c| announce(*c)) {
                     let have = SwarmMessage::Have {
                         chunk: chunk as u32,
-                        blake3: *blake3::hash(bytes).as_bytes(),
+                        blake3: announced[chunk],
                         from_origin: true,
                     };
                     let _ = write_frame(&mut stream, &have).await;

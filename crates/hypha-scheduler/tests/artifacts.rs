@@ -102,14 +102,15 @@ destination = "copy/same-object.bin"
             "{name}: the same object under another name"
         );
         let metadata = std::fs::metadata(dir.join("model/model.bin")).unwrap();
-        assert!(
-            metadata.nlink() >= 2,
-            "{name}: a hard link into the store, not a copy"
+        assert_eq!(
+            metadata.nlink(),
+            1,
+            "{name}: the job's own copy, not a link into the store"
         );
         assert_eq!(
-            metadata.mode() & 0o222,
-            0,
-            "{name}: store files are read-only"
+            metadata.mode() & 0o200,
+            0o200,
+            "{name}: the job's copy is its own to write"
         );
         assert_eq!(std::fs::read(dir.join("env.tar.gz")).unwrap(), archive);
         assert_eq!(

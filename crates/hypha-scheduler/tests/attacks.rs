@@ -99,3 +99,110 @@ fn a_second_scheduler_cannot_take_over_a_task_on_a_worker() {
         .collect();
     assert!(taken.is_empty(), "the thief's job ran: {taken:#?}");
 }
+
+/// What the attacking job does: writes into every artifact file of its directory in place,
+/// and into every file of the worker's artifact store it can reach by walking up from there
+/// (it runs as the worker's user, so it makes each writable first). Records the store files it
+/// wrote in `attacked.txt` beside the job directories.
+const SCRIBBLE: &str = r#"
+import os, sys
+job = sys.argv[1]
+def scribble(path):
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.write(b"EVIL")
+scribble(os.path.join(job, "model.bin"))
+scribble(os.path.join(job, "env", "bin", "run.sh"))
+store = os.path.join(os.path.dirname(job), ".artifacts", "store")
+written = []
+for base, _, names in os.walk(store):
+    for name in names:
+        scribble(os.path.join(base, name))
+        written.append(name)
+open(os.path.join(os.path.dirname(job), "attacked.txt"), "w").write("\n".join(written))
+"#;
+
+/// What a later job does: copies what it was given beside the job directories.
+const READ: &str = r#"
+import os, shutil, sys
+job = sys.argv[1]
+shutil.copy(os.path.join(job, "model.bin"), os.path.join(os.path.dirname(job), "later-model.bin"))
+shutil.copy(os.path.join(job, "env", "bin", "run.sh"), os.path.join(os.path.dirname(job), "later-run.sh"))
+"#;
+
+/// A Python job writes into its artifacts in place (`open('r+b')`), and into the worker's
+/// artifact store itself, as a hostile executor would to plant code in an environment that
+/// later jobs of every task on that worker unpack and run. Each job gets its own copy of an
+/// artifact, so the first write stays in the attacker's directory; the store's own files are
+/// stamped, so the second is found at the next job's cache hit, and the damaged chunks and the
+/// unpacked tree are fetched and unpacked again. The later job gets the origin's bytes.
+/// (Checked by trusting the store's files without their stamps: the later job does not get
+/// the origin's bytes; its damaged archive no longer unpacked.)
+#[test]
+fn a_job_cannot_change_what_later_jobs_get_from_the_artifact_store() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let origin = tempfile::tempdir().unwrap();
+    let s3 = runtime
+        .block_on(hypha_testing::s3::S3Server::start(origin.path(), None))
+        .unwrap();
+    let model = hypha_testing::s3::pattern(3 << 20, 7);
+    let script = b"#!/bin/sh\necho hello\n".to_vec();
+    let env = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(env.path().join("env/bin")).unwrap();
+    std::fs::write(env.path().join("env/bin/run.sh"), &script).unwrap();
+    let tar = std::process::Command::new("tar")
+        .args(["czf", "env.tar.gz", "-C", "env", "."])
+        .current_dir(env.path())
+        .status()
+        .unwrap();
+    assert!(tar.success());
+    let archive = std::fs::read(env.path().join("env.tar.gz")).unwrap();
+    runtime.block_on(async {
+        s3.put("model.bin", model.clone()).await.unwrap();
+        s3.put("env.tar.gz", archive).await.unwrap();
+    });
+
+    let cluster = Cluster::new();
+    let python = |name: &str, code: &str| {
+        format!(
+            "[[executors]]\nclass = \"test\"\nname = \"{name}\"\nruntime = \"process\"\ncmd = \"python3\"\nargs = [\"-c\", {code:?}, \"{{WORK_DIR}}\"]\n"
+        )
+    };
+    let executors = format!(
+        "{}{}[artifacts]\norigin_audit = 0.0\n{}",
+        python("scribble", SCRIBBLE),
+        python("read", READ),
+        s3.profile_toml("default")
+    );
+    let mut worker = cluster.worker_with_executors("shared", "", "", &executors, &[]);
+    let job = |name: &str, executor: &str| {
+        cluster.job(
+            name,
+            &format!(
+                "workers = 1\nbid = 100.0\n[executor]\nclass = \"test\"\nname = \"{executor}\"\n\n[[artifacts]]\nuri = \"model.bin\"\ndestination = \"model.bin\"\n\n[[artifacts]]\nuri = \"env.tar.gz\"\ndestination = \"env.tar.gz\"\nunpack = {{ destination = \"env\" }}\n"
+            ),
+        )
+    };
+    for (name, executor) in [("attacker", "scribble"), ("later", "read")] {
+        let (mut scheduler, _) = cluster.scheduler(name, &job(name, executor));
+        let (ok, lines) = scheduler.wait(Duration::from_secs(90));
+        assert!(ok, "{name}: {}", lines.join("\n"));
+    }
+
+    let work = cluster.path("shared-work");
+    let attacked = std::fs::read_to_string(work.join("attacked.txt")).unwrap();
+    assert!(
+        attacked.contains("model.bin") && attacked.contains("run.sh"),
+        "the attack reached the store's files: {attacked}"
+    );
+    assert!(
+        std::fs::read(work.join("later-model.bin")).unwrap() == model,
+        "the later job got the attacker's model"
+    );
+    assert_eq!(
+        std::fs::read(work.join("later-run.sh")).unwrap(),
+        script,
+        "the later job got the attacker's environment"
+    );
+    worker.wait_for("changed on disk since they were fetched");
+}

@@ -1,22 +1,26 @@
 //! Artifacts for jobs: fetched once per worker into its artifact store, shared with the other
-//! nodes fetching them (see `hypha_artifacts`), and hard-linked into job directories.
+//! nodes fetching them (see `hypha_artifacts`), and copied into job directories.
 //!
 //! Each artifact (profile, URI, kind) has its own store directory
 //! `{artifacts.dir}/store/{key}`, so jobs asking for the same artifact under any names share
 //! one copy and one cache entry, and a later job finds it without a transfer while the origin still
-//! describes it the same way. Job directories get hard links, not copies: a 40 GB model costs
-//! no second 40 GB. Store files are made read-only so that a job cannot overwrite what other
-//! jobs (and peers) read; a job that wants to change a file replaces it in its own directory.
-//! Where the store and the job directory are on different file systems, files are copied.
+//! describes it the same way.
+//!
+//! A job gets its own copy of each file, never a link into the store: executors run as the
+//! worker's user, so no permission bit keeps a job from making a linked file writable and
+//! changing what later jobs of every task on this worker get (code planted in an unpacked
+//! environment) and what this node serves to its peers. Where the file system can clone
+//! (btrfs, XFS, bcachefs, ZFS 2.2) the copy is copy-on-write and costs no bytes; elsewhere it is
+//! a kernel-side copy: 0.6–1.2 s from the page cache, 2.1 s cold, and the disk space again
+//! for 1 GiB on this project's ext4 test machine (BENCHMARKS.md, "Artifacts into jobs"). The store itself is read-only and
+//! stamped (`hypha_artifacts::cache`): what a process of the worker's user changes there
+//! anyway is found on the next cache hit, and fetched again, and is never served to a peer.
 
 use std::{
     collections::HashMap,
     ffi::OsStr,
     fs::File,
-    os::{
-        fd::OwnedFd,
-        unix::{ffi::OsStrExt, fs::PermissionsExt},
-    },
+    os::{fd::OwnedFd, unix::fs::PermissionsExt},
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
@@ -39,8 +43,8 @@ pub enum ProvideError {
     Fetch(#[from] FetchError),
     #[error("{0}")]
     Path(#[from] PathError),
-    #[error("linking {path} into the job's directory: {error}")]
-    Link {
+    #[error("copying {path} into the job's directory: {error}")]
+    Copy {
         path: PathBuf,
         #[source]
         error: std::io::Error,
@@ -61,7 +65,7 @@ pub struct ArtifactStore {
     distributor: Distributor,
     store: PathBuf,
     /// One fetch per store directory at a time: jobs asking for the same artifact together
-    /// wait for the first, then link what it fetched.
+    /// wait for the first, then copy what it fetched.
     busy: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -116,25 +120,11 @@ impl ArtifactStore {
                 },
             )
             .await?;
-        let files: Vec<PathBuf> = fetched
-            .files
-            .iter()
-            .cloned()
-            .chain(fetched.unpacked.iter().flat_map(|dir| tree_files(dir)))
-            .collect();
-        tokio::task::spawn_blocking(move || {
-            for file in files {
-                // Readable by all who may read the store, writable by none: jobs share it.
-                let _ = std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o444));
-            }
-        })
-        .await
-        .map_err(|e| FetchError::Io(std::io::Error::other(e)))?;
         Ok((in_store, fetched))
     }
 
     /// Fetches `request` (destinations relative to the job's directory, already checked),
-    /// sharing it with the peers `admission` lets in, and links it into `job`.
+    /// sharing it with the peers `admission` lets in, and copies it into `job`.
     pub async fn provide(
         &self,
         request: &Request,
@@ -150,7 +140,7 @@ impl ArtifactStore {
         let files = tokio::task::spawn_blocking(move || {
             let mut files = Vec::new();
             for (from, to) in pairs {
-                link_tree(&job, &from, &to, &mut files)?;
+                copy_tree(&job, &from, &to, &mut files)?;
             }
             Ok::<_, ProvideError>(files)
         })
@@ -187,90 +177,63 @@ impl ArtifactStore {
     }
 }
 
-/// Every regular file under `dir`.
-fn tree_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(dir) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => pending.push(entry.path()),
-                Ok(t) if t.is_file() => files.push(entry.path()),
-                _ => {}
-            }
-        }
-    }
-    files
-}
-
-/// Links the file or tree at `from` (in the store) to `to` (relative to the job's
+/// Copies the file or tree at `from` (in the store) to `to` (relative to the job's
 /// directory), replacing what is there; records `(to, from)` for every file.
-fn link_tree(
+fn copy_tree(
     job: &JobDir,
     from: &Path,
     to: &Path,
     files: &mut Vec<(PathBuf, PathBuf)>,
 ) -> Result<(), ProvideError> {
-    let link_error = |error: std::io::Error| ProvideError::Link {
+    let copy_error = |error: std::io::Error| ProvideError::Copy {
         path: to.to_path_buf(),
         error,
     };
-    let metadata = std::fs::symlink_metadata(from).map_err(link_error)?;
+    let metadata = std::fs::symlink_metadata(from).map_err(copy_error)?;
     let (Some(parent), Some(name)) = (to.parent(), to.file_name()) else {
-        return Err(ProvideError::Link {
+        return Err(ProvideError::Copy {
             path: to.to_path_buf(),
             error: std::io::Error::other("the destination names no file"),
         });
     };
     if metadata.is_dir() {
         job.create_dir_all(to)?;
-        for entry in std::fs::read_dir(from).map_err(link_error)? {
-            let entry = entry.map_err(link_error)?;
-            link_tree(job, &entry.path(), &to.join(entry.file_name()), files)?;
+        for entry in std::fs::read_dir(from).map_err(copy_error)? {
+            let entry = entry.map_err(copy_error)?;
+            copy_tree(job, &entry.path(), &to.join(entry.file_name()), files)?;
         }
         return Ok(());
     }
     let parent_fd = job.create_dir_all(parent)?;
     if metadata.is_symlink() {
         // Unpacking kept only links that stay inside the archive's tree.
-        let target = std::fs::read_link(from).map_err(link_error)?;
+        let target = std::fs::read_link(from).map_err(copy_error)?;
         let _ = rustix::fs::unlinkat(&parent_fd, name, rustix::fs::AtFlags::empty());
-        rustix::fs::symlinkat(&target, &parent_fd, name).map_err(|e| link_error(e.into()))?;
+        rustix::fs::symlinkat(&target, &parent_fd, name).map_err(|e| copy_error(e.into()))?;
         return Ok(());
     }
-    place_file(&parent_fd, from, name).map_err(link_error)?;
+    place_file(&parent_fd, from, name).map_err(copy_error)?;
     files.push((to.to_path_buf(), from.to_path_buf()));
     Ok(())
 }
 
-/// Puts a hard link to `from` at `name` in `parent`, atomically replacing what is there; a
-/// copy where a link cannot be made.
+/// Puts a copy of `from` at `name` in `parent`, atomically replacing what is there, writable
+/// by its owner (it is the job's own): a copy-on-write clone where the file system makes one,
+/// else a kernel-side copy. Never a link (see the module's documentation).
 fn place_file(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Result<()> {
-    // A fresh name beside the destination: made as an empty file, then replaced by the link.
-    let (_, temp) = JobDir::create_temp(parent, name)?;
-    let temp_name = OsStr::from_bytes(&temp);
-    rustix::fs::unlinkat(parent, temp_name, rustix::fs::AtFlags::empty())?;
-    let linked = rustix::fs::linkat(
-        rustix::fs::CWD,
-        from,
-        parent,
-        temp_name,
-        rustix::fs::AtFlags::empty(),
-    );
-    if let Err(e) = linked {
-        if !matches!(e, rustix::io::Errno::XDEV | rustix::io::Errno::PERM) {
-            return Err(e.into());
+    let source = File::open(from)?;
+    let (mut copy, temp) = JobDir::create_temp(parent, name)?;
+    let copied = (|| {
+        if rustix::fs::ioctl_ficlone(&copy, &source).is_err() {
+            std::io::copy(&mut &source, &mut copy)?;
         }
-        let (mut copy, copy_temp) = JobDir::create_temp(parent, name)?;
-        let copied = std::io::copy(&mut File::open(from)?, &mut copy).and_then(|_| copy.sync_all());
-        if let Err(e) = copied {
-            JobDir::discard(parent, &copy_temp);
-            return Err(e);
-        }
-        return JobDir::publish(parent, &copy_temp, name);
+        let mode = source.metadata()?.permissions().mode();
+        copy.set_permissions(std::fs::Permissions::from_mode((mode | 0o200) & 0o777))?;
+        copy.sync_all()
+    })();
+    if let Err(e) = copied {
+        JobDir::discard(parent, &temp);
+        return Err(e);
     }
     JobDir::publish(parent, &temp, name)
 }

@@ -146,7 +146,7 @@ static ARTIFACT_KEYS: [Key; 11] = [
         default: DefaultValue::Unset {
             example: r#""/var/hypha/artifacts""#,
         },
-        doc: "Where fetched artifacts and their cache index live; job directories get hard links to them. Default: work_dir/.artifacts.",
+        doc: "Where fetched artifacts and their cache index live; job directories get copies (copy-on-write clones where the file system has them). Default: work_dir/.artifacts.",
     },
     Key {
         name: "chunk_bytes",

@@ -10,7 +10,7 @@
 //!   private path when `work_dir` is too long for a socket path: see
 //!   [`SocketPlace`](crate::bridge::socket::SocketPlace)),
 //! - `stdout.log`, `stderr.log`: everything the executor printed,
-//! - the spec's `artifacts`, fetched (hard links into the worker's artifact store) before the
+//! - the spec's `artifacts`, fetched (copied from the worker's artifact store) before the
 //!   executor starts; a job whose artifacts cannot be fetched fails without starting.
 //!
 //! An executor starts with a cleared environment: [`BASE_ENV`] and what its `env` allows of

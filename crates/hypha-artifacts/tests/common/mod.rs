@@ -125,3 +125,14 @@ pub async fn fetch(node: &Distributor, request: &Request, expect: usize) -> Fetc
     .await
     .unwrap()
 }
+
+/// Writes a few bytes into each of `chunks` of the file at `path`, as a disk that rots or a
+/// process that made it writable would.
+pub fn rot(path: &Path, chunks: &[u64], chunk_size: u64) {
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    for chunk in chunks {
+        file.write_all_at(b"rot", chunk * chunk_size + 100).unwrap();
+    }
+}
