@@ -121,6 +121,9 @@ pub struct RunProgress {
     pub failovers: u32,
     /// Workers lost and replaced.
     pub lost: u32,
+    /// Trainers benched: their updates were refused too many rounds in a row.
+    #[serde(default)]
+    pub benched: u32,
     /// The last DiLoCo round applied.
     pub round: Option<u64>,
     /// The latest restarts, re-adoptions, failovers and losses, oldest first.
@@ -131,7 +134,7 @@ pub struct RunProgress {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunNote {
     pub time_ms: u64,
-    /// `restart`, `readoption`, `failover` or `lost`.
+    /// `restart`, `readoption`, `failover`, `lost` or `benched`.
     pub kind: String,
     pub detail: String,
 }

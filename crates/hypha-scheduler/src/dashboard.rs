@@ -227,6 +227,18 @@ impl Board {
                 worker.state = "lost";
                 worker.reason = Some(reason.clone());
             }
+            Event::Benched {
+                slot,
+                peer,
+                refusals,
+                ..
+            } => {
+                let worker = self.worker(*slot, peer, time_ms);
+                worker.state = "benched";
+                worker.reason = Some(format!(
+                    "its updates were refused {refusals} rounds in a row"
+                ));
+            }
             Event::Round {
                 round,
                 trainers,

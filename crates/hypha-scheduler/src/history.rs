@@ -54,6 +54,18 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
             progress.lost += 1;
             ("lost", format!("slot {slot}: {peer}: {reason}"))
         }
+        Event::Benched {
+            slot,
+            peer,
+            refusals,
+            ..
+        } => {
+            progress.benched += 1;
+            (
+                "benched",
+                format!("slot {slot}: {peer}: its updates were refused {refusals} rounds in a row"),
+            )
+        }
         Event::Round { round, .. } => {
             progress.round = Some(*round);
             return;

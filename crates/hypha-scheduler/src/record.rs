@@ -33,6 +33,16 @@ pub struct RunRecord {
     /// How the run fared so far: restarts, re-adoptions, failovers, workers lost.
     #[serde(default)]
     pub history: RunProgress,
+    /// Trainers benched: never leased again for the task, their slots given up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub benched: Vec<BenchedTrainer>,
+}
+
+/// A trainer benched for updates refused too many rounds in a row.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BenchedTrainer {
+    pub peer: String,
+    pub slot: usize,
 }
 
 /// A job of the run and the lease it runs under.
@@ -140,6 +150,10 @@ mod tests {
                 restarts: 2,
                 ..RunProgress::default()
             },
+            benched: vec![BenchedTrainer {
+                peer: "liar".into(),
+                slot: 1,
+            }],
         };
         record.store(&path).unwrap();
         assert_eq!(RunRecord::load(&path).unwrap(), Some(record));

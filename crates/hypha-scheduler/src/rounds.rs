@@ -38,6 +38,8 @@ pub struct RoundPlan {
     pub round_ms: u64,
     /// The share of a round's trainers it may close with once its time is up.
     pub quorum: f64,
+    /// Rounds in a row a trainer's update may be refused before it is benched; 0: never.
+    pub bench_after_refusals: u32,
 }
 
 /// What the ledger must do with a trainer's round.
@@ -101,6 +103,8 @@ struct Trainer {
     heard_ms: u64,
     /// The batch target it was last given: (round, batches).
     ordered: Option<(u64, u64)>,
+    /// The rounds in a row that ended with its update refused.
+    refused_in_a_row: u32,
 }
 
 /// A round the server applied.
@@ -118,6 +122,11 @@ pub struct AppliedRound {
     /// The size of the compressed change the server sent instead of the model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delta_bytes: Option<u64>,
+    /// Trainers (peers) benched as this round ended: their updates were refused in
+    /// `bench_after_refusals` rounds in a row, this one included. The run ends their jobs and
+    /// never leases them again for the task.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub benched: Vec<String>,
 }
 
 /// The rounds of one DiLoCo job.
@@ -290,6 +299,7 @@ impl Rounds {
             awaited: false,
             heard_ms: 0,
             ordered: None,
+            refused_in_a_row: 0,
         };
         self.trainers.insert(job, trainer);
     }
@@ -611,6 +621,7 @@ impl Rounds {
                     .trainers
                     .values()
                     .all(|t| t.status.data_done && t.status.round == Some(applied.round));
+            let benched = self.count_refusals(&included);
             self.included.insert(applied.round, included);
             self.closing = None;
             self.round = applied.round + 1;
@@ -626,6 +637,7 @@ impl Rounds {
                 loss: (weighted_loss.1 > 0).then(|| weighted_loss.0 / weighted_loss.1 as f64),
                 model_hash: applied.model_hash,
                 delta_bytes: applied.delta_bytes,
+                benched,
             });
         }
         if self.done {
@@ -691,6 +703,28 @@ impl Rounds {
             }
         };
         (order, settle, applied_round)
+    }
+
+    /// Counts, as a round ends with `included` taken, the rounds in a row each trainer's
+    /// update was refused (a taken update starts the count again); the peers that reach
+    /// `bench_after_refusals` now. An honest outlier refused once in a while is never benched;
+    /// a trainer that lies in every update is, before its slices are taken and given back
+    /// round after round to the end of the data.
+    fn count_refusals(&mut self, included: &HashSet<String>) -> Vec<String> {
+        let limit = self.plan.bench_after_refusals;
+        let mut benched = Vec::new();
+        for trainer in self.trainers.values_mut() {
+            if self.refused.contains_key(&trainer.peer) {
+                trainer.refused_in_a_row += 1;
+                if limit > 0 && trainer.refused_in_a_row == limit {
+                    benched.push(trainer.peer.clone());
+                }
+            } else if included.contains(&trainer.peer) {
+                trainer.refused_in_a_row = 0;
+            }
+        }
+        benched.sort();
+        benched
     }
 
     /// The peers whose pseudo-gradients the server is to take: the trainers, and those that
@@ -804,6 +838,7 @@ mod tests {
             batch_size: 10,
             round_ms: 10_000,
             quorum: 0.5,
+            bench_after_refusals: 3,
         }
     }
 
@@ -1246,6 +1281,58 @@ mod tests {
             matches!(order, ServerOrder::Skip { round: 2, .. }),
             "{order:?}"
         );
+    }
+
+    /// A trainer whose update is refused in `bench_after_refusals` (3) rounds in a row is
+    /// benched as the third of them ends, and rounds no longer count it once its job ended; one
+    /// whose update is taken in between starts its count again, and is not benched.
+    #[test]
+    fn a_trainer_refused_three_rounds_in_a_row_is_benched() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(10),
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        let trainers = [("a", "pa"), ("b", "pb"), ("c", "pc"), ("l", "pl")];
+        for (job, peer) in trainers {
+            rounds.trainer_started(job.into(), peer.into());
+        }
+        // l is refused in every round; b in every round but round 2.
+        let mut now = 0;
+        for round in 0..5u64 {
+            for (job, _) in trainers.iter().filter(|(job, _)| round < 3 || *job != "l") {
+                rounds.trainer_status(job, status(round, 1, Some(100.0)), now);
+            }
+            let (taken, refused): (&[&str], &[&str]) = match round {
+                2 => (&["pa", "pb", "pc"], &["pl"]),
+                0 | 1 => (&["pa", "pc"], &["pb", "pl"]),
+                _ => (&["pa", "pc"], &["pb"]),
+            };
+            now += 100;
+            let (order, _, _) = report(
+                &mut rounds,
+                refusing(server(round, taken, None), refused),
+                now,
+            );
+            assert!(
+                matches!(order, ServerOrder::Close { round: r, .. } if r == round),
+                "round {round}: {order:?}"
+            );
+            now += 100;
+            let (_, _, applied) = report(
+                &mut rounds,
+                server(round + 1, &[], Some((round, taken))),
+                now,
+            );
+            let benched = applied.unwrap().benched;
+            if round == 2 {
+                assert_eq!(benched, ["pl"]);
+                rounds.trainer_ended("l");
+                assert!(!rounds.server_trainers().contains("pl"));
+            } else {
+                assert!(benched.is_empty(), "round {round}: {benched:?}");
+            }
+        }
     }
 
     fn drop(job: &str, round: u64) -> Settle {

@@ -53,7 +53,7 @@ use crate::{
     dashboard::{self, Board, JobView},
     data::{CarriedOver, JobData},
     history,
-    record::{self, RecordedJob, RunRecord},
+    record::{self, BenchedTrainer, RecordedJob, RunRecord},
     slots::{Role, SlotState, Slots, Verdict},
     spec::JobFile,
     training::{Answered, Training},
@@ -106,6 +106,16 @@ pub enum Event {
         slot: usize,
         peer: String,
         reason: String,
+    },
+    /// A trainer's updates were refused in `refusals` rounds in a row, the last `round`: its
+    /// job ends, its slices go back, its slot is given up and its worker is never leased
+    /// again for the task.
+    Benched {
+        slot: usize,
+        job: String,
+        peer: String,
+        round: u64,
+        refusals: u32,
     },
     /// A scheduler resumed the run its earlier process left: the same task, `jobs` of it to
     /// take over, and for DiLoCo the checkpoint of `round` to go on from.
@@ -279,6 +289,20 @@ impl EventLog {
             Event::Lost { slot, peer, reason } => {
                 tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
             }
+            Event::Benched {
+                slot,
+                job,
+                peer,
+                round,
+                refusals,
+            } => tracing::warn!(
+                slot,
+                %job,
+                %peer,
+                round,
+                refusals,
+                "trainer benched: the parameter server refused its updates {refusals} rounds in a row; its job ends, its slices go back, and it is not leased again for this task"
+            ),
             Event::Resumed { task, round, jobs } => {
                 tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
             }
@@ -819,6 +843,8 @@ struct JobRun<'a> {
     told_peers: TaskPeers,
     tasks: JoinSet<Internal>,
     lost: mpsc::Sender<Lost>,
+    /// Trainers benched (see [`Event::Benched`]): never leased again for the task.
+    benched: Vec<BenchedTrainer>,
 }
 
 impl<'a> JobRun<'a> {
@@ -912,6 +938,7 @@ impl<'a> JobRun<'a> {
             told_peers: TaskPeers::default(),
             tasks,
             lost: lost_tx,
+            benched: Vec::new(),
         };
         let channels = Channels {
             statuses,
@@ -933,6 +960,10 @@ impl<'a> JobRun<'a> {
             checkpoints.accept_up_to(round);
         }
         self.events.begin(&self.task, earlier.history);
+        for benched in &earlier.benched {
+            self.slots.give_up(benched.slot);
+        }
+        self.benched = earlier.benched;
         self.events.record(Event::Resumed {
             task: self.task.clone(),
             round,
@@ -1024,6 +1055,7 @@ impl<'a> JobRun<'a> {
                 .map(Training::uncommitted)
                 .unwrap_or_default(),
             history: self.events.history(),
+            benched: self.benched.clone(),
         };
         record.store(path)?;
         Ok(())
@@ -1117,7 +1149,12 @@ impl<'a> JobRun<'a> {
         let Some((role, slots)) = self.slots.next_allocation() else {
             return;
         };
-        let busy: HashSet<PeerId> = self.jobs.values().map(|j| j.lease.peer).collect();
+        let busy: HashSet<PeerId> = self
+            .jobs
+            .values()
+            .map(|j| j.lease.peer)
+            .chain(self.benched.iter().filter_map(|b| b.peer.parse().ok()))
+            .collect();
         let allocator = self.allocator.clone();
         let request = self.work(role).request.clone();
         let lost = self.lost.clone();
@@ -1545,6 +1582,40 @@ impl<'a> JobRun<'a> {
         }
     }
 
+    /// The trainer on `peer` is benched: its job ends (its lease and its slices go back), its
+    /// slot is given up rather than filled again (a worker that lies in every update would
+    /// only be replaced by the next one the market offers; elastic runs may refill it), and
+    /// its worker is never leased again for the task, also after a restart.
+    async fn bench(&mut self, peer: &str, round: u64) -> Result<(), RunError> {
+        let Some((job, slot)) = self
+            .jobs
+            .iter()
+            .find(|(_, d)| {
+                d.lease.peer.to_string() == peer && self.slots.role(d.slot) == Role::Trainer
+            })
+            .map(|(job, d)| (job.clone(), d.slot))
+        else {
+            return Ok(());
+        };
+        let refusals = self
+            .spec
+            .diloco
+            .as_ref()
+            .map_or(0, |d| d.bench_after_refusals);
+        self.events.record(Event::Benched {
+            slot,
+            job: job.clone(),
+            peer: peer.to_string(),
+            round,
+            refusals,
+        });
+        self.benched.push(BenchedTrainer {
+            peer: peer.to_string(),
+            slot,
+        });
+        self.ended(&job, None).await
+    }
+
     /// The parameter server on `peer` is gone: the next one is restored from the checkpoint
     /// held here. Without one, it starts afresh when no round was applied yet; otherwise the
     /// run cannot go on with the model it trained.
@@ -1656,6 +1727,9 @@ impl<'a> JobRun<'a> {
                         loss: applied.loss,
                         away: false,
                     });
+                    for peer in &applied.benched {
+                        self.bench(peer, applied.round).await?;
+                    }
                 }
             }
             None => {

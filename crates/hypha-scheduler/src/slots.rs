@@ -178,6 +178,13 @@ impl Slots {
             .position(|s| matches!(&s.state, SlotState::Running { job: j } if j == job))
     }
 
+    /// `slot` is given up: it wants no worker (its trainer was benched).
+    pub fn give_up(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.state = SlotState::Done;
+        }
+    }
+
     /// Job `job` finished successfully.
     pub fn finished(&mut self, job: &str) -> Verdict {
         let Some(slot) = self.slot_of(job) else {

@@ -47,6 +47,8 @@
 //! batch_size = 32
 //! round_seconds = 60       # the longest a round is planned to take
 //! quorum = 0.5             # after that (plus a quarter), close with this share of trainers
+//! bench_after_refusals = 3 # a trainer whose updates were refused this many rounds in a row
+//!                          # leaves the run for good (0: never)
 //! max_update_norm_ratio = 10  # refuse an update whose L2 norm is above 10× the median of
 //!                             # the last 32 taken (after the first 3; default: no limit)
 //! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
@@ -130,6 +132,11 @@ pub struct DilocoSpec {
     pub round_seconds: f64,
     #[serde(default = "default_quorum")]
     pub quorum: f64,
+    /// A trainer whose update the parameter server refused in this many rounds in a row is
+    /// benched: its lease goes back, its slices go back, it is never leased again for the
+    /// task, and rounds no longer count it. 0: never.
+    #[serde(default = "default_bench_after_refusals")]
+    pub bench_after_refusals: u32,
     /// An update whose L2 norm is more than this many times the median norm of the last
     /// updates the parameter server took is refused (one trainer scaling its update up would
     /// otherwise move the model as far as it likes). Unset: no limit.
@@ -219,6 +226,10 @@ fn default_round_seconds() -> f64 {
 
 fn default_quorum() -> f64 {
     0.5
+}
+
+fn default_bench_after_refusals() -> u32 {
+    3
 }
 
 /// The dataset a job iterates.
@@ -534,6 +545,7 @@ impl DilocoSpec {
             batch_size: self.batch_size,
             round_ms: (self.round_seconds * 1000.0) as u64,
             quorum: self.quorum,
+            bench_after_refusals: self.bench_after_refusals,
         }
     }
 

@@ -78,8 +78,6 @@ pub struct Answered {
     pub payload: String,
     pub applied: Option<AppliedRound>,
     /// The first status of a parameter server that was taken over: whether it goes on (at
-    /// the round it said), or why it cannot.
-    /// The first status of a parameter server that was taken over: whether it goes on (at
     /// the round it said, with the round it applied as the earlier process died, if any), or
     /// why it cannot.
     pub resumed: Option<Result<Option<AppliedRound>, String>>,
@@ -339,6 +337,7 @@ impl Training {
             loss: None,
             model_hash: applied.model_hash,
             delta_bytes: applied.delta_bytes,
+            benched: Vec::new(),
         }))
     }
 

@@ -927,12 +927,15 @@ fn a_torch_trainer_trains_a_job() {
 /// every pseudo-gradient claiming a trillion samples) beside two honest reference trainers.
 /// The parameter server refuses its updates and the rounds go on without waiting for it: the
 /// two honest updates make the quorum, so each round closes when they are in, not at its
-/// deadline (120 s here: four rounds that waited for it would outlast the test). Its slices
-/// go back to the ledger, none is used twice, the scheduler's log names the liar and why, and
-/// the model learns from the honest trainers.
+/// deadline (120 s here: rounds that waited for it would outlast the test). After its
+/// third refused round it is benched (`bench_after_refusals`, default 3): its job ends, it is
+/// never leased again, and the last round is the honest trainers' alone. Its slices go back
+/// to the ledger, none is used twice, the scheduler's log names the liar and why, and the
+/// model learns from the honest trainers. (Checked with benching off: the liar trains and is
+/// refused in every round.)
 #[test]
 fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
-    const ROUNDS: usize = 4;
+    const ROUNDS: usize = 6;
     if !python_with(&["numpy"], true) {
         return;
     }
@@ -975,6 +978,49 @@ fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
     assert!(
         refusals.iter().any(|l| l.contains("1000000000000")),
         "the scheduler's log names the liar and its claim: {refusals:#?}"
+    );
+    let events = events(&events_path);
+    let benched = of_kind(&events, "benched");
+    assert_eq!(benched.len(), 1, "{benched:?}");
+    assert_eq!(benched[0]["event"]["peer"], liar_peer.as_str());
+    // Its first round may pass before Python is up: benched as its third refused round ends.
+    // (It may still say it holds the next round's model, untrained, before its job is gone.)
+    let benched_in = benched[0]["event"]["round"].as_u64().unwrap();
+    assert!(
+        (2..ROUNDS as u64 - 1).contains(&benched_in),
+        "benched in round {benched_in}"
+    );
+    let liar_job = benched[0]["event"]["job"].as_str().unwrap();
+    let refused_rounds: HashSet<u64> = lines
+        .iter()
+        .filter(|l| l.contains("refused a trainer's update") && l.contains(liar_peer.as_str()))
+        .filter_map(|l| l.split("round=").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(
+        refused_rounds,
+        (benched_in - 2..=benched_in).collect(),
+        "benched after three refused rounds in a row"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("trainer benched") && l.contains(liar_peer.as_str())),
+        "the scheduler's log names the benched trainer"
+    );
+    let leased_liar = of_kind(&events, "leased")
+        .into_iter()
+        .filter(|e| e["event"]["peer"] == liar_peer.as_str())
+        .count();
+    assert_eq!(leased_liar, 1, "the benched trainer was leased again");
+    let after: Vec<&serde_json::Value> = metrics
+        .iter()
+        .filter(|m| m["kind"] == "trainer" && m["job"] == liar_job)
+        .filter(|m| m["round"].as_u64().is_some_and(|r| r > benched_in))
+        .filter(|m| m["batches"].as_u64() != Some(0))
+        .collect();
+    assert!(
+        after.is_empty(),
+        "the benched trainer trained on: {after:?}"
     );
     let (used, returned) = audit(&cluster.path("lies-job.ledger"));
     assert!(
