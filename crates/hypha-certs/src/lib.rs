@@ -48,7 +48,7 @@ pub use identity::NodeIdentity;
 pub use libp2p::PeerId;
 pub use roles::{Role, Roles};
 pub use rustls::pki_types::CertificateDer;
-pub use trust::{PeerRole, Rejection, TrustStore, VerifiedPeer, now};
+pub use trust::{CrlDeadlines, PeerRole, Rejection, StaleCrl, TrustStore, VerifiedPeer, now};
 
 /// Parses every `CERTIFICATE` block of a PEM document, in order.
 pub fn certificates_from_pem(

@@ -3,8 +3,8 @@ use std::path::Path;
 use libp2p::PeerId;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, UnixTime, pem::PemObject};
 use webpki::{
-    CertRevocationList, EndEntityCert, KeyUsage, OwnedCertRevocationList, RevocationCheckDepth,
-    RevocationOptionsBuilder, UnknownStatusPolicy,
+    CertRevocationList, EndEntityCert, ExpirationPolicy, KeyUsage, OwnedCertRevocationList,
+    RevocationCheckDepth, RevocationOptionsBuilder, UnknownStatusPolicy,
 };
 
 use crate::{Error, Roles};
@@ -20,6 +20,10 @@ pub enum Rejection {
     NotYetValid,
     #[error("the certificate has been revoked")]
     Revoked,
+    #[error(
+        "the revocation list of the certificate's issuer is past its next update: renew it with `hypha-certutil revoke` and put it in crls_pem (or set stale_crl = \"warn\" to accept peers meanwhile)"
+    )]
+    StaleCrl,
     #[error("the certificate was not issued by a trusted CA")]
     UnknownIssuer,
     #[error(
@@ -47,6 +51,39 @@ pub enum PeerRole {
     Client,
 }
 
+/// What a node does with a CRL past its next update (`nextUpdate`): the issuer has not said
+/// whether it revoked more since.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StaleCrl {
+    /// Peers whose chain that CRL covers are refused until it is renewed: a revoked peer is
+    /// never let back in because the list about it went out of date.
+    #[default]
+    Refuse,
+    /// Peers are checked against the stale list and accepted; the node warns.
+    Warn,
+}
+
+/// Each CRL's issuer and next update (seconds since the epoch).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CrlDeadlines(Vec<(String, Option<u64>)>);
+
+impl CrlDeadlines {
+    /// The CRLs past their next update at `now`: a line for each, naming its issuer.
+    pub fn stale(&self, now: UnixTime) -> Vec<String> {
+        let now = now.as_secs();
+        self.0
+            .iter()
+            .filter_map(|(issuer, next)| {
+                let next = next.filter(|next| *next <= now)?;
+                let hours = (now - next) / 3600;
+                Some(format!(
+                    "the CRL of {issuer} is past its next update (by {hours} h)"
+                ))
+            })
+            .collect()
+    }
+}
+
 /// A peer whose chain verified: who it is and what its certificate lets it do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VerifiedPeer {
@@ -66,6 +103,8 @@ pub struct VerifiedPeer {
 pub struct TrustStore {
     anchors: Vec<rustls::pki_types::TrustAnchor<'static>>,
     crls: Vec<CertRevocationList<'static>>,
+    next_updates: CrlDeadlines,
+    stale_crl: StaleCrl,
 }
 
 impl TrustStore {
@@ -85,9 +124,22 @@ impl TrustStore {
     pub fn from_pem(trust_pem: &[u8], crls_pem: &[&[u8]]) -> Result<Self, Error> {
         let mut store = Self::parse(trust_pem, None, "trust anchors", "")?;
         for crl in crls_pem {
-            store.crls.extend(Self::parse_crls(crl, "CRL")?);
+            let (crls, next_updates) = Self::parse_crls(crl, "CRL")?;
+            store.crls.extend(crls);
+            store.next_updates.0.extend(next_updates);
         }
         Ok(store)
+    }
+
+    /// The same store with `policy` for CRLs past their next update (by default: refuse).
+    pub fn with_stale_crl(mut self, policy: StaleCrl) -> Self {
+        self.stale_crl = policy;
+        self
+    }
+
+    /// When each CRL goes stale.
+    pub fn crl_deadlines(&self) -> &CrlDeadlines {
+        &self.next_updates
     }
 
     fn parse(
@@ -114,31 +166,49 @@ impl TrustStore {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let crls = match crls_pem {
+        let (crls, next_updates) = match crls_pem {
             Some(pem) => Self::parse_crls(pem, crls_name)?,
-            None => Vec::new(),
+            None => (Vec::new(), Vec::new()),
         };
-        Ok(TrustStore { anchors, crls })
+        Ok(TrustStore {
+            anchors,
+            crls,
+            next_updates: CrlDeadlines(next_updates),
+            stale_crl: StaleCrl::default(),
+        })
     }
 
-    /// The CRLs of a PEM document. A document without any is refused rather than read as
-    /// "nothing revoked": a truncated or mistaken file must not readmit revoked peers.
-    fn parse_crls(pem: &[u8], name: &str) -> Result<Vec<CertRevocationList<'static>>, Error> {
-        let crls = CertificateRevocationListDer::pem_slice_iter(pem)
+    /// The CRLs of a PEM document, with each one's issuer and next update. A document
+    /// without any is refused rather than read as "nothing revoked": a truncated or mistaken
+    /// file must not readmit revoked peers.
+    #[allow(clippy::type_complexity)]
+    fn parse_crls(
+        pem: &[u8],
+        name: &str,
+    ) -> Result<(Vec<CertRevocationList<'static>>, Vec<(String, Option<u64>)>), Error> {
+        use x509_parser::prelude::FromDer;
+        let (crls, next_updates) = CertificateRevocationListDer::pem_slice_iter(pem)
             .map(|der| {
                 let der = der.map_err(|e| Error::malformed(name, format!("not valid PEM: {e}")))?;
-                OwnedCertRevocationList::from_der(&der)
+                let crl = OwnedCertRevocationList::from_der(&der)
                     .map(CertRevocationList::from)
-                    .map_err(|e| Error::malformed(name, format!("not a valid CRL: {e}")))
+                    .map_err(|e| Error::malformed(name, format!("not a valid CRL: {e}")))?;
+                let (_, parsed) =
+                    x509_parser::revocation_list::CertificateRevocationList::from_der(&der)
+                        .map_err(|e| Error::malformed(name, format!("not a valid CRL: {e}")))?;
+                let next_update = parsed
+                    .next_update()
+                    .map(|t| u64::try_from(t.timestamp()).unwrap_or(0));
+                Ok((crl, (parsed.issuer().to_string(), next_update)))
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<(Vec<_>, Vec<_>), Error>>()?;
         if crls.is_empty() {
             return Err(Error::malformed(
                 name,
                 "no X509 CRL block found; point crls_pem at a CRL made by `hypha-certutil revoke`",
             ));
         }
-        Ok(crls)
+        Ok((crls, next_updates))
     }
 
     /// Verifies a peer's chain (leaf first) at `now`, as presented in a handshake by a peer
@@ -160,6 +230,10 @@ impl TrustStore {
                 builder
                     .with_depth(RevocationCheckDepth::Chain)
                     .with_status_policy(UnknownStatusPolicy::Allow)
+                    .with_expiration_policy(match self.stale_crl {
+                        StaleCrl::Refuse => ExpirationPolicy::Enforce,
+                        StaleCrl::Warn => ExpirationPolicy::Ignore,
+                    })
                     .build(),
             ),
             Err(_) => None, // no CRLs configured
@@ -202,6 +276,7 @@ fn explain(e: &webpki::Error) -> Rejection {
         webpki::Error::CertExpired { .. } => Rejection::Expired,
         webpki::Error::CertNotValidYet { .. } => Rejection::NotYetValid,
         webpki::Error::CertRevoked => Rejection::Revoked,
+        webpki::Error::CrlExpired { .. } => Rejection::StaleCrl,
         webpki::Error::UnknownIssuer => Rejection::UnknownIssuer,
         webpki::Error::InvalidSignatureForPublicKey => Rejection::BadSignature,
         webpki::Error::RequiredEkuNotFoundContext(_) => Rejection::WrongUsage,

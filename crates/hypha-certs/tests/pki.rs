@@ -265,3 +265,50 @@ fn a_crl_file_without_a_crl_is_refused() {
             .is_err()
     );
 }
+
+/// A CRL past its next update no longer says whether the issuer revoked more since. By
+/// default (`stale_crl = "refuse"`) every peer it covers is refused, naming the fix; with
+/// "warn" peers are checked against it and accepted, and revoked ones stay out. Either way the
+/// store names the stale list.
+#[test]
+fn a_stale_crl_refuses_the_peers_it_covers_or_only_warns() {
+    use hypha_certs::{Rejection, StaleCrl};
+    use rustls::pki_types::UnixTime;
+    let (root, org) = hierarchy();
+    let bad = authority::create_node(&org, "bad", &[], Roles::NONE, Validity::days(10)).unwrap();
+    let good = authority::create_node(&org, "good", &[], Roles::NONE, Validity::days(10)).unwrap();
+    let crl = authority::revoke(
+        &org,
+        None,
+        bad.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        1,
+    )
+    .unwrap();
+    let trust = || TrustStore::from_pem(root.cert_pem().as_bytes(), &[crl.as_bytes()]).unwrap();
+    let now = hypha_certs::now();
+    let later = UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+        now.as_secs() + 2 * 24 * 3600,
+    ));
+    assert!(trust().crl_deadlines().stale(now).is_empty());
+    let stale = trust().crl_deadlines().stale(later);
+    assert_eq!(stale.len(), 1, "{stale:?}");
+    assert!(stale[0].contains("past its next update"), "{stale:?}");
+
+    let refusing = trust();
+    assert!(refusing.verify_peer(identity(&good).chain(), now).is_ok());
+    let err = refusing
+        .verify_peer(identity(&good).chain(), later)
+        .unwrap_err();
+    assert_eq!(err, Rejection::StaleCrl);
+    assert!(err.to_string().contains("hypha-certutil revoke"), "{err}");
+
+    let warning = trust().with_stale_crl(StaleCrl::Warn);
+    assert!(warning.verify_peer(identity(&good).chain(), later).is_ok());
+    assert_eq!(
+        warning
+            .verify_peer(identity(&bad).chain(), later)
+            .unwrap_err(),
+        Rejection::Revoked
+    );
+}

@@ -50,6 +50,12 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
             doc: "Certificate revocation lists (PEM) to honour, made by `hypha-certutil revoke`.",
         },
         Key {
+            name: "stale_crl",
+            kind: Kind::String,
+            default: DefaultValue::Value(r#""refuse""#),
+            doc: "What to do with a CRL in crls_pem past its next update (the issuer has not said whether it revoked more since): \"refuse\" the peers whose chains it covers until it is renewed with `hypha-certutil revoke`, or \"warn\" and accept them on the stale list.",
+        },
+        Key {
             name: "allow_roleless",
             kind: Kind::Bool,
             default: DefaultValue::Value("false"),
@@ -94,6 +100,14 @@ pub fn keys() -> Vec<Key> {
     keys_with_listen_default(r#"["/ip4/0.0.0.0/tcp/0"]"#)
 }
 
+/// What a node does with a CRL past its next update (`stale_crl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StaleCrl {
+    Refuse,
+    Warn,
+}
+
 /// The network settings, as read by [`Loaded::section`].
 #[derive(Debug, Clone, Deserialize)]
 pub struct NetworkConfig {
@@ -101,6 +115,7 @@ pub struct NetworkConfig {
     pub key_pem: PathBuf,
     pub trust_pem: PathBuf,
     pub crls_pem: Option<PathBuf>,
+    pub stale_crl: StaleCrl,
     pub allow_roleless: bool,
     pub gateway_addresses: Vec<Multiaddr>,
     pub listen_addresses: Vec<Multiaddr>,

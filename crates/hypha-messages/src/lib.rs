@@ -35,8 +35,10 @@ impl<T> Envelope<T> {
 }
 
 /// Every request a node can receive.
+///
+/// Exhaustive on purpose: the network's role check (`hypha_network::required_role`) matches
+/// every kind, so a kind added here does not compile until it has a role decided.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[non_exhaustive]
 pub enum Request {
     /// Is the node up, and what is it? Every node kind answers.
     Health,

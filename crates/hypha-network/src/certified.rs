@@ -100,7 +100,5 @@ pub fn required_role(request: &Request) -> Option<Role> {
         | Request::Manifest { .. }
         | Request::Iterate(_)
         | Request::Progress { .. } => None,
-        // `Request` is non-exhaustive; a new request is placed above when it is added.
-        _ => None,
     }
 }

@@ -42,9 +42,10 @@ impl Node {
         let network_config = NetworkConfig::from_loaded(&config)?;
         let telemetry = telemetry_settings(&config, kind)?;
         // Taken before the files are read, so that a change while they are read is seen.
-        let trust_files = TrustFiles::new(
+        let mut trust_files = TrustFiles::new(
             network_config.trust_pem.clone(),
             network_config.crls_pem.clone(),
+            stale_crl(&network_config),
         );
         let (identity, trust) = load_identity(&config, &network_config)?;
 
@@ -57,6 +58,7 @@ impl Node {
             }
         }
         check_own_role(&config, &identity, kind)?;
+        trust_files.in_force(&trust);
 
         let mut settings = Settings::new(kind);
         settings.listen_addresses = network_config.listen_addresses.clone();
@@ -128,7 +130,9 @@ pub(crate) fn load_identity(
             "point cert_pem and key_pem at a certificate and key made together by `hypha-certutil node`",
         )
     })?;
-    let trust = TrustStore::load(&network.trust_pem, network.crls_pem.as_deref()).map_err(|e| {
+    let trust = TrustStore::load(&network.trust_pem, network.crls_pem.as_deref())
+        .map(|store| store.with_stale_crl(stale_crl(network)))
+        .map_err(|e| {
         let key = match &e {
             hypha_certs::Error::File(hypha_files::Error::Read { path, .. })
                 if Some(path.as_path()) == network.crls_pem.as_deref() =>
@@ -152,6 +156,14 @@ pub(crate) fn load_identity(
         )
     })?;
     Ok((identity, Arc::new(trust)))
+}
+
+/// The trust store's policy for CRLs past their next update, as `stale_crl` says.
+pub(crate) fn stale_crl(network: &NetworkConfig) -> hypha_certs::StaleCrl {
+    match network.stale_crl {
+        hypha_config::network::StaleCrl::Refuse => hypha_certs::StaleCrl::Refuse,
+        hypha_config::network::StaleCrl::Warn => hypha_certs::StaleCrl::Warn,
+    }
 }
 
 /// Refuses to start a node of `kind` whose certificate states roles without that one: every

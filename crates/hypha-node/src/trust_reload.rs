@@ -6,13 +6,17 @@
 //! every later handshake, and connected peers it refuses are disconnected
 //! ([`Network::replace_trust`]). A file that does not load (half copied, malformed) is named in
 //! a warning and the store in force stays; the next change is tried again.
+//!
+//! A CRL past its next update is named in a warning when it is loaded stale and when it goes
+//! stale while in force; what peers it covers get then is `stale_crl`'s choice (see
+//! [`StaleCrl`]).
 
 use std::{
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
 
-use hypha_certs::TrustStore;
+use hypha_certs::{CrlDeadlines, StaleCrl, TrustStore};
 use hypha_network::Network;
 
 /// How often the files are looked at.
@@ -42,16 +46,24 @@ fn stamp(path: &Path) -> Option<Stamp> {
 pub(crate) struct TrustFiles {
     trust_pem: PathBuf,
     crls_pem: Option<PathBuf>,
+    stale_crl: StaleCrl,
     loaded: Vec<Option<Stamp>>,
+    /// When the CRLs of the store in force go stale.
+    in_force: CrlDeadlines,
+    /// Those of them already warned about.
+    stale: Vec<String>,
 }
 
 impl TrustFiles {
     /// The files as they are now, taken to be the ones the node started with.
-    pub(crate) fn new(trust_pem: PathBuf, crls_pem: Option<PathBuf>) -> Self {
+    pub(crate) fn new(trust_pem: PathBuf, crls_pem: Option<PathBuf>, stale_crl: StaleCrl) -> Self {
         let mut files = TrustFiles {
             trust_pem,
             crls_pem,
+            stale_crl,
             loaded: Vec::new(),
+            in_force: CrlDeadlines::default(),
+            stale: Vec::new(),
         };
         files.loaded = files.stamps();
         files
@@ -72,6 +84,31 @@ impl TrustFiles {
     fn load(&mut self) -> Result<TrustStore, hypha_certs::Error> {
         self.loaded = self.stamps();
         TrustStore::load(&self.trust_pem, self.crls_pem.as_deref())
+            .map(|store| store.with_stale_crl(self.stale_crl))
+    }
+
+    /// `store` is in force now: warns about its CRLs that are past their next update.
+    pub(crate) fn in_force(&mut self, store: &TrustStore) {
+        self.in_force = store.crl_deadlines().clone();
+        self.stale.clear();
+        self.warn_if_stale();
+    }
+
+    /// Warns about the CRLs in force that are past their next update now and were not warned
+    /// about yet.
+    fn warn_if_stale(&mut self) {
+        let stale = self.in_force.stale(hypha_certs::now());
+        for crl in stale.iter().filter(|crl| !self.stale.contains(crl)) {
+            match self.stale_crl {
+                StaleCrl::Refuse => tracing::warn!(
+                    "{crl}: peers whose certificates it covers are refused until it is renewed (`hypha-certutil revoke`, then put it in crls_pem); stale_crl = \"warn\" accepts them meanwhile"
+                ),
+                StaleCrl::Warn => tracing::warn!(
+                    "{crl}: peers are checked against it and accepted (stale_crl = \"warn\"); renew it with `hypha-certutil revoke`"
+                ),
+            }
+        }
+        self.stale = stale;
     }
 
     /// Watches the files until the network shuts down; see the module's documentation.
@@ -92,6 +129,7 @@ impl TrustFiles {
                     }
                 } => true,
             };
+            self.warn_if_stale();
             if !asked && !self.changed() {
                 continue;
             }
@@ -102,6 +140,7 @@ impl TrustFiles {
                     continue;
                 }
             };
+            self.in_force(&store);
             let Ok(closed) = network.replace_trust(store).await else {
                 return; // the network has shut down
             };
