@@ -816,6 +816,7 @@ pub fn audit(args: &AuditArgs) -> Result<(), Error> {
             serde_json::to_string_pretty(&json).map_err(|e| Error::Failed(e.to_string()))?
         );
     } else {
+        // Names come from the file: escaped, so that a name cannot steer the terminal.
         if args.transitions {
             let start = audit.records.first().map_or(0, |r| r.time_ms);
             println!(
@@ -824,13 +825,17 @@ pub fn audit(args: &AuditArgs) -> Result<(), Error> {
             );
             for record in &audit.records {
                 let event = match &record.event {
-                    Event::Assigned { worker, .. } => format!("assigned to {worker}"),
-                    Event::Consumed { worker, round } => {
-                        format!("consumed by {worker} in round {round}")
+                    Event::Assigned { worker, .. } => {
+                        format!("assigned to {}", worker.escape_debug())
                     }
-                    Event::Used { worker, round } => format!("USED by {worker} in round {round}"),
+                    Event::Consumed { worker, round } => {
+                        format!("consumed by {} in round {round}", worker.escape_debug())
+                    }
+                    Event::Used { worker, round } => {
+                        format!("USED by {} in round {round}", worker.escape_debug())
+                    }
                     Event::Returned { worker, reason } => {
-                        format!("returned by {worker}: {reason:?}")
+                        format!("returned by {}: {reason:?}", worker.escape_debug())
                     }
                 };
                 println!(
@@ -868,11 +873,18 @@ pub fn audit(args: &AuditArgs) -> Result<(), Error> {
         for w in &report.workers {
             println!(
                 "{:<60} {:>8} {:>8} {:>8} {:>8}",
-                w.worker, w.assigned, w.consumed, w.used, w.returned
+                w.worker.escape_debug().to_string(),
+                w.assigned,
+                w.consumed,
+                w.used,
+                w.returned
             );
         }
         for problem in &report.problems {
             println!("BAD  {problem}");
+        }
+        if report.unlisted_problems > 0 {
+            println!("BAD  and {} more", report.unlisted_problems);
         }
     }
     let state = if report.finished {

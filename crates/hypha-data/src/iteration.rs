@@ -34,8 +34,7 @@ pub const MAX_WANT: u32 = 64;
 pub const LEASE_MS: u64 = 60_000;
 /// When nothing is free, how long a consumer is told to wait before asking again.
 const RETRY_MS: u64 = 500;
-/// The most epochs an iteration may have: a ledger and its progress grow with them.
-pub const MAX_EPOCHS: u32 = 10_000;
+pub use hypha_ledger::MAX_EPOCHS;
 /// The most iterations a data node runs at once for its clients; a node restarted with more
 /// on disk resumes each as it is asked for again.
 pub const MAX_NODE_ITERATIONS: usize = 64;

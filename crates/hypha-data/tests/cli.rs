@@ -573,3 +573,73 @@ fn audit_fails_a_finished_iteration_that_misses_a_slice_only_when_it_is_finished
         "{stderr}"
     );
 }
+
+/// A ledger file is input like any other: `audit` opens it read-only (the file is the same
+/// bytes afterwards), escapes the names it prints (a worker named with terminal escapes cannot
+/// steer the operator's terminal), refuses a file that claims more epochs than an iteration
+/// may have, and lists at most `LISTED_PROBLEMS` breaches, counting the rest.
+#[test]
+fn audit_reads_a_hostile_ledger_without_changing_or_trusting_it() {
+    use hypha_ledger::{Event, Grant, IterationSpec, Ledger};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = |epochs| IterationSpec {
+        dataset: "digits".into(),
+        epochs,
+        seed: 7,
+        samples: vec![10; 4],
+    };
+
+    let path = dir.path().join("escape.ledger");
+    let mut ledger = Ledger::create(&path, spec(1), 60_000).unwrap();
+    let evil = "w\u{1b}[2J\u{7}";
+    let Grant::Slices(slices) = ledger.assign(evil, 1, &Default::default(), 1_000) else {
+        panic!("nothing granted");
+    };
+    let key = slices[0].key;
+    ledger.consume(evil, &[key], 0, 1_000);
+    ledger.commit_round(evil, 0, 1_000);
+    ledger.record_unchecked(
+        key,
+        &Event::Used {
+            worker: evil.into(),
+            round: 1,
+        },
+        2_000,
+    );
+    ledger.flush().unwrap();
+    drop(ledger);
+    let before = std::fs::read(&path).unwrap();
+    let (code, stdout, stderr) = audit(&path, &["--transitions"]);
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        !stdout.contains('\u{1b}') && !stderr.contains('\u{1b}') && !stdout.contains('\u{7}'),
+        "a control character reached the terminal:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("w\\u{1b}[2J\\u{7}"), "{stdout}");
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "the audit changed the file"
+    );
+
+    let path = dir.path().join("epochs.ledger");
+    Ledger::create(&path, spec(hypha_ledger::MAX_EPOCHS + 1), 60_000)
+        .unwrap()
+        .flush()
+        .unwrap();
+    let (code, stdout, stderr) = audit(&path, &[]);
+    assert_ne!(code, Some(0), "{stdout}");
+    assert!(stderr.contains("claims 10001 epochs"), "{stderr}");
+
+    // Every slice of every epoch never used: 40,000 breaches, 1,000 listed.
+    let path = dir.path().join("many.ledger");
+    Ledger::create(&path, spec(hypha_ledger::MAX_EPOCHS), 60_000)
+        .unwrap()
+        .flush()
+        .unwrap();
+    let (code, stdout, _) = audit(&path, &["--finished", "--json"]);
+    assert_eq!(code, Some(1));
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["problems"].as_array().unwrap().len(), 1000);
+    assert_eq!(report["unlisted_problems"], 39_000);
+    assert_eq!(report["exactly_once"], false);
+}

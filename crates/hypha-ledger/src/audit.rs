@@ -40,9 +40,23 @@ pub struct Audit {
     pub records: Vec<AuditRecord>,
 }
 
-/// Reads the ledger at `path` (which no running ledger may hold open).
+/// The most breaches a report lists; it counts the rest (`unlisted_problems`). A ledger file
+/// (a hostile one, or one of a run that broke badly) could otherwise make the audit list a
+/// breach for every slice of every epoch.
+pub const LISTED_PROBLEMS: usize = 1000;
+
+/// Reads the ledger at `path` (which no running ledger may hold open), without changing it.
+/// A file claiming more than [`MAX_EPOCHS`](crate::MAX_EPOCHS) epochs is refused: the audit's
+/// work and memory grow with them.
 pub fn read_audit(path: &Path) -> Result<Audit, Error> {
     let loaded = store::read_file(path)?;
+    if loaded.spec.epochs > crate::MAX_EPOCHS {
+        return Err(Error::Corrupt(format!(
+            "the ledger claims {} epochs; an iteration has at most {}",
+            loaded.spec.epochs,
+            crate::MAX_EPOCHS
+        )));
+    }
     let records = loaded
         .records
         .iter()
@@ -85,8 +99,15 @@ pub struct Report {
     pub epochs: Vec<EpochSummary>,
     /// Every worker the log names, by name.
     pub workers: Vec<WorkerSummary>,
-    /// Breaches of exactly-once; empty when it holds.
+    /// Breaches of exactly-once, at most [`LISTED_PROBLEMS`]; empty when it holds.
     pub problems: Vec<Problem>,
+    /// Breaches found beyond those listed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub unlisted_problems: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The slices of one epoch by their last state, and how often one went back.
@@ -146,10 +167,13 @@ impl fmt::Display for Problem {
                 write!(f, "{key} was used {} times:", uses.len())?;
                 for (n, u) in uses.iter().enumerate() {
                     let sep = if n == 0 { " " } else { ", " };
+                    // Worker names come from the file: escaped, so a name cannot steer a terminal.
                     write!(
                         f,
                         "{sep}by {} in round {} (transition {})",
-                        u.worker, u.round, u.seq
+                        u.worker.escape_debug(),
+                        u.round,
+                        u.seq
                     )?;
                 }
                 Ok(())
@@ -225,14 +249,21 @@ impl Audit {
             })
         });
         let finished = finished == Finished::Yes || last_epoch_used;
-        let mut problems: Vec<Problem> = uses
-            .iter()
-            .filter(|(_, uses)| uses.len() > 1)
-            .map(|(&key, uses)| Problem::UsedTwice {
+        let mut problems: Vec<Problem> = Vec::new();
+        let mut unlisted_problems = 0u64;
+        let mut found = |problem: Problem| {
+            if problems.len() < LISTED_PROBLEMS {
+                problems.push(problem);
+            } else {
+                unlisted_problems += 1;
+            }
+        };
+        for (&key, uses) in uses.iter().filter(|(_, uses)| uses.len() > 1) {
+            found(Problem::UsedTwice {
                 key,
                 uses: uses.clone(),
-            })
-            .collect();
+            });
+        }
         let mut summaries = Vec::with_capacity(epochs as usize);
         for epoch in 0..epochs {
             let mut summary = EpochSummary {
@@ -251,7 +282,7 @@ impl Audit {
                 };
                 *count += 1;
                 if finished && state != Last::Used {
-                    problems.push(Problem::NeverUsed { key, state: name });
+                    found(Problem::NeverUsed { key, state: name });
                 }
             }
             summaries.push(summary);
@@ -265,6 +296,7 @@ impl Audit {
             epochs: summaries,
             workers: workers.into_values().collect(),
             problems,
+            unlisted_problems,
         }
     }
 }
@@ -272,6 +304,6 @@ impl Audit {
 impl Report {
     /// Whether every slice was USED at most once, and exactly once if finished.
     pub fn exactly_once(&self) -> bool {
-        self.problems.is_empty()
+        self.problems.is_empty() && self.unlisted_problems == 0
     }
 }

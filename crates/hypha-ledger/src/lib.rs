@@ -46,6 +46,10 @@ pub use handle::LedgerHandle;
 pub use ledger::{Assignment, Consumed, EpochProgress, Grant, Ledger, Progress, WorkerProgress};
 pub use permutation::permutation;
 
+/// The most epochs an iteration may have: a ledger, its progress and its audit grow with them.
+/// Data nodes and schedulers refuse more; `audit` refuses a ledger file that claims more.
+pub const MAX_EPOCHS: u32 = 10_000;
+
 /// What an iteration covers. Two ledgers with equal specs hand out slices in the same order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -197,4 +201,6 @@ pub enum Error {
     Invalid(String),
     #[error("the ledger has stopped")]
     Stopped,
+    #[error("reading the ledger: {0}")]
+    Io(#[from] std::io::Error),
 }

@@ -8,7 +8,9 @@
 
 use std::path::Path;
 
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{
+    Database, Durability, ReadOnlyDatabase, ReadableDatabase, ReadableTable, TableDefinition,
+};
 
 use crate::{Error, Event, IterationSpec, ReturnReason, SliceKey};
 
@@ -205,12 +207,24 @@ impl Store {
     }
 }
 
-/// Reads a ledger file without taking it over (for audits while no one writes it).
+/// Reads a ledger file without changing it (for audits while no one writes it). A file left
+/// by a process that died mid-write needs redb's repair: that is done on a copy in a temporary
+/// directory, so that an audit never writes what it audits.
 pub(crate) fn read_file(path: &Path) -> Result<Loaded, Error> {
     if !path.exists() {
         return Err(Error::Missing(path.to_path_buf()));
     }
-    read(&open_file(path)?)
+    match ReadOnlyDatabase::open(path) {
+        Ok(db) => read(&db),
+        Err(redb::DatabaseError::DatabaseAlreadyOpen) => Err(Error::InUse(path.to_path_buf())),
+        Err(redb::DatabaseError::RepairAborted) => {
+            let dir = tempfile::tempdir()?;
+            let copy = dir.path().join("ledger");
+            std::fs::copy(path, &copy)?;
+            read(&open_file(&copy)?)
+        }
+        Err(e) => Err(Error::Store(e.into())),
+    }
 }
 
 /// Opens an existing ledger file, repairing it after a crash.
@@ -221,7 +235,7 @@ fn open_file(path: &Path) -> Result<Database, Error> {
     })
 }
 
-fn read(db: &Database) -> Result<Loaded, Error> {
+fn read(db: &impl ReadableDatabase) -> Result<Loaded, Error> {
     let txn = db.begin_read().map_err(redb::Error::from)?;
     let meta = txn.open_table(META).map_err(redb::Error::from)?;
     let field = |name: &str| -> Result<Vec<u8>, Error> {

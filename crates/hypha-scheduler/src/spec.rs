@@ -348,8 +348,12 @@ impl JobFile {
             if data.dataset.is_empty() {
                 return Err(invalid("data.dataset names no dataset".into()));
             }
-            if data.epochs == 0 {
-                return Err(invalid("data.epochs must be 1 or more".into()));
+            if data.epochs == 0 || data.epochs > hypha_ledger::MAX_EPOCHS {
+                return Err(invalid(format!(
+                    "data.epochs = {} is out of range: give 1 to {}",
+                    data.epochs,
+                    hypha_ledger::MAX_EPOCHS
+                )));
             }
             if !data.cluster_sync {
                 return Err(invalid(
