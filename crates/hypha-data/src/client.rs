@@ -6,7 +6,10 @@ use std::{collections::HashSet, path::Path, time::Duration};
 use futures::AsyncReadExt;
 use hypha_dataset::{Manifest, SliceEntry};
 use hypha_messages::{Request, Response};
-use hypha_network::{Network, NetworkError, PeerId, Role};
+use hypha_network::{
+    Network, NetworkError, PeerId, Role,
+    rate::{MIN_BYTES_PER_SECOND, RateFloor},
+};
 use tokio::io::AsyncWriteExt;
 
 use crate::protocol::{self, PROTOCOL, SliceHeader, SliceRequest};
@@ -76,7 +79,8 @@ impl From<&SliceEntry> for SliceId {
 /// How long a provider may take to answer a slice request before the next one is asked.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a provider may send nothing in the middle of a slice before the transfer goes on
-/// from another.
+/// from another; also the period over which its bytes must come at
+/// [`MIN_BYTES_PER_SECOND`] (a provider that trickles is left too).
 pub const STALL_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Fetches datasets' slices from data nodes over a node's network.
@@ -336,6 +340,7 @@ impl DataClient {
         }
         transfer.contributors.insert(peer);
         let start = transfer.offset;
+        let mut rate = RateFloor::new(self.stall_deadline, MIN_BYTES_PER_SECOND);
         while transfer.offset < entry.size {
             let want = RECEIVE_BLOCK
                 .min(usize::try_from(entry.size - transfer.offset).unwrap_or(usize::MAX));
@@ -350,6 +355,13 @@ impl DataClient {
             transfer.hasher.update(&buffer[..n]);
             sink.commit(n).await.map_err(Failure::Local)?;
             transfer.offset += n as u64;
+            if !rate.add(n as u64, tokio::time::Instant::now()) {
+                // What came stays: the next provider goes on from this offset.
+                return Err(Failure::Broken(format!(
+                    "sent slower than {} KiB/s",
+                    MIN_BYTES_PER_SECOND / 1024
+                )));
+            }
         }
         hypha_telemetry::metrics::record_bytes(
             protocol::PROTOCOL_NAME,

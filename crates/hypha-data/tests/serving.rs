@@ -605,3 +605,74 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
         started.elapsed()
     );
 }
+
+/// A provider that answers properly and then trickles the slice's true bytes (10 every 100
+/// ms, never silent long enough for the stall deadline) is left once a period brought fewer
+/// bytes than the rate floor (`MIN_BYTES_PER_SECOND` over the stall deadline, 1 s here); the
+/// next provider goes on from where it stopped. (Checked without the floor: the trickle holds
+/// the download past the test's 20 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
+    use futures::StreamExt;
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 1, 4096);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net)
+        .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
+    wait_for_providers(&client, "d", 1).await;
+    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
+    let entry = manifest.slices[0].clone();
+    let truth_path = tmp.path().join("truth.safetensors");
+    client
+        .fetch_slice("d", &entry, &[honest.local_peer_id()], &truth_path)
+        .await
+        .unwrap();
+    let truth = std::fs::read(&truth_path).unwrap();
+    let (trickler, _) = pki.start("trickler", Some(&gw_addr)).await;
+    let mut incoming = trickler.accept_streams(PROTOCOL).unwrap();
+    let header = SliceHeader::Ok {
+        size: entry.size,
+        blake3: entry.blake3.clone(),
+        offset: 0,
+    };
+    let served = truth.clone();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let (header, truth) = (header.clone(), served.clone());
+            tokio::spawn(async move {
+                let _: Result<SliceRequest, _> = protocol::read_frame(&mut stream).await;
+                protocol::write_frame(&mut stream, &header).await.unwrap();
+                for bytes in truth.chunks(10) {
+                    if stream.write_all(bytes).await.is_err() || stream.flush().await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            });
+        }
+    });
+    let dest = tmp.path().join("slice.safetensors");
+    let order = [trickler.local_peer_id(), honest.local_peer_id()];
+    let started = std::time::Instant::now();
+    let report = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.fetch_slice("d", &entry, &order, &dest),
+    )
+    .await
+    .expect("the trickle held the download")
+    .unwrap();
+    assert_eq!(report.provider, honest.local_peer_id());
+    assert!(
+        report.resumed > 0,
+        "the honest provider went on from the trickle"
+    );
+    assert!(std::fs::read(&dest).unwrap() == truth);
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+}

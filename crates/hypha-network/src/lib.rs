@@ -26,6 +26,7 @@ pub mod frame;
 pub mod muxer;
 pub mod nat;
 pub mod paths;
+pub mod rate;
 pub mod reach;
 pub mod rpc;
 mod settings;

@@ -38,7 +38,7 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// The slowest a transfer's bytes may come, measured over every [`STALL_TIMEOUT`]: a sender
 /// that trickles a byte now and then, never quite silent, still frees the receiver's slot.
-pub const MIN_BYTES_PER_SECOND: u64 = 32 * 1024;
+pub use hypha_network::rate::MIN_BYTES_PER_SECOND;
 /// The largest file a receiver takes, whatever its disk holds.
 pub const MAX_TRANSFER_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 /// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`,
@@ -151,7 +151,7 @@ pub async fn receive_bytes(
     let mut hasher = Sha256::new();
     let mut left = size;
     let mut buffer = vec![0u8; CHUNK];
-    let mut rate = RateFloor::new(STALL_TIMEOUT, MIN_BYTES_PER_SECOND);
+    let mut rate = hypha_network::rate::RateFloor::new(STALL_TIMEOUT, MIN_BYTES_PER_SECOND);
     while left > 0 {
         let want = buffer
             .len()
@@ -196,39 +196,6 @@ pub async fn receive_bytes(
         .await
         .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
     Ok(format!("sha256:{actual}"))
-}
-
-/// Checks that bytes keep coming at a rate: each `period`, at least `period × per_second`.
-#[derive(Debug)]
-pub struct RateFloor {
-    period: Duration,
-    floor: u64,
-    since: tokio::time::Instant,
-    bytes: u64,
-}
-
-impl RateFloor {
-    pub fn new(period: Duration, per_second: u64) -> Self {
-        RateFloor {
-            period,
-            floor: per_second.saturating_mul(period.as_secs().max(1)),
-            since: tokio::time::Instant::now(),
-            bytes: 0,
-        }
-    }
-
-    /// Counts `bytes` that came at `now`; `false` once a whole period brought fewer than the
-    /// floor.
-    pub fn add(&mut self, bytes: u64, now: tokio::time::Instant) -> bool {
-        self.bytes += bytes;
-        if now.duration_since(self.since) < self.period {
-            return true;
-        }
-        let enough = self.bytes >= self.floor;
-        self.since = now;
-        self.bytes = 0;
-        enough
-    }
 }
 
 /// A transfer that did not complete.
@@ -359,30 +326,5 @@ async fn attempt(
         Answer::Received { .. } => Ok(format!("sha256:{sha256}")),
         Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
         Answer::Ready => Err(SendError::Protocol),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A sender that trickles, never silent long enough to stall, is still cut off; one that
-    /// keeps the pace is not.
-    #[test]
-    fn a_trickle_falls_below_the_floor_and_a_steady_stream_does_not() {
-        let start = tokio::time::Instant::now();
-        let second = Duration::from_secs(1);
-        let mut trickle = RateFloor::new(Duration::from_secs(30), 32 * 1024);
-        let mut steady = RateFloor::new(Duration::from_secs(30), 32 * 1024);
-        let mut trickle_ok = true;
-        for s in 1..=90u32 {
-            let now = start + second * s;
-            trickle_ok &= trickle.add(1024, now);
-            assert!(
-                steady.add(40 * 1024, now),
-                "a steady 40 KiB/s is fine at {s} s"
-            );
-        }
-        assert!(!trickle_ok, "1 KiB/s is cut off");
     }
 }

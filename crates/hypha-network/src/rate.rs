@@ -1,0 +1,66 @@
+//! The slowest a peer may send what it is sending: a peer that trickles a byte now and then,
+//! never silent long enough for a read timeout, would otherwise hold the receiver's slot (a
+//! transfer's, a slice download's) for as long as it likes.
+
+use std::time::Duration;
+
+/// The slowest bytes may come, on average over each period a [`RateFloor`] measures.
+pub const MIN_BYTES_PER_SECOND: u64 = 32 * 1024;
+
+/// Checks that bytes keep coming at a rate: each `period`, at least `period × per_second`.
+#[derive(Debug)]
+pub struct RateFloor {
+    period: Duration,
+    floor: u64,
+    since: tokio::time::Instant,
+    bytes: u64,
+}
+
+impl RateFloor {
+    pub fn new(period: Duration, per_second: u64) -> Self {
+        RateFloor {
+            period,
+            floor: per_second.saturating_mul(period.as_secs().max(1)),
+            since: tokio::time::Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// Counts `bytes` that came at `now`; `false` once a whole period brought fewer than the
+    /// floor.
+    pub fn add(&mut self, bytes: u64, now: tokio::time::Instant) -> bool {
+        self.bytes += bytes;
+        if now.duration_since(self.since) < self.period {
+            return true;
+        }
+        let enough = self.bytes >= self.floor;
+        self.since = now;
+        self.bytes = 0;
+        enough
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sender that trickles, never silent long enough to stall, is still cut off; one that
+    /// keeps the pace is not.
+    #[test]
+    fn a_trickle_falls_below_the_floor_and_a_steady_stream_does_not() {
+        let start = tokio::time::Instant::now();
+        let second = Duration::from_secs(1);
+        let mut trickle = RateFloor::new(Duration::from_secs(30), 32 * 1024);
+        let mut steady = RateFloor::new(Duration::from_secs(30), 32 * 1024);
+        let mut trickle_ok = true;
+        for s in 1..=90u32 {
+            let now = start + second * s;
+            trickle_ok &= trickle.add(1024, now);
+            assert!(
+                steady.add(40 * 1024, now),
+                "a steady 40 KiB/s is fine at {s} s"
+            );
+        }
+        assert!(!trickle_ok, "1 KiB/s is cut off");
+    }
+}
