@@ -287,8 +287,8 @@ fn competing_schedulers_never_share_a_worker() {
 }
 
 /// A tiny HTTP server standing in for the Hugging Face Hub and a plain web server: answers
-/// `/org/model/resolve/main/config.json` and `/files/data.bin`, records the Authorization
-/// headers it saw.
+/// `/org/model/resolve/main/config.json` and `/files/data.bin`, sends 10 of the 100 bytes of
+/// `/files/stall.bin` and then nothing for a minute, records the Authorization headers it saw.
 fn fake_hub() -> (u16, std::sync::Arc<Mutex<Vec<String>>>) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -313,6 +313,17 @@ fn fake_hub() -> (u16, std::sync::Arc<Mutex<Vec<String>>>) {
                 }
             }
             let path = text.split_whitespace().nth(1).unwrap_or("").to_string();
+            if path == "/files/stall.bin" {
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-length: 100\r\nconnection: close\r\n\r\n0123456789"
+                );
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(60));
+                    drop(stream);
+                });
+                continue;
+            }
             let (status, body): (&str, &[u8]) = match path.as_str() {
                 "/org/model/resolve/main/config.json" => ("200 OK", b"{\"hidden\": 8}"),
                 "/files/data.bin" => ("200 OK", b"0123456789"),
@@ -340,6 +351,7 @@ call() {{ code=$(curl -s -o "$D/resp.json" -w '%{{http_code}}' --unix-socket "$S
 call hf /resources/fetch '{{"fetch":{{"type":"HuggingFace","repository":"org/model","filenames":["config.json"]}},"out_dir":"models"}}'
 call uri /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/files/data.bin"}},"out_dir":"data"}}'
 call missing /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/nothing"}},"out_dir":"data"}}'
+call stall /resources/fetch '{{"fetch":{{"type":"Uri","value":"http://127.0.0.1:{port}/files/stall.bin"}},"out_dir":"stalled"}}'
 call status /status/send '{{"loss":1.5,"step":3}}'
 call malformed /status/send 'not json'
 ln -s /etc "$D/link"
@@ -352,11 +364,15 @@ done
 code=$(curl -s -o "$D/openapi.json" -w '%{{http_code}}' --unix-socket "$S" http://bridge/openapi.json); echo "openapi $code" >> "$R"
 exit 0"#
     );
-    let _worker = cluster.worker_with_env(
+    // Downloads that receive nothing for a second fail (the stalling one).
+    let executors = format!(
+        "[[executors]]\nclass = \"test\"\nname = \"sh\"\nruntime = \"process\"\ncmd = \"sh\"\nargs = [\"-c\", {script:?}, \"executor\", \"{{WORK_DIR}}\", \"{{SOCKET_PATH}}\"]\n[bridge]\ndownload_read_timeout_ms = 1000\n"
+    );
+    let _worker = cluster.worker_with_executors(
         "bridge-worker",
         "",
         "",
-        &script,
+        &executors,
         &[("HF_ENDPOINT", format!("http://127.0.0.1:{port}"))],
     );
     let job = cluster.job(
@@ -422,6 +438,13 @@ exit 0"#
         "sha256:84d89877f0d4041efb6bf91a16f0248f2fd573e6af05c19f96bedb9f882f7882"
     );
     assert_eq!(line("missing").0, "502");
+    let (code, body) = line("stall");
+    assert_eq!(code, "502", "{body}");
+    assert!(body.contains("stall.bin"), "{body}");
+    assert!(
+        !job_dir.join("stalled/stall.bin").exists(),
+        "a download that broke off leaves no file"
+    );
     let (code, body) = line("status");
     assert_eq!(code, "200");
     let answer: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -75,6 +75,13 @@ static OFFER_KEYS: [Key; 6] = [
     },
 ];
 
+static BRIDGE_KEYS: [Key; 1] = [Key {
+    name: "download_read_timeout_ms",
+    kind: Kind::Integer,
+    default: DefaultValue::Value("60000"),
+    doc: "How long a download an executor asks for (`/resources/fetch` of a URL or a Hugging Face file) may receive nothing, headers included, before it fails: a server that stops sending does not hold the request for ever.",
+}];
+
 static EXECUTOR_KEYS: [Key; 6] = [
     Key {
         name: "class",
@@ -262,6 +269,12 @@ pub fn schema() -> Schema {
             doc: "Artifacts (weights, environments, archives) jobs and `hypha-worker fetch` bring in: each chunk read from the origin by one node and shared peer to peer.",
         },
         Key {
+            name: "bridge",
+            kind: Kind::Table(&BRIDGE_KEYS),
+            default: DefaultValue::Value("{}"),
+            doc: "What the bridge does for executors beyond the network: downloads.",
+        },
+        Key {
             name: "executors",
             kind: Kind::TableArray(&EXECUTOR_KEYS),
             default: DefaultValue::Value("[]"),
@@ -329,6 +342,8 @@ pub struct WorkerConfig {
     pub prefetch_bytes: u64,
     pub slice_cache_bytes: u64,
     pub artifacts: ArtifactsConfig,
+    /// How long an executor's download may receive nothing.
+    pub download_read_timeout: Duration,
 }
 
 /// The `[artifacts]` section, checked.
@@ -349,8 +364,14 @@ struct Raw {
     resources: Resources,
     offer: RawOffer,
     artifacts: RawArtifacts,
+    bridge: RawBridge,
     #[serde(default)]
     executors: Vec<RawExecutor>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawBridge {
+    download_read_timeout_ms: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -588,6 +609,10 @@ impl WorkerConfig {
             prefetch_bytes: bytes("prefetch_bytes", raw.prefetch_bytes)?,
             slice_cache_bytes: bytes("slice_cache_bytes", raw.slice_cache_bytes)?,
             artifacts,
+            download_read_timeout: millis(
+                "bridge.download_read_timeout_ms",
+                raw.bridge.download_read_timeout_ms,
+            )?,
         })
     }
 }

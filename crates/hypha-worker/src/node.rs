@@ -66,11 +66,12 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         ))
     })?;
     let node = Node::start_with("worker", loaded, |_| {}).await?;
+    let bridge = bridge::Settings::from_env(config.download_read_timeout);
     serve(
         node.network,
         node.inbound,
         config,
-        bridge::Settings::from_env(),
+        bridge,
         Arc::new(cache),
         hypha_node::shutdown_signal(),
     )

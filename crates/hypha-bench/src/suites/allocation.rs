@@ -198,18 +198,20 @@ async fn start_worker(
         }],
         prefetch_bytes: 1 << 30,
         slice_cache_bytes: 1 << 30,
+        download_read_timeout: Duration::from_secs(60),
     };
     let cache = hypha_worker::slices::SliceCache::open(
         hypha_worker::slices::cache_dir(&config.work_dir),
         config.slice_cache_bytes,
     )?;
     let stop = stop.clone();
+    let bridge = hypha_worker::bridge::Settings::from_env(config.download_read_timeout);
     tokio::spawn(async move {
         hypha_worker::node::serve(
             network,
             inbound,
             config,
-            hypha_worker::bridge::Settings::from_env(),
+            bridge,
             std::sync::Arc::new(cache),
             stop.cancelled_owned(),
         )

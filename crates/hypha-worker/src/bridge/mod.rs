@@ -72,17 +72,20 @@ pub struct Settings {
     pub hf_endpoint: String,
     /// A token sent to the Hub when the job brings none (`HF_TOKEN`).
     pub hf_token: Option<String>,
+    /// How long a download may receive nothing (`bridge.download_read_timeout_ms`).
+    pub download_read_timeout: std::time::Duration,
 }
 
 impl Settings {
-    /// Reads `HF_ENDPOINT` and `HF_TOKEN`.
-    pub fn from_env() -> Self {
+    /// Reads `HF_ENDPOINT` and `HF_TOKEN`; downloads time out after `download_read_timeout`.
+    pub fn from_env(download_read_timeout: std::time::Duration) -> Self {
         Settings {
             hf_endpoint: std::env::var("HF_ENDPOINT")
                 .ok()
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string()),
             hf_token: std::env::var("HF_TOKEN").ok().filter(|v| !v.is_empty()),
+            download_read_timeout,
         }
     }
 }
@@ -112,6 +115,7 @@ impl Shared {
         let http = reqwest::Client::builder()
             .user_agent(concat!("hypha-worker/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(std::time::Duration::from_secs(30))
+            .read_timeout(settings.download_read_timeout)
             .build()
             .unwrap_or_default();
         Shared {
