@@ -113,6 +113,32 @@ impl Codec {
     }
 }
 
+/// The most bytes [`encode`] makes of tensors of `sizes` values with `codec`: their values,
+/// and a SafeTensors header of [`HEADER_PER_TENSOR`] for each of the (at most two) tensors it
+/// stores of each and [`HEADER_METADATA`] for the metadata. What a receiver may refuse to read
+/// beyond.
+pub fn max_encoded_bytes(codec: Codec, sizes: impl Iterator<Item = usize>) -> u64 {
+    let (body, tensors) = sizes.fold((0u64, 0u64), |(body, tensors), n| {
+        let n64 = n as u64;
+        let values = match codec {
+            Codec::None => 4 * n64,
+            Codec::Bf16 => 2 * n64,
+            Codec::Int8 => n64 + 4 * n.div_ceil(INT8_BLOCK) as u64,
+            Codec::TopK { density } => 8 * kept_count(density, n) as u64,
+        };
+        (body.saturating_add(values), tensors + 1)
+    });
+    let header =
+        (HEADER_METADATA + 2 * HEADER_PER_TENSOR * tensors).min(crate::tensors::MAX_HEADER);
+    body.saturating_add(8 + header)
+}
+
+/// The header room [`max_encoded_bytes`] allows each stored tensor: its name, dtype, shape and
+/// offsets in JSON (a name of hundreds of characters fits).
+pub const HEADER_PER_TENSOR: u64 = 1024;
+/// The header room [`max_encoded_bytes`] allows the metadata.
+pub const HEADER_METADATA: u64 = 64 * 1024;
+
 /// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
 /// own keys. Refuses an update with a NaN or infinite value.
 pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {

@@ -232,6 +232,13 @@ impl ParameterServer {
         taken
     }
 
+    /// Refuses `from`'s update of the current round without reading it (it was found out
+    /// before, say by its size), as [`add`](Self::add) refuses one.
+    pub fn refuse(&mut self, from: &str, reason: String) {
+        self.refused.retain(|(peer, _)| peer != from);
+        self.refused.push((from.to_string(), reason));
+    }
+
     fn take(&mut self, from: &str, bytes: &[u8], samples: u64) -> Result<Taken, Error> {
         if let Some(max) = self.max_samples.filter(|max| samples > *max) {
             return Err(Error::Samples { samples, max });
@@ -369,6 +376,16 @@ impl ParameterServer {
 
     /// The global model as SafeTensors, marked as the model to train round
     /// [`round`](Self::round) from, with its fingerprint.
+    /// The most bytes an update of the model may take with `codec` (see
+    /// [`max_encoded_bytes`](crate::codec::max_encoded_bytes)); `None` before there is a model.
+    pub fn max_update_bytes(&self, codec: Codec) -> Option<u64> {
+        let model = self.model.as_ref()?;
+        Some(crate::codec::max_encoded_bytes(
+            codec,
+            model.0.values().map(|tensor| tensor.values.len()),
+        ))
+    }
+
     pub fn model_bytes(&self) -> Result<Vec<u8>, Error> {
         let model = self.model.as_ref().ok_or(Error::Empty)?;
         model.to_bytes(&Metadata::from([

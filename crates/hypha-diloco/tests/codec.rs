@@ -409,3 +409,43 @@ fn hostile_compressed_files_are_refused() {
         .unwrap_err();
     assert!(error.to_string().contains("shape"), "{error}");
 }
+
+/// What a receiver refuses to read beyond holds every honest update: each codec's encoding of
+/// an update with long names and the metadata trainers send fits `max_encoded_bytes`, and the
+/// same values under a looser codec (f32 where int8 was expected) do not.
+#[test]
+fn every_encoding_fits_its_bound_and_a_looser_one_does_not() {
+    let long = "model.layers.31.self_attn.rotary_emb.inv_freq.".repeat(4);
+    let mut update = update(3);
+    let bias = update.0.remove("l1.bias").unwrap();
+    update.0.insert(format!("{long}bias"), bias);
+    let metadata: Metadata = [
+        ("hypha.kind", "pseudo_gradient"),
+        ("hypha.round", "12"),
+        ("hypha.samples", "4096"),
+        ("hypha.accepts", "model,model_delta"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let sizes = || update.0.values().map(|t| t.values.len());
+    for codec in [
+        Codec::None,
+        Codec::Bf16,
+        Codec::Int8,
+        Codec::TopK { density: 0.01 },
+        Codec::TopK { density: 1.0 },
+    ] {
+        let bytes = codec::encode(&update, codec, &metadata).unwrap();
+        let bound = codec::max_encoded_bytes(codec, sizes());
+        assert!(
+            bytes.len() as u64 <= bound,
+            "{codec:?}: {} bytes, bound {bound}",
+            bytes.len()
+        );
+    }
+    // A model of a million values: f32 takes four times int8's bound.
+    let big = Tensors([("w".to_string(), tensor(&[1 << 20], vec![0.5; 1 << 20]))].into());
+    let f32_bytes = codec::encode(&big, Codec::None, &metadata).unwrap();
+    assert!(f32_bytes.len() as u64 > codec::max_encoded_bytes(Codec::Int8, [1 << 20].into_iter()));
+}

@@ -203,7 +203,7 @@ impl ServerJob {
         loop {
             tokio::select! {
                 arrived = self.inbox.next(&anyone) => {
-                    self.take(&mut server, &arrived, &mut dropped, &mut peers);
+                    self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
                 }
                 _ = report.tick() => {}
             }
@@ -268,10 +268,11 @@ impl ServerJob {
     }
 
     /// Takes one file from the inbox: a model offered by a trainer that joins, or a
-    /// pseudo-gradient.
+    /// pseudo-gradient (compressed with `codec`, the job's).
     fn take(
         &self,
         server: &mut ParameterServer,
+        codec: Codec,
         arrived: &transfer::Arrived,
         dropped: &mut Vec<Late>,
         peers: &mut Peers,
@@ -317,23 +318,39 @@ impl ServerJob {
                 }
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
-                let bytes = std::fs::read(&path);
-                let _ = std::fs::remove_file(&path);
+                // Who sent it and how large it is are known before a byte of it is read.
                 if !peers.trainers.contains(&from) {
+                    let _ = std::fs::remove_file(&path);
                     tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
                     return;
                 }
+                let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
+                    (Ok(round), Ok(samples)) => (round, samples),
+                    (Err(error), _) | (_, Err(error)) => {
+                        let _ = std::fs::remove_file(&path);
+                        tracing::warn!(%from, %error, "refused a pseudo-gradient");
+                        return;
+                    }
+                };
+                let size = std::fs::metadata(&path).map_or(0, |m| m.len());
+                if let Some(limit) = server.max_update_bytes(codec).filter(|limit| size > *limit) {
+                    let _ = std::fs::remove_file(&path);
+                    let reason = format!(
+                        "{size} bytes, more than an update of this model can take with {} ({limit})",
+                        codec.name()
+                    );
+                    tracing::warn!(%from, round, "refused a pseudo-gradient: {reason}");
+                    if server.round() == Some(round) {
+                        server.refuse(&from, reason);
+                    }
+                    return;
+                }
+                let bytes = std::fs::read(&path);
+                let _ = std::fs::remove_file(&path);
                 let bytes = match bytes {
                     Ok(bytes) => bytes,
                     Err(error) => {
                         tracing::warn!(%from, %error, "could not read a pseudo-gradient");
-                        return;
-                    }
-                };
-                let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
-                    (Ok(round), Ok(samples)) => (round, samples),
-                    (Err(error), _) | (_, Err(error)) => {
-                        tracing::warn!(%from, %error, "refused a pseudo-gradient");
                         return;
                     }
                 };

@@ -74,6 +74,9 @@ async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path
     .unwrap();
 }
 
+/// A trainer's update larger than any update of the model can be is refused before it is
+/// read.
+///
 /// (Checked by taking pseudo-gradients from any sender: the helper's update is taken; the
 /// first offer adopted, as before: the server holds a model before a's arrives.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,5 +221,32 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         taken.arrived.iter().all(|x| x.peer != helper_id),
         "{:?}",
         taken.arrived
+    );
+
+    // b, a trainer, sends an update far larger than one of this two-value model can be: it
+    // is refused unread, and the scheduler hears so. (Checked without the size check: it is
+    // read, and refused only for its shape.)
+    let b_id = b.local_peer_id().to_string();
+    send(
+        b,
+        server,
+        "pg.safetensors",
+        &pseudo_gradient(&vec![0.1; 100_000], 0),
+        outbox.path(),
+    )
+    .await;
+    let refused = wait_for("b's update refused", &|s| {
+        s.refused.iter().any(|r| r.peer == b_id)
+    })
+    .await;
+    let reason = &refused
+        .refused
+        .iter()
+        .find(|r| r.peer == b_id)
+        .unwrap()
+        .reason;
+    assert!(
+        reason.contains("more than an update of this model can take"),
+        "{reason}"
     );
 }
