@@ -360,3 +360,80 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
     );
     drop(held);
 }
+
+/// Peers of no task hold no transfer slot: four of them, each with its share of transfers
+/// asked for and never finishing their header, leave every slot free, and a task peer's file
+/// gets in. (Checked by taking the slot before the task check, as before: the task peer is
+/// refused `busy`.)
+#[tokio::test]
+async fn strangers_waiting_in_the_handshake_hold_no_transfer_slot() {
+    let networks = connected(&["s1", "s2", "s3", "s4", "member", "receiver"]).await;
+    let [strangers @ .., member, receiver] = &networks[..] else {
+        unreachable!()
+    };
+    let _inbox = job_inbox(receiver, member, &peers(1, &[member]));
+    let to = receiver.local_peer_id();
+    let mut held = Vec::new();
+    for stranger in strangers {
+        for _ in 0..transfer::MAX_PER_PEER {
+            let mut stream = stranger.open_stream(to, transfer::PROTOCOL).await.unwrap();
+            // Half a frame: the receiver waits for the rest of the header.
+            stream.write_all(&[0, 0]).await.unwrap();
+            stream.flush().await.unwrap();
+            held.push(stream);
+        }
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
+    let small = Header {
+        task: "task-1".into(),
+        name: "small".into(),
+        size: 4,
+    };
+    assert_eq!(
+        raw_send(member, to, &small, b"abcd", &sum).await,
+        Answer::Received { jobs: 1 }
+    );
+    drop(held);
+}
+
+/// Room on the disk is promised to every transfer under way: two transfers that each fit the
+/// disk alone but not together are not both let in. (Checked by checking each alone, as
+/// before: the second is let in too.)
+#[tokio::test]
+async fn transfers_under_way_are_counted_against_the_disk_together() {
+    let (sender, receiver) = pair().await;
+    let inbox = job_inbox(&receiver, &sender, &peers(1, &[&sender]));
+    let to = receiver.local_peer_id();
+    let disk = rustix::fs::statvfs(inbox.dir.path()).unwrap();
+    let room = (disk.f_bavail * disk.f_frsize).saturating_sub(transfer::DISK_RESERVE);
+    // Files of three fifths of the room (at most the largest a worker takes), as many as it
+    // takes to pass the room; each is let in and then sends nothing.
+    let size = (room / 5 * 3).min(hypha_transfer::MAX_TRANSFER_BYTES);
+    let header = Header {
+        task: "task-1".into(),
+        name: "big".into(),
+        size,
+    };
+    let fit = usize::try_from(room / size).unwrap();
+    if fit >= transfer::MAX_PER_PEER {
+        // One peer's share of the slots cannot fill a disk of over 8 × 64 GiB.
+        eprintln!("skipped: {room} bytes free is more than this test can fill");
+        return;
+    }
+    let mut held = Vec::new();
+    for _ in 0..fit {
+        let mut stream = sender.open_stream(to, transfer::PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &header).await.unwrap();
+        assert_eq!(
+            read_frame::<Answer>(&mut stream).await.unwrap(),
+            Answer::Ready
+        );
+        held.push(stream);
+    }
+    assert_eq!(
+        refusal(raw_send(&sender, to, &header, b"", "").await),
+        RefusalCode::TooLarge
+    );
+    drop(held);
+}

@@ -26,11 +26,15 @@
 //! `out_dir` as `{sequence}-{name}`: the sequence number makes names from several peers, or
 //! several rounds, distinct.
 //!
-//! Limits, and what happens at them: at most [`MAX_CONCURRENT`] transfers are received at
-//! once and [`MAX_PER_PEER`] from one peer (more are refused `busy`, so one peer never takes
-//! every slot), at most [`MAX_WAITING`] files wait in one inbox (more are refused
-//! `inbox_full`), a file must fit the disk with [`DISK_RESERVE`] to spare (else `too_large`);
-//! the protocol's own limits (size, deadlines, the slowest rate) are [`hypha_transfer`]'s.
+//! Limits, and what happens at them: at most [`MAX_HANDSHAKES`] transfers are being asked
+//! for at once (their headers read and their task checked; more are refused `busy`); only a
+//! transfer a task's job takes then gets one of the [`MAX_CONCURRENT`] slots, at most
+//! [`MAX_PER_PEER`] of them from one peer (more are refused `busy`, so one peer never takes
+//! every slot, and a peer of no task takes none); at most [`MAX_WAITING`] files wait in one
+//! inbox (more are refused `inbox_full`); a file must fit the disk beside every transfer
+//! under way, with [`DISK_RESERVE`] to spare (else `too_large`; files waiting in inboxes are
+//! on the disk already); the protocol's own limits (size, deadlines, the slowest rate) are
+//! [`hypha_transfer`]'s.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -52,6 +56,9 @@ use crate::metrics;
 
 /// Where received files wait, relative to the job's directory.
 pub const STAGING_DIR: &str = ".hypha/inbox";
+/// Transfers whose header is being read and task checked at the same time; more are refused
+/// `busy`. Each takes at most the protocol's header timeout.
+pub const MAX_HANDSHAKES: usize = 64;
 /// Transfers received at the same time; more are refused `busy`.
 pub const MAX_CONCURRENT: usize = 32;
 /// Transfers received from one peer at the same time; more are refused `busy`.
@@ -345,31 +352,30 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
             return;
         }
     };
-    let slots = Arc::new(Semaphore::new(MAX_CONCURRENT));
-    let shares = PeerShares::new(MAX_PER_PEER);
+    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let limits = Arc::new(Limits {
+        slots: Arc::new(Semaphore::new(MAX_CONCURRENT)),
+        shares: PeerShares::new(MAX_PER_PEER),
+        promised: Mutex::new(0),
+    });
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
-        let slot = slots.clone().try_acquire_owned();
-        let share = shares.try_take(peer);
+        let limits = limits.clone();
+        let handshake = handshakes.clone().try_acquire_owned();
         tokio::spawn(async move {
-            let answer = match (slot, share) {
-                (Ok(_slot), Some(_share)) => match receive(peer, &mut stream, &inboxes).await {
-                    Ok(jobs) => Answer::Received { jobs },
-                    Err(refusal) => {
-                        tracing::debug!(%peer, %refusal, "resource transfer refused");
-                        Answer::Refused(refusal)
+            let answer = match handshake {
+                Ok(handshake) => {
+                    match receive(peer, &mut stream, &inboxes, handshake, &limits).await {
+                        Ok(jobs) => Answer::Received { jobs },
+                        Err(refusal) => {
+                            tracing::debug!(%peer, %refusal, "resource transfer refused");
+                            Answer::Refused(refusal)
+                        }
                     }
-                },
-                (Err(_), _) => Answer::Refused(Refusal::new(
-                    RefusalCode::Busy,
-                    format!("this worker receives {MAX_CONCURRENT} transfers at most at once"),
-                )),
-                (_, None) => Answer::Refused(Refusal::new(
-                    RefusalCode::Busy,
-                    format!(
-                        "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
-                    ),
-                )),
+                }
+                Err(_) => Answer::Refused(busy(format!(
+                    "this worker is asked for {MAX_HANDSHAKES} transfers at once"
+                ))),
             };
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
@@ -377,11 +383,26 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
     }
 }
 
-/// Receives one transfer into the inboxes of its task's jobs; returns how many took it.
+/// What the transfers under way share.
+struct Limits {
+    slots: Arc<Semaphore>,
+    shares: PeerShares,
+    /// Bytes promised to transfers under way and not yet known to be on the disk.
+    promised: Mutex<u64>,
+}
+
+fn busy(message: String) -> Refusal {
+    Refusal::new(RefusalCode::Busy, message)
+}
+
+/// Receives one transfer into the inboxes of its task's jobs; returns how many took it. The
+/// header is read and the task checked under `handshake`, before a transfer slot is taken.
 async fn receive(
     peer: PeerId,
     stream: &mut hypha_network::Stream,
     inboxes: &Inboxes,
+    handshake: tokio::sync::OwnedSemaphorePermit,
+    limits: &Limits,
 ) -> Result<usize, Refusal> {
     let header = read_header(stream).await?;
     check_name(&header.name)?;
@@ -396,12 +417,23 @@ async fn receive(
             ),
         ));
     };
+    drop(handshake);
+    let _slot = limits.slots.clone().try_acquire_owned().map_err(|_| {
+        busy(format!(
+            "this worker receives {MAX_CONCURRENT} transfers at most at once"
+        ))
+    })?;
+    let _share = limits.shares.try_take(peer).ok_or_else(|| {
+        busy(format!(
+            "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
+        ))
+    })?;
     let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
     let staging = first
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
         .map_err(|e| io(&e))?;
-    check_size(&staging, header.size)?;
+    let _promise = promise_room(&staging, header.size, &limits.promised)?;
     write_frame(stream, &Answer::Ready)
         .await
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
@@ -437,9 +469,30 @@ async fn receive(
     Ok(delivered)
 }
 
-/// Whether a file of `size` bytes may be taken into `staging`: no larger than
-/// [`hypha_transfer::MAX_TRANSFER_BYTES`], and leaving [`DISK_RESERVE`] free.
-fn check_size(staging: &std::os::fd::OwnedFd, size: u64) -> Result<(), Refusal> {
+/// Room promised to one transfer under way, given back when it ends (its bytes are then on
+/// the disk, or gone).
+struct Promise<'a> {
+    promised: &'a Mutex<u64>,
+    size: u64,
+}
+
+impl Drop for Promise<'_> {
+    fn drop(&mut self) {
+        let mut promised = self.promised.lock().unwrap_or_else(|p| p.into_inner());
+        *promised = promised.saturating_sub(self.size);
+    }
+}
+
+/// Promises room for a file of `size` bytes in `staging`: no larger than
+/// [`hypha_transfer::MAX_TRANSFER_BYTES`], and fitting the disk beside what the transfers
+/// under way were promised, with [`DISK_RESERVE`] left free. (Promises count whole files,
+/// though some of their bytes are on the disk already: never too little room, at times too
+/// much.)
+fn promise_room<'a>(
+    staging: &std::os::fd::OwnedFd,
+    size: u64,
+    promised: &'a Mutex<u64>,
+) -> Result<Promise<'a>, Refusal> {
     let too_large = |why: String| Refusal::new(RefusalCode::TooLarge, why);
     if size > hypha_transfer::MAX_TRANSFER_BYTES {
         return Err(too_large(format!(
@@ -450,12 +503,15 @@ fn check_size(staging: &std::os::fd::OwnedFd, size: u64) -> Result<(), Refusal> 
     let stat =
         rustix::fs::fstatvfs(staging).map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
     let free = stat.f_bavail.saturating_mul(stat.f_frsize);
-    if size.saturating_add(DISK_RESERVE) > free {
+    let mut under_way = promised.lock().unwrap_or_else(|p| p.into_inner());
+    if size.saturating_add(*under_way).saturating_add(DISK_RESERVE) > free {
         return Err(too_large(format!(
-            "{size} bytes do not fit: the worker's disk has {free} bytes free and keeps {DISK_RESERVE}"
+            "{size} bytes do not fit: the worker's disk has {free} bytes free, keeps {DISK_RESERVE} and has promised {} to transfers under way",
+            *under_way
         )));
     }
-    Ok(())
+    *under_way += size;
+    Ok(Promise { promised, size })
 }
 
 fn link_into(
