@@ -460,6 +460,11 @@ pub struct IterateArgs {
     /// under the same name picks up the slices it held.
     #[arg(long)]
     pub client: Option<String>,
+    /// A peer (its ID) that may iterate this iteration too. The iteration belongs to the
+    /// peer (certificate) that starts it: other peers are refused unless its owner names
+    /// them. Repeat for several; the owner's latest list counts.
+    #[arg(long = "share-with", value_name = "PEER_ID")]
+    pub share_with: Vec<String>,
     /// A config file for the certificate and gateways (a data node's config works).
     #[arg(short, long)]
     pub config: Option<PathBuf>,
@@ -543,6 +548,7 @@ async fn iterate_with(
             round: 0,
             completed_round: None,
             holding: None,
+            share_with: args.share_with.clone(),
         };
         let grant = crate::iteration::ask(network, node, request)
             .await

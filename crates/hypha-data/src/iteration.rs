@@ -3,8 +3,15 @@
 //! iterations its clients run) put in front of a [`LedgerHandle`].
 //!
 //! Consumers are named `{peer}/{consumer}` in the ledger, so two peers can never report on
-//! each other's slices. Each granted slice comes with the providers that hold it, rotated per
-//! grant so that replicas share the load.
+//! each other's slices; a consumer's name is 1 to 64 letters, digits, `.`, `_` or `-`. Each
+//! granted slice comes with the providers that hold it, rotated per grant so that replicas
+//! share the load.
+//!
+//! A data node's own iterations belong to the peer that started them: only it, and the peers
+//! it names (`share_with`), consume from them. One peer runs at most
+//! [`MAX_ITERATIONS_PER_PEER`] on a node, and an iteration nobody asked about for the node's
+//! `iteration_idle_ms` is over: its ledger is removed and its place freed, also when that
+//! time passed while the node was down.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -13,7 +20,7 @@ use std::{
         Arc,
         atomic::{AtomicUsize, Ordering},
     },
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use hypha_dataset::Manifest;
@@ -38,6 +45,12 @@ pub use hypha_ledger::MAX_EPOCHS;
 /// The most iterations a data node runs at once for its clients; a node restarted with more
 /// on disk resumes each as it is asked for again.
 pub const MAX_NODE_ITERATIONS: usize = 64;
+/// The most iterations one peer runs at once on a data node.
+pub const MAX_ITERATIONS_PER_PEER: usize = 4;
+/// How long a data node keeps an iteration nobody asks about, unless configured otherwise.
+pub const DEFAULT_IDLE: Duration = Duration::from_secs(24 * 3600);
+/// How often the time an iteration was last asked about is written down.
+const USED_EVERY_MS: u64 = 60_000;
 
 /// Where one slice can be fetched from.
 #[derive(Debug, Clone)]
@@ -127,6 +140,7 @@ impl IterationService {
                 ),
             ));
         }
+        check_name("consumer", &request.consumer)?;
         let consumer = Self::consumer_name(peer, &request.consumer);
         let failed = |e: hypha_ledger::Error| RemoteError::new(ErrorCode::Internal, e.to_string());
         let mut refused = Vec::new();
@@ -308,34 +322,84 @@ pub fn spec_of(manifest: &Manifest, epochs: u32, seed: u64) -> IterationSpec {
 }
 
 /// A data node's own iterations (`cluster_sync = false`): started by the first client that
-/// names them, kept in `dir/{dataset}/{iteration}.ledger`, resumed after a restart.
+/// names them, kept in `dir/{dataset}/{iteration}.ledger` with their owner beside it
+/// (`{iteration}.owner.json`), resumed after a restart, removed when idle.
 #[derive(Debug)]
 pub struct NodeIterations {
     dir: PathBuf,
     this_node: PeerId,
-    open: Mutex<HashMap<(String, String), IterationService>>,
+    idle: Duration,
+    open: Mutex<HashMap<(String, String), Running>>,
+}
+
+/// An iteration this node runs, and who may use it.
+#[derive(Debug)]
+struct Running {
+    service: IterationService,
+    owner: Owner,
+    /// When it was last written down that a request came.
+    noted_ms: u64,
+}
+
+/// Who an iteration belongs to, as kept beside its ledger.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Owner {
+    owner: String,
+    #[serde(default)]
+    share_with: Vec<String>,
+    /// When a request for it last came (ms since the epoch; written at most once a minute).
+    last_used_ms: u64,
+}
+
+impl Owner {
+    fn admits(&self, peer: &PeerId) -> bool {
+        let peer = peer.to_string();
+        self.owner == peer || self.share_with.contains(&peer)
+    }
 }
 
 impl NodeIterations {
-    pub fn new(dir: PathBuf, this_node: PeerId) -> Self {
+    /// Iterations in `dir`, each kept until nobody asked about it for `idle`.
+    pub fn new(dir: PathBuf, this_node: PeerId, idle: Duration) -> Self {
         Self {
             dir,
             this_node,
+            idle,
             open: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The service for the request's iteration, opened or started from `manifest`.
+    fn ledger_path(&self, dataset: &str, iteration: &str) -> PathBuf {
+        self.dir.join(dataset).join(format!("{iteration}.ledger"))
+    }
+
+    /// The service for `peer`'s request, opened or started from `manifest`: refused when the
+    /// iteration belongs to a peer that does not share it with `peer`.
     pub async fn service(
         &self,
+        peer: &PeerId,
         request: &IterateRequest,
         manifest: &Manifest,
     ) -> Result<IterationService, RemoteError> {
         check_name("iteration", &request.iteration)?;
         let key = (request.dataset.clone(), request.iteration.clone());
+        let path = self.ledger_path(&request.dataset, &request.iteration);
+        let now = now_ms();
         let mut open = self.open.lock().await;
-        if let Some(service) = open.get(&key) {
-            return Ok(service.clone());
+        if let Some(running) = open.get_mut(&key) {
+            check_admitted(&running.owner, peer, &request.iteration)?;
+            let shares = running.owner.owner == peer.to_string()
+                && !request.share_with.is_empty()
+                && request.share_with != running.owner.share_with;
+            if shares {
+                running.owner.share_with = request.share_with.clone();
+            }
+            if shares || now.saturating_sub(running.noted_ms) >= USED_EVERY_MS {
+                running.owner.last_used_ms = now;
+                running.noted_ms = now;
+                write_owner(&path, &running.owner).await;
+            }
+            return Ok(running.service.clone());
         }
         if request.epochs > MAX_EPOCHS {
             return Err(RemoteError::new(
@@ -346,6 +410,19 @@ impl NodeIterations {
                 ),
             ));
         }
+        // Kept beside a ledger from before the node stopped: its owner stays its owner.
+        let kept = read_owner(&path).await;
+        let owner = match kept {
+            Some(kept) => {
+                check_admitted(&kept, peer, &request.iteration)?;
+                kept
+            }
+            None => Owner {
+                owner: peer.to_string(),
+                share_with: request.share_with.clone(),
+                last_used_ms: now,
+            },
+        };
         if open.len() >= MAX_NODE_ITERATIONS {
             return Err(RemoteError::new(
                 ErrorCode::Busy,
@@ -354,10 +431,20 @@ impl NodeIterations {
                 ),
             ));
         }
-        let path = self
-            .dir
-            .join(&request.dataset)
-            .join(format!("{}.ledger", request.iteration));
+        let owned = open
+            .values()
+            .filter(|r| r.owner.owner == owner.owner)
+            .count();
+        if owned >= MAX_ITERATIONS_PER_PEER {
+            return Err(RemoteError::new(
+                ErrorCode::Busy,
+                format!(
+                    "{} runs {MAX_ITERATIONS_PER_PEER} iterations on this node already, the most one peer may; finish one, or let one go idle for {} s",
+                    owner.owner,
+                    self.idle.as_secs()
+                ),
+            ));
+        }
         let spec = spec_of(manifest, request.epochs, request.seed);
         let ledger = open_ledger(&path, spec).await.map_err(|e| {
             RemoteError::new(
@@ -365,10 +452,22 @@ impl NodeIterations {
                 format!("iteration {:?}: {e}", request.iteration),
             )
         })?;
+        let owner = Owner {
+            last_used_ms: now,
+            ..owner
+        };
+        write_owner(&path, &owner).await;
         let (handle, _task) = LedgerHandle::spawn(ledger);
         let sources = SliceSource::all_held_by(manifest, self.this_node);
         let service = IterationService::new(request.iteration.clone(), handle, sources, true);
-        open.insert(key, service.clone());
+        open.insert(
+            key,
+            Running {
+                service: service.clone(),
+                owner,
+                noted_ms: now,
+            },
+        );
         Ok(service)
     }
 
@@ -377,7 +476,102 @@ impl NodeIterations {
         let open = self.open.lock().await;
         open.iter()
             .find(|((_, name), _)| name == iteration)
-            .map(|(_, service)| service.clone())
+            .map(|(_, running)| running.service.clone())
+    }
+
+    /// Ends the iterations nobody asked about for the idle time, running or left on disk
+    /// from before a restart: their ledgers are removed and their places freed.
+    pub async fn expire(&self) {
+        let now = now_ms();
+        let idle_ms = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
+        let mut open = self.open.lock().await;
+        open.retain(|(dataset, iteration), running| {
+            let idle = now.saturating_sub(running.owner.last_used_ms.max(running.noted_ms));
+            let keep = idle < idle_ms;
+            if !keep {
+                tracing::info!(dataset, iteration, owner = %running.owner.owner, "iteration idle; removing it");
+            }
+            keep
+        });
+        let running: HashSet<PathBuf> = open
+            .keys()
+            .map(|(dataset, iteration)| self.ledger_path(dataset, iteration))
+            .collect();
+        drop(open);
+        let dir = self.dir.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            remove_idle(&dir, &running, now, idle_ms);
+        })
+        .await;
+    }
+}
+
+/// Removes every ledger under `dir` (but those `running`) whose owner file says it was last
+/// used `idle_ms` or more before `now`, with that file.
+fn remove_idle(dir: &Path, running: &HashSet<PathBuf>, now: u64, idle_ms: u64) {
+    let Ok(datasets) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for dataset in datasets.flatten() {
+        let Ok(files) = std::fs::read_dir(dataset.path()) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let path = file.path();
+            if path.extension().is_none_or(|e| e != "ledger") || running.contains(&path) {
+                continue;
+            }
+            let owner = std::fs::read(owner_path(&path))
+                .ok()
+                .and_then(|bytes| serde_json::from_slice::<Owner>(&bytes).ok());
+            // A ledger without an owner file (an older node's) is dated by the file itself.
+            let used = owner.map(|o| o.last_used_ms).or_else(|| {
+                let modified = file.metadata().ok()?.modified().ok()?;
+                Some(modified.duration_since(UNIX_EPOCH).ok()?.as_millis() as u64)
+            });
+            if used.is_some_and(|used| now.saturating_sub(used) >= idle_ms) {
+                tracing::info!(ledger = %path.display(), "iteration idle since before this node started; removing it");
+                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_file(owner_path(&path));
+            }
+        }
+    }
+}
+
+fn check_admitted(owner: &Owner, peer: &PeerId, iteration: &str) -> Result<(), RemoteError> {
+    if owner.admits(peer) {
+        return Ok(());
+    }
+    Err(RemoteError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "iteration {iteration:?} belongs to {}, which does not share it with you; start an iteration of your own name, or have its owner name you (`hypha-data iterate --share-with`)",
+            owner.owner
+        ),
+    ))
+}
+
+fn owner_path(ledger: &Path) -> PathBuf {
+    ledger.with_extension("owner.json")
+}
+
+async fn read_owner(ledger: &Path) -> Option<Owner> {
+    let path = owner_path(ledger);
+    let bytes = tokio::fs::read(&path).await.ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+async fn write_owner(ledger: &Path, owner: &Owner) {
+    let path = owner_path(ledger);
+    let Ok(bytes) = serde_json::to_vec(owner) else {
+        return;
+    };
+    let written = tokio::task::spawn_blocking(move || {
+        hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, true)
+    })
+    .await;
+    if let Ok(Err(error)) = written {
+        tracing::warn!(%error, "cannot write down an iteration's owner");
     }
 }
 

@@ -44,6 +44,12 @@ pub fn schema() -> Schema {
             doc: "Where the ledgers of the iterations this node runs for its own clients (cluster_sync = false; `hypha-data iterate`) are kept, so that they survive restarts. Unset: a .hypha-iterations directory inside dataset_path.",
         },
         Key {
+            name: "iteration_idle_ms",
+            kind: Kind::Integer,
+            default: DefaultValue::Value("86400000"),
+            doc: "How long an iteration this node runs for its own clients is kept while nobody asks about it; then its ledger is removed and its place freed (also when the time passed while the node was down). Default: a day.",
+        },
+        Key {
             name: "manifest_dir",
             kind: Kind::Path,
             default: DefaultValue::Unset {
@@ -88,6 +94,7 @@ pub fn client_schema() -> Schema {
 struct DataConfig {
     dataset_path: PathBuf,
     iteration_dir: Option<PathBuf>,
+    iteration_idle_ms: i64,
     manifest_dir: Option<PathBuf>,
     max_concurrent_slices: i64,
     max_slices_per_peer: i64,
@@ -127,15 +134,32 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
             "point dataset_path at a directory of *.safetensors slices (or of such directories)",
         ))
     })?;
-    let node = Node::start_with("data", loaded, |_| {}).await?;
     let iteration_dir = config
         .iteration_dir
         .unwrap_or_else(|| config.dataset_path.join(".hypha-iterations"));
+    let idle = u64::try_from(config.iteration_idle_ms)
+        .ok()
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+        .ok_or_else(|| {
+            loaded.error(
+                "iteration_idle_ms",
+                format!(
+                    "{} is not a positive number of milliseconds",
+                    config.iteration_idle_ms
+                ),
+                "use a duration of 1 ms or more, e.g. 86400000 for a day",
+            )
+        })?;
+    let node = Node::start_with("data", loaded, |_| {}).await?;
     serve(
         node.network.clone(),
         node.inbound,
         Arc::new(RwLock::new(catalog)),
-        iteration_dir,
+        Iterations {
+            dir: iteration_dir,
+            idle,
+        },
         limits,
         REFRESH_INTERVAL,
         hypha_node::shutdown_signal(),
@@ -144,16 +168,35 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// Where a data node keeps the iterations it runs for its own clients, and how long one may
+/// go unasked.
+#[derive(Debug, Clone)]
+pub struct Iterations {
+    pub dir: PathBuf,
+    pub idle: Duration,
+}
+
+impl Iterations {
+    /// Iterations in `dir`, removed after [`DEFAULT_IDLE`](crate::iteration::DEFAULT_IDLE)
+    /// unasked.
+    pub fn in_dir(dir: PathBuf) -> Self {
+        Iterations {
+            dir,
+            idle: crate::iteration::DEFAULT_IDLE,
+        }
+    }
+}
+
 /// Does a data node's work on a started network until `shutdown` resolves: announces every
 /// dataset, serves slices and manifests, runs its clients' iterations (ledgers in
-/// `iteration_dir`), looks at the disk every `refresh` for changes; then
+/// `iterations.dir`, removed when idle), looks at the disk every `refresh` for changes; then
 /// withdraws the announcements (from its own store: Kademlia has no remote withdrawal, so
 /// other nodes' copies lapse with their TTL) and stops the network.
 pub async fn serve(
     network: Network,
     mut inbound: tokio::sync::mpsc::Receiver<InboundRequest>,
     catalog: Arc<RwLock<Catalog>>,
-    iteration_dir: PathBuf,
+    iterations: Iterations,
     limits: server::Limits,
     refresh: Duration,
     shutdown: impl std::future::Future<Output = ()>,
@@ -167,7 +210,12 @@ pub async fn serve(
         .await;
     let server = tokio::spawn(server::serve(network.clone(), catalog.clone(), limits));
 
-    let iterations = Arc::new(NodeIterations::new(iteration_dir, network.local_peer_id()));
+    let iterations = Arc::new(NodeIterations::new(
+        iterations.dir,
+        network.local_peer_id(),
+        iterations.idle,
+    ));
+    iterations.expire().await;
     let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
     let mut refresh = tokio::time::interval(refresh);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -185,7 +233,10 @@ pub async fn serve(
                     drop(permit);
                 });
             }
-            _ = refresh.tick() => follow_disk(&network, &catalog).await,
+            _ = refresh.tick() => {
+                follow_disk(&network, &catalog).await;
+                iterations.expire().await;
+            }
         }
     }
     tracing::info!("shutting down");
@@ -243,7 +294,7 @@ async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>, iterations: 
         Request::Manifest { dataset } => manifest(dataset).map(Response::Manifest),
         Request::Iterate(iterate) => {
             let service = match manifest(&iterate.dataset) {
-                Ok(manifest) => iterations.service(iterate, &manifest).await,
+                Ok(manifest) => iterations.service(&request.peer, iterate, &manifest).await,
                 Err(e) => Err(e),
             };
             match service {

@@ -15,6 +15,7 @@ use hypha_certs::{
 };
 use hypha_data::{
     Catalog, DataClient,
+    node::Iterations,
     protocol::{self, ErrorCode, PROTOCOL, SliceHeader, SliceRequest},
     server::Limits,
 };
@@ -66,6 +67,25 @@ async fn data_node(
     root: &Path,
     limits: Limits,
 ) -> (Network, oneshot::Sender<()>) {
+    data_node_with(
+        pki,
+        name,
+        gateway,
+        root,
+        limits,
+        Iterations::in_dir(root.join(".hypha-iterations")),
+    )
+    .await
+}
+
+async fn data_node_with(
+    pki: &Pki,
+    name: &str,
+    gateway: &libp2p::Multiaddr,
+    root: &Path,
+    limits: Limits,
+    iterations: Iterations,
+) -> (Network, oneshot::Sender<()>) {
     let (network, inbound) = pki.start(name, Some(gateway)).await;
     let catalog = Arc::new(RwLock::new(Catalog::open(root).unwrap()));
     let (stop, stopped) = oneshot::channel::<()>();
@@ -73,7 +93,7 @@ async fn data_node(
         network.clone(),
         inbound,
         catalog,
-        root.join(".hypha-iterations"),
+        iterations,
         limits,
         Duration::from_millis(200),
         async {
@@ -542,6 +562,7 @@ async fn an_iteration_of_too_many_epochs_is_refused_and_the_node_serves_on() {
             round: 0,
             completed_round: None,
             holding: None,
+            share_with: Vec::new(),
         })
     };
     // u32::MAX epochs would build a ledger and a progress of billions of entries.
@@ -675,4 +696,136 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// A data node's own iterations belong to the peer that started them. Another certified peer
+/// that knows the name (`default`, say) is refused, until the owner names it; one peer runs
+/// at most four; a consumer's name is bounded; an iteration nobody asks about for the node's
+/// idle time is removed and frees its place, also one whose time ran out while the node was
+/// down; its owner stays its owner across a restart. (Checked against the node as it was:
+/// the stranger drains the owner's iteration, and its fifth iteration is taken.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_iteration_belongs_to_its_owner_and_ends_when_idle() {
+    use hypha_messages::{ErrorCode, Request, Response, iterate::IterateRequest};
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 4, 64);
+    let ledgers = tmp.path().join("iterations");
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let long = Iterations {
+        dir: ledgers.clone(),
+        idle: Duration::from_secs(3600),
+    };
+    let (node, stop) = data_node_with(
+        &pki,
+        "data",
+        &gw_addr,
+        &data,
+        Limits::default(),
+        long.clone(),
+    )
+    .await;
+    let (owner, _) = pki.start("owner", Some(&gw_addr)).await;
+    let (stranger, _) = pki.start("stranger", Some(&gw_addr)).await;
+    let (friend, _) = pki.start("friend", Some(&gw_addr)).await;
+    let request = |iteration: &str, consumer: &str, share_with: Vec<String>| {
+        Request::Iterate(IterateRequest {
+            iteration: iteration.into(),
+            dataset: "d".into(),
+            consumer: consumer.into(),
+            epochs: 1,
+            seed: 1,
+            want: 1,
+            cached: Vec::new(),
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+            holding: None,
+            share_with,
+        })
+    };
+    let ask = async |from: &Network, to: &Network, request: Request| {
+        from.connect(to.local_peer_id()).await.unwrap();
+        match from.request(to.local_peer_id(), request).await {
+            Ok(Response::Iterate(grant)) => Ok(grant.slices.len()),
+            Ok(Response::Error(error)) | Err(hypha_network::NetworkError::Remote { error, .. }) => {
+                Err(error)
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+
+    assert_eq!(
+        ask(&owner, &node, request("default", "a", vec![])).await,
+        Ok(1)
+    );
+    let refused = ask(&stranger, &node, request("default", "b", vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code, ErrorCode::Forbidden, "{refused:?}");
+    assert!(refused.message.contains("belongs to"), "{refused:?}");
+    // Named by the owner, a friend takes its share.
+    let named = vec![friend.local_peer_id().to_string()];
+    assert_eq!(
+        ask(&owner, &node, request("default", "a", named)).await,
+        Ok(1)
+    );
+    assert_eq!(
+        ask(&friend, &node, request("default", "f", vec![])).await,
+        Ok(1)
+    );
+    // A consumer's name is one short plain word.
+    let bad = ask(&owner, &node, request("default", &"x".repeat(65), vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code, ErrorCode::BadRequest, "{bad:?}");
+    // Four iterations each, no more.
+    for i in 0..4 {
+        let name = format!("mine-{i}");
+        assert_eq!(
+            ask(&stranger, &node, request(&name, "b", vec![])).await,
+            Ok(1)
+        );
+    }
+    let busy = ask(&stranger, &node, request("mine-4", "b", vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code, ErrorCode::Busy, "{busy:?}");
+
+    // Restarted with the same ledgers: the owner is still the owner.
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (node, stop) = data_node_with(&pki, "data", &gw_addr, &data, Limits::default(), long).await;
+    let refused = ask(&stranger, &node, request("default", "b", vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code, ErrorCode::Forbidden, "{refused:?}");
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Restarted with an idle time of a second: what nobody asked about for a second is
+    // removed, the ledgers left from before included, and the stranger's places are free.
+    let short = Iterations {
+        dir: ledgers.clone(),
+        idle: Duration::from_secs(1),
+    };
+    let (node, _stop) =
+        data_node_with(&pki, "data", &gw_addr, &data, Limits::default(), short).await;
+    let ledger = ledgers.join("d/default.ledger");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while ledger.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle ledger stays"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!ledgers.join("d/default.owner.json").exists());
+    for i in 0..4 {
+        let name = format!("again-{i}");
+        assert_eq!(
+            ask(&stranger, &node, request(&name, "b", vec![])).await,
+            Ok(1)
+        );
+    }
 }

@@ -49,6 +49,11 @@ pub struct IterateRequest {
     /// answered, a connection lost).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holding: Option<Vec<SliceRef>>,
+    /// A data node's own iteration (`cluster_sync = false`) belongs to the peer that started
+    /// it; these other peers (ids) may consume from it too. Sent by the owner, it replaces the
+    /// list; from anyone else it is ignored.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub share_with: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -333,6 +333,7 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
             round: 0,
             completed_round: None,
             holding: None,
+            share_with: Vec::new(),
         };
         let asked = hypha_data::iteration::ask(&network, scheduler, request).await;
         network.shutdown().await;

@@ -494,6 +494,7 @@ impl Run {
             // Asked with the answer to the last request in: what it does not list was never
             // received.
             holding: (want > 0).then(|| self.holding.list()),
+            share_with: Vec::new(),
         };
         hypha_data::iteration::ask(&self.network, self.source.scheduler, request)
             .await

@@ -497,7 +497,7 @@ pub fn child_main(args: &[String]) -> anyhow::Result<()> {
             network,
             inbound,
             catalog,
-            Path::new(dataset).join(".hypha-iterations"),
+            hypha_data::node::Iterations::in_dir(Path::new(dataset).join(".hypha-iterations")),
             hypha_data::server::Limits::default(),
             hypha_data::node::REFRESH_INTERVAL,
             stdin_closed,

@@ -54,7 +54,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         data.clone(),
         data_inbound,
         catalog.clone(),
-        tmp.path().join("iterations"),
+        hypha_data::node::Iterations::in_dir(tmp.path().join("iterations")),
         hypha_data::server::Limits::default(),
         hypha_data::node::REFRESH_INTERVAL,
         stop.clone().cancelled_owned(),
@@ -256,6 +256,7 @@ async fn consume(
             round: slices as u64,
             completed_round: Some(slices as u64),
             holding: None,
+            share_with: Vec::new(),
         };
         // Reported as the bridge reports it: no longer held.
         holding.let_go(&[key]);

@@ -65,6 +65,7 @@ fn iterate_request(reference: &SchedulerReference, bridge: &Bridge, want: u32) -
         round: 0,
         completed_round: None,
         holding: None,
+        share_with: Vec::new(),
     }
 }
 
