@@ -43,6 +43,10 @@ pub struct Closed {
     /// Why a compressing server sends no change this round (the step took values the codec
     /// cannot carry): the model took the step exactly and goes whole to everybody.
     pub uncompressed: Option<String>,
+    /// The largest norm of the round's updates taken, as a multiple of the typical norm they
+    /// were held against ([`limit_norm`](ParameterServer::limit_norm)); `None` without a
+    /// limit or before the typical norm is known. How near honest updates come to the limit.
+    pub largest_norm_ratio: Option<f64>,
 }
 
 /// The DiLoCo parameter server's state.
@@ -61,6 +65,8 @@ pub struct ParameterServer {
     max_norm_ratio: Option<f64>,
     /// The norms of the updates last taken, newest last, at most [`NORM_HISTORY`].
     norms: std::collections::VecDeque<f64>,
+    /// The largest norm ratio of the round's updates taken so far.
+    largest_norm_ratio: Option<f64>,
     /// How the changes of the global model are compressed; [`Codec::None`]: not sent.
     broadcast: Codec,
     /// What compressing the last changes dropped.
@@ -91,6 +97,7 @@ impl ParameterServer {
             max_samples: None,
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
+            largest_norm_ratio: None,
             broadcast: Codec::None,
             feedback: ErrorFeedback::new(),
             hash: None,
@@ -171,6 +178,7 @@ impl ParameterServer {
             max_samples: None,
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
+            largest_norm_ratio: None,
         })
     }
 
@@ -245,10 +253,18 @@ impl ParameterServer {
         }
         let update = Update::read(bytes)?;
         let norm = self.max_norm_ratio.map(|_| update.norm());
-        if let (Some(norm), Some(limit)) = (norm, self.norm_limit())
+        let limit = self.norm_limit();
+        if let (Some(norm), Some(limit)) = (norm, limit)
             && norm > limit
         {
             return Err(Error::Norm { norm, limit });
+        }
+        if let (Some(norm), Some(limit), Some(ratio)) = (norm, limit, self.max_norm_ratio)
+            && limit > 0.0
+        {
+            let typical = norm / (limit / ratio);
+            self.largest_norm_ratio =
+                Some(self.largest_norm_ratio.map_or(typical, |r| r.max(typical)));
         }
         self.sum.add_update(&update, samples as f64)?;
         self.arrived.push((from.to_string(), samples));
@@ -303,6 +319,7 @@ impl ParameterServer {
             samples: 0,
             delta: None,
             uncompressed: None,
+            largest_norm_ratio: self.largest_norm_ratio.take(),
         };
         self.round += 1;
         Ok(closed)
@@ -364,6 +381,7 @@ impl ParameterServer {
             included: arrived.into_iter().map(|(peer, _)| peer).collect(),
             delta,
             uncompressed,
+            largest_norm_ratio: self.largest_norm_ratio.take(),
         };
         self.round += 1;
         Ok(closed)

@@ -197,7 +197,7 @@ pub struct Late {
     pub round: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Applied {
     pub round: u64,
     pub included: Vec<String>,
@@ -208,6 +208,10 @@ pub struct Applied {
     /// held the round's model; `None` when the job does not compress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta_bytes: Option<u64>,
+    /// The largest norm of the round's updates, as a multiple of the typical norm (the
+    /// median of the last ones taken) that `max_update_norm_ratio` holds them against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest_norm_ratio: Option<f64>,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -127,6 +127,10 @@ pub struct AppliedRound {
     /// never leases them again for the task.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub benched: Vec<String>,
+    /// How near the round's updates came to `max_update_norm_ratio`: the largest norm, as a
+    /// multiple of the typical one, as the server said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub largest_norm_ratio: Option<f64>,
 }
 
 /// The rounds of one DiLoCo job.
@@ -638,6 +642,7 @@ impl Rounds {
                 model_hash: applied.model_hash,
                 delta_bytes: applied.delta_bytes,
                 benched,
+                largest_norm_ratio: applied.largest_norm_ratio,
             });
         }
         if self.done {
@@ -894,6 +899,7 @@ mod tests {
                 included: included.iter().map(|p| p.to_string()).collect(),
                 model_hash: None,
                 delta_bytes: None,
+                largest_norm_ratio: None,
             }),
             ..ServerStatus::default()
         }

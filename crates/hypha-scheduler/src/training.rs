@@ -338,6 +338,7 @@ impl Training {
             model_hash: applied.model_hash,
             delta_bytes: applied.delta_bytes,
             benched: Vec::new(),
+            largest_norm_ratio: applied.largest_norm_ratio,
         }))
     }
 

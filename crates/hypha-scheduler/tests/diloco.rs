@@ -132,6 +132,24 @@ fn assert_succeeded(cluster: &Cluster, ok: bool, lines: &[String], procs: &mut [
     no_errors("the scheduler", lines);
 }
 
+/// The norm check is on by default (`max_update_norm_ratio`): honest updates must stay well
+/// within it, or it would refuse honest outliers. Each round says how near its updates came.
+fn assert_norms_well_within_the_default(rounds: &[&serde_json::Value]) {
+    let largest = rounds
+        .iter()
+        .filter_map(|r| r["largest_norm_ratio"].as_f64())
+        .fold(0.0f64, f64::max);
+    assert!(
+        rounds.iter().any(|r| r["largest_norm_ratio"].is_f64()),
+        "no round reported its norms: {rounds:?}"
+    );
+    let default = hypha_scheduler::spec::DEFAULT_NORM_RATIO;
+    assert!(
+        largest < default / 2.0,
+        "an honest update came to {largest:.2} times the typical norm; the default refuses {default}"
+    );
+}
+
 fn no_errors(name: &str, lines: &[String]) {
     let errors: Vec<&String> = lines.iter().filter(|l| l.contains("ERROR")).collect();
     assert!(errors.is_empty(), "{name} logged errors: {errors:#?}");
@@ -169,6 +187,7 @@ fn three_trainers_and_a_parameter_server_train_every_slice_once_and_the_loss_fal
             .iter()
             .any(|r| r["included"].as_array().unwrap().len() == 3)
     );
+    assert_norms_well_within_the_default(&applied);
     // The same lines reached the forward URL.
     let forwarded = forwarded.lock().unwrap().clone();
     let forwarded_rounds = forwarded.iter().filter(|l| l["kind"] == "round").count();
@@ -239,6 +258,12 @@ fn int8_compressed_overlapped_rounds_train_every_slice_once_and_the_loss_falls()
     // The model each applied round led to, by the round it starts: what every trainer that
     // reports that round must hold.
     let metrics = lines_of(&cluster.path("int8-job.metrics.jsonl"));
+    assert_norms_well_within_the_default(
+        &metrics
+            .iter()
+            .filter(|m| m["kind"] == "round")
+            .collect::<Vec<_>>(),
+    );
     let final_model = hypha_diloco::Tensors::load(&ps_dir.join("final.safetensors")).unwrap();
     let model_size = std::fs::metadata(ps_dir.join("final.safetensors"))
         .unwrap()
@@ -1076,6 +1101,12 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
         .trim_start_matches("hypha-")
         .to_string();
     let metrics = lines_of(&cluster.path("mixed-job.metrics.jsonl"));
+    assert_norms_well_within_the_default(
+        &metrics
+            .iter()
+            .filter(|m| m["kind"] == "round")
+            .collect::<Vec<_>>(),
+    );
     let trainers: HashSet<&str> = metrics.iter().filter_map(|m| m["job"].as_str()).collect();
     assert!(
         metrics.iter().any(|m| m["kind"] == "trainer"

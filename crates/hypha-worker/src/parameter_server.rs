@@ -477,6 +477,7 @@ impl ServerJob {
             delta_bytes: closed.delta.as_ref().map(|delta| delta.len() as u64),
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
+            largest_norm_ratio: closed.largest_norm_ratio,
         })
     }
 
@@ -504,6 +505,7 @@ impl ServerJob {
             delta_bytes: None,
             included: Vec::new(),
             model_hash: server.model_hash().map(str::to_string),
+            largest_norm_ratio: None,
         })
     }
 
