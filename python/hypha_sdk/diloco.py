@@ -43,7 +43,9 @@ KIND = "hypha.kind"
 ROUND = "hypha.round"
 SAMPLES = "hypha.samples"
 KIND_MODEL = "model"
+KIND_MODEL_REQUEST = "model_request"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
+MODEL_HASH = "hypha.model_hash"
 
 
 class Model(Protocol):
@@ -370,6 +372,16 @@ class Trainer:
                 except (KeyError, ValueError):
                     raise ProtocolError(f"a model from {server} without its round: {metadata}")
                 if self.last_model is not None and round_ <= self.last_model:
+                    continue
+                expected = metadata.get(MODEL_HASH)
+                if expected is not None and safetensors.fingerprint(tensors) != expected:
+                    # Damaged on the way, or not the server's model: never trained on. As the
+                    # Rust trainer does, ask for the whole model again.
+                    self.log(
+                        f"round {round_}: the model from {server} does not match the fingerprint "
+                        "it came with; asking for the whole model"
+                    )
+                    self._send(server, "model-request.safetensors", {}, {KIND: KIND_MODEL_REQUEST})
                     continue
                 parameters = {name: _f32(t.to_numpy()) for name, t in tensors.items()}
                 _check_same("the global model", parameters, "this trainer's model", self.model.parameters())

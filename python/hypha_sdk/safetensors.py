@@ -11,6 +11,7 @@ Hypha's DiLoCo files carry what they are in the metadata: ``hypha.kind`` (``mode
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -18,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["Tensor", "SafeTensorsError", "load", "loads", "save", "dumps"]
+__all__ = ["Tensor", "SafeTensorsError", "load", "loads", "save", "dumps", "fingerprint"]
 
 # dtype → bytes per element.
 ITEM_SIZES = {
@@ -242,3 +243,23 @@ def _as_tensor(value: Any) -> Tensor:
     if module.startswith("numpy"):
         return Tensor.from_numpy(value)
     raise SafeTensorsError(f"cannot store a {type(value).__name__}: give a Tensor, numpy array or torch tensor")
+
+
+def fingerprint(tensors: Mapping[str, Tensor]) -> str:
+    """The model's fingerprint, ``sha256:<hex>``, as the parameter server computes it
+    (``hypha_diloco::Tensors::digest``) and sends it with every model (``hypha.model_hash``):
+    SHA-256 over each tensor in name order, each of its name, dtype, shape (u64 little-endian
+    dimensions) and bytes prefixed with its length as a u64 little-endian."""
+    digest = hashlib.sha256()
+
+    def part(data: bytes) -> None:
+        digest.update(struct.pack("<Q", len(data)))
+        digest.update(data)
+
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        part(name.encode("utf-8"))
+        part(tensor.dtype.encode("ascii"))
+        part(b"".join(struct.pack("<Q", d) for d in tensor.shape))
+        part(bytes(tensor.data))
+    return "sha256:" + digest.hexdigest()

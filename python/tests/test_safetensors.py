@@ -95,3 +95,27 @@ class Format(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Fingerprint(unittest.TestCase):
+    """The model fingerprint trainers check what the parameter server sends against
+    (``hypha.model_hash``); the DiLoCo test that mixes Rust and numpy trainers checks it
+    agrees with the server's, since a numpy trainer that disagreed would never train."""
+
+    def test_it_covers_every_name_dtype_shape_and_byte_and_not_the_order_given(self):
+        from hypha_sdk.safetensors import fingerprint
+
+        w = Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.0))
+        b = Tensor("F32", (1,), struct.pack("<f", 0.5))
+        one = fingerprint({"w": w, "b": b})
+        self.assertTrue(one.startswith("sha256:") and len(one) == 7 + 64, one)
+        self.assertEqual(one, fingerprint({"b": b, "w": w}))
+        others = [
+            {"w": Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.5)), "b": b},
+            {"w": Tensor("F32", (2, 1), w.data), "b": b},
+            {"v": w, "b": b},
+            {"w": w},
+            {"w": Tensor("I32", (2,), w.data), "b": b},
+        ]
+        for other in others:
+            self.assertNotEqual(one, fingerprint(other), other)

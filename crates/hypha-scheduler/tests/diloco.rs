@@ -1136,6 +1136,13 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
         "the Python trainer is in {with_python} of {} rounds",
         rounds.len()
     );
+    // The Python trainer checks every model against the server's fingerprint, as the Rust
+    // ones do: it agrees with the server's, on every model.
+    let said = std::fs::read_to_string(python_dir.join("stderr.log")).unwrap_or_default();
+    assert!(
+        !said.contains("does not match the fingerprint"),
+        "the Python trainer's fingerprint disagrees with the server's:\n{said}"
+    );
     assert_eq!(of_kind(&events(&events_path), "round").len(), rounds.len());
 
     // Each slice trained once per epoch; the model learned.
