@@ -87,6 +87,9 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         unreachable!()
     };
     let outbox = tempfile::tempdir().unwrap();
+    // b and the helper run jobs of the task too: what the server sends them arrives here.
+    let b_inbox = job_inbox(b, scheduler, &peers(1, &[server]));
+    let helper_inbox = job_inbox(helper, scheduler, &peers(1, &[server]));
     // Every one of them runs a job of the task, as far as the transfer layer knows: the
     // helper may send files; only the scheduler says who trains.
     let JobInbox {
@@ -196,6 +199,30 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         [1.0, 1.0],
         "the named trainer's model"
     );
+
+    // Asking for the whole model again and again gets one every WHOLE_MODEL_EVERY (4 s), and
+    // only a trainer gets one. (Checked without the limit: b gets both.)
+    let arrivals = async |inbox: &JobInbox, within: Duration| {
+        let mut count = 0;
+        let anyone = std::collections::HashSet::new();
+        while tokio::time::timeout(within, inbox.registration.inbox().next(&anyone))
+            .await
+            .is_ok()
+        {
+            count += 1;
+        }
+        count
+    };
+    // What adoption sent (the global model, to whoever offered one) comes first.
+    arrivals(&b_inbox, Duration::from_secs(2)).await;
+    arrivals(&helper_inbox, Duration::from_millis(500)).await;
+    let request = file(&[], &[(meta::KIND, meta::KIND_MODEL_REQUEST)]);
+    for _ in 0..2 {
+        send(b, server, "ask.safetensors", &request, outbox.path()).await;
+        send(helper, server, "ask.safetensors", &request, outbox.path()).await;
+    }
+    assert_eq!(arrivals(&b_inbox, Duration::from_secs(2)).await, 1);
+    assert_eq!(arrivals(&helper_inbox, Duration::from_millis(500)).await, 0);
 
     // The helper's update is refused; a's is taken.
     let a_id = a.local_peer_id().to_string();
