@@ -219,6 +219,9 @@ impl DataClient {
         let mut failures = Vec::new();
         let mut resumed = 0u32;
         let mut bytes_received = 0u64;
+        // Set once bytes of several providers failed the hash together: no more resuming
+        // one provider's bytes with another's.
+        let mut whole = false;
         // Each provider gets at most two turns: one break-off is forgiven, two are not.
         let turns: Vec<PeerId> = providers.iter().chain(providers.iter()).copied().collect();
         for peer in turns {
@@ -252,10 +255,23 @@ impl DataClient {
                             resumed,
                         });
                     }
-                    // Every provider that contributed bytes may be the culprit.
-                    tracing::warn!(%peer, slice = entry.index, dataset, "slice failed its hash; fetching it from another provider");
                     failures.push(format!("{peer}: bytes do not match the manifest's BLAKE3"));
-                    rejected.extend(transfer.contributors.drain());
+                    let contributors: Vec<PeerId> = transfer.contributors.drain().collect();
+                    if let [alone] = contributors[..] {
+                        tracing::warn!(peer = %alone, slice = entry.index, dataset, "slice failed its hash; fetching it from another provider");
+                        rejected.insert(alone);
+                    } else {
+                        // Which of them sent the bad bytes is not known, and rejecting them
+                        // all would let one liar have an honest provider's slice refused:
+                        // from now on each sends the slice whole, alone.
+                        tracing::warn!(
+                            slice = entry.index,
+                            dataset,
+                            contributors = contributors.len(),
+                            "slice failed its hash; fetching it whole from one provider at a time"
+                        );
+                        whole = true;
+                    }
                     transfer = Transfer::default();
                     sink.clear().await.map_err(FetchIntoError::Local)?;
                 }
@@ -277,6 +293,10 @@ impl DataClient {
                     failures.push(format!("{peer}: {reason} at byte {}", transfer.offset));
                 }
                 Err(Failure::Local(error)) => return Err(FetchIntoError::Local(error)),
+            }
+            if whole && transfer.offset > 0 {
+                transfer = Transfer::default();
+                sink.clear().await.map_err(FetchIntoError::Local)?;
             }
         }
         Err(FetchIntoError::Fetch(FetchError::Exhausted {

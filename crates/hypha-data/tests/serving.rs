@@ -634,7 +634,6 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
 /// the download past the test's 20 s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
-    use futures::StreamExt;
     let pki = Pki::new();
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(tmp.path(), "d", 1, 4096);
@@ -652,29 +651,15 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
         .await
         .unwrap();
     let truth = std::fs::read(&truth_path).unwrap();
-    let (trickler, _) = pki.start("trickler", Some(&gw_addr)).await;
-    let mut incoming = trickler.accept_streams(PROTOCOL).unwrap();
-    let header = SliceHeader::Ok {
-        size: entry.size,
-        blake3: entry.blake3.clone(),
-        offset: 0,
-    };
-    let served = truth.clone();
-    tokio::spawn(async move {
-        while let Some((_, mut stream)) = incoming.next().await {
-            let (header, truth) = (header.clone(), served.clone());
-            tokio::spawn(async move {
-                let _: Result<SliceRequest, _> = protocol::read_frame(&mut stream).await;
-                protocol::write_frame(&mut stream, &header).await.unwrap();
-                for bytes in truth.chunks(10) {
-                    if stream.write_all(bytes).await.is_err() || stream.flush().await.is_err() {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            });
-        }
-    });
+    let trickler = provider_sending(
+        &pki,
+        "trickler",
+        &gw_addr,
+        &entry,
+        truth.clone(),
+        Some(Duration::from_millis(100)),
+    )
+    .await;
     let dest = tmp.path().join("slice.safetensors");
     let order = [trickler.local_peer_id(), honest.local_peer_id()];
     let started = std::time::Instant::now();
@@ -828,4 +813,72 @@ async fn a_nodes_iteration_belongs_to_its_owner_and_ends_when_idle() {
             Ok(1)
         );
     }
+}
+
+/// A certified peer that answers every request for `entry` as a provider would, then sends
+/// `bytes` ten at a time (`pace` apart, if any) and closes the stream.
+async fn provider_sending(
+    pki: &Pki,
+    name: &str,
+    gateway: &libp2p::Multiaddr,
+    entry: &hypha_dataset::SliceEntry,
+    bytes: Vec<u8>,
+    pace: Option<Duration>,
+) -> Network {
+    use futures::StreamExt;
+    let (network, _) = pki.start(name, Some(gateway)).await;
+    let mut incoming = network.accept_streams(PROTOCOL).unwrap();
+    let header = SliceHeader::Ok {
+        size: entry.size,
+        blake3: entry.blake3.clone(),
+        offset: 0,
+    };
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let (header, bytes) = (header.clone(), bytes.clone());
+            tokio::spawn(async move {
+                let _: Result<SliceRequest, _> = protocol::read_frame(&mut stream).await;
+                protocol::write_frame(&mut stream, &header).await.unwrap();
+                for chunk in bytes.chunks(10) {
+                    if stream.write_all(chunk).await.is_err() || stream.flush().await.is_err() {
+                        return;
+                    }
+                    if let Some(pace) = pace {
+                        tokio::time::sleep(pace).await;
+                    }
+                }
+                let _ = stream.close().await;
+            });
+        }
+    });
+    network
+}
+
+/// A provider that sends bad bytes and stops, so that an honest one goes on from there and
+/// the slice fails its hash with bytes of both, cannot get the honest provider refused: the
+/// slice is fetched whole from one provider at a time, and only a provider whose bytes alone
+/// fail is rejected. (Checked by rejecting every contributor, as before: the fetch fails.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_sends_bad_bytes_first_cannot_get_an_honest_one_refused() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 1, 4096);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net);
+    wait_for_providers(&client, "d", 1).await;
+    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
+    let entry = manifest.slices[0].clone();
+    let liar = provider_sending(&pki, "liar", &gw_addr, &entry, vec![0; 110], None).await;
+    let dest = tmp.path().join("slice.safetensors");
+    let order = [liar.local_peer_id(), honest.local_peer_id()];
+    let report = client
+        .fetch_slice("d", &entry, &order, &dest)
+        .await
+        .unwrap();
+    assert_eq!(report.provider, honest.local_peer_id());
+    assert!(!report.rejected.contains(&honest.local_peer_id()));
+    let file = data.join(&entry.file);
+    assert!(std::fs::read(&dest).unwrap() == std::fs::read(file).unwrap());
 }
