@@ -139,49 +139,22 @@ async fn a_newcomer_takes_what_members_hold_but_its_own_turns() {
     );
 }
 
+/// A member that announces the origin's true hashes for its turns and serves other bytes
+/// under them is banned by each member it served, and they get the origin's bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_serving_other_bytes_than_it_announced_is_banned_and_routed_around() {
-    let dir = tempfile::tempdir().unwrap();
-    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
-    let model = pattern(8 * 64 * 1024, 9);
-    s3.put("m.bin", model.clone()).await.unwrap();
-    let pki = Pki::new();
-    let (_gateway, gateway_addr) = pki.gateway().await;
-    let request = object("m.bin", &dir.path().join("unused"));
-    let rogue = rogue(
-        &pki,
-        &gateway_addr,
-        &s3,
-        &request,
-        &model,
-        64 * 1024,
-        Rogue::ServesOtherBytes { members: 2 },
+    let (fetched, liar) = fetch_beside_a_rogue(
+        Rogue::ServesOtherBytes { members: 4 },
+        Start::WithAllMembers,
+        0.0,
     )
     .await;
-    let honest = node(
-        &pki,
-        "honest",
-        &gateway_addr,
-        &s3,
-        dir.path(),
-        settings(64 * 1024),
-    )
-    .await;
-    let target = dir.path().join("honest/m.bin");
-    let fetched = fetch(&honest, &object("m.bin", &target), 2).await;
-    assert!(std::fs::read(&target).unwrap() == model);
-    assert_eq!(fetched.progress.peer_chunks, 0);
-    assert_eq!(fetched.progress.origin_chunks, 8);
-    let seen = fetched
-        .progress
-        .peers
+    let served: Vec<_> = fetched
         .iter()
-        .find(|p| p.peer == rogue.local_peer_id());
-    assert!(
-        seen.is_some_and(|p| p.banned),
-        "{:?}",
-        fetched.progress.peers
-    );
+        .filter_map(|f| f.progress.peers.iter().find(|p| p.peer == liar))
+        .collect();
+    assert!(!served.is_empty(), "nobody met the liar");
+    assert!(served.iter().all(|p| p.banned), "{served:?}");
 }
 
 /// A node whose files changed on disk after it verified them (a disk that rots, a process of

@@ -585,11 +585,16 @@ async fn an_iteration_of_too_many_epochs_is_refused_and_the_node_serves_on() {
 #[tokio::test]
 async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the_deadline() {
     use futures::StreamExt;
-    let pki = Pki::new();
-    let tmp = tempfile::tempdir().unwrap();
-    let data = dataset(tmp.path(), "d", 1, 4096);
-    let (_gw, gw_addr) = gateway(&pki).await;
-    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let Honest {
+        pki,
+        tmp,
+        gw_addr,
+        node: honest,
+        client,
+        entry,
+        held: _held,
+        ..
+    } = honest_node().await;
     // A certified peer that takes the request, sends two bytes of its answer's frame and
     // then nothing, holding the stream open.
     let (stalling, _) = pki.start("staller", Some(&gw_addr)).await;
@@ -603,28 +608,11 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
             held.push(stream);
         }
     });
-    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
-    let client = DataClient::new(client_net)
-        .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
-    wait_for_providers(&client, "d", 1).await;
-    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
     let dest = tmp.path().join("slice.safetensors");
-    let order = [stalling.local_peer_id(), honest.local_peer_id()];
-    let started = std::time::Instant::now();
-    let report = tokio::time::timeout(
-        Duration::from_secs(20),
-        client.fetch_slice("d", &manifest.slices[0], &order, &dest),
-    )
-    .await
-    .expect("the fetch went on past the silent provider")
-    .unwrap();
+    let (report, took) = fetch_first_from(&client, &entry, &stalling, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     // Twice half a second (each provider gets two turns), and the honest transfer.
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(5), "{took:?}");
 }
 
 /// A provider that answers properly and then trickles the slice's true bytes (10 every 100
@@ -634,23 +622,18 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
 /// the download past the test's 20 s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
-    let pki = Pki::new();
-    let tmp = tempfile::tempdir().unwrap();
-    let data = dataset(tmp.path(), "d", 1, 4096);
-    let (_gw, gw_addr) = gateway(&pki).await;
-    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
-    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
-    let client = DataClient::new(client_net)
-        .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
-    wait_for_providers(&client, "d", 1).await;
-    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
-    let entry = manifest.slices[0].clone();
-    let truth_path = tmp.path().join("truth.safetensors");
-    client
-        .fetch_slice("d", &entry, &[honest.local_peer_id()], &truth_path)
-        .await
-        .unwrap();
-    let truth = std::fs::read(&truth_path).unwrap();
+    let Honest {
+        pki,
+        tmp,
+        data,
+        gw_addr,
+        node: honest,
+        client,
+        entry,
+        held: _held,
+        ..
+    } = honest_node().await;
+    let truth = std::fs::read(data.join(&entry.file)).unwrap();
     let trickler = provider_sending(
         &pki,
         "trickler",
@@ -661,26 +644,14 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
     )
     .await;
     let dest = tmp.path().join("slice.safetensors");
-    let order = [trickler.local_peer_id(), honest.local_peer_id()];
-    let started = std::time::Instant::now();
-    let report = tokio::time::timeout(
-        Duration::from_secs(20),
-        client.fetch_slice("d", &entry, &order, &dest),
-    )
-    .await
-    .expect("the trickle held the download")
-    .unwrap();
+    let (report, took) = fetch_first_from(&client, &entry, &trickler, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     assert!(
         report.resumed > 0,
         "the honest provider went on from the trickle"
     );
     assert!(std::fs::read(&dest).unwrap() == truth);
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(8), "{took:?}");
 }
 
 /// A data node's own iterations belong to the peer that started them. Another certified peer
@@ -860,25 +831,82 @@ async fn provider_sending(
 /// fail is rejected. (Checked by rejecting every contributor, as before: the fetch fails.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_sends_bad_bytes_first_cannot_get_an_honest_one_refused() {
-    let pki = Pki::new();
-    let tmp = tempfile::tempdir().unwrap();
-    let data = dataset(tmp.path(), "d", 1, 4096);
-    let (_gw, gw_addr) = gateway(&pki).await;
-    let (honest, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
-    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
-    let client = DataClient::new(client_net);
-    wait_for_providers(&client, "d", 1).await;
-    let manifest = client.manifest(honest.local_peer_id(), "d").await.unwrap();
-    let entry = manifest.slices[0].clone();
+    let Honest {
+        pki,
+        tmp,
+        data,
+        gw_addr,
+        node: honest,
+        client,
+        entry,
+        held: _held,
+        ..
+    } = honest_node().await;
     let liar = provider_sending(&pki, "liar", &gw_addr, &entry, vec![0; 110], None).await;
     let dest = tmp.path().join("slice.safetensors");
-    let order = [liar.local_peer_id(), honest.local_peer_id()];
-    let report = client
-        .fetch_slice("d", &entry, &order, &dest)
-        .await
-        .unwrap();
+    let (report, _) = fetch_first_from(&client, &entry, &liar, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     assert!(!report.rejected.contains(&honest.local_peer_id()));
     let file = data.join(&entry.file);
     assert!(std::fs::read(&dest).unwrap() == std::fs::read(file).unwrap());
+}
+
+/// An honest data node serving dataset `d` of one slice, and a client of short deadlines (half
+/// a second to answer, a second of silence mid-slice): what the dishonest providers of the
+/// tests stand beside.
+struct Honest {
+    pki: Pki,
+    tmp: tempfile::TempDir,
+    data: PathBuf,
+    gw_addr: libp2p::Multiaddr,
+    node: Network,
+    client: DataClient,
+    entry: hypha_dataset::SliceEntry,
+    /// Held while the test runs: the network's gateway, and the node's stop.
+    held: (Network, oneshot::Sender<()>),
+}
+
+async fn honest_node() -> Honest {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 1, 4096);
+    let (gateway, gw_addr) = gateway(&pki).await;
+    let (node, stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
+    let client = DataClient::new(client_net)
+        .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
+    wait_for_providers(&client, "d", 1).await;
+    let manifest = client.manifest(node.local_peer_id(), "d").await.unwrap();
+    let entry = manifest.slices[0].clone();
+    Honest {
+        pki,
+        tmp,
+        data,
+        gw_addr,
+        node,
+        client,
+        entry,
+        held: (gateway, stop),
+    }
+}
+
+/// Fetches `entry` into `dest` asking `first`, then `then`; fails the test if that takes 20 s.
+/// The report, and how long it took.
+async fn fetch_first_from(
+    client: &DataClient,
+    entry: &hypha_dataset::SliceEntry,
+    first: &Network,
+    then: &Network,
+    dest: &Path,
+) -> (hypha_data::FetchReport, Duration) {
+    let order = [first.local_peer_id(), then.local_peer_id()];
+    let started = std::time::Instant::now();
+    let report = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.fetch_slice("d", entry, &order, dest),
+    )
+    .await
+    .expect("the first provider held the fetch for 20 s")
+    .unwrap();
+    (report, started.elapsed())
 }

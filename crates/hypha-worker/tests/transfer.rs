@@ -349,13 +349,8 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
         refusal(raw_send(greedy, to, &header, b"", "").await),
         RefusalCode::Busy
     );
-    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
-    let small = Header {
-        size: 4,
-        ..header.clone()
-    };
     assert_eq!(
-        raw_send(other, to, &small, b"abcd", &sum).await,
+        send_small(other, to, "slow").await,
         Answer::Received { jobs: 1 }
     );
     drop(held);
@@ -384,17 +379,22 @@ async fn strangers_waiting_in_the_handshake_hold_no_transfer_slot() {
         }
     }
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
-    let small = Header {
-        task: "task-1".into(),
-        name: "small".into(),
-        size: 4,
-    };
     assert_eq!(
-        raw_send(member, to, &small, b"abcd", &sum).await,
+        send_small(member, to, "slow").await,
         Answer::Received { jobs: 1 }
     );
     drop(held);
+}
+
+/// Sends the four bytes `abcd` as file `name` of task `task-1`; the receiver's last answer.
+async fn send_small(from: &Network, to: hypha_network::PeerId, name: &str) -> Answer {
+    let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
+    let small = Header {
+        task: "task-1".into(),
+        name: name.into(),
+        size: 4,
+    };
+    raw_send(from, to, &small, b"abcd", &sum).await
 }
 
 /// Room on the disk is promised to every transfer under way: two transfers that each fit the
