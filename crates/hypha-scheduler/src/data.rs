@@ -48,12 +48,16 @@ pub struct CarriedOver {
     pub going_on: Vec<(PeerId, String)>,
     /// The first round not in the checkpoint the run continues from.
     pub open_from: u64,
+    /// The data nodes the earlier run took the dataset from: asked first, before the DHT.
+    pub data_nodes: Vec<PeerId>,
 }
 
 /// The iteration a job runs.
 #[derive(Debug, Clone)]
 pub struct JobData {
     service: IterationService,
+    /// The data nodes whose manifests make the iteration.
+    data_nodes: Vec<PeerId>,
     /// What executors hand `/resources/fetch` for their next slice.
     reference: serde_json::Value,
 }
@@ -72,27 +76,26 @@ impl JobData {
         fits: impl FnOnce(&Manifest) -> Result<(), String>,
     ) -> Result<Self, DataError> {
         let client = DataClient::new(network.clone());
-        let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
-        let providers = loop {
-            match client.providers(&spec.dataset).await {
-                Ok(providers) => break providers,
-                Err(error) if tokio::time::Instant::now() >= deadline => {
-                    return Err(DataError::NoProviders {
-                        dataset: spec.dataset.clone(),
-                        detail: error.to_string(),
-                    });
+        // A resumed run asks the data nodes it used first: a restarted node's DHT may take
+        // seconds to answer a provider lookup (10 s at times in `hypha-bench recovery`), while
+        // the nodes are reached through the gateway at once.
+        let mut manifests = manifests_of(&client, &spec.dataset, &carried.data_nodes).await;
+        let mut providers = carried.data_nodes.clone();
+        if manifests.is_empty() {
+            let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
+            providers = loop {
+                match client.providers(&spec.dataset).await {
+                    Ok(providers) => break providers,
+                    Err(error) if tokio::time::Instant::now() >= deadline => {
+                        return Err(DataError::NoProviders {
+                            dataset: spec.dataset.clone(),
+                            detail: error.to_string(),
+                        });
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
                 }
-                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-            }
-        };
-        let mut manifests = Vec::new();
-        for peer in &providers {
-            match client.manifest(*peer, &spec.dataset).await {
-                Ok(manifest) => manifests.push((*peer, manifest)),
-                Err(error) => {
-                    tracing::warn!(%peer, %error, "a data node did not send its manifest; not using it")
-                }
-            }
+            };
+            manifests = manifests_of(&client, &spec.dataset, &providers).await;
         }
         let Some((sources, manifest)) = merge(&spec.dataset, &manifests) else {
             return Err(DataError::NoManifest {
@@ -161,8 +164,14 @@ impl JobData {
         });
         Ok(Self {
             service: IterationService::new(task.to_string(), handle, sources, false),
+            data_nodes: manifests.iter().map(|(peer, _)| *peer).collect(),
             reference,
         })
+    }
+
+    /// The data nodes the iteration takes its slices from, for the run's record.
+    pub fn data_nodes(&self) -> &[PeerId] {
+        &self.data_nodes
     }
 
     /// The most samples any slice of the dataset holds.
@@ -236,6 +245,25 @@ impl JobData {
 /// with every slice) and shards (nodes with some) both work, since slices are matched by file
 /// name, not by the number each node gives them. A node whose copy of a file has another hash
 /// than the first node's that listed it is not used for that slice.
+/// The manifests of `dataset` that `peers` send; a node that sends none is left out, with a
+/// warning.
+async fn manifests_of(
+    client: &DataClient,
+    dataset: &str,
+    peers: &[PeerId],
+) -> Vec<(PeerId, Manifest)> {
+    let mut manifests = Vec::new();
+    for peer in peers {
+        match client.manifest(*peer, dataset).await {
+            Ok(manifest) => manifests.push((*peer, manifest)),
+            Err(error) => {
+                tracing::warn!(%peer, %error, "a data node did not send its manifest; not using it")
+            }
+        }
+    }
+    manifests
+}
+
 fn merge(dataset: &str, manifests: &[(PeerId, Manifest)]) -> Option<(Vec<SliceSource>, Manifest)> {
     let (_, first) = manifests.first()?;
     let mut by_file: HashMap<&str, (&SliceEntry, Vec<PeerId>)> = HashMap::new();

@@ -36,6 +36,9 @@ pub struct RunRecord {
     /// Trainers benched: never leased again for the task, their slots given up.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub benched: Vec<BenchedTrainer>,
+    /// The data nodes the run's iteration takes its slices from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub data_nodes: Vec<String>,
 }
 
 /// A trainer benched for updates refused too many rounds in a row.
@@ -154,6 +157,7 @@ mod tests {
                 peer: "liar".into(),
                 slot: 1,
             }],
+            data_nodes: vec!["data".into()],
         };
         record.store(&path).unwrap();
         assert_eq!(RunRecord::load(&path).unwrap(), Some(record));

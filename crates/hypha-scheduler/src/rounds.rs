@@ -160,6 +160,9 @@ pub struct Rounds {
     departed: HashMap<String, String>,
     /// A close (or skip) was ordered for this round and is not applied yet.
     closing: Option<(u64, Ending)>,
+    /// Peers of the earlier process's trainers whose leases are being taken over: the server
+    /// keeps taking their updates meanwhile.
+    taking_over: HashSet<String>,
     included: BTreeMap<u64, HashSet<String>>,
     done: bool,
 }
@@ -179,6 +182,7 @@ impl Rounds {
             refused: HashMap::new(),
             departed: HashMap::new(),
             closing: None,
+            taking_over: HashSet::new(),
             included: BTreeMap::new(),
             done: false,
         }
@@ -315,7 +319,22 @@ impl Rounds {
     /// round it held that is not in the model gives its slices back: those it reported while
     /// the scheduler was away arrive with its old round numbers, whatever the current server
     /// reached meanwhile.
+    /// The earlier process's trainer on `peer` is being taken over: until it is (or cannot
+    /// be, [`takeover_ended`](Self::takeover_ended)), the server is told to keep taking its
+    /// updates. A restarted scheduler otherwise names the server only the trainers taken over
+    /// so far, the server refuses the others' updates of the round in flight, and the round
+    /// waits for them until its deadline (7 s of a 5 s round in `hypha-bench recovery`).
+    pub fn taking_over(&mut self, peer: String) {
+        self.taking_over.insert(peer);
+    }
+
+    /// The takeover of the trainer on `peer` ended, with or without its job.
+    pub fn takeover_ended(&mut self, peer: &str) {
+        self.taking_over.remove(peer);
+    }
+
     pub fn trainer_taken_over(&mut self, job: String, peer: String, rejoin: bool) {
+        self.taking_over.remove(&peer);
         self.trainer_started(job.clone(), peer);
         let (generation, continued_from) = (self.generation, self.continued_from);
         if let Some(trainer) = self.trainers.get_mut(&job) {
@@ -732,13 +751,14 @@ impl Rounds {
         benched
     }
 
-    /// The peers whose pseudo-gradients the server is to take: the trainers, and those that
-    /// left with their update of the round at the server.
+    /// The peers whose pseudo-gradients the server is to take: the trainers, those that left
+    /// with their update of the round at the server, and those being taken over.
     fn server_trainers(&self) -> BTreeSet<String> {
         self.trainers
             .values()
             .map(|t| t.peer.clone())
             .chain(self.departed.keys().cloned())
+            .chain(self.taking_over.iter().cloned())
             .collect()
     }
 
@@ -1339,6 +1359,34 @@ mod tests {
                 assert!(benched.is_empty(), "round {round}: {benched:?}");
             }
         }
+    }
+
+    /// A restarted scheduler names the server every trainer of the earlier process still
+    /// being taken over, so that the server keeps taking their updates of the round in flight;
+    /// one whose takeover ended without its job is named no more. (Checked by naming only the
+    /// trainers taken over: the first answer drops pb, whose update the server then refuses.)
+    #[test]
+    fn trainers_being_taken_over_stay_named_to_the_server() {
+        let mut rounds = rounds_with(&[]);
+        rounds.taking_over("pa".into());
+        rounds.taking_over("pb".into());
+        let named = |order: ServerOrder| match order {
+            ServerOrder::Trainers { mut peers } => {
+                peers.sort();
+                Some(peers)
+            }
+            _ => None,
+        };
+        let mut status = server(0, &["pb"], None);
+        status.trainers = vec!["pa".into(), "pb".into()];
+        let (order, _, _) = rounds.server_status(status.clone(), 100);
+        assert_eq!(named(order), None, "the server's list stands");
+        rounds.trainer_taken_over("a".into(), "pa".into(), false);
+        let (order, _, _) = rounds.server_status(status.clone(), 200);
+        assert_eq!(named(order), None);
+        rounds.takeover_ended("pb");
+        let (order, _, _) = rounds.server_status(status, 300);
+        assert_eq!(named(order), Some(vec!["pa".to_string()]));
     }
 
     fn drop(job: &str, round: u64) -> Settle {

@@ -676,6 +676,11 @@ pub async fn run_job(
             .filter_map(|(peer, job)| Some((peer.parse().ok()?, job.clone())))
             .collect(),
         open_from: resumed_round.unwrap_or(0),
+        data_nodes: earlier
+            .iter()
+            .flat_map(|r| &r.data_nodes)
+            .filter_map(|peer| peer.parse().ok())
+            .collect(),
     };
     let data = match (&spec.data, spec.ledger_path()) {
         (Some(data), Some(ledger)) => tokio::select! {
@@ -989,6 +994,8 @@ impl<'a> JobRun<'a> {
                 self.live.insert(peer, &recorded.job);
                 if recorded.slot == server_slot {
                     self.server_pending = true;
+                } else if let Some(training) = self.training.as_mut() {
+                    training.taking_over(peer);
                 }
             }
             self.tasks.spawn(async move {
@@ -1056,6 +1063,11 @@ impl<'a> JobRun<'a> {
                 .unwrap_or_default(),
             history: self.events.history(),
             benched: self.benched.clone(),
+            data_nodes: self
+                .data
+                .as_ref()
+                .map(|data| data.data_nodes().iter().map(PeerId::to_string).collect())
+                .unwrap_or_default(),
         };
         record.store(path)?;
         Ok(())
@@ -1248,6 +1260,9 @@ impl<'a> JobRun<'a> {
         } = adoption;
         self.adopting.retain(|recorded| recorded.job != job);
         if !going_on {
+            if let Some(training) = self.training.as_mut() {
+                training.takeover_ended(peer);
+            }
             self.live.remove(peer, &job);
             self.ended_early.retain(|(_, report)| report.job != job);
             // The earlier run's job is stopped (or its lease is gone): what it held goes back.

@@ -144,6 +144,17 @@ impl Training {
             .trainer_taken_over(job.to_string(), peer.to_string(), rejoin);
     }
 
+    /// The earlier process's trainer on `peer` is being taken over (see
+    /// [`Rounds::taking_over`]).
+    pub fn taking_over(&mut self, peer: PeerId) {
+        self.rounds.taking_over(peer.to_string());
+    }
+
+    /// The takeover of the trainer on `peer` ended without its job going on.
+    pub fn takeover_ended(&mut self, peer: PeerId) {
+        self.rounds.takeover_ended(&peer.to_string());
+    }
+
     /// Whether trainer `job` is still to join the current server, for the run's record.
     pub fn must_rejoin(&self, job: &str) -> bool {
         self.rounds.must_rejoin(job)
