@@ -770,6 +770,9 @@ struct Work {
 struct Dispatched {
     slot: usize,
     lease: Lease,
+    /// Its `dispatched` event was recorded: when the worker answered the dispatch, or, for a
+    /// job so short that its status came first, just before that status.
+    announced: bool,
 }
 
 /// A lease of an earlier run taken over for `slot`, with its job `job` on `peer` still
@@ -1215,7 +1218,7 @@ impl<'a> JobRun<'a> {
                 };
                 let (slot, peer) = (dispatched.slot, dispatched.lease.peer.to_string());
                 match result {
-                    Ok(()) => self.events.record(Event::Dispatched { slot, job, peer }),
+                    Ok(()) => self.announce_dispatched(&job),
                     Err(error) => {
                         let reason = format!("dispatch failed: {error}");
                         self.events.record(Event::Lost {
@@ -1340,7 +1343,15 @@ impl<'a> JobRun<'a> {
         }
         self.slots.started(slot, &job);
         self.live.insert(peer, &job);
-        self.jobs.insert(job.clone(), Dispatched { slot, lease });
+        self.jobs.insert(
+            job.clone(),
+            Dispatched {
+                slot,
+                lease,
+                // Taken over running: the earlier process announced it.
+                announced: true,
+            },
+        );
         self.tell_task_peers();
         self.store_record()?;
         let early = self
@@ -1464,7 +1475,14 @@ impl<'a> JobRun<'a> {
         let network = self.network.clone();
         let peer = lease.peer;
         self.live.insert(peer, &id);
-        self.jobs.insert(id.clone(), Dispatched { slot, lease });
+        self.jobs.insert(
+            id.clone(),
+            Dispatched {
+                slot,
+                lease,
+                announced: false,
+            },
+        );
         self.tell_task_peers();
         spec.task_peers = self.told_peers.clone();
         self.store_record()?;
@@ -1503,6 +1521,12 @@ impl<'a> JobRun<'a> {
         if dispatched.lease.peer != peer {
             return Ok(());
         }
+        // A job can end before its dispatch's answer is in: its status says it was
+        // dispatched, and every job's `dispatched` comes before its status.
+        self.announce_dispatched(&report.job);
+        let Some(dispatched) = self.jobs.get(&report.job) else {
+            return Ok(());
+        };
         self.events.record(Event::Status {
             slot: dispatched.slot,
             job: report.job.clone(),
@@ -1522,6 +1546,20 @@ impl<'a> JobRun<'a> {
             } => Some(with_stderr(reason, &stderr_tail)),
         };
         self.ended(&report.job, failure).await
+    }
+
+    /// Records that `job` was dispatched, once.
+    fn announce_dispatched(&mut self, job: &str) {
+        let Some(dispatched) = self.jobs.get_mut(job).filter(|d| !d.announced) else {
+            return;
+        };
+        dispatched.announced = true;
+        let (slot, peer) = (dispatched.slot, dispatched.lease.peer.to_string());
+        self.events.record(Event::Dispatched {
+            slot,
+            job: job.to_string(),
+            peer,
+        });
     }
 
     async fn on_lost(&mut self, lost: Lost) -> Result<(), RunError> {
