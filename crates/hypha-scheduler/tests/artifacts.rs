@@ -58,7 +58,7 @@ fn job_artifacts_reach_every_worker_with_each_chunk_read_once() {
         s3.profile_toml("default")
     );
     let names = ["art-a", "art-b", "art-c"];
-    let _workers: Vec<_> = names
+    let mut workers: Vec<_> = names
         .iter()
         .map(|name| cluster.worker_with_executors(name, "", "", &executors, &[]))
         .collect();
@@ -92,6 +92,18 @@ destination = "copy/same-object.bin"
     let (ok, logs) = scheduler.wait(Duration::from_secs(90));
     assert!(ok, "{}", logs.join("\n"));
 
+    // Nothing in an honest run looks damaged: no cache hit is taken for a changed file.
+    for worker in &mut workers {
+        while let Ok(line) = worker.lines.try_recv() {
+            worker.seen.push(line);
+        }
+        let damaged: Vec<&String> = worker
+            .seen
+            .iter()
+            .filter(|l| l.contains("changed on disk") || l.contains("no longer matches"))
+            .collect();
+        assert!(damaged.is_empty(), "{}: {damaged:#?}", worker.name);
+    }
     let prefix_bytes = (vocab.len() + merges.len()) as u64;
     for name in names {
         let dir = job_dir(&cluster.path(&format!("{name}-work")));
