@@ -591,6 +591,7 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
         gw_addr,
         node: honest,
         client,
+        client_net,
         entry,
         held: _held,
         ..
@@ -609,7 +610,8 @@ async fn a_provider_that_sends_half_an_answer_and_goes_silent_is_left_within_the
         }
     });
     let dest = tmp.path().join("slice.safetensors");
-    let (report, took) = fetch_first_from(&client, &entry, &stalling, &honest, &dest).await;
+    let (report, took) =
+        fetch_first_from((&client, &client_net), &entry, &stalling, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     // Twice half a second (each provider gets two turns), and the honest transfer.
     assert!(took < Duration::from_secs(5), "{took:?}");
@@ -629,6 +631,7 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
         gw_addr,
         node: honest,
         client,
+        client_net,
         entry,
         held: _held,
         ..
@@ -644,7 +647,8 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
     )
     .await;
     let dest = tmp.path().join("slice.safetensors");
-    let (report, took) = fetch_first_from(&client, &entry, &trickler, &honest, &dest).await;
+    let (report, took) =
+        fetch_first_from((&client, &client_net), &entry, &trickler, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     assert!(
         report.resumed > 0,
@@ -838,13 +842,14 @@ async fn a_provider_that_sends_bad_bytes_first_cannot_get_an_honest_one_refused(
         gw_addr,
         node: honest,
         client,
+        client_net,
         entry,
         held: _held,
         ..
     } = honest_node().await;
     let liar = provider_sending(&pki, "liar", &gw_addr, &entry, vec![0; 110], None).await;
     let dest = tmp.path().join("slice.safetensors");
-    let (report, _) = fetch_first_from(&client, &entry, &liar, &honest, &dest).await;
+    let (report, _) = fetch_first_from((&client, &client_net), &entry, &liar, &honest, &dest).await;
     assert_eq!(report.provider, honest.local_peer_id());
     assert!(!report.rejected.contains(&honest.local_peer_id()));
     let file = data.join(&entry.file);
@@ -861,6 +866,8 @@ struct Honest {
     gw_addr: libp2p::Multiaddr,
     node: Network,
     client: DataClient,
+    /// The client's network.
+    client_net: Network,
     entry: hypha_dataset::SliceEntry,
     /// Held while the test runs: the network's gateway, and the node's stop.
     held: (Network, oneshot::Sender<()>),
@@ -873,12 +880,13 @@ async fn honest_node() -> Honest {
     let (gateway, gw_addr) = gateway(&pki).await;
     let (node, stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
     let (client_net, _) = pki.start("worker", Some(&gw_addr)).await;
-    let client = DataClient::new(client_net)
+    let client = DataClient::new(client_net.clone())
         .with_deadlines(Duration::from_millis(500), Duration::from_secs(1));
     wait_for_providers(&client, "d", 1).await;
     let manifest = client.manifest(node.local_peer_id(), "d").await.unwrap();
     let entry = manifest.slices[0].clone();
     Honest {
+        client_net,
         pki,
         tmp,
         data,
@@ -890,15 +898,19 @@ async fn honest_node() -> Honest {
     }
 }
 
-/// Fetches `entry` into `dest` asking `first`, then `then`; fails the test if that takes 20 s.
+/// Fetches `entry` into `dest` with `client` (on `client_net`) asking `first`, then `then`;
+/// fails the test if that takes 20 s.
 /// The report, and how long it took.
 async fn fetch_first_from(
-    client: &DataClient,
+    (client, client_net): (&DataClient, &Network),
     entry: &hypha_dataset::SliceEntry,
     first: &Network,
     then: &Network,
     dest: &Path,
 ) -> (hypha_data::FetchReport, Duration) {
+    // Connected first: the dishonest provider is surely asked, not passed over as unreachable
+    // on a loaded machine.
+    client_net.connect(first.local_peer_id()).await.unwrap();
     let order = [first.local_peer_id(), then.local_peer_id()];
     let started = std::time::Instant::now();
     let report = tokio::time::timeout(
