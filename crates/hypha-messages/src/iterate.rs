@@ -139,7 +139,9 @@ pub struct RunProgress {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunNote {
     pub time_ms: u64,
-    /// `restart`, `readoption`, `failover`, `lost` or `benched`.
+    /// `restart`, `readoption`, `failover`, `lost`, `benched`, `joined` (a trainer joined
+    /// after the first round) or `late` (the first round began without trainers still
+    /// loading).
     pub kind: String,
     pub detail: String,
 }

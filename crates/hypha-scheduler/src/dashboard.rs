@@ -259,7 +259,19 @@ impl Board {
                     time_ms,
                 });
             }
-            Event::ExecutorStatus { .. } | Event::Resumed { .. } | Event::Failover { .. } => {}
+            Event::Joined {
+                slot, peer, round, ..
+            } => {
+                let worker = self.worker(*slot, peer, time_ms);
+                worker.state = "training";
+                worker.reason = Some(format!("joined at round {round}"));
+                worker.since_ms = time_ms;
+            }
+            Event::ExecutorStatus { .. }
+            | Event::Resumed { .. }
+            | Event::Failover { .. }
+            | Event::WaitingForTrainers { .. }
+            | Event::RoundsBegin { .. } => {}
         }
         // Executors report several times a round: listing them would push out everything else.
         if !matches!(event, Event::ExecutorStatus { .. }) {

@@ -66,6 +66,21 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
                 format!("slot {slot}: {peer}: its updates were refused {refusals} rounds in a row"),
             )
         }
+        // Joining the first round is the run starting, not news.
+        Event::Joined {
+            slot, peer, round, ..
+        } if *round > 0 => (
+            "joined",
+            format!("slot {slot}: {peer} joined at round {round}"),
+        ),
+        Event::RoundsBegin { late, waited_s, .. } if !late.is_empty() => (
+            "late",
+            format!(
+                "rounds began without {} trainers still loading after {waited_s} s: {}",
+                late.len(),
+                late.join(", ")
+            ),
+        ),
         Event::Round { round, .. } => {
             progress.round = Some(*round);
             return;

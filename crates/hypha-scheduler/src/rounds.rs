@@ -40,6 +40,52 @@ pub struct RoundPlan {
     pub quorum: f64,
     /// Rounds in a row a trainer's update may be refused before it is benched; 0: never.
     pub bench_after_refusals: u32,
+    /// How long the first round waits for the leased trainers that are not ready yet, from
+    /// when the first one was (see [`Start`]).
+    pub start_grace_ms: u64,
+}
+
+/// Whether the run's first round may begin. Trainers that hold the model wait until every
+/// leased trainer holds it, or until `start_grace_ms` after the first did. A trainer that
+/// loads slowly (PyTorch importing, CUDA starting: 10 s and more) would otherwise miss a
+/// short run, the others having trained its rounds without it; a broken one holds the start
+/// for the grace at most, and joins later if it ever gets ready. A run that goes on (a
+/// scheduler or parameter server taken over, a checkpoint past round 0) does not wait.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Start {
+    /// The first trainer ready since `since_ms` (none yet when `None`), `ready` of them when
+    /// last told.
+    Waiting {
+        since_ms: Option<u64>,
+        ready: usize,
+    },
+    Begun,
+}
+
+/// What happened to the run's trainers, for the run to report as events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum News {
+    /// `ready` trainers are, more than when last told; the first round waits for the others,
+    /// `grace_ms` at most from when the first was.
+    Waiting {
+        ready: usize,
+        trainers: usize,
+        grace_ms: u64,
+    },
+    /// The first round begins with `ready` trainers, `waited_ms` after the first was ready;
+    /// `late` (peers) were not ready when the grace ran out.
+    Began {
+        round: u64,
+        ready: usize,
+        late: Vec<String>,
+        waited_ms: u64,
+    },
+    /// Trainer `job` trains its first round of the run.
+    Joined {
+        job: String,
+        peer: String,
+        round: u64,
+    },
 }
 
 /// What the ledger must do with a trainer's round.
@@ -86,6 +132,10 @@ const REASON_CHARS: usize = 200;
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
+/// How long a trainer waiting for the first round to begin waits before asking again: the
+/// round begins as the last trainer gets ready, and the others should not idle long after.
+const WAIT_MS: u64 = 100;
+
 #[derive(Debug)]
 struct Trainer {
     peer: String,
@@ -105,6 +155,9 @@ struct Trainer {
     ordered: Option<(u64, u64)>,
     /// The rounds in a row that ended with its update refused.
     refused_in_a_row: u32,
+    /// It was told to train a round of the run (by this process, or by the earlier one that
+    /// started it).
+    joined: bool,
 }
 
 /// A round the server applied.
@@ -165,6 +218,9 @@ pub struct Rounds {
     taking_over: HashSet<String>,
     included: BTreeMap<u64, HashSet<String>>,
     done: bool,
+    start: Start,
+    /// What the run has not reported yet, oldest first.
+    news: Vec<News>,
 }
 
 impl Rounds {
@@ -185,7 +241,17 @@ impl Rounds {
             taking_over: HashSet::new(),
             included: BTreeMap::new(),
             done: false,
+            start: Start::Waiting {
+                since_ms: None,
+                ready: 0,
+            },
+            news: Vec::new(),
         }
+    }
+
+    /// What happened since the last call, oldest first.
+    pub fn take_news(&mut self) -> Vec<News> {
+        std::mem::take(&mut self.news)
     }
 
     /// The round being trained.
@@ -271,12 +337,16 @@ impl Rounds {
         self.closing = None;
         self.server_started(peer);
         self.continued_from = Some(from);
+        self.start = Start::Begun;
         Ok(unheard)
     }
 
     /// The server (started next) is restored from the checkpoint of `round`: training goes on
     /// from there, and what the lost server applied after it is gone with it.
     pub fn restored(&mut self, round: u64) {
+        if round > 0 {
+            self.start = Start::Begun;
+        }
         self.round = round;
         self.highest = self.highest.max(round);
         self.started_ms = None;
@@ -308,6 +378,7 @@ impl Rounds {
             heard_ms: 0,
             ordered: None,
             refused_in_a_row: 0,
+            joined: false,
         };
         self.trainers.insert(job, trainer);
     }
@@ -336,8 +407,10 @@ impl Rounds {
     pub fn trainer_taken_over(&mut self, job: String, peer: String, rejoin: bool) {
         self.taking_over.remove(&peer);
         self.trainer_started(job.clone(), peer);
+        self.start = Start::Begun;
         let (generation, continued_from) = (self.generation, self.continued_from);
         if let Some(trainer) = self.trainers.get_mut(&job) {
+            trainer.joined = true;
             match continued_from.filter(|_| !rejoin) {
                 Some(from) => {
                     trainer.generation = Some(generation);
@@ -463,6 +536,9 @@ impl Rounds {
             trainer.heard_ms = now_ms;
             trainer.awaited = false;
         }
+        if round == self.round && !self.may_begin(now_ms) {
+            return (TrainerOrder::Wait { retry_ms: WAIT_MS }, settle);
+        }
         if round == self.round && self.started_ms.is_none() {
             self.started_ms = Some(now_ms);
         }
@@ -484,6 +560,13 @@ impl Rounds {
         };
         if let Some(trainer) = self.trainers.get_mut(job) {
             trainer.ordered = Some((round, batches));
+            if !std::mem::replace(&mut trainer.joined, true) {
+                self.news.push(News::Joined {
+                    job: job.to_string(),
+                    peer: trainer.peer.clone(),
+                    round,
+                });
+            }
         }
         let order = TrainerOrder::Train {
             round,
@@ -491,6 +574,54 @@ impl Rounds {
             parameter_server: server,
         };
         (order, settle)
+    }
+
+    /// Whether the run's first round may begin, asked by a trainer ready for it (see
+    /// [`Start`]): every trainer holds the current server's model of the round, or the grace
+    /// since the first did is over.
+    fn may_begin(&mut self, now_ms: u64) -> bool {
+        let Start::Waiting {
+            since_ms,
+            ready: told,
+        } = self.start
+        else {
+            return true;
+        };
+        let (round, generation) = (self.round, self.generation);
+        let ready = |t: &Trainer| t.generation == Some(generation) && t.status.round == Some(round);
+        let late: Vec<String> = self
+            .trainers
+            .values()
+            .filter(|t| !ready(t))
+            .map(|t| t.peer.clone())
+            .collect();
+        let since = since_ms.unwrap_or(now_ms);
+        let grace = self.plan.start_grace_ms;
+        if late.is_empty() || now_ms >= since.saturating_add(grace) {
+            self.start = Start::Begun;
+            let mut late = late;
+            late.sort();
+            self.news.push(News::Began {
+                round,
+                ready: self.trainers.len() - late.len(),
+                late,
+                waited_ms: now_ms.saturating_sub(since),
+            });
+            return true;
+        }
+        let ready = self.trainers.len() - late.len();
+        if ready > told {
+            self.start = Start::Waiting {
+                since_ms: Some(since),
+                ready,
+            };
+            self.news.push(News::Waiting {
+                ready,
+                trainers: self.trainers.len(),
+                grace_ms: grace,
+            });
+        }
+        false
     }
 
     /// The batches `status`'s trainer should have done when the round ends.
@@ -864,6 +995,7 @@ mod tests {
             round_ms: 10_000,
             quorum: 0.5,
             bench_after_refusals: 3,
+            start_grace_ms: 0,
         }
     }
 
@@ -923,6 +1055,118 @@ mod tests {
             }),
             ..ServerStatus::default()
         }
+    }
+
+    fn joined(job: &str, peer: &str, round: u64) -> News {
+        News::Joined {
+            job: job.into(),
+            peer: peer.into(),
+            round,
+        }
+    }
+
+    /// The first round waits for every leased trainer to hold the model, the start grace at
+    /// most after the first did: a trainer that loads slowly trains the run's first round, a
+    /// broken one holds the start for the grace only, and joins the round in flight once it
+    /// is ready.
+    #[test]
+    fn the_first_round_waits_for_slow_trainers_for_the_start_grace() {
+        let mut rounds = Rounds::new(RoundPlan {
+            start_grace_ms: 5_000,
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        for (job, peer) in [("job-a", "pa"), ("job-b", "pb"), ("job-c", "pc")] {
+            rounds.trainer_started(job.into(), peer.into());
+        }
+        let wait = TrainerOrder::Wait { retry_ms: WAIT_MS };
+        let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 1_000);
+        assert_eq!(order, wait);
+        assert_eq!(
+            rounds.take_news(),
+            vec![News::Waiting {
+                ready: 1,
+                trainers: 3,
+                grace_ms: 5_000
+            }]
+        );
+        let (order, _) = rounds.trainer_status("job-b", TrainerStatus::default(), 2_000);
+        assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
+        let (order, _) = rounds.trainer_status("job-b", status(0, 0, None), 3_000);
+        assert_eq!(order, wait);
+        assert_eq!(
+            rounds.take_news(),
+            vec![News::Waiting {
+                ready: 2,
+                trainers: 3,
+                grace_ms: 5_000
+            }]
+        );
+        let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 5_999);
+        assert_eq!(order, wait);
+        assert!(rounds.take_news().is_empty());
+        // The grace since pa was ready is over: the round begins without pc.
+        let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 6_000);
+        assert!(target(order) > 0);
+        assert_eq!(
+            rounds.take_news(),
+            vec![
+                News::Began {
+                    round: 0,
+                    ready: 2,
+                    late: vec!["pc".into()],
+                    waited_ms: 5_000
+                },
+                joined("job-a", "pa", 0)
+            ]
+        );
+        let (order, _) = rounds.trainer_status("job-b", status(0, 0, None), 6_100);
+        assert!(target(order) > 0);
+        assert_eq!(rounds.take_news(), vec![joined("job-b", "pb", 0)]);
+        let (order, _) = rounds.trainer_status("job-c", status(0, 0, None), 9_000);
+        assert!(target(order) > 0);
+        assert_eq!(rounds.take_news(), vec![joined("job-c", "pc", 0)]);
+    }
+
+    /// The first round begins as soon as the last leased trainer is ready; a run that goes
+    /// on from a checkpoint does not wait at all.
+    #[test]
+    fn the_first_round_begins_as_the_last_trainer_is_ready() {
+        let grace = RoundPlan {
+            start_grace_ms: 60_000,
+            ..plan()
+        };
+        let mut rounds = Rounds::new(grace.clone());
+        rounds.server_started("ps".into());
+        rounds.trainer_started("job-a".into(), "pa".into());
+        rounds.trainer_started("job-b".into(), "pb".into());
+        let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 0);
+        assert_eq!(order, TrainerOrder::Wait { retry_ms: WAIT_MS });
+        let (order, _) = rounds.trainer_status("job-b", status(0, 0, None), 700);
+        assert!(target(order) > 0);
+        let news = rounds.take_news();
+        assert_eq!(
+            news[1..],
+            [
+                News::Began {
+                    round: 0,
+                    ready: 2,
+                    late: vec![],
+                    waited_ms: 700
+                },
+                joined("job-b", "pb", 0)
+            ]
+        );
+        let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 800);
+        assert!(target(order) > 0);
+
+        let mut resumed = Rounds::new(grace);
+        resumed.restored(4);
+        resumed.server_started("ps".into());
+        resumed.trainer_started("job-a".into(), "pa".into());
+        resumed.trainer_started("job-b".into(), "pb".into());
+        let (order, _) = resumed.trainer_status("job-a", status(4, 0, None), 0);
+        assert!(target(order) > 0);
     }
 
     /// The server takes updates only from the trainers named to it, is told again when they

@@ -54,6 +54,7 @@ use crate::{
     data::{CarriedOver, JobData},
     history,
     record::{self, BenchedTrainer, RecordedJob, RunRecord},
+    rounds::News,
     slots::{Role, SlotState, Slots, Verdict},
     spec::JobFile,
     training::{Answered, Training},
@@ -150,6 +151,29 @@ pub enum Event {
         loss: Option<f64>,
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         away: bool,
+    },
+    /// The first trainers hold the model: the run's first round waits for the other leased
+    /// trainers to load, `grace_s` at most (`[diloco] start_grace_seconds`).
+    WaitingForTrainers {
+        ready: usize,
+        trainers: usize,
+        grace_s: f64,
+    },
+    /// The run's first round begins with `trainers` trainers, `waited_s` after the first was
+    /// ready; `late` (peers) were still loading when the grace ran out and join once ready.
+    RoundsBegin {
+        round: u64,
+        trainers: usize,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        late: Vec<String>,
+        waited_s: f64,
+    },
+    /// A trainer trains its first round of the run (from the start, or joining later).
+    Joined {
+        slot: usize,
+        job: String,
+        peer: String,
+        round: u64,
     },
     Done {
         ok: bool,
@@ -350,6 +374,37 @@ impl EventLog {
                 ),
                 None => tracing::info!(round, trainers, samples, "round applied"),
             },
+            Event::WaitingForTrainers {
+                ready,
+                trainers,
+                grace_s,
+            } => tracing::info!(
+                ready,
+                trainers,
+                "waiting for {} more trainers to load before the first round (at most {grace_s} s)",
+                trainers - ready
+            ),
+            Event::RoundsBegin {
+                round,
+                trainers,
+                late,
+                waited_s,
+            } => match late.len() {
+                0 => tracing::info!(round, trainers, waited_s, "rounds begin"),
+                n => tracing::warn!(
+                    round,
+                    trainers,
+                    waited_s,
+                    late = ?late,
+                    "rounds begin without {n} trainers that were still not ready after the start grace; they join once they are"
+                ),
+            },
+            Event::Joined {
+                slot,
+                job,
+                peer,
+                round,
+            } => tracing::info!(slot, %job, %peer, round, "trainer joined the run"),
             Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
         }
         let now = unix_ms();
@@ -1772,6 +1827,7 @@ impl<'a> JobRun<'a> {
                     }
                 }
                 let _ = answer.send(answered.payload);
+                self.report_news();
                 if let Some(applied) = answered.applied {
                     self.events.record(Event::Round {
                         round: applied.round,
@@ -1791,6 +1847,49 @@ impl<'a> JobRun<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Records what the rounds say happened to the trainers.
+    fn report_news(&mut self) {
+        let Some(training) = self.training.as_mut() else {
+            return;
+        };
+        for news in training.take_news() {
+            let event = match news {
+                News::Waiting {
+                    ready,
+                    trainers,
+                    grace_ms,
+                } => Event::WaitingForTrainers {
+                    ready,
+                    trainers,
+                    grace_s: grace_ms as f64 / 1000.0,
+                },
+                News::Began {
+                    round,
+                    ready,
+                    late,
+                    waited_ms,
+                } => Event::RoundsBegin {
+                    round,
+                    trainers: ready,
+                    late,
+                    waited_s: waited_ms as f64 / 1000.0,
+                },
+                News::Joined { job, peer, round } => {
+                    let Some(slot) = self.jobs.get(&job).map(|d| d.slot) else {
+                        continue;
+                    };
+                    Event::Joined {
+                        slot,
+                        job,
+                        peer,
+                        round,
+                    }
+                }
+            };
+            self.events.record(event);
+        }
     }
 
     /// The one way a run ends: every task stops (an allocation in flight releases what it

@@ -49,6 +49,8 @@
 //! quorum = 0.5             # after that (plus a quarter), close with this share of trainers
 //! bench_after_refusals = 3 # a trainer whose updates were refused this many rounds in a row
 //!                          # leaves the run for good (0: never)
+//! start_grace_seconds = 60 # the first round waits this long (at most) for every trainer
+//!                          # to load, from when the first was ready (0: begin at once)
 //! max_update_norm_ratio = 10  # refuse an update whose L2 norm is above 10× the median of
 //!                             # the last 32 taken (after the first 3; the default; 0: off)
 //! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
@@ -137,6 +139,12 @@ pub struct DilocoSpec {
     /// task, and rounds no longer count it. 0: never.
     #[serde(default = "default_bench_after_refusals")]
     pub bench_after_refusals: u32,
+    /// The run's first round begins once every leased trainer holds the model, or this long
+    /// after the first did: a trainer still loading (PyTorch, CUDA) is in it, and a broken
+    /// one holds the start this long at most. 0: the first round begins with the first
+    /// trainer ready, the others joining as they get ready.
+    #[serde(default = "default_start_grace_seconds")]
+    pub start_grace_seconds: f64,
     /// An update whose L2 norm is more than this many times the median norm of the last
     /// updates the parameter server took is refused (one trainer scaling its update up would
     /// otherwise move the model as far as it likes). Default [`DEFAULT_NORM_RATIO`]; 0 turns
@@ -240,6 +248,12 @@ fn default_norm_ratio() -> f64 {
 
 fn default_bench_after_refusals() -> u32 {
     3
+}
+
+/// Importing torch and starting CUDA took 10 to 30 s on the machines measured (issue 38);
+/// twice the slowest, so that a slow trainer is in, and a broken one costs a minute.
+fn default_start_grace_seconds() -> f64 {
+    60.0
 }
 
 /// The dataset a job iterates.
@@ -530,6 +544,12 @@ impl DilocoSpec {
                 }
             }
         }
+        let grace = self.start_grace_seconds;
+        if !(grace.is_finite() && (0.0..=86_400.0).contains(&grace)) {
+            return Err(format!(
+                "diloco.start_grace_seconds = {grace}: give the seconds the first round may wait for trainers still loading, from 0 (begin at once) to 86400 (default 60)"
+            ));
+        }
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
@@ -559,6 +579,7 @@ impl DilocoSpec {
             round_ms: (self.round_seconds * 1000.0) as u64,
             quorum: self.quorum,
             bench_after_refusals: self.bench_after_refusals,
+            start_grace_ms: (self.start_grace_seconds * 1000.0) as u64,
         }
     }
 
@@ -636,6 +657,7 @@ mod tests {
             "the norm check is on by default"
         );
         assert_eq!(d.bench_after_refusals, 3);
+        assert_eq!(d.plan().start_grace_ms, 60_000);
         let off = JobFile::parse(
             "job.toml",
             &format!("{base}{diloco}").replace(
@@ -674,6 +696,7 @@ mod tests {
         assert!(bad("max_update_norm_ratio = 0.5").contains("diloco.max_update_norm_ratio = 0.5"));
         assert!(bad("forward = \"ftp://x\"").contains("diloco.forward"));
         assert!(bad("rounds = 0").contains("diloco.rounds = 0"));
+        assert!(bad("start_grace_seconds = -1").contains("diloco.start_grace_seconds = -1"));
         let err = JobFile::parse(
             "job.toml",
             &format!("{base}{diloco}").replace("[data]\ndataset = \"blobs\"\n", ""),

@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::{
     data::JobData,
     record::{RecordedRound, RunRecord},
-    rounds::{AppliedRound, RoundPlan, Rounds, Settle},
+    rounds::{AppliedRound, News, RoundPlan, Rounds, Settle},
     unix_ms,
 };
 
@@ -117,6 +117,11 @@ impl Training {
             earlier_trainers: HashMap::new(),
             earlier_rounds: Vec::new(),
         })
+    }
+
+    /// What happened to the trainers since the last call (see [`News`]).
+    pub fn take_news(&mut self) -> Vec<News> {
+        self.rounds.take_news()
     }
 
     pub fn trainer_started(&mut self, job: &str, peer: PeerId) {

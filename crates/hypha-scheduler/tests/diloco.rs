@@ -938,6 +938,83 @@ fn rust_and_numpy_trainers_train_one_job_together() {
     }
 }
 
+/// A trainer that takes 10 s to load (`python/tests/slow_trainer.py`: the numpy trainer
+/// sleeping first, as a PyTorch trainer importing torch and starting CUDA does) beside two
+/// reference trainers ready within a second or two trains the run's first round: the round
+/// waits for it (`start_grace_seconds`, default 60 s), the events say so as more get ready,
+/// and every trainer
+/// joins at round 0. Each slice used is used once. (Checked with `start_grace_seconds = 0`:
+/// the reference trainers train the three rounds before it has loaded.)
+#[test]
+fn a_trainer_slow_to_load_trains_the_first_round() {
+    if !python_with(&["numpy"], true) {
+        return;
+    }
+    let (mut cluster, _data, mut server) = cluster();
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut rust: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("rust{i}"), ""))
+        .collect();
+    let (slow_peer, mut slow) = cluster.peer_id_after("slow", |cluster| {
+        cluster.python_worker("slow", "train", "diloco", "tests/slow_trainer.py", &[])
+    });
+    let job = cluster.diloco_job("slow", 3, 2, "rounds = 3\n");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    let mut procs: Vec<&mut Proc> = rust.iter_mut().collect();
+    procs.push(&mut slow);
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let metrics = lines_of(&cluster.path("slow-job.metrics.jsonl"));
+    let rounds: Vec<_> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    assert_eq!(rounds.len(), 3, "{rounds:?}");
+    let first = rounds.iter().find(|r| r["round"] == 0).unwrap();
+    assert!(
+        first["included"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p == slow_peer.as_str()),
+        "the slow trainer {slow_peer} is not in the first round: {first}"
+    );
+    let events = events(&events_path);
+    // Told each time more trainers are ready, the slow one last.
+    let waiting = of_kind(&events, "waiting_for_trainers");
+    let ready: Vec<_> = waiting.iter().map(|w| &w["event"]["ready"]).collect();
+    assert!(ready == [1, 2] || ready == [2], "{waiting:?}");
+    assert!(waiting.iter().all(|w| w["event"]["trainers"] == 3));
+    let begin = of_kind(&events, "rounds_begin");
+    assert_eq!(begin.len(), 1, "{begin:?}");
+    assert_eq!(begin[0]["event"]["trainers"], 3, "{begin:?}");
+    assert!(begin[0]["event"].get("late").is_none(), "{begin:?}");
+    assert!(
+        begin[0]["event"]["waited_s"].as_f64().unwrap() > 5.0,
+        "the first round waited for the slow trainer: {begin:?}"
+    );
+    let joined = of_kind(&events, "joined");
+    assert_eq!(joined.len(), 3, "{joined:?}");
+    assert!(
+        joined.iter().all(|j| j["event"]["round"] == 0),
+        "{joined:?}"
+    );
+    assert!(
+        joined
+            .iter()
+            .any(|j| j["event"]["peer"] == slow_peer.as_str())
+    );
+    let (used, _) = audit(&cluster.path("slow-job.ledger"));
+    assert!(
+        !used.is_empty() && used.values().all(|n| *n == 1),
+        "{used:?}"
+    );
+
+    for trainer in rust.iter_mut().chain([&mut slow]) {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
 /// The PyTorch example trainer (`python/examples/torch_trainer.py`) trains a job, where torch
 /// is installed (CI does not install it: the test says it skipped). It trains alone: importing
 /// torch takes seconds, longer than a reference trainer needs for this whole job.

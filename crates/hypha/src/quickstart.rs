@@ -358,6 +358,7 @@ pub fn run(
     write(&job, &job_file(settings, &training))?;
     let scheduler_config = certs.config("scheduler", Role::Scheduler, &join)?;
     let events = dir.join("logs/scheduler-events.jsonl");
+    let metrics = dir.join("job.metrics.jsonl");
     let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job, &events)?;
     let dashboard = wait_for(&mut scheduler, DASHBOARD_LINE)?
         .split(DASHBOARD_LINE)
@@ -368,34 +369,35 @@ pub fn run(
     report(Progress::Notice(&format!(
         "the dashboard of the training: {dashboard}"
     )));
-    let mut progress = |step: &str| report(Progress::Step(step));
-    progress("training");
-    let metrics = dir.join("job.metrics.jsonl");
-    let mut follow = Follow::default();
+    report(Progress::Step("training"));
+    let files = (events.as_path(), metrics.as_path());
+    let mut watch = RunWatch::default();
     let failed = |scheduler: &Node| QuickstartError::Job {
         reason: failure(&scheduler.log),
         log: scheduler.log.clone(),
     };
     // The job ends with its `done` event; a held scheduler goes on serving the dashboard.
     loop {
-        for (round, loss) in follow.rounds(&metrics) {
-            progress(&format!("round {round} applied, training loss {loss:.4}"));
-        }
-        match job_done(&events) {
+        watch.follow(files, &mut report);
+        match watch.done {
             Some(true) => break,
             Some(false) => return Err(failed(&scheduler)),
             None => {}
         }
         match scheduler.child.try_wait() {
             Ok(None) => std::thread::sleep(Duration::from_millis(200)),
-            // Stopped: its last events may have come after the look above.
-            Ok(Some(status)) if status.success() && job_done(&events) == Some(true) => break,
+            Ok(Some(status)) if status.success() => {
+                // Stopped: its last events may have come after the look above.
+                watch.follow(files, &mut report);
+                if watch.done == Some(true) {
+                    break;
+                }
+                return Err(failed(&scheduler));
+            }
             Ok(Some(_)) | Err(_) => return Err(failed(&scheduler)),
         }
     }
-    for (round, loss) in follow.rounds(&metrics) {
-        progress(&format!("round {round} applied, training loss {loss:.4}"));
-    }
+    watch.follow(files, &mut report);
     // Unless held, the scheduler ends by itself once its workers heard the job is over.
     if !settings.hold && !scheduler.child.wait().is_ok_and(|s| s.success()) {
         return Err(failed(&scheduler));
@@ -426,7 +428,7 @@ pub fn run(
         path: metrics_path,
         error,
     })?;
-    let plot = hypha_plot::loss_by_round(&follow.losses).map_err(|e| QuickstartError::Write {
+    let plot = hypha_plot::loss_by_round(&watch.losses).map_err(|e| QuickstartError::Write {
         path: dir.join("loss.svg"),
         error: std::io::Error::other(e.to_string()),
     })?;
@@ -442,7 +444,7 @@ pub fn run(
         accuracy_before,
         loss_after,
         accuracy_after,
-        rounds: follow.losses.len(),
+        rounds: watch.losses.len(),
         seconds: started.elapsed().as_secs_f64(),
         evaluated_on: training.evaluation.to_string(),
         model: training.model,
@@ -822,15 +824,6 @@ fn start_scheduler(
     spawn(settings, dir, "scheduler", "hypha-scheduler", &args)
 }
 
-/// Whether the scheduler's events file tells the job ended, and how: `Some(ok)`.
-fn job_done(events: &Path) -> Option<bool> {
-    let text = std::fs::read_to_string(events).ok()?;
-    text.lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .find(|e| e["event"]["kind"] == "done")
-        .and_then(|e| e["event"]["ok"].as_bool())
-}
-
 /// Lines of a node's log shown when it exits while starting.
 const EXITED_TAIL_LINES: usize = 10;
 
@@ -863,16 +856,15 @@ fn wait_for(node: &mut Node, needle: &str) -> Result<String, QuickstartError> {
     })
 }
 
-/// Reads the metrics file as it grows.
+/// Reads a JSON-lines file as it grows.
 #[derive(Debug, Default)]
 struct Follow {
     offset: u64,
-    losses: Vec<(u64, f64)>,
 }
 
 impl Follow {
-    /// The rounds applied since the last call, with their training loss.
-    fn rounds(&mut self, path: &Path) -> Vec<(u64, f64)> {
+    /// The whole lines added since the last call, parsed (a line that is not JSON skipped).
+    fn new_lines(&mut self, path: &Path) -> Vec<serde_json::Value> {
         let Ok(mut file) = std::fs::File::open(path) else {
             return Vec::new();
         };
@@ -887,16 +879,60 @@ impl Follow {
                 break; // half a line: read it whole next time
             }
             self.offset += line.len() as u64;
-            if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-                && value["kind"] == "round"
-                && let (Some(round), Some(loss)) = (value["round"].as_u64(), value["loss"].as_f64())
-            {
-                new.push((round, loss));
+            if let Ok(value) = serde_json::from_str(&line) {
+                new.push(value);
             }
             line.clear();
         }
-        self.losses.extend(&new);
         new
+    }
+}
+
+/// The training as the quickstart shows it: rounds and their loss from the metrics file,
+/// the start and the end from the scheduler's events.
+#[derive(Debug, Default)]
+struct RunWatch {
+    metrics: Follow,
+    events: Follow,
+    losses: Vec<(u64, f64)>,
+    /// The job ended: whether it succeeded.
+    done: Option<bool>,
+}
+
+impl RunWatch {
+    /// Reads what the files gained; `progress` is told of each round applied and of the
+    /// start waiting for trainers still loading.
+    fn follow(&mut self, (events, metrics): (&Path, &Path), progress: &mut dyn FnMut(Progress)) {
+        for event in self.events.new_lines(events) {
+            let event = &event["event"];
+            match event["kind"].as_str() {
+                Some("waiting_for_trainers") => progress(Progress::Step(&format!(
+                    "{} of {} trainers ready; waiting for the others to load (rounds begin when all are, or {:.0} s after the first was)",
+                    event["ready"],
+                    event["trainers"],
+                    event["grace_s"].as_f64().unwrap_or_default()
+                ))),
+                Some("rounds_begin") => match event["late"].as_array() {
+                    Some(late) => progress(Progress::Notice(&format!(
+                        "rounds began without {} trainers still loading; they join once ready",
+                        late.len()
+                    ))),
+                    None => progress(Progress::Step("training")),
+                },
+                Some("done") => self.done = event["ok"].as_bool(),
+                _ => {}
+            }
+        }
+        for line in self.metrics.new_lines(metrics) {
+            if line["kind"] == "round"
+                && let (Some(round), Some(loss)) = (line["round"].as_u64(), line["loss"].as_f64())
+            {
+                progress(Progress::Step(&format!(
+                    "round {round} applied, training loss {loss:.4}"
+                )));
+                self.losses.push((round, loss));
+            }
+        }
     }
 }
 
