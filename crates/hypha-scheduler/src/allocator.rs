@@ -217,29 +217,34 @@ impl Allocator {
         }
     }
 
-    /// Leases `count` workers for `request`, none of them in `exclude`. Every lease is renewed
-    /// from its grant on; one that stops being renewable is reported on `lost`. On failure
-    /// (or when the future is dropped) the leases found so far are released.
+    /// Leases up to `count` workers for `request`, none of them in `exclude`: all `count`, or
+    /// as many as there are once `at_least` are found and an advertisement brought no more
+    /// (with `at_least` 0: whoever answers one advertisement). Every lease is renewed from
+    /// its grant on; one that stops being renewable is reported on `lost`. Fails when fewer
+    /// than `at_least` are found within the timeout; then (or when the future is dropped) the
+    /// leases found so far are released.
     pub async fn allocate(
         &self,
         request: &WorkerRequest,
-        count: usize,
+        (at_least, count): (usize, usize),
         exclude: &HashSet<PeerId>,
         lost: &mpsc::Sender<Lost>,
     ) -> Result<Vec<Lease>, AllocationError> {
         let started = Instant::now();
         let deadline = started + self.settings.timeout;
         let mut leased: Vec<Lease> = Vec::new();
-        while leased.len() < count {
+        let mut advertised = false;
+        while leased.len() < count && !(advertised && leased.len() >= at_least) {
             let now = Instant::now();
             if now >= deadline {
                 return Err(AllocationError::NotEnough {
                     found: leased.len(),
-                    wanted: count,
+                    wanted: at_least,
                     executor: request.executor.clone(),
                     timeout: self.settings.timeout,
                 });
             }
+            advertised = true;
             let taken: HashSet<PeerId> = leased
                 .iter()
                 .map(|l| l.peer)

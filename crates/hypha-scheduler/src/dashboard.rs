@@ -75,7 +75,10 @@ pub struct JobView {
     pub name: String,
     /// `class/name` of the trainers' executor.
     pub executor: String,
+    /// The trainers' slots (an elastic run's `max`); the parameter server's slot follows.
     pub workers: usize,
+    /// An elastic run's `min`; the same as `workers` otherwise.
+    pub min_workers: usize,
     pub diloco: bool,
     pub dataset: Option<String>,
     pub epochs: Option<u32>,

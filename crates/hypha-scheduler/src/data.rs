@@ -232,6 +232,18 @@ impl JobData {
     }
 
     /// Every slice of every epoch is used.
+    /// Whether the ledger has nothing more to hand out: no slice available, none handed out
+    /// and not yet consumed (one that comes back, from a round left out or a worker lost,
+    /// makes it so again).
+    pub async fn drained(&self) -> bool {
+        self.ledger().progress().await.is_ok_and(|progress| {
+            progress
+                .epochs
+                .iter()
+                .all(|epoch| epoch.available == 0 && epoch.assigned == 0)
+        })
+    }
+
     pub async fn finished(&self) -> bool {
         self.ledger()
             .progress()

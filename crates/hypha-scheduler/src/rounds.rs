@@ -221,6 +221,9 @@ pub struct Rounds {
     start: Start,
     /// What the run has not reported yet, oldest first.
     news: Vec<News>,
+    /// The ledger, when last asked, still had slices to hand out or handed out and not yet
+    /// consumed: trainers out of data wait for them rather than end the training.
+    data_left: bool,
 }
 
 impl Rounds {
@@ -246,7 +249,15 @@ impl Rounds {
                 ready: 0,
             },
             news: Vec::new(),
+            data_left: false,
         }
+    }
+
+    /// Whether the ledger still has slices to hand out or handed out and not yet consumed:
+    /// asked when a trainer says it is out of data, which may be only for now (its worker
+    /// still fetching the slices it was given, others holding the rest).
+    pub fn data_left(&mut self, left: bool) {
+        self.data_left = left;
     }
 
     /// What happened since the last call, oldest first.
@@ -907,7 +918,8 @@ impl Rounds {
     /// Every trainer is in the current round with nothing trained and no data left, and
     /// nothing arrived for it: there is no round left to train.
     fn out_of_data(&self) -> bool {
-        self.closing.is_none()
+        !self.data_left
+            && self.closing.is_none()
             && self.arrived.is_empty()
             && self.trainers.values().all(|t| {
                 t.status.round == Some(self.round) && t.status.data_done && t.status.samples == 0
@@ -1684,6 +1696,9 @@ mod tests {
         );
     }
 
+    /// Training ends when every trainer is out of data and the ledger has none left to hand
+    /// out: while slices are still on their way to workers (or held by others), trainers
+    /// out of data for now ask again.
     #[test]
     fn training_ends_when_every_trainer_is_out_of_data() {
         let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
@@ -1697,6 +1712,13 @@ mod tests {
             matches!(order, TrainerOrder::Train { .. }),
             "b may still have data: {order:?}"
         );
+        rounds.data_left(true);
+        let (order, _) = rounds.trainer_status("b", out.clone(), 5);
+        assert!(
+            matches!(order, TrainerOrder::Train { .. }),
+            "slices are on their way: {order:?}"
+        );
+        rounds.data_left(false);
         assert_eq!(rounds.trainer_status("b", out, 10).0, TrainerOrder::Done);
         assert_eq!(
             report(&mut rounds, server(0, &[], None), 20).0,

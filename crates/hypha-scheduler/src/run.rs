@@ -55,7 +55,7 @@ use crate::{
     history,
     record::{self, BenchedTrainer, RecordedJob, RunRecord},
     rounds::News,
-    slots::{Role, SlotState, Slots, Verdict},
+    slots::{Allocation, Role, SlotState, Slots, Verdict},
     spec::JobFile,
     training::{Answered, Training},
     unix_ms,
@@ -70,6 +70,10 @@ const SERVER_SILENCE: Duration = Duration::from_secs(1);
 /// How long a parameter server taken over after a restart has to send its first status
 /// (it reports four times a second).
 const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long an elastic run waits after an advertisement for more trainers that nobody
+/// answered before it advertises again: workers coming online see one within this.
+const JOINERS_PAUSE: Duration = Duration::from_secs(5);
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
@@ -811,7 +815,7 @@ pub async fn run_job(
 /// went back at the restart. Nor does a plain iteration's job: the rounds it completes are
 /// used at its word, and it may be working on slices given back at the restart.
 fn goes_on(spec: &JobFile, slot: usize, restored: Option<u64>) -> bool {
-    spec.diloco.is_some() && slot <= spec.workers && restored.is_some()
+    spec.diloco.is_some() && slot <= spec.workers.max && restored.is_some()
 }
 
 /// What one kind of slot asks of a worker, and the config its executor gets.
@@ -846,8 +850,12 @@ struct Adoption {
 enum Internal {
     Allocated {
         slots: Vec<usize>,
+        /// It was optional (more trainers for an elastic run).
+        optional: bool,
         leased: Result<Vec<Lease>, AllocationError>,
     },
+    /// An elastic run may advertise for more trainers again.
+    JoinersDue,
     Adopted(Adoption),
     /// The dispatch of `job` was answered (or failed).
     Dispatch {
@@ -908,6 +916,11 @@ struct JobRun<'a> {
     lost: mpsc::Sender<Lost>,
     /// Trainers benched (see [`Event::Benched`]): never leased again for the task.
     benched: Vec<BenchedTrainer>,
+    /// An elastic run advertises for more trainers not before this: an advertisement that
+    /// found nobody is followed by a pause ([`JOINERS_PAUSE`]), not another at once.
+    joiners_after: tokio::time::Instant,
+    /// A [`Internal::JoinersDue`] is on its way.
+    joiners_timer: bool,
 }
 
 impl<'a> JobRun<'a> {
@@ -983,7 +996,11 @@ impl<'a> JobRun<'a> {
             spec,
             task,
             trainer,
-            slots: Slots::new(spec.workers, server.is_some(), spec.max_attempts),
+            slots: Slots::new(
+                (spec.workers.min, spec.workers.max),
+                server.is_some(),
+                spec.max_attempts,
+            ),
             server,
             data,
             training,
@@ -1002,6 +1019,8 @@ impl<'a> JobRun<'a> {
             tasks,
             lost: lost_tx,
             benched: Vec::new(),
+            joiners_after: tokio::time::Instant::now(),
+            joiners_timer: false,
         };
         let channels = Channels {
             statuses,
@@ -1018,7 +1037,7 @@ impl<'a> JobRun<'a> {
     /// checkpoint of `round`.
     async fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
         self.restore = round;
-        let server_slot = self.spec.workers;
+        let server_slot = self.spec.workers.max;
         if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
             checkpoints.accept_up_to(round);
         }
@@ -1214,9 +1233,26 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    /// Starts the next allocation the slots want, if any.
+    /// Starts the next allocation the slots want, if any. An elastic run below its `max`
+    /// advertises for more trainers whenever no other allocation is needed, pausing
+    /// [`JOINERS_PAUSE`] after an advertisement nobody answered.
     fn allocate_next(&mut self) {
-        let Some((role, slots)) = self.slots.next_allocation() else {
+        let now = tokio::time::Instant::now();
+        let optional = now >= self.joiners_after;
+        let Some(Allocation {
+            role,
+            slots,
+            at_least,
+        }) = self.slots.next_allocation(optional)
+        else {
+            if !optional && !self.joiners_timer {
+                self.joiners_timer = true;
+                let due = self.joiners_after;
+                self.tasks.spawn(async move {
+                    tokio::time::sleep_until(due).await;
+                    Internal::JoinersDue
+                });
+            }
             return;
         };
         let busy: HashSet<PeerId> = self
@@ -1230,9 +1266,13 @@ impl<'a> JobRun<'a> {
         let lost = self.lost.clone();
         self.tasks.spawn(async move {
             let leased = allocator
-                .allocate(&request, slots.len(), &busy, &lost)
+                .allocate(&request, (at_least, slots.len()), &busy, &lost)
                 .await;
-            Internal::Allocated { slots, leased }
+            Internal::Allocated {
+                slots,
+                optional: at_least == 0,
+                leased,
+            }
         });
     }
 
@@ -1245,8 +1285,20 @@ impl<'a> JobRun<'a> {
 
     async fn on_task(&mut self, internal: Internal) -> Result<(), RunError> {
         match internal {
-            Internal::Allocated { slots, leased } => {
-                for (slot, lease) in slots.into_iter().zip(leased?) {
+            Internal::Allocated {
+                slots,
+                optional,
+                leased,
+            } => {
+                let leased = leased?;
+                if optional && leased.is_empty() {
+                    self.joiners_after = tokio::time::Instant::now() + JOINERS_PAUSE;
+                }
+                for (slot, lease) in slots.into_iter().zip(leased) {
+                    if !self.slots.allocating(slot) {
+                        // The run's work ended meanwhile: the lease goes back (dropped).
+                        continue;
+                    }
                     match lease.lost() {
                         // Lost before it was taken up: the slot is wanted again.
                         Some(reason) => {
@@ -1264,6 +1316,10 @@ impl<'a> JobRun<'a> {
                     }
                 }
                 self.slots.allocation_ended();
+                self.allocate_next();
+            }
+            Internal::JoinersDue => {
+                self.joiners_timer = false;
                 self.allocate_next();
             }
             Internal::Adopted(adoption) => self.adopted(adoption).await?,
@@ -1506,10 +1562,11 @@ impl<'a> JobRun<'a> {
             config,
             secrets: self.spec.secrets.clone(),
             artifacts: work.artifacts.clone(),
+            // An elastic run's later joiners find the others there already.
             artifact_peers: if work.artifacts.is_empty() {
                 0
             } else {
-                self.spec.workers
+                self.spec.workers.min
             },
             task_peers: TaskPeers::default(),
         };
@@ -1672,6 +1729,10 @@ impl<'a> JobRun<'a> {
         self.store_record()?;
         let Some(reason) = failure else {
             self.slots.finished(job);
+            if self.spec.workers.elastic() && self.work_over().await {
+                // No worker that joins now would have anything to do.
+                self.slots.close();
+            }
             return Ok(());
         };
         if server {
@@ -1683,10 +1744,29 @@ impl<'a> JobRun<'a> {
                 attempts,
                 last: reason,
             }),
+            Verdict::GivenUp { slot, attempts } => {
+                tracing::warn!(
+                    slot,
+                    attempts,
+                    "a slot failed its attempts; the run has the trainers it needs without it and goes on"
+                );
+                self.allocate_next();
+                Ok(())
+            }
             _ => {
                 self.allocate_next();
                 Ok(())
             }
+        }
+    }
+
+    /// Whether the run's work is over, so that no worker joining now would have anything to
+    /// do: training ended, or the data is used up (a job without data: one worker finished).
+    async fn work_over(&self) -> bool {
+        match (&self.training, &self.data) {
+            (Some(training), _) => training.done(),
+            (None, Some(data)) => data.finished().await,
+            (None, None) => true,
         }
     }
 
@@ -1925,13 +2005,15 @@ impl<'a> JobRun<'a> {
         self.events.record(Event::Done {
             ok: outcome.is_ok(),
             message: match &outcome {
-                Ok(()) => match &self.spec.diloco {
-                    Some(_) => format!(
-                        "{} trainers and the parameter server finished",
-                        self.spec.workers
-                    ),
-                    None => format!("all {} workers finished", self.spec.workers),
-                },
+                Ok(()) => {
+                    let trainers = self.slots.done(Role::Trainer);
+                    match &self.spec.diloco {
+                        Some(_) => {
+                            format!("{trainers} trainers and the parameter server finished")
+                        }
+                        None => format!("{trainers} workers finished"),
+                    }
+                }
                 Err(e) => e.to_string(),
             },
         });

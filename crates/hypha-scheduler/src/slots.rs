@@ -12,11 +12,19 @@
 //! ```
 //!
 //! A resumed run starts the slots its earlier run held a lease for in `Adopting`: they go to
-//! `Running` under the lease taken over, or, when it is gone, back to `Wanted`.
+//! `Running` under the lease taken over, or, when it is gone, back to `Wanted`. A slot that
+//! wants no worker any more (its trainer benched, its attempts spent in an elastic run, or
+//! the run's work over) is `GivenUp`.
 //!
 //! One allocation is in flight at a time, for the wanted slots of one role, the parameter
 //! server's first: so no worker is leased for two slots of a run, and a replacement never
 //! races another allocation for the same worker.
+//!
+//! **Elastic runs.** With trainers `{ min, max }` there are `max` trainer slots. While fewer
+//! than `min` run (or finished), an allocation must find the missing ones (the run fails
+//! when it cannot); beyond that, an allocation is *optional*: it takes whoever answers one
+//! advertisement, and finding nobody is no failure. Once the run's work is over it is
+//! [`close`](Slots::close)d: no more workers are wanted.
 
 /// What a slot's worker runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +46,8 @@ pub enum SlotState {
     Running { job: String },
     /// Its job finished successfully.
     Done,
+    /// It wants no worker any more.
+    GivenUp,
 }
 
 /// What the run must do after a slot's job ended or its worker was lost.
@@ -49,6 +59,9 @@ pub enum Verdict {
     Replace,
     /// The slot had its attempts: the run fails.
     Exhausted { slot: usize, attempts: u32 },
+    /// The slot had its attempts, but the run has the trainers it needs without it: the slot
+    /// is given up.
+    GivenUp { slot: usize, attempts: u32 },
     /// Not a job of this run (any more): nothing to do.
     Unknown,
 }
@@ -61,25 +74,41 @@ struct Slot {
     attempts: u32,
 }
 
+/// An allocation to start: leases for `slots`, of `role`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    pub role: Role,
+    pub slots: Vec<usize>,
+    /// The fewest it must lease: finding fewer fails the run. 0: optional, whoever answers
+    /// one advertisement.
+    pub at_least: usize,
+}
+
 /// The slots of one job.
 #[derive(Debug, Clone)]
 pub struct Slots {
     slots: Vec<Slot>,
+    /// The trainers the run needs: fewer running (or finished) must be found.
+    min_trainers: usize,
     max_attempts: u32,
     allocating: bool,
 }
 
 impl Slots {
-    /// `trainers` executor slots, then the parameter server's when `server`; each may start
-    /// at most `max_attempts` jobs.
-    pub fn new(trainers: usize, server: bool, max_attempts: u32) -> Self {
+    /// `max_trainers` executor slots, of which `min_trainers` are needed, then the parameter
+    /// server's when `server`; each may start at most `max_attempts` jobs.
+    pub fn new(
+        (min_trainers, max_trainers): (usize, usize),
+        server: bool,
+        max_attempts: u32,
+    ) -> Self {
         let mut slots = vec![
             Slot {
                 role: Role::Trainer,
                 state: SlotState::Wanted,
                 attempts: 0,
             };
-            trainers
+            max_trainers
         ];
         if server {
             slots.push(Slot {
@@ -90,6 +119,7 @@ impl Slots {
         }
         Self {
             slots,
+            min_trainers: min_trainers.min(max_trainers),
             max_attempts,
             allocating: false,
         }
@@ -108,8 +138,9 @@ impl Slots {
     }
 
     /// The next allocation to start, when none is in flight and slots are wanted: the wanted
-    /// slots of one role, the parameter server's first. They become `Allocating`.
-    pub fn next_allocation(&mut self) -> Option<(Role, Vec<usize>)> {
+    /// slots of one role, the parameter server's first; an optional one only when
+    /// `optional`. They become `Allocating`.
+    pub fn next_allocation(&mut self, optional: bool) -> Option<Allocation> {
         if self.allocating {
             return None;
         }
@@ -117,11 +148,54 @@ impl Slots {
             .into_iter()
             .find(|role| self.wanted(*role).next().is_some())?;
         let slots: Vec<usize> = self.wanted(role).collect();
+        let at_least = match role {
+            Role::ParameterServer => slots.len(),
+            Role::Trainer => self
+                .min_trainers
+                .saturating_sub(self.trainers_in_run())
+                .min(slots.len()),
+        };
+        if at_least == 0 && !optional {
+            return None;
+        }
         for slot in &slots {
             self.slots[*slot].state = SlotState::Allocating;
         }
         self.allocating = true;
-        Some((role, slots))
+        Some(Allocation {
+            role,
+            slots,
+            at_least,
+        })
+    }
+
+    /// Trainer slots running a job, being taken over, or done with their share.
+    fn trainers_in_run(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| {
+                s.role == Role::Trainer
+                    && matches!(
+                        s.state,
+                        SlotState::Running { .. } | SlotState::Adopting | SlotState::Done
+                    )
+            })
+            .count()
+    }
+
+    /// The run's work is over: no slot wants a worker any more, and an allocation in flight
+    /// finds none for its slots (their leases go back).
+    pub fn close(&mut self) {
+        for slot in &mut self.slots {
+            if matches!(slot.state, SlotState::Wanted | SlotState::Allocating) {
+                slot.state = SlotState::GivenUp;
+            }
+        }
+    }
+
+    /// Whether an allocation that found a worker for `slot` may dispatch to it.
+    pub fn allocating(&self, slot: usize) -> bool {
+        self.state(slot) == Some(&SlotState::Allocating)
     }
 
     fn wanted(&self, role: Role) -> impl Iterator<Item = usize> + '_ {
@@ -181,7 +255,7 @@ impl Slots {
     /// `slot` is given up: it wants no worker (its trainer was benched).
     pub fn give_up(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot) {
-            s.state = SlotState::Done;
+            s.state = SlotState::GivenUp;
         }
     }
 
@@ -200,21 +274,33 @@ impl Slots {
         let Some(slot) = self.slot_of(job) else {
             return Verdict::Unknown;
         };
-        let s = &mut self.slots[slot];
-        if s.attempts >= self.max_attempts {
-            s.state = SlotState::Done;
-            return Verdict::Exhausted {
-                slot,
-                attempts: s.attempts,
+        let attempts = self.slots[slot].attempts;
+        if attempts >= self.max_attempts {
+            self.slots[slot].state = SlotState::GivenUp;
+            let spare = self.slots[slot].role == Role::Trainer
+                && self.trainers_in_run() >= self.min_trainers;
+            return match spare {
+                true => Verdict::GivenUp { slot, attempts },
+                false => Verdict::Exhausted { slot, attempts },
             };
         }
-        s.state = SlotState::Wanted;
+        self.slots[slot].state = SlotState::Wanted;
         Verdict::Replace
     }
 
-    /// Every slot is done.
+    /// The slots of `role` whose job finished successfully.
+    pub fn done(&self, role: Role) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.role == role && s.state == SlotState::Done)
+            .count()
+    }
+
+    /// Every slot is done or given up.
     pub fn complete(&self) -> bool {
-        self.slots.iter().all(|s| s.state == SlotState::Done)
+        self.slots
+            .iter()
+            .all(|s| matches!(s.state, SlotState::Done | SlotState::GivenUp))
     }
 
     /// The jobs running now, with their slots.
@@ -233,42 +319,99 @@ impl Slots {
 mod tests {
     use super::*;
 
+    /// The next allocation, optional ones too: its role and slots.
+    fn next(slots: &mut Slots) -> Option<(Role, Vec<usize>)> {
+        slots.next_allocation(true).map(|a| (a.role, a.slots))
+    }
+
+    /// An elastic run's allocations must find `min` trainers; beyond, they are optional, and
+    /// are started only when the run allows; a slot whose attempts are spent is given up
+    /// while the run has `min` without it; a closed run wants nobody.
     #[test]
-    fn the_parameter_server_is_allocated_first_and_alone() {
-        let mut slots = Slots::new(3, true, 2);
+    fn an_elastic_run_needs_min_trainers_and_takes_more_as_they_come() {
+        let mut slots = Slots::new((2, 4), true, 2);
+        let server = slots.next_allocation(false).unwrap();
+        assert_eq!((server.role, server.at_least), (Role::ParameterServer, 1));
+        slots.started(4, "ps");
+        slots.allocation_ended();
+        let first = slots.next_allocation(false).unwrap();
         assert_eq!(
-            slots.next_allocation(),
-            Some((Role::ParameterServer, vec![3]))
+            first,
+            Allocation {
+                role: Role::Trainer,
+                slots: vec![0, 1, 2, 3],
+                at_least: 2
+            }
         );
-        assert_eq!(slots.next_allocation(), None, "one allocation at a time");
-        slots.started(3, "ps");
+        slots.started(0, "a");
+        slots.started(1, "b");
+        slots.allocation_ended();
+        assert_eq!(slots.next_allocation(false), None, "more are optional");
+        let more = slots.next_allocation(true).unwrap();
+        assert_eq!((more.slots, more.at_least), (vec![2, 3], 0));
+        slots.started(2, "c");
+        slots.allocation_ended();
+        // A lost trainer above min is not needed back; below min it is.
+        assert_eq!(slots.failed("c"), Verdict::Replace);
+        assert_eq!(slots.next_allocation(false), None);
+        assert_eq!(slots.failed("a"), Verdict::Replace);
+        let needed = slots.next_allocation(false).unwrap();
+        assert_eq!((needed.slots, needed.at_least), (vec![0, 2, 3], 1));
+        slots.started(3, "d");
+        slots.allocation_ended();
+        // Slot 3 spends its attempts while two others run: it is given up, the run goes on.
+        assert_eq!(slots.failed("d"), Verdict::Replace);
+        slots.next_allocation(false).unwrap();
+        slots.started(3, "d2");
+        slots.started(0, "a2");
         slots.allocation_ended();
         assert_eq!(
-            slots.next_allocation(),
-            Some((Role::Trainer, vec![0, 1, 2]))
+            slots.failed("d2"),
+            Verdict::GivenUp {
+                slot: 3,
+                attempts: 2
+            }
         );
+        // The work is over: the wanted slot is given up, and the run completes with its jobs.
+        slots.close();
+        assert_eq!(slots.next_allocation(true), None);
+        assert_eq!(slots.finished("a2"), Verdict::Done);
+        assert_eq!(slots.finished("b"), Verdict::Done);
+        assert!(!slots.complete(), "the parameter server runs");
+        assert_eq!(slots.finished("ps"), Verdict::Done);
+        assert!(slots.complete());
+    }
+
+    #[test]
+    fn the_parameter_server_is_allocated_first_and_alone() {
+        let mut slots = Slots::new((3, 3), true, 2);
+        assert_eq!(next(&mut slots), Some((Role::ParameterServer, vec![3])));
+        assert_eq!(next(&mut slots), None, "one allocation at a time");
+        slots.started(3, "ps");
+        slots.allocation_ended();
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0, 1, 2])));
         for (slot, job) in ["a", "b", "c"].iter().enumerate() {
             slots.started(slot, job);
         }
         slots.allocation_ended();
-        assert_eq!(slots.next_allocation(), None, "nothing is wanted");
+        assert_eq!(next(&mut slots), None, "nothing is wanted");
         assert_eq!(slots.running().count(), 4);
     }
 
     #[test]
     fn slots_without_a_worker_are_wanted_again_and_a_failure_is_replaced() {
-        let mut slots = Slots::new(2, false, 2);
-        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![0, 1])));
+        let mut slots = Slots::new((2, 2), false, 2);
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0, 1])));
         slots.started(0, "a");
         slots.allocation_ended();
         assert_eq!(slots.state(1), Some(&SlotState::Wanted));
-        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![1])));
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![1])));
         slots.started(1, "b");
         slots.allocation_ended();
 
         assert_eq!(slots.failed("a"), Verdict::Replace);
         assert_eq!(slots.failed("a"), Verdict::Unknown, "reported twice");
-        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![0])));
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0])));
         slots.started(0, "a2");
         slots.allocation_ended();
         assert_eq!(slots.attempts(0), 2);
@@ -285,10 +428,10 @@ mod tests {
 
     #[test]
     fn slots_being_adopted_are_not_allocated_and_are_wanted_when_adoption_fails() {
-        let mut slots = Slots::new(2, true, 2);
+        let mut slots = Slots::new((2, 2), true, 2);
         slots.adopting(0);
         slots.adopting(2);
-        assert_eq!(slots.next_allocation(), Some((Role::Trainer, vec![1])));
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![1])));
         slots.allocation_ended();
         assert_eq!(slots.state(0), Some(&SlotState::Adopting), "{slots:?}");
         slots.started(0, "a");
@@ -298,20 +441,17 @@ mod tests {
             slots.state(0),
             Some(&SlotState::Running { job: "a".into() })
         );
-        assert_eq!(
-            slots.next_allocation(),
-            Some((Role::ParameterServer, vec![2]))
-        );
+        assert_eq!(next(&mut slots), Some((Role::ParameterServer, vec![2])));
     }
 
     #[test]
     fn a_slot_that_fails_its_attempts_ends_the_run() {
-        let mut slots = Slots::new(1, false, 2);
-        slots.next_allocation();
+        let mut slots = Slots::new((1, 1), false, 2);
+        next(&mut slots);
         slots.started(0, "a");
         slots.allocation_ended();
         assert_eq!(slots.failed("a"), Verdict::Replace);
-        slots.next_allocation();
+        next(&mut slots);
         slots.started(0, "b");
         slots.allocation_ended();
         assert_eq!(

@@ -1,7 +1,8 @@
 //! The job file a scheduler runs (`hypha-scheduler run --job job.toml`).
 //!
 //! ```toml
-//! workers = 3          # how many workers run the executor at once
+//! workers = 3          # how many workers run the executor at once; or, for a run that
+//!                      # takes workers as they come: workers = { min = 2, max = 16 }
 //! bid = 100.0          # the most paid per worker and lease period
 //! max_attempts = 3     # how often one worker's share may be started before the job fails
 //!
@@ -97,7 +98,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobFile {
-    pub workers: usize,
+    pub workers: Workers,
     pub bid: f64,
     #[serde(default = "default_attempts")]
     pub max_attempts: u32,
@@ -120,6 +121,67 @@ pub struct JobFile {
     /// from text).
     #[serde(skip)]
     pub name: String,
+}
+
+/// How many workers run the executor. `workers = 3` runs three throughout (a lost one is
+/// replaced). `workers = { min = 2, max = 16 }` starts once two are leased and keeps
+/// advertising while fewer than 16 run: workers that come online later join the run, and one
+/// that leaves is replaced only while fewer than `min` run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workers {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl Workers {
+    /// Whether the run takes workers beyond `min` as they come.
+    pub fn elastic(&self) -> bool {
+        self.max > self.min
+    }
+}
+
+impl std::fmt::Display for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.elastic() {
+            true => write!(f, "{{ min = {}, max = {} }}", self.min, self.max),
+            false => write!(f, "{}", self.max),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Range {
+            min: usize,
+            max: usize,
+        }
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Workers;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of workers (workers = 3) or a range (workers = { min = 2, max = 16 })")
+            }
+            fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<Workers, E> {
+                let count = usize::try_from(count)
+                    .map_err(|_| E::custom(format!("workers = {count}: give 1 or more")))?;
+                Ok(Workers {
+                    min: count,
+                    max: count,
+                })
+            }
+            fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<Workers, E> {
+                self.visit_i64(i64::try_from(count).unwrap_or(-1))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Workers, A::Error> {
+                let Range { min, max } =
+                    Range::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(Workers { min, max })
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// DiLoCo training: rounds, optimizers and the parameter server.
@@ -331,7 +393,8 @@ impl JobFile {
         crate::dashboard::JobView {
             name: self.name.clone(),
             executor: format!("{}/{}", self.executor.class, self.executor.name),
-            workers: self.workers,
+            workers: self.workers.max,
+            min_workers: self.workers.min,
             diloco: self.diloco.is_some(),
             dataset: self.data.as_ref().map(|d| d.dataset.clone()),
             epochs: self.data.as_ref().map(|d| d.epochs),
@@ -359,8 +422,16 @@ impl JobFile {
                 .unwrap_or_default();
             invalid(format!("{position}{}", e.message()))
         })?;
-        if spec.workers == 0 {
-            return Err(invalid("workers must be 1 or more".into()));
+        let workers = spec.workers;
+        if workers.min == 0 {
+            return Err(invalid(format!(
+                "workers = {workers}: give 1 or more (the run starts with that many)"
+            )));
+        }
+        if workers.max < workers.min {
+            return Err(invalid(format!(
+                "workers = {workers}: max must be at least min"
+            )));
         }
         if !spec.bid.is_finite() || spec.bid <= 0.0 {
             return Err(invalid(format!(
@@ -620,7 +691,7 @@ mod tests {
             "workers = 2\nbid = 50\n[executor]\nclass = \"train\"\nname = \"x\"\n[resources]\ncpu = 1\n[config]\nsteps = 3\n",
         )
         .unwrap();
-        assert_eq!(spec.workers, 2);
+        assert_eq!(spec.workers, Workers { min: 2, max: 2 });
         assert_eq!(spec.config_json(None), r#"{"steps":3}"#);
         let err = JobFile::parse(
             "job.toml",
@@ -635,7 +706,24 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("workers must be 1 or more"), "{err}");
+        assert!(err.contains("workers = 0: give 1 or more"), "{err}");
+        let job = |workers: &str| {
+            JobFile::parse(
+                "job.toml",
+                &format!("workers = {workers}\nbid = 1\n[executor]\nclass = \"a\"\nname = \"b\"\n"),
+            )
+        };
+        let elastic = job("{ min = 2, max = 16 }").unwrap().workers;
+        assert_eq!(elastic, Workers { min: 2, max: 16 });
+        assert!(elastic.elastic());
+        let err = job("{ min = 3, max = 2 }").unwrap_err().to_string();
+        assert!(err.contains("max must be at least min"), "{err}");
+        let err = job("{ min = 2, most = 4 }").unwrap_err().to_string();
+        assert!(err.contains("line 1") && err.contains("most"), "{err}");
+        let err = job("-1").unwrap_err().to_string();
+        assert!(err.contains("workers = -1: give 1 or more"), "{err}");
+        let err = job("\"many\"").unwrap_err().to_string();
+        assert!(err.contains("{ min = 2, max = 16 }"), "{err}");
     }
 
     #[test]

@@ -393,6 +393,10 @@ impl Training {
                     job,
                     status: &status,
                 });
+                if status.data_done {
+                    // Out of data may be only for now: slices still on their way to workers.
+                    self.rounds.data_left(!self.data.drained().await);
+                }
                 let (order, settle) = self.rounds.trainer_status(job, status, now);
                 (serde_json::to_string(&order), settle, None)
             }

@@ -414,6 +414,115 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
     assert_audit_passes(&cluster.path("patient-job.ledger"), 1, SLICES);
 }
 
+/// An elastic run (`workers = { min = 2, max = 4 }`) starts with the two trainers online and
+/// takes two more that come online while it trains: each joins at a round after the first
+/// (a `joined` event) and its updates go into rounds. One of them killed (SIGKILL) leaves the
+/// run, which goes on with three: it has its `min`, and nobody else is online. Every slice is
+/// used once per epoch and the training loss falls.
+#[test]
+fn an_elastic_run_takes_trainers_that_come_online_and_goes_on_without_one_that_leaves() {
+    // Two trainers apply a round of this job every quarter second: 40 epochs (some 80
+    // rounds) leave the later trainers time to come online and join.
+    const EPOCHS: u32 = 40;
+    let (cluster, _data, _server) = cluster();
+    let mut first: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("first{i}"), ""))
+        .collect();
+    let job = cluster.diloco_job("elastic", "{ min = 2, max = 4 }", EPOCHS, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    scheduler.wait_for("round applied");
+    let mut later: Vec<(String, Proc)> = (0..2)
+        .map(|i| {
+            let name = format!("later{i}");
+            cluster.peer_id_after(&name, |cluster| cluster.trainer_worker(&name, ""))
+        })
+        .collect();
+    // Once both joined and a round went by, one of them is killed.
+    let later_peers: Vec<String> = later.iter().map(|(peer, _)| peer.clone()).collect();
+    let joined_later = |events: &[serde_json::Value]| {
+        of_kind(events, "joined")
+            .into_iter()
+            .filter(|j| {
+                later_peers
+                    .iter()
+                    .any(|peer| j["event"]["peer"] == peer.as_str())
+            })
+            .map(|j| j["event"]["round"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let events = events(&events_path);
+        let joined = joined_later(&events);
+        if let (2, Some(last)) = (joined.len(), joined.iter().max()) {
+            let rounds = of_kind(&events, "round");
+            if rounds
+                .iter()
+                .any(|r| r["event"]["round"].as_u64() > Some(*last))
+            {
+                break;
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            while let Ok(line) = scheduler.lines.try_recv() {
+                scheduler.seen.push(line);
+            }
+            panic!(
+                "the later trainers did not join: {:?}; the scheduler logged:\n{}",
+                of_kind(&events, "joined"),
+                scheduler.seen.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    later[1].1.child.kill().unwrap();
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = first.iter_mut().collect();
+    procs.extend(later.iter_mut().map(|(_, p)| p));
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let events = events(&events_path);
+    let joined = joined_later(&events);
+    assert!(
+        joined.len() == 2 && joined.iter().all(|round| *round > 0),
+        "both later trainers joined mid-run: {joined:?}"
+    );
+    let metrics = lines_of(&cluster.path("elastic-job.metrics.jsonl"));
+    let included = |peer: &str| {
+        metrics
+            .iter()
+            .filter(|m| m["kind"] == "round")
+            .filter(|r| r["included"].as_array().unwrap().iter().any(|p| p == peer))
+            .count()
+    };
+    for peer in &later_peers {
+        assert!(included(peer) >= 1, "{peer} is in no round");
+    }
+    let killed_at = events
+        .iter()
+        .position(|e| e["event"]["kind"] == "lost")
+        .expect("the killed trainer is reported lost");
+    assert!(
+        of_kind(&events[killed_at..], "round").len() >= 2,
+        "rounds go on after the kill"
+    );
+    assert_eq!(
+        of_kind(&events, "leased").len(),
+        5,
+        "the parameter server and four trainers, none to replace the one killed"
+    );
+    assert_audit_passes(&cluster.path("elastic-job.ledger"), EPOCHS, SLICES);
+    // The model learns: the training loss falls. (Scored on fresh samples it does not: 40
+    // epochs of these 1,536 samples overfit them.)
+    let losses: Vec<f64> = metrics
+        .iter()
+        .filter(|m| m["kind"] == "round")
+        .filter_map(|r| r["loss"].as_f64())
+        .collect();
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!(last < 0.25 * first, "training loss {first} → {last}");
+}
+
 #[test]
 fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_training_goes_on() {
     let (cluster, _data, first) = cluster();

@@ -691,7 +691,13 @@ impl Cluster {
     /// in its `[diloco]` table (`round_seconds` there replaces the default of 5 s). Rounds of
     /// 768 samples: 8 inner steps each for 3 trainers, which the model needs to halve its loss
     /// in the 2 epochs of a test (with 4 steps it does not).
-    pub fn diloco_job(&self, name: &str, workers: usize, epochs: u32, extra: &str) -> PathBuf {
+    pub fn diloco_job(
+        &self,
+        name: &str,
+        workers: impl std::fmt::Display,
+        epochs: u32,
+        extra: &str,
+    ) -> PathBuf {
         let round_seconds = if extra.contains("round_seconds") {
             ""
         } else {
