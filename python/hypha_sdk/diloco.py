@@ -14,6 +14,11 @@ trainer (this loop) does what the scheduler's orders say, through the job bridge
    the next global model.
 4. ``done``: return.
 
+Told to stop (SIGTERM: its worker leaving, or the job cancelled), the loop finishes its part
+of the round it holds and sends it (the round keeps it, and its slices count), or after
+``FINISH_WITHIN`` seconds sends what it trained so far (the slice being read read to its end
+first), and returns. The worker kills the process after its ``kill_grace_ms`` (default 5 s).
+
 Your model provides three methods (see :class:`Model`): ``parameters()`` and ``load()`` as
 numpy float32 arrays by name (names and shapes as the job's other trainers use them: a job
 can mix Python and Rust trainers), and ``train_step(batch)``, one optimiser step on a batch
@@ -26,7 +31,9 @@ Needs numpy.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 import math
@@ -46,6 +53,10 @@ KIND_MODEL = "model"
 KIND_MODEL_REQUEST = "model_request"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 MODEL_HASH = "hypha.model_hash"
+
+# How long a trainer told to stop goes on with its part of the round before it sends what it
+# has: within the worker's default kill_grace_ms of 5 s, with time to send.
+FINISH_WITHIN = 3.0
 
 
 class Model(Protocol):
@@ -217,6 +228,8 @@ class Trainer:
         self.stats = _RoundStats()
         self.reader = _Reader(self)
         self.rounds_trained = 0
+        self.server: Optional[str] = None
+        self.stopping: Optional[float] = None
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -226,10 +239,19 @@ class Trainer:
         order: Optional[Dict[str, Any]] = None
         reported = time.monotonic()
         unreachable = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._told_to_stop)
         while True:
+            if self.stopping is not None:
+                finished = self.round is None or self.stats.sent
+                if finished or time.monotonic() - self.stopping >= FINISH_WITHIN:
+                    self._leave()
+                    return self.rounds_trained
             try:
                 order, reported = self._step(order, reported)
                 if order is not None and order.get("action") == "done":
+                    if self.stopping is not None:
+                        self._leave()
                     return self.rounds_trained
                 unreachable = False
             except BridgeError as error:
@@ -262,6 +284,7 @@ class Trainer:
             raise ProtocolError(f"the scheduler answered an unknown order: {order}")
         if self.round != order["round"]:
             return None, reported
+        self.server = order["parameter_server"]
         wants_more = self.stats.batches < order["batches"] or self.reader.in_slice()
         if wants_more and not self.stats.syncing:
             if self._train_batch():
@@ -325,10 +348,35 @@ class Trainer:
         self.bridge.consumed(self.stats.consumed, self.round or 0, self.data)
         self.stats.consumed = []
 
+    def _told_to_stop(self, signum, frame) -> None:
+        if self.stopping is None:
+            self.stopping = time.monotonic()
+            held = f"in round {self.round}" if self.round is not None else "holding no round"
+            self.log(f"told to stop {held}: finishing its part of the round first")
+
+    def _leave(self) -> None:
+        """Told to stop: what it trained in the round and did not send yet goes to the
+        server (the slice being read is read to its end first, since its samples go into
+        one round)."""
+        if self.round is not None and self.server is not None and not self.stats.sent:
+            while not self.stats.syncing and self.reader.in_slice() and self._train_batch():
+                pass
+            self._report_consumed()
+            self._send_update(self.server)
+        self.log("told to stop: training ends")
+
     def _sync(self, server: str) -> Optional[Dict[str, Any]]:
-        round_ = self.round or 0
         self.stats.syncing = True
         self._report_consumed()
+        self._send_update(server)
+        if self.stopping is not None:
+            # Its part of the round is sent: it takes no next model.
+            return {"action": "done"}
+        return self._receive(server)
+
+    def _send_update(self, server: str) -> None:
+        """Sends the round's pseudo-gradient, unless it trained nothing or sent it already."""
+        round_ = self.round or 0
         if self.stats.samples > 0 and not self.stats.sent:
             local = self.model.parameters()
             _check_same("the global model", self.global_parameters, "this trainer's model", local)
@@ -341,7 +389,6 @@ class Trainer:
                 f"round {round_}: pseudo-gradient of {self.stats.samples} samples "
                 f"({self.stats.batches} batches) sent"
             )
-        return self._receive(server)
 
     def _send(self, server: str, name: str, tensors: Mapping[str, Any], metadata: Dict[str, str]) -> None:
         outbox = self.job.path("outbox")

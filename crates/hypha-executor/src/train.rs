@@ -41,6 +41,10 @@
 
 use std::{
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -198,7 +202,15 @@ pub struct Trainer {
     train_time: Duration,
     /// When it last asked the server for the whole model, while it waits for it.
     asked_whole: Option<Instant>,
+    /// The parameter server it was last told to train with.
+    server: Option<String>,
+    /// Told to stop: it finishes its part of the round and sends it, then ends.
+    leaving: bool,
 }
+
+/// How long a trainer told to stop goes on training its part of the round before it sends
+/// what it has: within the worker's default `kill_grace_ms` of 5 s, with time to send.
+const FINISH_WITHIN: Duration = Duration::from_secs(3);
 
 /// Training into round r + 1 before its global model arrived (one round of delay, as in
 /// Streaming DiLoCo's overlapping variant): when θ̂ᵣ₊₁ arrives, the trainer keeps what it
@@ -284,6 +296,8 @@ impl Trainer {
             send_ms: None,
             train_time: Duration::ZERO,
             asked_whole: None,
+            server: None,
+            leaving: false,
         })
     }
 
@@ -293,12 +307,39 @@ impl Trainer {
     /// gone) is asked again every [`RETRY`], and the scheduler is asked what to do meanwhile:
     /// a parameter server that was replaced is joined, the round being trained abandoned.
     /// A scheduler that stays away stops renewing the worker's lease, which ends the job.
+    ///
+    /// Told to stop (SIGTERM: its worker leaving, or the job cancelled), it finishes its part
+    /// of the round it holds, sends it and ends, or, after [`FINISH_WITHIN`], sends what it
+    /// trained so far ([`leave`](Self::leave)).
     pub fn run(mut self) -> Result<(), TrainError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        if let Err(error) = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
+        {
+            eprintln!("cannot catch SIGTERM ({error}): told to stop, this trainer ends at once");
+        }
+        let mut told: Option<Instant> = None;
         let mut order: Option<TrainerOrder> = None;
         let mut reported = Instant::now();
         let mut unreachable = false;
         loop {
+            if told.is_none() && stop.load(Ordering::Relaxed) {
+                told = Some(Instant::now());
+                self.leaving = true;
+                match self.round {
+                    Some(round) => eprintln!(
+                        "told to stop in round {round}: finishing its part of the round first"
+                    ),
+                    None => eprintln!("told to stop holding no round"),
+                }
+            }
+            if let Some(since) = told {
+                let finished = self.round.is_none() || self.stats.sent || self.sending.is_some();
+                if finished || since.elapsed() >= FINISH_WITHIN {
+                    return self.leave();
+                }
+            }
             match self.step(order.take(), &mut reported) {
+                Ok(Some(TrainerOrder::Done)) if self.leaving => return self.leave(),
                 Ok(Some(TrainerOrder::Done)) => return Ok(()),
                 Ok(next) => {
                     order = next;
@@ -351,6 +392,7 @@ impl Trainer {
                 if self.round != Some(*round) {
                     return Ok(None);
                 }
+                self.server = Some(parameter_server.clone());
                 // Finish the slice being read before syncing: its samples go into one round.
                 // Once the round is being synced, it takes no more: a retried sync sends the
                 // same pseudo-gradient.
@@ -370,6 +412,44 @@ impl Trainer {
                 self.sync(&parameter_server)
             }
         }
+    }
+
+    /// Told to stop, and its part of the round sent or [`FINISH_WITHIN`] over: what it
+    /// trained in the round and did not send yet goes to the server, so that the round does
+    /// not lose it and its slices count (the scheduler waits for the server to report it),
+    /// and training ends. The slice being read is read to its end first, since its samples
+    /// go into one round; an update already on its way is waited for. The worker kills the
+    /// executor after `kill_grace_ms` (default 5 s): an update that takes longer to go is
+    /// lost, and its slices go back.
+    fn leave(&mut self) -> Result<(), TrainError> {
+        let (Some(round), Some(server)) = (self.round, self.server.clone()) else {
+            eprintln!("told to stop: training ends");
+            return Ok(());
+        };
+        if let Some(sending) = self.sending.take() {
+            let sent = sending.task.join();
+            if matches!(sent, Ok(Ok(()))) {
+                self.sent(sending.round, sending.started.elapsed());
+            }
+        } else if !self.stats.sent {
+            while !self.stats.syncing && self.data.in_slice() && self.train_batch(false)? {}
+            if self.stats.samples > 0 {
+                self.report_consumed()?;
+                let bytes = match self.stats.pseudo_gradient.take() {
+                    Some(bytes) => bytes,
+                    None => self.pseudo_gradient(round)?,
+                };
+                let started = Instant::now();
+                self.send(
+                    &server,
+                    &format!("pseudo-gradient-{round}.safetensors"),
+                    &bytes,
+                )?;
+                self.sent(round, started.elapsed());
+            }
+        }
+        eprintln!("told to stop: training ends");
+        Ok(())
     }
 
     /// Tells the scheduler where the trainer stands and takes its order. The slices read to
@@ -514,7 +594,7 @@ impl Trainer {
                 Some(bytes) => bytes,
                 None => self.pseudo_gradient(round)?,
             };
-            if overlap {
+            if overlap && !self.leaving {
                 self.send_in_background(parameter_server, round, bytes);
             } else {
                 let started = Instant::now();
@@ -526,6 +606,10 @@ impl Trainer {
                 sent?;
                 self.sent(round, started.elapsed());
             }
+        }
+        if self.leaving {
+            // Its part of the round is sent: it takes no next model.
+            return Ok(Some(TrainerOrder::Done));
         }
         if overlap && self.ahead.is_none() {
             self.ahead = Some(Ahead {

@@ -132,6 +132,11 @@ const REASON_CHARS: usize = 200;
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
+/// How many of the server's statuses (4 a second) a trainer's job that ended having trained
+/// in the round waits for its update to be reported: the server's status composed before
+/// the update arrived may reach the scheduler after the job's end.
+const DEPARTING_STATUSES: u8 = 2;
+
 /// How long a trainer waiting for the first round to begin waits before asking again: the
 /// round begins as the last trainer gets ready, and the others should not idle long after.
 const WAIT_MS: u64 = 100;
@@ -211,6 +216,11 @@ pub struct Rounds {
     /// Trainers' jobs that ended after their pseudo-gradient of `round` arrived, by peer: the
     /// round settles their slices when it is applied (or lost).
     departed: HashMap<String, String>,
+    /// Trainers' jobs that ended having trained in `round` before the server said it holds
+    /// their update, by peer, with the server statuses heard since: a trainer that leaves
+    /// sends its update as it goes, and the server may report it next. After
+    /// [`DEPARTING_STATUSES`] without it, their slices go back.
+    departing: HashMap<String, (String, u8)>,
     /// A close (or skip) was ordered for this round and is not applied yet.
     closing: Option<(u64, Ending)>,
     /// Peers of the earlier process's trainers whose leases are being taken over: the server
@@ -240,6 +250,7 @@ impl Rounds {
             arrived: HashMap::new(),
             refused: HashMap::new(),
             departed: HashMap::new(),
+            departing: HashMap::new(),
             closing: None,
             taking_over: HashSet::new(),
             included: BTreeMap::new(),
@@ -447,28 +458,61 @@ impl Rounds {
     }
 
     /// A trainer's job ended or its worker is gone. True when its pseudo-gradient of the
-    /// current round is at the server already: the round settles its slices when it is
-    /// applied or lost; otherwise the ledger returns them at once.
+    /// current round is at the server already, or may be (it trained in the round, and a
+    /// trainer told to stop sends its update as it goes): the round settles its slices when
+    /// it is applied or lost, or once the server's statuses say the update is not coming;
+    /// otherwise the ledger returns them at once.
     pub fn trainer_ended(&mut self, job: &str) -> bool {
         let Some(trainer) = self.trainers.remove(job) else {
             return false;
         };
-        let arrived = self.arrived.contains_key(&trainer.peer);
-        if arrived {
+        if self.arrived.contains_key(&trainer.peer) {
             self.departed.insert(trainer.peer, job.to_string());
+            return true;
         }
-        arrived
+        let trained = trainer.status.round == Some(self.round) && trainer.status.samples > 0;
+        if trained && self.server.is_some() {
+            self.departing.insert(trainer.peer, (job.to_string(), 0));
+            return true;
+        }
+        false
     }
 
-    /// Whether `job` ended with its pseudo-gradient at the server, its round still open.
+    /// Whether `job` ended with its pseudo-gradient at the server (or maybe on its way), its
+    /// round still open.
     pub fn departed(&self, job: &str) -> bool {
         self.departed.values().any(|departed| departed == job)
+            || self
+                .departing
+                .values()
+                .any(|(departing, _)| departing == job)
+    }
+
+    /// Jobs that ended without the server having said it holds their update: those whose
+    /// update `status` names arrived are departed, the others wait at most
+    /// [`DEPARTING_STATUSES`] statuses.
+    fn resolve_departing(&mut self, status: &ServerStatus) {
+        let mut heard: HashSet<&str> = HashSet::new();
+        if status.round == Some(self.round) {
+            heard.extend(status.arrived.iter().map(|a| a.peer.as_str()));
+        }
+        if let Some(applied) = status.applied.as_ref().filter(|a| a.round == self.round) {
+            heard.extend(applied.included.iter().map(String::as_str));
+        }
+        for (peer, (job, seen)) in std::mem::take(&mut self.departing) {
+            if heard.contains(peer.as_str()) {
+                self.departed.insert(peer, job);
+            } else if seen + 1 < DEPARTING_STATUSES {
+                self.departing.insert(peer, (job, seen + 1));
+            }
+        }
     }
 
     /// The open round is lost with the server: the slices of the jobs that ended with their
     /// pseudo-gradient in it go back.
     pub fn abandon_departed(&mut self) -> Vec<Settle> {
         let round = self.round;
+        self.departing.clear();
         self.departed
             .drain()
             .map(|(_, job)| Settle::Drop { job, round })
@@ -747,6 +791,7 @@ impl Rounds {
     ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
         let mut settle = Vec::new();
         let mut applied_round = None;
+        self.resolve_departing(&status);
         if let Some(applied) = status.applied
             && self
                 .closing
@@ -900,6 +945,7 @@ impl Rounds {
             .values()
             .map(|t| t.peer.clone())
             .chain(self.departed.keys().cloned())
+            .chain(self.departing.keys().cloned())
             .chain(self.taking_over.iter().cloned())
             .collect()
     }
@@ -1995,10 +2041,15 @@ mod tests {
             rounds.trainer_status(job, status(0, 2, Some(100.0)), 0);
         }
         report(&mut rounds, server(0, &["pa"], None), 10);
-        // a's update is at the server when its job ends; b's is not when its job ends.
+        // a's update is at the server when its job ends; b's is not when its job ends, and
+        // the server's next two statuses do not name it either: its slices go back then.
         assert!(rounds.trainer_ended("a"), "a's slices wait for the round");
         assert!(rounds.departed("a"));
-        assert!(!rounds.trainer_ended("b"), "b's go back at once");
+        assert!(rounds.trainer_ended("b"), "b's update may be on its way");
+        report(&mut rounds, server(0, &["pa"], None), 11);
+        assert!(rounds.departed("b"));
+        report(&mut rounds, server(0, &["pa"], None), 12);
+        assert!(!rounds.departed("b"), "b's slices go back");
         // A new job on a's peer is not credited with a's update.
         rounds.trainer_started("a2".into(), "pa".into());
         rounds.trainer_status("a2", TrainerStatus::default(), 20);
@@ -2027,6 +2078,39 @@ mod tests {
                 round: 0
             }]
         );
+    }
+
+    /// A trainer that leaves (told to stop, or killed) right after sending its update is
+    /// settled with the round when the server reports the update after the job's end; one
+    /// that trained nothing in the round gives its slices back at once.
+    #[test]
+    fn a_trainer_that_ends_as_its_update_arrives_is_settled_with_the_round() {
+        let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
+        for job in ["a", "b", "c"] {
+            rounds.trainer_status(job, TrainerStatus::default(), 0);
+        }
+        rounds.trainer_status("a", status(0, 2, Some(100.0)), 0);
+        rounds.trainer_status("b", status(0, 2, Some(100.0)), 0);
+        rounds.trainer_status("c", status(0, 0, None), 0);
+        assert!(rounds.trainer_ended("a"));
+        assert!(
+            !rounds.trainer_ended("c"),
+            "c trained nothing: its slices go back"
+        );
+        assert!(
+            rounds.server_trainers().contains("pa"),
+            "the server keeps taking a's update"
+        );
+        report(&mut rounds, server(0, &["pa"], None), 10);
+        report(&mut rounds, server(0, &["pa", "pb"], None), 20);
+        let (_, settle, applied) =
+            report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 30);
+        assert_eq!(applied.unwrap().round, 0);
+        assert!(settle.contains(&Settle::Commit {
+            job: "a".into(),
+            round: 0
+        }));
+        assert!(!rounds.departed("a"));
     }
 
     #[test]

@@ -523,6 +523,97 @@ fn an_elastic_run_takes_trainers_that_come_online_and_goes_on_without_one_that_l
     assert!(last < 0.25 * first, "training loss {first} → {last}");
 }
 
+/// A worker told to stop (SIGTERM) while its trainer trains: the trainer sends what it
+/// trained in the round as it goes, and that round takes it (its peer is in the round's
+/// included trainers); no round waits for it (each closes well within its 5 s), the run goes
+/// on with the other two (an elastic run's `min`), and every slice is used once per epoch.
+#[test]
+fn a_trainer_told_to_stop_sends_its_update_and_no_round_waits_for_it() {
+    told_to_stop(|cluster, name| cluster.trainer_worker(name, ""));
+}
+
+/// The same with a trainer of the Python SDK leaving (the numpy example).
+#[test]
+fn a_python_trainer_told_to_stop_sends_its_update_too() {
+    if python_with(&["numpy"], true) {
+        told_to_stop(|cluster, name| {
+            cluster.python_worker(name, "train", "diloco", "examples/numpy_trainer.py", &[])
+        });
+    }
+}
+
+/// Runs an elastic job of three trainers, the first started by `leaver`, and tells the first
+/// to stop once a round was applied.
+fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc) {
+    const EPOCHS: u32 = 10;
+    let (mut cluster, _data, _server) = cluster();
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut trainers: Vec<(String, Proc)> = (0..3)
+        .map(|i| {
+            let name = format!("trainer{i}");
+            cluster.peer_id_after(&name, |cluster| match i {
+                0 => leaver(cluster, &name),
+                _ => cluster.trainer_worker(&name, ""),
+            })
+        })
+        .collect();
+    let job = cluster.diloco_job("leave", "{ min = 2, max = 3 }", EPOCHS, "");
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    scheduler.wait_for("round applied");
+    let leaver = trainers[0].0.clone();
+    let proc = &mut trainers[0].1;
+    let stopped = std::process::Command::new("kill")
+        .args(["-TERM", &proc.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    assert!(
+        proc.child.wait().unwrap().success(),
+        "the worker left cleanly"
+    );
+    while let Ok(line) = proc.lines.try_recv() {
+        proc.seen.push(line);
+    }
+    let worker_said = proc.seen.join("\n");
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().map(|(_, p)| p).collect();
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let said = std::fs::read_to_string(job_dir(&cluster.path("trainer0-work")).join("stderr.log"))
+        .unwrap();
+    let round: u64 = said
+        .lines()
+        .find_map(|l| l.strip_prefix("told to stop in round "))
+        .and_then(|rest| rest.split(':').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("the trainer did not say it was told to stop:\n{said}"));
+    let metrics = lines_of(&cluster.path("leave-job.metrics.jsonl"));
+    let rounds: Vec<_> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    let left_in = rounds
+        .iter()
+        .find(|r| r["round"] == round)
+        .unwrap_or_else(|| panic!("round {round} was not applied: {rounds:?}"));
+    assert!(
+        left_in["included"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p == leaver.as_str()),
+        "the leaving trainer's update of round {round} is not in it: {left_in}\nit said:\n{said}\nits worker said:\n{worker_said}"
+    );
+    assert!(
+        rounds.iter().all(|r| r["seconds"].as_f64().unwrap() < 4.0),
+        "a round waited: {rounds:?}"
+    );
+    assert!(
+        rounds.iter().any(|r| r["round"].as_u64() > Some(round + 1)
+            && r["included"].as_array().unwrap().len() == 2),
+        "the run went on with the other two"
+    );
+    let events = events(&events_path);
+    assert_eq!(of_kind(&events, "leased").len(), 4, "nobody replaced it");
+    assert_audit_passes(&cluster.path("leave-job.ledger"), EPOCHS, SLICES);
+}
+
 #[test]
 fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_training_goes_on() {
     let (cluster, _data, first) = cluster();
