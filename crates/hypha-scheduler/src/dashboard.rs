@@ -274,7 +274,8 @@ impl Board {
             | Event::Resumed { .. }
             | Event::Failover { .. }
             | Event::WaitingForTrainers { .. }
-            | Event::RoundsBegin { .. } => {}
+            | Event::RoundsBegin { .. }
+            | Event::Missed { .. } => {}
         }
         // Executors report several times a round: listing them would push out everything else.
         if !matches!(event, Event::ExecutorStatus { .. }) {

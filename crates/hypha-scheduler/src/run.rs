@@ -183,6 +183,11 @@ pub enum Event {
         ok: bool,
         message: String,
     },
+    /// Only to an observer that fell behind: `missed` events were dropped for it before this
+    /// one (the console, the events file and the dashboard have them all).
+    Missed {
+        missed: u64,
+    },
 }
 
 /// Where events go: always the console; optionally a JSON-lines file and an observer. It
@@ -191,6 +196,8 @@ pub enum Event {
 pub struct EventLog {
     file: Option<std::fs::File>,
     observer: Option<mpsc::Sender<Event>>,
+    /// Events dropped for the observer since it last took one: it is told before the next.
+    missed: u64,
     history: watch::Sender<RunProgress>,
     board: watch::Sender<Board>,
     /// How the scheduler reaches its peers, for the dashboard ([`EventLog::watch_paths`]).
@@ -203,6 +210,7 @@ impl EventLog {
         EventLog {
             file: None,
             observer: None,
+            missed: 0,
             history: watch::Sender::new(RunProgress::default()),
             board: watch::Sender::new(Board::default()),
             paths: watch::Sender::new(std::collections::BTreeMap::new()),
@@ -223,7 +231,8 @@ impl EventLog {
     }
 
     /// Also hands every event to `observer` (a progress display, a benchmark). The job never
-    /// waits for it: when its queue is full, the event is dropped for the observer.
+    /// waits for it: when its queue is full, the event is dropped for the observer, which
+    /// gets an [`Event::Missed`] with the count before the next event it takes.
     pub fn observed_by(mut self, observer: mpsc::Sender<Event>) -> Self {
         self.observer = Some(observer);
         self
@@ -410,6 +419,7 @@ impl EventLog {
                 round,
             } => tracing::info!(slot, %job, %peer, round, "trainer joined the run"),
             Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
+            Event::Missed { .. } => {}
         }
         let now = unix_ms();
         self.history
@@ -425,7 +435,15 @@ impl EventLog {
             let _ = file.write_all(line.as_bytes()).and_then(|_| file.flush());
         }
         if let Some(observer) = &self.observer {
-            let _ = observer.try_send(event);
+            let missed = Event::Missed {
+                missed: self.missed,
+            };
+            if self.missed > 0 && observer.try_send(missed).is_ok() {
+                self.missed = 0;
+            }
+            if self.missed > 0 || observer.try_send(event).is_err() {
+                self.missed += 1;
+            }
         }
     }
 }
@@ -2049,7 +2067,34 @@ async fn send_checkpoint(
 
 #[cfg(test)]
 mod tests {
-    use super::with_stderr;
+    use super::{Event, EventLog, with_stderr};
+
+    /// An observer that falls behind is told how many events it missed, before the next one
+    /// it takes: a gap is visible, never silent.
+    #[tokio::test]
+    async fn an_observer_that_falls_behind_is_told_what_it_missed() {
+        let (observer, mut events) = tokio::sync::mpsc::channel(2);
+        let mut log = EventLog::console().observed_by(observer);
+        let round = |round| Event::Round {
+            round,
+            trainers: 1,
+            samples: 1,
+            loss: None,
+            away: false,
+        };
+        for r in 0..5 {
+            log.record(round(r));
+        }
+        assert_eq!(events.recv().await, Some(round(0)));
+        // Room for one: the gap, and the event after it is missed too.
+        log.record(round(5));
+        assert_eq!(events.recv().await, Some(round(1)));
+        assert_eq!(events.recv().await, Some(Event::Missed { missed: 3 }));
+        assert_eq!(events.try_recv().ok(), None);
+        log.record(round(6));
+        assert_eq!(events.recv().await, Some(Event::Missed { missed: 1 }));
+        assert_eq!(events.recv().await, Some(round(6)));
+    }
 
     #[test]
     fn an_executors_stderr_is_shown_short_and_printable() {

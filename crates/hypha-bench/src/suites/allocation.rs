@@ -143,6 +143,9 @@ async fn allocate_once(
             }
             Event::Dispatched { .. } => dispatched += 1,
             Event::Lost { reason, .. } => anyhow::bail!("{name}: a worker was lost: {reason}"),
+            Event::Missed { missed } => {
+                anyhow::bail!("{name}: this suite fell behind the events and missed {missed}")
+            }
             _ => {}
         }
     }
