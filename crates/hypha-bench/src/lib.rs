@@ -27,6 +27,10 @@ pub enum Suite {
     Diloco,
     /// One artifact to N = 4 and 8 nodes from a throttled origin: origin bytes and time.
     Distribute,
+    /// An elastic DiLoCo run while trainers are killed, told to stop and started (real
+    /// processes; build them first with `cargo build --release`): goodput, a joiner's time
+    /// to its first applied update, loss against the run left alone.
+    Churn,
     /// Seconds from a SIGKILL of the scheduler, and of the parameter server's worker, to the
     /// next applied DiLoCo round (real processes; build them first with `cargo build
     /// --release`).
@@ -51,6 +55,7 @@ impl Suite {
             Suite::Prefetch => "prefetch",
             Suite::Diloco => "diloco",
             Suite::Distribute => "distribute",
+            Suite::Churn => "churn",
             Suite::Recovery => "recovery",
             Suite::Wan => "wan",
             Suite::Sites => "sites",
@@ -99,6 +104,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Prefetch => suites::prefetch::run(quick).await,
                 Suite::Diloco => suites::diloco::run(quick).await,
                 Suite::Distribute => suites::distribute::run(quick).await,
+                Suite::Churn => suites::churn::run(quick).await,
                 Suite::Recovery => suites::recovery::run(quick).await,
                 Suite::Wan => suites::wan::run(quick).await,
                 Suite::Sites => suites::sites::run(quick).await,

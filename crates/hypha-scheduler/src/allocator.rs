@@ -251,8 +251,12 @@ impl Allocator {
                 .chain(exclude.iter().copied())
                 .collect();
             let round_end = (now + self.settings.readvertise).min(deadline);
+            // Optional workers are taken as soon as one answers: a joiner should not wait for
+            // offers that will not come.
+            let wanted = count - leased.len();
+            let enough = if at_least == 0 { 1 } else { wanted };
             let more = self
-                .round(request, count - leased.len(), &taken, round_end, lost)
+                .round(request, (enough, wanted), &taken, round_end, lost)
                 .await?;
             leased.extend(more);
         }
@@ -260,11 +264,12 @@ impl Allocator {
         Ok(leased)
     }
 
-    /// One advertisement: publish, collect offers, choose, accept.
+    /// One advertisement: publish, collect offers (once `enough` are in, for the window
+    /// only), choose up to `needed`, accept.
     async fn round(
         &self,
         request: &WorkerRequest,
-        needed: usize,
+        (enough, needed): (usize, usize),
         taken: &HashSet<PeerId>,
         round_end: Instant,
         lost: &mpsc::Sender<Lost>,
@@ -292,8 +297,10 @@ impl Allocator {
         let mut received: Vec<(PeerId, Offer)> = Vec::new();
         loop {
             // Choose once the window is over and enough offers are in, or when the round ends.
-            let enough = distinct_peers(&received, taken) >= needed;
-            let until = if enough { window_end } else { round_end };
+            let until = match distinct_peers(&received, taken) >= enough {
+                true => window_end,
+                false => round_end,
+            };
             let now = Instant::now();
             if now >= until {
                 break;

@@ -72,8 +72,9 @@ const SERVER_SILENCE: Duration = Duration::from_secs(1);
 const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How long an elastic run waits after an advertisement for more trainers that nobody
-/// answered before it advertises again: workers coming online see one within this.
-const JOINERS_PAUSE: Duration = Duration::from_secs(5);
+/// answered before it advertises again: a worker coming online sees one within this and an
+/// advertisement's round (2 s), and the gossip carries one small message every 3 s.
+const JOINERS_PAUSE: Duration = Duration::from_secs(1);
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
@@ -1308,7 +1309,15 @@ impl<'a> JobRun<'a> {
                 optional,
                 leased,
             } => {
-                let leased = leased?;
+                let leased = match leased {
+                    Ok(leased) => leased,
+                    // More trainers were only welcome: the run goes on with those it has.
+                    Err(error) if optional => {
+                        tracing::debug!(%error, "an advertisement for more trainers failed");
+                        Vec::new()
+                    }
+                    Err(error) => return Err(error.into()),
+                };
                 if optional && leased.is_empty() {
                     self.joiners_after = tokio::time::Instant::now() + JOINERS_PAUSE;
                 }

@@ -1,5 +1,6 @@
 pub(crate) mod allocation;
 pub(crate) mod ceilings;
+pub(crate) mod churn;
 pub(crate) mod dataserve;
 pub(crate) mod diloco;
 pub(crate) mod distribute;
