@@ -416,11 +416,12 @@ fn the_parameter_server_keeps_its_lease_while_trainers_are_busy_for_three_lease_
 
 /// An elastic run (`workers = { min = 2, max = 4 }`) starts with the two trainers online and
 /// takes two more that come online while it trains: each joins at a round after the first
-/// (a `joined` event) and its updates go into rounds. One of them killed (SIGKILL) leaves the
-/// run, which goes on with three: it has its `min`, and nobody else is online. Every slice is
-/// used once per epoch and the training loss falls.
+/// (a `joined` event) and its updates go into rounds. Then it shrinks back: one of them is
+/// killed (SIGKILL), and after a round the other is told to stop (SIGTERM); the run goes on
+/// with three, then two (its `min`; nobody else is online, so nobody is leased). Every slice
+/// is used once per epoch and the training loss falls.
 #[test]
-fn an_elastic_run_takes_trainers_that_come_online_and_goes_on_without_one_that_leaves() {
+fn an_elastic_run_grows_from_two_trainers_to_four_and_shrinks_back() {
     // Two trainers apply a round of this job every quarter second: 40 epochs (some 80
     // rounds) leave the later trainers time to come online and join.
     const EPOCHS: u32 = 40;
@@ -476,6 +477,27 @@ fn an_elastic_run_takes_trainers_that_come_online_and_goes_on_without_one_that_l
         std::thread::sleep(Duration::from_millis(200));
     }
     later[1].1.child.kill().unwrap();
+    // Rounds applied by the time each left.
+    let lost_at = loop {
+        let events = events(&events_path);
+        if let Some(at) = events.iter().position(|e| e["event"]["kind"] == "lost")
+            && of_kind(&events[at..], "round").len() >= 2
+        {
+            break of_kind(&events[..at], "round").len();
+        }
+        assert!(std::time::Instant::now() < deadline + Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let left_at = of_kind(&events(&events_path), "round").len();
+    let stopped = std::process::Command::new("kill")
+        .args(["-TERM", &later[0].1.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    assert!(
+        later[0].1.child.wait().unwrap().success(),
+        "it left cleanly"
+    );
     let (ok, lines) = scheduler.wait(Duration::from_secs(180));
     let mut procs: Vec<&mut Proc> = first.iter_mut().collect();
     procs.extend(later.iter_mut().map(|(_, p)| p));
@@ -509,7 +531,20 @@ fn an_elastic_run_takes_trainers_that_come_online_and_goes_on_without_one_that_l
     assert_eq!(
         of_kind(&events, "leased").len(),
         5,
-        "the parameter server and four trainers, none to replace the one killed"
+        "the parameter server and four trainers, none to replace those that left"
+    );
+    let rounds = of_kind(&events, "round");
+    assert!(
+        rounds[lost_at..left_at]
+            .iter()
+            .any(|r| r["event"]["trainers"] == 3),
+        "three trained on after the kill"
+    );
+    assert!(
+        rounds[left_at + 1..]
+            .iter()
+            .any(|r| r["event"]["trainers"] == 2),
+        "two trained on after the leave"
     );
     assert_audit_passes(&cluster.path("elastic-job.ledger"), EPOCHS, SLICES);
     // The model learns: the training loss falls. (Scored on fresh samples it does not: 40
