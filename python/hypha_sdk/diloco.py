@@ -241,8 +241,13 @@ class Trainer:
         unreachable = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._told_to_stop)
+        stop_said = False
         while True:
             if self.stopping is not None:
+                if not stop_said:
+                    stop_said = True
+                    held = f"in round {self.round}" if self.round is not None else "holding no round"
+                    self.log(f"told to stop {held}: finishing its part of the round first")
                 finished = self.round is None or self.stats.sent
                 if finished or time.monotonic() - self.stopping >= FINISH_WITHIN:
                     self._leave()
@@ -349,10 +354,9 @@ class Trainer:
         self.stats.consumed = []
 
     def _told_to_stop(self, signum, frame) -> None:
+        # Only the flag: the loop says so (writing from a handler can interrupt a write).
         if self.stopping is None:
             self.stopping = time.monotonic()
-            held = f"in round {self.round}" if self.round is not None else "holding no round"
-            self.log(f"told to stop {held}: finishing its part of the round first")
 
     def _leave(self) -> None:
         """Told to stop: what it trained in the round and did not send yet goes to the

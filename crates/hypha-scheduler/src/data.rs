@@ -231,7 +231,6 @@ impl JobData {
         Ok(())
     }
 
-    /// Every slice of every epoch is used.
     /// Whether the ledger has nothing more to hand out: no slice available, none handed out
     /// and not yet consumed (one that comes back, from a round left out or a worker lost,
     /// makes it so again).
@@ -244,6 +243,7 @@ impl JobData {
         })
     }
 
+    /// Every slice of every epoch is used.
     pub async fn finished(&self) -> bool {
         self.ledger()
             .progress()

@@ -132,10 +132,11 @@ const REASON_CHARS: usize = 200;
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
-/// How many of the server's statuses (4 a second) a trainer's job that ended having trained
-/// in the round waits for its update to be reported: the server's status composed before
-/// the update arrived may reach the scheduler after the job's end.
-const DEPARTING_STATUSES: u8 = 2;
+/// How long a trainer's job that ended having trained in the round waits for the server to
+/// report its update: the server's status composed before the update arrived may reach the
+/// scheduler after the job's end. The server reports every 250 ms and after each file it
+/// takes, so this is four of its ticks, not a count of statuses (several can come at once).
+const DEPARTING_MS: u64 = 1_000;
 
 /// How long a trainer waiting for the first round to begin waits before asking again: the
 /// round begins as the last trainer gets ready, and the others should not idle long after.
@@ -217,10 +218,10 @@ pub struct Rounds {
     /// round settles their slices when it is applied (or lost).
     departed: HashMap<String, String>,
     /// Trainers' jobs that ended having trained in `round` before the server said it holds
-    /// their update, by peer, with the server statuses heard since: a trainer that leaves
-    /// sends its update as it goes, and the server may report it next. After
-    /// [`DEPARTING_STATUSES`] without it, their slices go back.
-    departing: HashMap<String, (String, u8)>,
+    /// their update, by peer, with when they ended: a trainer that leaves sends its update as
+    /// it goes, and the server may report it next. After [`DEPARTING_MS`] without it, their
+    /// slices go back.
+    departing: HashMap<String, (String, u64)>,
     /// A close (or skip) was ordered for this round and is not applied yet.
     closing: Option<(u64, Ending)>,
     /// Peers of the earlier process's trainers whose leases are being taken over: the server
@@ -448,6 +449,11 @@ impl Rounds {
         }
     }
 
+    /// Whether trainer `job` was told to train a round of the run.
+    pub fn joined(&self, job: &str) -> bool {
+        self.trainers.get(job).is_some_and(|t| t.joined)
+    }
+
     /// Whether trainer `job` holds a model of a server that is not the current one: it is
     /// to join the current one.
     pub fn must_rejoin(&self, job: &str) -> bool {
@@ -462,7 +468,7 @@ impl Rounds {
     /// trainer told to stop sends its update as it goes): the round settles its slices when
     /// it is applied or lost, or once the server's statuses say the update is not coming;
     /// otherwise the ledger returns them at once.
-    pub fn trainer_ended(&mut self, job: &str) -> bool {
+    pub fn trainer_ended(&mut self, job: &str, now_ms: u64) -> bool {
         let Some(trainer) = self.trainers.remove(job) else {
             return false;
         };
@@ -472,7 +478,8 @@ impl Rounds {
         }
         let trained = trainer.status.round == Some(self.round) && trainer.status.samples > 0;
         if trained && self.server.is_some() {
-            self.departing.insert(trainer.peer, (job.to_string(), 0));
+            self.departing
+                .insert(trainer.peer, (job.to_string(), now_ms));
             return true;
         }
         false
@@ -489,9 +496,8 @@ impl Rounds {
     }
 
     /// Jobs that ended without the server having said it holds their update: those whose
-    /// update `status` names arrived are departed, the others wait at most
-    /// [`DEPARTING_STATUSES`] statuses.
-    fn resolve_departing(&mut self, status: &ServerStatus) {
+    /// update `status` names arrived are departed, the others wait at most [`DEPARTING_MS`].
+    fn resolve_departing(&mut self, status: &ServerStatus, now_ms: u64) {
         let mut heard: HashSet<&str> = HashSet::new();
         if status.round == Some(self.round) {
             heard.extend(status.arrived.iter().map(|a| a.peer.as_str()));
@@ -499,11 +505,11 @@ impl Rounds {
         if let Some(applied) = status.applied.as_ref().filter(|a| a.round == self.round) {
             heard.extend(applied.included.iter().map(String::as_str));
         }
-        for (peer, (job, seen)) in std::mem::take(&mut self.departing) {
+        for (peer, (job, ended_ms)) in std::mem::take(&mut self.departing) {
             if heard.contains(peer.as_str()) {
                 self.departed.insert(peer, job);
-            } else if seen + 1 < DEPARTING_STATUSES {
-                self.departing.insert(peer, (job, seen + 1));
+            } else if now_ms < ended_ms.saturating_add(DEPARTING_MS) {
+                self.departing.insert(peer, (job, ended_ms));
             }
         }
     }
@@ -597,7 +603,9 @@ impl Rounds {
         if round == self.round && self.started_ms.is_none() {
             self.started_ms = Some(now_ms);
         }
-        if self.out_of_data() {
+        // Slices this status gives back make data again: not the end.
+        let gives_back = settle.iter().any(|s| matches!(s, Settle::Drop { .. }));
+        if !gives_back && self.out_of_data() {
             self.done = true;
             return (TrainerOrder::Done, settle);
         }
@@ -791,7 +799,7 @@ impl Rounds {
     ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
         let mut settle = Vec::new();
         let mut applied_round = None;
-        self.resolve_departing(&status);
+        self.resolve_departing(&status, now_ms);
         if let Some(applied) = status.applied
             && self
                 .closing
@@ -826,11 +834,15 @@ impl Rounds {
                     }
                 }
             }
+            // Out of data for good: none left in the ledger, and no trainer's slices of the
+            // round go back (it trained in it and is not included).
             let everyone_out_of_data = !self.trainers.is_empty()
-                && self
-                    .trainers
-                    .values()
-                    .all(|t| t.status.data_done && t.status.round == Some(applied.round));
+                && !self.data_left
+                && self.trainers.values().all(|t| {
+                    t.status.data_done
+                        && t.status.round == Some(applied.round)
+                        && (t.status.samples == 0 || included.contains(&t.peer))
+                });
             let benched = self.count_refusals(&included);
             self.included.insert(applied.round, included);
             self.closing = None;
@@ -965,6 +977,7 @@ impl Rounds {
     /// nothing arrived for it: there is no round left to train.
     fn out_of_data(&self) -> bool {
         !self.data_left
+            && self.departing.is_empty()
             && self.closing.is_none()
             && self.arrived.is_empty()
             && self.trainers.values().all(|t| {
@@ -1503,7 +1516,7 @@ mod tests {
         // Round 1 is the last: once applied, everyone is done.
         rounds.trainer_status("a", status(1, 1, Some(100.0)), 400);
         report(&mut rounds, server(1, &["pa"], None), 500);
-        rounds.trainer_ended("b");
+        rounds.trainer_ended("b", 0);
         let (order, _, _) = report(&mut rounds, server(1, &["pa"], None), 600);
         assert!(
             matches!(order, ServerOrder::Close { round: 1, .. }),
@@ -1655,7 +1668,7 @@ mod tests {
             let benched = applied.unwrap().benched;
             if round == 2 {
                 assert_eq!(benched, ["pl"]);
-                rounds.trainer_ended("l");
+                rounds.trainer_ended("l", 0);
                 assert!(!rounds.server_trainers().contains("pl"));
             } else {
                 assert!(benched.is_empty(), "round {round}: {benched:?}");
@@ -1781,7 +1794,7 @@ mod tests {
             report(&mut rounds, server(0, &["pa"], None), 100).0,
             ServerOrder::Wait
         );
-        rounds.trainer_ended("b");
+        rounds.trainer_ended("b", 0);
         let (order, _, _) = report(&mut rounds, server(0, &["pa"], None), 200);
         assert_eq!(
             order,
@@ -2042,13 +2055,20 @@ mod tests {
         }
         report(&mut rounds, server(0, &["pa"], None), 10);
         // a's update is at the server when its job ends; b's is not when its job ends, and
-        // the server's next two statuses do not name it either: its slices go back then.
-        assert!(rounds.trainer_ended("a"), "a's slices wait for the round");
+        // the server's statuses of the next second do not name it either: its slices go back.
+        assert!(
+            rounds.trainer_ended("a", 10),
+            "a's slices wait for the round"
+        );
         assert!(rounds.departed("a"));
-        assert!(rounds.trainer_ended("b"), "b's update may be on its way");
+        assert!(
+            rounds.trainer_ended("b", 10),
+            "b's update may be on its way"
+        );
         report(&mut rounds, server(0, &["pa"], None), 11);
-        assert!(rounds.departed("b"));
         report(&mut rounds, server(0, &["pa"], None), 12);
+        assert!(rounds.departed("b"), "statuses in a burst are not a second");
+        report(&mut rounds, server(0, &["pa"], None), 1_010);
         assert!(!rounds.departed("b"), "b's slices go back");
         // A new job on a's peer is not credited with a's update.
         rounds.trainer_started("a2".into(), "pa".into());
@@ -2069,7 +2089,7 @@ mod tests {
         rounds.trainer_status("a", TrainerStatus::default(), 0);
         rounds.trainer_status("a", status(0, 2, Some(100.0)), 0);
         report(&mut rounds, server(0, &["pa"], None), 10);
-        rounds.trainer_ended("a");
+        rounds.trainer_ended("a", 0);
         rounds.server_lost();
         assert_eq!(
             rounds.abandon_departed(),
@@ -2092,9 +2112,9 @@ mod tests {
         rounds.trainer_status("a", status(0, 2, Some(100.0)), 0);
         rounds.trainer_status("b", status(0, 2, Some(100.0)), 0);
         rounds.trainer_status("c", status(0, 0, None), 0);
-        assert!(rounds.trainer_ended("a"));
+        assert!(rounds.trainer_ended("a", 0));
         assert!(
-            !rounds.trainer_ended("c"),
+            !rounds.trainer_ended("c", 0),
             "c trained nothing: its slices go back"
         );
         assert!(

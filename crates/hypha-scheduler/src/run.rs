@@ -1741,8 +1741,13 @@ impl<'a> JobRun<'a> {
         self.live.remove(dispatched.lease.peer, job);
         let peer = dispatched.lease.peer;
         drop(dispatched.lease);
-        self.release_data(peer, job).await;
+        // A trainer that progressed (it trained a round) spent no attempt: elastic runs see
+        // workers come and go all the time, and the attempts are for jobs that cannot run.
+        let progressed = self.training.as_ref().is_some_and(|t| t.joined(job));
+        // Known to the rounds first: a trainer whose update of the open round is (or may be)
+        // at the server keeps its slices of that round until the round settles.
         let server = self.training.as_mut().is_some_and(|t| t.ended(job));
+        self.release_data(peer, job).await;
         if server {
             // A server taken over that ended before it said where it was does not go on.
             self.server_pending = false;
@@ -1756,7 +1761,8 @@ impl<'a> JobRun<'a> {
         self.store_record()?;
         let Some(reason) = failure else {
             self.slots.finished(job);
-            if self.spec.workers.elastic() && self.work_over().await {
+            let no_work = self.training.is_none() && self.data.is_none();
+            if self.spec.workers.elastic() && (no_work || self.work_done().await) {
                 // No worker that joins now would have anything to do.
                 self.slots.close();
             }
@@ -1765,7 +1771,13 @@ impl<'a> JobRun<'a> {
         if server {
             self.fail_over(peer, &reason)?;
         }
-        match self.slots.failed(job) {
+        let verdict = self.slots.failed(job, progressed);
+        if !server && self.work_done().await {
+            // Training or the data is done: nobody replaces it.
+            self.slots.close();
+            return Ok(());
+        }
+        match verdict {
             Verdict::Exhausted { slot, attempts } => Err(RunError::Exhausted {
                 slot,
                 attempts,
@@ -1787,13 +1799,13 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    /// Whether the run's work is over, so that no worker joining now would have anything to
-    /// do: training ended, or the data is used up (a job without data: one worker finished).
-    async fn work_over(&self) -> bool {
+    /// Whether the run's work is done, so that no worker starting now would have anything to
+    /// do: training ended, or the data is used up.
+    async fn work_done(&self) -> bool {
         match (&self.training, &self.data) {
             (Some(training), _) => training.done(),
             (None, Some(data)) => data.finished().await,
-            (None, None) => true,
+            (None, None) => false,
         }
     }
 

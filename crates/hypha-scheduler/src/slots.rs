@@ -269,11 +269,15 @@ impl Slots {
     }
 
     /// Job `job` failed or its worker was lost (a dispatch that failed counts too): its slot
-    /// wants a new worker while it has attempts left.
-    pub fn failed(&mut self, job: &str) -> Verdict {
+    /// wants a new worker while it has attempts left. A job that `progressed` (it did some of
+    /// the work) gives its slot its attempts back: they are for jobs that cannot run at all.
+    pub fn failed(&mut self, job: &str, progressed: bool) -> Verdict {
         let Some(slot) = self.slot_of(job) else {
             return Verdict::Unknown;
         };
+        if progressed {
+            self.slots[slot].attempts = 0;
+        }
         let attempts = self.slots[slot].attempts;
         if attempts >= self.max_attempts {
             self.slots[slot].state = SlotState::GivenUp;
@@ -352,26 +356,33 @@ mod tests {
         slots.started(2, "c");
         slots.allocation_ended();
         // A lost trainer above min is not needed back; below min it is.
-        assert_eq!(slots.failed("c"), Verdict::Replace);
+        assert_eq!(slots.failed("c", false), Verdict::Replace);
         assert_eq!(slots.next_allocation(false), None);
-        assert_eq!(slots.failed("a"), Verdict::Replace);
+        assert_eq!(slots.failed("a", false), Verdict::Replace);
         let needed = slots.next_allocation(false).unwrap();
         assert_eq!((needed.slots, needed.at_least), (vec![0, 2, 3], 1));
         slots.started(3, "d");
         slots.allocation_ended();
         // Slot 3 spends its attempts while two others run: it is given up, the run goes on.
-        assert_eq!(slots.failed("d"), Verdict::Replace);
+        assert_eq!(slots.failed("d", false), Verdict::Replace);
         slots.next_allocation(false).unwrap();
         slots.started(3, "d2");
         slots.started(0, "a2");
         slots.allocation_ended();
         assert_eq!(
-            slots.failed("d2"),
+            slots.failed("d2", false),
             Verdict::GivenUp {
                 slot: 3,
                 attempts: 2
             }
         );
+        // A trainer that did some of the work gives its slot its attempts back.
+        slots.next_allocation(true).unwrap();
+        slots.started(2, "c2");
+        slots.allocation_ended();
+        assert_eq!(slots.attempts(2), 2);
+        assert_eq!(slots.failed("c2", true), Verdict::Replace);
+        assert_eq!(slots.attempts(2), 0);
         // The work is over: the wanted slot is given up, and the run completes with its jobs.
         slots.close();
         assert_eq!(slots.next_allocation(true), None);
@@ -409,8 +420,8 @@ mod tests {
         slots.started(1, "b");
         slots.allocation_ended();
 
-        assert_eq!(slots.failed("a"), Verdict::Replace);
-        assert_eq!(slots.failed("a"), Verdict::Unknown, "reported twice");
+        assert_eq!(slots.failed("a", false), Verdict::Replace);
+        assert_eq!(slots.failed("a", false), Verdict::Unknown, "reported twice");
         assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0])));
         slots.started(0, "a2");
         slots.allocation_ended();
@@ -450,12 +461,12 @@ mod tests {
         next(&mut slots);
         slots.started(0, "a");
         slots.allocation_ended();
-        assert_eq!(slots.failed("a"), Verdict::Replace);
+        assert_eq!(slots.failed("a", false), Verdict::Replace);
         next(&mut slots);
         slots.started(0, "b");
         slots.allocation_ended();
         assert_eq!(
-            slots.failed("b"),
+            slots.failed("b", false),
             Verdict::Exhausted {
                 slot: 0,
                 attempts: 2

@@ -119,6 +119,11 @@ impl Training {
         })
     }
 
+    /// Whether trainer `job` was told to train a round of the run: it did some of the work.
+    pub fn joined(&self, job: &str) -> bool {
+        self.rounds.joined(job)
+    }
+
     /// What happened to the trainers since the last call (see [`News`]).
     pub fn take_news(&mut self) -> Vec<News> {
         self.rounds.take_news()
@@ -212,7 +217,7 @@ impl Training {
             return true;
         }
         // A trainer whose update is in the open round keeps its peer until the round settles.
-        if !self.rounds.trainer_ended(job) {
+        if !self.rounds.trainer_ended(job, unix_ms()) {
             self.peers.remove(job);
         }
         false

@@ -647,6 +647,39 @@ fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc) {
     let events = events(&events_path);
     assert_eq!(of_kind(&events, "leased").len(), 4, "nobody replaced it");
     assert_audit_passes(&cluster.path("leave-job.ledger"), EPOCHS, SLICES);
+    // The slices it trained in that round are used with the round, not given back when its
+    // job ended (and trained again by others).
+    let leaver_job = of_kind(&events, "dispatched")
+        .into_iter()
+        .find(|e| e["event"]["peer"] == leaver.as_str())
+        .and_then(|e| e["event"]["job"].as_str().map(str::to_string))
+        .unwrap();
+    let records = hypha_ledger::read_audit(&cluster.path("leave-job.ledger"))
+        .unwrap()
+        .records;
+    let by_leaver = |event: &hypha_ledger::Event| match event {
+        hypha_ledger::Event::Consumed { worker, round: r } => {
+            worker.contains(&leaver_job) && *r == round
+        }
+        _ => false,
+    };
+    let consumed: Vec<_> = records.iter().filter(|r| by_leaver(&r.event)).collect();
+    assert!(
+        !consumed.is_empty(),
+        "the leaver consumed nothing in round {round}"
+    );
+    for slice in consumed {
+        let used = records.iter().any(|r| {
+            r.key == slice.key
+                && matches!(&r.event, hypha_ledger::Event::Used { worker, round: r }
+                    if worker.contains(&leaver_job) && *r == round)
+        });
+        assert!(
+            used,
+            "{:?} went back instead of being used with round {round}",
+            slice.key
+        );
+    }
 }
 
 #[test]
