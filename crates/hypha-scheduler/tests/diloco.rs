@@ -1210,9 +1210,9 @@ fn rust_and_numpy_trainers_train_one_job_together() {
 /// sleeping first, as a PyTorch trainer importing torch and starting CUDA does) beside two
 /// reference trainers ready within a second or two trains the run's first round: the round
 /// waits for it (`start_grace_seconds`, default 60 s), the events say so as more get ready,
-/// and every trainer
-/// joins at round 0. Each slice used is used once. (Checked with `start_grace_seconds = 0`:
-/// the reference trainers train the three rounds before it has loaded.)
+/// and every trainer joins at round 0. Each slice used is used once. (Checked with
+/// `start_grace_seconds = 0`: the reference trainers train the three rounds before it has
+/// loaded.)
 #[test]
 fn a_trainer_slow_to_load_trains_the_first_round() {
     if !python_with(&["numpy"], true) {
