@@ -139,6 +139,32 @@ fn print_table(report: &Report) {
     }
 }
 
+/// Waits until the scheduler's events file at `path` satisfies `until`, looking every 10 ms
+/// (the suites time what it waits for); fails, naming `what`, when the job ends first or
+/// `patience` passes.
+pub(crate) fn wait_for_events(
+    path: &std::path::Path,
+    patience: Duration,
+    what: &str,
+    until: impl Fn(&[serde_json::Value]) -> bool,
+) -> anyhow::Result<()> {
+    use hypha_testing::cluster::{events, of_kind};
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        let all = events(path);
+        if until(&all) {
+            return Ok(());
+        }
+        if let Some(done) = of_kind(&all, "done").last() {
+            anyhow::bail!("the job ended before {what}: {}", done["event"]);
+        }
+        if std::time::Instant::now() >= deadline {
+            anyhow::bail!("no {what} within {patience:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// The median of some measurements.
 pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);

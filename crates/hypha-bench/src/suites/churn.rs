@@ -23,11 +23,7 @@
 //! - `metrics.audit_ok`: 1 when `hypha-scheduler audit --finished` passes on the churned
 //!   run's ledger (every slice used exactly once), 0 otherwise.
 
-use std::{
-    path::Path,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{path::Path, process::Command, time::Duration};
 
 use anyhow::{Context, bail};
 use hypha_executor::{model::Model, synthetic::Synthetic};
@@ -35,7 +31,7 @@ use hypha_testing::cluster::{
     Cluster, DILOCO_MODEL, Proc, bin, data_node, events, job_dir, of_kind,
 };
 
-use crate::{Report, median};
+use crate::{Report, median, wait_for_events};
 
 /// Samples in each of the dataset's slices.
 const SAMPLES_PER_SLICE: usize = 64;
@@ -133,7 +129,9 @@ fn train(plan: &Plan, churn: bool) -> anyhow::Result<Outcome> {
     };
     let job = cluster.diloco_job("churn", workers, 1, "");
     let (_scheduler, events_path) = cluster.scheduler("scheduler", &job);
-    wait_for(&events_path, |all| !of_kind(all, "round").is_empty())?;
+    wait_for_events(&events_path, PATIENCE, "the first round", |all| {
+        !of_kind(all, "round").is_empty()
+    })?;
     let mut joiners: Vec<(u64, String)> = Vec::new();
     if churn {
         for change in 0..plan.changes {
@@ -159,7 +157,9 @@ fn train(plan: &Plan, churn: bool) -> anyhow::Result<Outcome> {
             trainers.push((proc, started, peer));
         }
     }
-    wait_for(&events_path, |all| !of_kind(all, "done").is_empty())?;
+    wait_for_events(&events_path, PATIENCE, "the end", |all| {
+        !of_kind(all, "done").is_empty()
+    })?;
     let all = events(&events_path);
     let done = &of_kind(&all, "done")[0]["event"];
     if done["ok"] != true {
@@ -267,24 +267,6 @@ fn lines(path: &Path) -> Vec<serde_json::Value> {
 
 fn done(events_path: &Path) -> bool {
     !of_kind(&events(events_path), "done").is_empty()
-}
-
-/// Waits until the events satisfy `test`; fails when the run ends first or takes too long.
-fn wait_for(events_path: &Path, test: impl Fn(&[serde_json::Value]) -> bool) -> anyhow::Result<()> {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let all = events(events_path);
-        if test(&all) {
-            return Ok(());
-        }
-        if let Some(done) = of_kind(&all, "done").last() {
-            bail!("the run ended first: {}", done["event"]);
-        }
-        if Instant::now() >= deadline {
-            bail!("the run took more than {PATIENCE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The loss of the model in `path` on 4,096 fresh samples of the dataset's distribution.

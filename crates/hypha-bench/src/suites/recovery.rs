@@ -15,10 +15,10 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use hypha_testing::cluster::{Cluster, Proc, events, of_kind};
 
-use crate::{Report, median};
+use crate::{Report, median, wait_for_events};
 
 /// The target for both medians.
 const TARGET_S: f64 = 5.0;
@@ -108,20 +108,9 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
 
 /// Waits until the events file holds `count` `round` events.
 fn wait_for_rounds(path: &std::path::Path, count: usize) -> anyhow::Result<()> {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let all = events(path);
-        if of_kind(&all, "round").len() >= count {
-            return Ok(());
-        }
-        if let Some(done) = of_kind(&all, "done").last() {
-            bail!("the job ended before round {count}: {}", done["event"]);
-        }
-        if Instant::now() >= deadline {
-            bail!("no round {count} within {PATIENCE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_events(path, PATIENCE, &format!("round {count}"), |all| {
+        of_kind(all, "round").len() >= count
+    })
 }
 
 /// Which of the workers `names` runs the parameter server now: the peer of the last
