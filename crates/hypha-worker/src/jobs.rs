@@ -32,7 +32,6 @@ use std::{
 };
 
 use hypha_artifacts::Admission;
-use hypha_files::{Mode, write_atomic};
 use hypha_messages::{
     artifact,
     job::{JobSpec, JobStatus},
@@ -222,15 +221,10 @@ impl JobManager {
                 error,
             })?;
         let job_json = job_json(&id, &spec);
-        write_atomic(
-            &dir.join("job.json"),
-            job_json.as_bytes(),
-            Mode::Private,
-            false,
-        )?;
+        write_private(&dir.join("job.json"), job_json.as_bytes())?;
         if !spec.secrets.is_empty() {
             let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
-            write_atomic(&dir.join(SECRETS), &secrets, Mode::Private, false)?;
+            write_private(&dir.join(SECRETS), &secrets)?;
         }
         let socket = self.sockets.socket(&dir, &id);
         // The link first: a failure here leaves no bridge running.
@@ -462,7 +456,11 @@ impl Supervisor {
             Ok(files) => files,
             Err(e) => return failed(format!("cannot create the job's log files: {e}"), vec![]),
         };
-        let mut command = tokio::process::Command::new(cmd);
+        let program = match find_program(cmd, env, &self.dir) {
+            Ok(program) => program,
+            Err(e) => return failed(e, vec![]),
+        };
+        let mut command = tokio::process::Command::new(program);
         command
             .env_clear()
             .envs(env.iter().map(|(name, value)| (name, value)))
@@ -593,6 +591,25 @@ fn signal_group(pid: Option<Pid>, signal: Signal) {
     }
 }
 
+/// Writes a file of a new job's directory that only the worker's user may read.
+///
+/// Not fsynced: the executor reads it from the page cache right after, and a worker that
+/// crashes loses its jobs anyway (a restarted worker starts none of them again), so durability
+/// would only put a journal commit into every dispatch.
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), hypha_files::Error> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut file| file.write_all(bytes))
+        .map_err(|error| hypha_files::Error::Write {
+            path: path.to_path_buf(),
+            error,
+        })
+}
+
 /// What an executor is told about its job (`{JOB_JSON}`, `job.json`): everything but the
 /// secrets, with the executor's settings as a JSON value.
 fn job_json(id: &str, spec: &JobSpec) -> String {
@@ -641,9 +658,85 @@ fn last_lines(path: &Path, n: usize) -> Vec<String> {
     lines[lines.len().saturating_sub(n)..].to_vec()
 }
 
+/// The program an executor runs: `cmd` as `execvp` would find it in the executor's `PATH`.
+///
+/// Looked up here rather than in the child so that the standard library starts it with
+/// `posix_spawn` (a `vfork`): a child that must search a `PATH` it is given is started with
+/// `fork`, which copies the page tables of a worker that may hold gigabytes (a parameter
+/// server's model) and makes every page it then writes fault. Measured in `hypha-bench
+/// allocation` (64 workers in one process): forks were the largest cost of dispatching.
+/// A `cmd` with a `/`, or an executor without a `PATH`, is left to the standard library.
+fn find_program(cmd: &str, env: &[(String, OsString)], job_dir: &Path) -> Result<PathBuf, String> {
+    let path = env.iter().find(|(name, _)| name == "PATH").map(|(_, v)| v);
+    let Some(path) = path.filter(|_| !cmd.contains('/')) else {
+        return Ok(PathBuf::from(cmd));
+    };
+    let mut found = std::env::split_paths(path).map(|dir| {
+        // An empty entry is the working directory, the job's.
+        if dir.as_os_str().is_empty() {
+            job_dir.join(cmd)
+        } else {
+            job_dir.join(dir).join(cmd)
+        }
+    });
+    found
+        .find(|candidate| is_executable(candidate))
+        .ok_or_else(|| {
+            format!(
+                "cannot start executor {cmd:?}: no executable {cmd:?} in the executor's PATH ({}); install it or give its absolute path",
+                path.to_string_lossy()
+            )
+        })
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_executor_is_found_in_its_own_path_as_execvp_would() -> std::io::Result<()> {
+        let job = tempfile::tempdir()?;
+        let bin = job.path().join("bin");
+        std::fs::create_dir(&bin)?;
+        let trainer = bin.join("trainer");
+        std::fs::write(&trainer, "#!/bin/sh\n")?;
+        let not_executable = bin.join("notes");
+        std::fs::write(&not_executable, "")?;
+        let env = |path: &str| vec![("PATH".to_string(), OsString::from(path))];
+
+        // Only an executable file counts; a relative entry is the job's directory's.
+        assert!(find_program("trainer", &env("/nonexistent:bin"), job.path()).is_err());
+        std::fs::set_permissions(
+            &trainer,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )?;
+        assert_eq!(
+            find_program("trainer", &env("/nonexistent:bin"), job.path()),
+            Ok(trainer)
+        );
+        let missing = find_program("notes", &env("/nonexistent:bin"), job.path());
+        assert!(
+            missing
+                .as_ref()
+                .is_err_and(|e| e.contains("/nonexistent:bin")),
+            "{missing:?}"
+        );
+        // A path, or an executor without PATH, is the standard library's to resolve.
+        assert_eq!(
+            find_program("./run.sh", &env("bin"), job.path()),
+            Ok(PathBuf::from("./run.sh"))
+        );
+        assert_eq!(
+            find_program("true", &[], job.path()),
+            Ok(PathBuf::from("true"))
+        );
+        Ok(())
+    }
 
     #[test]
     fn an_executor_gets_the_base_environment_and_what_its_env_allows() {
