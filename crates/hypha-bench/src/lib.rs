@@ -72,6 +72,9 @@ pub fn run_child(args: &[String]) -> Option<anyhow::Result<()>> {
         Some((command, rest)) if command == suites::diloco::CHILD_COMMAND => {
             Some(suites::diloco::child_main(rest))
         }
+        Some((command, _)) if command == suites::allocation::SPIN_COMMAND => {
+            suites::allocation::spin_main()
+        }
         _ => None,
     }
 }

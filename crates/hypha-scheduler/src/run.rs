@@ -82,6 +82,10 @@ const RELEASE_LIMIT: Duration = Duration::from_secs(5);
 /// again this many times, this long apart.
 const TASK_PEERS_TRIES: usize = 20;
 const TASK_PEERS_RETRY: Duration = Duration::from_millis(250);
+/// Workers hear within this that others left the task (at once that one joined): a worker
+/// that left is refused a little later, and the run's end tells each worker once, not once
+/// per job that ended.
+const PEERS_LEFT_WITHIN: Duration = Duration::from_secs(1);
 
 /// Something that happened to the job.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -851,6 +855,8 @@ struct Dispatched {
     /// Its `dispatched` event was recorded: when the worker answered the dispatch, or, for a
     /// job so short that its status came first, just before that status.
     announced: bool,
+    /// The version of the task's peers its worker was told (with the dispatch, or since).
+    peers_version: u64,
 }
 
 /// A lease of an earlier run taken over for `slot`, with its job `job` on `peer` still
@@ -929,8 +935,10 @@ struct JobRun<'a> {
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
-    /// The task's peers as last told to its workers.
+    /// The task's peers as the workers are told them.
     told_peers: TaskPeers,
+    /// When the workers must next be told the task's peers (see [`Run::tell_task_peers`]).
+    peers_due: Option<tokio::time::Instant>,
     tasks: JoinSet<Internal>,
     lost: mpsc::Sender<Lost>,
     /// Trainers benched (see [`Event::Benched`]): never leased again for the task.
@@ -1035,6 +1043,7 @@ impl<'a> JobRun<'a> {
             events,
             jobs: HashMap::new(),
             told_peers: TaskPeers::default(),
+            peers_due: None,
             tasks,
             lost: lost_tx,
             benched: Vec::new(),
@@ -1192,8 +1201,11 @@ impl<'a> JobRun<'a> {
                 }
                 return self.completed().await;
             }
+            self.tell_task_peers();
+            let peers_due = self.peers_due;
             tokio::select! {
                 _ = &mut *shutdown => return Err(RunError::Interrupted),
+                () = sleep_until(peers_due) => {}
                 Some(ended) = self.tasks.join_next() => match ended {
                     Ok(internal) => self.on_task(internal).await?,
                     // A task that panicked took its leases with it (dropped, so released);
@@ -1488,9 +1500,12 @@ impl<'a> JobRun<'a> {
                 lease,
                 // Taken over running: the earlier process announced it.
                 announced: true,
+                // What the earlier process told its worker is not known: told again.
+                peers_version: 0,
             },
         );
-        self.tell_task_peers();
+        self.task_peers_changed();
+        self.peers_due = Some(tokio::time::Instant::now());
         self.store_record()?;
         let early = self
             .ended_early
@@ -1516,15 +1531,16 @@ impl<'a> JobRun<'a> {
             .map(|recorded| self.slots.role(recorded.slot))
     }
 
-    /// Tells every worker of the run who the task's peers are (the workers of its jobs: with
-    /// the scheduler, the only peers whose transfers the jobs take), when that changed since
-    /// last told: a worker that joins is heard by the others, one that left no longer is.
+    /// Notes who the task's peers are now (the workers of its jobs: with the scheduler, the
+    /// only peers whose transfers the jobs take), and when the workers must hear it: at once
+    /// when a worker joined (the others must take its transfers), within
+    /// [`PEERS_LEFT_WITHIN`] when workers only left. [`Run::tell_task_peers`] tells them.
     ///
-    /// Sent in the background. The lists carry rising versions, so one that arrives late
-    /// changes nothing; one that arrives before the dispatch it follows (answered `Gone`) is
-    /// sent again for a few seconds. A worker that never hears it keeps what it was told
-    /// before, and a sender it refuses tries again for a while (`not_in_task` is transient).
-    fn tell_task_peers(&mut self) {
+    /// Told once per turn of the run's loop, not once per change: a run that dispatches 64
+    /// jobs at once, or whose 64 jobs end within a second, tells each worker once or twice
+    /// instead of once per job (quadratic: 2,000 requests at 64 workers, measured by
+    /// `hypha-bench allocation`).
+    fn task_peers_changed(&mut self) {
         let peers: Vec<String> = self
             .jobs
             .values()
@@ -1535,6 +1551,7 @@ impl<'a> JobRun<'a> {
         if peers == self.told_peers.peers {
             return;
         }
+        let joined = peers.iter().any(|p| !self.told_peers.peers.contains(p));
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -1542,7 +1559,36 @@ impl<'a> JobRun<'a> {
             version: now_ms.max(self.told_peers.version + 1),
             peers,
         };
-        let workers: HashSet<PeerId> = self.jobs.values().map(|d| d.lease.peer).collect();
+        let now = tokio::time::Instant::now();
+        let due = if joined { now } else { now + PEERS_LEFT_WITHIN };
+        self.peers_due = Some(self.peers_due.map_or(due, |earlier| earlier.min(due)));
+    }
+
+    /// Tells each worker whose jobs know an older list of the task's peers the current one,
+    /// once it is due (see [`Run::task_peers_changed`]); a job whose dispatch is not
+    /// answered yet is told once it is (its dispatch carried the list of its time).
+    ///
+    /// Sent in the background. The lists carry rising versions, so one that arrives late
+    /// changes nothing; one that arrives before the dispatch it follows (answered `Gone`) is
+    /// sent again for a few seconds. A worker that never hears it keeps what it was told
+    /// before, and a sender it refuses tries again for a while (`not_in_task` is transient).
+    fn tell_task_peers(&mut self) {
+        if self
+            .peers_due
+            .is_none_or(|due| due > tokio::time::Instant::now())
+        {
+            return;
+        }
+        self.peers_due = None;
+        let version = self.told_peers.version;
+        let mut workers = HashSet::new();
+        // Jobs still being dispatched are told when they answer (`announce_dispatched`).
+        for job in self.jobs.values_mut().filter(|job| job.announced) {
+            if job.peers_version < version {
+                job.peers_version = version;
+                workers.insert(job.lease.peer);
+            }
+        }
         for worker in workers {
             let network = self.network.clone();
             let request = Request::TaskPeers {
@@ -1620,10 +1666,14 @@ impl<'a> JobRun<'a> {
                 slot,
                 lease,
                 announced: false,
+                peers_version: 0,
             },
         );
-        self.tell_task_peers();
+        self.task_peers_changed();
         spec.task_peers = self.told_peers.clone();
+        if let Some(job) = self.jobs.get_mut(&id) {
+            job.peers_version = spec.task_peers.version;
+        }
         self.store_record()?;
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
         let checkpoint = match (restore, &self.checkpoints) {
@@ -1693,6 +1743,9 @@ impl<'a> JobRun<'a> {
             return;
         };
         dispatched.announced = true;
+        if dispatched.peers_version < self.told_peers.version {
+            self.peers_due = Some(tokio::time::Instant::now());
+        }
         let (slot, peer) = (dispatched.slot, dispatched.lease.peer.to_string());
         self.events.record(Event::Dispatched {
             slot,
@@ -1724,7 +1777,7 @@ impl<'a> JobRun<'a> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
-        self.tell_task_peers();
+        self.task_peers_changed();
         let role = self.slots.role(dispatched.slot);
         if role == Role::ParameterServer && self.server_pending && failure.is_none() {
             // A server taken over that finished before it said where it was: the earlier
@@ -2084,6 +2137,14 @@ async fn send_checkpoint(
         size,
     };
     hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]
