@@ -564,22 +564,36 @@ fn an_elastic_run_grows_from_two_trainers_to_four_and_shrinks_back() {
 /// on with the other two (an elastic run's `min`), and every slice is used once per epoch.
 #[test]
 fn a_trainer_told_to_stop_sends_its_update_and_no_round_waits_for_it() {
-    told_to_stop(|cluster, name| cluster.trainer_worker(name, ""));
+    told_to_stop(
+        |cluster, name| cluster.trainer_worker(name, ""),
+        Stop::Drain,
+    );
 }
 
 /// The same with a trainer of the Python SDK leaving (the numpy example).
 #[test]
 fn a_python_trainer_told_to_stop_sends_its_update_too() {
     if python_with(&["numpy"], true) {
-        told_to_stop(|cluster, name| {
-            cluster.python_worker(name, "train", "diloco", "examples/numpy_trainer.py", &[])
-        });
+        told_to_stop(
+            |cluster, name| {
+                cluster.python_worker(name, "train", "diloco", "examples/numpy_trainer.py", &[])
+            },
+            Stop::Signal,
+        );
     }
+}
+
+/// How a worker is told to stop: the two ways a user has.
+enum Stop {
+    /// `kill -TERM`, what a service manager sends.
+    Signal,
+    /// `hypha-worker drain --config`, which waits until the worker has exited.
+    Drain,
 }
 
 /// Runs an elastic job of three trainers, the first started by `leaver`, and tells the first
 /// to stop once a round was applied.
-fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc) {
+fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc, stop: Stop) {
     const EPOCHS: u32 = 10;
     let (mut cluster, _data, _server) = cluster();
     cluster.worker_prefetch_bytes = Some(1);
@@ -597,11 +611,33 @@ fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc) {
     scheduler.wait_for("round applied");
     let leaver = trainers[0].0.clone();
     let proc = &mut trainers[0].1;
-    let stopped = std::process::Command::new("kill")
-        .args(["-TERM", &proc.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
+    match stop {
+        Stop::Signal => {
+            let stopped = std::process::Command::new("kill")
+                .args(["-TERM", &proc.child.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(stopped.success());
+        }
+        Stop::Drain => {
+            let drained = std::process::Command::new(bin("hypha-worker"))
+                .args(["drain", "--config"])
+                .arg(cluster.path("trainer0.toml"))
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&drained.stdout);
+            assert!(
+                drained.status.success() && said.contains("drained and exited"),
+                "drain failed: {said}{}",
+                String::from_utf8_lossy(&drained.stderr)
+            );
+            // It returned once the worker had exited.
+            assert!(
+                proc.child.try_wait().unwrap().is_some(),
+                "the worker still runs after drain"
+            );
+        }
+    }
     assert!(
         proc.child.wait().unwrap().success(),
         "the worker left cleanly"

@@ -21,6 +21,7 @@ pub mod arbiter;
 pub mod artifacts;
 pub mod bridge;
 pub mod config;
+pub mod drain;
 pub mod fetch_command;
 pub mod jobs;
 pub mod lease;

@@ -32,6 +32,13 @@ enum Command {
     /// Example: `hypha-worker fetch --config worker.toml --profile models --expect 8
     /// llama/weights.safetensors weights.safetensors`
     Fetch(Box<hypha_worker::fetch_command::FetchArgs>),
+    /// Tell the worker running with this config to drain, and wait until it has: it takes
+    /// no new jobs, each job hands back its work (a trainer's update still goes into the
+    /// round if it is ready, else its slices go back at once), then the worker exits. The same
+    /// as sending the worker SIGTERM.
+    ///
+    /// Example: `hypha-worker drain --config worker.toml`
+    Drain(hypha_worker::drain::DrainArgs),
 }
 
 #[tokio::main]
@@ -43,5 +50,6 @@ async fn main() -> ExitCode {
         Command::Run(args) => hypha_worker::node::run(&args).await,
         Command::Probe(args) => hypha_node::probe(&schema, &args).await,
         Command::Fetch(args) => hypha_worker::fetch_command::run(&args).await,
+        Command::Drain(args) => hypha_worker::drain::run(&args).await,
     })
 }

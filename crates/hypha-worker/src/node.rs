@@ -29,6 +29,7 @@ use crate::{
     artifacts::ArtifactStore,
     bridge::{self, socket::SocketPlace},
     config::{WorkerConfig, schema},
+    drain::{LockError, WorkerLock},
     jobs::{Ended, JobManager, StartError},
     lease::{LeaseId, LeaseManager, Stage},
     metrics,
@@ -51,6 +52,15 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
             format!("cannot create {}: {e}", config.work_dir.display()),
             "point work_dir at a directory this user may write",
         ))
+    })?;
+    let _lock = WorkerLock::acquire(&config.work_dir).map_err(|e| {
+        let fix = match e {
+            LockError::Taken { .. } => {
+                "give each worker its own work_dir, or stop that one first (hypha-worker drain --config ...)"
+            }
+            LockError::Io { .. } => "point work_dir at a directory this user may write",
+        };
+        Error::from(loaded.error("work_dir", e.to_string(), fix))
     })?;
     if config.executors.is_empty() {
         tracing::warn!(
