@@ -1,6 +1,6 @@
 //! [`Distributor`]: a node's handle on artifact distribution: fetch, seed, settle.
 
-use hypha_messages::artifact::Request;
+use hypha_messages::artifact::{Published, Request};
 use std::{
     collections::HashMap,
     os::unix::fs::PermissionsExt,
@@ -23,6 +23,7 @@ use crate::{
         CHUNK_PROTOCOL, ChunkErrorCode, HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame,
         write_frame,
     },
+    published::{self, PUBLISHED_PROTOCOL, Publications},
     swarm::{self, Context, Event, Failure, Held, Holding, Progress},
     unpack::{UnpackError, unpack},
 };
@@ -123,6 +124,7 @@ struct Inner {
     cache: Arc<Cache>,
     settings: Settings,
     swarms: Mutex<HashMap<ArtifactId, Member>>,
+    publications: Arc<Publications>,
 }
 
 /// A swarm this node is in.
@@ -168,15 +170,22 @@ impl Distributor {
         let cache = Arc::new(Cache::open(cache_dir)?);
         let swarm_streams = network.accept_streams(SWARM_PROTOCOL)?;
         let chunk_streams = network.accept_streams(CHUNK_PROTOCOL)?;
+        let published_streams = network.accept_streams(PUBLISHED_PROTOCOL)?;
+        let publications = Arc::new(Publications::new());
         let inner = Arc::new(Inner {
             network,
             origins,
             cache,
             settings,
             swarms: Mutex::default(),
+            publications: publications.clone(),
         });
         tokio::spawn(accept_swarm_streams(swarm_streams, Arc::downgrade(&inner)));
         tokio::spawn(accept_chunk_streams(chunk_streams, Arc::downgrade(&inner)));
+        tokio::spawn(published::accept(
+            published_streams,
+            Arc::downgrade(&publications),
+        ));
         Ok(Distributor { inner })
     }
 
@@ -208,12 +217,62 @@ impl Distributor {
         }
     }
 
+    /// Serves the file at `path` to the peers `admission` lets in: they fetch it with
+    /// [`fetch_published`](Self::fetch_published), this node as their origin, until
+    /// [`unpublish`](Self::unpublish). The file must not change meanwhile (a changed file is
+    /// refused to them, as an origin's changed object is).
+    pub fn publish(&self, path: &Path, admission: Admission) -> Result<Published, FetchError> {
+        Ok(self
+            .inner
+            .publications
+            .publish(self.inner.network.local_peer_id(), path, admission)?)
+    }
+
+    /// Bytes of this node's published files its readers were sent so far.
+    pub fn published_bytes(&self) -> u64 {
+        self.inner.publications.served()
+    }
+
+    /// Stops serving a file [`publish`](Self::publish)ed here.
+    pub fn unpublish(&self, published: &Published) {
+        self.inner.publications.unpublish(&published.name);
+    }
+
+    /// Fetches a file another peer published to `destination`, with every other node
+    /// fetching it: each chunk is read from the publisher about once and passed on between
+    /// the fetchers, verified like the chunks of any artifact.
+    pub async fn fetch_published(
+        &self,
+        published: &Published,
+        destination: &Path,
+        options: &FetchOptions,
+    ) -> Result<Fetched, FetchError> {
+        let origin = Arc::new(Origin::publisher(self.inner.network.clone(), published)?);
+        let request = Request {
+            profile: format!("published:{}", published.peer),
+            uri: published.name.clone(),
+            kind: crate::Kind::Object,
+            destination: destination.to_path_buf(),
+            unpack: None,
+        };
+        self.fetch_from(origin, &request, options).await
+    }
+
     async fn fetch_once(
         &self,
         request: &Request,
         options: &FetchOptions,
     ) -> Result<Fetched, FetchError> {
         let origin = self.inner.origins.get(&request.profile)?;
+        self.fetch_from(origin, request, options).await
+    }
+
+    async fn fetch_from(
+        &self,
+        origin: Arc<Origin>,
+        request: &Request,
+        options: &FetchOptions,
+    ) -> Result<Fetched, FetchError> {
         let files = origin.resolve(request).await?;
         let size = files.iter().map(|f| f.size).sum();
         let chunk_size = self

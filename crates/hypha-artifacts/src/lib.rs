@@ -23,13 +23,16 @@ mod distributor;
 pub mod manifest;
 pub mod origin;
 pub mod protocol;
+pub mod published;
 pub mod swarm;
 pub mod unpack;
 
 use std::time::Duration;
 
 pub use distributor::{Admission, Distributor, FetchError, FetchOptions, Fetched};
-pub use hypha_messages::artifact::{self as request, Kind, Request, Unpack, UnpackMethod};
+pub use hypha_messages::artifact::{
+    self as request, Kind, Published, Request, Unpack, UnpackMethod,
+};
 pub use manifest::{ArtifactId, Manifest, auto_chunk_size};
 pub use origin::{Origin, OriginError, Origins, Profile};
 pub use swarm::{PeerProgress, Progress};

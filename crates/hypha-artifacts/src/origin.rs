@@ -27,7 +27,7 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::manifest::FileEntry;
+use crate::{manifest::FileEntry, published::Publisher};
 
 /// A named store and how to reach it.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -116,11 +116,19 @@ impl Origins {
     }
 }
 
-/// One store, with the path under it that URIs are relative to.
+/// One store, with the path under it that URIs are relative to, or a peer that published
+/// a file ([`crate::published`]).
 pub struct Origin {
     url: String,
-    store: Arc<dyn ObjectStore>,
-    base: StorePath,
+    source: Source,
+}
+
+enum Source {
+    Store {
+        store: Arc<dyn ObjectStore>,
+        base: StorePath,
+    },
+    Publisher(Box<Publisher>),
 }
 
 impl fmt::Debug for Origin {
@@ -192,8 +200,19 @@ impl Origin {
         };
         Ok(Origin {
             url: profile.url.clone(),
-            store,
-            base,
+            source: Source::Store { store, base },
+        })
+    }
+
+    /// The peer that published `published`, as an origin.
+    pub(crate) fn publisher(
+        network: hypha_network::Network,
+        published: &hypha_messages::artifact::Published,
+    ) -> Result<Origin, OriginError> {
+        let publisher = Publisher::new(network, published)?;
+        Ok(Origin {
+            url: publisher.url(),
+            source: Source::Publisher(Box::new(publisher)),
         })
     }
 
@@ -202,17 +221,17 @@ impl Origin {
         &self.url
     }
 
-    fn location(&self, uri: &str) -> StorePath {
-        self.base
-            .parts()
-            .chain(StorePath::from(uri.trim_matches('/')).parts())
-            .collect()
-    }
-
     /// Looks the request up: the object's metadata, or every object under the prefix with its
     /// path relative to the prefix, sorted by that path.
     pub async fn resolve(&self, request: &Request) -> Result<Vec<FileEntry>, OriginError> {
-        let location = self.location(&request.uri);
+        let (store, base) = match &self.source {
+            Source::Store { store, base } => (store, base),
+            Source::Publisher(publisher) => return publisher.resolve().await,
+        };
+        let location: StorePath = base
+            .parts()
+            .chain(StorePath::from(request.uri.trim_matches('/')).parts())
+            .collect();
         let store_error = |source| match source {
             object_store::Error::NotFound { .. } => OriginError::NotFound {
                 uri: request.uri.clone(),
@@ -224,12 +243,11 @@ impl Origin {
         };
         match request.kind {
             Kind::Object => {
-                let meta = self.store.head(&location).await.map_err(store_error)?;
+                let meta = store.head(&location).await.map_err(store_error)?;
                 Ok(vec![entry(String::new(), meta)])
             }
             Kind::Prefix => {
-                let metas: Vec<ObjectMeta> = self
-                    .store
+                let metas: Vec<ObjectMeta> = store
                     .list(Some(&location))
                     .try_collect()
                     .await
@@ -270,6 +288,10 @@ impl Origin {
         file: &FileEntry,
         range: Range<u64>,
     ) -> Result<BoxStream<'static, Result<Bytes, OriginError>>, OriginError> {
+        let store = match &self.source {
+            Source::Store { store, .. } => store,
+            Source::Publisher(publisher) => return publisher.read(range).await,
+        };
         let uri = file.location.clone();
         let location = StorePath::from(file.location.as_str());
         let options = GetOptions {
@@ -278,22 +300,22 @@ impl Origin {
             range: Some(GetRange::Bounded(range.clone())),
             ..GetOptions::default()
         };
-        let result =
-            self.store
-                .get_opts(&location, options)
-                .await
-                .map_err(|source| match source {
-                    object_store::Error::Precondition { .. }
-                    | object_store::Error::NotFound { .. } => OriginError::Changed {
+        let result = store
+            .get_opts(&location, options)
+            .await
+            .map_err(|source| match source {
+                object_store::Error::Precondition { .. } | object_store::Error::NotFound { .. } => {
+                    OriginError::Changed {
                         uri: uri.clone(),
                         expected: file.describe_version(),
                         found: "a different or no object".into(),
-                    },
-                    source => OriginError::Store {
-                        uri: uri.clone(),
-                        source,
-                    },
-                })?;
+                    }
+                }
+                source => OriginError::Store {
+                    uri: uri.clone(),
+                    source,
+                },
+            })?;
         // Stores that ignore If-Match still say which version they served.
         let served = entry(String::new(), result.meta.clone());
         if served.size != file.size

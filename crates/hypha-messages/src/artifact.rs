@@ -129,6 +129,23 @@ pub fn deduplicate(requests: impl IntoIterator<Item = Request>) -> Vec<Request> 
         .collect()
 }
 
+/// A file one peer publishes for others to fetch in an artifact swarm whose origin is that
+/// peer: each chunk leaves the publisher about once, and the fetchers pass chunks on to each
+/// other (a parameter server's global model, when several trainers join at once). Fetchers
+/// verify what they get as from any origin; the publisher serves it only to the peers it
+/// admits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Published {
+    /// The publishing peer's ID (base58).
+    pub peer: String,
+    /// The file's name at the publisher: random, one per publication.
+    pub name: String,
+    pub size: u64,
+    /// The version the file was published at: reads of another version are refused.
+    pub e_tag: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
