@@ -285,6 +285,18 @@ impl Cache {
         Ok(())
     }
 
+    /// Forgets every recorded chunk of `id`: it is not resumed.
+    pub fn forget_chunks(&self, id: ArtifactId) -> Result<(), CacheError> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut chunks = txn.open_table(CHUNKS)?;
+            let id: &[u8] = &id.0;
+            chunks.retain_in((id, 0)..=(id, u32::MAX), |_, _| false)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
     /// The chunks recorded for `id`: (chunk, BLAKE3, read from the origin by this node).
     pub fn chunks(&self, id: ArtifactId) -> Result<Vec<(u32, [u8; 32], bool)>, CacheError> {
         let txn = self.db.begin_read()?;

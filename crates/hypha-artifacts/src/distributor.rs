@@ -586,6 +586,23 @@ impl Distributor {
         Ok(Some(destination))
     }
 
+    /// Serves artifact `id` until every member of its swarm this node knows holds it all, or
+    /// `timeout` passes; then leaves the swarm and forgets its chunks (its files are the
+    /// caller's to remove).
+    pub async fn linger_and_forget(&self, id: ArtifactId, timeout: Duration) {
+        let progress = self.inner.swarms().get(&id).map(|m| m.progress.clone());
+        if let Some(mut progress) = progress {
+            let _ =
+                tokio::time::timeout(timeout, progress.wait_for(|p| p.complete && p.peers_done()))
+                    .await;
+        }
+        self.leave(id);
+        let cache = self.inner.cache.clone();
+        if let Err(error) = blocking(move || cache.forget_chunks(id)).await {
+            tracing::debug!(artifact = %id, %error, "cannot forget the chunks of an artifact left");
+        }
+    }
+
     /// Stops serving artifact `id` and leaves its swarm.
     pub fn leave(&self, id: ArtifactId) {
         self.inner.swarms().remove(&id);

@@ -159,6 +159,7 @@ impl Publications {
             name,
             size: metadata.len(),
             e_tag,
+            fetchers: 0,
         })
     }
 

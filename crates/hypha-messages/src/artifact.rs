@@ -144,6 +144,11 @@ pub struct Published {
     pub size: u64,
     /// The version the file was published at: reads of another version are refused.
     pub e_tag: String,
+    /// How many peers were told to fetch it at the same moment (this one included); they
+    /// wait a moment for each other before reading from the publisher, so that each chunk
+    /// leaves it once. 0: not known, start at once.
+    #[serde(default)]
+    pub fetchers: usize,
 }
 
 #[cfg(test)]

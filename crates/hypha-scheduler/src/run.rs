@@ -2135,6 +2135,7 @@ async fn send_checkpoint(
         task,
         name: checkpoint::TRANSFER_NAME.to_string(),
         size,
+        published: None,
     };
     hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
 }

@@ -8,6 +8,11 @@
 //! receiver → sender   answer:  frame {"received": {"jobs": 1}}, or {"refused": {…}}
 //! ```
 //!
+//! A header may name a file its sender **published** (`"published": {"peer", "name", "size",
+//! "e_tag"}`, see `hypha_artifacts::published`) instead of carrying it: no bytes follow, and the
+//! receiver answers `received` at once and fetches the file from the publisher and from the
+//! other receivers of it, so that a file sent to many leaves the sender about once.
+//!
 //! (Frames are [`hypha_network::frame`]s.) The receiver answers before any bytes move, so a
 //! refusal never costs the sender an upload; it takes a file only once the bytes match the
 //! announced size and checksum and are on disk ([`receive_bytes`]). A sender retries what the
@@ -22,6 +27,7 @@
 use std::time::Duration;
 
 use futures::{AsyncReadExt, AsyncWriteExt};
+use hypha_messages::artifact::Published;
 use hypha_network::{
     Network, NetworkError, PeerId, StreamProtocol,
     frame::{FrameError, read_frame, write_frame},
@@ -56,6 +62,9 @@ pub struct Header {
     /// The file's name: one path component.
     pub name: String,
     pub size: u64,
+    /// The file is fetched from where it is published rather than sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published: Option<Published>,
 }
 
 /// Sent after the bytes.
@@ -243,14 +252,55 @@ pub async fn send(
     file: std::fs::File,
     patience: Duration,
 ) -> Result<String, SendError> {
+    retrying(peer, patience, || {
+        // Each try reads from the start, through its own handle on the file.
+        let file = file.try_clone();
+        async move {
+            let mut file = tokio::fs::File::from_std(file.map_err(SendError::File)?);
+            file.seek(std::io::SeekFrom::Start(0))
+                .await
+                .map_err(SendError::File)?;
+            attempt(network, peer, header, &mut file).await
+        }
+    })
+    .await
+}
+
+/// Tells `peer` to fetch the file `header` names as published (see the module's
+/// documentation), trying again as [`send`] does. Returns once the peer took the fetch on,
+/// before it has the file.
+pub async fn send_published(
+    network: &Network,
+    peer: PeerId,
+    header: &Header,
+    patience: Duration,
+) -> Result<(), SendError> {
+    if header.published.is_none() {
+        return Err(SendError::Protocol);
+    }
+    retrying(peer, patience, || async {
+        let mut stream = network.open_stream(peer, PROTOCOL).await?;
+        within(HEADER_TIMEOUT, write_frame(&mut stream, header)).await?;
+        match within(HEADER_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
+            Answer::Received { .. } => Ok(String::new()),
+            Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
+            Answer::Ready => Err(SendError::Protocol),
+        }
+    })
+    .await
+    .map(drop)
+}
+
+/// Runs `once` until it succeeds, fails for good, or `patience` is spent.
+async fn retrying<F: std::future::Future<Output = Result<String, SendError>>>(
+    peer: PeerId,
+    patience: Duration,
+    mut once: impl FnMut() -> F,
+) -> Result<String, SendError> {
     let give_up = tokio::time::Instant::now() + patience;
     let mut backoff = Duration::from_millis(100);
-    let mut file = tokio::fs::File::from_std(file);
     loop {
-        file.seek(std::io::SeekFrom::Start(0))
-            .await
-            .map_err(SendError::File)?;
-        match attempt(network, peer, header, &mut file).await {
+        match once().await {
             Err(error)
                 if error.is_transient() && tokio::time::Instant::now() + backoff < give_up =>
             {

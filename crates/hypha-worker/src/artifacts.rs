@@ -26,7 +26,8 @@ use std::{
 };
 
 use hypha_artifacts::{
-    Admission, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress, Request,
+    Admission, ArtifactId, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress,
+    Published, Request,
 };
 use hypha_network::Network;
 use tokio::sync::watch;
@@ -35,6 +36,11 @@ use crate::{
     bridge::paths::{JobDir, PathError},
     config::ArtifactsConfig,
 };
+
+/// Where published files fetched for jobs wait in the store, until they are retired.
+const PUBLISHED_DIR: &str = "published";
+/// How long a worker serves a published file it fetched to the others fetching it.
+pub const PUBLISHED_LINGER: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A job's artifact could not be provided.
 #[derive(Debug, thiserror::Error)]
@@ -149,6 +155,57 @@ impl ArtifactStore {
         Ok(Provided { fetched, files })
     }
 
+    /// Fetches a file a peer published (`hypha_artifacts::published`) into the store's
+    /// private `published/` directory, sharing it with the peers `admission` lets in; returns
+    /// its path there and its artifact. Hand it on with [`copy_to_temp`], then call
+    /// [`retire_published`](Self::retire_published).
+    pub async fn fetch_published(
+        &self,
+        published: &Published,
+        admission: Admission,
+    ) -> Result<(PathBuf, ArtifactId), FetchError> {
+        let dir = self.store.join(PUBLISHED_DIR);
+        std::fs::create_dir_all(&dir)?;
+        // The name is the publisher's random one, of hex digits only: no path of a peer's.
+        let name = format!(
+            "{}-{}",
+            published
+                .peer
+                .chars()
+                .filter(char::is_ascii_alphanumeric)
+                .collect::<String>(),
+            published
+                .name
+                .chars()
+                .filter(char::is_ascii_hexdigit)
+                .collect::<String>()
+        );
+        let destination = dir.join(name);
+        let options = FetchOptions {
+            expect: published.fetchers,
+            progress: None,
+            admission: Some(admission),
+        };
+        let fetched = self
+            .distributor
+            .fetch_published(published, &destination, &options)
+            .await?;
+        Ok((destination, fetched.artifact))
+    }
+
+    /// Serves a published file fetched here to the others fetching it for at most
+    /// [`PUBLISHED_LINGER`] (until they all hold it), then forgets it and removes it.
+    pub async fn retire_published(&self, path: &Path, artifact: ArtifactId) {
+        self.distributor
+            .linger_and_forget(artifact, PUBLISHED_LINGER)
+            .await;
+        if let Err(error) = std::fs::remove_file(path)
+            && error.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), %error, "cannot remove a published file fetched here");
+        }
+    }
+
     /// The same request with destinations in the store.
     fn in_store(&self, request: &Request) -> Request {
         // Named after the object, so that unpacking by name sees its real extension.
@@ -221,6 +278,13 @@ fn copy_tree(
 /// by its owner (it is the job's own): a copy-on-write clone where the file system makes one,
 /// else a kernel-side copy. Never a link (see the module's documentation).
 fn place_file(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Result<()> {
+    let temp = copy_to_temp(parent, from, name)?;
+    JobDir::publish(parent, &temp, name)
+}
+
+/// A copy of `from` in a new temporary file for `name` in `parent` (see
+/// [`JobDir::create_temp`]), writable by its owner and fsynced; returns the temporary name.
+pub fn copy_to_temp(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Result<Vec<u8>> {
     let source = File::open(from)?;
     let (mut copy, temp) = JobDir::create_temp(parent, name)?;
     let copied = (|| {
@@ -231,9 +295,11 @@ fn place_file(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Result<()
         copy.set_permissions(std::fs::Permissions::from_mode((mode | 0o200) & 0o777))?;
         copy.sync_all()
     })();
-    if let Err(e) = copied {
-        JobDir::discard(parent, &temp);
-        return Err(e);
+    match copied {
+        Ok(()) => Ok(temp),
+        Err(e) => {
+            JobDir::discard(parent, &temp);
+            Err(e)
+        }
     }
-    JobDir::publish(parent, &temp, name)
 }

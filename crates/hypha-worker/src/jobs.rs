@@ -46,7 +46,7 @@ use crate::{
     bridge::{self, BridgeContext, paths::JobDir, socket::SocketPlace},
     config::{EnvVar, Executor, Runtime},
     metrics,
-    parameter_server::ServerJob,
+    parameter_server::{ModelPublisher, ServerJob},
 };
 
 /// The job's secrets in its directory, while it runs.
@@ -258,6 +258,12 @@ impl JobManager {
                 dir: dir.clone(),
                 inbox: bridge.inbox().clone(),
                 config: serde_json::from_str(&spec.config).unwrap_or_default(),
+                publisher: ModelPublisher::new(
+                    self.bridge.artifacts().clone(),
+                    self.bridge
+                        .inboxes()
+                        .artifact_admission(scheduler, &spec.task),
+                ),
             })),
         };
         let artifacts = Artifacts {

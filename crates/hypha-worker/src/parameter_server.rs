@@ -35,12 +35,13 @@
 //! a server told that training is over pushes its last checkpoint before it exits.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
+use hypha_artifacts::{Admission, Published};
 use hypha_diloco::{
     Codec, OuterOptimizer,
     server::{ParameterServer, Taken, round_of, samples_of},
@@ -54,7 +55,10 @@ use hypha_network::{Network, PeerId};
 use serde::Deserialize;
 use tokio::sync::oneshot;
 
-use crate::bridge::transfer::{self, Header, Inbox};
+use crate::{
+    artifacts::ArtifactStore,
+    bridge::transfer::{self, Header, Inbox},
+};
 
 /// How often the server reports when nothing arrives.
 pub const REPORT_EVERY: Duration = Duration::from_millis(250);
@@ -118,6 +122,62 @@ pub struct ServerJob {
     pub inbox: Arc<Inbox>,
     /// The job's config as the scheduler sent it.
     pub config: serde_json::Value,
+    /// Publishes whole models for the trainers' workers to fetch.
+    pub publisher: ModelPublisher,
+}
+
+/// Whole models at least this large are published to trainers rather than sent to each:
+/// below it a transfer of its own is quicker than joining a swarm.
+pub const PUBLISH_FROM_BYTES: u64 = 1024 * 1024;
+
+/// The whole models a server publishes (see `hypha_artifacts::published`), once each, to the
+/// workers of its task; withdrawn when the job ends.
+#[derive(Debug)]
+pub struct ModelPublisher {
+    artifacts: Arc<ArtifactStore>,
+    admission: Admission,
+    published: Mutex<HashMap<PathBuf, Published>>,
+}
+
+impl ModelPublisher {
+    pub fn new(artifacts: Arc<ArtifactStore>, admission: Admission) -> Self {
+        ModelPublisher {
+            artifacts,
+            admission,
+            published: Mutex::default(),
+        }
+    }
+
+    /// The file at `path`, published (once); `None` where it cannot be, and it is sent.
+    fn publish(&self, path: &Path) -> Option<Published> {
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(done) = published.get(path) {
+            return Some(done.clone());
+        }
+        match self
+            .artifacts
+            .distributor()
+            .publish(path, self.admission.clone())
+        {
+            Ok(done) => {
+                published.insert(path.to_path_buf(), done.clone());
+                Some(done)
+            }
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "cannot publish the model; sending it to each trainer");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for ModelPublisher {
+    fn drop(&mut self) {
+        let published = self.published.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, done) in published.drain() {
+            self.artifacts.distributor().unpublish(&done);
+        }
+    }
 }
 
 /// Why the server stopped before training was over.
@@ -523,13 +583,13 @@ impl ServerJob {
         if let Some(delta) = delta.filter(|_| !changed.is_empty()) {
             let path =
                 self.model_file(&format!("delta-{round}.safetensors"), || Ok(delta.to_vec()))?;
-            self.send_file(&path, round, changed);
+            self.send_file(&path, round, changed, false);
         }
         if !whole.is_empty() {
             let path = self.model_file(&format!("round-{round}.safetensors"), || {
                 tokio::task::block_in_place(|| server.model_bytes())
             })?;
-            self.send_file(&path, round, whole);
+            self.send_file(&path, round, whole, true);
         }
         Ok(())
     }
@@ -554,12 +614,26 @@ impl ServerJob {
         Ok(path)
     }
 
-    /// Sends the file at `path` to `peers`, each in a task of its own.
-    fn send_file(&self, path: &Path, round: u64, peers: &[String]) {
+    /// Sends the file at `path` to `peers`, each in a task of its own. A whole model
+    /// (`publish`) of [`PUBLISH_FROM_BYTES`] or more is published instead
+    /// ([`ModelPublisher`]): the trainers' workers fetch it from this one and from each
+    /// other, so that trainers joining together do not each take a model's worth of this
+    /// server's link.
+    fn send_file(&self, path: &Path, round: u64, peers: &[String], publish: bool) {
         let name = path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_default();
+        let size = path.metadata().map(|m| m.len()).unwrap_or(0);
+        let published = if publish && size >= PUBLISH_FROM_BYTES {
+            // Those told together wait for each other before they read from this server.
+            self.publisher.publish(path).map(|published| Published {
+                fetchers: peers.len(),
+                ..published
+            })
+        } else {
+            None
+        };
         for peer in peers {
             let Ok(peer) = peer.parse::<PeerId>() else {
                 tracing::warn!(%peer, "the scheduler named a trainer that is not a peer ID");
@@ -570,16 +644,26 @@ impl ServerJob {
             let header = Header {
                 task: self.task.clone(),
                 name: name.clone(),
-                size: path.metadata().map(|m| m.len()).unwrap_or(0),
+                size,
+                published: published.clone(),
             };
             tokio::spawn(async move {
-                let sent = match std::fs::File::open(&path) {
-                    Ok(file) => {
+                let sent = match (&header.published, std::fs::File::open(&path)) {
+                    (Some(_), _) => hypha_transfer::send_published(
+                        &network,
+                        peer,
+                        &header,
+                        transfer::SEND_PATIENCE,
+                    )
+                    .await
+                    .map_err(|e| e.to_string()),
+                    (None, Ok(file)) => {
                         transfer::send(&network, peer, &header, file, transfer::SEND_PATIENCE)
                             .await
+                            .map(drop)
                             .map_err(|e| e.to_string())
                     }
-                    Err(e) => Err(e.to_string()),
+                    (None, Err(e)) => Err(e.to_string()),
                 };
                 if let Err(error) = sent {
                     tracing::warn!(%peer, round, %error, "a trainer did not take the global model");
@@ -803,6 +887,7 @@ async fn upload(
         task: task.to_string(),
         name: CHECKPOINT_TRANSFER.to_string(),
         size,
+        published: None,
     };
     transfer::send(network, scheduler, &header, file, transfer::SEND_PATIENCE)
         .await

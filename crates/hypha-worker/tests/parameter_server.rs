@@ -18,7 +18,7 @@ use hypha_messages::{
 use hypha_network::Network;
 use hypha_worker::{
     bridge::transfer::{self, Header},
-    parameter_server::ServerJob,
+    parameter_server::{ModelPublisher, ServerJob},
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -61,6 +61,7 @@ async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path
         task: "task-1".into(),
         name: name.into(),
         size: bytes.len() as u64,
+        published: None,
     };
     let file = std::fs::File::open(&path).unwrap();
     transfer::send(
@@ -95,7 +96,9 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     let JobInbox {
         dir: job_dir,
         registration,
-        ..
+        inboxes,
+        artifacts,
+        artifacts_dir: _artifacts_dir,
     } = job_inbox(server, scheduler, &peers(1, &[a, b, helper]));
     let job = ServerJob {
         network: server.clone(),
@@ -105,6 +108,10 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         dir: job_dir.path().to_path_buf(),
         inbox: registration.inbox().clone(),
         config: serde_json::json!({"outer": {"learning_rate": 1.0, "momentum": 0.0}}),
+        publisher: ModelPublisher::new(
+            artifacts,
+            inboxes.artifact_admission(scheduler.local_peer_id(), "task-1"),
+        ),
     };
     let (_cancel, cancelled) = oneshot::channel();
     tokio::spawn(job.run(cancelled));

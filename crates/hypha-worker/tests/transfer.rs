@@ -82,6 +82,7 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
         task: task.to_string(),
         name: name.to_string(),
         size,
+        published: None,
     };
 
     // A real send of 3 MiB: the bytes and checksum survive.
@@ -226,12 +227,14 @@ async fn only_the_tasks_scheduler_and_workers_can_send_into_it() {
         inboxes,
         dir: job,
         registration,
+        ..
     } = job_inbox(receiver, scheduler, &peers(1, &[trainer, receiver]));
     let to = receiver.local_peer_id();
     let header = Header {
         task: "task-1".into(),
         name: "update.safetensors".into(),
         size: 4,
+        published: None,
     };
     let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));
 
@@ -333,6 +336,7 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
         task: "task-1".into(),
         name: "slow".into(),
         size: 1000,
+        published: None,
     };
     // Transfers that were let in and then send nothing: each holds a slot.
     let mut held = Vec::new();
@@ -393,6 +397,7 @@ async fn send_small(from: &Network, to: hypha_network::PeerId, name: &str) -> An
         task: "task-1".into(),
         name: name.into(),
         size: 4,
+        published: None,
     };
     raw_send(from, to, &small, b"abcd", &sum).await
 }
@@ -414,6 +419,7 @@ async fn transfers_under_way_are_counted_against_the_disk_together() {
         task: "task-1".into(),
         name: "big".into(),
         size,
+        published: None,
     };
     let fit = usize::try_from(room / size).unwrap();
     if fit >= transfer::MAX_PER_PEER {
@@ -436,4 +442,103 @@ async fn transfers_under_way_are_counted_against_the_disk_together() {
         RefusalCode::TooLarge
     );
     drop(held);
+}
+
+/// A file its sender published instead of sending (a parameter server's whole model) reaches
+/// the job of every receiver byte-exact, with its checksum, as if it had been sent, while
+/// its bytes leave the sender about once: the receivers' workers pass chunks on to each
+/// other. Pointing at a file another peer published is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_file_reaches_every_receiver_and_leaves_its_sender_about_once() {
+    let networks = connected(&["r0", "r1", "r2", "server"]).await;
+    let (receivers, server) = (&networks[..3], &networks[3]);
+    let all: Vec<&Network> = networks.iter().collect();
+    let task_peers = peers(1, &all);
+    // The server's own job gives it an artifact store to publish from.
+    let publisher = job_inbox(server, server, &task_peers);
+    let inboxes: Vec<JobInbox> = receivers
+        .iter()
+        .map(|r| job_inbox(r, server, &task_peers))
+        .collect();
+    let bytes: Vec<u8> = (0..3 * 1024 * 1024u32 + 77)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let path = publisher.dir.path().join("round-1.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    let published = publisher
+        .artifacts
+        .distributor()
+        .publish(
+            &path,
+            publisher
+                .inboxes
+                .artifact_admission(server.local_peer_id(), "task-1"),
+        )
+        .unwrap();
+    let header = Header {
+        task: "task-1".into(),
+        name: "round-1.safetensors".into(),
+        size: bytes.len() as u64,
+        published: Some(hypha_artifacts::Published {
+            fetchers: receivers.len(),
+            ..published
+        }),
+    };
+    let sends = receivers.iter().map(|r| {
+        hypha_transfer::send_published(
+            server,
+            r.local_peer_id(),
+            &header,
+            std::time::Duration::from_secs(10),
+        )
+    });
+    for sent in futures::future::join_all(sends).await {
+        sent.unwrap();
+    }
+    let sha256 = format!(
+        "sha256:{}",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes))
+    );
+    for (i, inbox) in inboxes.iter().enumerate() {
+        let arrived = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            inbox.registration.inbox().next(&HashSet::new()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("receiver {i} got nothing"));
+        assert_eq!(arrived.from, server.local_peer_id());
+        assert_eq!(arrived.name, "round-1.safetensors");
+        assert_eq!(arrived.checksum, sha256);
+        let delivered = inbox
+            .registration
+            .inbox()
+            .deliver(&arrived, Path::new("models"))
+            .unwrap();
+        assert_eq!(
+            std::fs::read(inbox.dir.path().join(delivered)).unwrap(),
+            bytes,
+            "receiver {i}"
+        );
+    }
+    let served = publisher.artifacts.distributor().published_bytes();
+    assert_eq!(
+        served,
+        bytes.len() as u64,
+        "the server sends the file once for three receivers (sending it to each is 3x)"
+    );
+
+    // A peer may only point at what it published itself.
+    let forged = hypha_transfer::send_published(
+        &receivers[0],
+        receivers[1].local_peer_id(),
+        &header,
+        std::time::Duration::from_secs(1),
+    )
+    .await;
+    assert!(
+        forged
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("published itself")),
+        "{forged:?}"
+    );
 }

@@ -146,7 +146,12 @@ impl Shared {
 
     /// Receives what peers send to this worker's jobs, until the network stops.
     pub async fn receive_transfers(&self) {
-        transfer::serve(self.network.clone(), self.inboxes.clone()).await;
+        transfer::serve(
+            self.network.clone(),
+            self.inboxes.clone(),
+            self.artifacts.clone(),
+        )
+        .await;
     }
 }
 

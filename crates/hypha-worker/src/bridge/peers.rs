@@ -85,6 +85,7 @@ pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEn
         task: bridge.context.task.clone(),
         name,
         size,
+        published: None,
     };
     let send_to = |peer: PeerId| {
         let header = &header;

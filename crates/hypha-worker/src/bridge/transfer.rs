@@ -39,7 +39,7 @@
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     ffi::{OsStr, OsString},
-    os::unix::ffi::OsStrExt,
+    os::unix::ffi::{OsStrExt, OsStringExt},
     path::Path,
     sync::{Arc, Mutex},
 };
@@ -52,7 +52,8 @@ use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
 use tokio::sync::{Notify, Semaphore};
 
 use super::paths::{JobDir, PathError};
-use crate::metrics;
+use crate::{artifacts::ArtifactStore, metrics};
+use sha2::{Digest, Sha256};
 
 /// Where received files wait, relative to the job's directory.
 pub const STAGING_DIR: &str = ".hypha/inbox";
@@ -299,6 +300,16 @@ impl Inboxes {
         self.by_task.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Who may share artifacts with this worker for `task`: see
+    /// [`artifact_admission`](Self::artifact_admission), with the task's scheduler here.
+    fn admission_of(self: &Arc<Self>, task: &str) -> Admission {
+        let scheduler = self.lock().get(task).map(|t| t.scheduler);
+        match scheduler {
+            Some(scheduler) => self.artifact_admission(scheduler, task),
+            None => Admission::new(|_| false),
+        }
+    }
+
     /// The inboxes of `task`'s jobs, if `sender` may send to them.
     fn of_task(&self, task: &str, sender: &PeerId) -> Result<Vec<Arc<Inbox>>, Refusal> {
         match self.lock().get(task) {
@@ -344,7 +355,7 @@ impl Drop for Registration {
 }
 
 /// Receives transfers for this worker's jobs until the network stops accepting streams.
-pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
+pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<ArtifactStore>) {
     let mut incoming = match network.accept_streams(PROTOCOL) {
         Ok(incoming) => incoming,
         Err(e) => {
@@ -361,11 +372,13 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>) {
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
         let limits = limits.clone();
+        let artifacts = artifacts.clone();
         let handshake = handshakes.clone().try_acquire_owned();
         tokio::spawn(async move {
             let answer = match handshake {
                 Ok(handshake) => {
-                    match receive(peer, &mut stream, &inboxes, handshake, &limits).await {
+                    match receive(peer, &mut stream, &inboxes, handshake, &limits, &artifacts).await
+                    {
                         Ok(jobs) => Answer::Received { jobs },
                         Err(refusal) => {
                             tracing::debug!(%peer, %refusal, "resource transfer refused");
@@ -400,9 +413,10 @@ fn busy(message: String) -> Refusal {
 async fn receive(
     peer: PeerId,
     stream: &mut hypha_network::Stream,
-    inboxes: &Inboxes,
+    inboxes: &Arc<Inboxes>,
     handshake: tokio::sync::OwnedSemaphorePermit,
-    limits: &Limits,
+    limits: &Arc<Limits>,
+    artifacts: &Arc<ArtifactStore>,
 ) -> Result<usize, Refusal> {
     let header = read_header(stream).await?;
     check_name(&header.name)?;
@@ -418,6 +432,32 @@ async fn receive(
         ));
     };
     drop(handshake);
+    let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
+    if let Some(published) = header.published.clone() {
+        if published.peer != peer.to_base58() || published.size != header.size {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "a peer may only point at a file it published itself, of the size its header says",
+            ));
+        }
+        let staging = first
+            .dir
+            .create_dir_all(Path::new(STAGING_DIR))
+            .map_err(|e| io(&e))?;
+        let promise = promise_room(&staging, header.size, limits)?;
+        let admission = inboxes.admission_of(&header.task);
+        let jobs = targets.len();
+        tokio::spawn(fetch_published(
+            peer,
+            header,
+            published,
+            targets,
+            artifacts.clone(),
+            admission,
+            promise,
+        ));
+        return Ok(jobs);
+    }
     let _slot = limits.slots.clone().try_acquire_owned().map_err(|_| {
         busy(format!(
             "this worker receives {MAX_CONCURRENT} transfers at most at once"
@@ -428,12 +468,11 @@ async fn receive(
             "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
         ))
     })?;
-    let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
     let staging = first
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
         .map_err(|e| io(&e))?;
-    let _promise = promise_room(&staging, header.size, &limits.promised)?;
+    let _promise = promise_room(&staging, header.size, limits)?;
     write_frame(stream, &Answer::Ready)
         .await
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
@@ -469,16 +508,87 @@ async fn receive(
     Ok(delivered)
 }
 
+/// Fetches a file `from` published (the header said so instead of sending it) and hands it
+/// to the inboxes `targets`, as if it had been sent: the same name, size and sender, its
+/// SHA-256 computed here. A fetch that fails hands nothing (the sender's file reaches no
+/// job, as a transfer that broke off; a trainer asks for the model again). The fetched file
+/// then serves the others fetching it for a while, and is removed.
+async fn fetch_published(
+    from: PeerId,
+    header: Header,
+    published: hypha_artifacts::Published,
+    targets: Vec<Arc<Inbox>>,
+    artifacts: Arc<ArtifactStore>,
+    admission: hypha_artifacts::Admission,
+    promise: Promise,
+) {
+    let (path, artifact) = match artifacts.fetch_published(&published, admission).await {
+        Ok(fetched) => fetched,
+        Err(error) => {
+            tracing::warn!(%from, name = header.name, %error, "could not fetch a file a peer published for its task");
+            return;
+        }
+    };
+    let handed = {
+        let path = path.clone();
+        let name = header.name.clone();
+        tokio::task::spawn_blocking(move || hand_on(&path, &name, &targets))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+    };
+    drop(promise);
+    match handed {
+        Ok(staged) => {
+            metrics::resource_bytes("received", header.size);
+            let delivered = staged.len();
+            for (inbox, temp, checksum) in staged {
+                inbox.push(from, &header.name, header.size, &checksum, temp);
+            }
+            tracing::debug!(%from, task = header.task, name = header.name, size = header.size, jobs = delivered, "published resource fetched");
+        }
+        Err(error) => {
+            tracing::warn!(%from, name = header.name, %error, "could not hand a fetched file to its jobs")
+        }
+    }
+    artifacts.retire_published(&path, artifact).await;
+}
+
+/// Copies the fetched file at `path` into the staging directory of each of `targets`, with
+/// its SHA-256; returns what to push.
+fn hand_on(
+    path: &Path,
+    name: &str,
+    targets: &[Arc<Inbox>],
+) -> std::io::Result<Vec<(Arc<Inbox>, OsString, String)>> {
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    let checksum = format!("sha256:{}", hex::encode(hasher.finalize()));
+    let mut staged = Vec::new();
+    for inbox in targets {
+        let staging = inbox
+            .dir
+            .create_dir_all(Path::new(STAGING_DIR))
+            .map_err(std::io::Error::other)?;
+        let temp = crate::artifacts::copy_to_temp(&staging, path, OsStr::new(name))?;
+        staged.push((inbox.clone(), OsString::from_vec(temp), checksum.clone()));
+    }
+    Ok(staged)
+}
+
 /// Room promised to one transfer under way, given back when it ends (its bytes are then on
 /// the disk, or gone).
-struct Promise<'a> {
-    promised: &'a Mutex<u64>,
+struct Promise {
+    limits: Arc<Limits>,
     size: u64,
 }
 
-impl Drop for Promise<'_> {
+impl Drop for Promise {
     fn drop(&mut self) {
-        let mut promised = self.promised.lock().unwrap_or_else(|p| p.into_inner());
+        let mut promised = self
+            .limits
+            .promised
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         *promised = promised.saturating_sub(self.size);
     }
 }
@@ -488,11 +598,11 @@ impl Drop for Promise<'_> {
 /// under way were promised, with [`DISK_RESERVE`] left free. (Promises count whole files,
 /// though some of their bytes are on the disk already: never too little room, at times too
 /// much.)
-fn promise_room<'a>(
+fn promise_room(
     staging: &std::os::fd::OwnedFd,
     size: u64,
-    promised: &'a Mutex<u64>,
-) -> Result<Promise<'a>, Refusal> {
+    limits: &Arc<Limits>,
+) -> Result<Promise, Refusal> {
     let too_large = |why: String| Refusal::new(RefusalCode::TooLarge, why);
     if size > hypha_transfer::MAX_TRANSFER_BYTES {
         return Err(too_large(format!(
@@ -503,7 +613,7 @@ fn promise_room<'a>(
     let stat =
         rustix::fs::fstatvfs(staging).map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
     let free = stat.f_bavail.saturating_mul(stat.f_frsize);
-    let mut under_way = promised.lock().unwrap_or_else(|p| p.into_inner());
+    let mut under_way = limits.promised.lock().unwrap_or_else(|p| p.into_inner());
     if size.saturating_add(*under_way).saturating_add(DISK_RESERVE) > free {
         return Err(too_large(format!(
             "{size} bytes do not fit: the worker's disk has {free} bytes free, keeps {DISK_RESERVE} and has promised {} to transfers under way",
@@ -511,7 +621,11 @@ fn promise_room<'a>(
         )));
     }
     *under_way += size;
-    Ok(Promise { promised, size })
+    drop(under_way);
+    Ok(Promise {
+        limits: limits.clone(),
+        size,
+    })
 }
 
 fn link_into(

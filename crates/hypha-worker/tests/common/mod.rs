@@ -10,9 +10,13 @@ use hypha_certs::{
 };
 use hypha_messages::job::TaskPeers;
 use hypha_network::{InboundRequest, Network, Settings};
-use hypha_worker::bridge::{
-    paths::JobDir,
-    transfer::{self, Inboxes, Registration},
+use hypha_worker::{
+    artifacts::ArtifactStore,
+    bridge::{
+        paths::JobDir,
+        transfer::{self, Inboxes, Registration},
+    },
+    config::ArtifactsConfig,
 };
 use tokio::sync::mpsc;
 
@@ -65,11 +69,30 @@ pub struct JobInbox {
     pub inboxes: Arc<Inboxes>,
     pub dir: tempfile::TempDir,
     pub registration: Registration,
+    /// The receiver's artifact store (published files are fetched into it).
+    pub artifacts: Arc<ArtifactStore>,
+    pub artifacts_dir: tempfile::TempDir,
 }
 
 pub fn job_inbox(receiver: &Network, scheduler: &Network, peers: &TaskPeers) -> JobInbox {
     let inboxes = Arc::new(Inboxes::default());
-    tokio::spawn(transfer::serve(receiver.clone(), inboxes.clone()));
+    let artifacts_dir = tempfile::tempdir().unwrap();
+    let artifacts = Arc::new(
+        ArtifactStore::start(
+            receiver.clone(),
+            &ArtifactsConfig {
+                dir: artifacts_dir.path().to_path_buf(),
+                settings: hypha_artifacts::Settings::default(),
+                profiles: Default::default(),
+            },
+        )
+        .unwrap(),
+    );
+    tokio::spawn(transfer::serve(
+        receiver.clone(),
+        inboxes.clone(),
+        artifacts.clone(),
+    ));
     let dir = tempfile::tempdir().unwrap();
     let registration = inboxes
         .open(
@@ -84,5 +107,7 @@ pub fn job_inbox(receiver: &Network, scheduler: &Network, peers: &TaskPeers) -> 
         inboxes,
         dir,
         registration,
+        artifacts,
+        artifacts_dir,
     }
 }
