@@ -8,7 +8,7 @@
 mod common;
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     io::{BufRead, BufReader, Read, Write},
     net::TcpListener,
     path::PathBuf,
@@ -742,7 +742,7 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         })
         .unwrap();
     servers[victim].1.child.kill().unwrap();
-    let (ok, lines) = scheduler.wait(Duration::from_secs(60));
+    let (ok, lines) = scheduler.wait(Duration::from_secs(240));
     let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
     let [(_, a), (_, b)] = &mut servers;
     procs.push(a);
@@ -1536,5 +1536,85 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
     for trainer in rust.iter_mut().chain([&mut python]) {
         trainer.kill();
         no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
+/// Trainers get a model of over 16 MiB published, not sent to each:
+/// the server's worker sends it about once, the trainers' workers pass it on to each other,
+/// and the run trains as ever. (Checked by sending it whole: each trainer's worker logs no
+/// fetch, and the assertion on the fetches fails.)
+#[test]
+fn trainers_starting_together_fetch_a_large_model_that_leaves_the_server_about_once() {
+    // The reference MLP has two hidden layers: about HIDDEN² parameters, 16.2 MiB here.
+    const HIDDEN: u64 = 2_048;
+    let (cluster, _data, mut server) = cluster();
+    let mut trainers: Vec<Proc> = (0..4)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    let job = cluster.job(
+        "large",
+        &format!(
+            "workers = 4\nbid = 50\nmax_attempts = 3\n\
+             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+             [resources]\ncpu = 1\n\
+             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {HIDDEN}, classes = 4 }}\n\
+             [data]\ndataset = \"blobs\"\nepochs = 2\nseed = 3\n\
+             [diloco]\nsamples_per_round = 768\nbatch_size = 32\nround_seconds = 10\n\
+             inner = {{ learning_rate = 0.0003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
+        ),
+    );
+    let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(240));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    // What each trainer's worker fetched: (file, size, from the publisher, from peers).
+    let field = |line: &str, key: &str| -> String {
+        line.split_whitespace()
+            .find_map(|part| part.strip_prefix(&format!("{key}=")))
+            .map(|v| v.trim_matches('"').to_string())
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+    };
+    let number = |line: &str, key: &str| -> u64 { field(line, key).parse().unwrap() };
+    let mut fetches: HashMap<String, Vec<(u64, u64, u64)>> = HashMap::new();
+    for trainer in &mut trainers {
+        while let Ok(line) = trainer.lines.try_recv() {
+            trainer.seen.push(line);
+        }
+        for line in &trainer.seen {
+            if line.contains("fetched a file its sender published") {
+                fetches.entry(field(line, "name")).or_default().push((
+                    number(line, "size"),
+                    number(line, "from_publisher"),
+                    number(line, "from_peers"),
+                ));
+            }
+        }
+    }
+    eprintln!("published models fetched (size, from the server, from peers): {fetches:?}");
+    // Without compression every round's model goes whole to every trainer, together (the
+    // first, round 0, goes to each as its offer came, so not necessarily together).
+    let together: Vec<_> = fetches
+        .iter()
+        .filter(|(name, f)| name.as_str() != "round-0.safetensors" && f.len() >= 3)
+        .collect();
+    assert!(
+        !together.is_empty(),
+        "no model of a later round was fetched by three trainers or more: {fetches:?}"
+    );
+    for (name, fetched) in together {
+        let size = fetched[0].0;
+        assert!(size > 4 * HIDDEN * HIDDEN, "{name} is {size} bytes");
+        let from_server: u64 = fetched.iter().map(|f| f.1).sum();
+        let from_peers: u64 = fetched.iter().map(|f| f.2).sum();
+        let receivers = fetched.len() as u64;
+        assert_eq!(from_server + from_peers, size * receivers);
+        // Sending it to each would be `receivers` times the model.
+        assert!(
+            2 * from_server <= (receivers + 1) * size,
+            "{name}: the server sent {from_server} bytes of a {size}-byte model to {receivers} trainers: {fetched:?}"
+        );
     }
 }

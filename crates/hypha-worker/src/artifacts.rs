@@ -157,13 +157,13 @@ impl ArtifactStore {
 
     /// Fetches a file a peer published (`hypha_artifacts::published`) into the store's
     /// private `published/` directory, sharing it with the peers `admission` lets in; returns
-    /// its path there and its artifact. Hand it on with [`copy_to_temp`], then call
+    /// its path there and the fetch. Hand it on with [`copy_to_temp`], then call
     /// [`retire_published`](Self::retire_published).
     pub async fn fetch_published(
         &self,
         published: &Published,
         admission: Admission,
-    ) -> Result<(PathBuf, ArtifactId), FetchError> {
+    ) -> Result<(PathBuf, Fetched), FetchError> {
         let dir = self.store.join(PUBLISHED_DIR);
         std::fs::create_dir_all(&dir)?;
         // The name is the publisher's random one, of hex digits only: no path of a peer's.
@@ -190,7 +190,7 @@ impl ArtifactStore {
             .distributor
             .fetch_published(published, &destination, &options)
             .await?;
-        Ok((destination, fetched.artifact))
+        Ok((destination, fetched))
     }
 
     /// Serves a published file fetched here to the others fetching it for at most

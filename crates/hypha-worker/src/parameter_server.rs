@@ -126,9 +126,14 @@ pub struct ServerJob {
     pub publisher: ModelPublisher,
 }
 
-/// Whole models at least this large are published to trainers rather than sent to each:
-/// below it a transfer of its own is quicker than joining a swarm.
-pub const PUBLISH_FROM_BYTES: u64 = 1024 * 1024;
+/// Whole models at least this large are published to trainers rather than sent to each.
+/// Below it a transfer of its own is about as quick: the fetchers of a small file each read
+/// it all from the server before they have found each other (measured on loopback: a 1 MiB
+/// model left the server once per trainer). Trainers told together wait for each other up
+/// to `artifacts.join_timeout` (10 s) before they read from the server, so a trainer that
+/// died holds the others up that long, where sending to each would cost the server's link
+/// a model per trainer.
+pub const PUBLISH_FROM_BYTES: u64 = 16 * 1024 * 1024;
 
 /// The whole models a server publishes (see `hypha_artifacts::published`), once each, to the
 /// workers of its task; withdrawn when the job ends.

@@ -522,7 +522,7 @@ async fn fetch_published(
     admission: hypha_artifacts::Admission,
     promise: Promise,
 ) {
-    let (path, artifact) = match artifacts.fetch_published(&published, admission).await {
+    let (path, fetched) = match artifacts.fetch_published(&published, admission).await {
         Ok(fetched) => fetched,
         Err(error) => {
             tracing::warn!(%from, name = header.name, %error, "could not fetch a file a peer published for its task");
@@ -544,13 +544,21 @@ async fn fetch_published(
             for (inbox, temp, checksum) in staged {
                 inbox.push(from, &header.name, header.size, &checksum, temp);
             }
-            tracing::debug!(%from, task = header.task, name = header.name, size = header.size, jobs = delivered, "published resource fetched");
+            tracing::info!(
+                %from,
+                name = header.name,
+                size = header.size,
+                from_publisher = fetched.progress.origin_bytes,
+                from_peers = fetched.progress.peer_bytes,
+                jobs = delivered,
+                "fetched a file its sender published"
+            );
         }
         Err(error) => {
             tracing::warn!(%from, name = header.name, %error, "could not hand a fetched file to its jobs")
         }
     }
-    artifacts.retire_published(&path, artifact).await;
+    artifacts.retire_published(&path, fetched.artifact).await;
 }
 
 /// Copies the fetched file at `path` into the staging directory of each of `targets`, with
