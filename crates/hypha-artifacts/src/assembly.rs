@@ -134,7 +134,7 @@ fn with_path(path: &Path) -> impl FnOnce(io::Error) -> io::Error + '_ {
     move |e| io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
-pub(crate) fn part_path(target: &Path) -> PathBuf {
+pub fn part_path(target: &Path) -> PathBuf {
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -28,6 +28,17 @@ use crate::{
     unpack::{UnpackError, unpack},
 };
 
+/// The cache's name for a fetch of `published` to `destination`.
+fn published_request(published: &Published, destination: &Path) -> Request {
+    Request {
+        profile: format!("published:{}", published.peer),
+        uri: published.name.clone(),
+        kind: crate::Kind::Object,
+        destination: destination.to_path_buf(),
+        unpack: None,
+    }
+}
+
 /// How long a peer may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -248,14 +259,37 @@ impl Distributor {
         options: &FetchOptions,
     ) -> Result<Fetched, FetchError> {
         let origin = Arc::new(Origin::publisher(self.inner.network.clone(), published)?);
-        let request = Request {
-            profile: format!("published:{}", published.peer),
-            uri: published.name.clone(),
-            kind: crate::Kind::Object,
-            destination: destination.to_path_buf(),
-            unpack: None,
-        };
-        self.fetch_from(origin, &request, options).await
+        self.fetch_from(origin, &published_request(published, destination), options)
+            .await
+    }
+
+    /// Serves a file [`fetch_published`](Self::fetch_published)ed to `destination` (artifact
+    /// `id`) until every member of its swarm this node knows holds it all, or `linger`
+    /// passes; then leaves the swarm and forgets it (the file is the caller's to remove).
+    pub async fn retire_published(
+        &self,
+        published: &Published,
+        destination: &Path,
+        id: ArtifactId,
+        linger: Duration,
+    ) {
+        let progress = self.inner.swarms().get(&id).map(|m| m.progress.clone());
+        if let Some(mut progress) = progress {
+            let _ =
+                tokio::time::timeout(linger, progress.wait_for(|p| p.complete && p.peers_done()))
+                    .await;
+        }
+        self.leave(id);
+        let cache = self.inner.cache.clone();
+        let request = published_request(published, destination);
+        let forgotten = blocking(move || {
+            cache.forget_completed(&request)?;
+            cache.forget_chunks(id)
+        })
+        .await;
+        if let Err(error) = forgotten {
+            tracing::debug!(artifact = %id, %error, "cannot forget a published file fetched here");
+        }
     }
 
     async fn fetch_once(
@@ -584,23 +618,6 @@ impl Distributor {
         })
         .await?;
         Ok(Some(destination))
-    }
-
-    /// Serves artifact `id` until every member of its swarm this node knows holds it all, or
-    /// `timeout` passes; then leaves the swarm and forgets its chunks (its files are the
-    /// caller's to remove).
-    pub async fn linger_and_forget(&self, id: ArtifactId, timeout: Duration) {
-        let progress = self.inner.swarms().get(&id).map(|m| m.progress.clone());
-        if let Some(mut progress) = progress {
-            let _ =
-                tokio::time::timeout(timeout, progress.wait_for(|p| p.complete && p.peers_done()))
-                    .await;
-        }
-        self.leave(id);
-        let cache = self.inner.cache.clone();
-        if let Err(error) = blocking(move || cache.forget_chunks(id)).await {
-            tracing::debug!(artifact = %id, %error, "cannot forget the chunks of an artifact left");
-        }
     }
 
     /// Stops serving artifact `id` and leaves its swarm.

@@ -30,8 +30,9 @@ use std::{
 use bytes::Bytes;
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt, stream::BoxStream};
 use hypha_messages::artifact::Published;
-use hypha_network::{Network, NetworkError, PeerId, Stream, StreamProtocol};
+use hypha_network::{Network, NetworkError, PeerId, Stream, StreamProtocol, shares::PeerShares};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use tokio::{
     io::{AsyncReadExt as _, AsyncSeekExt},
     sync::Semaphore,
@@ -46,8 +47,12 @@ use crate::{
 
 pub const PUBLISHED_PROTOCOL: StreamProtocol =
     StreamProtocol::new("/hypha/artifact/published/1.0.0");
-/// Reads served at once; more are answered `busy` (the swarm reads the chunk again later).
+/// Reads served at once; more are answered `busy`, and the reader tries again a moment later.
 pub const MAX_READS: usize = 16;
+/// Reads of one peer served at once: one reader never takes every slot.
+pub const MAX_READS_PER_PEER: usize = 4;
+/// How long a read may make no progress, either way.
+const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a client has to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bytes per read from the file and write to the stream.
@@ -105,6 +110,7 @@ struct Publication {
 pub(crate) struct Publications {
     files: Mutex<HashMap<String, Arc<Publication>>>,
     reads: Arc<Semaphore>,
+    shares: PeerShares,
     /// Bytes of published files sent to readers.
     served: AtomicU64,
 }
@@ -114,6 +120,7 @@ impl Publications {
         Publications {
             files: Mutex::default(),
             reads: Arc::new(Semaphore::new(MAX_READS)),
+            shares: PeerShares::new(MAX_READS_PER_PEER),
             served: AtomicU64::new(0),
         }
     }
@@ -124,7 +131,8 @@ impl Publications {
 
     /// Serves the file at `path` to the peers `admission` lets in, under a new random name.
     /// The file must not change while it is published: its version is its inode, size and
-    /// modification time, and reads of another version are refused.
+    /// modification time, and reads of another version are refused. Reads the whole file
+    /// once, for its SHA-256 (blocking).
     pub(crate) fn publish(
         &self,
         local: PeerId,
@@ -138,12 +146,10 @@ impl Publications {
                 path.display()
             )));
         }
-        let e_tag = format!(
-            "{:x}-{:x}-{:x}",
-            metadata.ino(),
-            metadata.mtime_nsec() + metadata.mtime() * 1_000_000_000,
-            metadata.len()
-        );
+        let e_tag = version(&metadata);
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+        let sha256 = hex::encode(hasher.finalize());
         let name = hex::encode(rand::random::<[u8; 16]>());
         self.files().insert(
             name.clone(),
@@ -159,6 +165,7 @@ impl Publications {
             name,
             size: metadata.len(),
             e_tag,
+            sha256,
             fetchers: 0,
         })
     }
@@ -239,6 +246,17 @@ async fn serve(mut stream: Stream, peer: PeerId, publications: Arc<Publications>
         .await;
         return;
     };
+    let Some(_share) = publications.shares.try_take(peer) else {
+        let _ = write_frame(
+            &mut stream,
+            &refuse(
+                ReadErrorCode::Busy,
+                format!("you have {MAX_READS_PER_PEER} reads under way"),
+            ),
+        )
+        .await;
+        return;
+    };
     let header = ReadHeader::Ok {
         size: file.size,
         e_tag: file.e_tag.clone(),
@@ -247,8 +265,14 @@ async fn serve(mut stream: Stream, peer: PeerId, publications: Arc<Publications>
         return;
     }
     if let Some((start, end)) = range
-        && let Err(error) =
-            send_range(&mut stream, &file.path, start..end, &publications.served).await
+        && let Err(error) = send_range(
+            &mut stream,
+            &file.path,
+            &file.e_tag,
+            start..end,
+            &publications.served,
+        )
+        .await
     {
         tracing::debug!(%peer, name = %request.name, %error, "a read of a published file broke off");
         return;
@@ -256,13 +280,31 @@ async fn serve(mut stream: Stream, peer: PeerId, publications: Arc<Publications>
     let _ = stream.close().await;
 }
 
+/// A file's version: its inode, modification time and size.
+fn version(metadata: &std::fs::Metadata) -> String {
+    format!(
+        "{:x}-{:x}-{:x}",
+        metadata.ino(),
+        metadata.mtime_nsec() + metadata.mtime() * 1_000_000_000,
+        metadata.len()
+    )
+}
+
+/// Sends bytes `range` of the file at `path`, if it is still at `e_tag`; each write may
+/// take at most [`STALL_TIMEOUT`] (a reader that stops reading frees its slot).
 async fn send_range(
     stream: &mut Stream,
     path: &Path,
+    e_tag: &str,
     range: Range<u64>,
     served: &AtomicU64,
 ) -> std::io::Result<()> {
     let mut file = tokio::fs::File::open(path).await?;
+    if version(&file.metadata().await?) != e_tag {
+        return Err(std::io::Error::other(
+            "the published file changed; it is served no more",
+        ));
+    }
     file.seek(std::io::SeekFrom::Start(range.start)).await?;
     let mut left = range.end - range.start;
     let mut block = vec![0u8; BLOCK];
@@ -275,7 +317,9 @@ async fn send_range(
                 "the published file is shorter than it was",
             ));
         }
-        stream.write_all(&block[..read]).await?;
+        tokio::time::timeout(STALL_TIMEOUT, stream.write_all(&block[..read]))
+            .await
+            .map_err(|_| std::io::Error::other("the reader stopped reading"))??;
         served.fetch_add(read as u64, Ordering::Relaxed);
         left -= read as u64;
     }
@@ -338,7 +382,10 @@ impl Publisher {
                     return None;
                 }
                 let mut block = vec![0u8; usize::try_from(left).unwrap_or(BLOCK).min(BLOCK)];
-                match stream.read(&mut block).await {
+                let read = tokio::time::timeout(STALL_TIMEOUT, stream.read(&mut block))
+                    .await
+                    .unwrap_or_else(|_| Err(std::io::Error::other("the publisher stalled")));
+                match read {
                     Ok(0) => Some((
                         Err(self::broke_off(
                             &uri,
@@ -364,9 +411,15 @@ impl Publisher {
     /// answered: a second connection between two peers that dialled each other at once is
     /// closed with the streams on it.
     async fn open(&self, range: Option<Range<u64>>) -> Result<(Stream, u64, String), OriginError> {
-        let mut attempt = 1;
+        let (mut attempt, mut busy) = (1, 0);
         loop {
             match self.open_once(range.clone()).await {
+                Err(Opened::Busy(reason)) if busy < BUSY_ATTEMPTS => {
+                    tracing::debug!(publisher = %self.peer, %reason, "the publisher is busy; trying again");
+                    tokio::time::sleep(BUSY_PAUSE).await;
+                    busy += 1;
+                }
+                Err(Opened::Busy(reason)) => return Err(broke_off(&self.published.name, &reason)),
                 Err(Opened::BrokeOff(reason)) if attempt < OPEN_ATTEMPTS => {
                     tracing::debug!(publisher = %self.peer, %reason, "a read broke off before its answer; trying again");
                     tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
@@ -419,6 +472,10 @@ impl Publisher {
                 expected: format!("version {}", self.published.e_tag),
                 found: message,
             })),
+            ReadHeader::Error {
+                code: ReadErrorCode::Busy,
+                message,
+            } => Err(Opened::Busy(message)),
             ReadHeader::Error { message, .. } => Err(refused(broke_off(uri, &message))),
         }
     }
@@ -426,11 +483,17 @@ impl Publisher {
 
 /// How many times a read is opened before it fails.
 const OPEN_ATTEMPTS: u64 = 3;
+/// A publisher that answers `busy` is asked again after [`BUSY_PAUSE`], this many times
+/// (a minute): dozens of fetchers each reading from it at first take turns.
+const BUSY_ATTEMPTS: u32 = 240;
+const BUSY_PAUSE: Duration = Duration::from_millis(250);
 
 /// Why a read was not opened.
 enum Opened {
     /// The exchange broke off before the publisher answered: worth another try.
     BrokeOff(String),
+    /// Every read slot of the publisher was taken: try again in a moment.
+    Busy(String),
     /// The publisher answered no.
     Refused(OriginError),
 }

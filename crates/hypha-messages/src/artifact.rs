@@ -144,6 +144,9 @@ pub struct Published {
     pub size: u64,
     /// The version the file was published at: reads of another version are refused.
     pub e_tag: String,
+    /// SHA-256 of the file, hex: what a fetcher hands on must hash to it (the other fetchers'
+    /// chunks are checked only against what they announced).
+    pub sha256: String,
     /// How many peers were told to fetch it at the same moment (this one included); they
     /// wait a moment for each other before reading from the publisher, so that each chunk
     /// leaves it once. 0: not known, start at once.

@@ -26,8 +26,8 @@ use std::{
 };
 
 use hypha_artifacts::{
-    Admission, ArtifactId, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress,
-    Published, Request,
+    Admission, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress, Published,
+    Request,
 };
 use hypha_network::Network;
 use tokio::sync::watch;
@@ -36,6 +36,18 @@ use crate::{
     bridge::paths::{JobDir, PathError},
     config::ArtifactsConfig,
 };
+
+/// Removes a fetched file and its part file, whichever exist.
+fn remove_fetched(path: &Path) {
+    let part = hypha_artifacts::assembly::part_path(path);
+    for path in [path, part.as_path()] {
+        if let Err(error) = std::fs::remove_file(path)
+            && error.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), %error, "cannot remove a published file fetched here");
+        }
+    }
+}
 
 /// Where published files fetched for jobs wait in the store, until they are retired.
 const PUBLISHED_DIR: &str = "published";
@@ -80,6 +92,11 @@ impl ArtifactStore {
     pub fn start(network: Network, config: &ArtifactsConfig) -> Result<Self, FetchError> {
         let store = config.dir.join("store");
         std::fs::create_dir_all(&store)?;
+        // Published files fetched by a worker that stopped are of no use to any job now.
+        match std::fs::remove_dir_all(store.join(PUBLISHED_DIR)) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error.into()),
+            _ => {}
+        }
         let distributor = Distributor::start(
             network,
             Origins::new(config.profiles.clone()),
@@ -164,23 +181,7 @@ impl ArtifactStore {
         published: &Published,
         admission: Admission,
     ) -> Result<(PathBuf, Fetched), FetchError> {
-        let dir = self.store.join(PUBLISHED_DIR);
-        std::fs::create_dir_all(&dir)?;
-        // The name is the publisher's random one, of hex digits only: no path of a peer's.
-        let name = format!(
-            "{}-{}",
-            published
-                .peer
-                .chars()
-                .filter(char::is_ascii_alphanumeric)
-                .collect::<String>(),
-            published
-                .name
-                .chars()
-                .filter(char::is_ascii_hexdigit)
-                .collect::<String>()
-        );
-        let destination = dir.join(name);
+        let destination = self.published_path(published)?;
         let options = FetchOptions {
             expect: published.fetchers,
             progress: None,
@@ -195,15 +196,36 @@ impl ArtifactStore {
 
     /// Serves a published file fetched here to the others fetching it for at most
     /// [`PUBLISHED_LINGER`] (until they all hold it), then forgets it and removes it.
-    pub async fn retire_published(&self, path: &Path, artifact: ArtifactId) {
+    pub async fn retire_published(&self, published: &Published, path: &Path, fetched: &Fetched) {
         self.distributor
-            .linger_and_forget(artifact, PUBLISHED_LINGER)
+            .retire_published(published, path, fetched.artifact, PUBLISHED_LINGER)
             .await;
-        if let Err(error) = std::fs::remove_file(path)
-            && error.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %path.display(), %error, "cannot remove a published file fetched here");
+        remove_fetched(path);
+    }
+
+    /// Removes what a fetch of `published` that failed left behind.
+    pub async fn discard_published(&self, published: &Published) {
+        if let Ok(path) = self.published_path(published) {
+            remove_fetched(&path);
         }
+    }
+
+    /// Where a published file is fetched to in the store: named after its publisher and its
+    /// name, which must be 32 hex digits (as publishers make them), never a path of a peer's.
+    fn published_path(&self, published: &Published) -> Result<PathBuf, FetchError> {
+        let hex_name =
+            published.name.len() == 32 && published.name.bytes().all(|b| b.is_ascii_hexdigit());
+        let alphanumeric =
+            !published.peer.is_empty() && published.peer.bytes().all(|b| b.is_ascii_alphanumeric());
+        if !hex_name || !alphanumeric {
+            return Err(FetchError::Io(std::io::Error::other(format!(
+                "{:?} of {:?} is not a published file's name",
+                published.name, published.peer
+            ))));
+        }
+        let dir = self.store.join(PUBLISHED_DIR);
+        std::fs::create_dir_all(&dir)?;
+        Ok(dir.join(format!("{}-{}", published.peer, published.name)))
     }
 
     /// The same request with destinations in the store.

@@ -159,11 +159,13 @@ impl ModelPublisher {
         if let Some(done) = published.get(path) {
             return Some(done.clone());
         }
-        match self
-            .artifacts
-            .distributor()
-            .publish(path, self.admission.clone())
-        {
+        // Publishing reads the file once, for its SHA-256.
+        let done = tokio::task::block_in_place(|| {
+            self.artifacts
+                .distributor()
+                .publish(path, self.admission.clone())
+        });
+        match done {
             Ok(done) => {
                 published.insert(path.to_path_buf(), done.clone());
                 Some(done)

@@ -527,6 +527,35 @@ async fn a_published_file_reaches_every_receiver_and_leaves_its_sender_about_onc
         "the server sends the file once for three receivers (sending it to each is 3x)"
     );
 
+    // Bytes that are not those published (a fetcher passing on other chunks) reach no job.
+    let tampered = Header {
+        published: header
+            .published
+            .clone()
+            .map(|p| hypha_artifacts::Published {
+                sha256: "0".repeat(64),
+                ..p
+            }),
+        ..header.clone()
+    };
+    hypha_transfer::send_published(
+        server,
+        receivers[2].local_peer_id(),
+        &tampered,
+        std::time::Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert!(
+        tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            inboxes[2].registration.inbox().next(&HashSet::new()),
+        )
+        .await
+        .is_err(),
+        "a file whose bytes hash to another SHA-256 than published was handed to the job"
+    );
+
     // A peer may only point at what it published itself.
     let forged = hypha_transfer::send_published(
         &receivers[0],

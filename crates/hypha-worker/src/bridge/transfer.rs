@@ -53,7 +53,11 @@ use tokio::sync::{Notify, Semaphore};
 
 use super::paths::{JobDir, PathError};
 use crate::{artifacts::ArtifactStore, metrics};
+use hypha_network::shares::Share;
+use hypha_transfer::{MIN_BYTES_PER_SECOND, STALL_TIMEOUT};
 use sha2::{Digest, Sha256};
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
 
 /// Where received files wait, relative to the job's directory.
 pub const STAGING_DIR: &str = ".hypha/inbox";
@@ -433,6 +437,16 @@ async fn receive(
     };
     drop(handshake);
     let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
+    let slot = limits.slots.clone().try_acquire_owned().map_err(|_| {
+        busy(format!(
+            "this worker receives {MAX_CONCURRENT} transfers at most at once"
+        ))
+    })?;
+    let share = limits.shares.try_take(peer).ok_or_else(|| {
+        busy(format!(
+            "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
+        ))
+    })?;
     if let Some(published) = header.published.clone() {
         if published.peer != peer.to_base58() || published.size != header.size {
             return Err(Refusal::new(
@@ -445,29 +459,18 @@ async fn receive(
             .create_dir_all(Path::new(STAGING_DIR))
             .map_err(|e| io(&e))?;
         let promise = promise_room(&staging, header.size, limits)?;
-        let admission = inboxes.admission_of(&header.task);
         let jobs = targets.len();
         tokio::spawn(fetch_published(
             peer,
             header,
             published,
+            inboxes.clone(),
             targets,
             artifacts.clone(),
-            admission,
-            promise,
+            (promise, slot, share),
         ));
         return Ok(jobs);
     }
-    let _slot = limits.slots.clone().try_acquire_owned().map_err(|_| {
-        busy(format!(
-            "this worker receives {MAX_CONCURRENT} transfers at most at once"
-        ))
-    })?;
-    let _share = limits.shares.try_take(peer).ok_or_else(|| {
-        busy(format!(
-            "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
-        ))
-    })?;
     let staging = first
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
@@ -509,40 +512,69 @@ async fn receive(
 }
 
 /// Fetches a file `from` published (the header said so instead of sending it) and hands it
-/// to the inboxes `targets`, as if it had been sent: the same name, size and sender, its
-/// SHA-256 computed here. A fetch that fails hands nothing (the sender's file reaches no
-/// job, as a transfer that broke off; a trainer asks for the model again). The fetched file
-/// then serves the others fetching it for a while, and is removed.
+/// to the task's jobs among `targets` that are still running, as if it had been sent: the
+/// same name, size and sender, and only if its SHA-256 is the one the sender published (the
+/// other fetchers' chunks are checked against the hashes those that read them from the sender
+/// announced; the SHA-256 is the sender's own word). A fetch that fails, or takes longer than
+/// the slowest transfer may, hands nothing (as a transfer that broke off; a trainer asks for
+/// the model again). The fetched file then serves the others fetching it for a while, and is
+/// removed. The transfer's slot, share and room on the disk are held throughout.
 async fn fetch_published(
     from: PeerId,
     header: Header,
     published: hypha_artifacts::Published,
+    inboxes: Arc<Inboxes>,
     targets: Vec<Arc<Inbox>>,
     artifacts: Arc<ArtifactStore>,
-    admission: hypha_artifacts::Admission,
-    promise: Promise,
+    held: (Promise, OwnedSemaphorePermit, Share),
 ) {
-    let (path, fetched) = match artifacts.fetch_published(&published, admission).await {
-        Ok(fetched) => fetched,
-        Err(error) => {
+    let admission = inboxes.admission_of(&header.task);
+    let limit = STALL_TIMEOUT + Duration::from_secs(header.size / MIN_BYTES_PER_SECOND);
+    let fetching = artifacts.fetch_published(&published, admission);
+    let (path, fetched) = match tokio::time::timeout(limit, fetching).await {
+        Ok(Ok(fetched)) => fetched,
+        Ok(Err(error)) => {
             tracing::warn!(%from, name = header.name, %error, "could not fetch a file a peer published for its task");
+            artifacts.discard_published(&published).await;
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%from, name = header.name, ?limit, "a file a peer published for its task did not arrive in time");
+            artifacts.discard_published(&published).await;
             return;
         }
     };
+    // Jobs that ended meanwhile get nothing.
+    let running = inboxes.of_task(&header.task, &from).unwrap_or_default();
+    let targets: Vec<Arc<Inbox>> = targets
+        .into_iter()
+        .filter(|t| running.iter().any(|r| Arc::ptr_eq(r, t)))
+        .collect();
     let handed = {
-        let path = path.clone();
-        let name = header.name.clone();
-        tokio::task::spawn_blocking(move || hand_on(&path, &name, &targets))
+        let (path, name) = (path.clone(), header.name.clone());
+        let expected = published.sha256.clone();
+        tokio::task::spawn_blocking(move || hand_on(&path, &name, &expected, &targets))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e)))
     };
-    drop(promise);
     match handed {
         Ok(staged) => {
             metrics::resource_bytes("received", header.size);
-            let delivered = staged.len();
+            let mut delivered = 0;
             for (inbox, temp, checksum) in staged {
-                inbox.push(from, &header.name, header.size, &checksum, temp);
+                if inbox.has_room() {
+                    inbox.push(from, &header.name, header.size, &checksum, temp);
+                    delivered += 1;
+                } else {
+                    tracing::warn!(
+                        job = inbox.job(),
+                        name = header.name,
+                        "a fetched file found its job's inbox full; dropped"
+                    );
+                    if let Ok(staging) = inbox.dir.create_dir_all(Path::new(STAGING_DIR)) {
+                        JobDir::discard(&staging, temp.as_bytes());
+                    }
+                }
             }
             tracing::info!(
                 %from,
@@ -558,27 +590,43 @@ async fn fetch_published(
             tracing::warn!(%from, name = header.name, %error, "could not hand a fetched file to its jobs")
         }
     }
-    artifacts.retire_published(&path, fetched.artifact).await;
+    artifacts
+        .retire_published(&published, &path, &fetched)
+        .await;
+    drop(held);
 }
 
-/// Copies the fetched file at `path` into the staging directory of each of `targets`, with
-/// its SHA-256; returns what to push.
+/// Checks the fetched file at `path` against the SHA-256 its sender published, then copies it
+/// into the staging directory of each of `targets` (a job that cannot take it is skipped);
+/// returns what to push.
 fn hand_on(
     path: &Path,
     name: &str,
+    expected: &str,
     targets: &[Arc<Inbox>],
 ) -> std::io::Result<Vec<(Arc<Inbox>, OsString, String)>> {
     let mut hasher = Sha256::new();
     std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
-    let checksum = format!("sha256:{}", hex::encode(hasher.finalize()));
+    let actual = hex::encode(hasher.finalize());
+    if !actual.eq_ignore_ascii_case(expected) {
+        return Err(std::io::Error::other(format!(
+            "its bytes hash to {actual}, its sender published {expected}: a fetcher passed on other bytes"
+        )));
+    }
+    let checksum = format!("sha256:{actual}");
     let mut staged = Vec::new();
     for inbox in targets {
-        let staging = inbox
+        let copied = inbox
             .dir
             .create_dir_all(Path::new(STAGING_DIR))
-            .map_err(std::io::Error::other)?;
-        let temp = crate::artifacts::copy_to_temp(&staging, path, OsStr::new(name))?;
-        staged.push((inbox.clone(), OsString::from_vec(temp), checksum.clone()));
+            .map_err(std::io::Error::other)
+            .and_then(|staging| crate::artifacts::copy_to_temp(&staging, path, OsStr::new(name)));
+        match copied {
+            Ok(temp) => staged.push((inbox.clone(), OsString::from_vec(temp), checksum.clone())),
+            Err(error) => {
+                tracing::warn!(job = inbox.job(), %error, "cannot hand a fetched file to a job")
+            }
+        }
     }
     Ok(staged)
 }
