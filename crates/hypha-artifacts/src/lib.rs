@@ -3,6 +3,8 @@
 //!
 //! - [`origin`]: named origins through `object_store` (S3 and S3-compatible, GCS, Azure,
 //!   HTTP(S), local files), reads pinned to the version an artifact was resolved at.
+//! - [`published`]: a file one node publishes, the publisher serving as the origin of its
+//!   swarm (a parameter server's model, fetched by its trainers from it and each other).
 //! - [`manifest`]: an artifact's files and chunks, and its content-derived [`ArtifactId`].
 //! - [`swarm`]: the coordinator-free exchange between the nodes fetching one artifact
 //!   ([`protocol`] on `libp2p-stream`): each chunk pulled from the origin by one node, shared

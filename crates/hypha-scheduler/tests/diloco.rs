@@ -1546,23 +1546,14 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
 #[test]
 fn trainers_starting_together_fetch_a_large_model_that_leaves_the_server_about_once() {
     // The reference MLP has two hidden layers: about HIDDEN² parameters, 16.2 MiB here.
-    const HIDDEN: u64 = 2_048;
+    const HIDDEN: usize = 2_048;
     let (cluster, _data, mut server) = cluster();
     let mut trainers: Vec<Proc> = (0..4)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
     let job = cluster.job(
         "large",
-        &format!(
-            "workers = 4\nbid = 50\nmax_attempts = 3\n\
-             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
-             [resources]\ncpu = 1\n\
-             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {HIDDEN}, classes = 4 }}\n\
-             [data]\ndataset = \"blobs\"\nepochs = 2\nseed = 3\n\
-             [diloco]\nsamples_per_round = 768\nbatch_size = 32\nround_seconds = 10\n\
-             inner = {{ learning_rate = 0.0003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
-             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
-        ),
+        &diloco_job_text(4, 2, HIDDEN, "round_seconds = 10\n"),
     );
     let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(240));
@@ -1606,7 +1597,10 @@ fn trainers_starting_together_fetch_a_large_model_that_leaves_the_server_about_o
     );
     for (name, fetched) in together {
         let size = fetched[0].0;
-        assert!(size > 4 * HIDDEN * HIDDEN, "{name} is {size} bytes");
+        assert!(
+            size > 4 * (HIDDEN * HIDDEN) as u64,
+            "{name} is {size} bytes"
+        );
         let from_server: u64 = fetched.iter().map(|f| f.1).sum();
         let from_peers: u64 = fetched.iter().map(|f| f.2).sum();
         let receivers = fetched.len() as u64;

@@ -10,8 +10,9 @@
 //! - [`slices`]: the data path: the slice cache and each job's prefetcher.
 //! - [`node`]: the loop that ties them to the network (`hypha-worker run`).
 //! - [`artifacts`]: artifacts jobs need, fetched peer to peer into the worker's store and
-//!   linked into job directories.
+//!   copied into job directories; files a peer published for a task's jobs, the same way.
 //! - [`fetch_command`]: `hypha-worker fetch`, one artifact by hand with a live view.
+//! - [`drain`]: `hypha-worker drain`, and the lock a running worker holds on its `work_dir`.
 //! - [`config`]: the worker's keys.
 //!
 //! The market and lease logic are plain state machines with the clock passed in, so every

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use hypha_testing::{
-    cluster::{Cluster, Place, Proc, events, of_kind},
+    cluster::{Cluster, Place, Proc, diloco_job_text, events, of_kind},
     sites::{Nat, Site, Sites, probe, start_three_site_nodes},
 };
 
@@ -135,16 +135,7 @@ fn run_network(sites: &Sites, epochs: u32) -> anyhow::Result<Measured> {
     let mut nodes = start_three_site_nodes(&mut cluster, sites);
     let job = cluster.job(
         "sites",
-        &format!(
-            "workers = 3\nbid = 50\nmax_attempts = 3\n\
-             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
-             [resources]\ncpu = 1\n\
-             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {HIDDEN}, classes = 4 }}\n\
-             [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
-             [diloco]\nsamples_per_round = 768\nbatch_size = 32\nround_seconds = 60\n\
-             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
-             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
-        ),
+        &diloco_job_text(3, epochs, HIDDEN, "round_seconds = 60\n"),
     );
     let gateway_before = sites.gateway_bytes().1;
     let sent_before: u64 = (0..3).map(|k| sites.site_bytes(k).0).sum();
