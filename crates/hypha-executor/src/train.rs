@@ -206,6 +206,8 @@ pub struct Trainer {
     server: Option<String>,
     /// Told to stop: it finishes its part of the round and sends it, then ends.
     leaving: bool,
+    /// Set by SIGTERM (see [`Trainer::run`]).
+    stop: Arc<AtomicBool>,
 }
 
 /// How long a trainer told to stop goes on training its part of the round before it sends
@@ -298,6 +300,7 @@ impl Trainer {
             asked_whole: None,
             server: None,
             leaving: false,
+            stop: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -312,7 +315,7 @@ impl Trainer {
     /// of the round it holds, sends it and ends, or, after [`FINISH_WITHIN`], sends what it
     /// trained so far ([`leave`](Self::leave)).
     pub fn run(mut self) -> Result<(), TrainError> {
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = self.stop.clone();
         if let Err(error) = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         {
             eprintln!("cannot catch SIGTERM ({error}): told to stop, this trainer ends at once");
@@ -718,10 +721,17 @@ impl Trainer {
     /// training is over) is returned instead. A model of a round this trainer already took
     /// (a server answers each join offer) is skipped. With overlap, it trains ahead between
     /// looks for the model, up to its limit and as long as slices come.
+    ///
+    /// Told to stop meanwhile, it waits no longer (its update is sent or on its way): back in
+    /// [`run`](Self::run), it leaves at once rather than after the next model, which may be
+    /// a round away and after the worker's `kill_grace_ms`.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let mut offered = Instant::now();
         let mut asked = Instant::now();
         loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
             self.poll_send(peer)?;
             if self
                 .asked_whole

@@ -273,8 +273,10 @@ fn a_node_killed_mid_way_costs_at_most_its_chunks_in_flight() {
     }
     assert!(from_peers > 0, "the survivors shared chunks");
     // Each of the 4 nodes reads at most max(1, origin_connections / 4) = 4 chunks from the
-    // origin at once: the most the killed node can have had in flight.
-    let in_flight = 4 * CHUNK as u64;
+    // origin at once, and a read that ended starts the next while its chunk's announcement
+    // may still be queued to the peers: the killed node can have had 4 reads in flight and
+    // one chunk read whose announcement never left it (measured once: 4.25 MiB re-read).
+    let in_flight = 5 * CHUNK as u64;
     let served = s3.bytes_served();
     assert!(
         served >= SIZE as u64 && served <= SIZE as u64 + in_flight,
