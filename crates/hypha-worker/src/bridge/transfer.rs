@@ -447,18 +447,20 @@ async fn receive(
             "this worker receives {MAX_PER_PEER} transfers at most at once from one peer"
         ))
     })?;
+    if let Some(published) = &header.published
+        && (published.peer != peer.to_base58() || published.size != header.size)
+    {
+        return Err(Refusal::new(
+            RefusalCode::BadRequest,
+            "a peer may only point at a file it published itself, of the size its header says",
+        ));
+    }
+    let staging = first
+        .dir
+        .create_dir_all(Path::new(STAGING_DIR))
+        .map_err(|e| io(&e))?;
+    let promise = promise_room(&staging, header.size, limits)?;
     if let Some(published) = header.published.clone() {
-        if published.peer != peer.to_base58() || published.size != header.size {
-            return Err(Refusal::new(
-                RefusalCode::BadRequest,
-                "a peer may only point at a file it published itself, of the size its header says",
-            ));
-        }
-        let staging = first
-            .dir
-            .create_dir_all(Path::new(STAGING_DIR))
-            .map_err(|e| io(&e))?;
-        let promise = promise_room(&staging, header.size, limits)?;
         let jobs = targets.len();
         tokio::spawn(fetch_published(
             peer,
@@ -471,11 +473,6 @@ async fn receive(
         ));
         return Ok(jobs);
     }
-    let staging = first
-        .dir
-        .create_dir_all(Path::new(STAGING_DIR))
-        .map_err(|e| io(&e))?;
-    let _promise = promise_room(&staging, header.size, limits)?;
     write_frame(stream, &Answer::Ready)
         .await
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
