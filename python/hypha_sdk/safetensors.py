@@ -19,7 +19,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["Tensor", "SafeTensorsError", "load", "loads", "save", "dumps", "fingerprint"]
+__all__ = [
+    "Tensor",
+    "SafeTensorsError",
+    "load",
+    "loads",
+    "save",
+    "dumps",
+    "fingerprint",
+    "fingerprint_matches",
+]
 
 # dtype → bytes per element.
 ITEM_SIZES = {
@@ -245,14 +254,32 @@ def _as_tensor(value: Any) -> Tensor:
     raise SafeTensorsError(f"cannot store a {type(value).__name__}: give a Tensor, numpy array or torch tensor")
 
 
-def fingerprint(tensors: Mapping[str, Tensor]) -> str:
-    """The model's fingerprint, ``sha256:<hex>``, as the parameter server computes it
-    (``hypha_diloco::Tensors::digest``) and sends it with every model (``hypha.model_hash``):
-    SHA-256 over each tensor in name order, each of its name, dtype, shape (u64 little-endian
-    dimensions) and bytes prefixed with its length as a u64 little-endian."""
-    digest = hashlib.sha256()
+def _blake3() -> Any:
+    """A multi-threaded BLAKE3 hasher, or ``None`` where the ``blake3`` package is missing."""
+    try:
+        import blake3  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
-    def part(data: bytes) -> None:
+
+def fingerprint(tensors: Mapping[str, Tensor], algorithm: str = "blake3") -> str:
+    """The model's fingerprint, ``blake3:<hex>``, as the parameter server computes it
+    (``hypha_diloco::Fingerprint``) and sends it with every model (``hypha.model_hash``): the
+    hash over each tensor in name order, each of its name, dtype, shape (u64 little-endian
+    dimensions) and bytes prefixed with its length as a u64 little-endian. ``blake3`` needs
+    the ``blake3`` package (``pip install blake3``); ``sha256`` is the standard library's,
+    what servers before BLAKE3 sent."""
+    if algorithm == "sha256":
+        digest: Any = hashlib.sha256()
+    elif algorithm == "blake3":
+        digest = _blake3()
+        if digest is None:
+            raise SafeTensorsError("a blake3 fingerprint needs the blake3 package: pip install blake3")
+    else:
+        raise SafeTensorsError(f"no fingerprint {algorithm!r}: blake3 or sha256")
+
+    def part(data: Any) -> None:
         digest.update(struct.pack("<Q", len(data)))
         digest.update(data)
 
@@ -261,5 +288,17 @@ def fingerprint(tensors: Mapping[str, Tensor]) -> str:
         part(name.encode("utf-8"))
         part(tensor.dtype.encode("ascii"))
         part(b"".join(struct.pack("<Q", d) for d in tensor.shape))
-        part(bytes(tensor.data))
-    return "sha256:" + digest.hexdigest()
+        part(tensor.data)
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def fingerprint_matches(tensors: Mapping[str, Tensor], expected: str) -> Optional[bool]:
+    """Whether ``tensors`` have the fingerprint ``expected`` (``algorithm:hex``); ``None`` when
+    this Python cannot compute that algorithm (``blake3`` without its package)."""
+    algorithm = expected.split(":", 1)[0]
+    if algorithm == "blake3" and _blake3() is None:
+        return None
+    try:
+        return fingerprint(tensors, algorithm) == expected
+    except SafeTensorsError:
+        return False

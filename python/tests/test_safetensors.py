@@ -93,8 +93,14 @@ class Format(unittest.TestCase):
             np.testing.assert_array_equal(theirs[name].to_numpy(), array)
 
 
-if __name__ == "__main__":
-    unittest.main()
+try:
+    import blake3  # noqa: F401
+
+    HAVE_BLAKE3 = True
+except ImportError:
+    HAVE_BLAKE3 = False
+
+RUST_FINGERPRINT = "blake3:641ae45e78fdc42a6abba875c449e143b509263af1716e2b5fc8f02d9b127412"
 
 
 class Fingerprint(unittest.TestCase):
@@ -107,15 +113,34 @@ class Fingerprint(unittest.TestCase):
 
         w = Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.0))
         b = Tensor("F32", (1,), struct.pack("<f", 0.5))
-        one = fingerprint({"w": w, "b": b})
-        self.assertTrue(one.startswith("sha256:") and len(one) == 7 + 64, one)
-        self.assertEqual(one, fingerprint({"b": b, "w": w}))
-        others = [
-            {"w": Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.5)), "b": b},
-            {"w": Tensor("F32", (2, 1), w.data), "b": b},
-            {"v": w, "b": b},
-            {"w": w},
-            {"w": Tensor("I32", (2,), w.data), "b": b},
-        ]
-        for other in others:
-            self.assertNotEqual(one, fingerprint(other), other)
+        for algorithm in ["sha256", "blake3"]:
+            if algorithm == "blake3" and not HAVE_BLAKE3:
+                continue
+            one = fingerprint({"w": w, "b": b}, algorithm)
+            self.assertTrue(one.startswith(f"{algorithm}:") and len(one) == len(algorithm) + 65, one)
+            self.assertEqual(one, fingerprint({"b": b, "w": w}, algorithm))
+            others = [
+                {"w": Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.5)), "b": b},
+                {"w": Tensor("F32", (2, 1), w.data), "b": b},
+                {"v": w, "b": b},
+                {"w": w},
+                {"w": Tensor("I32", (2,), w.data), "b": b},
+            ]
+            for other in others:
+                self.assertNotEqual(one, fingerprint(other, algorithm), other)
+
+    @unittest.skipUnless(HAVE_BLAKE3, "needs the blake3 package (pip install blake3)")
+    def test_it_is_the_parameter_servers(self):
+        """The value ``hypha_diloco``'s test ``the_fingerprint_is_blake3_over_names_dtypes_shapes_and_values``
+        computes for the same two tensors."""
+        from hypha_sdk.safetensors import fingerprint, fingerprint_matches
+
+        w = Tensor("F32", (2,), struct.pack("<2f", 1.0, 2.0))
+        b = Tensor("BF16", (1,), struct.pack("<H", 0x3F00))
+        self.assertEqual(fingerprint({"w": w, "b": b}), RUST_FINGERPRINT)
+        self.assertTrue(fingerprint_matches({"w": w, "b": b}, RUST_FINGERPRINT))
+        self.assertFalse(fingerprint_matches({"w": w}, RUST_FINGERPRINT))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -2,110 +2,157 @@
 
 use std::collections::BTreeMap;
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::Dtype;
 
 use crate::{
     Error, Metadata, Tensor, Tensors,
+    Codec,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
+    file::{Entry, Layout, Source, dtype_bytes},
     tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm},
 };
 
-/// A pseudo-gradient as SafeTensors bytes, read and checked: plain (every tensor F32, F64 or
+/// A pseudo-gradient in a SafeTensors file, read and checked: plain (every tensor F32, F64 or
 /// BF16) or compressed by one of the [`codec`](crate::codec)s, every value finite and within
 /// [`MAX_UPDATE_VALUE`] (one NaN, or one value near f32's largest, would make the whole global
-/// model NaN once averaged in), a compressed tensor's parts
-/// consistent (scales for every block, positions inside the tensor and increasing). Its values
-/// are decoded only as they are added (or measured, for [`norm`](Self::norm)): the update is
-/// never held decoded.
-pub struct Update<'a> {
-    parts: Vec<(String, Part<'a>)>,
+/// model NaN once averaged in), a compressed tensor's parts consistent (scales for every block,
+/// positions inside the tensor and increasing). Its values are read from its [`Source`] a
+/// chunk at a time as they are checked, and again as they are added (or measured, for
+/// [`norm`](Self::norm)): the update is never held decoded, nor whole when it is on disk.
+pub struct Update<'a, S: Source + ?Sized = [u8]> {
+    source: &'a S,
+    parts: Vec<(String, Part)>,
 }
 
 /// One parameter of an update, as its codec stored it.
-enum Part<'a> {
+enum Part {
     /// `none` and `bf16`: the values.
-    Dense(TensorView<'a>),
+    Dense(Entry),
     /// `int8`: quantised values and a scale per block.
-    Int8 {
-        values: TensorView<'a>,
-        scales: TensorView<'a>,
-    },
+    Int8 { values: Entry, scales: Entry },
     /// `topk`: the shape, and the kept values at their positions.
     Sparse {
         shape: Vec<usize>,
-        indices: TensorView<'a>,
-        values: TensorView<'a>,
+        indices: Entry,
+        values: Entry,
     },
 }
 
-impl Part<'_> {
+fn f32_of(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+impl Part {
     fn shape(&self) -> &[usize] {
         match self {
-            Part::Dense(view) | Part::Int8 { values: view, .. } => view.shape(),
+            Part::Dense(entry) | Part::Int8 { values: entry, .. } => &entry.shape,
             Part::Sparse { shape, .. } => shape,
         }
     }
 
+    /// Calls `each` with the bytes of a companion tensor (`int8`'s scales, `topk`'s values)
+    /// that belong with each chunk of the main one (`int8`'s values, `topk`'s positions),
+    /// `per` bytes of it for every `unit` of the main one.
+    fn paired(
+        source: &(impl Source + ?Sized),
+        main: &Entry,
+        companion: &Entry,
+        unit: usize,
+        per: usize,
+        mut each: impl FnMut(u64, &[u8], &[u8]) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let mut buffer = Vec::new();
+        main.chunks(source, unit, |at, bytes| {
+            let units = bytes.len().div_ceil(unit);
+            let offset = companion.offset + at / unit as u64 * per as u64;
+            let paired = source.bytes_at(offset, units * per, &mut buffer)?;
+            each(at, bytes, paired)
+        })
+    }
+
     /// `op(target, value)` for each value, with the target of its position in `targets`
     /// (positions a sparse part does not hold are left alone: their value is 0).
-    fn apply(&self, targets: &mut [f32], op: impl Fn(&mut f32, f32)) {
+    fn apply(
+        &self,
+        source: &(impl Source + ?Sized),
+        targets: &mut [f32],
+        op: impl Fn(&mut f32, f32),
+    ) -> Result<(), Error> {
         match self {
-            Part::Dense(view) => {
-                decode(view.dtype(), view.data(), targets, op);
+            Part::Dense(entry) => {
+                let width = dtype_bytes(entry.dtype);
+                entry.chunks(source, width, |at, bytes| {
+                    let from = at as usize / width;
+                    decode(entry.dtype, bytes, &mut targets[from..], &op);
+                    Ok(())
+                })
             }
             Part::Int8 { values, scales } => {
-                let blocks = targets
-                    .chunks_mut(INT8_BLOCK)
-                    .zip(values.data().chunks(INT8_BLOCK))
-                    .zip(scales.data().chunks_exact(4));
-                for ((targets, quantised), scale) in blocks {
-                    let scale = f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]);
-                    for (t, q) in targets.iter_mut().zip(quantised) {
-                        op(t, f32::from(*q as i8) * scale);
+                Self::paired(source, values, scales, INT8_BLOCK, 4, |at, quantised, scales| {
+                    let blocks = targets[at as usize..]
+                        .chunks_mut(INT8_BLOCK)
+                        .zip(quantised.chunks(INT8_BLOCK))
+                        .zip(scales.chunks_exact(4));
+                    for ((targets, quantised), scale) in blocks {
+                        let scale = f32_of(scale);
+                        for (t, q) in targets.iter_mut().zip(quantised) {
+                            op(t, f32::from(*q as i8) * scale);
+                        }
                     }
-                }
+                    Ok(())
+                })
             }
             Part::Sparse {
                 indices, values, ..
-            } => {
-                let pairs = indices
-                    .data()
-                    .chunks_exact(4)
-                    .zip(values.data().chunks_exact(4));
-                for (index, value) in pairs {
+            } => Self::paired(source, indices, values, 4, 4, |_, indices, values| {
+                for (index, value) in indices.chunks_exact(4).zip(values.chunks_exact(4)) {
                     let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
-                    let value = f32::from_le_bytes([value[0], value[1], value[2], value[3]]);
                     if let Some(t) = targets.get_mut(index as usize) {
-                        op(t, value);
+                        op(t, f32_of(value));
                     }
                 }
-            }
+                Ok(())
+            }),
         }
     }
 
-    fn squared_norm(&self) -> f64 {
+    fn squared_norm(&self, source: &(impl Source + ?Sized)) -> Result<f64, Error> {
+        let mut sum = 0.0;
         match self {
-            Part::Dense(view) => squared_norm(view.dtype(), view.data()),
-            Part::Sparse { values, .. } => squared_norm(values.dtype(), values.data()),
-            Part::Int8 { values, scales } => values
-                .data()
-                .chunks(INT8_BLOCK)
-                .zip(scales.data().chunks_exact(4))
-                .map(|(quantised, scale)| {
-                    let scale =
-                        f64::from(f32::from_le_bytes([scale[0], scale[1], scale[2], scale[3]]));
-                    let sum: f64 = quantised.iter().map(|q| f64::from(*q as i8).powi(2)).sum();
-                    sum * scale * scale
-                })
-                .sum(),
+            Part::Dense(entry) | Part::Sparse { values: entry, .. } => {
+                entry.chunks(source, dtype_bytes(entry.dtype), |_, bytes| {
+                    sum += squared_norm(entry.dtype, bytes);
+                    Ok(())
+                })?;
+            }
+            Part::Int8 { values, scales } => {
+                Self::paired(source, values, scales, INT8_BLOCK, 4, |_, quantised, scales| {
+                    for (quantised, scale) in quantised.chunks(INT8_BLOCK).zip(scales.chunks_exact(4)) {
+                        let scale = f64::from(f32_of(scale));
+                        let block: f64 = quantised.iter().map(|q| f64::from(*q as i8).powi(2)).sum();
+                        sum += block * scale * scale;
+                    }
+                    Ok(())
+                })?;
+            }
         }
+        Ok(sum)
     }
 }
 
-impl<'a> Update<'a> {
+impl<'a> Update<'a, [u8]> {
+    /// The update whose SafeTensors bytes are `bytes`.
     pub fn read(bytes: &'a [u8]) -> Result<Self, Error> {
-        let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
-        let metadata = crate::metadata(bytes)?;
+        Self::from_source(bytes)
+    }
+}
+
+impl<'a, S: Source + ?Sized> Update<'a, S> {
+    /// The update in the SafeTensors file `source` holds: its header read, every value
+    /// checked (one pass over the file).
+    pub fn from_source(source: &'a S) -> Result<Self, Error> {
+        let layout = Layout::read(source)?;
+        let metadata = &layout.metadata;
         let codec = metadata.get(CODEC).map_or("none", String::as_str);
         if metadata.contains_key(CODEC)
             && metadata.get(CODEC_VERSION).map(String::as_str) != Some(VERSION)
@@ -115,28 +162,17 @@ impl<'a> Update<'a> {
                 metadata.get(CODEC_VERSION)
             )));
         }
-        let views: BTreeMap<String, TensorView<'a>> =
-            file.iter().map(|(n, v)| (n.to_string(), v)).collect();
-        let parts = match codec {
-            "none" | "bf16" => dense_parts(views)?,
-            "int8" => int8_parts(views)?,
-            "topk" => sparse_parts(views, &metadata)?,
-            other => {
-                return Err(Error::Format(format!(
-                    "codec {other:?}; this node reads none, bf16, int8 and topk"
-                )));
-            }
-        };
-        Ok(Update { parts })
+        let parts = parts(source, codec, layout.entries, metadata)?;
+        Ok(Update { source, parts })
     }
 
     /// The L2 norm over all its values: one more pass over them, so taken only when asked.
-    pub fn norm(&self) -> f64 {
-        self.parts
-            .iter()
-            .map(|(_, part)| part.squared_norm())
-            .sum::<f64>()
-            .sqrt()
+    pub fn norm(&self) -> Result<f64, Error> {
+        let mut sum = 0.0;
+        for (_, part) in &self.parts {
+            sum += part.squared_norm(self.source)?;
+        }
+        Ok(sum.sqrt())
     }
 
     /// Adds the update to `model` value by value in f32 (θ ← θ + d): how the parameter
@@ -152,7 +188,7 @@ impl<'a> Update<'a> {
         )?;
         for (name, part) in &self.parts {
             if let Some(tensor) = model.0.get_mut(name) {
-                part.apply(&mut tensor.values, |t, v| *t += v);
+                part.apply(self.source, &mut tensor.values, |t, v| *t += v)?;
             }
         }
         Ok(())
@@ -161,18 +197,64 @@ impl<'a> Update<'a> {
     /// The update decoded, each parameter f32. A `topk` part is as large as the shape its
     /// file claims: decode only bytes whose shapes were checked against the model (the
     /// [`Accumulator`] never decodes a copy).
-    pub fn to_tensors(&self) -> Tensors {
-        Tensors(
-            self.parts
-                .iter()
-                .map(|(name, part)| {
-                    let mut values = vec![0.0; part.shape().iter().product()];
-                    part.apply(&mut values, |t, v| *t = v);
-                    (name.clone(), codec::tensor(part.shape().to_vec(), values))
-                })
-                .collect(),
-        )
+    pub fn to_tensors(&self) -> Result<Tensors, Error> {
+        let mut tensors = BTreeMap::new();
+        for (name, part) in &self.parts {
+            let mut values = vec![0.0; part.shape().iter().product()];
+            part.apply(self.source, &mut values, |t, v| *t = v)?;
+            tensors.insert(name.clone(), codec::tensor(part.shape().to_vec(), values));
+        }
+        Ok(Tensors(tensors))
     }
+}
+
+/// The parameters stored in `entries` of `source` by the codec named `codec`, checked.
+fn parts(
+    source: &(impl Source + ?Sized),
+    codec: &str,
+    entries: BTreeMap<String, Entry>,
+    metadata: &Metadata,
+) -> Result<Vec<(String, Part)>, Error> {
+    match codec {
+        "none" | "bf16" => dense_parts(source, entries),
+        "int8" => int8_parts(source, entries),
+        "topk" => sparse_parts(source, entries, metadata),
+        other => Err(Error::Format(format!(
+            "codec {other:?}; this node reads none, bf16, int8 and topk"
+        ))),
+    }
+}
+
+/// One parameter's `values` compressed with `codec` ([`codec::encode_values`]), and the values
+/// a receiver reads from those bytes, read and checked by the code every receiver uses.
+pub(crate) fn round_trip(
+    codec: Codec,
+    name: &str,
+    shape: &[usize],
+    values: &[f32],
+) -> Result<(Vec<u8>, Vec<f32>), Error> {
+    let encoded = codec::encode_values(codec, name, values)?;
+    let one = || std::iter::once((name, shape));
+    let mut entries = BTreeMap::new();
+    let mut offset = 0;
+    for (stored, dtype, shape) in codec::stored(codec, one())? {
+        let len = (shape.iter().product::<usize>() * dtype.bitsize()).div_ceil(8) as u64;
+        let entry = Entry {
+            dtype,
+            shape,
+            offset,
+            len,
+        };
+        entries.insert(stored, entry);
+        offset += len;
+    }
+    let metadata = codec::with_codec(codec, &Metadata::new(), one());
+    let source = &encoded[..];
+    let mut decoded = vec![0.0; values.len()];
+    for (_, part) in parts(source, codec.name(), entries, &metadata)? {
+        part.apply(source, &mut decoded, |t, v| *t = v)?;
+    }
+    Ok((encoded, decoded))
 }
 
 fn not_finite(name: &str) -> Error {
@@ -188,78 +270,91 @@ fn malformed(name: &str, problem: impl Into<String>) -> Error {
     }
 }
 
-fn dense_parts(views: BTreeMap<String, TensorView<'_>>) -> Result<Vec<(String, Part<'_>)>, Error> {
+/// Whether every value of `entry`, read as its dtype, is finite and at most `limit` in
+/// magnitude.
+fn entry_within(source: &(impl Source + ?Sized), entry: &Entry, limit: f32) -> Result<bool, Error> {
+    let mut within = true;
+    entry.chunks(source, dtype_bytes(entry.dtype), |_, bytes| {
+        within &= all_within(entry.dtype, bytes, limit);
+        Ok(())
+    })?;
+    Ok(within)
+}
+
+fn dense_parts(
+    source: &(impl Source + ?Sized),
+    entries: BTreeMap<String, Entry>,
+) -> Result<Vec<(String, Part)>, Error> {
     let mut parts = Vec::new();
-    for (name, view) in views {
-        if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::BF16) {
+    for (name, entry) in entries {
+        if !matches!(entry.dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16) {
             return Err(Error::Dtype {
                 name,
-                dtype: view.dtype().to_string(),
+                dtype: entry.dtype.to_string(),
             });
         }
-        if !all_within(view.dtype(), view.data(), MAX_UPDATE_VALUE) {
+        if !entry_within(source, &entry, MAX_UPDATE_VALUE)? {
             return Err(not_finite(&name));
         }
-        parts.push((name, Part::Dense(view)));
+        parts.push((name, Part::Dense(entry)));
     }
     Ok(parts)
 }
 
 fn int8_parts(
-    mut views: BTreeMap<String, TensorView<'_>>,
-) -> Result<Vec<(String, Part<'_>)>, Error> {
-    let names: Vec<String> = views
+    source: &(impl Source + ?Sized),
+    mut entries: BTreeMap<String, Entry>,
+) -> Result<Vec<(String, Part)>, Error> {
+    let names: Vec<String> = entries
         .keys()
         .filter(|n| !n.ends_with(SCALE))
         .cloned()
         .collect();
     let mut parts = Vec::new();
     for name in names {
-        let values = views
+        let values = entries
             .remove(&name)
             .ok_or_else(|| malformed(&name, "is missing"))?;
-        let scales = views
+        let scales = entries
             .remove(&format!("{name}{SCALE}"))
             .ok_or_else(|| malformed(&name, "has no scales"))?;
-        if values.dtype() != Dtype::I8 || scales.dtype() != Dtype::F32 {
+        if values.dtype != Dtype::I8 || scales.dtype != Dtype::F32 {
             return Err(malformed(&name, "int8 values and F32 scales expected"));
         }
-        let blocks = values.data().len().div_ceil(INT8_BLOCK);
-        if scales.shape() != [blocks] {
+        let blocks = (values.len as usize).div_ceil(INT8_BLOCK);
+        if scales.shape != [blocks] {
             return Err(malformed(
                 &name,
-                format!(
-                    "{} scales for {blocks} blocks",
-                    scales.shape().iter().product::<usize>()
-                ),
+                format!("{} scales for {blocks} blocks", scales.values()),
             ));
         }
         // |q| ≤ 127: a scale within the limit / 127 keeps every value within it.
-        if !all_within(Dtype::F32, scales.data(), MAX_UPDATE_VALUE / 127.0) {
+        if !entry_within(source, &scales, MAX_UPDATE_VALUE / 127.0)? {
             return Err(not_finite(&name));
         }
         parts.push((name, Part::Int8 { values, scales }));
     }
-    if let Some(stray) = views.keys().next() {
+    if let Some(stray) = entries.keys().next() {
         return Err(malformed(stray, "scales of no parameter"));
     }
     Ok(parts)
 }
 
-fn sparse_parts<'a>(
-    mut views: BTreeMap<String, TensorView<'a>>,
+fn sparse_parts(
+    source: &(impl Source + ?Sized),
+    mut entries: BTreeMap<String, Entry>,
     metadata: &Metadata,
-) -> Result<Vec<(String, Part<'a>)>, Error> {
-    let names: Vec<String> = views
+) -> Result<Vec<(String, Part)>, Error> {
+    let names: Vec<String> = entries
         .keys()
         .filter_map(|n| n.strip_suffix(INDEX).map(str::to_string))
         .collect();
     let mut parts = Vec::new();
     for name in names {
-        let indices = views
+        let indices = entries
             .remove(&format!("{name}{INDEX}"))
             .ok_or_else(|| malformed(&name, "has no positions"))?;
-        let values = views
+        let values = entries
             .remove(&format!("{name}{VALUE}"))
             .ok_or_else(|| malformed(&name, "has no values"))?;
         let shape_text = metadata
@@ -270,28 +365,33 @@ fn sparse_parts<'a>(
             .iter()
             .try_fold(1usize, |n, d| n.checked_mul(*d))
             .ok_or_else(|| malformed(&name, "a shape too large"))?;
-        if indices.dtype() != Dtype::U32 || values.dtype() != Dtype::F32 {
+        if indices.dtype != Dtype::U32 || values.dtype != Dtype::F32 {
             return Err(malformed(&name, "U32 positions and F32 values expected"));
         }
-        let k = indices.shape().iter().product::<usize>();
-        if indices.shape().len() != 1 || values.shape() != indices.shape() || k > len {
+        let k = indices.values();
+        if indices.shape.len() != 1 || values.shape != indices.shape || k > len {
             return Err(malformed(
                 &name,
                 "positions and values of different or impossible counts",
             ));
         }
         let mut previous: Option<u32> = None;
-        for index in indices.data().chunks_exact(4) {
-            let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
-            if index as usize >= len || previous.is_some_and(|p| index <= p) {
-                return Err(malformed(
-                    &name,
-                    "positions outside the tensor or not increasing",
-                ));
+        let mut ordered = true;
+        indices.chunks(source, 4, |_, bytes| {
+            for index in bytes.chunks_exact(4) {
+                let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
+                ordered &= (index as usize) < len && previous.is_none_or(|p| index > p);
+                previous = Some(index);
             }
-            previous = Some(index);
+            Ok(())
+        })?;
+        if !ordered {
+            return Err(malformed(
+                &name,
+                "positions outside the tensor or not increasing",
+            ));
         }
-        if !all_within(Dtype::F32, values.data(), MAX_UPDATE_VALUE) {
+        if !entry_within(source, &values, MAX_UPDATE_VALUE)? {
             return Err(not_finite(&name));
         }
         parts.push((
@@ -303,13 +403,13 @@ fn sparse_parts<'a>(
             },
         ));
     }
-    if let Some(stray) = views.keys().next() {
+    if let Some(stray) = entries.keys().next() {
         return Err(malformed(stray, "values of no parameter"));
     }
     Ok(parts)
 }
 
-impl std::fmt::Debug for Update<'_> {
+impl<S: Source + ?Sized> std::fmt::Debug for Update<'_, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Update")
             .field("tensors", &self.parts.len())
@@ -324,6 +424,9 @@ pub struct Accumulator {
     sums: BTreeMap<String, Tensor>,
     weight: f64,
     updates: usize,
+    /// An update could not be read whole while it was added (it was checked, then its file
+    /// failed): the sum holds part of it, and the round is lost.
+    damaged: bool,
 }
 
 impl Accumulator {
@@ -367,7 +470,11 @@ impl Accumulator {
     }
 
     /// [`add`](Self::add) of an update already [read](Update::read) and checked.
-    pub fn add_update(&mut self, update: &Update<'_>, weight: f64) -> Result<(), Error> {
+    pub fn add_update<S: Source + ?Sized>(
+        &mut self,
+        update: &Update<'_, S>,
+        weight: f64,
+    ) -> Result<(), Error> {
         // A top-k file states its shapes in a line of metadata: only a model's shapes may
         // say how large the sum is.
         if self.sums.is_empty()
@@ -389,7 +496,8 @@ impl Accumulator {
         let w = weight as f32;
         for (name, part) in &update.parts {
             if let Some(sum) = self.sums.get_mut(name) {
-                part.apply(&mut sum.values, |s, v| *s += w * v);
+                part.apply(update.source, &mut sum.values, |s, v| *s += w * v)
+                    .inspect_err(|_| self.damaged = true)?;
             }
         }
         self.added(weight);
@@ -441,13 +549,37 @@ impl Accumulator {
         self.weight
     }
 
-    /// Σ nᵢΔᵢ / Σ nᵢ, computed in place: the accumulator is left empty and unshaped (the next
-    /// update shapes it again).
-    pub fn mean(&mut self) -> Result<Tensors, Error> {
+    /// 1 / Σ nᵢ, what each sum is multiplied by to make the mean; fails when nothing was
+    /// added or the sum was damaged.
+    pub(crate) fn scale(&self) -> Result<f32, Error> {
+        if self.damaged {
+            return Err(Error::SumLost);
+        }
         if self.updates == 0 {
             return Err(Error::Empty);
         }
-        let scale = (1.0 / self.weight) as f32;
+        Ok((1.0 / self.weight) as f32)
+    }
+
+    /// The running sum of one parameter, to be made a step in place.
+    pub(crate) fn values_mut(&mut self, name: &str) -> Option<&mut [f32]> {
+        self.sums.get_mut(name).map(|sum| &mut sum.values[..])
+    }
+
+    /// Zeroes every sum, keeping its memory and shape, for the next round.
+    pub fn clear(&mut self) {
+        for sum in self.sums.values_mut() {
+            sum.values.fill(0.0);
+        }
+        self.weight = 0.0;
+        self.updates = 0;
+        self.damaged = false;
+    }
+
+    /// Σ nᵢΔᵢ / Σ nᵢ, computed in place: the accumulator is left empty and unshaped (the next
+    /// update shapes it again).
+    pub fn mean(&mut self) -> Result<Tensors, Error> {
+        let scale = self.scale()?;
         let mut mean = std::mem::take(&mut self.sums);
         for tensor in mean.values_mut() {
             for value in &mut tensor.values {

@@ -37,7 +37,9 @@ use safetensors::Dtype;
 
 use crate::{
     Error, Metadata, Tensor, Tensors,
-    tensors::{Encoded, bf16_bits, serialize},
+    accumulate::round_trip,
+    file::Writer,
+    tensors::bf16_bits,
 };
 
 /// Metadata key: the codec of an update (`none`, `bf16`, `int8`, `topk`).
@@ -142,64 +144,98 @@ pub const HEADER_METADATA: u64 = 64 * 1024;
 /// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
 /// own keys. Refuses an update with a NaN or infinite value.
 pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {
+    let shapes = update.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+    let mut writer = Writer::new(
+        std::io::Cursor::new(Vec::new()),
+        stored(codec, shapes.clone())?,
+        with_codec(codec, metadata, shapes),
+    )?;
+    for (name, tensor) in &update.0 {
+        writer.write(&encode_values(codec, name, &tensor.values)?)?;
+    }
+    Ok(writer.finish()?.into_inner())
+}
+
+/// `metadata` with the keys that say how `codec` stored parameters of `shapes`.
+pub(crate) fn with_codec<'a>(
+    codec: Codec,
+    metadata: &Metadata,
+    shapes: impl Iterator<Item = (&'a str, &'a [usize])>,
+) -> Metadata {
     let mut metadata = metadata.clone();
     metadata.insert(CODEC.into(), codec.name().into());
     metadata.insert(CODEC_VERSION.into(), VERSION.into());
-    let mut encoded: Vec<Encoded> = Vec::new();
-    for (name, tensor) in &update.0 {
-        if tensor.values.iter().any(|v| !v.is_finite()) {
-            return Err(Error::NotFinite { name: name.clone() });
+    if let Codec::TopK { .. } = codec {
+        for (name, shape) in shapes {
+            metadata.insert(format!("{SHAPE}{name}"), shape_text(shape));
         }
-        let shape = tensor.shape.clone();
+    }
+    metadata
+}
+
+/// The tensors (name, dtype, shape) a file of parameters of `shapes` holds with `codec`, in
+/// the order [`encode_values`] gives their bytes. Every size follows from the shapes (top-k
+/// keeps [`kept_count`]), so a file is laid out before a value is compressed.
+pub(crate) fn stored<'a>(
+    codec: Codec,
+    shapes: impl Iterator<Item = (&'a str, &'a [usize])>,
+) -> Result<Vec<(String, Dtype, Vec<usize>)>, Error> {
+    let mut stored = Vec::new();
+    for (name, shape) in shapes {
+        let n: usize = shape.iter().product();
         match codec {
-            Codec::None => {
-                encoded.push((name.clone(), Dtype::F32, shape, f32_bytes(&tensor.values)))
-            }
-            Codec::Bf16 => {
-                let bytes = tensor
-                    .values
-                    .iter()
-                    .flat_map(|v| bf16_bits(*v).to_le_bytes())
-                    .collect();
-                encoded.push((name.clone(), Dtype::BF16, shape, bytes));
-            }
+            Codec::None => stored.push((name.to_string(), Dtype::F32, shape.to_vec())),
+            Codec::Bf16 => stored.push((name.to_string(), Dtype::BF16, shape.to_vec())),
             Codec::Int8 => {
-                let (quantised, scales) = int8(&tensor.values);
-                let blocks = scales.len();
-                encoded.push((name.clone(), Dtype::I8, shape, quantised));
-                encoded.push((
+                stored.push((name.to_string(), Dtype::I8, shape.to_vec()));
+                stored.push((
                     format!("{name}{SCALE}"),
                     Dtype::F32,
-                    vec![blocks],
-                    f32_bytes(&scales),
+                    vec![n.div_ceil(INT8_BLOCK)],
                 ));
             }
             Codec::TopK { density } => {
-                if u32::try_from(tensor.values.len()).is_err() {
+                if u32::try_from(n).is_err() {
                     return Err(Error::Mismatch {
-                        name: name.clone(),
+                        name: name.to_string(),
                         problem: "has more values than top-k positions (u32) can name".into(),
                     });
                 }
-                let (indices, values) = top_k(&tensor.values, density);
-                let k = indices.len();
-                metadata.insert(format!("{SHAPE}{name}"), shape_text(&shape));
-                encoded.push((
-                    format!("{name}{INDEX}"),
-                    Dtype::U32,
-                    vec![k],
-                    indices.iter().flat_map(|i| i.to_le_bytes()).collect(),
-                ));
-                encoded.push((
-                    format!("{name}{VALUE}"),
-                    Dtype::F32,
-                    vec![k],
-                    f32_bytes(&values),
-                ));
+                let k = if n == 0 { 0 } else { kept_count(density, n) };
+                stored.push((format!("{name}{INDEX}"), Dtype::U32, vec![k]));
+                stored.push((format!("{name}{VALUE}"), Dtype::F32, vec![k]));
             }
         }
     }
-    serialize(&encoded, &metadata)
+    Ok(stored)
+}
+
+/// One parameter's `values` compressed with `codec`: the bytes of the tensors [`stored`] lists
+/// for it, one after the other. Refuses a NaN or an infinite value.
+pub(crate) fn encode_values(codec: Codec, name: &str, values: &[f32]) -> Result<Vec<u8>, Error> {
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(Error::NotFinite {
+            name: name.to_string(),
+        });
+    }
+    Ok(match codec {
+        Codec::None => f32_bytes(values),
+        Codec::Bf16 => values
+            .iter()
+            .flat_map(|v| bf16_bits(*v).to_le_bytes())
+            .collect(),
+        Codec::Int8 => {
+            let (mut quantised, scales) = int8(values);
+            quantised.extend(f32_bytes(&scales));
+            quantised
+        }
+        Codec::TopK { density } => {
+            let (indices, values) = top_k(values, density);
+            let mut bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
+            bytes.extend(f32_bytes(&values));
+            bytes
+        }
+    })
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
@@ -290,47 +326,61 @@ impl ErrorFeedback {
 
     /// `update` with the carried residual added, compressed with `codec` (see [`encode`]);
     /// what the codec dropped this time is carried on. With [`Codec::None`] nothing is
-    /// dropped and nothing is kept.
+    /// dropped and nothing is kept. On an error the residual is as it was.
     pub fn compress(
         &mut self,
         update: &Tensors,
         codec: Codec,
         metadata: &Metadata,
     ) -> Result<Vec<u8>, Error> {
-        let mut carried = update.clone();
-        for (name, tensor) in &mut carried.0 {
-            if let Some(residual) = self.residual.get(name)
-                && residual.len() == tensor.values.len()
-            {
-                for (value, r) in tensor.values.iter_mut().zip(residual) {
-                    *value += r;
-                }
+        let shapes = update.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+        let mut writer = Writer::new(
+            std::io::Cursor::new(Vec::new()),
+            stored(codec, shapes.clone())?,
+            with_codec(codec, metadata, shapes),
+        )?;
+        let mut residual = BTreeMap::new();
+        for (name, tensor) in &update.0 {
+            let mut carried = tensor.values.clone();
+            self.carry(name, &mut carried);
+            let (encoded, sent) = round_trip(codec, name, &tensor.shape, &carried)?;
+            writer.write(&encoded)?;
+            if codec != Codec::None {
+                Self::dropped(&mut carried, &sent);
+                residual.insert(name.clone(), carried);
             }
         }
-        let bytes = encode(&carried, codec, metadata)?;
-        if codec == Codec::None {
-            self.residual.clear();
-            return Ok(bytes);
-        }
-        // What the receiver will read, decoded by the same code it uses.
-        let sent = crate::Update::read(&bytes)?.to_tensors();
-        self.residual = carried
-            .0
-            .into_iter()
-            .map(|(name, tensor)| {
-                let residual = match sent.0.get(&name) {
-                    Some(sent) => tensor
-                        .values
-                        .iter()
-                        .zip(&sent.values)
-                        .map(|(c, s)| c - s)
-                        .collect(),
-                    None => tensor.values,
-                };
-                (name, residual)
-            })
-            .collect();
+        let bytes = writer.finish()?.into_inner();
+        self.residual = residual;
         Ok(bytes)
+    }
+
+    /// Adds what was carried for `name` to its `values`.
+    pub(crate) fn carry(&self, name: &str, values: &mut [f32]) {
+        if let Some(residual) = self.residual.get(name)
+            && residual.len() == values.len()
+        {
+            for (value, r) in values.iter_mut().zip(residual) {
+                *value += r;
+            }
+        }
+    }
+
+    /// `carried` − `sent`, in place: what the codec dropped of one parameter.
+    pub(crate) fn dropped(carried: &mut [f32], sent: &[f32]) {
+        for (c, s) in carried.iter_mut().zip(sent) {
+            *c -= s;
+        }
+    }
+
+    /// Carries `residual` for `name` from now on.
+    pub(crate) fn keep(&mut self, name: &str, residual: Vec<f32>) {
+        self.residual.insert(name.to_string(), residual);
+    }
+
+    /// Carries nothing for `name`.
+    pub(crate) fn forget(&mut self, name: &str) {
+        self.residual.remove(name);
     }
 
     /// Error feedback that goes on with `residual` (as [`residual`](Self::residual) gave

@@ -27,6 +27,7 @@
 
 mod accumulate;
 pub mod codec;
+pub mod file;
 mod optimizer;
 pub mod server;
 mod tensors;
@@ -35,7 +36,8 @@ pub use accumulate::{Accumulator, Update};
 pub use codec::{Codec, ErrorFeedback};
 pub use optimizer::OuterOptimizer;
 pub use tensors::{
-    MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata, with_metadata,
+    Fingerprint, MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata,
+    with_metadata,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +62,12 @@ pub enum Error {
     Norm { norm: f64, limit: f64 },
     #[error("no update was added")]
     Empty,
+    #[error(
+        "an update's file could not be read while it was being added: the round's sum holds part of it and is lost"
+    )]
+    SumLost,
     #[error(transparent)]
     File(#[from] hypha_files::Error),
+    #[error("cannot write the file: {0}")]
+    Write(std::io::Error),
 }

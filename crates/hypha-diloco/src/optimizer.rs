@@ -35,30 +35,40 @@ impl OuterOptimizer {
     /// θ ← θ − η·(g + μ·b), with b = g on the first step and b = μ·b + g after.
     pub fn step(&mut self, model: &mut Tensors, gradient: &Tensors) -> Result<(), Error> {
         check_same(&model.0, gradient.shapes())?;
-        let (lr, mu) = (self.learning_rate, self.momentum);
         for (name, parameter) in &mut model.0 {
             let Some(grad) = gradient.0.get(name) else {
                 continue;
             };
-            let buffer = match self.buffers.entry(name.clone()) {
-                Entry::Occupied(entry) => {
-                    let buffer = entry.into_mut();
-                    for (b, g) in buffer.iter_mut().zip(&grad.values) {
-                        *b = mu * *b + g;
-                    }
-                    buffer
-                }
-                Entry::Vacant(entry) => entry.insert(grad.values.clone()),
-            };
-            for ((p, g), b) in parameter
-                .values
-                .iter_mut()
-                .zip(&grad.values)
-                .zip(buffer.iter())
-            {
-                *p -= lr * (g + mu * b);
+            let mut step = grad.values.clone();
+            self.step_in_place(name, &mut step, 1.0);
+            for (p, s) in parameter.values.iter_mut().zip(&step) {
+                *p += s;
             }
         }
         Ok(())
+    }
+
+    /// One parameter's step, in place: `gradient` (times `scale`: a sum becomes its mean on
+    /// the way) becomes the change −η·(g + μ·b) the parameter takes, and its momentum buffer
+    /// moves on. One pass over the two, whatever the model's size.
+    pub(crate) fn step_in_place(&mut self, name: &str, gradient: &mut [f32], scale: f32) {
+        let (lr, mu) = (self.learning_rate, self.momentum);
+        match self.buffers.entry(name.to_string()) {
+            Entry::Occupied(entry) => {
+                for (g, b) in gradient.iter_mut().zip(entry.into_mut().iter_mut()) {
+                    let grad = *g * scale;
+                    *b = mu * *b + grad;
+                    *g = -lr * (grad + mu * *b);
+                }
+            }
+            Entry::Vacant(entry) => {
+                let buffer = entry.insert(Vec::with_capacity(gradient.len()));
+                for g in gradient.iter_mut() {
+                    let grad = *g * scale;
+                    buffer.push(grad);
+                    *g = -lr * (grad + mu * grad);
+                }
+            }
+        }
     }
 }

@@ -9,13 +9,22 @@
 //! ([`Update::add_to`]) and check the result against the fingerprint the change carries
 //! ([`Tensors::digest`]); the server sends the whole model to everybody else.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::BTreeMap,
+    io::{Seek, Write},
+    path::Path,
+};
 
 use hypha_messages::diloco::meta;
+use safetensors::Dtype;
 
 use crate::{
-    Accumulator, Codec, Error, ErrorFeedback, Metadata, OuterOptimizer, Tensor, Tensors, Update,
-    metadata, with_metadata,
+    Accumulator, Codec, Error, ErrorFeedback, Fingerprint, Metadata, OuterOptimizer, Tensors,
+    Update,
+    accumulate::round_trip,
+    codec,
+    file::{FileSource, Layout, Source, Writer, write_file},
+    tensors::stored_bytes,
 };
 
 /// What became of a pseudo-gradient handed to [`ParameterServer::add`].
@@ -40,6 +49,8 @@ pub struct Closed {
     /// the round's model ([`meta::KIND_MODEL_DELTA`]); `None` without
     /// [`broadcast_changes`](ParameterServer::broadcast_changes).
     pub delta: Option<Vec<u8>>,
+    /// The size of the change's file, wherever it was written.
+    pub delta_bytes: Option<u64>,
     /// Why a compressing server sends no change this round (the step took values the codec
     /// cannot carry): the model took the step exactly and goes whole to everybody.
     pub uncompressed: Option<String>,
@@ -138,24 +149,22 @@ impl ParameterServer {
     }
 
     /// The server as its last [`checkpoint`](Self::checkpoint) left it, or a new one when
-    /// there is none at `path`.
+    /// there is none at `path`. The file is read a chunk at a time.
     pub fn resume(path: &Path, optimizer: OuterOptimizer) -> Result<Self, Error> {
-        let bytes = match std::fs::read(path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::new(optimizer)),
-            Err(e) => {
-                return Err(hypha_files::Error::Read {
-                    path: path.to_path_buf(),
-                    error: e,
-                }
-                .into());
+        let source = match FileSource::open(path) {
+            Ok(source) => source,
+            Err(Error::File(hypha_files::Error::Read { error, .. }))
+                if error.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(Self::new(optimizer));
             }
+            Err(error) => return Err(error),
         };
-        let round = round_of(&metadata(&bytes)?)?;
+        let round = round_of(&Layout::read(&source)?.metadata)?;
         let mut model = BTreeMap::new();
         let mut buffers = BTreeMap::new();
         let mut residual = BTreeMap::new();
-        for (name, tensor) in Tensors::from_bytes(&bytes)?.0 {
+        for (name, tensor) in Tensors::read(&source)?.0 {
             if let Some(name) = name.strip_prefix(MODEL_PREFIX) {
                 model.insert(name.to_string(), tensor);
             } else if let Some(name) = name.strip_prefix(MOMENTUM_PREFIX) {
@@ -200,10 +209,15 @@ impl ParameterServer {
 
     /// A trainer's initial model: adopted when the server has none (true), ignored otherwise.
     pub fn offer(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        self.offer_from(bytes)
+    }
+
+    /// [`offer`](Self::offer) of the model in `source` (a file is read a chunk at a time).
+    pub fn offer_from(&mut self, source: &(impl Source + ?Sized)) -> Result<bool, Error> {
         if self.model.is_some() {
             return Ok(false);
         }
-        let mut model = Tensors::from_bytes(bytes)?;
+        let mut model = Tensors::read(source)?;
         if self.broadcast != Codec::None {
             model = model.into_f32();
         }
@@ -226,6 +240,18 @@ impl ParameterServer {
         round: u64,
         samples: u64,
     ) -> Result<Taken, Error> {
+        self.add_from(from, bytes, round, samples)
+    }
+
+    /// [`add`](Self::add) of the pseudo-gradient in `source`: a file is read a chunk at a
+    /// time, once to check it and once to add it, and never held in memory.
+    pub fn add_from(
+        &mut self,
+        from: &str,
+        source: &(impl Source + ?Sized),
+        round: u64,
+        samples: u64,
+    ) -> Result<Taken, Error> {
         if self.model.is_none() || round != self.round {
             return Ok(Taken::Late { round });
         }
@@ -233,7 +259,7 @@ impl ParameterServer {
             return Ok(Taken::Duplicate);
         }
         self.refused.retain(|(peer, _)| peer != from);
-        let taken = self.take(from, bytes, samples);
+        let taken = self.take(from, source, samples);
         if let Err(error) = &taken {
             self.refused.push((from.to_string(), reason(error)));
         }
@@ -247,12 +273,20 @@ impl ParameterServer {
         self.refused.push((from.to_string(), reason));
     }
 
-    fn take(&mut self, from: &str, bytes: &[u8], samples: u64) -> Result<Taken, Error> {
+    fn take(
+        &mut self,
+        from: &str,
+        source: &(impl Source + ?Sized),
+        samples: u64,
+    ) -> Result<Taken, Error> {
         if let Some(max) = self.max_samples.filter(|max| samples > *max) {
             return Err(Error::Samples { samples, max });
         }
-        let update = Update::read(bytes)?;
-        let norm = self.max_norm_ratio.map(|_| update.norm());
+        let update = Update::from_source(source)?;
+        let norm = match self.max_norm_ratio {
+            Some(_) => Some(update.norm()?),
+            None => None,
+        };
         let limit = self.norm_limit();
         if let (Some(norm), Some(limit)) = (norm, limit)
             && norm > limit
@@ -295,22 +329,48 @@ impl ParameterServer {
     /// what earlier compressions dropped) and the model moves by exactly the decoded change,
     /// which [`Closed::delta`] holds.
     pub fn close(&mut self) -> Result<Closed, Error> {
-        self.close_with(true)
+        let (mut closed, delta) = self.close_with(Some(std::io::Cursor::new(Vec::new())))?;
+        closed.delta = delta.map(std::io::Cursor::into_inner);
+        Ok(closed)
+    }
+
+    /// [`close`](Self::close) with the change written to a file at `delta` (atomically, not
+    /// fsynced: it is made again from nothing if lost) instead of held in memory.
+    pub fn close_to_file(&mut self, delta: &Path) -> Result<Closed, Error> {
+        if self.broadcast == Codec::None {
+            return Ok(self.close_with(None::<std::io::Cursor<Vec<u8>>>)?.0);
+        }
+        let mut file = hypha_files::AtomicFile::create(delta, hypha_files::Mode::Private)?;
+        let (closed, written) = {
+            let out = std::io::BufWriter::with_capacity(crate::file::CHUNK, file.file());
+            let (closed, written) = self.close_with(Some(out))?;
+            let written = match written {
+                Some(mut out) => out.flush().map(|()| true).map_err(Error::Write)?,
+                None => false,
+            };
+            (closed, written)
+        };
+        if written {
+            file.commit(true, false)?;
+        }
+        Ok(closed)
     }
 
     /// [`close`](Self::close) with the step applied exactly and no change made: for a round
     /// whose trainers all take whole models, a compressed change would cost the model
     /// precision and save no bytes.
     pub fn close_without_change(&mut self) -> Result<Closed, Error> {
-        self.close_with(false)
+        Ok(self.close_with(None::<std::io::Cursor<Vec<u8>>>)?.0)
     }
 
     /// Ends the round without a change (too few of its updates were taken to apply any):
     /// what arrived is discarded; the model, its momentum and fingerprint stay as they are
     /// and the next round starts from them. Fails before the server holds a model.
     pub fn skip(&mut self) -> Result<Closed, Error> {
-        let model = self.model.as_ref().ok_or(Error::Empty)?;
-        self.sum = Accumulator::shaped_like(model);
+        if self.model.is_none() {
+            return Err(Error::Empty);
+        }
+        self.sum.clear();
         self.arrived.clear();
         self.refused.clear();
         let closed = Closed {
@@ -318,6 +378,7 @@ impl ParameterServer {
             included: Vec::new(),
             samples: 0,
             delta: None,
+            delta_bytes: None,
             uncompressed: None,
             largest_norm_ratio: self.largest_norm_ratio.take(),
         };
@@ -325,75 +386,127 @@ impl ParameterServer {
         Ok(closed)
     }
 
-    fn close_with(&mut self, change: bool) -> Result<Closed, Error> {
+    /// The step, a parameter at a time and in place: the sum becomes the mean, the mean the
+    /// step, the step is added to the model (compressed, with what earlier compressions
+    /// dropped, when a change is written to `out`) and the sum is zeroed for the next round;
+    /// the fingerprint is taken as each parameter is done. Beside the model, its momentum, the
+    /// sum and the carried residual, the server holds one parameter's temporaries: a model
+    /// of gigabytes closes in a few passes over its bytes and no more memory.
+    ///
+    /// A step the codec cannot carry (a value beyond what a reader takes) is taken exactly
+    /// from that parameter on, with nothing carried for those parameters, and no change is
+    /// made (`out` is given back `None`): the model goes whole to everybody this round.
+    ///
+    /// An error writing to `out` leaves the server between two rounds: whoever holds it must
+    /// start again from its checkpoint.
+    fn close_with<W: Write + Seek>(
+        &mut self,
+        out: Option<W>,
+    ) -> Result<(Closed, Option<W>), Error> {
         let model = self.model.as_mut().ok_or(Error::Empty)?;
         if self.arrived.is_empty() {
             return Err(Error::Empty);
         }
-        let gradient = self.sum.mean()?;
-        let delta = if self.broadcast == Codec::None || !change {
-            self.optimizer.step(model, &gradient)?;
-            Ok(None)
-        } else {
-            let mut stepped = model.clone();
-            self.optimizer.step(&mut stepped, &gradient)?;
-            drop(gradient);
-            let change = compress_change(
-                &mut self.feedback,
-                self.broadcast,
-                model,
-                &stepped,
-                self.round,
-                self.hash.clone().unwrap_or_default(),
-            );
-            match change {
-                Ok(bytes) => Ok(bytes),
-                Err(error) => {
-                    // A step the codec cannot carry (values beyond what a reader takes):
-                    // the model takes it exactly and goes whole to everybody this round.
+        let scale = self.sum.scale()?;
+        let codec = self.broadcast;
+        let mut writer = match out.filter(|_| codec != Codec::None) {
+            Some(out) => {
+                let shapes = model.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+                let metadata = Metadata::from([
+                    (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
+                    (meta::ROUND.to_string(), (self.round + 1).to_string()),
+                    (meta::BASE_ROUND.to_string(), self.round.to_string()),
+                    (
+                        meta::BASE_HASH.to_string(),
+                        self.hash.clone().unwrap_or_default(),
+                    ),
+                    // Set once every parameter has moved; a fingerprint's length kept for it.
+                    (meta::MODEL_HASH.to_string(), Fingerprint::new().finish()),
+                ]);
+                Some(Writer::new(
+                    out,
+                    codec::stored(codec, shapes.clone())?,
+                    codec::with_codec(codec, &metadata, shapes),
+                )?)
+            }
+            None => {
+                if codec == Codec::None {
                     self.feedback.reset();
-                    *model = stepped;
-                    Err(error.to_string())
+                }
+                None
+            }
+        };
+        let mut uncompressed = None;
+        let mut fingerprint = Fingerprint::new();
+        for (name, parameter) in &mut model.0 {
+            let sum = self.sum.values_mut(name).ok_or_else(|| Error::Mismatch {
+                name: name.clone(),
+                problem: "has no sum".into(),
+            })?;
+            self.optimizer.step_in_place(name, sum, scale);
+            let step: &[f32] = sum;
+            match writer.as_mut().filter(|_| uncompressed.is_none()) {
+                Some(writer) => {
+                    let mut carried = step.to_vec();
+                    self.feedback.carry(name, &mut carried);
+                    match round_trip(codec, name, &parameter.shape, &carried) {
+                        Ok((encoded, sent)) => {
+                            writer.write(&encoded)?;
+                            add(&mut parameter.values, &sent);
+                            ErrorFeedback::dropped(&mut carried, &sent);
+                            self.feedback.keep(name, carried);
+                        }
+                        Err(error) => {
+                            uncompressed = Some(error.to_string());
+                            add(&mut parameter.values, step);
+                            self.feedback.forget(name);
+                        }
+                    }
+                }
+                // No change is made: what was dropped before stays carried, but not past a
+                // step the codec could not carry.
+                None => {
+                    add(&mut parameter.values, step);
+                    if uncompressed.is_some() {
+                        self.feedback.forget(name);
+                    }
                 }
             }
-            .map(Some)
-        };
-        let hash = model.digest();
-        let (delta, uncompressed) = match delta {
-            Ok(delta) => (delta, None),
-            Err(why) => (None, Some(why)),
-        };
-        let delta = match delta {
-            Some(bytes) => {
-                let mut metadata = metadata(&bytes)?;
-                metadata.insert(meta::MODEL_HASH.to_string(), hash.clone());
-                Some(with_metadata(&bytes, &metadata)?)
+            sum.fill(0.0);
+            fingerprint.tensor(name, parameter);
+        }
+        let hash = fingerprint.finish();
+        let delta = match writer.filter(|_| uncompressed.is_none()) {
+            Some(mut writer) => {
+                writer.set_metadata(meta::MODEL_HASH, hash.clone());
+                let mut out = writer.finish()?;
+                let size = out.stream_position().map_err(Error::Write)?;
+                Some((out, size))
             }
             None => None,
         };
+        self.sum.clear();
         self.hash = Some(hash);
-        self.sum = Accumulator::shaped_like(model);
         let arrived = std::mem::take(&mut self.arrived);
         self.refused.clear();
         let closed = Closed {
             round: self.round,
             samples: arrived.iter().map(|(_, n)| n).sum(),
             included: arrived.into_iter().map(|(peer, _)| peer).collect(),
-            delta,
+            delta: None,
+            delta_bytes: delta.as_ref().map(|(_, size)| *size),
             uncompressed,
             largest_norm_ratio: self.largest_norm_ratio.take(),
         };
         self.round += 1;
-        Ok(closed)
+        Ok((closed, delta.map(|(out, _)| out)))
     }
 
-    /// The global model's fingerprint ([`Tensors::digest`]); `None` before it holds one.
+    /// The global model's fingerprint ([`Fingerprint`]); `None` before it holds one.
     pub fn model_hash(&self) -> Option<&str> {
         self.hash.as_deref()
     }
 
-    /// The global model as SafeTensors, marked as the model to train round
-    /// [`round`](Self::round) from, with its fingerprint.
     /// The most bytes an update of the model may take with `codec` (see
     /// [`max_encoded_bytes`](crate::codec::max_encoded_bytes)); `None` before there is a model.
     pub fn max_update_bytes(&self, codec: Codec) -> Option<u64> {
@@ -404,48 +517,79 @@ impl ParameterServer {
         ))
     }
 
-    pub fn model_bytes(&self) -> Result<Vec<u8>, Error> {
-        let model = self.model.as_ref().ok_or(Error::Empty)?;
-        model.to_bytes(&Metadata::from([
+    /// The metadata of the global model's file: the model to train round
+    /// [`round`](Self::round) from, with its fingerprint.
+    fn model_metadata(&self) -> Metadata {
+        Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), self.round.to_string()),
             (
                 meta::MODEL_HASH.to_string(),
                 self.hash.clone().unwrap_or_default(),
             ),
-        ]))
+        ])
+    }
+
+    /// The global model as SafeTensors, marked as the model to train round
+    /// [`round`](Self::round) from, with its fingerprint.
+    pub fn model_bytes(&self) -> Result<Vec<u8>, Error> {
+        let model = self.model.as_ref().ok_or(Error::Empty)?;
+        model.to_bytes(&self.model_metadata())
+    }
+
+    /// [`model_bytes`](Self::model_bytes) written to a file at `path`, a tensor at a time
+    /// (atomically; fsynced when `durable`); the file's size.
+    pub fn write_model(&self, path: &Path, durable: bool) -> Result<u64, Error> {
+        let model = self.model.as_ref().ok_or(Error::Empty)?;
+        let listing = model
+            .0
+            .iter()
+            .map(|(name, t)| (name.clone(), t.dtype, t.shape.clone()));
+        write_file(path, durable, listing, self.model_metadata(), |writer| {
+            for tensor in model.0.values() {
+                stored_bytes(&tensor.values, tensor.dtype, |bytes| writer.write(bytes))?;
+            }
+            Ok(())
+        })
     }
 
     /// Writes model, momentum, what the broadcast compression dropped, and round atomically
-    /// to `path`.
-    pub fn checkpoint(&self, path: &Path) -> Result<(), Error> {
+    /// to `path`, a tensor at a time; the file's size. Momentum and residual are written as
+    /// F32, whatever the model's dtype.
+    pub fn checkpoint(&self, path: &Path) -> Result<u64, Error> {
         let model = self.model.as_ref().ok_or(Error::Empty)?;
-        let mut all = BTreeMap::new();
+        let buffers = self.optimizer.buffers();
+        let residual = self.feedback.residual();
+        let mut listing = Vec::new();
+        let mut values: Vec<(&[f32], Dtype)> = Vec::new();
         for (name, tensor) in &model.0 {
-            all.insert(format!("{MODEL_PREFIX}{name}"), tensor.clone());
-            if let Some(buffer) = self.optimizer.buffers().get(name) {
-                let momentum = Tensor {
-                    values: buffer.clone(),
-                    ..tensor.clone()
-                };
-                all.insert(format!("{MOMENTUM_PREFIX}{name}"), momentum);
-            }
-            if let Some(residual) = self.feedback.residual().get(name) {
-                let residual = Tensor {
-                    values: residual.clone(),
-                    shape: tensor.shape.clone(),
-                    dtype: safetensors::Dtype::F32,
-                };
-                all.insert(format!("{RESIDUAL_PREFIX}{name}"), residual);
+            listing.push((format!("{MODEL_PREFIX}{name}"), tensor.dtype, tensor.shape.clone()));
+            values.push((&tensor.values, tensor.dtype));
+            for (prefix, kept) in [(MOMENTUM_PREFIX, buffers), (RESIDUAL_PREFIX, residual)] {
+                if let Some(kept) = kept.get(name).filter(|v| v.len() == tensor.values.len()) {
+                    listing.push((format!("{prefix}{name}"), Dtype::F32, tensor.shape.clone()));
+                    values.push((kept, Dtype::F32));
+                }
             }
         }
-        Tensors(all).save(
-            path,
-            &Metadata::from([
-                (meta::KIND.to_string(), meta::KIND_CHECKPOINT.to_string()),
-                (meta::ROUND.to_string(), self.round.to_string()),
-            ]),
-        )
+        // The file lists its tensors in this order; a reader finds them by name.
+        let metadata = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_CHECKPOINT.to_string()),
+            (meta::ROUND.to_string(), self.round.to_string()),
+        ]);
+        write_file(path, true, listing, metadata, |writer| {
+            for (values, dtype) in values {
+                stored_bytes(values, dtype, |bytes| writer.write(bytes))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// `target` += `values`, value by value.
+fn add(target: &mut [f32], values: &[f32]) {
+    for (t, v) in target.iter_mut().zip(values) {
+        *t += v;
     }
 }
 
@@ -463,39 +607,6 @@ fn reason(error: &Error) -> String {
         reason.push('…');
     }
     reason
-}
-
-/// The change from `model` to `stepped` (round `round` to the next), compressed with `codec`
-/// and error feedback, as the file trainers get; `model` is moved by exactly the decoded
-/// change. On an error, `model` and `feedback` are as they were.
-fn compress_change(
-    feedback: &mut ErrorFeedback,
-    codec: Codec,
-    model: &mut Tensors,
-    stepped: &Tensors,
-    round: u64,
-    base_hash: String,
-) -> Result<Vec<u8>, Error> {
-    let mut change = stepped.clone();
-    for (name, tensor) in &mut change.0 {
-        if let Some(base) = model.0.get(name) {
-            for (c, b) in tensor.values.iter_mut().zip(&base.values) {
-                *c -= b;
-            }
-        }
-    }
-    let metadata = Metadata::from([
-        (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
-        (meta::ROUND.to_string(), (round + 1).to_string()),
-        (meta::BASE_ROUND.to_string(), round.to_string()),
-        (meta::BASE_HASH.to_string(), base_hash),
-    ]);
-    let mut next = feedback.clone();
-    let bytes = next.compress(&change, codec, &metadata)?;
-    drop(change);
-    Update::read(&bytes)?.add_to(model)?;
-    *feedback = next;
-    Ok(bytes)
 }
 
 /// The round a file's metadata names.

@@ -38,7 +38,7 @@ fn update(seed: u64) -> Tensors {
 }
 
 fn decoded(bytes: &[u8]) -> Tensors {
-    Update::read(bytes).unwrap().to_tensors()
+    Update::read(bytes).unwrap().to_tensors().unwrap()
 }
 
 #[test]
@@ -252,7 +252,7 @@ fn the_accumulator_adds_compressed_updates_as_their_decoded_values() {
     assert!(distance(&a, &b) < 1e-6, "{}", distance(&a, &b));
     // The norm is the decoded update's.
     for file in &files {
-        let norm = Update::read(file).unwrap().norm();
+        let norm = Update::read(file).unwrap().norm().unwrap();
         let expected = distance(&decoded(file), &zeros_like(&decoded(file)));
         assert!(
             (norm - expected).abs() <= 1e-6 * expected,

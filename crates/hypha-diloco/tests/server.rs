@@ -334,7 +334,7 @@ fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed()
             // The same metadata and tensors (SafeTensors writes metadata in any order).
             let read = |bytes: &[u8]| {
                 let metadata = hypha_diloco::metadata(bytes).unwrap();
-                (metadata, Update::read(bytes).unwrap().to_tensors())
+                (metadata, Update::read(bytes).unwrap().to_tensors().unwrap())
             };
             assert!(
                 read(again) == read(&delta),

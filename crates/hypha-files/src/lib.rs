@@ -2,7 +2,8 @@
 //!
 //! [`write_atomic`] writes to a temporary file in the destination's directory, fsyncs it, renames
 //! it over the destination and fsyncs the directory, so a crash or a full disk never leaves a
-//! torn file behind. Errors name the file.
+//! torn file behind; [`AtomicFile`] does the same for a file written in pieces. Errors name the
+//! file.
 //!
 //! [`Beneath`] is a directory that paths are resolved beneath by the kernel, for writing what
 //! a peer named (an archive's entries, an executor's paths) without leaving it.
@@ -48,46 +49,104 @@ pub enum Mode {
 ///
 /// Refuses to replace an existing file unless `overwrite` is set.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: Mode, overwrite: bool) -> Result<(), Error> {
-    let write_err = |error| Error::Write {
-        path: path.to_path_buf(),
-        error,
-    };
     if !overwrite && path.exists() {
         return Err(Error::Exists {
             path: path.to_path_buf(),
         });
     }
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&dir).map_err(write_err)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".hypha-tmp-")
-        .permissions(permissions(mode))
-        .tempfile_in(&dir)
-        .map_err(write_err)?;
-    tmp.write_all(bytes).map_err(write_err)?;
-    tmp.as_file().sync_all().map_err(write_err)?;
-    if overwrite {
-        tmp.persist(path).map_err(|e| write_err(e.error))?;
-    } else {
-        // `persist_noclobber` closes the race between the check above and the rename.
-        tmp.persist_noclobber(path).map_err(|e| {
-            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
-                Error::Exists {
-                    path: path.to_path_buf(),
+    let mut file = AtomicFile::create(path, mode)?;
+    file.write_all(bytes).map_err(|error| file.error(error))?;
+    file.commit(overwrite, true)
+}
+
+/// A file written in pieces that appears at its path only once it is whole
+/// ([`commit`](Self::commit)): until then it is a temporary file beside it, removed if the
+/// writer is dropped. For files too large to hold in memory (models, checkpoints).
+#[derive(Debug)]
+pub struct AtomicFile {
+    path: PathBuf,
+    dir: PathBuf,
+    tmp: tempfile::NamedTempFile,
+}
+
+impl AtomicFile {
+    /// Starts the file that will be `path`, readable as `mode` says.
+    pub fn create(path: &Path, mode: Mode) -> Result<Self, Error> {
+        let write_err = |error| Error::Write {
+            path: path.to_path_buf(),
+            error,
+        };
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&dir).map_err(write_err)?;
+        let tmp = tempfile::Builder::new()
+            .prefix(".hypha-tmp-")
+            .permissions(permissions(mode))
+            .tempfile_in(&dir)
+            .map_err(write_err)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            dir,
+            tmp,
+        })
+    }
+
+    /// The temporary file, to write and seek in.
+    pub fn file(&mut self) -> &mut std::fs::File {
+        self.tmp.as_file_mut()
+    }
+
+    /// `error`, naming the file it happened to.
+    pub fn error(&self, error: std::io::Error) -> Error {
+        Error::Write {
+            path: self.path.clone(),
+            error,
+        }
+    }
+
+    /// Puts the file at its path: fsync (when `durable`), rename, fsync of the directory.
+    /// Refuses to replace an existing file unless `overwrite` is set. Without `durable` a
+    /// crash may leave an empty or torn file under the name, never a torn file that another
+    /// process opened before the crash: for files that are rewritten if lost.
+    pub fn commit(self, overwrite: bool, durable: bool) -> Result<(), Error> {
+        let Self { path, dir, tmp } = self;
+        let write_err = |error| Error::Write {
+            path: path.clone(),
+            error,
+        };
+        if durable {
+            tmp.as_file().sync_all().map_err(write_err)?;
+        }
+        if overwrite {
+            tmp.persist(&path).map_err(|e| write_err(e.error))?;
+        } else {
+            // `persist_noclobber` closes the race between a check for the file and the rename.
+            tmp.persist_noclobber(&path).map_err(|e| {
+                if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+                    Error::Exists { path: path.clone() }
+                } else {
+                    write_err(e.error)
                 }
-            } else {
-                write_err(e.error)
-            }
-        })?;
+            })?;
+        }
+        if durable && let Ok(d) = std::fs::File::open(&dir) {
+            // Best effort: makes the rename itself durable on filesystems that need it.
+            let _ = d.sync_all();
+        }
+        Ok(())
     }
-    if let Ok(d) = std::fs::File::open(&dir) {
-        // Best effort: makes the rename itself durable on filesystems that need it.
-        let _ = d.sync_all();
+}
+
+impl std::io::Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.tmp.write(buf)
     }
-    Ok(())
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.tmp.flush()
+    }
 }
 
 #[cfg(unix)]
