@@ -44,6 +44,7 @@ use std::{
 use hypha_artifacts::{Admission, Published};
 use hypha_diloco::{
     Codec, OuterOptimizer,
+    file::FileSource,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
@@ -71,6 +72,8 @@ pub const CHECKPOINT_TRANSFER: &str = "checkpoint.safetensors";
 pub const CHECKPOINT_PATIENCE: Duration = Duration::from_secs(120);
 /// The model when training is over, in the job's directory.
 pub const FINAL_MODEL: &str = "final.safetensors";
+/// The global models and changes sent, in the job's directory.
+const MODELS_DIR: &str = "models";
 /// Where initial models wait for the scheduler to name the one to adopt, in the job's
 /// directory (one file per peer, its last offer).
 const OFFERS_DIR: &str = "offers";
@@ -198,8 +201,6 @@ enum ServerError {
     Codec(String),
     #[error(transparent)]
     Diloco(#[from] hypha_diloco::Error),
-    #[error("cannot write {path}: {error}")]
-    Write { path: String, error: std::io::Error },
     #[error(
         "the scheduler's checkpoint of round {round} did not come within {:?}: {reason}",
         CHECKPOINT_PATIENCE
@@ -323,9 +324,7 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Done) => {
                     let path = self.dir.join(FINAL_MODEL);
-                    let bytes = server.model_bytes()?;
-                    hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, true)
-                        .map_err(hypha_diloco::Error::from)?;
+                    tokio::task::block_in_place(|| server.write_model(&path, true))?;
                     tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
                     uploads.finish().await;
                     return Ok(());
@@ -412,18 +411,12 @@ impl ServerJob {
                     }
                     return;
                 }
-                let bytes = std::fs::read(&path);
+                // Read a chunk at a time (once to check it, once to add it), never whole:
+                // adding walks the whole model, so it stays off the runtime's async threads.
+                let taken = FileSource::open(&path).and_then(|update| {
+                    tokio::task::block_in_place(|| server.add_from(&from, &update, round, samples))
+                });
                 let _ = std::fs::remove_file(&path);
-                let bytes = match bytes {
-                    Ok(bytes) => bytes,
-                    Err(error) => {
-                        tracing::warn!(%from, %error, "could not read a pseudo-gradient");
-                        return;
-                    }
-                };
-                // Adding walks the whole model: keep it off the runtime's async threads.
-                let taken =
-                    tokio::task::block_in_place(|| server.add(&from, &bytes, round, samples));
                 match taken {
                     Ok(Taken::Added) => {
                         tracing::debug!(%from, round, samples, "pseudo-gradient added");
@@ -469,18 +462,16 @@ impl ServerJob {
             tracing::warn!(%from, "the scheduler named an initial model this server does not hold");
             return;
         };
-        let adopted = std::fs::read(path)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| {
-                tokio::task::block_in_place(|| server.offer(&bytes)).map_err(|e| e.to_string())
-            });
+        let adopted = FileSource::open(path)
+            .and_then(|model| tokio::task::block_in_place(|| server.offer_from(&model)))
+            .map_err(|e| e.to_string());
         match adopted {
             Ok(_) => {
                 tracing::info!(%from, "adopted the initial model the scheduler chose as the global model");
                 let written =
                     tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)));
                 match written {
-                    Ok(()) => uploads.checkpointed(),
+                    Ok(_) => uploads.checkpointed(),
                     Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
                 }
                 let offered: Vec<String> = peers.offers.keys().cloned().collect();
@@ -507,19 +498,21 @@ impl ServerJob {
         send_to: &[String],
         peers: &Peers,
     ) -> Result<Applied, ServerError> {
+        let delta = self.dir.join(MODELS_DIR).join(format!(
+            "delta-{}.safetensors",
+            server.round().unwrap_or(0) + 1
+        ));
         let closed = tokio::task::block_in_place(|| {
             // A change is made only for trainers that take one.
             let changes_wanted = server
                 .arrived()
                 .iter()
                 .any(|(peer, _)| peers.take_changes.contains(peer));
-            let closed = if changes_wanted {
-                server.close()?
+            if changes_wanted {
+                server.close_to_file(&delta)
             } else {
-                server.close_without_change()?
-            };
-            server.checkpoint(&self.dir.join(CHECKPOINT))?;
-            Ok::<_, hypha_diloco::Error>(closed)
+                server.close_without_change()
+            }
         })?;
         tracing::info!(
             round = closed.round,
@@ -530,18 +523,21 @@ impl ServerJob {
         if let Some(why) = &closed.uncompressed {
             tracing::warn!(round = closed.round, %why, "the round's change cannot be compressed; every trainer gets the whole model");
         }
+        let delta = closed.delta_bytes.map(|_| delta);
         let (changed, whole): (Vec<String>, Vec<String>) =
             send_to.iter().cloned().partition(|peer| {
-                closed.delta.is_some()
+                delta.is_some()
                     && peers.take_changes.contains(peer)
                     && closed.included.contains(peer)
             });
-        if let Err(error) = self.send_models(server, closed.delta.as_deref(), &changed, &whole) {
+        if let Err(error) = self.send_models(server, delta.as_deref(), &changed, &whole) {
             tracing::warn!(%error, "could not send the new global model");
         }
+        // Written once the new model is on its way: the trainers need not wait for it.
+        tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
         Ok(Applied {
             round: closed.round,
-            delta_bytes: closed.delta.as_ref().map(|delta| delta.len() as u64),
+            delta_bytes: closed.delta_bytes,
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: closed.largest_norm_ratio,
@@ -555,11 +551,7 @@ impl ServerJob {
         server: &mut ParameterServer,
         send_to: &[String],
     ) -> Result<Applied, ServerError> {
-        let skipped = tokio::task::block_in_place(|| {
-            let skipped = server.skip()?;
-            server.checkpoint(&self.dir.join(CHECKPOINT))?;
-            Ok::<_, hypha_diloco::Error>(skipped)
-        })?;
+        let skipped = server.skip()?;
         tracing::warn!(
             round = skipped.round,
             "round ended without a change: too few of its updates were taken"
@@ -567,6 +559,7 @@ impl ServerJob {
         if let Err(error) = self.send_models(server, None, &[], send_to) {
             tracing::warn!(%error, "could not send the global model");
         }
+        tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
         Ok(Applied {
             round: skipped.round,
             delta_bytes: None,
@@ -576,49 +569,32 @@ impl ServerJob {
         })
     }
 
-    /// Sends the global model of the current round in the background, as the change `delta`
-    /// (when there is one) to `changed` and whole to `whole`: a slow trainer does not hold
-    /// up the others or the server. Each file is written once per round.
+    /// Sends the global model of the current round in the background, as the change in the
+    /// file `delta` (when there is one) to `changed` and whole to `whole`: a slow trainer does
+    /// not hold up the others or the server. The whole model's file is written once per round.
     fn send_models(
         &self,
         server: &ParameterServer,
-        delta: Option<&[u8]>,
+        delta: Option<&Path>,
         changed: &[String],
         whole: &[String],
     ) -> Result<(), ServerError> {
         let round = server.round().unwrap_or(0);
         if let Some(delta) = delta.filter(|_| !changed.is_empty()) {
-            let path =
-                self.model_file(&format!("delta-{round}.safetensors"), || Ok(delta.to_vec()))?;
-            self.send_file(&path, round, changed, false);
+            self.send_file(delta, round, changed, false);
         }
         if !whole.is_empty() {
-            let path = self.model_file(&format!("round-{round}.safetensors"), || {
-                tokio::task::block_in_place(|| server.model_bytes())
-            })?;
+            let path = self
+                .dir
+                .join(MODELS_DIR)
+                .join(format!("round-{round}.safetensors"));
+            if !path.exists() {
+                // Not fsynced: it is written again from the model if lost.
+                tokio::task::block_in_place(|| server.write_model(&path, false))?;
+            }
             self.send_file(&path, round, whole, true);
         }
         Ok(())
-    }
-
-    /// `models/{name}` in the job's directory, written from `bytes` unless it exists.
-    fn model_file(
-        &self,
-        name: &str,
-        bytes: impl FnOnce() -> Result<Vec<u8>, hypha_diloco::Error>,
-    ) -> Result<PathBuf, ServerError> {
-        let path = self.dir.join("models").join(name);
-        if !path.exists() {
-            let bytes = bytes()?;
-            let write = |error| ServerError::Write {
-                path: path.display().to_string(),
-                error,
-            };
-            std::fs::create_dir_all(self.dir.join("models")).map_err(write)?;
-            hypha_files::write_atomic(&path, &bytes, hypha_files::Mode::Private, false)
-                .map_err(hypha_diloco::Error::from)?;
-        }
-        Ok(path)
     }
 
     /// Sends the file at `path` to `peers`, each in a task of its own. A whole model
