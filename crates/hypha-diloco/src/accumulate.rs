@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use safetensors::Dtype;
 
 use crate::{
-    Error, Metadata, Tensor, Tensors,
-    Codec,
+    Codec, Error, Metadata, Tensor, Tensors,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
     file::{Entry, Layout, Source, dtype_bytes},
     tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm},
@@ -87,8 +86,13 @@ impl Part {
                     Ok(())
                 })
             }
-            Part::Int8 { values, scales } => {
-                Self::paired(source, values, scales, INT8_BLOCK, 4, |at, quantised, scales| {
+            Part::Int8 { values, scales } => Self::paired(
+                source,
+                values,
+                scales,
+                INT8_BLOCK,
+                4,
+                |at, quantised, scales| {
                     let blocks = targets[at as usize..]
                         .chunks_mut(INT8_BLOCK)
                         .zip(quantised.chunks(INT8_BLOCK))
@@ -100,8 +104,8 @@ impl Part {
                         }
                     }
                     Ok(())
-                })
-            }
+                },
+            ),
             Part::Sparse {
                 indices, values, ..
             } => Self::paired(source, indices, values, 4, 4, |_, indices, values| {
@@ -126,14 +130,24 @@ impl Part {
                 })?;
             }
             Part::Int8 { values, scales } => {
-                Self::paired(source, values, scales, INT8_BLOCK, 4, |_, quantised, scales| {
-                    for (quantised, scale) in quantised.chunks(INT8_BLOCK).zip(scales.chunks_exact(4)) {
-                        let scale = f64::from(f32_of(scale));
-                        let block: f64 = quantised.iter().map(|q| f64::from(*q as i8).powi(2)).sum();
-                        sum += block * scale * scale;
-                    }
-                    Ok(())
-                })?;
+                Self::paired(
+                    source,
+                    values,
+                    scales,
+                    INT8_BLOCK,
+                    4,
+                    |_, quantised, scales| {
+                        for (quantised, scale) in
+                            quantised.chunks(INT8_BLOCK).zip(scales.chunks_exact(4))
+                        {
+                            let scale = f64::from(f32_of(scale));
+                            let block: f64 =
+                                quantised.iter().map(|q| f64::from(*q as i8).powi(2)).sum();
+                            sum += block * scale * scale;
+                        }
+                        Ok(())
+                    },
+                )?;
             }
         }
         Ok(sum)

@@ -36,10 +36,7 @@ use std::collections::BTreeMap;
 use safetensors::Dtype;
 
 use crate::{
-    Error, Metadata, Tensor, Tensors,
-    accumulate::round_trip,
-    file::Writer,
-    tensors::bf16_bits,
+    Error, Metadata, Tensor, Tensors, accumulate::round_trip, file::Writer, tensors::bf16_bits,
 };
 
 /// Metadata key: the codec of an update (`none`, `bf16`, `int8`, `topk`).
@@ -144,7 +141,10 @@ pub const HEADER_METADATA: u64 = 64 * 1024;
 /// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
 /// own keys. Refuses an update with a NaN or infinite value.
 pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {
-    let shapes = update.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+    let shapes = update
+        .0
+        .iter()
+        .map(|(name, t)| (name.as_str(), &t.shape[..]));
     let mut writer = Writer::new(
         std::io::Cursor::new(Vec::new()),
         stored(codec, shapes.clone())?,
@@ -333,7 +333,10 @@ impl ErrorFeedback {
         codec: Codec,
         metadata: &Metadata,
     ) -> Result<Vec<u8>, Error> {
-        let shapes = update.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+        let shapes = update
+            .0
+            .iter()
+            .map(|(name, t)| (name.as_str(), &t.shape[..]));
         let mut writer = Writer::new(
             std::io::Cursor::new(Vec::new()),
             stored(codec, shapes.clone())?,

@@ -28,7 +28,7 @@ pub const CHUNK: usize = 1 << 20;
 /// Random access to the bytes of a SafeTensors file.
 pub trait Source {
     /// The file's length in bytes.
-    fn len(&self) -> u64;
+    fn size(&self) -> u64;
 
     /// The `len` bytes at `offset`: borrowed where they are in memory, read into `buffer`
     /// (reused from call to call) where they are not.
@@ -41,8 +41,8 @@ pub trait Source {
 }
 
 impl Source for [u8] {
-    fn len(&self) -> u64 {
-        <[u8]>::len(self) as u64
+    fn size(&self) -> u64 {
+        self.len() as u64
     }
 
     fn bytes_at<'b>(
@@ -84,7 +84,7 @@ impl FileSource {
 }
 
 impl Source for FileSource {
-    fn len(&self) -> u64 {
+    fn size(&self) -> u64 {
         self.len
     }
 
@@ -96,12 +96,12 @@ impl Source for FileSource {
     ) -> Result<&'b [u8], Error> {
         use std::os::unix::fs::FileExt;
         buffer.resize(len, 0);
-        self.file.read_exact_at(buffer, offset).map_err(|error| {
-            hypha_files::Error::Read {
+        self.file
+            .read_exact_at(buffer, offset)
+            .map_err(|error| hypha_files::Error::Read {
                 path: self.path.clone(),
                 error,
-            }
-        })?;
+            })?;
         Ok(buffer)
     }
 }
@@ -158,10 +158,10 @@ impl Layout {
             Error::Format("shorter than a SafeTensors header's length (8 bytes)".into())
         })?;
         let length = u64::from_le_bytes(length.try_into().unwrap_or_default());
-        if length > MAX_HEADER || 8 + length > source.len() {
+        if length > MAX_HEADER || 8 + length > source.size() {
             return Err(Error::Format(format!(
                 "a header of {length} bytes in a file of {} (at most {MAX_HEADER})",
-                source.len()
+                source.size()
             )));
         }
         let header = source.bytes_at(8, length as usize, &mut buffer)?;
@@ -169,11 +169,11 @@ impl Layout {
         let header: safetensors::tensor::Metadata = serde_json::from_slice(header)
             .map_err(|e| Error::Format(format!("the header: {e}")))?;
         let start = 8 + length;
-        if start + header.data_len() as u64 != source.len() {
+        if start + header.data_len() as u64 != source.size() {
             return Err(Error::Format(format!(
                 "the header describes {} bytes of tensors; the file holds {}",
                 header.data_len(),
-                source.len() - start
+                source.size() - start
             )));
         }
         let entries = header
@@ -326,7 +326,10 @@ impl<W: Write + Seek> Writer<W> {
 }
 
 /// The header's JSON: the metadata (in key order), then each tensor's entry in file order.
-fn header(tensors: &[(String, Dtype, Vec<usize>, u64)], metadata: &Metadata) -> Result<Vec<u8>, Error> {
+fn header(
+    tensors: &[(String, Dtype, Vec<usize>, u64)],
+    metadata: &Metadata,
+) -> Result<Vec<u8>, Error> {
     let json = |e: serde_json::Error| Error::Format(e.to_string());
     let mut header = b"{".to_vec();
     if !metadata.is_empty() {
@@ -424,13 +427,19 @@ mod tests {
         let bytes = writer.finish().unwrap().into_inner();
 
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        assert_eq!(file.tensor("b").unwrap().data(), &f32_bytes(&[1.0, 2.0, 3.0])[..]);
+        assert_eq!(
+            file.tensor("b").unwrap().data(),
+            &f32_bytes(&[1.0, 2.0, 3.0])[..]
+        );
         assert_eq!(file.tensor("a").unwrap().data(), &[1, 2, 3, 4]);
         let layout = Layout::read(&bytes[..]).unwrap();
         assert_eq!(layout.metadata["hash"], "x".repeat(64));
         assert_eq!(layout.metadata["kind"], "test");
         let a = &layout.entries["a"];
-        assert_eq!((a.dtype, a.shape.clone(), a.len), (Dtype::I8, vec![2, 2], 4));
+        assert_eq!(
+            (a.dtype, a.shape.clone(), a.len),
+            (Dtype::I8, vec![2, 2], 4)
+        );
         assert_eq!(&bytes[a.offset as usize..][..4], &[1, 2, 3, 4]);
     }
 
@@ -444,7 +453,10 @@ mod tests {
         .unwrap();
         writer.write(&[0; 4]).unwrap();
         let error = writer.finish().unwrap_err();
-        assert!(error.to_string().contains("4 bytes written of 8"), "{error}");
+        assert!(
+            error.to_string().contains("4 bytes written of 8"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -411,7 +411,10 @@ impl ParameterServer {
         let codec = self.broadcast;
         let mut writer = match out.filter(|_| codec != Codec::None) {
             Some(out) => {
-                let shapes = model.0.iter().map(|(name, t)| (name.as_str(), &t.shape[..]));
+                let shapes = model
+                    .0
+                    .iter()
+                    .map(|(name, t)| (name.as_str(), &t.shape[..]));
                 let metadata = Metadata::from([
                     (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
                     (meta::ROUND.to_string(), (self.round + 1).to_string()),
@@ -563,7 +566,11 @@ impl ParameterServer {
         let mut listing = Vec::new();
         let mut values: Vec<(&[f32], Dtype)> = Vec::new();
         for (name, tensor) in &model.0 {
-            listing.push((format!("{MODEL_PREFIX}{name}"), tensor.dtype, tensor.shape.clone()));
+            listing.push((
+                format!("{MODEL_PREFIX}{name}"),
+                tensor.dtype,
+                tensor.shape.clone(),
+            ));
             values.push((&tensor.values, tensor.dtype));
             for (prefix, kept) in [(MOMENTUM_PREFIX, buffers), (RESIDUAL_PREFIX, residual)] {
                 if let Some(kept) = kept.get(name).filter(|v| v.len() == tensor.values.len()) {

@@ -43,11 +43,21 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
                 format!("slot {slot}: the lease on {peer} taken over {how}"),
             )
         }
-        Event::Failover { peer, round, .. } => {
+        Event::Failover {
+            peer,
+            round,
+            lost_rounds,
+            ..
+        } => {
             progress.failovers += 1;
+            let lost = match lost_rounds {
+                0 => String::new(),
+                1 => " (1 round after its last checkpoint is trained again)".to_string(),
+                n => format!(" ({n} rounds after its last checkpoint are trained again)"),
+            };
             (
                 "failover",
-                format!("parameter server {peer} lost; a new one goes on from round {round}"),
+                format!("parameter server {peer} lost; a new one goes on from round {round}{lost}"),
             )
         }
         Event::Lost { slot, peer, reason } => {
@@ -149,6 +159,7 @@ mod tests {
                 peer: "ps".into(),
                 reason: "gone".into(),
                 round: 4,
+                lost_rounds: 2,
             },
             lost(2, "gone"),
         ];
@@ -186,6 +197,10 @@ mod tests {
         assert_eq!(
             progress.recent[1].detail,
             "slot 1: the lease on w taken over with its job still running"
+        );
+        assert_eq!(
+            progress.recent[2].detail,
+            "parameter server ps lost; a new one goes on from round 4 (2 rounds after its last checkpoint are trained again)"
         );
     }
 

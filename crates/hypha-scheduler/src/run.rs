@@ -145,10 +145,14 @@ pub enum Event {
     },
     /// The parameter server's worker was lost or its job failed: a new one is leased and
     /// restored from the checkpoint of `round` (0 and no checkpoint: it starts afresh).
+    /// `lost_rounds` were applied after that checkpoint (the server checkpoints every
+    /// `checkpoint_every` rounds, or by traffic): their slices are trained again.
     Failover {
         peer: String,
         reason: String,
         round: u64,
+        #[serde(default)]
+        lost_rounds: u64,
     },
     /// The parameter server applied a DiLoCo round. `away`: it did so as the scheduler's
     /// earlier process died, which did not hear of it; the process that took the server over
@@ -363,8 +367,9 @@ impl EventLog {
                 peer,
                 reason,
                 round,
+                lost_rounds,
             } => {
-                tracing::warn!(%peer, %reason, round, "parameter server lost; a new one takes over from the checkpoint")
+                tracing::warn!(%peer, %reason, round, lost_rounds, "parameter server lost; a new one takes over from the checkpoint")
             }
             Event::Round {
                 round,
@@ -1424,16 +1429,19 @@ impl<'a> JobRun<'a> {
                 // The rounds it applied past the checkpoint are gone with it: a new server is
                 // restored from the checkpoint, as after any failover.
                 self.server_pending = false;
+                let trained = self.training.as_ref().map_or(0, Training::round);
                 if let Some(training) = self.training.as_mut() {
                     training.rounds_lost().await;
                 }
+                let round = self.restore.unwrap_or(0);
                 self.events.record(Event::Failover {
                     peer: peer.to_string(),
                     reason: match &lease {
                         Err(reason) => reason.clone(),
                         Ok(_) => "its job ended while the scheduler was away".into(),
                     },
-                    round: self.restore.unwrap_or(0),
+                    round,
+                    lost_rounds: trained.saturating_sub(round),
                 });
             }
         }
@@ -1913,6 +1921,7 @@ impl<'a> JobRun<'a> {
             peer: peer.to_string(),
             reason: reason.to_string(),
             round: held.unwrap_or(0),
+            lost_rounds: trained.saturating_sub(held.unwrap_or(0)),
         });
         Ok(())
     }

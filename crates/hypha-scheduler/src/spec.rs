@@ -61,6 +61,8 @@
 //! compression = "int8"     # pseudo-gradients: "none" (default), "bf16", "int8" or "topk",
 //! topk_density = 0.01      # with error feedback on the trainers (see hypha_diloco::codec)
 //! overlap = true           # train on while the update travels (default false)
+//! checkpoint_every = 5     # the parameter server checkpoints every 5 rounds (default: when
+//!                          # its DiLoCo traffic since the last is 10× a checkpoint's size)
 //!
 //! [diloco.parameter_server]
 //! bid = 50.0
@@ -70,7 +72,8 @@
 //!
 //! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "topk_density",
 //! "overlap"}`;
-//! the parameter server's is `{"outer", "max_samples", "compression", "topk_density"}` (it reads
+//! the parameter server's is `{"outer", "max_samples", "compression", "topk_density",
+//! "checkpoint_every"}` (it reads
 //! every codec from the files themselves, and sends the global model's changes compressed with
 //! the job's).
 //!
@@ -234,6 +237,13 @@ pub struct DilocoSpec {
     /// hides behind compute. Off by default.
     #[serde(default)]
     pub overlap: bool,
+    /// The parameter server checkpoints (and sends the checkpoint here) every this many
+    /// rounds. Unset: whenever the bytes of updates and models it moved since the last
+    /// checkpoint reach ten times a checkpoint's size, so that checkpoints take at most a
+    /// tenth of its link. A server that fails loses the rounds after its last checkpoint:
+    /// their slices are trained again.
+    #[serde(default)]
+    pub checkpoint_every: Option<u64>,
     pub parameter_server: ServerSpec,
 }
 
@@ -632,6 +642,9 @@ impl DilocoSpec {
                 self.compression
             ));
         }
+        if self.checkpoint_every == Some(0) {
+            return Err("diloco.checkpoint_every = 0: give the rounds between checkpoints, from 1 (every round), or remove the key to checkpoint by traffic".into());
+        }
         let ratio = self.max_update_norm_ratio;
         if ratio != 0.0 && !(ratio.is_finite() && ratio > 1.0) {
             return Err(format!(
@@ -673,6 +686,9 @@ impl DilocoSpec {
         }
         if self.max_update_norm_ratio > 0.0 {
             config["max_norm_ratio"] = self.max_update_norm_ratio.into();
+        }
+        if let Some(every) = self.checkpoint_every {
+            config["checkpoint_every"] = every.into();
         }
         config.to_string()
     }

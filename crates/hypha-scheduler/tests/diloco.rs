@@ -720,13 +720,30 @@ fn told_to_stop(leaver: impl Fn(&Cluster, &str) -> Proc, stop: Stop) {
 
 #[test]
 fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_training_goes_on() {
+    server_killed_mid_round(1);
+}
+
+/// A server that checkpoints every third round takes the rounds it applied since its last
+/// checkpoint with it: the new one goes on from the checkpoint of round 0, the run's record
+/// says how many rounds were lost, and their slices are trained again, each still once.
+#[test]
+fn a_parameter_server_that_checkpoints_every_third_round_loses_only_those_rounds_when_killed() {
+    server_killed_mid_round(3);
+}
+
+fn server_killed_mid_round(checkpoint_every: u64) {
     let (cluster, _data, first) = cluster();
     let second = cluster.server_worker("ps2");
     let mut servers = [("ps", first), ("ps2", second)];
     let mut trainers: Vec<Proc> = (0..2)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
-    let job = cluster.diloco_job("failover", 2, 2, "");
+    let job = cluster.diloco_job(
+        "failover",
+        2,
+        2,
+        &format!("checkpoint_every = {checkpoint_every}\n"),
+    );
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     // Once two rounds are applied (the first one's checkpoint is in), the third is under
     // way: kill the worker of the server.
@@ -753,10 +770,17 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
     let failovers = of_kind(&events, "failover");
     assert_eq!(failovers.len(), 1, "{failovers:#?}");
     let from = failovers[0]["event"]["round"].as_u64().unwrap();
-    assert!(
-        from >= 1,
-        "restored from a checkpoint after the first round"
-    );
+    let lost_rounds = failovers[0]["event"]["lost_rounds"].as_u64().unwrap();
+    if checkpoint_every == 1 {
+        assert!(
+            from >= 1,
+            "restored from a checkpoint after the first round"
+        );
+        assert!(lost_rounds <= 1, "{failovers:#?}");
+    } else {
+        // Two rounds were applied; the only checkpoint is the adopted model's.
+        assert_eq!((from, lost_rounds), (0, 2), "{failovers:#?}");
+    }
     let at = events
         .iter()
         .position(|e| e["event"]["kind"] == "failover")
@@ -781,12 +805,19 @@ fn a_parameter_server_killed_mid_round_is_replaced_from_the_checkpoint_and_train
         before.iter().map(|e| round(e)).collect::<Vec<_>>()
     );
     assert!(!after.is_empty(), "rounds were applied after the failover");
-    // Training went on with the same model: no loss back to that of a fresh one.
-    let (first_loss, resumed_loss) = (loss(before[0]).unwrap(), loss(after[0]).unwrap());
-    assert!(
-        resumed_loss < 0.9 * first_loss,
-        "loss {first_loss} in round 0, {resumed_loss} right after the failover"
+    assert_eq!(
+        lost_rounds,
+        before.iter().filter(|e| round(e) >= from).count() as u64,
+        "the record counts the rounds applied past the checkpoint"
     );
+    if from > 0 {
+        // Training went on with the same model: no loss back to that of a fresh one.
+        let (first_loss, resumed_loss) = (loss(before[0]).unwrap(), loss(after[0]).unwrap());
+        assert!(
+            resumed_loss < 0.9 * first_loss,
+            "loss {first_loss} in round 0, {resumed_loss} right after the failover"
+        );
+    }
 
     // The survivor ran the new server and wrote the final model.
     let survivor = servers[1 - victim].0;
@@ -843,7 +874,8 @@ fn scheduler_killed_and_restarted(mid_round: bool) {
     // Three epochs: rounds overshoot their size by up to a slice a trainer, and with two the
     // data could run out in the round the restart interrupts, leaving no later round whose
     // loss the checks below compare (seen once in a loaded full-suite run).
-    let job = cluster.diloco_job("resume", 2, 3, "");
+    // Every round checkpointed: the restarted scheduler finds the first round's checkpoint.
+    let job = cluster.diloco_job("resume", 2, 3, "checkpoint_every = 1\n");
     let (mut first, events_path) = cluster.scheduler("scheduler", &job);
     first.wait_for("round applied");
     first.wait_for("round applied");

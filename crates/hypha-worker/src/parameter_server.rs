@@ -21,10 +21,17 @@
 //! Both carry the fingerprint of the model they lead to ([`meta::MODEL_HASH`]).
 //!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
-//! momentum, round; written atomically when the model is adopted and after every round),
+//! momentum, carried residual, round; written atomically when the model is adopted, then as
+//! [`Cadence`] says: every `checkpoint_every` rounds, or by default once the server moved ten
+//! checkpoints' worth of updates and models since the last, and when training is over),
 //! `models/round-{r}.safetensors` (the global model each round starts from, as sent),
-//! `models/delta-{r}.safetensors` (the change that leads to it, when the job compresses),
-//! `final.safetensors` (the model when training is over).
+//! `models/delta-{r}.safetensors` (the change that leads to it, when the job compresses; both
+//! kept for the last two rounds), `final.safetensors` (the model when training is over).
+//!
+//! **Memory.** Updates are read from their files a chunk at a time and the round closes in
+//! place, a parameter at a time ([`hypha_diloco::server`]): the server holds the model, its
+//! momentum, the running sum and (compressing) the carried residual, whatever the number of
+//! trainers.
 //!
 //! **The checkpoint's second place.** Every checkpoint is pushed to the scheduler over the
 //! resource protocol in the background (only the newest while one is on its way, retried
@@ -101,6 +108,9 @@ struct Config {
     compression: Option<String>,
     #[serde(default)]
     topk_density: Option<f32>,
+    /// Checkpoint every this many rounds; unset: by traffic ([`Cadence`]).
+    #[serde(default)]
+    checkpoint_every: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -181,6 +191,16 @@ impl ModelPublisher {
     }
 }
 
+impl ModelPublisher {
+    /// Stops publishing the file at `path` (it is about to be removed).
+    fn withdraw(&self, path: &Path) {
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(done) = published.remove(path) {
+            self.artifacts.distributor().unpublish(&done);
+        }
+    }
+}
+
 impl Drop for ModelPublisher {
     fn drop(&mut self) {
         let published = self.published.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -252,6 +272,10 @@ impl ServerJob {
         )
         .map_err(ServerError::Codec)?;
         server = server.broadcast_changes(codec.for_broadcast());
+        let mut cadence = Cadence::new(
+            config.checkpoint_every,
+            std::fs::metadata(&checkpoint).map_or(0, |m| m.len()),
+        );
         let uploads = Uploads::start(
             self.network.clone(),
             self.scheduler,
@@ -271,7 +295,8 @@ impl ServerJob {
         loop {
             tokio::select! {
                 arrived = self.inbox.next(&anyone) => {
-                    self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
+                    let moved = self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
+                    cadence.moved(moved);
                 }
                 _ = report.tick() => {}
             }
@@ -306,26 +331,38 @@ impl ServerJob {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
-                        applied = Some(self.close(&mut server, &send_to, &peers)?);
-                        announce = true;
+                        let (closed, moved) = self.close(&mut server, &send_to, &peers)?;
+                        applied = Some(closed);
+                        cadence.round_applied(moved);
+                        announce |= self.checkpoint_if_due(&server, &mut cadence)?;
                     }
                 }
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
-                        applied = Some(self.skip(&mut server, &send_to)?);
-                        announce = true;
+                        let (skipped, moved) = self.skip(&mut server, &send_to)?;
+                        applied = Some(skipped);
+                        cadence.round_applied(moved);
+                        announce |= self.checkpoint_if_due(&server, &mut cadence)?;
                     }
                 }
                 Some(ServerOrder::Trainers { peers: named }) => {
                     peers.trainers = named.into_iter().collect();
                 }
                 Some(ServerOrder::Adopt { from }) => {
-                    self.adopt(&mut server, &from, &mut peers, &uploads);
+                    self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
                 }
                 Some(ServerOrder::Done) => {
                     let path = self.dir.join(FINAL_MODEL);
                     tokio::task::block_in_place(|| server.write_model(&path, true))?;
                     tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
+                    // The last rounds' slices are used once a checkpoint holds them.
+                    if cadence.behind() {
+                        let size = tokio::task::block_in_place(|| {
+                            server.checkpoint(&self.dir.join(CHECKPOINT))
+                        })?;
+                        cadence.written(size);
+                        uploads.checkpointed();
+                    }
                     uploads.finish().await;
                     return Ok(());
                 }
@@ -334,7 +371,8 @@ impl ServerJob {
     }
 
     /// Takes one file from the inbox: a model offered by a trainer that joins, or a
-    /// pseudo-gradient (compressed with `codec`, the job's).
+    /// pseudo-gradient (compressed with `codec`, the job's). The bytes this put on the
+    /// server's link: the file's, and a whole model sent in answer.
     fn take(
         &self,
         server: &mut ParameterServer,
@@ -342,15 +380,16 @@ impl ServerJob {
         arrived: &transfer::Arrived,
         dropped: &mut Vec<Late>,
         peers: &mut Peers,
-    ) {
+    ) -> u64 {
         let from = arrived.from.to_string();
         let path = match self.inbox.deliver(arrived, Path::new("received")) {
             Ok(path) => self.dir.join(path),
             Err(error) => {
                 tracing::warn!(%from, %error, "could not take a file a trainer sent");
-                return;
+                return 0;
             }
         };
+        let received = std::fs::metadata(&path).map_or(0, |m| m.len());
         let metadata = std::fs::File::open(&path)
             .ok()
             .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())
@@ -363,7 +402,7 @@ impl ServerJob {
                 let _ = std::fs::remove_file(&path);
                 if kind == meta::KIND_MODEL_REQUEST && !peers.trainers.contains(&from) {
                     tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
-                    return;
+                    return received;
                 }
                 // A joining trainer starts from the current global model; one whose copy
                 // does not fit a change asks for it. One whole model per peer per
@@ -375,12 +414,12 @@ impl ServerJob {
                     .is_some_and(|sent| now.duration_since(*sent) < WHOLE_MODEL_EVERY)
                 {
                     tracing::debug!(%from, "sent the whole model moments ago: not again yet");
-                    return;
+                    return received;
                 }
                 peers.whole_sent.insert(from.clone(), now);
-                if let Err(error) = self.send_models(server, None, &[], std::slice::from_ref(&from))
-                {
-                    tracing::warn!(%from, %error, "could not send the global model");
+                match self.send_models(server, None, &[], std::slice::from_ref(&from)) {
+                    Ok(sent) => return received + sent,
+                    Err(error) => tracing::warn!(%from, %error, "could not send the global model"),
                 }
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
@@ -388,14 +427,14 @@ impl ServerJob {
                 if !peers.trainers.contains(&from) {
                     let _ = std::fs::remove_file(&path);
                     tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
-                    return;
+                    return received;
                 }
                 let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
                     (Ok(round), Ok(samples)) => (round, samples),
                     (Err(error), _) | (_, Err(error)) => {
                         let _ = std::fs::remove_file(&path);
                         tracing::warn!(%from, %error, "refused a pseudo-gradient");
-                        return;
+                        return received;
                     }
                 };
                 let size = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -409,7 +448,7 @@ impl ServerJob {
                     if server.round() == Some(round) {
                         server.refuse(&from, reason);
                     }
-                    return;
+                    return received;
                 }
                 // Read a chunk at a time (once to check it, once to add it), never whole:
                 // adding walks the whole model, so it stays off the runtime's async threads.
@@ -444,6 +483,7 @@ impl ServerJob {
                 tracing::warn!(%from, kind = ?other, "a file that is neither a model nor a pseudo-gradient: ignored")
             }
         }
+        received
     }
 
     /// Adopts the initial model `from` offered, as the scheduler said, and answers every
@@ -454,6 +494,7 @@ impl ServerJob {
         from: &str,
         peers: &mut Peers,
         uploads: &Uploads,
+        cadence: &mut Cadence,
     ) {
         if server.round().is_some() {
             return;
@@ -471,7 +512,10 @@ impl ServerJob {
                 let written =
                     tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)));
                 match written {
-                    Ok(_) => uploads.checkpointed(),
+                    Ok(size) => {
+                        cadence.written(size);
+                        uploads.checkpointed();
+                    }
                     Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
                 }
                 let offered: Vec<String> = peers.offers.keys().cloned().collect();
@@ -490,14 +534,15 @@ impl ServerJob {
         }
     }
 
-    /// Closes the round: step, checkpoint, and the new model to `send_to`: as the round's
-    /// change to those whose update made the round and that take changes, whole to the rest.
+    /// Closes the round: the step, and the new model to `send_to`: as the round's change to
+    /// those whose update made the round and that take changes, whole to the rest. What was
+    /// applied, and the bytes sent.
     fn close(
         &self,
         server: &mut ParameterServer,
         send_to: &[String],
         peers: &Peers,
-    ) -> Result<Applied, ServerError> {
+    ) -> Result<(Applied, u64), ServerError> {
         let delta = self.dir.join(MODELS_DIR).join(format!(
             "delta-{}.safetensors",
             server.round().unwrap_or(0) + 1
@@ -530,18 +575,20 @@ impl ServerJob {
                     && peers.take_changes.contains(peer)
                     && closed.included.contains(peer)
             });
-        if let Err(error) = self.send_models(server, delta.as_deref(), &changed, &whole) {
-            tracing::warn!(%error, "could not send the new global model");
-        }
-        // Written once the new model is on its way: the trainers need not wait for it.
-        tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
-        Ok(Applied {
+        let sent = self
+            .send_models(server, delta.as_deref(), &changed, &whole)
+            .unwrap_or_else(|error| {
+                tracing::warn!(%error, "could not send the new global model");
+                0
+            });
+        let applied = Applied {
             round: closed.round,
             delta_bytes: closed.delta_bytes,
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: closed.largest_norm_ratio,
-        })
+        };
+        Ok((applied, sent))
     }
 
     /// Ends the round without a change, as the scheduler said: what arrived is discarded,
@@ -550,23 +597,41 @@ impl ServerJob {
         &self,
         server: &mut ParameterServer,
         send_to: &[String],
-    ) -> Result<Applied, ServerError> {
+    ) -> Result<(Applied, u64), ServerError> {
         let skipped = server.skip()?;
         tracing::warn!(
             round = skipped.round,
             "round ended without a change: too few of its updates were taken"
         );
-        if let Err(error) = self.send_models(server, None, &[], send_to) {
-            tracing::warn!(%error, "could not send the global model");
-        }
-        tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
-        Ok(Applied {
+        let sent = self
+            .send_models(server, None, &[], send_to)
+            .unwrap_or_else(|error| {
+                tracing::warn!(%error, "could not send the global model");
+                0
+            });
+        let applied = Applied {
             round: skipped.round,
             delta_bytes: None,
             included: Vec::new(),
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: None,
-        })
+        };
+        Ok((applied, sent))
+    }
+
+    /// Checkpoints when `cadence` says it is time; whether it did.
+    fn checkpoint_if_due(
+        &self,
+        server: &ParameterServer,
+        cadence: &mut Cadence,
+    ) -> Result<bool, ServerError> {
+        if !cadence.due() {
+            return Ok(false);
+        }
+        let size = tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
+        tracing::debug!(round = ?server.round(), size, "checkpoint written");
+        cadence.written(size);
+        Ok(true)
     }
 
     /// Sends the global model of the current round in the background, as the change in the
@@ -578,10 +643,12 @@ impl ServerJob {
         delta: Option<&Path>,
         changed: &[String],
         whole: &[String],
-    ) -> Result<(), ServerError> {
+    ) -> Result<u64, ServerError> {
         let round = server.round().unwrap_or(0);
+        self.prune_models(round);
+        let mut sent = 0;
         if let Some(delta) = delta.filter(|_| !changed.is_empty()) {
-            self.send_file(delta, round, changed, false);
+            sent += self.send_file(delta, round, changed, false);
         }
         if !whole.is_empty() {
             let path = self
@@ -592,9 +659,34 @@ impl ServerJob {
                 // Not fsynced: it is written again from the model if lost.
                 tokio::task::block_in_place(|| server.write_model(&path, false))?;
             }
-            self.send_file(&path, round, whole, true);
+            sent += self.send_file(&path, round, whole, true);
         }
-        Ok(())
+        Ok(sent)
+    }
+
+    /// Removes the models and changes of rounds before the last: nobody is sent them again
+    /// (a transfer that still reads one holds it open), and a large model's would fill the
+    /// disk round by round.
+    fn prune_models(&self, round: u64) {
+        let Ok(entries) = std::fs::read_dir(self.dir.join(MODELS_DIR)) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let old = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".safetensors"))
+                .and_then(|n| {
+                    n.strip_prefix("round-")
+                        .or_else(|| n.strip_prefix("delta-"))
+                })
+                .and_then(|r| r.parse::<u64>().ok())
+                .is_some_and(|r| r + 1 < round);
+            if old {
+                self.publisher.withdraw(&entry.path());
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 
     /// Sends the file at `path` to `peers`, each in a task of its own. A whole model
@@ -602,7 +694,7 @@ impl ServerJob {
     /// ([`ModelPublisher`]): the trainers' workers fetch it from this one and from each
     /// other, so that trainers joining together do not each take a model's worth of this
     /// server's link.
-    fn send_file(&self, path: &Path, round: u64, peers: &[String], publish: bool) {
+    fn send_file(&self, path: &Path, round: u64, peers: &[String], publish: bool) -> u64 {
         let name = path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
@@ -616,6 +708,12 @@ impl ServerJob {
             })
         } else {
             None
+        };
+        // A published file leaves this server about once, however many fetch it.
+        let sent = if published.is_some() {
+            size
+        } else {
+            size * peers.len() as u64
         };
         for peer in peers {
             let Ok(peer) = peer.parse::<PeerId>() else {
@@ -653,6 +751,7 @@ impl ServerJob {
                 }
             });
         }
+        sent
     }
 
     /// Waits for the scheduler's checkpoint of `round` and makes it this server's.
@@ -769,6 +868,66 @@ impl Peers {
     fn clear_offers(&mut self, dir: &Path) {
         self.offers.clear();
         let _ = std::fs::remove_dir_all(dir.join(OFFERS_DIR));
+    }
+}
+
+/// How many times a checkpoint's size the server moves in updates and models before it
+/// checkpoints again, by default: checkpoints then take at most a tenth of its link.
+pub const CHECKPOINT_TRAFFIC_RATIO: u64 = 10;
+
+/// When the server checkpoints (and pushes the checkpoint to the scheduler): every `every`
+/// rounds, or, by default, once the bytes of DiLoCo traffic on its link since the last
+/// checkpoint (updates in, models and changes out) reach [`CHECKPOINT_TRAFFIC_RATIO`] times
+/// the last checkpoint's size. Every round's checkpoint (the reference system's way) cost a
+/// 10 M-parameter model 124 MB a round, twice the DiLoCo traffic of the round. A server that
+/// fails loses the rounds after its last checkpoint: the scheduler gives their slices back.
+#[derive(Debug)]
+struct Cadence {
+    every: Option<u64>,
+    /// Rounds applied since the last checkpoint.
+    rounds: u64,
+    /// Bytes moved since the last checkpoint.
+    traffic: u64,
+    /// The last checkpoint's size; 0 before there is one.
+    size: u64,
+}
+
+impl Cadence {
+    fn new(every: Option<u64>, size: u64) -> Self {
+        Self {
+            every,
+            rounds: 0,
+            traffic: 0,
+            size,
+        }
+    }
+
+    fn moved(&mut self, bytes: u64) {
+        self.traffic = self.traffic.saturating_add(bytes);
+    }
+
+    fn round_applied(&mut self, moved: u64) {
+        self.rounds += 1;
+        self.moved(moved);
+    }
+
+    /// Whether a round was applied since the last checkpoint.
+    fn behind(&self) -> bool {
+        self.rounds > 0
+    }
+
+    fn due(&self) -> bool {
+        self.behind()
+            && match self.every {
+                Some(every) => self.rounds >= every,
+                None => self.traffic >= CHECKPOINT_TRAFFIC_RATIO.saturating_mul(self.size),
+            }
+    }
+
+    fn written(&mut self, size: u64) {
+        self.rounds = 0;
+        self.traffic = 0;
+        self.size = size;
     }
 }
 

@@ -21,7 +21,8 @@ use std::{collections::BTreeMap, path::Path, time::Instant};
 
 use anyhow::Context;
 use hypha_diloco::{
-    Accumulator, Codec, OuterOptimizer, Tensor, Tensors, codec, server::ParameterServer,
+    Accumulator, Codec, OuterOptimizer, Tensor, Tensors, codec, file::FileSource,
+    server::ParameterServer,
 };
 use safetensors::Dtype;
 
@@ -70,8 +71,9 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             &gradient,
         )?;
     }
-    let rss_2 = server_peak_rss_mb(tmp.path(), 2)?;
-    let rss_8 = server_peak_rss_mb(tmp.path(), 8)?;
+    let rss_2 = server_peak_rss_mb(tmp.path(), 2, Codec::None)?;
+    let rss_8 = server_peak_rss_mb(tmp.path(), 8, Codec::None)?;
+    let rss_int8 = server_peak_rss_mb(tmp.path(), 8, Codec::Int8)?;
 
     // Per round a trainer sends its pseudo-gradient and receives the model: both are one
     // serialized model.
@@ -91,6 +93,16 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     report.metrics.insert("memcpy_gb_per_s".into(), memcpy);
     report.metrics.insert("ps_peak_rss_mb_2".into(), rss_2);
     report.metrics.insert("ps_peak_rss_mb_8".into(), rss_8);
+    report
+        .metrics
+        .insert("ps_peak_rss_mb_8_int8".into(), rss_int8);
+    let model_mb = model_bytes.len() as f64 / 1e6;
+    report
+        .ratios
+        .insert("ps_peak_rss_over_model".into(), rss_8 / model_mb);
+    report
+        .ratios
+        .insert("ps_peak_rss_over_model_int8".into(), rss_int8 / model_mb);
     report
         .metrics
         .insert("ps_model_mb".into(), model_bytes.len() as f64 / 1e6);
@@ -164,11 +176,12 @@ fn memcpy_gb_per_s(bytes: &[u8]) -> f64 {
 
 /// Runs a parameter server through a round of `updates` updates in a child process; its
 /// peak RSS in MB.
-fn server_peak_rss_mb(dir: &Path, updates: usize) -> anyhow::Result<f64> {
+fn server_peak_rss_mb(dir: &Path, updates: usize, codec: Codec) -> anyhow::Result<f64> {
     let output = std::process::Command::new(std::env::current_exe()?)
         .arg(CHILD_COMMAND)
         .arg(dir)
         .arg(updates.to_string())
+        .arg(codec.name())
         .output()?;
     anyhow::ensure!(
         output.status.success(),
@@ -182,20 +195,27 @@ fn server_peak_rss_mb(dir: &Path, updates: usize) -> anyhow::Result<f64> {
 }
 
 /// The child: a parameter server adopts `dir/model.safetensors`, adds `updates` updates read
-/// one at a time from `dir`, closes the round and checkpoints; prints its peak RSS in MB.
+/// from their files as the worker's parameter server reads them, closes the round (writing
+/// the change compressed with `codec` to a file, unless `none`), writes the whole model and
+/// checkpoints; prints its peak RSS in MB.
 pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
-    let [dir, updates] = args else {
-        anyhow::bail!("usage: {CHILD_COMMAND} DIR UPDATES");
+    let [dir, updates, codec] = args else {
+        anyhow::bail!("usage: {CHILD_COMMAND} DIR UPDATES CODEC");
     };
     let dir = Path::new(dir);
     let updates: usize = updates.parse()?;
-    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9));
-    server.offer(&std::fs::read(dir.join("model.safetensors"))?)?;
-    for i in 0..updates {
-        let bytes = std::fs::read(dir.join(format!("update-{i}.safetensors")))?;
-        server.add(&format!("trainer-{i}"), &bytes, 0, 64)?;
+    let codec = Codec::named(codec, None).map_err(anyhow::Error::msg)?;
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9)).broadcast_changes(codec);
+    server.offer_from(&FileSource::open(&dir.join("model.safetensors"))?)?;
+    // Two rounds: the second has momentum and a residual to carry.
+    for round in 0..2 {
+        for i in 0..updates {
+            let update = FileSource::open(&dir.join(format!("update-{i}.safetensors")))?;
+            server.add_from(&format!("trainer-{i}"), &update, round, 64)?;
+        }
+        server.close_to_file(&dir.join(format!("delta-{updates}-{}.safetensors", codec.name())))?;
     }
-    server.close()?;
+    server.write_model(&dir.join(format!("model-{updates}.safetensors")), false)?;
     server.checkpoint(&dir.join(format!("checkpoint-{updates}.safetensors")))?;
     let status = std::fs::read_to_string("/proc/self/status")?;
     let kb: f64 = status
