@@ -43,6 +43,11 @@ pub enum Suite {
     /// namespaces, `tc`, `iptables`; needs root): direct pairs, bytes through the gateway's
     /// relay, round and job time against the same links without NAT.
     Sites,
+    /// DiLoCo at 100 M parameters (`--quick`: 25 M), real trainers, int8 both ways (real
+    /// processes; build them first with `cargo build --release`): the parameter server's
+    /// peak memory over the model, its round close over a copy of the model, checkpoint bytes
+    /// over DiLoCo bytes, and the time to the next round after its worker is killed.
+    Scale,
 }
 
 impl Suite {
@@ -59,6 +64,7 @@ impl Suite {
             Suite::Recovery => "recovery",
             Suite::Wan => "wan",
             Suite::Sites => "sites",
+            Suite::Scale => "scale",
         }
     }
 }
@@ -111,6 +117,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Recovery => suites::recovery::run(quick).await,
                 Suite::Wan => suites::wan::run(quick).await,
                 Suite::Sites => suites::sites::run(quick).await,
+                Suite::Scale => suites::scale::run(quick).await,
             }
         })
         .await
@@ -169,6 +176,28 @@ pub(crate) fn wait_for_events(
 }
 
 /// The median of some measurements.
+/// Which of the workers `names` runs the job's `slot` now (the parameter server's is the slot
+/// after the trainers'): the peer of the last dispatch for it.
+pub(crate) fn current_server(
+    cluster: &hypha_testing::cluster::Cluster,
+    events_path: &std::path::Path,
+    names: &[&str],
+    slot: u64,
+) -> anyhow::Result<usize> {
+    use anyhow::Context;
+    let all = hypha_testing::cluster::events(events_path);
+    let peer = hypha_testing::cluster::of_kind(&all, "dispatched")
+        .into_iter()
+        .rev()
+        .find(|e| e["event"]["slot"] == slot)
+        .and_then(|e| e["event"]["peer"].as_str().map(str::to_string))
+        .context("no parameter server was dispatched")?;
+    names
+        .iter()
+        .position(|name| cluster.peer_id(name) == peer)
+        .context("the parameter server runs on none of the parameter-server workers")
+}
+
 pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     match values.len() {

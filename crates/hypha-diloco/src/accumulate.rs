@@ -7,7 +7,7 @@ use safetensors::Dtype;
 use crate::{
     Codec, Error, Metadata, Tensor, Tensors,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
-    file::{Entry, Layout, Source, dtype_bytes},
+    file::{Entry, Layout, Scratch, Source, dtype_bytes},
     tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm},
 };
 
@@ -21,6 +21,7 @@ use crate::{
 pub struct Update<'a, S: Source + ?Sized = [u8]> {
     source: &'a S,
     parts: Vec<(String, Part)>,
+    scratch: std::cell::RefCell<Scratch>,
 }
 
 /// One parameter of an update, as its codec stored it.
@@ -52,19 +53,24 @@ impl Part {
     /// Calls `each` with the bytes of a companion tensor (`int8`'s scales, `topk`'s values)
     /// that belong with each chunk of the main one (`int8`'s values, `topk`'s positions),
     /// `per` bytes of it for every `unit` of the main one.
+    #[allow(clippy::too_many_arguments)]
     fn paired(
         source: &(impl Source + ?Sized),
+        scratch: &mut Scratch,
         main: &Entry,
         companion: &Entry,
         unit: usize,
         per: usize,
         mut each: impl FnMut(u64, &[u8], &[u8]) -> Result<(), Error>,
     ) -> Result<(), Error> {
-        let mut buffer = Vec::new();
-        main.chunks(source, unit, |at, bytes| {
+        let Scratch {
+            main: buffer,
+            companion: paired_buffer,
+        } = scratch;
+        main.chunks(source, unit, buffer, |at, bytes| {
             let units = bytes.len().div_ceil(unit);
             let offset = companion.offset + at / unit as u64 * per as u64;
-            let paired = source.bytes_at(offset, units * per, &mut buffer)?;
+            let paired = source.bytes_at(offset, units * per, paired_buffer)?;
             each(at, bytes, paired)
         })
     }
@@ -74,13 +80,14 @@ impl Part {
     fn apply(
         &self,
         source: &(impl Source + ?Sized),
+        scratch: &mut Scratch,
         targets: &mut [f32],
         op: impl Fn(&mut f32, f32),
     ) -> Result<(), Error> {
         match self {
             Part::Dense(entry) => {
                 let width = dtype_bytes(entry.dtype);
-                entry.chunks(source, width, |at, bytes| {
+                entry.chunks(source, width, &mut scratch.main, |at, bytes| {
                     let from = at as usize / width;
                     decode(entry.dtype, bytes, &mut targets[from..], &op);
                     Ok(())
@@ -88,6 +95,7 @@ impl Part {
             }
             Part::Int8 { values, scales } => Self::paired(
                 source,
+                scratch,
                 values,
                 scales,
                 INT8_BLOCK,
@@ -108,30 +116,48 @@ impl Part {
             ),
             Part::Sparse {
                 indices, values, ..
-            } => Self::paired(source, indices, values, 4, 4, |_, indices, values| {
-                for (index, value) in indices.chunks_exact(4).zip(values.chunks_exact(4)) {
-                    let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
-                    if let Some(t) = targets.get_mut(index as usize) {
-                        op(t, f32_of(value));
+            } => Self::paired(
+                source,
+                scratch,
+                indices,
+                values,
+                4,
+                4,
+                |_, indices, values| {
+                    for (index, value) in indices.chunks_exact(4).zip(values.chunks_exact(4)) {
+                        let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
+                        if let Some(t) = targets.get_mut(index as usize) {
+                            op(t, f32_of(value));
+                        }
                     }
-                }
-                Ok(())
-            }),
+                    Ok(())
+                },
+            ),
         }
     }
 
-    fn squared_norm(&self, source: &(impl Source + ?Sized)) -> Result<f64, Error> {
+    fn squared_norm(
+        &self,
+        source: &(impl Source + ?Sized),
+        scratch: &mut Scratch,
+    ) -> Result<f64, Error> {
         let mut sum = 0.0;
         match self {
             Part::Dense(entry) | Part::Sparse { values: entry, .. } => {
-                entry.chunks(source, dtype_bytes(entry.dtype), |_, bytes| {
-                    sum += squared_norm(entry.dtype, bytes);
-                    Ok(())
-                })?;
+                entry.chunks(
+                    source,
+                    dtype_bytes(entry.dtype),
+                    &mut scratch.main,
+                    |_, bytes| {
+                        sum += squared_norm(entry.dtype, bytes);
+                        Ok(())
+                    },
+                )?;
             }
             Part::Int8 { values, scales } => {
                 Self::paired(
                     source,
+                    scratch,
                     values,
                     scales,
                     INT8_BLOCK,
@@ -176,15 +202,21 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
                 metadata.get(CODEC_VERSION)
             )));
         }
-        let parts = parts(source, codec, layout.entries, metadata)?;
-        Ok(Update { source, parts })
+        let mut scratch = Scratch::default();
+        let parts = parts(source, &mut scratch, codec, layout.entries, metadata)?;
+        Ok(Update {
+            source,
+            parts,
+            scratch: std::cell::RefCell::new(scratch),
+        })
     }
 
     /// The L2 norm over all its values: one more pass over them, so taken only when asked.
     pub fn norm(&self) -> Result<f64, Error> {
         let mut sum = 0.0;
+        let scratch = &mut self.scratch.borrow_mut();
         for (_, part) in &self.parts {
-            sum += part.squared_norm(self.source)?;
+            sum += part.squared_norm(self.source, scratch)?;
         }
         Ok(sum.sqrt())
     }
@@ -200,9 +232,10 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
                 .iter()
                 .map(|(name, part)| (name.as_str(), part.shape(), Dtype::F32)),
         )?;
+        let scratch = &mut self.scratch.borrow_mut();
         for (name, part) in &self.parts {
             if let Some(tensor) = model.0.get_mut(name) {
-                part.apply(self.source, &mut tensor.values, |t, v| *t += v)?;
+                part.apply(self.source, scratch, &mut tensor.values, |t, v| *t += v)?;
             }
         }
         Ok(())
@@ -213,9 +246,10 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
     /// [`Accumulator`] never decodes a copy).
     pub fn to_tensors(&self) -> Result<Tensors, Error> {
         let mut tensors = BTreeMap::new();
+        let scratch = &mut self.scratch.borrow_mut();
         for (name, part) in &self.parts {
             let mut values = vec![0.0; part.shape().iter().product()];
-            part.apply(self.source, &mut values, |t, v| *t = v)?;
+            part.apply(self.source, scratch, &mut values, |t, v| *t = v)?;
             tensors.insert(name.clone(), codec::tensor(part.shape().to_vec(), values));
         }
         Ok(Tensors(tensors))
@@ -225,29 +259,40 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
 /// The parameters stored in `entries` of `source` by the codec named `codec`, checked.
 fn parts(
     source: &(impl Source + ?Sized),
+    scratch: &mut Scratch,
     codec: &str,
     entries: BTreeMap<String, Entry>,
     metadata: &Metadata,
 ) -> Result<Vec<(String, Part)>, Error> {
+    let buffer = &mut scratch.main;
     match codec {
-        "none" | "bf16" => dense_parts(source, entries),
-        "int8" => int8_parts(source, entries),
-        "topk" => sparse_parts(source, entries, metadata),
+        "none" | "bf16" => dense_parts(source, buffer, entries),
+        "int8" => int8_parts(source, buffer, entries),
+        "topk" => sparse_parts(source, buffer, entries, metadata),
         other => Err(Error::Format(format!(
             "codec {other:?}; this node reads none, bf16, int8 and topk"
         ))),
     }
 }
 
+/// The buffers of [`round_trip`], kept from call to call.
+#[derive(Debug, Default)]
+pub(crate) struct RoundTrip {
+    encoded: Vec<u8>,
+    decoded: Vec<f32>,
+    scratch: Scratch,
+}
+
 /// One parameter's `values` compressed with `codec` ([`codec::encode_values`]), and the values
 /// a receiver reads from those bytes, read and checked by the code every receiver uses.
-pub(crate) fn round_trip(
+pub(crate) fn round_trip<'b>(
     codec: Codec,
     name: &str,
     shape: &[usize],
     values: &[f32],
-) -> Result<(Vec<u8>, Vec<f32>), Error> {
-    let encoded = codec::encode_values(codec, name, values)?;
+    buffers: &'b mut RoundTrip,
+) -> Result<(&'b [u8], &'b [f32]), Error> {
+    codec::encode_values(codec, name, values, &mut buffers.encoded)?;
     let one = || std::iter::once((name, shape));
     let mut entries = BTreeMap::new();
     let mut offset = 0;
@@ -263,12 +308,14 @@ pub(crate) fn round_trip(
         offset += len;
     }
     let metadata = codec::with_codec(codec, &Metadata::new(), one());
-    let source = &encoded[..];
-    let mut decoded = vec![0.0; values.len()];
-    for (_, part) in parts(source, codec.name(), entries, &metadata)? {
-        part.apply(source, &mut decoded, |t, v| *t = v)?;
+    let source = &buffers.encoded[..];
+    buffers.decoded.clear();
+    buffers.decoded.resize(values.len(), 0.0);
+    let scratch = &mut buffers.scratch;
+    for (_, part) in parts(source, scratch, codec.name(), entries, &metadata)? {
+        part.apply(source, scratch, &mut buffers.decoded, |t, v| *t = v)?;
     }
-    Ok((encoded, decoded))
+    Ok((&buffers.encoded, &buffers.decoded))
 }
 
 fn not_finite(name: &str) -> Error {
@@ -286,9 +333,14 @@ fn malformed(name: &str, problem: impl Into<String>) -> Error {
 
 /// Whether every value of `entry`, read as its dtype, is finite and at most `limit` in
 /// magnitude.
-fn entry_within(source: &(impl Source + ?Sized), entry: &Entry, limit: f32) -> Result<bool, Error> {
+fn entry_within(
+    source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
+    entry: &Entry,
+    limit: f32,
+) -> Result<bool, Error> {
     let mut within = true;
-    entry.chunks(source, dtype_bytes(entry.dtype), |_, bytes| {
+    entry.chunks(source, dtype_bytes(entry.dtype), buffer, |_, bytes| {
         within &= all_within(entry.dtype, bytes, limit);
         Ok(())
     })?;
@@ -297,6 +349,7 @@ fn entry_within(source: &(impl Source + ?Sized), entry: &Entry, limit: f32) -> R
 
 fn dense_parts(
     source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
     entries: BTreeMap<String, Entry>,
 ) -> Result<Vec<(String, Part)>, Error> {
     let mut parts = Vec::new();
@@ -307,7 +360,7 @@ fn dense_parts(
                 dtype: entry.dtype.to_string(),
             });
         }
-        if !entry_within(source, &entry, MAX_UPDATE_VALUE)? {
+        if !entry_within(source, buffer, &entry, MAX_UPDATE_VALUE)? {
             return Err(not_finite(&name));
         }
         parts.push((name, Part::Dense(entry)));
@@ -317,6 +370,7 @@ fn dense_parts(
 
 fn int8_parts(
     source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
     mut entries: BTreeMap<String, Entry>,
 ) -> Result<Vec<(String, Part)>, Error> {
     let names: Vec<String> = entries
@@ -343,7 +397,7 @@ fn int8_parts(
             ));
         }
         // |q| ≤ 127: a scale within the limit / 127 keeps every value within it.
-        if !entry_within(source, &scales, MAX_UPDATE_VALUE / 127.0)? {
+        if !entry_within(source, buffer, &scales, MAX_UPDATE_VALUE / 127.0)? {
             return Err(not_finite(&name));
         }
         parts.push((name, Part::Int8 { values, scales }));
@@ -356,6 +410,7 @@ fn int8_parts(
 
 fn sparse_parts(
     source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
     mut entries: BTreeMap<String, Entry>,
     metadata: &Metadata,
 ) -> Result<Vec<(String, Part)>, Error> {
@@ -391,7 +446,7 @@ fn sparse_parts(
         }
         let mut previous: Option<u32> = None;
         let mut ordered = true;
-        indices.chunks(source, 4, |_, bytes| {
+        indices.chunks(source, 4, buffer, |_, bytes| {
             for index in bytes.chunks_exact(4) {
                 let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
                 ordered &= (index as usize) < len && previous.is_none_or(|p| index > p);
@@ -405,7 +460,7 @@ fn sparse_parts(
                 "positions outside the tensor or not increasing",
             ));
         }
-        if !entry_within(source, &values, MAX_UPDATE_VALUE)? {
+        if !entry_within(source, buffer, &values, MAX_UPDATE_VALUE)? {
             return Err(not_finite(&name));
         }
         parts.push((
@@ -508,9 +563,10 @@ impl Accumulator {
             .map(|(n, part)| (n.as_str(), part.shape(), Dtype::F32));
         self.prepare(shapes, weight)?;
         let w = weight as f32;
+        let scratch = &mut update.scratch.borrow_mut();
         for (name, part) in &update.parts {
             if let Some(sum) = self.sums.get_mut(name) {
-                part.apply(update.source, &mut sum.values, |s, v| *s += w * v)
+                part.apply(update.source, scratch, &mut sum.values, |s, v| *s += w * v)
                     .inspect_err(|_| self.damaged = true)?;
             }
         }

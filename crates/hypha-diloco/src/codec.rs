@@ -16,7 +16,8 @@
 //! | `topk` | `name#index`: U32 `[k]`, strictly increasing; `name#value`: F32 `[k]`; the shape in metadata `hypha.shape.name`, e.g. `[64,16]` | `value[j]` where `index[j] = i`, else 0 |
 //!
 //! `int8` quantises blocks of [`INT8_BLOCK`] values: a block's scale is its largest magnitude
-//! / 127 and each value becomes `round(x / scale)` (a block of zeros has scale 0). `topk` keeps
+//! / 127 and each value becomes the whole number nearest x · (1 / scale), ties to even (a
+//! block of zeros has scale 0). Readers only multiply back; how a writer rounds is its own. `topk` keeps
 //! the k = ⌈density · n⌉ values of largest magnitude ([`kept_count`]; at least one of a
 //! non-empty tensor; a tensor of more than 2³² values cannot be sent top-k). A reader refuses
 //! values (and scales × 127) beyond [`MAX_UPDATE_VALUE`](crate::MAX_UPDATE_VALUE).
@@ -36,7 +37,10 @@ use std::collections::BTreeMap;
 use safetensors::Dtype;
 
 use crate::{
-    Error, Metadata, Tensor, Tensors, accumulate::round_trip, file::Writer, tensors::bf16_bits,
+    Error, Metadata, Tensor, Tensors,
+    accumulate::{RoundTrip, round_trip},
+    file::Writer,
+    tensors::bf16_bits,
 };
 
 /// Metadata key: the codec of an update (`none`, `bf16`, `int8`, `topk`).
@@ -150,8 +154,10 @@ pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec
         stored(codec, shapes.clone())?,
         with_codec(codec, metadata, shapes),
     )?;
+    let mut encoded = Vec::new();
     for (name, tensor) in &update.0 {
-        writer.write(&encode_values(codec, name, &tensor.values)?)?;
+        encode_values(codec, name, &tensor.values, &mut encoded)?;
+        writer.write(&encoded)?;
     }
     Ok(writer.finish()?.into_inner())
 }
@@ -210,56 +216,96 @@ pub(crate) fn stored<'a>(
     Ok(stored)
 }
 
-/// One parameter's `values` compressed with `codec`: the bytes of the tensors [`stored`] lists
-/// for it, one after the other. Refuses a NaN or an infinite value.
-pub(crate) fn encode_values(codec: Codec, name: &str, values: &[f32]) -> Result<Vec<u8>, Error> {
-    if values.iter().any(|v| !v.is_finite()) {
+/// The bytes of `len` values compressed with `codec` ([`encode_values`]) as two parts: the
+/// values (`none`, `bf16`, `int8`'s quantised values) and their companion (`int8`'s scales;
+/// none for the others). `topk` cannot be split: it selects over its whole input.
+pub(crate) fn split_encoded(codec: Codec, len: usize, encoded: &[u8]) -> (&[u8], &[u8]) {
+    match codec {
+        Codec::Int8 => encoded.split_at(len.min(encoded.len())),
+        _ => (encoded, &[]),
+    }
+}
+
+/// One parameter's `values` compressed with `codec`, into `out` (emptied first): the bytes of
+/// the tensors [`stored`] lists for it, one after the other. Refuses a NaN or an infinite
+/// value.
+pub(crate) fn encode_values(
+    codec: Codec,
+    name: &str,
+    values: &[f32],
+    out: &mut Vec<u8>,
+) -> Result<(), Error> {
+    if !crate::tensors::all_finite(values) {
         return Err(Error::NotFinite {
             name: name.to_string(),
         });
     }
-    Ok(match codec {
-        Codec::None => f32_bytes(values),
-        Codec::Bf16 => values
-            .iter()
-            .flat_map(|v| bf16_bits(*v).to_le_bytes())
-            .collect(),
-        Codec::Int8 => {
-            let (mut quantised, scales) = int8(values);
-            quantised.extend(f32_bytes(&scales));
-            quantised
-        }
+    out.clear();
+    match codec {
+        Codec::None => out.extend(values.iter().flat_map(|v| v.to_le_bytes())),
+        Codec::Bf16 => out.extend(values.iter().flat_map(|v| bf16_bits(*v).to_le_bytes())),
+        Codec::Int8 => int8(values, out),
         Codec::TopK { density } => {
             let (indices, values) = top_k(values, density);
-            let mut bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_le_bytes()).collect();
-            bytes.extend(f32_bytes(&values));
-            bytes
+            out.extend(indices.iter().flat_map(|i| i.to_le_bytes()));
+            out.extend(f32_bytes(&values));
         }
-    })
+    }
+    Ok(())
 }
 
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Blockwise int8: the quantised values (as bytes) and each block's scale.
-fn int8(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
-    let mut quantised = Vec::with_capacity(values.len());
-    let mut scales = Vec::with_capacity(values.len().div_ceil(INT8_BLOCK));
-    for block in values.chunks(INT8_BLOCK) {
-        let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = largest / 127.0;
-        quantised.extend(block.iter().map(|v| {
-            let q = if scale > 0.0 {
-                (v / scale).round()
-            } else {
-                0.0
-            };
-            (q.clamp(-127.0, 127.0) as i8) as u8
-        }));
-        scales.push(scale);
+/// Blockwise int8 into `out`: the quantised values (as bytes), then each block's scale (f32
+/// LE). Written so that the compiler vectorises it on any x86-64 (no `round`, which is a
+/// call there without SSE4.1): a parameter server quantises every round's change of the
+/// whole model.
+fn int8(values: &[f32], out: &mut Vec<u8>) {
+    let blocks = values.len().div_ceil(INT8_BLOCK);
+    let start = out.len();
+    out.resize(start + values.len() + 4 * blocks, 0);
+    let (quantised, scales) = out[start..].split_at_mut(values.len());
+    let pieces = values
+        .chunks(INT8_BLOCK)
+        .zip(quantised.chunks_mut(INT8_BLOCK))
+        .zip(scales.chunks_exact_mut(4));
+    for ((block, quantised), scale_bytes) in pieces {
+        let scale = largest_magnitude(block) / 127.0;
+        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (q, v) in quantised.iter_mut().zip(block) {
+            *q = nearest_i8(v * inverse) as u8;
+        }
+        scale_bytes.copy_from_slice(&scale.to_le_bytes());
     }
-    (quantised, scales)
+}
+
+/// The largest |v| of `values` (finite), in 16 lanes so that it vectorises.
+fn largest_magnitude(values: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let larger = |m: f32, v: f32| if v > m { v } else { m };
+    let mut lanes = [0.0f32; LANES];
+    let mut groups = values.chunks_exact(LANES);
+    for group in &mut groups {
+        for (lane, v) in lanes.iter_mut().zip(group) {
+            *lane = larger(*lane, v.abs());
+        }
+    }
+    let rest = groups
+        .remainder()
+        .iter()
+        .fold(0.0, |m, v| larger(m, v.abs()));
+    lanes.iter().fold(rest, |m, &v| larger(m, v))
+}
+
+/// `x` rounded to the nearest whole number (ties to even) within ±127. Adding 1.5 · 2²³
+/// leaves no fraction in f32 (the processor rounds as it adds), and the whole number is then
+/// the low bits of the sum: no float-to-int conversion, which does not vectorise.
+fn nearest_i8(x: f32) -> i8 {
+    const ROUNDER: f32 = 12_582_912.0;
+    let rounded = x.clamp(-127.0, 127.0) + ROUNDER;
+    (rounded.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32) as i8
 }
 
 /// The positions (increasing) and values of the ⌈density · n⌉ values of largest magnitude.
@@ -343,13 +389,14 @@ impl ErrorFeedback {
             with_codec(codec, metadata, shapes),
         )?;
         let mut residual = BTreeMap::new();
+        let mut buffers = RoundTrip::default();
         for (name, tensor) in &update.0 {
             let mut carried = tensor.values.clone();
             self.carry(name, &mut carried);
-            let (encoded, sent) = round_trip(codec, name, &tensor.shape, &carried)?;
-            writer.write(&encoded)?;
+            let (encoded, sent) = round_trip(codec, name, &tensor.shape, &carried, &mut buffers)?;
+            writer.write(encoded)?;
             if codec != Codec::None {
-                Self::dropped(&mut carried, &sent);
+                Self::dropped(&mut carried, sent);
                 residual.insert(name.clone(), carried);
             }
         }
@@ -376,9 +423,14 @@ impl ErrorFeedback {
         }
     }
 
-    /// Carries `residual` for `name` from now on.
-    pub(crate) fn keep(&mut self, name: &str, residual: Vec<f32>) {
-        self.residual.insert(name.to_string(), residual);
+    /// What is carried for parameter `name` of `len` values, to be changed in place; zeros
+    /// where nothing was.
+    pub(crate) fn residual_mut(&mut self, name: &str, len: usize) -> &mut [f32] {
+        let residual = self.residual.entry(name.to_string()).or_default();
+        if residual.len() != len {
+            *residual = vec![0.0; len];
+        }
+        residual
     }
 
     /// Carries nothing for `name`.

@@ -25,6 +25,15 @@ use crate::{Error, MAX_HEADER, Metadata};
 /// speed, small enough to stay in a core's cache while they are decoded.
 pub const CHUNK: usize = 1 << 20;
 
+/// Buffers that reads from files go through, kept from chunk to chunk and tensor to tensor:
+/// a fresh megabyte for every chunk made the kernel zero pages for most of a round's close
+/// (62 % of its time, measured with perf).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    pub main: Vec<u8>,
+    pub companion: Vec<u8>,
+}
+
 /// Random access to the bytes of a SafeTensors file.
 pub trait Source {
     /// The file's length in bytes.
@@ -124,19 +133,19 @@ impl Entry {
 
     /// Calls `each` with the tensor's bytes in order, at most [`CHUNK`] at a time and always
     /// a whole number of `unit` bytes (a value, or a block of values, never split), with the
-    /// offset of the first within the tensor.
+    /// offset of the first within the tensor. Bytes read from a file go through `buffer`.
     pub fn chunks(
         &self,
         source: &(impl Source + ?Sized),
         unit: usize,
+        buffer: &mut Vec<u8>,
         mut each: impl FnMut(u64, &[u8]) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let step = (CHUNK / unit).max(1) * unit;
-        let mut buffer = Vec::new();
         let mut done = 0u64;
         while done < self.len {
             let len = step.min((self.len - done) as usize);
-            each(done, source.bytes_at(self.offset + done, len, &mut buffer)?)?;
+            each(done, source.bytes_at(self.offset + done, len, buffer)?)?;
             done += len as u64;
         }
         Ok(())
@@ -491,7 +500,7 @@ mod tests {
         };
         let mut seen = Vec::new();
         entry
-            .chunks(&data[..], 3, |at, bytes| {
+            .chunks(&data[..], 3, &mut Vec::new(), |at, bytes| {
                 assert_eq!(at as usize, seen.len());
                 assert!(bytes.len() % 3 == 0 || at + bytes.len() as u64 == entry.len);
                 seen.extend_from_slice(bytes);

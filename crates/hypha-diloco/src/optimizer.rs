@@ -1,6 +1,6 @@
 //! The outer step: SGD with Nesterov momentum, as `torch.optim.SGD(nesterov=True)` computes it.
 
-use std::collections::{BTreeMap, btree_map::Entry};
+use std::collections::BTreeMap;
 
 use crate::{Error, Tensors, accumulate::check_same};
 
@@ -35,12 +35,13 @@ impl OuterOptimizer {
     /// θ ← θ − η·(g + μ·b), with b = g on the first step and b = μ·b + g after.
     pub fn step(&mut self, model: &mut Tensors, gradient: &Tensors) -> Result<(), Error> {
         check_same(&model.0, gradient.shapes())?;
+        let (lr, mu) = (self.learning_rate, self.momentum);
         for (name, parameter) in &mut model.0 {
             let Some(grad) = gradient.0.get(name) else {
                 continue;
             };
             let mut step = grad.values.clone();
-            self.step_in_place(name, &mut step, 1.0);
+            step_values(lr, mu, self.buffer_mut(name, step.len()), &mut step, 1.0);
             for (p, s) in parameter.values.iter_mut().zip(&step) {
                 *p += s;
             }
@@ -48,27 +49,30 @@ impl OuterOptimizer {
         Ok(())
     }
 
-    /// One parameter's step, in place: `gradient` (times `scale`: a sum becomes its mean on
-    /// the way) becomes the change −η·(g + μ·b) the parameter takes, and its momentum buffer
-    /// moves on. One pass over the two, whatever the model's size.
-    pub(crate) fn step_in_place(&mut self, name: &str, gradient: &mut [f32], scale: f32) {
-        let (lr, mu) = (self.learning_rate, self.momentum);
-        match self.buffers.entry(name.to_string()) {
-            Entry::Occupied(entry) => {
-                for (g, b) in gradient.iter_mut().zip(entry.into_mut().iter_mut()) {
-                    let grad = *g * scale;
-                    *b = mu * *b + grad;
-                    *g = -lr * (grad + mu * *b);
-                }
-            }
-            Entry::Vacant(entry) => {
-                let buffer = entry.insert(Vec::with_capacity(gradient.len()));
-                for g in gradient.iter_mut() {
-                    let grad = *g * scale;
-                    buffer.push(grad);
-                    *g = -lr * (grad + mu * grad);
-                }
-            }
+    /// The momentum buffer of parameter `name` of `len` values; zeros before its first step
+    /// (b = μ·0 + g is g exactly, the first step's b).
+    pub(crate) fn buffer_mut(&mut self, name: &str, len: usize) -> &mut [f32] {
+        let buffer = self.buffers.entry(name.to_string()).or_default();
+        if buffer.len() != len {
+            *buffer = vec![0.0; len];
         }
+        buffer
+    }
+}
+
+/// The step of some values of one parameter, in place: `gradient` (times `scale`: a sum
+/// becomes its mean on the way) becomes the change −η·(g + μ·b) they take, and `momentum`
+/// (b, the same values' buffer) moves on to μ·b + g. One pass over the two.
+pub(crate) fn step_values(
+    lr: f32,
+    mu: f32,
+    momentum: &mut [f32],
+    gradient: &mut [f32],
+    scale: f32,
+) {
+    for (g, b) in gradient.iter_mut().zip(momentum.iter_mut()) {
+        let grad = *g * scale;
+        *b = mu * *b + grad;
+        *g = -lr * (grad + mu * *b);
     }
 }

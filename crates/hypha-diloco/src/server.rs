@@ -21,9 +21,10 @@ use safetensors::Dtype;
 use crate::{
     Accumulator, Codec, Error, ErrorFeedback, Fingerprint, Metadata, OuterOptimizer, Tensors,
     Update,
-    accumulate::round_trip,
+    accumulate::{RoundTrip, round_trip},
     codec,
     file::{FileSource, Layout, Source, Writer, write_file},
+    optimizer::step_values,
     tensors::stored_bytes,
 };
 
@@ -120,6 +121,8 @@ impl ParameterServer {
     /// and sent as F32, the values its holders compute. [`Codec::None`]: no changes, the
     /// whole model is sent.
     pub fn broadcast_changes(mut self, codec: Codec) -> Self {
+        // A change goes out whole-tensor top-k never: it is int8 ([`Codec::for_broadcast`]).
+        let codec = codec.for_broadcast();
         self.broadcast = codec;
         if codec != Codec::None
             && let Some(model) = self.model.take()
@@ -441,42 +444,65 @@ impl ParameterServer {
         };
         let mut uncompressed = None;
         let mut fingerprint = Fingerprint::new();
+        let (lr, mu) = (self.optimizer.learning_rate, self.optimizer.momentum);
+        let mut carried = Vec::with_capacity(CLOSE_CHUNK);
+        let mut buffers = RoundTrip::default();
         for (name, parameter) in &mut model.0 {
             let sum = self.sum.values_mut(name).ok_or_else(|| Error::Mismatch {
                 name: name.clone(),
                 problem: "has no sum".into(),
             })?;
-            self.optimizer.step_in_place(name, sum, scale);
-            let step: &[f32] = sum;
-            match writer.as_mut().filter(|_| uncompressed.is_none()) {
-                Some(writer) => {
-                    let mut carried = step.to_vec();
-                    self.feedback.carry(name, &mut carried);
-                    match round_trip(codec, name, &parameter.shape, &carried) {
-                        Ok((encoded, sent)) => {
-                            writer.write(&encoded)?;
-                            add(&mut parameter.values, &sent);
-                            ErrorFeedback::dropped(&mut carried, &sent);
-                            self.feedback.keep(name, carried);
-                        }
-                        Err(error) => {
-                            uncompressed = Some(error.to_string());
-                            add(&mut parameter.values, step);
-                            self.feedback.forget(name);
-                        }
-                    }
-                }
-                // No change is made: what was dropped before stays carried, but not past a
-                // step the codec could not carry.
-                None => {
-                    add(&mut parameter.values, step);
-                    if uncompressed.is_some() {
-                        self.feedback.forget(name);
-                    }
-                }
+            let len = sum.len();
+            let momentum = self.optimizer.buffer_mut(name, len);
+            let compressing = writer.is_some() && uncompressed.is_none();
+            if !compressing && uncompressed.is_some() {
+                self.feedback.forget(name);
             }
-            sum.fill(0.0);
-            fingerprint.tensor(name, parameter);
+            let mut residual = compressing.then(|| self.feedback.residual_mut(name, len));
+            // int8's scales follow the parameter's values in the file.
+            let mut companion = Vec::new();
+            fingerprint.begin(name, parameter.dtype, &parameter.shape);
+            for start in (0..len).step_by(CLOSE_CHUNK) {
+                let end = (start + CLOSE_CHUNK).min(len);
+                let step = &mut sum[start..end];
+                step_values(lr, mu, &mut momentum[start..end], step, scale);
+                let target = &mut parameter.values[start..end];
+                match (residual.as_deref_mut(), writer.as_mut()) {
+                    (Some(residual), Some(writer)) if uncompressed.is_none() => {
+                        let residual = &mut residual[start..end];
+                        carried.clear();
+                        carried.extend(step.iter().zip(residual.iter()).map(|(s, r)| s + r));
+                        match round_trip(codec, name, &[end - start], &carried, &mut buffers) {
+                            Ok((encoded, sent)) => {
+                                let (values, scales) =
+                                    codec::split_encoded(codec, end - start, encoded);
+                                writer.write(values)?;
+                                companion.extend_from_slice(scales);
+                                add(target, sent);
+                                for ((r, c), s) in residual.iter_mut().zip(&carried).zip(sent) {
+                                    *r = c - s;
+                                }
+                            }
+                            Err(error) => {
+                                uncompressed = Some(error.to_string());
+                                add(target, step);
+                                residual.fill(0.0);
+                            }
+                        }
+                    }
+                    (Some(residual), _) => {
+                        // The codec could not carry an earlier part: exact from there on.
+                        add(target, step);
+                        residual[start..end].fill(0.0);
+                    }
+                    (None, _) => add(target, step),
+                }
+                step.fill(0.0);
+                fingerprint.values(target, parameter.dtype);
+            }
+            if let Some(writer) = writer.as_mut().filter(|_| uncompressed.is_none()) {
+                writer.write(&companion)?;
+            }
         }
         let hash = fingerprint.finish();
         let delta = match writer.filter(|_| uncompressed.is_none()) {
@@ -592,6 +618,11 @@ impl ParameterServer {
         })
     }
 }
+
+/// The values of a parameter the round's close takes at once: its temporaries (the carried
+/// change, what the codec makes of it, the bytes hashed) are this long, whatever the model.
+/// A multiple of `int8`'s block, so that each block is quantised as the whole tensor's is.
+const CLOSE_CHUNK: usize = 1 << 16;
 
 /// `target` += `values`, value by value.
 fn add(target: &mut [f32], values: &[f32]) {

@@ -41,6 +41,7 @@ impl Tensors {
     pub fn read(source: &(impl Source + ?Sized)) -> Result<Self, Error> {
         let layout = Layout::read(source)?;
         let mut tensors = BTreeMap::new();
+        let mut buffer = Vec::new();
         for (name, entry) in layout.entries {
             let mut values = vec![0.0; entry.values()];
             let width = dtype_bytes(entry.dtype);
@@ -50,7 +51,7 @@ impl Tensors {
                     dtype: entry.dtype.to_string(),
                 });
             }
-            entry.chunks(source, width, |at, bytes| {
+            entry.chunks(source, width, &mut buffer, |at, bytes| {
                 let from = at as usize / width;
                 decode(entry.dtype, bytes, &mut values[from..], |t, v| *t = v);
                 Ok(())
@@ -155,18 +156,28 @@ impl Fingerprint {
 
     /// Adds the next parameter (in name order), its values as [`Tensor::dtype`] stores them.
     pub fn tensor(&mut self, name: &str, tensor: &Tensor) {
+        self.begin(name, tensor.dtype, &tensor.shape);
+        self.values(&tensor.values, tensor.dtype);
+    }
+
+    /// Starts the next parameter (in name order): its name, dtype and shape. Its values
+    /// follow, all of them, with [`values`](Self::values).
+    pub fn begin(&mut self, name: &str, dtype: Dtype, shape: &[usize]) {
         self.part(name.as_bytes());
-        self.part(tensor.dtype.to_string().as_bytes());
-        let dims: Vec<u8> = tensor
-            .shape
+        self.part(dtype.to_string().as_bytes());
+        let dims: Vec<u8> = shape
             .iter()
             .flat_map(|d| (*d as u64).to_le_bytes())
             .collect();
         self.part(&dims);
-        let len = tensor.values.len() * dtype_bytes(tensor.dtype);
+        let len = shape.iter().product::<usize>() * dtype_bytes(dtype);
         self.0.update(&(len as u64).to_le_bytes());
-        let _ = stored_bytes::<()>(&tensor.values, tensor.dtype, |bytes| {
-            self.0.update_rayon(bytes);
+    }
+
+    /// The next of the parameter's values, as `dtype` stores them.
+    pub fn values(&mut self, values: &[f32], dtype: Dtype) {
+        let _ = stored_bytes::<()>(values, dtype, |bytes| {
+            self.0.update(bytes);
             Ok(())
         });
     }
@@ -255,6 +266,23 @@ pub(crate) fn all_within(dtype: Dtype, data: &[u8], limit: f32) -> bool {
         _ => return false,
     };
     zero == 0.0
+}
+
+/// Whether every one of `values` is finite: the lane-wise sum of [`all_within`], without a
+/// limit.
+pub(crate) fn all_finite(values: &[f32]) -> bool {
+    const LANES: usize = 16;
+    let mut lanes = [0.0f32; LANES];
+    let mut groups = values.chunks_exact(LANES);
+    for group in &mut groups {
+        for (lane, v) in lanes.iter_mut().zip(group) {
+            *lane += v * 0.0;
+        }
+    }
+    for v in groups.remainder() {
+        lanes[0] += v * 0.0;
+    }
+    lanes.iter().sum::<f32>() == 0.0
 }
 
 /// The sum of the squares of `data`'s values read as `dtype` (finite ones: see

@@ -293,7 +293,18 @@ fn distance(a: &Tensors, b: &Tensors) -> f64 {
 /// checkpoint sends the very same changes (its residual came back).
 #[test]
 fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed() {
-    const N: usize = 1000;
+    broadcast_changes_hold(1000, 20);
+}
+
+/// The same with a parameter of more values than the server closes at once (it steps,
+/// compresses and hashes a tensor a chunk at a time): the chunks make the same blocks.
+#[test]
+fn broadcast_changes_of_a_parameter_larger_than_a_close_chunk_hold_the_same() {
+    broadcast_changes_hold(300_000, 10);
+}
+
+#[allow(non_snake_case)]
+fn broadcast_changes_hold(N: usize, rounds: u64) {
     let dir = tempfile::tempdir().unwrap();
     let checkpoint = dir.path().join("checkpoint.safetensors");
     let optimizer = || OuterOptimizer::new(0.7, 0.9);
@@ -315,7 +326,7 @@ fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed()
 
     let mut rng = StdRng::seed_from_u64(7);
     let mut restarted: Option<ParameterServer> = None;
-    for round in 0..20u64 {
+    for round in 0..rounds {
         let updates: Vec<Vec<u8>> = (0..3).map(|_| random_update(N, &mut rng)).collect();
         let mut deltas = Vec::new();
         for s in [Some(&mut exact), Some(&mut server), restarted.as_mut()]
@@ -360,7 +371,7 @@ fn broadcast_changes_keep_every_holder_bit_identical_and_close_to_uncompressed()
             trainer.0["w"].values,
             held(&server.model_bytes().unwrap()).0["w"].values
         );
-        if round == 9 {
+        if round == rounds / 2 {
             server.checkpoint(&checkpoint).unwrap();
             restarted = Some(
                 ParameterServer::resume(&checkpoint, optimizer())

@@ -212,6 +212,14 @@ pub struct Applied {
     /// median of the last ones taken) that `max_update_norm_ratio` holds them against.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub largest_norm_ratio: Option<f64>,
+    /// How long closing the round took the server: from the order to the new model (or
+    /// change) on its way to the trainers, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub close_ms: Option<u64>,
+    /// The DiLoCo bytes the round put on the server's link: the updates it took in, and the
+    /// models and changes it sent out after it (a published model counted once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic_bytes: Option<u64>,
 }
 
 fn is_zero(n: &u64) -> bool {

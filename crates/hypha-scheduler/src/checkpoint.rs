@@ -104,8 +104,8 @@ impl Checkpoints {
     }
 
     /// Takes checkpoints for `task`, one transfer at a time, until the network stops
-    /// accepting streams; each stored one's round goes to `stored`.
-    pub async fn serve(self, network: Network, task: String, stored: mpsc::Sender<u64>) {
+    /// accepting streams; each stored one's round and size go to `stored`.
+    pub async fn serve(self, network: Network, task: String, stored: mpsc::Sender<(u64, u64)>) {
         let mut incoming = match network.accept_streams(PROTOCOL) {
             Ok(incoming) => incoming,
             Err(error) => {
@@ -133,7 +133,7 @@ impl Checkpoints {
         peer: PeerId,
         stream: &mut hypha_network::Stream,
         task: &str,
-        stored: &mpsc::Sender<u64>,
+        stored: &mpsc::Sender<(u64, u64)>,
     ) -> Result<(), Refusal> {
         let refuse = |message: String| Err(Refusal::new(RefusalCode::BadRequest, message));
         // Before anything is read: another peer cannot hold the one transfer at a time up.
@@ -196,7 +196,7 @@ impl Checkpoints {
         tracing::debug!(round, path = %self.path.display(), "checkpoint stored");
         // Told before the server hears it arrived: a server that then exits finds its last
         // checkpoint already counted.
-        let _ = stored.send(round).await;
+        let _ = stored.send((round, header.size)).await;
         Ok(())
     }
 }

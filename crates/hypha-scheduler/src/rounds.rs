@@ -190,6 +190,12 @@ pub struct AppliedRound {
     /// multiple of the typical one, as the server said.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub largest_norm_ratio: Option<f64>,
+    /// How long the server took to close the round, as it said (milliseconds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub close_ms: Option<u64>,
+    /// The DiLoCo bytes the round put on the server's link, as it said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traffic_bytes: Option<u64>,
 }
 
 /// The rounds of one DiLoCo job.
@@ -861,6 +867,8 @@ impl Rounds {
                 delta_bytes: applied.delta_bytes,
                 benched,
                 largest_norm_ratio: applied.largest_norm_ratio,
+                close_ms: applied.close_ms,
+                traffic_bytes: applied.traffic_bytes,
             });
         }
         if self.done {
@@ -1123,6 +1131,8 @@ mod tests {
                 model_hash: None,
                 delta_bytes: None,
                 largest_norm_ratio: None,
+                close_ms: None,
+                traffic_bytes: None,
             }),
             ..ServerStatus::default()
         }

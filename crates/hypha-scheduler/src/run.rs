@@ -901,8 +901,8 @@ struct Channels {
     statuses: mpsc::Receiver<(PeerId, StatusReport)>,
     executor_statuses: mpsc::Receiver<ExecutorStatus>,
     lost: mpsc::Receiver<Lost>,
-    /// Rounds of the checkpoints stored.
-    checkpoints: mpsc::Receiver<u64>,
+    /// Rounds and sizes of the checkpoints stored.
+    checkpoints: mpsc::Receiver<(u64, u64)>,
 }
 
 /// One run of a job file: everything it holds, and the one place that lets go of it
@@ -1201,8 +1201,8 @@ impl<'a> JobRun<'a> {
             if self.slots.complete() {
                 // A parameter server exits only once its last checkpoint is stored, and that
                 // was told before it heard so: count it before the run's end is judged.
-                while let Ok(round) = channels.checkpoints.try_recv() {
-                    self.checkpoint_stored(round).await?;
+                while let Ok((round, bytes)) = channels.checkpoints.try_recv() {
+                    self.checkpoint_stored(round, bytes).await?;
                 }
                 return self.completed().await;
             }
@@ -1222,7 +1222,7 @@ impl<'a> JobRun<'a> {
                 Some((peer, job, payload, answer)) = channels.executor_statuses.recv() => {
                     self.on_executor_status(peer, job, payload, answer).await?;
                 }
-                Some(round) = channels.checkpoints.recv() => self.checkpoint_stored(round).await?,
+                Some((round, bytes)) = channels.checkpoints.recv() => self.checkpoint_stored(round, bytes).await?,
                 _ = silence.tick() => self.on_server_silence().await?,
             }
         }
@@ -1936,9 +1936,9 @@ impl<'a> JobRun<'a> {
         }
     }
 
-    async fn checkpoint_stored(&mut self, round: u64) -> Result<(), RunError> {
+    async fn checkpoint_stored(&mut self, round: u64, bytes: u64) -> Result<(), RunError> {
         if let Some(training) = self.training.as_mut() {
-            training.checkpoint_stored(round).await;
+            training.checkpoint_stored(round, bytes).await;
             self.store_record()?;
         }
         Ok(())

@@ -7,7 +7,9 @@
 //!
 //! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
 //! trainer's report (round, batches, samples, batch time, loss, evaluation) and
-//! `{"kind": "round", …}` for every round the parameter server applied. Each line is written
+//! `{"kind": "round", …}` for every round the parameter server applied (with how long it took
+//! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`), and
+//! `{"kind": "checkpoint", "round", "bytes"}` for every checkpoint stored. Each line is written
 //! whole and flushed, so it can be followed while the job runs. With `forward`, each line is
 //! also POSTed to that URL as JSON by a background task; when the URL cannot keep up (more
 //! than [`FORWARD_QUEUE`] lines waiting), lines are dropped for it, never for the file, and
@@ -223,8 +225,15 @@ impl Training {
         false
     }
 
-    /// The scheduler holds a checkpoint of `round`: the rounds before it are used.
-    pub async fn checkpoint_stored(&mut self, round: u64) {
+    /// The scheduler holds a checkpoint of `round` (`bytes` long): the rounds before it are
+    /// used.
+    pub async fn checkpoint_stored(&mut self, round: u64, bytes: u64) {
+        self.record(&CheckpointLine {
+            kind: "checkpoint",
+            time_ms: unix_ms(),
+            round,
+            bytes,
+        });
         self.checkpointed = self.checkpointed.max(Some(round));
         let (held, waiting) = std::mem::take(&mut self.uncommitted)
             .into_iter()
@@ -360,6 +369,8 @@ impl Training {
             delta_bytes: applied.delta_bytes,
             benched: Vec::new(),
             largest_norm_ratio: applied.largest_norm_ratio,
+            close_ms: applied.close_ms,
+            traffic_bytes: applied.traffic_bytes,
         }))
     }
 
@@ -528,6 +539,14 @@ struct TrainerLine<'a> {
     job: &'a str,
     #[serde(flatten)]
     status: &'a hypha_messages::diloco::TrainerStatus,
+}
+
+#[derive(Serialize)]
+struct CheckpointLine {
+    kind: &'static str,
+    time_ms: u64,
+    round: u64,
+    bytes: u64,
 }
 
 #[derive(Serialize)]

@@ -704,7 +704,8 @@ impl Cluster {
 
 /// The text of a DiLoCo job of `workers` trainers of the reference MLP (two hidden layers of
 /// width `hidden`, about `hidden²` parameters) on the `blobs` dataset for `epochs`, with
-/// `extra` lines in its `[diloco]` table (`round_seconds = 5` unless they set it).
+/// `extra` lines in its `[diloco]` table (`round_seconds = 5` and `samples_per_round = 768`
+/// unless they set them).
 pub fn diloco_job_text(
     workers: impl std::fmt::Display,
     epochs: u32,
@@ -716,13 +717,18 @@ pub fn diloco_job_text(
     } else {
         "round_seconds = 5\n"
     };
+    let samples_per_round = if extra.contains("samples_per_round") {
+        ""
+    } else {
+        "samples_per_round = 768\n"
+    };
     format!(
         "workers = {workers}\nbid = 50\nmax_attempts = 3\n\
          [executor]\nclass = \"train\"\nname = \"diloco\"\n\
          [resources]\ncpu = 1\n\
          [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {hidden}, classes = 4 }}\n\
          [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
-         [diloco]\nsamples_per_round = 768\nbatch_size = 32\n{round_seconds}\
+         [diloco]\n{samples_per_round}batch_size = 32\n{round_seconds}\
          inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n{extra}\
          [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
     )

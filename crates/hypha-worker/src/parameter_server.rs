@@ -288,6 +288,8 @@ impl ServerJob {
         // the round was applied: a scheduler that holds the checkpoint knows whose slices
         // the round used, even if it was restarted in between.
         let mut announce = false;
+        // The DiLoCo bytes of the round being collected, for its `Applied`.
+        let mut round_traffic = 0u64;
         let mut report = tokio::time::interval(REPORT_EVERY);
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let anyone = HashSet::new();
@@ -297,6 +299,7 @@ impl ServerJob {
                 arrived = self.inbox.next(&anyone) => {
                     let moved = self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
                     cadence.moved(moved);
+                    round_traffic += moved;
                 }
                 _ = report.tick() => {}
             }
@@ -331,7 +334,8 @@ impl ServerJob {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
-                        let (closed, moved) = self.close(&mut server, &send_to, &peers)?;
+                        let (mut closed, moved) = self.close(&mut server, &send_to, &peers)?;
+                        closed.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
                         applied = Some(closed);
                         cadence.round_applied(moved);
                         announce |= self.checkpoint_if_due(&server, &mut cadence)?;
@@ -339,7 +343,8 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
-                        let (skipped, moved) = self.skip(&mut server, &send_to)?;
+                        let (mut skipped, moved) = self.skip(&mut server, &send_to)?;
+                        skipped.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
                         applied = Some(skipped);
                         cadence.round_applied(moved);
                         announce |= self.checkpoint_if_due(&server, &mut cadence)?;
@@ -543,6 +548,7 @@ impl ServerJob {
         send_to: &[String],
         peers: &Peers,
     ) -> Result<(Applied, u64), ServerError> {
+        let started = std::time::Instant::now();
         let delta = self.dir.join(MODELS_DIR).join(format!(
             "delta-{}.safetensors",
             server.round().unwrap_or(0) + 1
@@ -587,6 +593,8 @@ impl ServerJob {
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: closed.largest_norm_ratio,
+            close_ms: Some(started.elapsed().as_millis() as u64),
+            traffic_bytes: None,
         };
         Ok((applied, sent))
     }
@@ -615,6 +623,8 @@ impl ServerJob {
             included: Vec::new(),
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: None,
+            close_ms: None,
+            traffic_bytes: None,
         };
         Ok((applied, sent))
     }

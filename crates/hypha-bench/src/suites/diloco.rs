@@ -7,10 +7,15 @@
 //!   `ratios.aggregate_vs_memcpy` compares the two (target ≥ 0.5). The same updates
 //!   compressed with `int8` (a quarter of the bytes): `aggregate_int8_f32_gb_per_s` counts the
 //!   f32 bytes they stand for, so that it compares with `aggregate_gb_per_s` directly.
-//! - **Memory**: a child process runs a parameter server ([`ParameterServer`]) through one
-//!   round of 2 and of 8 updates of a 25 M-parameter model read from files, as a worker's
-//!   parameter server reads them from its inbox, and reports its peak RSS (`VmHWM`):
-//!   `ps_peak_rss_mb_2` and `ps_peak_rss_mb_8` must be about the same.
+//! - **Memory and close**: a child process runs a parameter server ([`ParameterServer`])
+//!   through three rounds of 2 and of 8 updates of a 25 M-parameter model (`--quick`: 5 M)
+//!   read from their files as a worker's parameter server reads them, writing each round's
+//!   change to a file, then the whole model and the checkpoint, and reports its peak RSS
+//!   (`VmHWM`) and how long its last round took to close: `ps_peak_rss_mb_2` and
+//!   `ps_peak_rss_mb_8` must be about the same; `ps_peak_rss_over_model` (and `_int8`, whose
+//!   server also carries the compression's residual) is that over the model's f32 bytes,
+//!   the process's own few megabytes included; `ps_close_ms` and `ps_close_int8_ms` against
+//!   a memcpy of the model at this run's speed are `ps_close_vs_memcpy` and `_int8_`.
 //! - **Traffic**: bytes one trainer sends and receives per round (its pseudo-gradient and the
 //!   new model, as serialized) against per-step data-parallel training, which all-reduces a
 //!   gradient every step: a ring all-reduce moves 2·(N−1)/N model sizes per worker per step.
@@ -71,9 +76,10 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             &gradient,
         )?;
     }
-    let rss_2 = server_peak_rss_mb(tmp.path(), 2, Codec::None)?;
-    let rss_8 = server_peak_rss_mb(tmp.path(), 8, Codec::None)?;
-    let rss_int8 = server_peak_rss_mb(tmp.path(), 8, Codec::Int8)?;
+    let (rss_2, _) = server_peak_rss_mb(tmp.path(), 2, Codec::None)?;
+    let (rss_8, close_ms) = server_peak_rss_mb(tmp.path(), 8, Codec::None)?;
+    let (rss_int8, close_int8_ms) = server_peak_rss_mb(tmp.path(), 8, Codec::Int8)?;
+    let model_memcpy_ms = model_bytes.len() as f64 / (memcpy * 1e9) * 1e3;
 
     // Per round a trainer sends its pseudo-gradient and receives the model: both are one
     // serialized model.
@@ -103,6 +109,17 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     report
         .ratios
         .insert("ps_peak_rss_over_model_int8".into(), rss_int8 / model_mb);
+    report.metrics.insert("ps_close_ms".into(), close_ms);
+    report
+        .metrics
+        .insert("ps_close_int8_ms".into(), close_int8_ms);
+    report
+        .ratios
+        .insert("ps_close_vs_memcpy".into(), close_ms / model_memcpy_ms);
+    report.ratios.insert(
+        "ps_close_int8_vs_memcpy".into(),
+        close_int8_ms / model_memcpy_ms,
+    );
     report
         .metrics
         .insert("ps_model_mb".into(), model_bytes.len() as f64 / 1e6);
@@ -174,9 +191,9 @@ fn memcpy_gb_per_s(bytes: &[u8]) -> f64 {
     bytes.len() as f64 / best / 1e9
 }
 
-/// Runs a parameter server through a round of `updates` updates in a child process; its
-/// peak RSS in MB.
-fn server_peak_rss_mb(dir: &Path, updates: usize, codec: Codec) -> anyhow::Result<f64> {
+/// Runs a parameter server through rounds of `updates` updates in a child process; its peak
+/// RSS in MB and the milliseconds its last round took to close.
+fn server_peak_rss_mb(dir: &Path, updates: usize, codec: Codec) -> anyhow::Result<(f64, f64)> {
     let output = std::process::Command::new(std::env::current_exe()?)
         .arg(CHILD_COMMAND)
         .arg(dir)
@@ -189,9 +206,15 @@ fn server_peak_rss_mb(dir: &Path, updates: usize, codec: Codec) -> anyhow::Resul
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8(output.stdout)?;
-    text.trim()
-        .parse()
-        .with_context(|| format!("the parameter-server process printed {text:?}"))
+    let numbers: Vec<f64> = text
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("the parameter-server process printed {text:?}"))?;
+    match numbers[..] {
+        [rss, close_ms] => Ok((rss, close_ms)),
+        _ => anyhow::bail!("the parameter-server process printed {text:?}"),
+    }
 }
 
 /// The child: a parameter server adopts `dir/model.safetensors`, adds `updates` updates read
@@ -207,13 +230,16 @@ pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
     let codec = Codec::named(codec, None).map_err(anyhow::Error::msg)?;
     let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9)).broadcast_changes(codec);
     server.offer_from(&FileSource::open(&dir.join("model.safetensors"))?)?;
-    // Two rounds: the second has momentum and a residual to carry.
-    for round in 0..2 {
+    // Three rounds: the first allocates momentum and residual, the later ones carry them.
+    let mut close_s = 0.0;
+    for round in 0..3 {
         for i in 0..updates {
             let update = FileSource::open(&dir.join(format!("update-{i}.safetensors")))?;
             server.add_from(&format!("trainer-{i}"), &update, round, 64)?;
         }
+        let started = Instant::now();
         server.close_to_file(&dir.join(format!("delta-{updates}-{}.safetensors", codec.name())))?;
+        close_s = started.elapsed().as_secs_f64();
     }
     server.write_model(&dir.join(format!("model-{updates}.safetensors")), false)?;
     server.checkpoint(&dir.join(format!("checkpoint-{updates}.safetensors")))?;
@@ -223,6 +249,6 @@ pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .context("no VmHWM in /proc/self/status")?;
-    println!("{}", kb / 1000.0);
+    println!("{} {}", kb / 1000.0, close_s * 1e3);
     Ok(())
 }

@@ -7,6 +7,7 @@ pub(crate) mod distribute;
 pub(crate) mod ledger;
 pub(crate) mod prefetch;
 pub(crate) mod recovery;
+pub(crate) mod scale;
 pub(crate) mod sites;
 pub(crate) mod transport;
 pub(crate) mod wan;

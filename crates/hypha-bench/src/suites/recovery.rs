@@ -15,10 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use hypha_testing::cluster::{Cluster, Proc, events, of_kind};
 
-use crate::{Report, median, wait_for_events};
+use crate::{Report, current_server, median, wait_for_events};
 
 /// The target for both medians.
 const TARGET_S: f64 = 5.0;
@@ -60,7 +59,7 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
         scheduler_s.push(killed.elapsed().as_secs_f64());
         wait_for_rounds(&events_path, rounds() + 2)?;
 
-        let server = current_server(&cluster, &events_path, &names)?;
+        let server = current_server(&cluster, &events_path, &names, SERVER_SLOT)?;
         servers[server].child.kill()?;
         let killed = Instant::now();
         servers[server].child.wait()?;
@@ -111,24 +110,4 @@ fn wait_for_rounds(path: &std::path::Path, count: usize) -> anyhow::Result<()> {
     wait_for_events(path, PATIENCE, &format!("round {count}"), |all| {
         of_kind(all, "round").len() >= count
     })
-}
-
-/// Which of the workers `names` runs the parameter server now: the peer of the last
-/// dispatch for its slot.
-fn current_server(
-    cluster: &Cluster,
-    events_path: &std::path::Path,
-    names: &[&str],
-) -> anyhow::Result<usize> {
-    let all = events(events_path);
-    let peer = of_kind(&all, "dispatched")
-        .into_iter()
-        .rev()
-        .find(|e| e["event"]["slot"] == SERVER_SLOT)
-        .and_then(|e| e["event"]["peer"].as_str().map(str::to_string))
-        .context("no parameter server was dispatched")?;
-    names
-        .iter()
-        .position(|name| cluster.peer_id(name) == peer)
-        .context("the parameter server runs on none of the parameter-server workers")
 }

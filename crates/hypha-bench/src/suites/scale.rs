@@ -1,0 +1,205 @@
+//! `scale`: the DiLoCo pipeline at a model of real size: the parameter server's memory, its
+//! round close, its checkpoints' share of its link, and a failover.
+//!
+//! Real processes of the release binaries (`hypha_testing`'s cluster: a gateway, a data node
+//! serving `blobs`, two parameter-server workers, two trainer workers running
+//! `hypha-executor train`, the scheduler). The model is the reference MLP with hidden width
+//! 10,000 (100.2 M parameters, 401 MB in f32; `--quick`: 5,000, 25.1 M), trained for real, the
+//! job compressing with `int8` both ways (the server then holds the most: model, momentum,
+//! sum and the carried residual), two batches of 32 a trainer a round, every other setting at
+//! its default (the checkpoint cadence included). Once [`MEASURED_ROUNDS`] rounds are applied
+//! the parameter server's worker is SIGKILLed; the spare takes over.
+//!
+//! Keys (`{size}` is `100m`, or `25m` with `--quick`):
+//! - `metrics.ps_peak_rss_over_model_{size}`: the peak RSS (`VmHWM`) of the worker that ran
+//!   the parameter server, less its RSS before the job came (the fixed overhead: the network,
+//!   the runtime), over the model's f32 bytes. Target ≤ 4.0. `metrics.ps_peak_rss_mb` and
+//!   `metrics.ps_idle_rss_mb` are the two.
+//! - `ratios.round_close_vs_model_pass_{size}`: the median time the server took to close a
+//!   round (from the order to the change on its way to the trainers, `close_ms` in the
+//!   metrics file) over one copy of the model's f32 bytes in memory (measured here, best of
+//!   3). Target ≤ 4.
+//! - `ratios.checkpoint_vs_diloco_bytes`: the bytes of the checkpoints the scheduler stored
+//!   after the adopted model's (`checkpoint` lines) over the DiLoCo bytes the rounds put on
+//!   the server's link (`traffic_bytes`: updates in, models and changes out), until the kill.
+//!   Target ≤ 0.1. `metrics.rounds_per_checkpoint` is what the default cadence makes of it:
+//!   ten checkpoints' size over the median round's traffic.
+//! - `metrics.failover_s_{size}`: the SIGKILL of the server's worker to the next applied
+//!   round. Target ≤ 15 s.
+
+use std::{path::Path, time::Duration};
+
+use anyhow::Context;
+use hypha_testing::cluster::{Cluster, Proc, diloco_job_text, events};
+
+use crate::{Report, current_server, median, wait_for_events};
+
+/// Rounds applied before the parameter server is killed.
+const MEASURED_ROUNDS: usize = 4;
+/// The longest the suite waits for the next round.
+const PATIENCE: Duration = Duration::from_secs(300);
+
+pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
+    // Starting, killing and watching processes blocks: off the runtime's threads.
+    tokio::task::spawn_blocking(move || measure(quick)).await?
+}
+
+fn measure(quick: bool) -> anyhow::Result<Report> {
+    let (hidden, size) = if quick {
+        (5_000, "25m")
+    } else {
+        (10_000, "100m")
+    };
+    // The reference MLP: 16 inputs → hidden → hidden → 4 classes, with biases.
+    let parameters = hidden * hidden + 22 * hidden + 4;
+    let model_bytes = 4 * parameters;
+
+    let mut cluster = Cluster::new();
+    cluster.worker_lease_ms = None;
+    let _data = cluster.blobs_data_node("data");
+    let names = ["ps-a", "ps-b"];
+    let mut servers: Vec<Proc> = names.iter().map(|n| cluster.server_worker(n)).collect();
+    let _trainers: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    // Before any job: what the worker holds whatever it runs.
+    let idle_rss: Vec<f64> = servers
+        .iter()
+        .map(|s| rss_mb(s.child.id(), "VmRSS"))
+        .collect::<anyhow::Result<_>>()?;
+    let job = cluster.job(
+        "scale",
+        &diloco_job_text(
+            2,
+            100,
+            hidden,
+            "samples_per_round = 128\nround_seconds = 120\ncompression = \"int8\"\n",
+        ),
+    );
+    let (_scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let metrics_path = cluster.path("scale-job.metrics.jsonl");
+    let rounds = |all: &[serde_json::Value]| all.iter().filter(|l| l["kind"] == "round").count();
+    wait_for_events(&metrics_path, PATIENCE, "the measured rounds", |all| {
+        rounds(all) >= MEASURED_ROUNDS
+    })?;
+
+    let server = current_server(&cluster, &events_path, &names, 2)?;
+    let peak_rss = rss_mb(servers[server].child.id(), "VmHWM")?;
+    let before_kill = events(&metrics_path);
+    servers[server].child.kill()?;
+    let killed = std::time::Instant::now();
+    servers[server].child.wait()?;
+    let applied = rounds(&events(&metrics_path));
+    wait_for_events(
+        &metrics_path,
+        PATIENCE,
+        "a round after the failover",
+        |all| rounds(all) > applied,
+    )?;
+    let failover_s = killed.elapsed().as_secs_f64();
+
+    let round_lines: Vec<&serde_json::Value> = before_kill
+        .iter()
+        .filter(|l| l["kind"] == "round")
+        .collect();
+    let close_ms: Vec<f64> = round_lines
+        .iter()
+        .filter_map(|l| l["close_ms"].as_f64())
+        .collect();
+    anyhow::ensure!(
+        !close_ms.is_empty(),
+        "no round said how long its close took"
+    );
+    let traffic: Vec<f64> = round_lines
+        .iter()
+        .filter_map(|l| l["traffic_bytes"].as_f64())
+        .collect();
+    let checkpoints: Vec<&serde_json::Value> = before_kill
+        .iter()
+        .filter(|l| l["kind"] == "checkpoint")
+        .collect();
+    // The adopted model's checkpoint (round 0) is the run's start, not a cost of its rounds.
+    let checkpoint_bytes: f64 = checkpoints
+        .iter()
+        .filter(|l| l["round"].as_u64() > Some(0))
+        .filter_map(|l| l["bytes"].as_f64())
+        .sum();
+    // A checkpoint of the rounds' server: model, momentum and residual, all f32.
+    let checkpoint_size = checkpoints
+        .iter()
+        .filter(|l| l["round"].as_u64() > Some(0))
+        .filter_map(|l| l["bytes"].as_f64())
+        .next()
+        .unwrap_or(3.0 * model_bytes as f64);
+    let memcpy_s = memcpy_seconds(model_bytes);
+
+    let mut report = Report::default();
+    let net = peak_rss - idle_rss[server];
+    report
+        .metrics
+        .insert("parameters".into(), parameters as f64);
+    report
+        .metrics
+        .insert("model_mb".into(), model_bytes as f64 / 1e6);
+    report.metrics.insert("ps_peak_rss_mb".into(), peak_rss);
+    report
+        .metrics
+        .insert("ps_idle_rss_mb".into(), idle_rss[server]);
+    report.metrics.insert(
+        format!("ps_peak_rss_over_model_{size}"),
+        net / (model_bytes as f64 / 1e6),
+    );
+    report
+        .metrics
+        .insert("round_close_ms".into(), median(close_ms.clone()));
+    report
+        .metrics
+        .insert("model_memcpy_ms".into(), memcpy_s * 1e3);
+    report.ratios.insert(
+        format!("round_close_vs_model_pass_{size}"),
+        median(close_ms) / 1e3 / memcpy_s,
+    );
+    report
+        .metrics
+        .insert("diloco_mb_per_round".into(), median(traffic.clone()) / 1e6);
+    report
+        .metrics
+        .insert("checkpoint_mb".into(), checkpoint_size / 1e6);
+    report.ratios.insert(
+        "checkpoint_vs_diloco_bytes".into(),
+        checkpoint_bytes / traffic.iter().sum::<f64>().max(1.0),
+    );
+    report.metrics.insert(
+        "rounds_per_checkpoint".into(),
+        10.0 * checkpoint_size / median(traffic).max(1.0),
+    );
+    report
+        .metrics
+        .insert(format!("failover_s_{size}"), failover_s);
+    Ok(report)
+}
+
+/// `key` (`VmRSS`, `VmHWM`) of process `pid`, in MB.
+fn rss_mb(pid: u32, key: &str) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {key} in /proc/{pid}/status"))?;
+    Ok(kb / 1000.0)
+}
+
+/// The best of 3 copies of `bytes` bytes from one buffer into another, in seconds.
+fn memcpy_seconds(bytes: usize) -> f64 {
+    let source = vec![1u8; bytes];
+    let mut target = vec![0u8; bytes];
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        target.copy_from_slice(&source);
+        std::hint::black_box(&target);
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    best
+}
