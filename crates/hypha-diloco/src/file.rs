@@ -178,7 +178,8 @@ impl Layout {
         let header: safetensors::tensor::Metadata = serde_json::from_slice(header)
             .map_err(|e| Error::Format(format!("the header: {e}")))?;
         let start = 8 + length;
-        if start + header.data_len() as u64 != source.size() {
+        // Each tensor's size is checked by the crate, their sum is a peer's to choose.
+        if start.checked_add(header.data_len() as u64) != Some(source.size()) {
             return Err(Error::Format(format!(
                 "the header describes {} bytes of tensors; the file holds {}",
                 header.data_len(),
@@ -487,6 +488,28 @@ mod tests {
         let mut huge = bytes.clone();
         huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(Layout::read(&huge[..]).is_err());
+    }
+
+    /// The crate checks each tensor's size; the sum of them is the sender's to choose.
+    #[test]
+    fn a_header_whose_tensors_add_up_past_u64_is_refused() {
+        // 2⁶⁰ bytes each: the most whose bits the crate can count.
+        let big: u64 = 1 << 60;
+        let mut entries = Vec::new();
+        let mut offset = 0u64;
+        for i in 0..16u64 {
+            let len = if i == 15 { big - 16 } else { big };
+            entries.push(format!(
+                "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{len}],\"data_offsets\":[{offset},{}]}}",
+                offset + len
+            ));
+            offset += len;
+        }
+        let header = format!("{{{}}}", entries.join(","));
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        let error = Layout::read(&bytes[..]).unwrap_err();
+        assert!(error.to_string().contains("describes"), "{error}");
     }
 
     #[test]

@@ -344,17 +344,22 @@ impl ParameterServer {
             return Ok(self.close_with(None::<std::io::Cursor<Vec<u8>>>)?.0);
         }
         let mut file = hypha_files::AtomicFile::create(delta, hypha_files::Mode::Private)?;
-        let (closed, written) = {
+        let (mut closed, written) = {
             let out = std::io::BufWriter::with_capacity(crate::file::CHUNK, file.file());
             let (closed, written) = self.close_with(Some(out))?;
-            let written = match written {
-                Some(mut out) => out.flush().map(|()| true).map_err(Error::Write)?,
-                None => false,
-            };
+            let written = written.map(|mut out| out.flush().map_err(Error::Write));
             (closed, written)
         };
-        if written {
-            file.commit(true, false)?;
+        // The round is closed whatever becomes of its change: trainers without it get the
+        // whole model.
+        let failed = match written {
+            Some(Ok(())) => file.commit(true, false).err().map(Error::from),
+            Some(Err(error)) => Some(error),
+            None => None,
+        };
+        if let Some(error) = failed {
+            closed.delta_bytes = None;
+            closed.uncompressed = Some(format!("cannot write the change: {error}"));
         }
         Ok(closed)
     }
@@ -400,8 +405,8 @@ impl ParameterServer {
     /// from that parameter on, with nothing carried for those parameters, and no change is
     /// made (`out` is given back `None`): the model goes whole to everybody this round.
     ///
-    /// An error writing to `out` leaves the server between two rounds: whoever holds it must
-    /// start again from its checkpoint.
+    /// An error writing to `out` makes no change either: the round is closed all the same,
+    /// each chunk having moved by what the codec would have sent.
     fn close_with<W: Write + Seek>(
         &mut self,
         out: Option<W>,
@@ -476,7 +481,13 @@ impl ParameterServer {
                             Ok((encoded, sent)) => {
                                 let (values, scales) =
                                     codec::split_encoded(codec, end - start, encoded);
-                                writer.write(values)?;
+                                // The change is for trainers that hold the model; without it
+                                // they get the whole model. The chunk still moves by what
+                                // was sent, and carries what the codec dropped.
+                                if let Err(error) = writer.write(values) {
+                                    uncompressed =
+                                        Some(format!("cannot write the change: {error}"));
+                                }
                                 companion.extend_from_slice(scales);
                                 add(target, sent);
                                 for ((r, c), s) in residual.iter_mut().zip(&carried).zip(sent) {
@@ -500,17 +511,26 @@ impl ParameterServer {
                 step.fill(0.0);
                 fingerprint.values(target, parameter.dtype);
             }
-            if let Some(writer) = writer.as_mut().filter(|_| uncompressed.is_none()) {
-                writer.write(&companion)?;
+            if let Some(writer) = writer.as_mut().filter(|_| uncompressed.is_none())
+                && let Err(error) = writer.write(&companion)
+            {
+                uncompressed = Some(format!("cannot write the change: {error}"));
             }
         }
         let hash = fingerprint.finish();
         let delta = match writer.filter(|_| uncompressed.is_none()) {
             Some(mut writer) => {
                 writer.set_metadata(meta::MODEL_HASH, hash.clone());
-                let mut out = writer.finish()?;
-                let size = out.stream_position().map_err(Error::Write)?;
-                Some((out, size))
+                let finished = writer
+                    .finish()
+                    .and_then(|mut out| Ok((out.stream_position().map_err(Error::Write)?, out)));
+                match finished {
+                    Ok((size, out)) => Some((out, size)),
+                    Err(error) => {
+                        uncompressed = Some(format!("cannot write the change: {error}"));
+                        None
+                    }
+                }
             }
             None => None,
         };
@@ -666,4 +686,82 @@ fn number(metadata: &Metadata, key: &str) -> Result<u64, Error> {
             "metadata {key:?} = {value:?} is not a whole number"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Tensor;
+
+    /// A change file on a full disk: writes fail after `room` bytes.
+    struct FullDisk {
+        written: std::io::Cursor<Vec<u8>>,
+        room: usize,
+    }
+
+    impl Write for FullDisk {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.written.get_ref().len() + buf.len() > self.room {
+                return Err(std::io::Error::other("no space left on device"));
+            }
+            self.written.write(buf)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seek for FullDisk {
+        fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+            self.written.seek(to)
+        }
+    }
+
+    fn file(values: Vec<f32>) -> Vec<u8> {
+        let tensor = Tensor {
+            shape: vec![values.len()],
+            values,
+            dtype: Dtype::F32,
+        };
+        Tensors(BTreeMap::from([("w".to_string(), tensor)]))
+            .to_bytes(&Metadata::new())
+            .unwrap()
+    }
+
+    /// The change is an optimisation: a round whose change cannot be written closes all the
+    /// same, says why, and the model it holds is the one its fingerprint names.
+    #[test]
+    fn a_change_that_cannot_be_written_leaves_a_closed_round_and_a_whole_model() {
+        let n = 3 * CLOSE_CHUNK;
+        let mut server =
+            ParameterServer::new(OuterOptimizer::new(0.7, 0.9)).broadcast_changes(Codec::Int8);
+        server.offer(&file(vec![1.0; n])).unwrap();
+        server
+            .add(
+                "a",
+                &file((0..n).map(|i| (i % 7) as f32 * 0.01).collect()),
+                0,
+                8,
+            )
+            .unwrap();
+        let out = FullDisk {
+            written: std::io::Cursor::new(Vec::new()),
+            room: CLOSE_CHUNK,
+        };
+        let (closed, written) = server.close_with(Some(out)).unwrap();
+        assert!(written.is_none());
+        assert_eq!(closed.delta_bytes, None);
+        assert!(
+            closed
+                .uncompressed
+                .as_deref()
+                .is_some_and(|why| why.contains("no space left")),
+            "{closed:?}"
+        );
+        assert_eq!(server.round(), Some(1));
+        let model = Tensors::from_bytes(&server.model_bytes().unwrap()).unwrap();
+        assert_eq!(Some(model.digest().as_str()), server.model_hash());
+        assert_ne!(model.0["w"].values, vec![1.0; n], "the step was taken");
+    }
 }

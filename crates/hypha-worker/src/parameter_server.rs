@@ -357,10 +357,8 @@ impl ServerJob {
                     self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
                 }
                 Some(ServerOrder::Done) => {
-                    let path = self.dir.join(FINAL_MODEL);
-                    tokio::task::block_in_place(|| server.write_model(&path, true))?;
-                    tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
-                    // The last rounds' slices are used once a checkpoint holds them.
+                    // The last rounds' slices are used once a checkpoint holds them: it goes
+                    // on its way first.
                     if cadence.behind() {
                         let size = tokio::task::block_in_place(|| {
                             server.checkpoint(&self.dir.join(CHECKPOINT))
@@ -368,6 +366,9 @@ impl ServerJob {
                         cadence.written(size);
                         uploads.checkpointed();
                     }
+                    let path = self.dir.join(FINAL_MODEL);
+                    tokio::task::block_in_place(|| server.write_model(&path, true))?;
+                    tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
                     uploads.finish().await;
                     return Ok(());
                 }
@@ -564,7 +565,16 @@ impl ServerJob {
             } else {
                 server.close_without_change()
             }
-        })?;
+        });
+        let closed = match closed {
+            // An update's file failed between its check and its addition: the sum holds part
+            // of it. The round is given up, its slices trained again, the job goes on.
+            Err(hypha_diloco::Error::SumLost) => {
+                tracing::warn!(round = ?server.round(), "{}; the round ends without a change", hypha_diloco::Error::SumLost);
+                return self.skip(server, send_to);
+            }
+            closed => closed?,
+        };
         tracing::info!(
             round = closed.round,
             trainers = closed.included.len(),
@@ -927,11 +937,14 @@ impl Cadence {
     }
 
     fn due(&self) -> bool {
+        // Until a checkpoint exists (the adopted model's could not be written), every round:
+        // a server lost with none leaves the run nothing to go on from.
         self.behind()
-            && match self.every {
-                Some(every) => self.rounds >= every,
-                None => self.traffic >= CHECKPOINT_TRAFFIC_RATIO.saturating_mul(self.size),
-            }
+            && (self.size == 0
+                || match self.every {
+                    Some(every) => self.rounds >= every,
+                    None => self.traffic >= CHECKPOINT_TRAFFIC_RATIO.saturating_mul(self.size),
+                })
     }
 
     fn written(&mut self, size: u64) {

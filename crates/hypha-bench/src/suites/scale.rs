@@ -6,9 +6,9 @@
 //! `hypha-executor train`, the scheduler). The model is the reference MLP with hidden width
 //! 10,000 (100.2 M parameters, 401 MB in f32; `--quick`: 5,000, 25.1 M), trained for real, the
 //! job compressing with `int8` both ways (the server then holds the most: model, momentum,
-//! sum and the carried residual), two batches of 32 a trainer a round, every other setting at
+//! sum and the carried residual), one batch of 32 a trainer a round, every other setting at
 //! its default (the checkpoint cadence included). Once [`MEASURED_ROUNDS`] rounds are applied
-//! the parameter server's worker is SIGKILLed; the spare takes over.
+//! the parameter server's worker is SIGKILLed; the spare takes over from the last checkpoint.
 //!
 //! Keys (`{size}` is `100m`, or `25m` with `--quick`):
 //! - `metrics.ps_peak_rss_over_model_{size}`: the peak RSS (`VmHWM`) of the worker that ran
@@ -34,10 +34,12 @@ use hypha_testing::cluster::{Cluster, Proc, diloco_job_text, events};
 
 use crate::{Report, current_server, median, wait_for_events};
 
-/// Rounds applied before the parameter server is killed.
-const MEASURED_ROUNDS: usize = 4;
-/// The longest the suite waits for the next round.
-const PATIENCE: Duration = Duration::from_secs(300);
+/// Rounds applied before the parameter server is killed: enough for the default cadence to
+/// checkpoint once (every ~30 rounds at this job's traffic).
+const MEASURED_ROUNDS: usize = 36;
+/// The longest the suite waits for a round (at 100 M parameters a round of one batch a
+/// trainer takes about 17 s on the development machine).
+const ROUND_PATIENCE: Duration = Duration::from_secs(60);
 
 pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     // Starting, killing and watching processes blocks: off the runtime's threads.
@@ -73,15 +75,18 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
             2,
             100,
             hidden,
-            "samples_per_round = 128\nround_seconds = 120\ncompression = \"int8\"\n",
+            "samples_per_round = 64\nround_seconds = 120\ncompression = \"int8\"\n",
         ),
     );
     let (_scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let metrics_path = cluster.path("scale-job.metrics.jsonl");
     let rounds = |all: &[serde_json::Value]| all.iter().filter(|l| l["kind"] == "round").count();
-    wait_for_events(&metrics_path, PATIENCE, "the measured rounds", |all| {
-        rounds(all) >= MEASURED_ROUNDS
-    })?;
+    wait_for_events(
+        &metrics_path,
+        ROUND_PATIENCE * MEASURED_ROUNDS as u32,
+        &format!("{MEASURED_ROUNDS} rounds"),
+        |all| rounds(all) >= MEASURED_ROUNDS,
+    )?;
 
     let server = current_server(&cluster, &events_path, &names, 2)?;
     let peak_rss = rss_mb(servers[server].child.id(), "VmHWM")?;
@@ -92,7 +97,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let applied = rounds(&events(&metrics_path));
     wait_for_events(
         &metrics_path,
-        PATIENCE,
+        4 * ROUND_PATIENCE,
         "a round after the failover",
         |all| rounds(all) > applied,
     )?;
