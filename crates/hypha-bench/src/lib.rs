@@ -176,6 +176,29 @@ pub(crate) fn wait_for_events(
 }
 
 /// The median of some measurements.
+/// The parameter-server workers of [`spare_server_cluster`].
+pub(crate) const SERVER_WORKERS: [&str; 2] = ["ps-a", "ps-b"];
+
+/// A cluster for DiLoCo runs whose parameter server is killed (`hypha_testing`'s, the
+/// workers' leases at their default): a data node serving `blobs`, the parameter-server
+/// workers [`SERVER_WORKERS`] (one the spare) and two trainer workers. The servers, and the
+/// other processes (kept alive as long as they are held).
+pub(crate) fn spare_server_cluster() -> (
+    hypha_testing::cluster::Cluster,
+    Vec<hypha_testing::cluster::Proc>,
+    Vec<hypha_testing::cluster::Proc>,
+) {
+    let mut cluster = hypha_testing::cluster::Cluster::new();
+    cluster.worker_lease_ms = None;
+    let mut others = vec![cluster.blobs_data_node("data")];
+    let servers = SERVER_WORKERS
+        .iter()
+        .map(|n| cluster.server_worker(n))
+        .collect();
+    others.extend((0..2).map(|i| cluster.trainer_worker(&format!("trainer{i}"), "")));
+    (cluster, servers, others)
+}
+
 /// Which of the workers `names` runs the job's `slot` now (the parameter server's is the slot
 /// after the trainers'): the peer of the last dispatch for it.
 pub(crate) fn current_server(

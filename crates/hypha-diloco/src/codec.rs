@@ -145,21 +145,30 @@ pub const HEADER_METADATA: u64 = 64 * 1024;
 /// `update` compressed with `codec`, as SafeTensors bytes carrying `metadata` and the codec's
 /// own keys. Refuses an update with a NaN or infinite value.
 pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec<u8>, Error> {
-    let shapes = update
-        .0
-        .iter()
-        .map(|(name, t)| (name.as_str(), &t.shape[..]));
-    let mut writer = Writer::new(
-        std::io::Cursor::new(Vec::new()),
-        stored(codec, shapes.clone())?,
-        with_codec(codec, metadata, shapes),
-    )?;
+    let mut writer = writer_for(update, codec, metadata)?;
     let mut encoded = Vec::new();
     for (name, tensor) in &update.0 {
         encode_values(codec, name, &tensor.values, &mut encoded)?;
         writer.write(&encoded)?;
     }
     Ok(writer.finish()?.into_inner())
+}
+
+/// A writer of `update` compressed with `codec` into memory, its header written.
+fn writer_for(
+    update: &Tensors,
+    codec: Codec,
+    metadata: &Metadata,
+) -> Result<Writer<std::io::Cursor<Vec<u8>>>, Error> {
+    let shapes = update
+        .0
+        .iter()
+        .map(|(name, t)| (name.as_str(), &t.shape[..]));
+    Writer::new(
+        std::io::Cursor::new(Vec::new()),
+        stored(codec, shapes.clone())?,
+        with_codec(codec, metadata, shapes),
+    )
 }
 
 /// `metadata` with the keys that say how `codec` stored parameters of `shapes`.
@@ -379,15 +388,7 @@ impl ErrorFeedback {
         codec: Codec,
         metadata: &Metadata,
     ) -> Result<Vec<u8>, Error> {
-        let shapes = update
-            .0
-            .iter()
-            .map(|(name, t)| (name.as_str(), &t.shape[..]));
-        let mut writer = Writer::new(
-            std::io::Cursor::new(Vec::new()),
-            stored(codec, shapes.clone())?,
-            with_codec(codec, metadata, shapes),
-        )?;
+        let mut writer = writer_for(update, codec, metadata)?;
         let mut residual = BTreeMap::new();
         let mut buffers = RoundTrip::default();
         for (name, tensor) in &update.0 {

@@ -602,6 +602,21 @@ impl ParameterServer {
         })
     }
 
+    /// The bytes of a checkpoint once the server has stepped: the model as stored, and
+    /// momentum and (when it sends changes) the carried residual in f32. The adopted model's
+    /// checkpoint is the model alone; later ones are this.
+    pub fn checkpoint_bytes(&self) -> Option<u64> {
+        let model = self.model.as_ref()?;
+        let values: u64 = model.0.values().map(|t| t.values.len() as u64).sum();
+        let stored: u64 = model
+            .0
+            .values()
+            .map(|t| (t.values.len() * crate::file::dtype_bytes(t.dtype)) as u64)
+            .sum();
+        let kept = if self.broadcast == Codec::None { 1 } else { 2 };
+        Some(stored + kept * 4 * values)
+    }
+
     /// Writes model, momentum, what the broadcast compression dropped, and round atomically
     /// to `path`, a tensor at a time; the file's size. Momentum and residual are written as
     /// F32, whatever the model's dtype.

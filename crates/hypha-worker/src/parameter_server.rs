@@ -519,7 +519,9 @@ impl ServerJob {
                     tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)));
                 match written {
                     Ok(size) => {
-                        cadence.written(size);
+                        // The next checkpoints hold momentum and residual too: the traffic
+                        // they are weighed against is theirs, not the model's alone.
+                        cadence.written(size.max(server.checkpoint_bytes().unwrap_or(0)));
                         uploads.checkpointed();
                     }
                     Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),

@@ -15,9 +15,11 @@
 
 use std::time::{Duration, Instant};
 
-use hypha_testing::cluster::{Cluster, Proc, events, of_kind};
+use hypha_testing::cluster::{events, of_kind};
 
-use crate::{Report, current_server, median, wait_for_events};
+use crate::{
+    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, wait_for_events,
+};
 
 /// The target for both medians.
 const TARGET_S: f64 = 5.0;
@@ -32,14 +34,8 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 }
 
 fn measure(repetitions: usize) -> anyhow::Result<Report> {
-    let mut cluster = Cluster::new();
-    cluster.worker_lease_ms = None;
-    let _data = cluster.blobs_data_node("data");
-    let names = ["ps-a", "ps-b"];
-    let mut servers: Vec<Proc> = names.iter().map(|n| cluster.server_worker(n)).collect();
-    let _trainers: Vec<Proc> = (0..2)
-        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
-        .collect();
+    let (cluster, mut servers, _others) = spare_server_cluster();
+    let names = SERVER_WORKERS;
     // Enough epochs that the data outlasts every kill.
     let job = cluster.diloco_job("recovery", 2, 200, "");
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);

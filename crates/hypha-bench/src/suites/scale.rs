@@ -30,9 +30,11 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::Context;
-use hypha_testing::cluster::{Cluster, Proc, diloco_job_text, events};
+use hypha_testing::cluster::{diloco_job_text, events};
 
-use crate::{Report, current_server, median, wait_for_events};
+use crate::{
+    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, wait_for_events,
+};
 
 /// Rounds applied before the parameter server is killed: enough for the default cadence to
 /// checkpoint once (every ~30 rounds at this job's traffic).
@@ -56,14 +58,8 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let parameters = hidden * hidden + 22 * hidden + 4;
     let model_bytes = 4 * parameters;
 
-    let mut cluster = Cluster::new();
-    cluster.worker_lease_ms = None;
-    let _data = cluster.blobs_data_node("data");
-    let names = ["ps-a", "ps-b"];
-    let mut servers: Vec<Proc> = names.iter().map(|n| cluster.server_worker(n)).collect();
-    let _trainers: Vec<Proc> = (0..2)
-        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
-        .collect();
+    let (cluster, mut servers, _others) = spare_server_cluster();
+    let names = SERVER_WORKERS;
     // Before any job: what the worker holds whatever it runs.
     let idle_rss: Vec<f64> = servers
         .iter()
@@ -137,6 +133,17 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         .next()
         .unwrap_or(3.0 * model_bytes as f64);
     let memcpy_s = memcpy_seconds(model_bytes);
+    eprintln!(
+        "checkpoints of rounds {:?}; DiLoCo MB a round {:?}",
+        checkpoints
+            .iter()
+            .filter_map(|l| l["round"].as_u64())
+            .collect::<Vec<_>>(),
+        traffic
+            .iter()
+            .map(|t| (t / 1e6).round())
+            .collect::<Vec<_>>()
+    );
 
     let mut report = Report::default();
     let net = peak_rss - idle_rss[server];
@@ -170,6 +177,16 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     report
         .metrics
         .insert("checkpoint_mb".into(), checkpoint_size / 1e6);
+    report.metrics.insert(
+        "checkpoints_after_adoption".into(),
+        checkpoints
+            .iter()
+            .filter(|l| l["round"].as_u64() > Some(0))
+            .count() as f64,
+    );
+    report
+        .metrics
+        .insert("diloco_mb_total".into(), traffic.iter().sum::<f64>() / 1e6);
     report.ratios.insert(
         "checkpoint_vs_diloco_bytes".into(),
         checkpoint_bytes / traffic.iter().sum::<f64>().max(1.0),
