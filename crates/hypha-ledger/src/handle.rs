@@ -78,6 +78,10 @@ enum Command {
         holding: HashSet<SliceKey>,
         reply: Reply<usize>,
     },
+    ReleaseAssigned {
+        worker: String,
+        reply: Reply<usize>,
+    },
     Renew {
         worker: String,
     },
@@ -200,6 +204,15 @@ impl LedgerHandle {
         .await
     }
 
+    /// See [`Ledger::release_assigned`].
+    pub async fn release_assigned(&self, worker: &str) -> Result<usize, Error> {
+        self.ask(|reply| Command::ReleaseAssigned {
+            worker: worker.to_string(),
+            reply,
+        })
+        .await
+    }
+
     /// See [`Ledger::release_unheld`].
     pub async fn release_unheld(
         &self,
@@ -277,6 +290,9 @@ fn execute(ledger: &mut Ledger, command: Command, now: u64) -> Answer {
             holding,
             reply,
         } => Answer::Count(reply, ledger.release_unheld(&worker, &holding, now)),
+        Command::ReleaseAssigned { worker, reply } => {
+            Answer::Count(reply, ledger.release_assigned(&worker, now))
+        }
         Command::Renew { worker } => {
             ledger.renew(&worker, now);
             Answer::Nothing

@@ -432,6 +432,22 @@ impl Ledger {
         }
     }
 
+    /// `worker` is gone, but rounds it consumed slices into may still reach the model: its
+    /// ASSIGNED slices (fetched ahead, never trained) become AVAILABLE again now, its CONSUMED
+    /// ones wait for their rounds to be settled.
+    pub fn release_assigned(&mut self, worker: &str, now_ms: u64) -> usize {
+        let Some(&number) = self.worker_numbers.get(worker) else {
+            return 0;
+        };
+        let keys: Vec<SliceKey> = self
+            .held
+            .get(&number)
+            .map(|keys| keys.iter().copied().collect())
+            .unwrap_or_default();
+        self.return_keys(number, &keys, ReturnReason::WorkerLost, now_ms);
+        keys.len()
+    }
+
     /// `worker` holds only `holding` of what it was granted: its other ASSIGNED slices are
     /// grants that never reached it, and become AVAILABLE again.
     pub fn release_unheld(

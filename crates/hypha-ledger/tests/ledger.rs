@@ -260,6 +260,25 @@ fn a_resumed_iteration_gives_back_what_was_consumed_and_keeps_what_going_jobs_fe
     );
 }
 
+/// A trainer that ended with a round not yet in a checkpoint: what it fetched ahead goes back
+/// at once, what it consumed waits for its round.
+#[test]
+fn a_gone_worker_s_fetched_ahead_slices_go_back_before_its_rounds_are_settled() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::create(&dir.path().join("l"), spec(10, 1, 1), LEASE_MS).unwrap();
+    let got = slices_of(ledger.assign("a", 3, &HashSet::new(), 0));
+    ledger.consume("a", &got[..1], 0, 1);
+    assert_eq!(ledger.release_assigned("a", 2), 2);
+    let epoch = &ledger.progress(3).epochs[0];
+    assert_eq!((epoch.available, epoch.assigned, epoch.consumed), (9, 0, 1));
+    assert_eq!(
+        ledger.commit_round("a", 0, 4),
+        &got[..1],
+        "its round is still its"
+    );
+    assert_eq!(ledger.progress(5).epochs[0].used, 1);
+}
+
 #[test]
 fn grants_a_worker_says_it_never_received_are_available_again() {
     let dir = tempfile::tempdir().unwrap();

@@ -209,6 +209,19 @@ impl JobData {
         }
     }
 
+    /// Job `job` on `peer` ended with rounds not settled yet: the slices it fetched ahead go
+    /// back now, those of its rounds when they are settled.
+    pub async fn release_assigned(&self, peer: &PeerId, job: &str) {
+        let consumer = IterationService::consumer_name(peer, job);
+        match self.ledger().release_assigned(&consumer).await {
+            Ok(0) => {}
+            Ok(returned) => {
+                tracing::info!(%job, returned, "slices an ended job fetched ahead are available again")
+            }
+            Err(error) => tracing::warn!(%job, %error, "could not return an ended job's slices"),
+        }
+    }
+
     /// Round `round` of job `job` on `peer` reached the model (`commit`: its slices are
     /// used) or was left out (its slices are available again).
     pub async fn settle_round(

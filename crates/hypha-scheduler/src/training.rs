@@ -257,9 +257,11 @@ impl Training {
         self.release_deferred().await;
     }
 
-    /// Job `job` on `peer` ended: its slices go back, once its rounds are settled.
+    /// Job `job` on `peer` ended: its slices go back, those of its rounds once they are
+    /// settled (checkpoints may be rounds apart), those it fetched ahead at once.
     pub async fn release(&mut self, peer: PeerId, job: &str) {
         if self.waits(job) {
+            self.data.release_assigned(&peer, job).await;
             self.deferred.push((peer, job.to_string()));
         } else {
             self.data.release(&peer, job).await;
