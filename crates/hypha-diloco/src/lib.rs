@@ -13,7 +13,8 @@
 //! ```
 //!
 //! - [`Accumulator`]: adds updates as they arrive and keeps only the running weighted sum, so
-//!   the server holds one sum and the update being added, whatever the number of workers.
+//!   the server holds one sum, whatever the number of workers; an update is read from its
+//!   file a chunk at a time ([`Update::from_source`]).
 //! - [`OuterOptimizer`]: the Nesterov step and its momentum buffers.
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
@@ -21,7 +22,11 @@
 //! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`), their wire format, and
 //!   error feedback; [`Update`] reads every codec and the [`Accumulator`] adds them without
 //!   decoding a copy.
-//! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint.
+//! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint;
+//!   a round closes in place, a chunk at a time.
+//! - [`file`]: SafeTensors read ([`file::Source`], [`file::Layout`]) and written
+//!   ([`file::Writer`]) a piece at a time, for models of gigabytes.
+//! - [`Fingerprint`]: the model's BLAKE3 fingerprint, taken as its values go by.
 //!
 //! This crate knows tensors, files and rounds; it knows nothing of networks or schedulers.
 
