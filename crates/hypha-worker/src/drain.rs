@@ -145,7 +145,8 @@ pub async fn run(args: &DrainArgs) -> Result<(), Error> {
     println!("worker {pid} is draining: it takes no new jobs, and its jobs hand back their work");
     let timeout = Duration::from_secs(args.timeout);
     let sent = Instant::now();
-    while running(&file, &path)? {
+    // The lock is given back as the worker's run ends, a moment before its process does.
+    while running(&file, &path)? || !exited(pid) {
         if sent.elapsed() >= timeout {
             return Err(Error::Failed(format!(
                 "worker {pid} is still running after {} s; it goes on draining (its executors get kill_grace_ms after SIGTERM); run drain again to wait longer",
@@ -159,6 +160,18 @@ pub async fn run(args: &DrainArgs) -> Result<(), Error> {
         sent.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet.
+fn exited(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command's name, which is in parentheses and may hold any.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+    }
 }
 
 /// Whether a worker holds the lock; a lock taken here to look is given back at once.
