@@ -439,13 +439,17 @@ impl Ledger {
         let Some(&number) = self.worker_numbers.get(worker) else {
             return 0;
         };
-        let keys: Vec<SliceKey> = self
-            .held
-            .get(&number)
-            .map(|keys| keys.iter().copied().collect())
-            .unwrap_or_default();
+        let keys = self.held_keys(number);
         self.return_keys(number, &keys, ReturnReason::WorkerLost, now_ms);
         keys.len()
+    }
+
+    /// Worker `number`'s ASSIGNED slices.
+    fn held_keys(&self, number: u32) -> Vec<SliceKey> {
+        self.held
+            .get(&number)
+            .map(|keys| keys.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// `worker` holds only `holding` of what it was granted: its other ASSIGNED slices are
@@ -512,11 +516,7 @@ impl Ledger {
     fn release(&mut self, number: u32, kept_from: Option<u64>, now_ms: u64) -> usize {
         let mut keys: Vec<SliceKey> = match kept_from {
             Some(_) => Vec::new(),
-            None => self
-                .held
-                .get(&number)
-                .map(|keys| keys.iter().copied().collect())
-                .unwrap_or_default(),
+            None => self.held_keys(number),
         };
         for ((holder, round), consumed) in &self.rounds {
             if *holder == number && kept_from.is_none_or(|from| *round < from) {
@@ -541,11 +541,7 @@ impl Ledger {
         let mut returned = 0;
         for number in lapsed {
             self.leases.remove(&number);
-            let keys: Vec<SliceKey> = self
-                .held
-                .get(&number)
-                .map(|keys| keys.iter().copied().collect())
-                .unwrap_or_default();
+            let keys = self.held_keys(number);
             self.return_keys(number, &keys, ReturnReason::Expired, now_ms);
             returned += keys.len();
         }
