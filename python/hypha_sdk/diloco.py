@@ -225,6 +225,9 @@ class Trainer:
         self.global_parameters = {k: _f32(v) for k, v in model.parameters().items()}
         self.round: Optional[int] = None
         self.last_model: Optional[int] = None
+        # The fingerprint of the global model it holds, once checked against the server's:
+        # reported, so that the run's record shows which model each trainer trained from.
+        self.global_hash: Optional[str] = None
         self._unchecked_said = False
         self.stats = _RoundStats()
         self.reader = _Reader(self)
@@ -312,6 +315,7 @@ class Trainer:
             "batch_ms": stats.batch_ms,
             "loss": _finite(stats.loss_sum / stats.batches) if stats.batches else None,
             "data_done": self.reader.out_of_data(),
+            "model_hash": self.global_hash if self.round is not None else None,
         }
         return self.bridge.status(status)
 
@@ -447,6 +451,7 @@ class Trainer:
                 _check_same("the global model", parameters, "this trainer's model", self.model.parameters())
                 self.model.load(parameters)
                 self.global_parameters = parameters
+                self.global_hash = expected if matches else None
                 self.round = round_
                 self.last_model = round_
                 self.log(f"round {round_}: global model received")

@@ -11,8 +11,9 @@ use crate::DataClient;
 /// `hypha-data prepare`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareArgs {
-    /// The input: a .npy file, a directory of .npy files, a .safetensors file, a .jsonl file,
-    /// or a folder of images with one sub-folder per class.
+    /// The input: a .npy file, a directory of .npy files, a .safetensors file, text (a .jsonl
+    /// file, a UTF-8 text file, or a directory of them, walked recursively), or a folder of
+    /// images with one sub-folder per class.
     pub input: PathBuf,
     /// The dataset directory to create; its name is the dataset's name.
     #[arg(short, long)]
@@ -117,14 +118,18 @@ pub fn prepare(args: &PrepareArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// Text files by their extension, when guessing what a directory holds.
+const TEXT_EXTENSIONS: [&str; 6] = ["jsonl", "json", "txt", "text", "md", "rst"];
+
 fn guess_kind(input: &std::path::Path) -> Result<InputKind, Error> {
-    let extension = input
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(str::to_ascii_lowercase);
-    match extension.as_deref() {
+    let extension_of = |path: &std::path::Path| {
+        path.extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+    };
+    match extension_of(input).as_deref() {
         Some("npy" | "safetensors") => return Ok(InputKind::Arrays),
-        Some("jsonl" | "json") => return Ok(InputKind::Text),
+        Some(text) if TEXT_EXTENSIONS.contains(&text) => return Ok(InputKind::Text),
         _ => {}
     }
     if input.is_dir() {
@@ -132,11 +137,16 @@ fn guess_kind(input: &std::path::Path) -> Result<InputKind, Error> {
             .map_err(|e| Error::BadInput(format!("{}: {e}", input.display())))?
             .filter_map(Result::ok)
             .collect();
-        if entries
-            .iter()
-            .any(|e| e.path().extension().is_some_and(|x| x == "npy"))
-        {
+        let has = |extension: &str| {
+            entries
+                .iter()
+                .any(|e| extension_of(&e.path()).as_deref() == Some(extension))
+        };
+        if has("npy") {
             return Ok(InputKind::Arrays);
+        }
+        if TEXT_EXTENSIONS.iter().any(|extension| has(extension)) {
+            return Ok(InputKind::Text);
         }
         if entries
             .iter()

@@ -158,6 +158,48 @@ fn jsonl_is_tokenised_into_padded_sequences() {
     );
 }
 
+/// A folder of a user's text: plain files are one document each, JSONL files one a line,
+/// nested folders are walked in path order, hidden files are left out, and a file that is not
+/// text is named in the error.
+#[test]
+fn a_folder_of_text_files_and_jsonl_is_tokenised_in_path_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("my text");
+    std::fs::create_dir_all(input.join("b-chapter/deeper")).unwrap();
+    std::fs::write(input.join("a.txt"), "ab").unwrap();
+    std::fs::write(input.join("b-chapter/deeper/c.md"), "c").unwrap();
+    std::fs::write(
+        input.join("b-chapter/d.jsonl"),
+        "{\"text\":\"d\"}\n{\"text\":\"é\"}\n",
+    )
+    .unwrap();
+    std::fs::write(input.join(".notes.txt"), "hidden").unwrap();
+    let source = Text::open(&input, "text", 3, None).unwrap();
+    let ids: Vec<i32> = source
+        .read(0, 0, source.samples())
+        .unwrap()
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let eos = prepare::text::EOS;
+    let pad = prepare::text::PAD;
+    assert_eq!(
+        ids,
+        [97, 98, eos, 100, eos, 0xc3, 0xa9, eos, 99, eos, pad, pad]
+    );
+
+    std::fs::write(
+        input.join("b-chapter/picture.png"),
+        [0x89, b'P', b'N', b'G', 0xff],
+    )
+    .unwrap();
+    let err = Text::open(&input, "text", 3, None).unwrap_err().to_string();
+    assert!(
+        err.contains("picture.png") && err.contains("not UTF-8 text"),
+        "{err}"
+    );
+}
+
 #[test]
 fn image_folders_are_decoded_resized_and_labelled() {
     let tmp = tempfile::tempdir().unwrap();

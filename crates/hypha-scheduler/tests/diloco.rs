@@ -11,7 +11,7 @@ use std::{
     collections::{HashMap, HashSet},
     io::{BufRead, BufReader, Read, Write},
     net::TcpListener,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -94,6 +94,50 @@ fn evaluation_loss(weights: Option<PathBuf>) -> f64 {
     }
     let held_out = Synthetic::for_model(&MODEL).batch(1024, 1 << 40).unwrap();
     model.evaluate(&held_out).unwrap().0
+}
+
+/// Checks that every trainer report naming a global model (`model_hash`) names the one the
+/// server's round before led to, and that the final model is the last round's; returns how
+/// many reports were checked, by job.
+fn trainers_held_the_rounds_models(
+    metrics: &[serde_json::Value],
+    ps_dir: &std::path::Path,
+) -> HashMap<String, usize> {
+    // The model each applied round led to, by the round it starts.
+    let hashes: HashMap<u64, &str> = metrics
+        .iter()
+        .filter(|m| m["kind"] == "round")
+        .map(|m| {
+            (
+                m["round"].as_u64().unwrap() + 1,
+                m["model_hash"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let last = hashes.keys().max().expect("no round was applied");
+    let final_model = hypha_diloco::Tensors::load(&ps_dir.join("final.safetensors")).unwrap();
+    assert_eq!(
+        hashes[last],
+        final_model.digest(),
+        "the final model is the last round's"
+    );
+    let mut checked = HashMap::new();
+    for line in metrics.iter().filter(|m| m["kind"] == "trainer") {
+        let (Some(round), Some(hash)) = (line["round"].as_u64(), line["model_hash"].as_str())
+        else {
+            continue;
+        };
+        if let Some(expected) = hashes.get(&round) {
+            assert_eq!(
+                hash, *expected,
+                "a trainer's global model of round {round}: {line}"
+            );
+            *checked
+                .entry(line["job"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+    }
+    checked
 }
 
 /// What the executors and workers said, for a failed test's message.
@@ -264,13 +308,10 @@ fn int8_compressed_overlapped_rounds_train_every_slice_once_and_the_loss_falls()
             .filter(|m| m["kind"] == "round")
             .collect::<Vec<_>>(),
     );
-    let final_model = hypha_diloco::Tensors::load(&ps_dir.join("final.safetensors")).unwrap();
     let model_size = std::fs::metadata(ps_dir.join("final.safetensors"))
         .unwrap()
         .len();
-    let mut hashes = std::collections::HashMap::new();
     for line in metrics.iter().filter(|m| m["kind"] == "round") {
-        let hash = line["model_hash"].as_str().unwrap().to_string();
         let delta = line["delta_bytes"].as_u64().unwrap();
         // A byte a parameter instead of four; in a model this small the headers (names,
         // shapes, fingerprints) weigh in, so the bound is a half, not the quarter of a large
@@ -279,34 +320,20 @@ fn int8_compressed_overlapped_rounds_train_every_slice_once_and_the_loss_falls()
             (delta as f64) < 0.5 * model_size as f64,
             "a change of {delta} bytes for a model of {model_size}"
         );
-        hashes.insert(line["round"].as_u64().unwrap() + 1, hash);
     }
-    let last = hashes.keys().max().unwrap();
-    assert_eq!(
-        hashes[last],
-        final_model.digest(),
-        "the final model is the last round's"
-    );
-    let mut checked = 0;
-    let mut changes_applied = 0;
-    for line in metrics.iter().filter(|m| m["kind"] == "trainer") {
-        let (Some(round), Some(hash)) = (line["round"].as_u64(), line["model_hash"].as_str())
-        else {
-            continue;
-        };
-        if let Some(expected) = hashes.get(&round) {
-            assert_eq!(
-                hash, expected,
-                "a trainer's global model of round {round}: {line}"
-            );
-            checked += 1;
-        }
-        changes_applied = changes_applied.max(line["deltas_applied"].as_u64().unwrap_or(0));
-    }
+    let checked: usize = trainers_held_the_rounds_models(&metrics, &ps_dir)
+        .values()
+        .sum();
     assert!(
         checked >= 3,
         "{checked} trainer reports checked against the server's model"
     );
+    let changes_applied = metrics
+        .iter()
+        .filter(|line| line["kind"] == "trainer")
+        .filter_map(|line| line["deltas_applied"].as_u64())
+        .max()
+        .unwrap_or(0);
     assert!(
         changes_applied >= 1,
         "no trainer built a global model from a change"
@@ -1351,13 +1378,285 @@ fn a_trainer_slow_to_load_trains_the_first_round() {
     }
 }
 
-/// The PyTorch example trainer (`python/examples/torch_trainer.py`) trains a job, where torch
-/// is installed (CI does not install it: the test says it skipped). It trains alone: importing
+/// The PyTorch example trainer (`python/examples/torch_trainer.py`) trains a job (CI installs
+/// torch; elsewhere the test says it skipped without it). It trains alone: importing
 /// torch takes seconds, longer than a reference trainer needs for this whole job.
 #[test]
 fn a_torch_trainer_trains_a_job() {
-    if python_with(&["numpy", "torch"], false) {
+    if python_with(&["numpy", "torch"], true) {
         train_with_python_trainer("examples/torch_trainer.py", 0);
+    }
+}
+
+/// The byte-level transformer of the language-model tests: 1.4 M parameters, sequences of
+/// the 64 tokens `prepare_prose` cuts.
+const TEXT_MODEL: &str =
+    r#"{ type = "transformer", vocab = 258, context = 63, dim = 192, heads = 4, layers = 3 }"#;
+
+fn text_model() -> ModelSpec {
+    let table: toml::Table = toml::from_str(&format!("model = {TEXT_MODEL}")).unwrap();
+    table["model"].clone().try_into().unwrap()
+}
+
+/// `documents` documents of short English sentences drawn from `seed`: learnable by a small
+/// byte-level model within a test.
+fn prose(seed: u64, documents: usize) -> Vec<String> {
+    const SUBJECTS: [&str; 6] = [
+        "The cat",
+        "A dog",
+        "The old man",
+        "My sister",
+        "The bird",
+        "A child",
+    ];
+    const VERBS: [&str; 6] = ["sees", "likes", "follows", "draws", "finds", "calls"];
+    const OBJECTS: [&str; 6] = [
+        "the river",
+        "a red ball",
+        "the tall tree",
+        "her friend",
+        "the moon",
+        "a small house",
+    ];
+    let mut state = seed;
+    let mut pick = |words: &[&'static str; 6]| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        words[(state >> 33) as usize % words.len()]
+    };
+    (0..documents)
+        .map(|_| {
+            (0..3)
+                .map(|_| {
+                    let subject = pick(&SUBJECTS);
+                    let verb = pick(&VERBS);
+                    format!("{subject} {verb} {}.", pick(&OBJECTS))
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// Writes `documents` as text files under `text/{name}` and prepares them into `output` with
+/// `hypha-data prepare`, as a user would: byte-level tokens in sequences of 64, 16 a slice.
+fn prepare_prose(cluster: &Cluster, name: &str, documents: &[String], output: &Path, plain: bool) {
+    let text = cluster.path(&format!("text/{name}"));
+    std::fs::create_dir_all(&text).unwrap();
+    for (i, document) in documents.iter().enumerate() {
+        std::fs::write(text.join(format!("{i:04}.txt")), document).unwrap();
+    }
+    let mut prepare = std::process::Command::new(bin("hypha-data"));
+    prepare.arg("prepare").arg(&text).arg("-o").arg(output);
+    prepare.args(["--sequence-length", "64", "--slice-size", "16"]);
+    if plain {
+        prepare.arg("--plain");
+    }
+    let out = prepare.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The PyTorch transformer (`python/examples/torch_lm_trainer.py`) has the reference
+/// executor's parameter names and shapes and computes its loss: the same weights score a
+/// batch of `hypha-data prepare`'s text, padding included, alike in both (to float rounding).
+#[test]
+fn the_pytorch_transformer_scores_a_batch_as_the_reference_executor_does() {
+    if !python_with(&["numpy", "torch"], true) {
+        return;
+    }
+    let cluster = Cluster::new();
+    let dataset = cluster.path("prose");
+    prepare_prose(&cluster, "prose", &prose(5, 12), &dataset, true);
+    // The last slice ends in padding: the mask is part of what is compared.
+    let last = std::fs::read_dir(&dataset)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .max()
+        .unwrap();
+    let spec = text_model();
+    let model = Model::new(&spec, 5).unwrap();
+    // Weights 3× their initial scale: activations large enough that a different GELU, norm or
+    // attention scaling would show in the loss (at the initial scale they barely do).
+    let mut tensors = model.tensors().unwrap();
+    for tensor in tensors.0.values_mut() {
+        tensor.values.iter_mut().for_each(|v| *v *= 3.0);
+    }
+    model.load(&tensors).unwrap();
+    let weights = cluster.path("weights.safetensors");
+    std::fs::write(&weights, model.to_bytes(&Default::default()).unwrap()).unwrap();
+    let batch = hypha_executor::contract::Batch::read(
+        &std::fs::read(&last).unwrap(),
+        &spec,
+        &Default::default(),
+    )
+    .unwrap();
+    let (rust_loss, _, counted) = model.evaluate_counted(&batch).unwrap();
+    let tokens = batch.rows() * 63;
+    assert!(
+        (counted as usize) < tokens,
+        "the slice has no padding: {counted} of {tokens} tokens are real"
+    );
+
+    let script = format!(
+        r#"
+import sys
+sys.path.insert(0, {examples:?})
+import torch
+from hypha_sdk import safetensors
+from torch_lm_trainer import LanguageModel
+model = LanguageModel({{"model": {model}}}, "cpu", False)
+weights, _ = safetensors.loads(open({weights:?}, "rb").read())
+model.load({{name: t.to_numpy() for name, t in weights.items()}})
+batch, _ = safetensors.loads(open({slice:?}, "rb").read())
+with torch.no_grad():
+    print(float(model.loss({{name: t.to_numpy() for name, t in batch.items()}})))
+"#,
+        examples = python_dir().join("examples").display().to_string(),
+        model = serde_json::to_string(&spec).unwrap(),
+        weights = weights.display().to_string(),
+        slice = last.display().to_string(),
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .env("PYTHONPATH", python_dir())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let torch_loss: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(
+        (torch_loss - rust_loss).abs() < 1e-5 * rust_loss.max(1.0),
+        "the same weights score the batch {rust_loss} in Rust and {torch_loss} in PyTorch"
+    );
+}
+
+/// A job of the byte-level transformer on text that `hypha-data prepare` made of a folder of
+/// text files, trained by a reference (Rust, candle) trainer and the PyTorch trainer together:
+/// it succeeds, every slice is trained once, both kinds of trainers are in its rounds and
+/// report the very global models the server made (fingerprints), and the model learns (scored
+/// on held-out text). Skipped with a message where torch is not installed (CI installs it).
+#[test]
+fn rust_and_pytorch_trainers_train_the_transformer_together_on_the_same_global_models() {
+    if !python_with(&["numpy", "torch", "blake3"], true) {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    prepare_prose(
+        &cluster,
+        "prose",
+        &prose(1, 200),
+        &cluster.path("data/prose"),
+        false,
+    );
+    let held_out = cluster.path("held-out");
+    prepare_prose(&cluster, "held-out", &prose(2, 20), &held_out, false);
+    let _data = data_node(&cluster, "data", &cluster.path("data"));
+    let mut server = cluster.server_worker("ps");
+    // A few slices of 16 sequences: without a small prefetch budget the Rust trainer's worker
+    // would take them all before the PyTorch trainer, seconds slower to start, asks.
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut rust = cluster.trainer_worker("rust", "");
+    let (python_peer, mut python) = cluster.peer_id_after("python", |cluster| {
+        cluster.python_worker(
+            "python",
+            "train",
+            "diloco",
+            "examples/torch_lm_trainer.py",
+            &[("OMP_NUM_THREADS", "1".into())],
+        )
+    });
+    let job = cluster.job(
+        "text",
+        &format!(
+            "workers = 2\nbid = 50\nmax_attempts = 3\n\
+             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+             [resources]\ncpu = 1\n\
+             [config]\nseed = 1\nmodel = {TEXT_MODEL}\n\
+             [data]\ndataset = \"prose\"\nepochs = 1\nseed = 3\n\
+             [diloco]\nsamples_per_round = 48\nbatch_size = 8\nround_seconds = 60\n\
+             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n"
+        ),
+    );
+    let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(300));
+    let mut procs: Vec<&mut Proc> = vec![&mut rust, &mut python, &mut server];
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let job_of = |worker: &str| {
+        job_dir(&cluster.path(&format!("{worker}-work")))
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches("hypha-")
+            .to_string()
+    };
+    let metrics = lines_of(&cluster.path("text-job.metrics.jsonl"));
+    let rounds: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    let with_python = rounds
+        .iter()
+        .filter(|r| {
+            r["included"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p == python_peer.as_str())
+        })
+        .count();
+    assert!(
+        with_python >= 2,
+        "the PyTorch trainer is in {with_python} of {} rounds",
+        rounds.len()
+    );
+    let ps_dir = job_dir(&cluster.path("ps-work"));
+    let checked = trainers_held_the_rounds_models(&metrics, &ps_dir);
+    for worker in ["rust", "python"] {
+        assert!(
+            checked.get(&job_of(worker)).is_some_and(|n| *n >= 2),
+            "the {worker} trainer's reports of the global model it held, checked: {checked:?}"
+        );
+    }
+    let slices = std::fs::read_dir(cluster.path("data/prose"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "safetensors")
+        })
+        .count();
+    assert_audit_passes(&cluster.path("text-job.ledger"), 1, slices as u64);
+
+    let spec = text_model();
+    let score = |model: &Model| {
+        hypha_executor::local::evaluate_dataset(model, &held_out, &Default::default(), None)
+            .unwrap()
+            .loss
+    };
+    let before = score(&Model::new(&spec, 1).unwrap());
+    let trained = Model::new(&spec, 1).unwrap();
+    trained
+        .load(&hypha_diloco::Tensors::load(&ps_dir.join("final.safetensors")).unwrap())
+        .unwrap();
+    let after = score(&trained);
+    assert!(after < 0.7 * before, "held-out loss {before} → {after}");
+    let said = std::fs::read_to_string(job_dir(&cluster.path("python-work")).join("stderr.log"))
+        .unwrap_or_default();
+    assert!(said.contains("tokens/s"), "{said}");
+
+    for trainer in [&mut rust, &mut python] {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
     }
 }
 

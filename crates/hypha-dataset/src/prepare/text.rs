@@ -1,16 +1,24 @@
-//! Text: JSONL documents tokenised into fixed-length sequences.
+//! Text: documents tokenised into fixed-length sequences.
+//!
+//! The input is a JSONL file (one document per line, in a string field), a plain text file (one
+//! document), or a directory of them, walked recursively in path order (hidden files and
+//! directories skipped). Files ending in `.jsonl` or `.json` are JSONL; every other file must be
+//! UTF-8 text and is one document.
 //!
 //! The default tokenizer is byte-level: token ids 0–255 are the UTF-8 bytes, 256 ends a
-//! document ([`EOS`]) and 257 pads ([`PAD`]). With a Hugging Face `tokenizer.json`, its ids are
-//! used instead; documents end with the first of its tokens `<|endoftext|>`, `</s>`, `<eos>`,
-//! `[SEP]` that exists (none if it has none), and padding uses the first of `<pad>`, `[PAD]`,
-//! `<|padding|>` (else the end token, else 0). Documents are concatenated, each followed by its
-//! end token, and cut into sequences of `sequence_length` tokens; the last sequence is padded,
-//! with an `attention_mask` column marking real tokens (1) and padding (0).
+//! document ([`EOS`]) and 257 pads ([`PAD`]), a vocabulary of 258 ([`BYTE_VOCABULARY`]). With a
+//! Hugging Face `tokenizer.json`, its ids are used instead; documents end with the first of its
+//! tokens `<|endoftext|>`, `</s>`, `<eos>`, `[SEP]` that exists (none if it has none), and
+//! padding uses the first of `<pad>`, `[PAD]`, `<|padding|>` (else the end token, else 0).
+//! Documents are concatenated, each followed by its end token, and cut into sequences of
+//! `sequence_length` tokens; the last sequence is padded, with an `attention_mask` column
+//! marking real tokens (1) and padding (0).
+//!
+//! The tokens are held in memory (4 bytes a token: about 4× the text with byte-level tokens).
 
 use std::{
     io::{BufRead, BufReader},
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use safetensors::Dtype;
@@ -21,6 +29,8 @@ use super::{Column, PrepareError, Source};
 pub const EOS: i32 = 256;
 /// Fills the last sequence.
 pub const PAD: i32 = 257;
+/// The byte-level tokenizer's vocabulary: 256 bytes, [`EOS`] and [`PAD`].
+pub const BYTE_VOCABULARY: usize = 258;
 
 /// Token sequences held in memory (4 bytes a token).
 #[derive(Debug)]
@@ -32,8 +42,9 @@ pub struct Text {
 }
 
 impl Text {
-    /// Reads `path` (one JSON object per line) and tokenises the string in `field` of each,
-    /// byte-level or with the Hugging Face tokenizer at `tokenizer`.
+    /// Reads the documents of `path` (see the module's doc; JSONL documents are the string in
+    /// `field` of each line) and tokenises them byte-level or with the Hugging Face tokenizer
+    /// at `tokenizer`.
     pub fn open(
         path: &Path,
         field: &str,
@@ -51,35 +62,18 @@ impl Text {
             None => (Some(EOS), PAD),
             Some(v) => (v.eos, v.pad),
         };
-        let file = std::fs::File::open(path).map_err(|e| PrepareError::io(path, e))?;
         let mut tokens = Vec::new();
-        for (number, line) in BufReader::new(file).lines().enumerate() {
-            let line = line.map_err(|e| PrepareError::io(path, e))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-                PrepareError::input(path, format!("line {}: not JSON ({e})", number + 1))
-            })?;
-            let text = value.get(field).and_then(|v| v.as_str()).ok_or_else(|| {
-                PrepareError::input(
-                    path,
-                    format!(
-                        "line {}: no string field {field:?}; choose the field with --text-field",
-                        number + 1
-                    ),
-                )
-            })?;
+        for_each_document(path, field, &mut |file, place, text| {
             match &tokenizer {
                 None => tokens.extend(text.bytes().map(i32::from)),
-                Some(v) => {
-                    tokens.extend(v.encode(text).map_err(|e| {
-                        PrepareError::input(path, format!("line {}: {e}", number + 1))
-                    })?)
-                }
+                Some(v) => tokens.extend(
+                    v.encode(text)
+                        .map_err(|e| PrepareError::input(file, format!("{place}{e}")))?,
+                ),
             }
             tokens.extend(eos);
-        }
+            Ok(())
+        })?;
         let real = tokens.len();
         let padded = real.div_ceil(sequence_length) * sequence_length;
         tokens.resize(padded, pad);
@@ -124,6 +118,102 @@ impl Source for Text {
             _ => (from..to).map(|i| u8::from(i < self.real)).collect(),
         })
     }
+}
+
+/// Calls `each(file, place, text)` for every document under `path` in order; `place` is
+/// `"line N: "` for a JSONL document and empty for a whole file, for errors to point at.
+fn for_each_document(
+    path: &Path,
+    field: &str,
+    each: &mut dyn FnMut(&Path, &str, &str) -> Result<(), PrepareError>,
+) -> Result<(), PrepareError> {
+    let metadata = std::fs::metadata(path).map_err(|e| PrepareError::io(path, e))?;
+    if !metadata.is_dir() {
+        return read_file(path, field, each);
+    }
+    let mut files = Vec::new();
+    collect_files(path, &mut files)?;
+    if files.is_empty() {
+        return Err(PrepareError::input(
+            path,
+            "the directory holds no files (hidden ones are skipped)",
+        ));
+    }
+    for file in &files {
+        read_file(file, field, each)?;
+    }
+    Ok(())
+}
+
+/// The regular files under `directory`, recursively, sorted by path; hidden entries skipped.
+fn collect_files(directory: &Path, files: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
+    let mut entries = std::fs::read_dir(directory)
+        .map_err(|e| PrepareError::io(directory, e))?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| PrepareError::io(directory, e))?;
+    entries.sort();
+    for entry in entries {
+        let hidden = entry
+            .file_name()
+            .is_some_and(|name| name.to_string_lossy().starts_with('.'));
+        if hidden {
+            continue;
+        }
+        let metadata = std::fs::metadata(&entry).map_err(|e| PrepareError::io(&entry, e))?;
+        if metadata.is_dir() {
+            collect_files(&entry, files)?;
+        } else if metadata.is_file() {
+            files.push(entry);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `path` is read as JSONL (by its extension) rather than as one plain document.
+pub fn is_jsonl(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("json"))
+}
+
+fn read_file(
+    path: &Path,
+    field: &str,
+    each: &mut dyn FnMut(&Path, &str, &str) -> Result<(), PrepareError>,
+) -> Result<(), PrepareError> {
+    if !is_jsonl(path) {
+        let bytes = std::fs::read(path).map_err(|e| PrepareError::io(path, e))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            PrepareError::input(
+                path,
+                format!(
+                    "not UTF-8 text (byte {} is not); text inputs are .jsonl files or UTF-8 text files: \
+                     move other files out of the input",
+                    e.utf8_error().valid_up_to()
+                ),
+            )
+        })?;
+        return each(path, "", &text);
+    }
+    let file = std::fs::File::open(path).map_err(|e| PrepareError::io(path, e))?;
+    for (number, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| PrepareError::io(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let place = format!("line {}: ", number + 1);
+        let value: serde_json::Value = serde_json::from_str(&line)
+            .map_err(|e| PrepareError::input(path, format!("{place}not JSON ({e})")))?;
+        let text = value.get(field).and_then(|v| v.as_str()).ok_or_else(|| {
+            PrepareError::input(
+                path,
+                format!("{place}no string field {field:?}; choose the field with --text-field"),
+            )
+        })?;
+        each(path, &place, text)?;
+    }
+    Ok(())
 }
 
 /// A Hugging Face tokenizer and its special tokens.
