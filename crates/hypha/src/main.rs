@@ -36,6 +36,16 @@ enum Command {
         /// Samples all trainers together train per round.
         #[arg(long, default_value_t = 1536)]
         samples_per_round: u64,
+        /// Samples per inner step of each trainer.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+        batch_size: u32,
+        /// The longest a round is planned to take: raise it for models whose every step takes
+        /// seconds (a round ends at its deadline without the updates still on their way).
+        #[arg(long, default_value_t = 10.0, value_name = "SECONDS", value_parser = positive)]
+        round_seconds: f64,
+        /// The trainers' inner AdamW learning rate (3e-4 suits a transformer of GPT-2's size).
+        #[arg(long, default_value_t = 0.003, value_parser = positive)]
+        learning_rate: f64,
         /// Train on this dataset instead of a generated one: a directory of slices written by
         /// the seed recipe, by `hypha-data prepare`, or plain SafeTensors. Its last slices
         /// (a tenth, at least one) are held out and scored before and after.
@@ -83,6 +93,14 @@ enum Command {
     },
 }
 
+/// A number above 0, for clap.
+fn positive(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value.is_finite() && value > 0.0 => Ok(value),
+        _ => Err(format!("{text:?} is not a number above 0")),
+    }
+}
+
 /// Errors are the user's to read: one line with its causes, never a backtrace (those stay for
 /// panics), whatever `RUST_BACKTRACE` says.
 fn main() -> std::process::ExitCode {
@@ -104,6 +122,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             slices,
             samples_per_slice,
             samples_per_round,
+            batch_size,
+            round_seconds,
+            learning_rate,
             dataset,
             model,
             input,
@@ -132,6 +153,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 slices,
                 samples_per_slice,
                 samples_per_round,
+                batch_size: batch_size as usize,
+                round_seconds,
+                learning_rate,
                 bin_dir: exe.parent().map(PathBuf::from).unwrap_or_default(),
                 dataset,
                 http,

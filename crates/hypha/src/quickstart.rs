@@ -40,6 +40,12 @@ pub struct Settings {
     pub slices: usize,
     pub samples_per_slice: usize,
     pub samples_per_round: u64,
+    /// `[diloco] batch_size`: samples per inner step of each trainer.
+    pub batch_size: usize,
+    /// `[diloco] round_seconds`: the longest a round is planned to take.
+    pub round_seconds: f64,
+    /// `[diloco] inner.learning_rate`: the trainers' AdamW step size.
+    pub learning_rate: f64,
     /// Where the Hypha binaries are (by default, beside this one).
     pub bin_dir: PathBuf,
     /// The user's own dataset instead of the synthetic one.
@@ -635,14 +641,17 @@ fn job_file(settings: &Settings, training: &Training) -> String {
          [resources]\ncpu = 1\n\
          [config]\n{config}\
          [data]\ndataset = {dataset:?}\nepochs = {epochs}\nseed = 7\n\
-         [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = 32\nround_seconds = 10\n\
+         [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = {batch_size}\nround_seconds = {round_seconds:?}\n\
          compression = {compression:?}\noverlap = {overlap}\n\
-         inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+         inner = {{ learning_rate = {learning_rate:?}, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
          [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
         trainers = settings.all_trainers(),
         dataset = training.dataset,
         rounds = settings.rounds,
         samples = settings.samples_per_round,
+        batch_size = settings.batch_size,
+        round_seconds = settings.round_seconds,
+        learning_rate = settings.learning_rate,
         compression = settings.compression,
         overlap = settings.overlap,
     )

@@ -556,8 +556,26 @@ fn what_prepare_makes_of_images_and_text_trains() {
         "--slice-size".as_ref(),
         "128".as_ref(),
     ]);
-    let (ok, stdout, stderr) = quickstart(tmp.path(), &["--dir", "text", "--rounds", "6"], &text);
+    let (ok, stdout, stderr) = quickstart(
+        tmp.path(),
+        &[
+            "--dir",
+            "text",
+            "--rounds",
+            "6",
+            "--round-seconds",
+            "30",
+            "--learning-rate",
+            "0.004",
+        ],
+        &text,
+    );
     assert!(ok, "quickstart failed:\n{stdout}\n{stderr}");
+    let job = std::fs::read_to_string(tmp.path().join("text/job.toml")).unwrap();
+    assert!(
+        job.contains("round_seconds = 30.0") && job.contains("learning_rate = 0.004"),
+        "{job}"
+    );
     assert!(
         stdout.contains(r#""type":"transformer""#) && stdout.contains(r#""context":23"#),
         "{stdout}"
