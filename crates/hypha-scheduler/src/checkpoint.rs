@@ -160,7 +160,7 @@ impl Checkpoints {
             .tempfile_in(&dir)
             .map_err(|e| io(&e))?;
         let file = temp.reopen().map_err(|e| io(&e))?;
-        receive_bytes(stream, file, header.size).await?;
+        receive_bytes(stream, file, header.size, 0, peer).await?;
         let round = checkpoint_round(temp.path()).map_err(|e| {
             Refusal::new(
                 RefusalCode::BadRequest,

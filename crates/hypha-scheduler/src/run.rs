@@ -2145,6 +2145,7 @@ async fn send_checkpoint(
         name: checkpoint::TRANSFER_NAME.to_string(),
         size,
         published: None,
+        sha256: None,
     };
     hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
 }

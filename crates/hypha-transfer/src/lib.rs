@@ -3,10 +3,20 @@
 //!
 //! ```text
 //! sender → receiver   header:  frame {"task": "…", "name": "gradients.safetensors", "size": 123}
-//! receiver → sender   answer:  frame "ready", or {"refused": {"code": "no_job", "message": "…"}}
-//! sender → receiver   exactly `size` bytes, then frame {"sha256": "<hex>"}
+//! receiver → sender   answer:  frame "ready", {"resume": {"offset": N}},
+//!                              or {"refused": {"code": "no_job", "message": "…"}}
+//! sender → receiver   the bytes from 0 (ready) or from N (resume) to `size`, then frame
+//!                     {"sha256": "<hex>"} (of the whole file)
 //! receiver → sender   answer:  frame {"received": {"jobs": 1}}, or {"refused": {…}}
 //! ```
+//!
+//! **Resuming.** A sender names the whole file's SHA-256 in its header (`"sha256"`; [`send`]
+//! does for files of [`RESUMABLE_FROM_BYTES`] or more). A receiver may then keep the bytes of
+//! a transfer of that file that broke off and, when the sender tries again, answer `resume`
+//! with how many it holds: the sender sends only the rest. What was kept is checked with the
+//! rest against the SHA-256 at the end, so a resumed file is the sender's byte for byte or is
+//! refused `mismatch` (the receiver drops what it kept, and the sender's next try starts from
+//! 0). Transfers of [`PROGRESS_FROM_BYTES`] or more log their progress at both ends.
 //!
 //! A header may name a file its sender **published** (`"published": {"peer", "name", "size",
 //! "e_tag"}`, see `hypha_artifacts::published`) instead of carrying it: no bytes follow, and the
@@ -37,7 +47,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _, AsyncWriteExt as _};
 
 /// The protocol's name.
-pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.0.0");
+pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/hypha/resource/1.1.0");
 /// How long a sender has to send its header.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the bytes of a transfer may make no progress.
@@ -50,6 +60,14 @@ pub const MAX_TRANSFER_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 /// How long a sender keeps retrying a peer that refuses with `no_job`, `busy` or `inbox_full`,
 /// or cannot be reached, unless told otherwise.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Files at least this large are sent resumably ([`send`] hashes them first, one read of the
+/// file, and names the SHA-256 in the header). Below it a broken transfer costs little to
+/// start again.
+pub const RESUMABLE_FROM_BYTES: u64 = 16 * 1024 * 1024;
+/// Transfers at least this large log their progress, every [`PROGRESS_EVERY`].
+pub const PROGRESS_FROM_BYTES: u64 = 256 * 1024 * 1024;
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
 const CHUNK: usize = 256 * 1024;
 
@@ -65,6 +83,18 @@ pub struct Header {
     /// The file is fetched from where it is published rather than sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub published: Option<Published>,
+    /// SHA-256 of the whole file, hex: the transfer may be resumed (see the module's doc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
+impl Header {
+    /// The SHA-256 the header names, when it is 64 hex digits (a receiver resumes nothing else).
+    pub fn resumable_sha256(&self) -> Option<&str> {
+        self.sha256
+            .as_deref()
+            .filter(|hash| hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+    }
 }
 
 /// Sent after the bytes.
@@ -80,7 +110,13 @@ pub struct Trailer {
 #[serde(rename_all = "snake_case")]
 pub enum Answer {
     Ready,
-    Received { jobs: usize },
+    /// Send the bytes from `offset` on: the receiver holds those before it.
+    Resume {
+        offset: u64,
+    },
+    Received {
+        jobs: usize,
+    },
     Refused(Refusal),
 }
 
@@ -106,8 +142,10 @@ pub enum RefusalCode {
     NotInTask,
     /// The receiver takes no more transfers at once.
     Busy,
-    /// The bytes did not match the size or checksum announced.
+    /// The bytes did not come whole: they ended early, stalled or broke off.
     Corrupt,
+    /// The bytes, all there, did not hash to the checksum announced.
+    Mismatch,
     /// The receiver could not store the file.
     Io,
     /// The file is larger than the receiver takes ([`MAX_TRANSFER_BYTES`]) or has room for.
@@ -147,20 +185,35 @@ pub async fn read_header(stream: &mut hypha_network::Stream) -> Result<Header, R
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))
 }
 
-/// Reads exactly `size` bytes and the trailer into `file`; returns `sha256:<hex>` when the
-/// trailer's checksum matches. The bytes may stall for at most [`STALL_TIMEOUT`], and must
-/// come at [`MIN_BYTES_PER_SECOND`] on average over each such period.
+/// Reads the bytes from `from` to `size` and the trailer into `file`, which holds the bytes
+/// before `from` already (a resumed transfer: they are read back for the checksum); returns
+/// `sha256:<hex>` when the trailer's checksum matches the whole file. The bytes may stall for
+/// at most [`STALL_TIMEOUT`], and must come at [`MIN_BYTES_PER_SECOND`] on average over each
+/// such period. `peer` names the sender in progress logs.
 pub async fn receive_bytes(
     stream: &mut hypha_network::Stream,
     file: std::fs::File,
     size: u64,
+    from: u64,
+    peer: PeerId,
 ) -> Result<String, Refusal> {
     let corrupt = |m: String| Refusal::new(RefusalCode::Corrupt, m);
+    let io = |e: std::io::Error| Refusal::new(RefusalCode::Io, e.to_string());
+    if from > size {
+        return Err(Refusal::new(
+            RefusalCode::BadRequest,
+            format!("resuming at {from} of {size} bytes"),
+        ));
+    }
+    let (file, mut hasher) = tokio::task::spawn_blocking(move || keep_prefix(file, from))
+        .await
+        .map_err(|e| io(std::io::Error::other(e)))?
+        .map_err(io)?;
     let mut file = tokio::fs::File::from_std(file);
-    let mut hasher = Sha256::new();
-    let mut left = size;
+    let mut left = size - from;
     let mut buffer = vec![0u8; CHUNK];
     let mut rate = hypha_network::rate::RateFloor::new(STALL_TIMEOUT, MIN_BYTES_PER_SECOND);
+    let mut progress = Progress::new("receiving", peer, size, from);
     while left > 0 {
         let want = buffer
             .len()
@@ -176,10 +229,9 @@ pub async fn receive_bytes(
             )));
         }
         hasher.update(&buffer[..read]);
-        file.write_all(&buffer[..read])
-            .await
-            .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+        file.write_all(&buffer[..read]).await.map_err(io)?;
         left -= read as u64;
+        progress.add(read as u64);
         if !rate.add(read as u64, tokio::time::Instant::now()) {
             return Err(Refusal::new(
                 RefusalCode::TooSlow,
@@ -196,15 +248,100 @@ pub async fn receive_bytes(
         .map_err(|e| corrupt(format!("no checksum after the bytes: {e}")))?;
     let actual = hex::encode(hasher.finalize());
     if !trailer.sha256.eq_ignore_ascii_case(&actual) {
-        return Err(corrupt(format!(
-            "the bytes hash to {actual}, the sender announced {}",
-            trailer.sha256
-        )));
+        return Err(Refusal::new(
+            RefusalCode::Mismatch,
+            format!(
+                "the bytes hash to {actual}, the sender announced {}",
+                trailer.sha256
+            ),
+        ));
     }
-    file.sync_all()
-        .await
-        .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+    file.sync_all().await.map_err(io)?;
     Ok(format!("sha256:{actual}"))
+}
+
+/// The SHA-256 state after the first `length` bytes of `file`, read with `pread` (its
+/// position is left alone).
+fn hash_prefix(file: &std::fs::File, length: u64) -> std::io::Result<Sha256> {
+    use std::os::unix::fs::FileExt;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < length {
+        let want = buffer
+            .len()
+            .min(usize::try_from(length - at).unwrap_or(usize::MAX));
+        let read = file.read_at(&mut buffer[..want], at)?;
+        if read == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("the file ends at byte {at}, before {length}"),
+            ));
+        }
+        hasher.update(&buffer[..read]);
+        at += read as u64;
+    }
+    Ok(hasher)
+}
+
+/// `file`'s kept first `length` bytes hashed, the rest cut off, and the file positioned after
+/// them: ready for the rest of a resumed transfer.
+fn keep_prefix(file: std::fs::File, length: u64) -> std::io::Result<(std::fs::File, Sha256)> {
+    use std::io::Seek;
+    let hasher = hash_prefix(&file, length)?;
+    file.set_len(length)?;
+    let mut file = file;
+    file.seek(std::io::SeekFrom::Start(length))?;
+    Ok((file, hasher))
+}
+
+/// Logs a large transfer's progress every [`PROGRESS_EVERY`] at info.
+struct Progress {
+    /// "sending" or "receiving".
+    doing: &'static str,
+    peer: PeerId,
+    size: u64,
+    at: u64,
+    resumed_at: u64,
+    started: tokio::time::Instant,
+    next_log: tokio::time::Instant,
+}
+
+impl Progress {
+    fn new(doing: &'static str, peer: PeerId, size: u64, from: u64) -> Self {
+        let now = tokio::time::Instant::now();
+        if from > 0 {
+            tracing::info!(%peer, size, "{doing} a file again from byte {from}, where its last transfer broke off");
+        }
+        Progress {
+            doing,
+            peer,
+            size,
+            at: from,
+            resumed_at: from,
+            started: now,
+            next_log: now + PROGRESS_EVERY,
+        }
+    }
+
+    fn add(&mut self, bytes: u64) {
+        self.at += bytes;
+        let now = tokio::time::Instant::now();
+        if self.size < PROGRESS_FROM_BYTES || now < self.next_log {
+            return;
+        }
+        self.next_log = now + PROGRESS_EVERY;
+        let seconds = now.duration_since(self.started).as_secs_f64().max(1e-3);
+        let rate = (self.at - self.resumed_at) as f64 / seconds / 1e6;
+        tracing::info!(
+            peer = %self.peer,
+            "{} a file: {} of {} MB ({:.0} %, {rate:.1} MB/s)",
+            self.doing,
+            self.at / 1_000_000,
+            self.size / 1_000_000,
+            100.0 * self.at as f64 / self.size as f64,
+        );
+    }
 }
 
 /// A transfer that did not complete.
@@ -218,6 +355,8 @@ pub enum SendError {
     File(std::io::Error),
     #[error("the peer refused it: {0}")]
     Refused(Refusal),
+    #[error("the peer refused a resumed transfer: {0}")]
+    ResumedMismatch(Refusal),
     #[error("the peer answered out of turn")]
     Protocol,
     #[error("the peer went silent for {0:?}")]
@@ -230,7 +369,10 @@ impl SendError {
     fn is_transient(&self) -> bool {
         match self {
             SendError::Refused(refusal) => refusal.code.is_transient(),
-            SendError::Network(_) | SendError::Frame(_) | SendError::Stalled(_) => true,
+            SendError::Network(_)
+            | SendError::Frame(_)
+            | SendError::Stalled(_)
+            | SendError::ResumedMismatch(_) => true,
             SendError::File(_) | SendError::Protocol => false,
         }
     }
@@ -240,6 +382,9 @@ impl SendError {
 /// `patience` (no new try starts after it; [`SEND_PATIENCE`] unless the caller has its own
 /// way to find out whether the peer is still there) while the peer refuses for now, cannot be
 /// reached or the exchange breaks off; returns `sha256:<hex>` of what was sent.
+///
+/// A file of [`RESUMABLE_FROM_BYTES`] or more is hashed first and its SHA-256 named in the
+/// header, so that a try after one that broke off sends only what the receiver lacks.
 ///
 /// A receiver delivers a file only once its checksum matched, so a retried transfer is
 /// delivered once, unless the receiver's last answer was lost after it delivered: then the
@@ -252,15 +397,23 @@ pub async fn send(
     file: std::fs::File,
     patience: Duration,
 ) -> Result<String, SendError> {
+    let mut header = header.clone();
+    if header.size >= RESUMABLE_FROM_BYTES && header.sha256.is_none() {
+        let length = header.size;
+        let hashed = file.try_clone().map_err(SendError::File)?;
+        let hasher = tokio::task::spawn_blocking(move || hash_prefix(&hashed, length))
+            .await
+            .map_err(|e| SendError::File(std::io::Error::other(e)))?
+            .map_err(SendError::File)?;
+        header.sha256 = Some(hex::encode(hasher.finalize()));
+    }
+    let header = &header;
     retrying(peer, patience, || {
-        // Each try reads from the start, through its own handle on the file.
+        // Each try reads through its own handle on the file, from where the receiver says.
         let file = file.try_clone();
         async move {
-            let mut file = tokio::fs::File::from_std(file.map_err(SendError::File)?);
-            file.seek(std::io::SeekFrom::Start(0))
-                .await
-                .map_err(SendError::File)?;
-            attempt(network, peer, header, &mut file).await
+            let file = tokio::fs::File::from_std(file.map_err(SendError::File)?);
+            attempt(network, peer, header, file).await
         }
     })
     .await
@@ -284,7 +437,7 @@ pub async fn send_published(
         match within(HEADER_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
             Answer::Received { .. } => Ok(String::new()),
             Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
-            Answer::Ready => Err(SendError::Protocol),
+            Answer::Ready | Answer::Resume { .. } => Err(SendError::Protocol),
         }
     })
     .await
@@ -333,18 +486,25 @@ async fn attempt(
     network: &Network,
     peer: PeerId,
     header: &Header,
-    file: &mut tokio::fs::File,
+    mut file: tokio::fs::File,
 ) -> Result<String, SendError> {
     let mut stream = network.open_stream(peer, PROTOCOL).await?;
     within(HEADER_TIMEOUT, write_frame(&mut stream, header)).await?;
-    match within(HEADER_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
-        Answer::Ready => {}
+    let from = match within(HEADER_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
+        Answer::Ready => 0,
+        // Only a file whose hash the header named can be resumed: the trailer must cover
+        // bytes this try does not read.
+        Answer::Resume { offset } if offset <= header.size && header.sha256.is_some() => offset,
         Answer::Refused(refusal) => return Err(SendError::Refused(refusal)),
-        Answer::Received { .. } => return Err(SendError::Protocol),
-    }
-    let mut hasher = Sha256::new();
-    let mut left = header.size;
+        Answer::Resume { .. } | Answer::Received { .. } => return Err(SendError::Protocol),
+    };
+    file.seek(std::io::SeekFrom::Start(from))
+        .await
+        .map_err(SendError::File)?;
+    let mut hasher = header.sha256.is_none().then(Sha256::new);
+    let mut left = header.size - from;
     let mut buffer = vec![0u8; CHUNK];
+    let mut progress = Progress::new("sending", peer, header.size, from);
     while left > 0 {
         let want = buffer
             .len()
@@ -359,22 +519,34 @@ async fn attempt(
                 "the file shrank while it was sent",
             )));
         }
-        hasher.update(&buffer[..read]);
+        if let Some(hasher) = &mut hasher {
+            hasher.update(&buffer[..read]);
+        }
         let chunk = &buffer[..read];
         within(STALL_TIMEOUT, async {
             stream.write_all(chunk).await.map_err(FrameError::from)
         })
         .await?;
         left -= read as u64;
+        progress.add(read as u64);
     }
-    let sha256 = hex::encode(hasher.finalize());
+    let sha256 = match (hasher, &header.sha256) {
+        (Some(hasher), _) => hex::encode(hasher.finalize()),
+        (None, Some(named)) => named.clone(),
+        (None, None) => return Err(SendError::Protocol),
+    };
     let trailer = Trailer {
         sha256: sha256.clone(),
     };
     within(STALL_TIMEOUT, write_frame(&mut stream, &trailer)).await?;
     match within(STALL_TIMEOUT, read_frame::<Answer>(&mut stream)).await? {
         Answer::Received { .. } => Ok(format!("sha256:{sha256}")),
+        // What the receiver kept did not add up with the rest to the file's hash (its disk
+        // lost it, say): it has dropped it, and the next try starts from 0.
+        Answer::Refused(refusal) if from > 0 && refusal.code == RefusalCode::Mismatch => {
+            Err(SendError::ResumedMismatch(refusal))
+        }
         Answer::Refused(refusal) => Err(SendError::Refused(refusal)),
-        Answer::Ready => Err(SendError::Protocol),
+        Answer::Ready | Answer::Resume { .. } => Err(SendError::Protocol),
     }
 }

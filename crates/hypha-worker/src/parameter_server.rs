@@ -749,6 +749,7 @@ impl ServerJob {
                 name: name.clone(),
                 size,
                 published: published.clone(),
+                sha256: None,
             };
             tokio::spawn(async move {
                 let sent = match (&header.published, std::fs::File::open(&path)) {
@@ -1055,6 +1056,7 @@ async fn upload(
         name: CHECKPOINT_TRANSFER.to_string(),
         size,
         published: None,
+        sha256: None,
     };
     transfer::send(network, scheduler, &header, file, transfer::SEND_PATIENCE)
         .await

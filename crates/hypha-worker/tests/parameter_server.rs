@@ -62,6 +62,7 @@ async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path
         name: name.into(),
         size: bytes.len() as u64,
         published: None,
+        sha256: None,
     };
     let file = std::fs::File::open(&path).unwrap();
     transfer::send(

@@ -166,6 +166,30 @@ impl JobDir {
         Ok((File::from(fd), temp))
     }
 
+    /// Opens the file `name` in `parent` for reading and writing, creating it when it is not
+    /// there (never through a symlink).
+    pub fn open_or_create(parent: &OwnedFd, name: &[u8]) -> std::io::Result<File> {
+        let fd = rustix::fs::openat(
+            parent,
+            OsStr::from_bytes(name),
+            OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        Ok(File::from(fd))
+    }
+
+    /// The names in `parent` that start with `prefix`.
+    pub fn names_with_prefix(parent: &OwnedFd, prefix: &[u8]) -> std::io::Result<Vec<Vec<u8>>> {
+        let mut names = Vec::new();
+        for entry in rustix::fs::Dir::read_from(parent)? {
+            let name = entry?.file_name().to_bytes().to_vec();
+            if name.starts_with(prefix) {
+                names.push(name);
+            }
+        }
+        Ok(names)
+    }
+
     /// Renames a finished temporary file onto `name` in the same directory, atomically; a
     /// symlink already at `name` is replaced, never followed.
     pub fn publish(parent: &OwnedFd, temp: &[u8], name: &OsStr) -> std::io::Result<()> {

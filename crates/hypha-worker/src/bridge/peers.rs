@@ -86,6 +86,7 @@ pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEn
         name,
         size,
         published: None,
+        sha256: None,
     };
     let send_to = |peer: PeerId| {
         let header = &header;

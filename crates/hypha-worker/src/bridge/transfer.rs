@@ -372,6 +372,7 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
         slots: Arc::new(Semaphore::new(MAX_CONCURRENT)),
         shares: PeerShares::new(MAX_PER_PEER),
         promised: Mutex::new(0),
+        resuming: Mutex::default(),
     });
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
@@ -406,6 +407,8 @@ struct Limits {
     shares: PeerShares,
     /// Bytes promised to transfers under way and not yet known to be on the disk.
     promised: Mutex<u64>,
+    /// The kept files ([`Partial`]) transfers under way write to.
+    resuming: Mutex<HashSet<Vec<u8>>>,
 }
 
 fn busy(message: String) -> Refusal {
@@ -459,7 +462,14 @@ async fn receive(
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
         .map_err(|e| io(&e))?;
-    let promise = promise_room(&staging, header.size, limits)?;
+    let partial = match header.resumable_sha256() {
+        Some(sha256) if header.published.is_none() => {
+            Some(Partial::open(&staging, peer, &header, sha256, limits)?)
+        }
+        _ => None,
+    };
+    let from = partial.as_ref().map_or(0, |p| p.kept);
+    let promise = promise_room(&staging, header.size - from, limits)?;
     if let Some(published) = header.published.clone() {
         let jobs = targets.len();
         tokio::spawn(fetch_published(
@@ -473,20 +483,35 @@ async fn receive(
         ));
         return Ok(jobs);
     }
-    write_frame(stream, &Answer::Ready)
+    let answer = match from {
+        0 => Answer::Ready,
+        offset => Answer::Resume { offset },
+    };
+    write_frame(stream, &answer)
         .await
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
 
-    let (file, temp) =
-        JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
-    let received = receive_bytes(stream, file, header.size).await;
+    let (file, temp) = match partial.as_ref() {
+        Some(partial) => (
+            partial.file.try_clone().map_err(|e| io(&e))?,
+            partial.name.clone(),
+        ),
+        None => JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?,
+    };
+    let received = receive_bytes(stream, file, header.size, from, peer).await;
     let checksum = match received {
         Ok(checksum) => checksum,
+        // What arrived of a resumable transfer that broke off is kept for the sender's next
+        // try; bytes that proved wrong are not.
+        Err(refusal) if partial.is_some() && refusal.code != RefusalCode::Mismatch => {
+            return Err(refusal);
+        }
         Err(refusal) => {
             JobDir::discard(&staging, &temp);
             return Err(refusal);
         }
     };
+    drop(partial);
     metrics::resource_bytes("received", header.size);
     let temp = OsString::from(OsStr::from_bytes(&temp));
     // Other jobs of the task on this worker get hard links (same bytes, their own names),
@@ -679,6 +704,91 @@ fn promise_room(
         limits: limits.clone(),
         size,
     })
+}
+
+/// Where the bytes of a resumable transfer go (its header named the file's SHA-256): a file
+/// in the staging directory named after the sender and the file, so that a try after one that
+/// broke off finds what arrived and asks only for the rest (`resume`). A sender keeps at most
+/// one such file per job here besides those its transfers under way write: opening one
+/// removes the sender's others. Each is the job's, removed with it.
+struct Partial {
+    file: std::fs::File,
+    name: Vec<u8>,
+    /// The bytes it holds already.
+    kept: u64,
+    _claim: Claim,
+}
+
+impl Partial {
+    const PREFIX: &'static str = ".hypha-resume-";
+
+    fn open(
+        staging: &std::os::fd::OwnedFd,
+        peer: PeerId,
+        header: &Header,
+        sha256: &str,
+        limits: &Arc<Limits>,
+    ) -> Result<Self, Refusal> {
+        let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
+        let digest = |parts: &[&[u8]]| {
+            let mut hasher = Sha256::new();
+            for part in parts {
+                hasher.update((part.len() as u64).to_le_bytes());
+                hasher.update(part);
+            }
+            hex::encode(hasher.finalize())
+        };
+        let of_peer = format!("{}{}-", Self::PREFIX, &digest(&[&peer.to_bytes()])[..16]);
+        let file = digest(&[
+            header.task.as_bytes(),
+            header.name.as_bytes(),
+            &header.size.to_le_bytes(),
+            sha256.to_ascii_lowercase().as_bytes(),
+        ]);
+        let name = format!("{of_peer}{}", &file[..32]).into_bytes();
+        let mut resuming = limits.resuming.lock().unwrap_or_else(|e| e.into_inner());
+        if !resuming.insert(name.clone()) {
+            return Err(busy(
+                "a transfer of this file from this peer is under way here".into(),
+            ));
+        }
+        // From here the name is claimed; dropping the claim gives it back.
+        let claim = Claim {
+            name: name.clone(),
+            limits: limits.clone(),
+        };
+        for other in JobDir::names_with_prefix(staging, of_peer.as_bytes()).map_err(|e| io(&e))? {
+            if !resuming.contains(&other) {
+                JobDir::discard(staging, &other);
+            }
+        }
+        drop(resuming);
+        let file = JobDir::open_or_create(staging, &name).map_err(|e| io(&e))?;
+        let kept = file.metadata().map_err(|e| io(&e))?.len();
+        Ok(Partial {
+            file,
+            name,
+            // A file longer than announced is not this transfer's: it starts again.
+            kept: if kept <= header.size { kept } else { 0 },
+            _claim: claim,
+        })
+    }
+}
+
+/// A kept file's name, claimed by the transfer under way that writes it.
+struct Claim {
+    name: Vec<u8>,
+    limits: Arc<Limits>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.limits
+            .resuming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.name);
+    }
 }
 
 fn link_into(
