@@ -19,7 +19,9 @@ use std::{
 use futures::{AsyncWriteExt, StreamExt};
 use hypha_messages::diloco::meta;
 use hypha_network::{Network, PeerId, frame::write_frame};
-use hypha_transfer::{Answer, Header, PROTOCOL, Refusal, RefusalCode, read_header, receive_bytes};
+use hypha_transfer::{
+    Answer, Header, PROTOCOL, Received, Refusal, RefusalCode, read_header, receive_bytes,
+};
 use tokio::sync::mpsc;
 
 /// The name a checkpoint travels under.
@@ -160,7 +162,7 @@ impl Checkpoints {
             .tempfile_in(&dir)
             .map_err(|e| io(&e))?;
         let file = temp.reopen().map_err(|e| io(&e))?;
-        receive_bytes(stream, file, header.size, 0, peer).await?;
+        receive_bytes(stream, file, header.size, &mut Received::default(), peer).await?;
         let round = checkpoint_round(temp.path()).map_err(|e| {
             Refusal::new(
                 RefusalCode::BadRequest,

@@ -34,7 +34,10 @@
 //! hands it to the inboxes of the task's jobs, a scheduler keeps its parameter server's
 //! checkpoints.
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
 
 use futures::{AsyncReadExt, AsyncWriteExt};
 use hypha_messages::artifact::Published;
@@ -65,6 +68,8 @@ pub const SEND_PATIENCE: Duration = Duration::from_secs(30);
 /// file, and names the SHA-256 in the header). Below it a broken transfer costs little to
 /// start again.
 pub const RESUMABLE_FROM_BYTES: u64 = 16 * 1024 * 1024;
+/// How many times a send that broke off after some progress gets its patience again.
+const MAX_PATIENCE_RENEWALS: usize = 16;
 /// Transfers at least this large log their progress, every [`PROGRESS_EVERY`].
 pub const PROGRESS_FROM_BYTES: u64 = 256 * 1024 * 1024;
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(10);
@@ -185,39 +190,57 @@ pub async fn read_header(stream: &mut hypha_network::Stream) -> Result<Header, R
         .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))
 }
 
-/// Reads the bytes from `from` to `size` and the trailer into `file`, which holds the bytes
-/// before `from` already (a resumed transfer: they are read back for the checksum); returns
-/// `sha256:<hex>` when the trailer's checksum matches the whole file. The bytes may stall for
-/// at most [`STALL_TIMEOUT`], and must come at [`MIN_BYTES_PER_SECOND`] on average over each
-/// such period. `peer` names the sender in progress logs.
+/// What arrived of a file so far: its first `bytes` bytes and their SHA-256 state. A receiver
+/// that keeps the bytes of a transfer that broke off keeps this beside them, so that resuming
+/// reads nothing back.
+#[derive(Debug, Clone, Default)]
+pub struct Received {
+    bytes: u64,
+    hasher: Sha256,
+}
+
+impl Received {
+    /// How many bytes arrived.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// Reads the bytes of a file of `size` bytes from `received.bytes()` on, and the trailer, into
+/// `file`, which holds those before already; returns `sha256:<hex>` when the trailer's checksum
+/// matches the whole file. `received` follows every byte written, so after a failure it says
+/// what `file` holds (anything past it is cut off when the transfer resumes). The bytes may
+/// stall for at most [`STALL_TIMEOUT`], and must come at [`MIN_BYTES_PER_SECOND`] on average
+/// over each such period. `peer` names the sender in progress logs.
 pub async fn receive_bytes(
     stream: &mut hypha_network::Stream,
     file: std::fs::File,
     size: u64,
-    from: u64,
+    received: &mut Received,
     peer: PeerId,
 ) -> Result<String, Refusal> {
     let corrupt = |m: String| Refusal::new(RefusalCode::Corrupt, m);
     let io = |e: std::io::Error| Refusal::new(RefusalCode::Io, e.to_string());
+    let from = received.bytes;
     if from > size {
         return Err(Refusal::new(
             RefusalCode::BadRequest,
             format!("resuming at {from} of {size} bytes"),
         ));
     }
-    let (file, mut hasher) = tokio::task::spawn_blocking(move || keep_prefix(file, from))
-        .await
-        .map_err(|e| io(std::io::Error::other(e)))?
-        .map_err(io)?;
+    // Bytes written after the last that `received` counts (a write that failed half-way).
+    file.set_len(from).map_err(io)?;
     let mut file = tokio::fs::File::from_std(file);
-    let mut left = size - from;
+    file.seek(std::io::SeekFrom::Start(from))
+        .await
+        .map_err(io)?;
     let mut buffer = vec![0u8; CHUNK];
     let mut rate = hypha_network::rate::RateFloor::new(STALL_TIMEOUT, MIN_BYTES_PER_SECOND);
     let mut progress = Progress::new("receiving", peer, size, from);
-    while left > 0 {
+    while received.bytes < size {
         let want = buffer
             .len()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
+            .min(usize::try_from(size - received.bytes).unwrap_or(usize::MAX));
         let read = tokio::time::timeout(STALL_TIMEOUT, stream.read(&mut buffer[..want]))
             .await
             .map_err(|_| corrupt(format!("the bytes stalled for {STALL_TIMEOUT:?}")))?
@@ -225,12 +248,12 @@ pub async fn receive_bytes(
         if read == 0 {
             return Err(corrupt(format!(
                 "the transfer ended after {} of {size} bytes",
-                size - left
+                received.bytes
             )));
         }
-        hasher.update(&buffer[..read]);
         file.write_all(&buffer[..read]).await.map_err(io)?;
-        left -= read as u64;
+        received.hasher.update(&buffer[..read]);
+        received.bytes += read as u64;
         progress.add(read as u64);
         if !rate.add(read as u64, tokio::time::Instant::now()) {
             return Err(Refusal::new(
@@ -242,11 +265,13 @@ pub async fn receive_bytes(
             ));
         }
     }
+    // Written bytes reach the disk before the checksum is awaited: a tokio file buffers.
+    file.flush().await.map_err(io)?;
     let trailer: Trailer = tokio::time::timeout(STALL_TIMEOUT, read_frame(stream))
         .await
         .map_err(|_| corrupt("no checksum after the bytes".into()))?
         .map_err(|e| corrupt(format!("no checksum after the bytes: {e}")))?;
-    let actual = hex::encode(hasher.finalize());
+    let actual = hex::encode(received.hasher.clone().finalize());
     if !trailer.sha256.eq_ignore_ascii_case(&actual) {
         return Err(Refusal::new(
             RefusalCode::Mismatch,
@@ -260,9 +285,9 @@ pub async fn receive_bytes(
     Ok(format!("sha256:{actual}"))
 }
 
-/// The SHA-256 state after the first `length` bytes of `file`, read with `pread` (its
-/// position is left alone).
-fn hash_prefix(file: &std::fs::File, length: u64) -> std::io::Result<Sha256> {
+/// The SHA-256 of the first `length` bytes of `file`, hex, read with `pread` (its position is
+/// left alone): what a sender names in a resumable transfer's header.
+pub fn sha256_of(file: &std::fs::File, length: u64) -> std::io::Result<String> {
     use std::os::unix::fs::FileExt;
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 20];
@@ -281,18 +306,7 @@ fn hash_prefix(file: &std::fs::File, length: u64) -> std::io::Result<Sha256> {
         hasher.update(&buffer[..read]);
         at += read as u64;
     }
-    Ok(hasher)
-}
-
-/// `file`'s kept first `length` bytes hashed, the rest cut off, and the file positioned after
-/// them: ready for the rest of a resumed transfer.
-fn keep_prefix(file: std::fs::File, length: u64) -> std::io::Result<(std::fs::File, Sha256)> {
-    use std::io::Seek;
-    let hasher = hash_prefix(&file, length)?;
-    file.set_len(length)?;
-    let mut file = file;
-    file.seek(std::io::SeekFrom::Start(length))?;
-    Ok((file, hasher))
+    Ok(hex::encode(hasher.finalize()))
 }
 
 /// Logs a large transfer's progress every [`PROGRESS_EVERY`] at info.
@@ -401,22 +415,36 @@ pub async fn send(
     if header.size >= RESUMABLE_FROM_BYTES && header.sha256.is_none() {
         let length = header.size;
         let hashed = file.try_clone().map_err(SendError::File)?;
-        let hasher = tokio::task::spawn_blocking(move || hash_prefix(&hashed, length))
+        let sha256 = tokio::task::spawn_blocking(move || sha256_of(&hashed, length))
             .await
             .map_err(|e| SendError::File(std::io::Error::other(e)))?
             .map_err(SendError::File)?;
-        header.sha256 = Some(hex::encode(hasher.finalize()));
+        header.sha256 = Some(sha256);
     }
     let header = &header;
-    retrying(peer, patience, || {
-        // Each try reads through its own handle on the file, from where the receiver says.
-        let file = file.try_clone();
-        async move {
-            let file = tokio::fs::File::from_std(file.map_err(SendError::File)?);
-            attempt(network, peer, header, file).await
+    let moved = AtomicU64::new(0);
+    for _ in 0..MAX_PATIENCE_RENEWALS {
+        let before = moved.load(Ordering::Relaxed);
+        let outcome = retrying(peer, patience, || {
+            // Each try reads through its own handle on the file, from where the receiver says.
+            let file = file.try_clone();
+            let moved = &moved;
+            async move {
+                let file = tokio::fs::File::from_std(file.map_err(SendError::File)?);
+                attempt(network, peer, header, file, moved).await
+            }
+        })
+        .await;
+        match outcome {
+            // Tries that moved bytes earn the transfer another `patience`: a large file on a
+            // link that breaks now and then gets through a piece at a time.
+            Err(error) if error.is_transient() && moved.load(Ordering::Relaxed) > before => {
+                tracing::debug!(%peer, %error, "a resource transfer broke off after progress; trying on");
+            }
+            outcome => return outcome,
         }
-    })
-    .await
+    }
+    Err(SendError::Stalled(patience))
 }
 
 /// Tells `peer` to fetch the file `header` names as published (see the module's
@@ -487,6 +515,7 @@ async fn attempt(
     peer: PeerId,
     header: &Header,
     mut file: tokio::fs::File,
+    moved: &AtomicU64,
 ) -> Result<String, SendError> {
     let mut stream = network.open_stream(peer, PROTOCOL).await?;
     within(HEADER_TIMEOUT, write_frame(&mut stream, header)).await?;
@@ -528,6 +557,7 @@ async fn attempt(
         })
         .await?;
         left -= read as u64;
+        moved.fetch_add(read as u64, Ordering::Relaxed);
         progress.add(read as u64);
     }
     let sha256 = match (hasher, &header.sha256) {

@@ -731,6 +731,18 @@ impl ServerJob {
         } else {
             None
         };
+        // Hashed once for every trainer's resumable transfer, not once a trainer.
+        let sha256 = (published.is_none()
+            && size >= hypha_transfer::RESUMABLE_FROM_BYTES
+            && peers.len() > 1)
+            .then(|| {
+                tokio::task::block_in_place(|| {
+                    std::fs::File::open(path)
+                        .and_then(|file| hypha_transfer::sha256_of(&file, size))
+                        .ok()
+                })
+            })
+            .flatten();
         // A published file leaves this server about once, however many fetch it.
         let sent = if published.is_some() {
             size
@@ -749,7 +761,7 @@ impl ServerJob {
                 name: name.clone(),
                 size,
                 published: published.clone(),
-                sha256: None,
+                sha256: sha256.clone(),
             };
             tokio::spawn(async move {
                 let sent = match (&header.published, std::fs::File::open(&path)) {

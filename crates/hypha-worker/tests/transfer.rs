@@ -614,34 +614,42 @@ async fn open_transfer(
     panic!("the receiver stayed busy");
 }
 
-/// Sends the first `count` bytes of a transfer of `header` and breaks the connection off, as
-/// a dropped link does; returns once the receiver has kept them.
+/// Sends `bytes`, the start of a transfer of `header`, and breaks the connection off, as a
+/// dropped link does; returns how many bytes the receiver kept, once it holds them for the
+/// sender's next try.
 async fn break_off_after(
     sender: &Network,
     to: hypha_network::PeerId,
     header: &Header,
     bytes: &[u8],
     job: &Path,
-) {
+) -> u64 {
     let (mut stream, answer) = open_transfer(sender, to, header).await;
     assert_eq!(answer, Answer::Ready);
     stream.write_all(bytes).await.unwrap();
     stream.flush().await.unwrap();
     drop(stream);
+    // Kept once its length stops changing (the receiver has read what came).
+    let mut last = None;
     for _ in 0..100 {
-        if kept_file(job).is_some_and(|(_, length)| length == bytes.len() as u64) {
-            return;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let now = kept_file(job).map(|(_, length)| length);
+        if now.is_some_and(|length| length > 0) && now == last {
+            return now.unwrap();
         }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        last = now;
     }
-    panic!("the receiver kept {:?} bytes", kept_file(job));
+    panic!("the receiver kept {last:?} bytes");
 }
 
 /// A transfer of a large file that broke off goes on from where it stopped: the receiver
 /// kept what arrived, answers `resume` with how much, and takes only the rest; the file
-/// arrives whole, once. A kept part that went bad meanwhile (checked with the rest against
-/// the file's SHA-256) is refused `mismatch` and dropped, and the sender's next try starts
-/// from 0. (Checked by answering `ready` always: the offset assertion fails.)
+/// arrives whole, once, and waits in the inbox while the same sender's next file breaks off
+/// too. A first try whose bytes were not those of the file its header named (its file
+/// changed under it, say) fails the whole file's SHA-256 after the resume: refused
+/// `mismatch`, its kept part dropped, and the sender's next try starts from 0. (Checked by
+/// answering `ready` always: the offset assertion fails; by not retrying a `mismatch` after a
+/// resume: the send fails.)
 #[tokio::test]
 async fn a_large_transfer_that_broke_off_resumes_where_it_stopped() {
     let (sender, receiver) = pair().await;
@@ -662,16 +670,11 @@ async fn a_large_transfer_that_broke_off_resumes_where_it_stopped() {
         sha256: Some(sha256.clone()),
     };
 
-    let broken_at = 6 * 1024 * 1024;
-    break_off_after(&sender, to, &header, &bytes[..broken_at], job.path()).await;
+    let sent_first = 6 * 1024 * 1024;
+    let kept = break_off_after(&sender, to, &header, &bytes[..sent_first], job.path()).await;
     let (mut stream, answer) = open_transfer(&sender, to, &header).await;
-    assert_eq!(
-        answer,
-        Answer::Resume {
-            offset: broken_at as u64
-        }
-    );
-    stream.write_all(&bytes[broken_at..]).await.unwrap();
+    assert_eq!(answer, Answer::Resume { offset: kept });
+    stream.write_all(&bytes[kept as usize..]).await.unwrap();
     write_frame(
         &mut stream,
         &Trailer {
@@ -684,22 +687,8 @@ async fn a_large_transfer_that_broke_off_resumes_where_it_stopped() {
         read_frame::<Answer>(&mut stream).await.unwrap(),
         Answer::Received { jobs: 1 }
     );
-    let arrived = registration.inbox().next(&HashSet::new()).await;
-    assert_eq!(arrived.checksum, format!("sha256:{sha256}"));
-    let path = registration
-        .inbox()
-        .deliver(&arrived, Path::new("in"))
-        .unwrap();
-    assert!(std::fs::read(job.path().join(&path)).unwrap() == bytes);
-    assert_eq!(
-        kept_file(job.path()),
-        None,
-        "the kept file became the delivered one"
-    );
 
-    // Another file: broken off, its kept part damaged on the receiver's disk. The sender
-    // (which hashes the file itself and names the SHA-256) is told `resume`, then
-    // `mismatch`, and sends the whole file again.
+    // The same sender's next file breaks off while the first waits, undelivered.
     let other: Vec<u8> = bytes.iter().rev().copied().collect();
     let other_sha256 = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&other));
     let other_header = Header {
@@ -707,11 +696,19 @@ async fn a_large_transfer_that_broke_off_resumes_where_it_stopped() {
         sha256: Some(other_sha256.clone()),
         ..header.clone()
     };
-    break_off_after(&sender, to, &other_header, &other[..broken_at], job.path()).await;
-    let (kept, _) = kept_file(job.path()).unwrap();
-    let mut damaged = std::fs::read(&kept).unwrap();
-    damaged[1000] ^= 0xff;
-    std::fs::write(&kept, damaged).unwrap();
+    let not_the_file = vec![0x55; sent_first];
+    break_off_after(&sender, to, &other_header, &not_the_file, job.path()).await;
+
+    let arrived = registration.inbox().next(&HashSet::new()).await;
+    assert_eq!(arrived.checksum, format!("sha256:{sha256}"));
+    let path = registration
+        .inbox()
+        .deliver(&arrived, Path::new("in"))
+        .unwrap();
+    assert!(std::fs::read(job.path().join(&path)).unwrap() == bytes);
+
+    // The real sender (it hashes the file itself) is told `resume`, then `mismatch`, and
+    // sends the whole file again.
     let source = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(source.path(), &other).unwrap();
     let checksum = transfer::send(

@@ -153,29 +153,50 @@ impl JobDir {
     /// Creates a fresh temporary file in the directory `parent` (opened by
     /// [`create_dir_all`](Self::create_dir_all)), for [`publish`](Self::publish) to rename.
     pub fn create_temp(parent: &OwnedFd, name: &OsStr) -> std::io::Result<(File, Vec<u8>)> {
-        let mut temp = b".hypha-partial-".to_vec();
-        temp.extend_from_slice(&rand::random::<u64>().to_le_bytes().map(|b| b'a' + b % 26));
-        temp.push(b'-');
-        temp.extend_from_slice(name.as_bytes());
-        let fd = rustix::fs::openat(
-            parent,
-            OsStr::from_bytes(&temp),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )?;
-        Ok((File::from(fd), temp))
+        let temp = temp_name(name);
+        Ok((Self::create_new(parent, &temp)?, temp))
     }
 
-    /// Opens the file `name` in `parent` for reading and writing, creating it when it is not
-    /// there (never through a symlink).
-    pub fn open_or_create(parent: &OwnedFd, name: &[u8]) -> std::io::Result<File> {
+    /// Creates the file `name` in `parent` for reading and writing; fails if anything is there.
+    pub fn create_new(parent: &OwnedFd, name: &[u8]) -> std::io::Result<File> {
         let fd = rustix::fs::openat(
             parent,
             OsStr::from_bytes(name),
-            OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o600),
         )?;
         Ok(File::from(fd))
+    }
+
+    /// Opens the file `name` in `parent` for reading and writing if it is a regular file of
+    /// one link (not a symlink, a FIFO or a hard link to a file elsewhere); `None` otherwise.
+    pub fn open_own_file(parent: &OwnedFd, name: &[u8]) -> Option<File> {
+        let fd = rustix::fs::openat(
+            parent,
+            OsStr::from_bytes(name),
+            OFlags::RDWR | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .ok()?;
+        let stat = rustix::fs::fstat(&fd).ok()?;
+        let regular = rustix::fs::FileType::from_raw_mode(stat.st_mode).is_file();
+        (regular && stat.st_nlink == 1).then(|| File::from(fd))
+    }
+
+    /// Renames `name` in `parent` to a new temporary name for `final_name`, and returns it.
+    pub fn rename_to_temp(
+        parent: &OwnedFd,
+        name: &[u8],
+        final_name: &OsStr,
+    ) -> std::io::Result<Vec<u8>> {
+        let temp = temp_name(final_name);
+        rustix::fs::renameat(
+            parent,
+            OsStr::from_bytes(name),
+            parent,
+            OsStr::from_bytes(&temp),
+        )?;
+        Ok(temp)
     }
 
     /// The names in `parent` that start with `prefix`.
@@ -206,6 +227,15 @@ impl JobDir {
             rustix::fs::AtFlags::empty(),
         );
     }
+}
+
+/// A new name for a temporary file that will become `name`.
+fn temp_name(name: &OsStr) -> Vec<u8> {
+    let mut temp = b".hypha-partial-".to_vec();
+    temp.extend_from_slice(&rand::random::<u64>().to_le_bytes().map(|b| b'a' + b % 26));
+    temp.push(b'-');
+    temp.extend_from_slice(name.as_bytes());
+    temp
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ use futures::{AsyncWriteExt, StreamExt};
 use hypha_artifacts::Admission;
 use hypha_messages::job::TaskPeers;
 use hypha_network::{Network, PeerId, frame::write_frame, shares::PeerShares};
-use hypha_transfer::{Answer, Refusal, RefusalCode, read_header, receive_bytes};
+use hypha_transfer::{Answer, Received, Refusal, RefusalCode, read_header, receive_bytes};
 use tokio::sync::{Notify, Semaphore};
 
 use super::paths::{JobDir, PathError};
@@ -372,7 +372,7 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
         slots: Arc::new(Semaphore::new(MAX_CONCURRENT)),
         shares: PeerShares::new(MAX_PER_PEER),
         promised: Mutex::new(0),
-        resuming: Mutex::default(),
+        kept: Mutex::default(),
     });
     while let Some((peer, mut stream)) = incoming.next().await {
         let inboxes = inboxes.clone();
@@ -407,8 +407,8 @@ struct Limits {
     shares: PeerShares,
     /// Bytes promised to transfers under way and not yet known to be on the disk.
     promised: Mutex<u64>,
-    /// The kept files ([`Partial`]) transfers under way write to.
-    resuming: Mutex<HashSet<Vec<u8>>>,
+    /// The kept files of resumable transfers ([`Partial`]).
+    kept: Mutex<Kept>,
 }
 
 fn busy(message: String) -> Refusal {
@@ -462,14 +462,33 @@ async fn receive(
         .dir
         .create_dir_all(Path::new(STAGING_DIR))
         .map_err(|e| io(&e))?;
-    let partial = match header.resumable_sha256() {
+    if header.size > hypha_transfer::MAX_TRANSFER_BYTES {
+        return Err(Refusal::new(
+            RefusalCode::TooLarge,
+            format!(
+                "{} bytes is more than the {} a worker takes",
+                header.size,
+                hypha_transfer::MAX_TRANSFER_BYTES
+            ),
+        ));
+    }
+    let mut partial = match header.resumable_sha256() {
         Some(sha256) if header.published.is_none() => {
             Some(Partial::open(&staging, peer, &header, sha256, limits)?)
         }
         _ => None,
     };
-    let from = partial.as_ref().map_or(0, |p| p.kept);
-    let promise = promise_room(&staging, header.size - from, limits)?;
+    // Bytes kept already are on the disk.
+    let from = partial.as_ref().map_or(0, |p| p.received.bytes());
+    let promise = match promise_room(&staging, header.size - from, limits) {
+        Ok(promise) => promise,
+        Err(refusal) => {
+            if let Some(partial) = partial {
+                partial.keep();
+            }
+            return Err(refusal);
+        }
+    };
     if let Some(published) = header.published.clone() {
         let jobs = targets.len();
         tokio::spawn(fetch_published(
@@ -487,31 +506,55 @@ async fn receive(
         0 => Answer::Ready,
         offset => Answer::Resume { offset },
     };
-    write_frame(stream, &answer)
-        .await
-        .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
+    if let Err(e) = write_frame(stream, &answer).await {
+        // The sender is gone before a byte came: what was kept stays as it was.
+        if let Some(partial) = partial {
+            partial.keep();
+        }
+        return Err(Refusal::new(RefusalCode::BadRequest, e.to_string()));
+    }
 
-    let (file, temp) = match partial.as_ref() {
-        Some(partial) => (
-            partial.file.try_clone().map_err(|e| io(&e))?,
-            partial.name.clone(),
-        ),
-        None => JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?,
+    let temp = match partial.as_mut() {
+        Some(partial) => {
+            let file = partial.file.try_clone().map_err(|e| io(&e))?;
+            let received =
+                receive_bytes(stream, file, header.size, &mut partial.received, peer).await;
+            received.and_then(|checksum| {
+                // Renamed before the claim on its name ends: the sender's next transfer removes
+                // the sender's unclaimed kept files, and this one now waits in an inbox.
+                let temp =
+                    JobDir::rename_to_temp(&staging, &partial.name, OsStr::new(&header.name))
+                        .map_err(|e| io(&e))?;
+                Ok((checksum, temp))
+            })
+        }
+        None => {
+            let (file, temp) =
+                JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
+            let mut received = Received::default();
+            match receive_bytes(stream, file, header.size, &mut received, peer).await {
+                Ok(checksum) => Ok((checksum, temp)),
+                Err(refusal) => {
+                    JobDir::discard(&staging, &temp);
+                    Err(refusal)
+                }
+            }
+        }
     };
-    let received = receive_bytes(stream, file, header.size, from, peer).await;
-    let checksum = match received {
-        Ok(checksum) => checksum,
-        // What arrived of a resumable transfer that broke off is kept for the sender's next
-        // try; bytes that proved wrong are not.
-        Err(refusal) if partial.is_some() && refusal.code != RefusalCode::Mismatch => {
+    let (checksum, temp) = match (temp, partial) {
+        (Ok(done), _) => done,
+        // Bytes that proved wrong are not kept; what arrived of a transfer that broke off
+        // is, for the sender's next try.
+        (Err(refusal), Some(partial)) if refusal.code == RefusalCode::Mismatch => {
+            JobDir::discard(&staging, &partial.name);
             return Err(refusal);
         }
-        Err(refusal) => {
-            JobDir::discard(&staging, &temp);
+        (Err(refusal), Some(partial)) => {
+            partial.keep();
             return Err(refusal);
         }
+        (Err(refusal), None) => return Err(refusal),
     };
-    drop(partial);
     metrics::resource_bytes("received", header.size);
     let temp = OsString::from(OsStr::from_bytes(&temp));
     // Other jobs of the task on this worker get hard links (same bytes, their own names),
@@ -708,16 +751,29 @@ fn promise_room(
 
 /// Where the bytes of a resumable transfer go (its header named the file's SHA-256): a file
 /// in the staging directory named after the sender and the file, so that a try after one that
-/// broke off finds what arrived and asks only for the rest (`resume`). A sender keeps at most
-/// one such file per job here besides those its transfers under way write: opening one
-/// removes the sender's others. Each is the job's, removed with it.
+/// broke off finds what arrived and asks only for the rest (`resume`). What arrived is known
+/// from memory ([`Kept`]), never read back, so resuming costs nothing and a worker restarted
+/// meanwhile starts such files again from 0. A sender keeps at most one such file per job here
+/// besides those its transfers under way write: opening one removes the sender's others. Each
+/// is the job's, removed with it.
 struct Partial {
     file: std::fs::File,
     name: Vec<u8>,
-    /// The bytes it holds already.
-    kept: u64,
+    received: Received,
     _claim: Claim,
 }
+
+/// What the worker knows of the kept files of resumable transfers.
+#[derive(Default)]
+struct Kept {
+    /// Those a transfer under way writes.
+    under_way: HashSet<Vec<u8>>,
+    /// What arrived of those whose transfer broke off, by name; at most [`MAX_KEPT`].
+    broken: HashMap<Vec<u8>, Received>,
+}
+
+/// The most transfers that broke off whose progress a worker remembers.
+const MAX_KEPT: usize = 1024;
 
 impl Partial {
     const PREFIX: &'static str = ".hypha-resume-";
@@ -746,8 +802,8 @@ impl Partial {
             sha256.to_ascii_lowercase().as_bytes(),
         ]);
         let name = format!("{of_peer}{}", &file[..32]).into_bytes();
-        let mut resuming = limits.resuming.lock().unwrap_or_else(|e| e.into_inner());
-        if !resuming.insert(name.clone()) {
+        let mut kept = limits.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if !kept.under_way.insert(name.clone()) {
             return Err(busy(
                 "a transfer of this file from this peer is under way here".into(),
             ));
@@ -758,20 +814,48 @@ impl Partial {
             limits: limits.clone(),
         };
         for other in JobDir::names_with_prefix(staging, of_peer.as_bytes()).map_err(|e| io(&e))? {
-            if !resuming.contains(&other) {
+            if other != name && !kept.under_way.contains(&other) {
                 JobDir::discard(staging, &other);
+                kept.broken.remove(&other);
             }
         }
-        drop(resuming);
-        let file = JobDir::open_or_create(staging, &name).map_err(|e| io(&e))?;
-        let kept = file.metadata().map_err(|e| io(&e))?.len();
+        let arrived = kept.broken.remove(&name);
+        drop(kept);
+        // Only a file this worker wrote and still knows: anything else at the name (a job's
+        // process can write in its directory) is replaced.
+        let resumed = arrived
+            .filter(|arrived| arrived.bytes() <= header.size)
+            .and_then(|arrived| Some((JobDir::open_own_file(staging, &name)?, arrived)));
+        let (file, received) = match resumed {
+            Some(resumed) => resumed,
+            None => {
+                JobDir::discard(staging, &name);
+                let file = JobDir::create_new(staging, &name).map_err(|e| io(&e))?;
+                (file, Received::default())
+            }
+        };
         Ok(Partial {
             file,
             name,
-            // A file longer than announced is not this transfer's: it starts again.
-            kept: if kept <= header.size { kept } else { 0 },
+            received,
             _claim: claim,
         })
+    }
+
+    /// Remembers what arrived, for the sender's next try.
+    fn keep(self) {
+        let mut kept = self
+            ._claim
+            .limits
+            .kept
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if kept.broken.len() >= MAX_KEPT
+            && let Some(any) = kept.broken.keys().next().cloned()
+        {
+            kept.broken.remove(&any);
+        }
+        kept.broken.insert(self.name.clone(), self.received);
     }
 }
 
@@ -784,9 +868,10 @@ struct Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         self.limits
-            .resuming
+            .kept
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .under_way
             .remove(&self.name);
     }
 }
