@@ -7,6 +7,8 @@
 //! checkpoint only for its own run's task, only from the worker that runs the run's parameter
 //! server now, and only when it is newer than the one it holds; it writes it through a temp
 //! file, fsync and rename, so a scheduler killed mid-transfer keeps the previous one whole.
+//! What arrived of a checkpoint whose transfer broke off is kept (one at a time) until the
+//! server's next try of it, which sends only the rest.
 //! Then it tells the run, which marks a round's slices used only once the round is in a
 //! checkpoint here ([`training`](crate::training)), and restores a replacement parameter
 //! server from it.
@@ -48,6 +50,19 @@ struct State {
     /// The newest round a checkpoint may have: the round the run trains now. A later one
     /// holds a round whose slices the run has not recorded.
     limit: u64,
+    /// What arrived of the last checkpoint whose transfer broke off: the server's next try of
+    /// it sends only the rest.
+    broken: Option<Broken>,
+}
+
+/// A checkpoint transfer that broke off, kept for the sender's next try.
+#[derive(Debug)]
+struct Broken {
+    from: PeerId,
+    size: u64,
+    sha256: String,
+    temp: tempfile::NamedTempFile,
+    received: Received,
 }
 
 impl Checkpoints {
@@ -72,6 +87,7 @@ impl Checkpoints {
                 from: None,
                 round,
                 limit: round.unwrap_or(0),
+                broken: None,
             })),
         }
     }
@@ -148,21 +164,52 @@ impl Checkpoints {
                 "this scheduler takes only {TRANSFER_NAME} of task {task}"
             ));
         }
-        write_frame(stream, &Answer::Ready)
-            .await
-            .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
         let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
         let dir = match self.path.parent() {
             Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let temp = tempfile::Builder::new()
-            .prefix(".checkpoint-")
-            .suffix(".partial")
-            .tempfile_in(&dir)
-            .map_err(|e| io(&e))?;
+        let sha256 = header.resumable_sha256().map(str::to_ascii_lowercase);
+        // A transfer of the same checkpoint from the same server goes on where it broke off;
+        // any other replaces what was kept.
+        let broken = self.lock().broken.take().filter(|broken| {
+            broken.from == peer
+                && broken.size == header.size
+                && Some(&broken.sha256) == sha256.as_ref()
+        });
+        let (temp, mut received) = match broken {
+            Some(broken) => (broken.temp, broken.received),
+            None => {
+                let temp = tempfile::Builder::new()
+                    .prefix(".checkpoint-")
+                    .suffix(".partial")
+                    .tempfile_in(&dir)
+                    .map_err(|e| io(&e))?;
+                (temp, Received::default())
+            }
+        };
+        let answer = match received.bytes() {
+            0 => Answer::Ready,
+            offset => Answer::Resume { offset },
+        };
+        write_frame(stream, &answer)
+            .await
+            .map_err(|e| Refusal::new(RefusalCode::BadRequest, e.to_string()))?;
         let file = temp.reopen().map_err(|e| io(&e))?;
-        receive_bytes(stream, file, header.size, &mut Received::default(), peer).await?;
+        if let Err(refusal) = receive_bytes(stream, file, header.size, &mut received, peer).await {
+            if let Some(sha256) = sha256
+                && refusal.code != RefusalCode::Mismatch
+            {
+                self.lock().broken = Some(Broken {
+                    from: peer,
+                    size: header.size,
+                    sha256,
+                    temp,
+                    received,
+                });
+            }
+            return Err(refusal);
+        }
         let round = checkpoint_round(temp.path()).map_err(|e| {
             Refusal::new(
                 RefusalCode::BadRequest,
@@ -215,4 +262,103 @@ pub fn checkpoint_round(path: &Path) -> Result<u64, String> {
         ));
     }
     hypha_diloco::server::round_of(&metadata).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+    use futures::AsyncWriteExt;
+    use hypha_network::frame::read_frame;
+    use hypha_testing::network::connected;
+
+    use super::*;
+
+    /// A SafeTensors checkpoint of `round` with one tensor of `values` f32s.
+    fn checkpoint_bytes(round: u64, values: usize) -> Vec<u8> {
+        let header = format!(
+            r#"{{"__metadata__":{{"{}":"{}","{}":"{round}"}},"w":{{"dtype":"F32","shape":[{values}],"data_offsets":[0,{}]}}}}"#,
+            meta::KIND,
+            meta::KIND_CHECKPOINT,
+            meta::ROUND,
+            values * 4
+        );
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend((0..values).flat_map(|i| (i as f32).to_le_bytes()));
+        bytes
+    }
+
+    /// A checkpoint whose transfer broke off is taken on from where it stopped when the
+    /// parameter server tries again: the scheduler answers `resume` with what it kept, the
+    /// server (`hypha_transfer::send`, which names the file's SHA-256) sends the rest, and the
+    /// stored checkpoint is the server's byte for byte. (Checked by answering `ready` always:
+    /// the offset assertion fails.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_whose_transfer_broke_off_goes_on_where_it_stopped() {
+        let networks = connected(&["server", "scheduler"]).await;
+        let (server, scheduler) = (&networks[0], &networks[1]);
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoints = Checkpoints::new(dir.path().join("job.checkpoint.safetensors"));
+        checkpoints.accept_from(Some(server.local_peer_id()));
+        checkpoints.accept_up_to(3);
+        let (stored_tx, mut stored) = mpsc::channel(4);
+        tokio::spawn(
+            checkpoints
+                .clone()
+                .serve(scheduler.clone(), "task-1".into(), stored_tx),
+        );
+        let bytes = checkpoint_bytes(3, 5 << 20);
+        let source = dir.path().join("sent.safetensors");
+        std::fs::write(&source, &bytes).unwrap();
+        let size = bytes.len() as u64;
+        let sha256 =
+            hypha_transfer::sha256_of(&std::fs::File::open(&source).unwrap(), size).unwrap();
+        let header = Header {
+            task: "task-1".into(),
+            name: TRANSFER_NAME.into(),
+            size,
+            published: None,
+            sha256: Some(sha256),
+        };
+        let to = scheduler.local_peer_id();
+
+        let sent_first = 7 << 20;
+        let mut stream = server.open_stream(to, PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &header).await.unwrap();
+        assert_eq!(
+            read_frame::<Answer>(&mut stream).await.unwrap(),
+            Answer::Ready
+        );
+        stream.write_all(&bytes[..sent_first]).await.unwrap();
+        stream.flush().await.unwrap();
+        drop(stream);
+        // The next try is answered once the broken one has ended there.
+        let mut stream = server.open_stream(to, PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &header).await.unwrap();
+        let Answer::Resume { offset: kept } = read_frame::<Answer>(&mut stream).await.unwrap()
+        else {
+            panic!("the scheduler did not resume the checkpoint");
+        };
+        // Broken off again before a byte: what was kept stays.
+        drop(stream);
+        assert!(kept > 0 && kept <= sent_first as u64, "resumed at {kept}");
+
+        let checksum = hypha_transfer::send(
+            server,
+            to,
+            &Header {
+                sha256: None,
+                ..header
+            },
+            std::fs::File::open(&source).unwrap(),
+            hypha_transfer::SEND_PATIENCE,
+        )
+        .await
+        .unwrap();
+        assert!(checksum.starts_with("sha256:"));
+        assert_eq!(stored.recv().await, Some((3, size)));
+        assert!(std::fs::read(checkpoints.path()).unwrap() == bytes);
+        assert_eq!(checkpoints.round(), Some(3));
+    }
 }

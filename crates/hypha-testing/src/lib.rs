@@ -5,6 +5,7 @@
 //! - [`cluster`]: the workspace's programs as real processes with real certificates in a
 //!   temporary directory (gateway, data nodes, workers, schedulers), and what they leave
 //!   behind (ledger audits, events files).
+//! - [`network`]: real swarms in this process, connected on 127.0.0.1.
 //! - [`s3`]: a real S3 server in-process that counts and can throttle the bytes it serves.
 //! - [`netns`]: network namespaces behind rate-limited links (`tc … tbf`), for nodes on slow
 //!   links on one machine.
@@ -19,5 +20,6 @@
 
 pub mod cluster;
 pub mod netns;
+pub mod network;
 pub mod s3;
 pub mod sites;

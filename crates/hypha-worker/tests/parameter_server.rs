@@ -9,13 +9,14 @@ mod common;
 
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
-use common::{JobInbox, connected_serving, job_inbox, peers};
+use common::{JobInbox, job_inbox, peers};
 use hypha_diloco::{Tensor, Tensors};
 use hypha_messages::{
     Request, Response,
     diloco::{ServerOrder, ServerStatus, Status, meta},
 };
 use hypha_network::Network;
+use hypha_testing::network::connected_serving;
 use hypha_worker::{
     bridge::transfer::{self, Header},
     parameter_server::{ModelPublisher, ServerJob},

@@ -8,13 +8,14 @@ mod common;
 
 use std::{collections::HashSet, path::Path};
 
-use common::{JobInbox, connected, job_inbox, peers};
+use common::{JobInbox, job_inbox, peers};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use hypha_messages::job::TaskPeers;
 use hypha_network::{
     Network,
     frame::{read_frame, write_frame},
 };
+use hypha_testing::network::connected;
 use hypha_transfer::{Answer, RefusalCode, Trailer};
 use hypha_worker::bridge::transfer::{self, Header, STAGING_DIR};
 

@@ -4,12 +4,8 @@
 
 use std::sync::Arc;
 
-use hypha_certs::{
-    NodeIdentity, Roles, TrustStore,
-    authority::{self, Validity},
-};
 use hypha_messages::job::TaskPeers;
-use hypha_network::{InboundRequest, Network, Settings};
+use hypha_network::Network;
 use hypha_worker::{
     artifacts::ArtifactStore,
     bridge::{
@@ -18,42 +14,6 @@ use hypha_worker::{
     },
     config::ArtifactsConfig,
 };
-use tokio::sync::mpsc;
-
-/// Nodes named `names`, each connected to the last.
-pub async fn connected(names: &[&str]) -> Vec<Network> {
-    connected_serving(names).await.0
-}
-
-/// Nodes named `names`, each connected to the last, with the requests each receives.
-pub async fn connected_serving(
-    names: &[&str],
-) -> (Vec<Network>, Vec<mpsc::Receiver<InboundRequest>>) {
-    let root = authority::create_root("Worker Test Root", Validity::days(2)).unwrap();
-    let org = authority::create_org(&root, "Worker Test Org", Validity::days(2)).unwrap();
-    let trust = Arc::new(TrustStore::from_pem(root.cert_pem().as_bytes(), &[]).unwrap());
-    let mut networks = Vec::new();
-    let mut inbound = Vec::new();
-    for &name in names {
-        let node = authority::create_node(&org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
-        let identity =
-            NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
-        let mut settings = Settings::new(name);
-        settings.listen_addresses = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-        settings.relay_circuit = false;
-        let (network, requests) = hypha_network::start(settings, &identity, trust.clone())
-            .await
-            .unwrap();
-        networks.push(network);
-        inbound.push(requests);
-    }
-    let (receiver, others) = networks.split_last().unwrap();
-    let address = receiver.listen_addresses().await.unwrap().remove(0);
-    for other in others {
-        other.dial(address.clone()).await.unwrap();
-    }
-    (networks, inbound)
-}
 
 /// A scheduler's list of the task's peers.
 pub fn peers(version: u64, of: &[&Network]) -> TaskPeers {
