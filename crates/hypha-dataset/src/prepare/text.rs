@@ -14,10 +14,12 @@
 //! `sequence_length` tokens; the last sequence is padded, with an `attention_mask` column
 //! marking real tokens (1) and padding (0).
 //!
-//! The tokens are held in memory (4 bytes a token: about 4× the text with byte-level tokens).
+//! The tokens are spooled to an unnamed temporary file (4 bytes a token, in the system's
+//! temporary directory), so a corpus of any size prepares in the memory of its largest
+//! document: a plain text file is read whole, a JSONL file a line at a time.
 
 use std::{
-    io::{BufRead, BufReader},
+    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
 };
 
@@ -32,12 +34,14 @@ pub const PAD: i32 = 257;
 /// The byte-level tokenizer's vocabulary: 256 bytes, [`EOS`] and [`PAD`].
 pub const BYTE_VOCABULARY: usize = 258;
 
-/// Token sequences held in memory (4 bytes a token).
+/// Token sequences, spooled to a temporary file (4 bytes a token, little-endian).
 #[derive(Debug)]
 pub struct Text {
     columns: Vec<Column>,
-    tokens: Vec<i32>,
-    real: usize,
+    /// The real tokens; those after them, up to a whole sequence, are `pad`.
+    tokens: std::fs::File,
+    real: u64,
+    pad: i32,
     sequence_length: usize,
 }
 
@@ -62,21 +66,31 @@ impl Text {
             None => (Some(EOS), PAD),
             Some(v) => (v.eos, v.pad),
         };
-        let mut tokens = Vec::new();
+        let spool_error = |e: std::io::Error| PrepareError::io(&std::env::temp_dir(), e);
+        let tokens = tempfile::tempfile().map_err(spool_error)?;
+        let mut spool = std::io::BufWriter::with_capacity(1 << 20, &tokens);
+        let mut real = 0u64;
+        let mut write = |ids: &mut dyn Iterator<Item = i32>| -> Result<(), PrepareError> {
+            for id in ids {
+                spool.write_all(&id.to_le_bytes()).map_err(spool_error)?;
+                real += 1;
+            }
+            Ok(())
+        };
         for_each_document(path, field, &mut |file, place, text| {
             match &tokenizer {
-                None => tokens.extend(text.bytes().map(i32::from)),
-                Some(v) => tokens.extend(
-                    v.encode(text)
-                        .map_err(|e| PrepareError::input(file, format!("{place}{e}")))?,
-                ),
+                None => write(&mut text.bytes().map(i32::from))?,
+                Some(v) => write(
+                    &mut v
+                        .encode(text)
+                        .map_err(|e| PrepareError::input(file, format!("{place}{e}")))?
+                        .into_iter(),
+                )?,
             }
-            tokens.extend(eos);
-            Ok(())
+            write(&mut eos.into_iter())
         })?;
-        let real = tokens.len();
-        let padded = real.div_ceil(sequence_length) * sequence_length;
-        tokens.resize(padded, pad);
+        spool.flush().map_err(spool_error)?;
+        drop(spool);
         let columns = vec![
             Column {
                 name: "input_ids".into(),
@@ -93,6 +107,7 @@ impl Text {
             columns,
             tokens,
             real,
+            pad,
             sequence_length,
         })
     }
@@ -104,17 +119,26 @@ impl Source for Text {
     }
 
     fn samples(&self) -> u64 {
-        (self.tokens.len() / self.sequence_length) as u64
+        self.real.div_ceil(self.sequence_length as u64)
     }
 
     fn read(&self, column: usize, start: u64, count: u64) -> Result<Vec<u8>, PrepareError> {
-        let from = start as usize * self.sequence_length;
-        let to = from + count as usize * self.sequence_length;
+        use std::os::unix::fs::FileExt;
+        let length = self.sequence_length as u64;
+        let (from, to) = (start * length, (start + count) * length);
         Ok(match column {
-            0 => self.tokens[from..to]
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect(),
+            0 => {
+                let stored = to.min(self.real).saturating_sub(from);
+                let mut bytes = vec![0u8; usize::try_from((to - from) * 4).unwrap_or(0)];
+                let (kept, padding) = bytes.split_at_mut(stored as usize * 4);
+                self.tokens
+                    .read_exact_at(kept, from * 4)
+                    .map_err(|e| PrepareError::io(&std::env::temp_dir(), e))?;
+                for slot in padding.chunks_exact_mut(4) {
+                    slot.copy_from_slice(&self.pad.to_le_bytes());
+                }
+                bytes
+            }
             _ => (from..to).map(|i| u8::from(i < self.real)).collect(),
         })
     }
