@@ -140,6 +140,26 @@ fn trainers_held_the_rounds_models(
     checked
 }
 
+/// The id of the job that the worker `worker` of `cluster` ran (its one job directory).
+fn job_id_of(cluster: &Cluster, worker: &str) -> String {
+    job_dir(&cluster.path(&format!("{worker}-work")))
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .trim_start_matches("hypha-")
+        .to_string()
+}
+
+/// How many of the applied rounds in `metrics` included an update of `peer`, and of how many.
+fn rounds_including(metrics: &[serde_json::Value], peer: &str) -> (usize, usize) {
+    let rounds: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    let with = rounds
+        .iter()
+        .filter(|r| r["included"].as_array().unwrap().iter().any(|p| p == peer))
+        .count();
+    (with, rounds.len())
+}
+
 /// What the executors and workers said, for a failed test's message.
 fn diagnostics(cluster: &Cluster, procs: &mut [&mut Proc]) -> String {
     let mut out = String::new();
@@ -1592,36 +1612,19 @@ fn rust_and_pytorch_trainers_train_the_transformer_together_on_the_same_global_m
     let mut procs: Vec<&mut Proc> = vec![&mut rust, &mut python, &mut server];
     assert_succeeded(&cluster, ok, &lines, &mut procs);
 
-    let job_of = |worker: &str| {
-        job_dir(&cluster.path(&format!("{worker}-work")))
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .trim_start_matches("hypha-")
-            .to_string()
-    };
     let metrics = lines_of(&cluster.path("text-job.metrics.jsonl"));
-    let rounds: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["kind"] == "round").collect();
-    let with_python = rounds
-        .iter()
-        .filter(|r| {
-            r["included"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|p| p == python_peer.as_str())
-        })
-        .count();
+    let (with_python, rounds) = rounds_including(&metrics, &python_peer);
     assert!(
         with_python >= 2,
-        "the PyTorch trainer is in {with_python} of {} rounds",
-        rounds.len()
+        "the PyTorch trainer is in {with_python} of {rounds} rounds"
     );
     let ps_dir = job_dir(&cluster.path("ps-work"));
     let checked = trainers_held_the_rounds_models(&metrics, &ps_dir);
     for worker in ["rust", "python"] {
         assert!(
-            checked.get(&job_of(worker)).is_some_and(|n| *n >= 2),
+            checked
+                .get(&job_id_of(&cluster, worker))
+                .is_some_and(|n| *n >= 2),
             "the {worker} trainer's reports of the global model it held, checked: {checked:?}"
         );
     }
@@ -1806,12 +1809,7 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
 
     // The Python trainer reported, and its pseudo-gradients went into rounds.
     let python_dir = job_dir(&cluster.path("python-work"));
-    let python_job = python_dir
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .trim_start_matches("hypha-")
-        .to_string();
+    let python_job = job_id_of(&cluster, "python");
     let metrics = lines_of(&cluster.path("mixed-job.metrics.jsonl"));
     assert_norms_well_within_the_default(
         &metrics
@@ -1832,21 +1830,10 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
             .collect::<Vec<_>>(),
         std::fs::read_to_string(python_dir.join("stderr.log")).unwrap_or_default()
     );
-    let rounds: Vec<_> = metrics.iter().filter(|m| m["kind"] == "round").collect();
-    let with_python = rounds
-        .iter()
-        .filter(|r| {
-            r["included"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|p| p == python_peer.as_str())
-        })
-        .count();
+    let (with_python, rounds) = rounds_including(&metrics, &python_peer);
     assert!(
         with_python >= 2,
-        "the Python trainer is in {with_python} of {} rounds",
-        rounds.len()
+        "the Python trainer is in {with_python} of {rounds} rounds"
     );
     // The Python trainer checks every model against the server's fingerprint, as the Rust
     // ones do: it agrees with the server's, on every model.
@@ -1855,7 +1842,7 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize) {
         !said.contains("does not match the fingerprint"),
         "the Python trainer's fingerprint disagrees with the server's:\n{said}"
     );
-    assert_eq!(of_kind(&events(&events_path), "round").len(), rounds.len());
+    assert_eq!(of_kind(&events(&events_path), "round").len(), rounds);
 
     // Each slice trained once per epoch; the model learned.
     assert_audit_passes(&cluster.path("mixed-job.ledger"), EPOCHS, SLICES);
