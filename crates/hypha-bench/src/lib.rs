@@ -181,9 +181,12 @@ pub(crate) const SERVER_WORKERS: [&str; 2] = ["ps-a", "ps-b"];
 
 /// A cluster for DiLoCo runs whose parameter server is killed (`hypha_testing`'s, the
 /// workers' leases at their default): a data node serving `blobs`, the parameter-server
-/// workers [`SERVER_WORKERS`] (one the spare) and two trainer workers. The servers, and the
-/// other processes (kept alive as long as they are held).
-pub(crate) fn spare_server_cluster() -> (
+/// workers [`SERVER_WORKERS`] (one the spare) and two trainer workers, their executors run
+/// with `trainer_args` after the usual ones. The servers, and the other processes (kept
+/// alive as long as they are held).
+pub(crate) fn spare_server_cluster(
+    trainer_args: &[&str],
+) -> (
     hypha_testing::cluster::Cluster,
     Vec<hypha_testing::cluster::Proc>,
     Vec<hypha_testing::cluster::Proc>,
@@ -195,7 +198,9 @@ pub(crate) fn spare_server_cluster() -> (
         .iter()
         .map(|n| cluster.server_worker(n))
         .collect();
-    others.extend((0..2).map(|i| cluster.trainer_worker(&format!("trainer{i}"), "")));
+    others.extend(
+        (0..2).map(|i| cluster.trainer_worker_with_args(&format!("trainer{i}"), trainer_args, "")),
+    );
     (cluster, servers, others)
 }
 

@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use safetensors::Dtype;
 
 use crate::{
-    Codec, Error, Metadata, Tensor, Tensors,
+    Codec, Error, Fingerprint, Metadata, Tensor, Tensors,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
     file::{Entry, Layout, Scratch, Source, dtype_bytes},
-    tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm},
+    tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm, stored_bytes},
 };
 
 /// A pseudo-gradient in a SafeTensors file, read and checked: plain (every tensor F32, F64 or
@@ -136,6 +136,49 @@ impl Part {
         }
     }
 
+    /// Calls `each` with the part's values in order, a chunk at a time decoded into
+    /// `decoded`, with the index of the first; false, calling nothing, for a sparse part,
+    /// whose chunks are not runs of values.
+    fn decoded_chunks(
+        &self,
+        source: &(impl Source + ?Sized),
+        scratch: &mut Scratch,
+        decoded: &mut Vec<f32>,
+        mut each: impl FnMut(usize, &[f32]) -> Result<(), Error>,
+    ) -> Result<bool, Error> {
+        match self {
+            Part::Dense(entry) => {
+                let width = dtype_bytes(entry.dtype);
+                entry.chunks(source, width, &mut scratch.main, |at, bytes| {
+                    decoded.clear();
+                    decoded.resize(bytes.len() / width, 0.0);
+                    decode(entry.dtype, bytes, decoded, |t, v| *t = v);
+                    each(at as usize / width, decoded)
+                })?;
+            }
+            Part::Int8 { values, scales } => Self::paired(
+                source,
+                scratch,
+                values,
+                scales,
+                INT8_BLOCK,
+                4,
+                |at, quantised, scales| {
+                    decoded.clear();
+                    for (quantised, scale) in
+                        quantised.chunks(INT8_BLOCK).zip(scales.chunks_exact(4))
+                    {
+                        let scale = f32_of(scale);
+                        decoded.extend(quantised.iter().map(|q| f32::from(*q as i8) * scale));
+                    }
+                    each(at as usize, decoded)
+                },
+            )?,
+            Part::Sparse { .. } => return Ok(false),
+        }
+        Ok(true)
+    }
+
     fn squared_norm(
         &self,
         source: &(impl Source + ?Sized),
@@ -239,6 +282,71 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
             }
         }
         Ok(())
+    }
+
+    /// Adds the update to the model in the SafeTensors file `model` as [`add_to`](Self::add_to)
+    /// adds it, writing the new model (f32) to `out` atomically, a chunk at a time (a
+    /// parameter at a time for a sparse update): a few megabytes of memory, whatever the
+    /// model's size. The new model's
+    /// fingerprint; refused, with nothing written, unless the update has exactly the model's
+    /// parameters and shapes.
+    pub fn add_to_file(
+        &self,
+        model: &(impl Source + ?Sized),
+        out: &std::path::Path,
+        metadata: Metadata,
+    ) -> Result<String, Error> {
+        let layout = Layout::read(model)?;
+        check_same(
+            &layout.entries,
+            self.parts
+                .iter()
+                .map(|(name, part)| (name.as_str(), part.shape(), Dtype::F32)),
+        )?;
+        let listing = layout
+            .entries
+            .iter()
+            .map(|(name, entry)| (name.clone(), Dtype::F32, entry.shape.clone()));
+        let scratch = &mut self.scratch.borrow_mut();
+        let mut fingerprint = Fingerprint::new();
+        let (mut buffer, mut decoded, mut sum) = (Vec::new(), Vec::new(), Vec::new());
+        crate::file::write_file(out, false, listing, metadata, |writer| {
+            // In the file's order, which the listing follows.
+            for (name, entry) in &layout.entries {
+                let Some((_, part)) = self.parts.iter().find(|(n, _)| n == name) else {
+                    continue;
+                };
+                fingerprint.begin(name, Dtype::F32, &entry.shape);
+                let width = dtype_bytes(entry.dtype);
+                let streamed =
+                    part.decoded_chunks(self.source, scratch, &mut decoded, |first, change| {
+                        let offset = entry.offset + (first * width) as u64;
+                        let bytes = model.bytes_at(offset, change.len() * width, &mut buffer)?;
+                        sum.clear();
+                        sum.resize(change.len(), 0.0);
+                        if !decode(entry.dtype, bytes, &mut sum, |t, v| *t = v) {
+                            return Err(Error::Dtype {
+                                name: name.clone(),
+                                dtype: entry.dtype.to_string(),
+                            });
+                        }
+                        for (s, c) in sum.iter_mut().zip(change) {
+                            *s += c;
+                        }
+                        fingerprint.values(&sum, Dtype::F32);
+                        stored_bytes(&sum, Dtype::F32, |bytes| writer.write(bytes))
+                    })?;
+                if !streamed {
+                    // A sparse change: the parameter whole.
+                    let mut tensor = Tensor::read(model, name, entry, &mut buffer)?;
+                    part.apply(self.source, scratch, &mut tensor.values, |t, v| *t += v)?;
+                    fingerprint.values(&tensor.values, Dtype::F32);
+                    stored_bytes(&tensor.values, Dtype::F32, |bytes| writer.write(bytes))?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(fingerprint.finish())
     }
 
     /// The update decoded, each parameter f32. A `topk` part is as large as the shape its
@@ -662,9 +770,26 @@ impl Accumulator {
     }
 }
 
+/// Something with a shape: a parameter in memory or in a file.
+pub(crate) trait Shaped {
+    fn shape(&self) -> &[usize];
+}
+
+impl Shaped for Tensor {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+impl Shaped for Entry {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
 /// Refuses an update unless it has exactly the tensors and shapes of `known`.
 pub(crate) fn check_same<'a>(
-    known: &BTreeMap<String, Tensor>,
+    known: &BTreeMap<String, impl Shaped>,
     update: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>,
 ) -> Result<(), Error> {
     let mut seen = std::collections::HashSet::new();
@@ -676,10 +801,10 @@ pub(crate) fn check_same<'a>(
                     problem: "is not a parameter of the model".into(),
                 });
             }
-            Some(expected) if expected.shape != shape => {
+            Some(expected) if expected.shape() != shape => {
                 return Err(Error::Mismatch {
                     name: name.to_string(),
-                    problem: format!("has shape {shape:?}; the model's is {:?}", expected.shape),
+                    problem: format!("has shape {shape:?}; the model's is {:?}", expected.shape()),
                 });
             }
             Some(_) => {

@@ -32,14 +32,14 @@
 //! delayed rather than dropped, as long as one server takes the updates (the residual is
 //! forgotten when a trainer joins another, and an update the server refuses is lost whole).
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, path::Path};
 
 use safetensors::Dtype;
 
 use crate::{
     Error, Metadata, Tensor, Tensors,
     accumulate::{RoundTrip, round_trip},
-    file::Writer,
+    file::{Writer, write_file},
     tensors::bf16_bits,
 };
 
@@ -152,6 +152,46 @@ pub fn encode(update: &Tensors, codec: Codec, metadata: &Metadata) -> Result<Vec
         writer.write(&encoded)?;
     }
     Ok(writer.finish()?.into_inner())
+}
+
+/// Parameters of `shapes` (in name order) compressed with `codec` into a file at `path`
+/// (written atomically, fsynced when `durable`), as [`encode`] lays them out: each
+/// parameter's values are asked of `values` (into the buffer it is given) when its turn
+/// comes, so that only one is in memory at a time, whatever the model's size. The file's size.
+pub fn encode_file(
+    path: &Path,
+    durable: bool,
+    codec: Codec,
+    shapes: &[(String, Vec<usize>)],
+    metadata: &Metadata,
+    mut values: impl FnMut(&str, &[usize], &mut Vec<f32>) -> Result<(), Error>,
+) -> Result<u64, Error> {
+    let listing = shapes
+        .iter()
+        .map(|(name, shape)| (name.as_str(), &shape[..]));
+    let mut parameter = Vec::new();
+    let mut encoded = Vec::new();
+    write_file(
+        path,
+        durable,
+        stored(codec, listing.clone())?,
+        with_codec(codec, metadata, listing),
+        |writer| {
+            for (name, shape) in shapes {
+                parameter.clear();
+                values(name, shape, &mut parameter)?;
+                if parameter.len() != shape.iter().product::<usize>() {
+                    return Err(Error::Mismatch {
+                        name: name.clone(),
+                        problem: format!("{} values for shape {shape:?}", parameter.len()),
+                    });
+                }
+                encode_values(codec, name, &parameter, &mut encoded)?;
+                writer.write(&encoded)?;
+            }
+            Ok(())
+        },
+    )
 }
 
 /// A writer of `update` compressed with `codec` into memory, its header written.

@@ -387,6 +387,27 @@ pub fn write_file(
     Ok(size)
 }
 
+/// Copies the SafeTensors file `source` holds to a file at `path` (atomically, not fsynced)
+/// with its metadata replaced by `metadata`, a chunk at a time; the new file's size.
+pub fn rewrite(
+    source: &(impl Source + ?Sized),
+    path: &Path,
+    metadata: &Metadata,
+) -> Result<u64, Error> {
+    let layout = Layout::read(source)?;
+    let listing = layout
+        .entries
+        .iter()
+        .map(|(name, entry)| (name.clone(), entry.dtype, entry.shape.clone()));
+    let mut buffer = Vec::new();
+    write_file(path, false, listing, metadata.clone(), |writer| {
+        for entry in layout.entries.values() {
+            entry.chunks(source, 1, &mut buffer, |_, bytes| writer.write(bytes))?;
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::{
     Error,
-    file::{CHUNK, FileSource, Layout, Source, Writer, dtype_bytes, write_file},
+    file::{CHUNK, Entry, FileSource, Layout, Source, Writer, dtype_bytes, write_file},
 };
 
 /// One tensor, held as f32 whatever it was stored as.
@@ -24,6 +24,35 @@ pub struct Tensors(pub BTreeMap<String, Tensor>);
 
 /// A SafeTensors file's `__metadata__`: free-form strings.
 pub type Metadata = BTreeMap<String, String>;
+
+impl Tensor {
+    /// The parameter `name` at `entry` of the file `source` holds, through `buffer`.
+    pub(crate) fn read(
+        source: &(impl Source + ?Sized),
+        name: &str,
+        entry: &Entry,
+        buffer: &mut Vec<u8>,
+    ) -> Result<Self, Error> {
+        if !matches!(entry.dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16) {
+            return Err(Error::Dtype {
+                name: name.to_string(),
+                dtype: entry.dtype.to_string(),
+            });
+        }
+        let mut values = vec![0.0; entry.values()];
+        let width = dtype_bytes(entry.dtype);
+        entry.chunks(source, width, buffer, |at, bytes| {
+            let from = at as usize / width;
+            decode(entry.dtype, bytes, &mut values[from..], |t, v| *t = v);
+            Ok(())
+        })?;
+        Ok(Self {
+            shape: entry.shape.clone(),
+            values,
+            dtype: entry.dtype,
+        })
+    }
+}
 
 impl Tensors {
     /// Reads a SafeTensors file's bytes.
@@ -43,27 +72,23 @@ impl Tensors {
         let mut tensors = BTreeMap::new();
         let mut buffer = Vec::new();
         for (name, entry) in layout.entries {
-            let mut values = vec![0.0; entry.values()];
-            let width = dtype_bytes(entry.dtype);
-            if !matches!(entry.dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16) {
-                return Err(Error::Dtype {
-                    name,
-                    dtype: entry.dtype.to_string(),
-                });
-            }
-            entry.chunks(source, width, &mut buffer, |at, bytes| {
-                let from = at as usize / width;
-                decode(entry.dtype, bytes, &mut values[from..], |t, v| *t = v);
-                Ok(())
-            })?;
-            let tensor = Tensor {
-                shape: entry.shape,
-                values,
-                dtype: entry.dtype,
-            };
+            let tensor = Tensor::read(source, &name, &entry, &mut buffer)?;
             tensors.insert(name, tensor);
         }
         Ok(Self(tensors))
+    }
+
+    /// The fingerprint of the model in the SafeTensors file `source` holds, read a
+    /// parameter at a time (the memory of the largest), each checked as [`read`](Self::read)
+    /// checks it: what [`digest`](Self::digest) of the file's tensors would give.
+    pub fn fingerprint_of(source: &(impl Source + ?Sized)) -> Result<String, Error> {
+        let layout = Layout::read(source)?;
+        let mut fingerprint = Fingerprint::new();
+        let mut buffer = Vec::new();
+        for (name, entry) in &layout.entries {
+            fingerprint.tensor(name, &Tensor::read(source, name, entry, &mut buffer)?);
+        }
+        Ok(fingerprint.finish())
     }
 
     /// Each tensor's name, shape and dtype.

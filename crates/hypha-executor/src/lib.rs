@@ -7,8 +7,10 @@
 //!   model before anything is leased.
 //! - [`model`]: the model families (an MLP and a small CNN classifier, a small decoder-only
 //!   transformer) on candle, with seeded parameters and SafeTensors in and out.
-//! - [`train`]: the trainer's loop: orders from the scheduler, AdamW inner steps on the job's
+//! - [`train`]: the trainer's loop: orders from the scheduler, inner steps on the job's
 //!   slices, pseudo-gradients to the parameter server, global models back.
+//! - [`learner`]: what the loop trains: the reference model with AdamW, or synthetic
+//!   pseudo-gradients of a model's shapes for benchmarks at sizes the CPU cannot train.
 //! - [`local`]: datasets on this machine: a model scored on their slices, a model suggested for them.
 //! - [`synthetic`]: learnable datasets made from a seed, for the quickstart and tests.
 //!
@@ -27,6 +29,7 @@
 //! networks, leases or ledgers.
 
 pub mod contract;
+pub mod learner;
 pub mod local;
 pub mod model;
 pub mod synthetic;

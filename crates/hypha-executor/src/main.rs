@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use hypha_executor::{
     contract::TensorNames,
+    learner::SyntheticUpdates,
     local::{Score, evaluate_dataset},
     model::{Model, ModelSpec},
     synthetic::Synthetic,
@@ -34,6 +35,12 @@ enum Command {
         /// The job's specification (JSON, with the scheduler's `config`).
         #[arg(long)]
         job: String,
+        /// Train nothing: send pseudo-gradients of the model's shapes drawn at random, and
+        /// keep the global model in a file of the job's directory, never whole in memory.
+        /// For benchmarks of the pipeline at model sizes this machine cannot train; the
+        /// rest (slices, reports, fingerprints) is a trainer's.
+        #[arg(long)]
+        synthetic_updates: bool,
     },
     /// Write a learnable synthetic dataset for a model into a directory a data node can serve.
     Dataset {
@@ -117,13 +124,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             socket,
             work_dir,
             job,
+            synthetic_updates,
         } => {
             let job: hypha_bridge::JobDescription =
                 serde_json::from_str(&job).context("--job is not the job's JSON")?;
             let config: JobConfig = serde_json::from_value(job.config).context(
                 "the job's config is not a trainer's: it needs \"model\", \"data\" and \"diloco\" (a [diloco] job file gives them)",
             )?;
-            Trainer::new(&socket, &work_dir, config)?.run()?;
+            if synthetic_updates {
+                let codec = config.diloco.codec().map_err(anyhow::Error::msg)?;
+                let learner = SyntheticUpdates::new(
+                    &config.model,
+                    config.seed,
+                    codec,
+                    &work_dir.join("synthetic"),
+                )?;
+                Trainer::with_learner(&socket, &work_dir, config, learner).run()?;
+            } else {
+                Trainer::new(&socket, &work_dir, config)?.run()?;
+            }
         }
         Command::Dataset {
             model,

@@ -124,7 +124,21 @@ impl Model {
     pub fn new(spec: &ModelSpec, seed: u64) -> Result<Self, ModelError> {
         let vars = VarMap::new();
         let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
-        let net = match *spec {
+        let net = Net::build(spec, vb)?;
+        let model = Self {
+            spec: spec.clone(),
+            vars,
+            net,
+        };
+        model.initialise(seed)?;
+        Ok(model)
+    }
+}
+
+impl Net {
+    /// The layers of a model of `spec`, their parameters asked of `vb`.
+    fn build(spec: &ModelSpec, vb: VarBuilder) -> Result<Self, ModelError> {
+        Ok(match *spec {
             ModelSpec::Mlp {
                 inputs,
                 hidden,
@@ -197,16 +211,59 @@ impl Model {
                     heads,
                 })
             }
-        };
-        let model = Self {
-            spec: spec.clone(),
-            vars,
-            net,
-        };
-        model.initialise(seed)?;
-        Ok(model)
+        })
+    }
+}
+
+impl ModelSpec {
+    /// Every parameter's name and shape, in name order, without making the model: its
+    /// layers are built over a backend that only records what they ask for.
+    pub fn parameter_shapes(&self) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+        let recorder = Recorder::default();
+        let vb = VarBuilder::from_backend(Box::new(recorder.clone()), DType::F32, Device::Cpu);
+        Net::build(self, vb)?;
+        let shapes = recorder
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        Ok(shapes.into_iter().collect())
+    }
+}
+
+/// Records the name and shape of every parameter a model asks for, and answers with a
+/// broadcast zero of that shape (no memory: nothing is computed with it).
+#[derive(Debug, Clone, Default)]
+struct Recorder(std::sync::Arc<std::sync::Mutex<BTreeMap<String, Vec<usize>>>>);
+
+impl candle_nn::var_builder::SimpleBackend for Recorder {
+    fn get(
+        &self,
+        shape: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(name.to_string(), shape.dims().to_vec());
+        Tensor::zeros((), dtype, device)?.broadcast_as(shape)
     }
 
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        Err(candle_core::Error::Msg(format!(
+            "{name}: only shapes are recorded here"
+        )))
+    }
+
+    fn contains_tensor(&self, _: &str) -> bool {
+        false
+    }
+}
+
+impl Model {
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
     }
@@ -225,24 +282,13 @@ impl Model {
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
-    /// Draws every parameter from `seed`: weights uniform in ±1/√fan_in (the product of every
-    /// dimension but the first), biases 0, layer-norm scales 1.
+    /// Draws every parameter from `seed` ([`initial_values`]).
     fn initialise(&self, seed: u64) -> Result<(), ModelError> {
         let mut rng = StdRng::seed_from_u64(seed);
         for (name, var) in self.named() {
             let dims = var.dims().to_vec();
-            let count: usize = dims.iter().product();
-            let values: Vec<f32> = if name.contains("norm") && name.ends_with(".weight") {
-                vec![1.0; count]
-            } else if name.ends_with(".bias") {
-                vec![0.0; count]
-            } else {
-                let fan_in: usize = dims.iter().skip(1).product();
-                let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
-                (0..count)
-                    .map(|_| rng.random_range(-bound..bound))
-                    .collect()
-            };
+            let mut values = Vec::new();
+            initial_values(&name, &dims, &mut rng, &mut values);
             var.set(&Tensor::from_vec(values, dims, &Device::Cpu)?)?;
         }
         Ok(())
@@ -377,6 +423,23 @@ impl Model {
             )?)?;
         }
         Ok(())
+    }
+}
+
+/// The first values of the parameter `name` of shape `dims`, drawn from `rng` into `values`
+/// (the parameters are drawn in name order from one generator): weights uniform in
+/// ±1/√fan_in (the product of every dimension but the first), biases 0, layer-norm scales 1.
+pub fn initial_values(name: &str, dims: &[usize], rng: &mut StdRng, values: &mut Vec<f32>) {
+    let count: usize = dims.iter().product();
+    values.clear();
+    if name.contains("norm") && name.ends_with(".weight") {
+        values.resize(count, 1.0);
+    } else if name.ends_with(".bias") {
+        values.resize(count, 0.0);
+    } else {
+        let fan_in: usize = dims.iter().skip(1).product();
+        let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
+        values.extend((0..count).map(|_| rng.random_range(-bound..bound)));
     }
 }
 

@@ -48,8 +48,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use hypha_diloco::{Codec, ErrorFeedback, Metadata, Tensors, Update};
+use hypha_diloco::{Codec, Metadata};
 use hypha_messages::{
     diloco::{Status, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
@@ -57,13 +56,14 @@ use hypha_messages::{
 use serde::Deserialize;
 
 use hypha_bridge::{
-    ConsumedRequest, FetchRequest, FileEntry, Peers, Reference, SendRequest, Strategy, Target,
+    ConsumedRequest, FetchRequest, Peers, Reference, SendRequest, Strategy, Target,
     client::{Client, ClientError},
 };
 
 use crate::{
     contract::{Batch, DataError, TensorNames},
-    model::{Model, ModelError, ModelSpec},
+    learner::{Learner, Trained},
+    model::{ModelError, ModelSpec},
 };
 
 /// How often a trainer reports while it trains.
@@ -170,17 +170,13 @@ impl From<candle_core::Error> for TrainError {
     }
 }
 
-/// One training job.
+/// One training job, its model held by a [`Learner`].
 #[derive(Debug)]
-pub struct Trainer {
+pub struct Trainer<L = Trained> {
     bridge: Client,
     dir: PathBuf,
     config: JobConfig,
-    model: Model,
-    optimizer: AdamW,
-    /// The global model this round started from, and its fingerprint.
-    global: Tensors,
-    global_hash: String,
+    learner: L,
     /// Global models built from the server's changes so far.
     deltas_applied: u64,
     round: Option<u64>,
@@ -188,9 +184,6 @@ pub struct Trainer {
     last_model: Option<u64>,
     data: Reader,
     stats: RoundStats,
-    /// How pseudo-gradients are compressed, and what compression dropped so far.
-    codec: Codec,
-    feedback: ErrorFeedback,
     /// With overlap: the batches trained into the next round while this round's update
     /// travels.
     ahead: Option<Ahead>,
@@ -222,8 +215,6 @@ const FINISH_WITHIN: Duration = Duration::from_secs(3);
 struct Ahead {
     /// The round it synced: the batches are of the next.
     round: u64,
-    /// The trainer's own model when it synced.
-    synced: Tensors,
     /// The batches, samples and slices of round r + 1 so far.
     stats: RoundStats,
     /// It trains ahead at most this many batches (the round it synced had as many), then
@@ -238,7 +229,8 @@ struct Ahead {
 struct Sending {
     task: std::thread::JoinHandle<Result<(), TrainError>>,
     started: Instant,
-    bytes: Vec<u8>,
+    /// The file in the outbox.
+    name: String,
     round: u64,
 }
 
@@ -246,7 +238,9 @@ struct Sending {
 struct RoundStats {
     batches: u64,
     samples: u64,
+    /// The losses of the batches that measured one.
     loss_sum: f64,
+    losses: u64,
     batch_ms: Option<f64>,
     /// Slices read to their end and not yet reported to the ledger.
     consumed: Vec<SliceRef>,
@@ -254,45 +248,36 @@ struct RoundStats {
     syncing: bool,
     /// The round's pseudo-gradient reached the parameter server.
     sent: bool,
-    /// The round's pseudo-gradient, compressed once: a retried send sends these bytes, and
-    /// error feedback moves on once a round.
-    pseudo_gradient: Option<Vec<u8>>,
+    /// The round's pseudo-gradient, compressed once into this file of the outbox: a retried
+    /// send sends it again, and error feedback moves on once a round.
+    pseudo_gradient: Option<String>,
 }
 
 impl Trainer {
-    /// A trainer for the job whose bridge is at `socket` and directory is `dir`.
+    /// A trainer of the job's reference model ([`Trained`]) for the job whose bridge is at
+    /// `socket` and directory is `dir`.
     pub fn new(socket: &Path, dir: &Path, config: JobConfig) -> Result<Self, TrainError> {
-        let model = Model::new(&config.model, config.seed)?;
         let codec = config.diloco.codec().map_err(TrainError::Protocol)?;
-        let inner = config.diloco.inner;
-        let optimizer = AdamW::new(
-            model.parameters(),
-            ParamsAdamW {
-                lr: inner.learning_rate,
-                beta1: inner.beta1,
-                beta2: inner.beta2,
-                eps: 1e-8,
-                weight_decay: inner.weight_decay,
-            },
-        )?;
-        let global = model.tensors()?;
-        let global_hash = global.digest();
+        let learner = Trained::new(&config.model, config.seed, config.diloco.inner, codec)?;
+        Ok(Self::with_learner(socket, dir, config, learner))
+    }
+}
+
+impl<L: Learner> Trainer<L> {
+    /// A trainer whose model is held by `learner`, for the job whose bridge is at `socket`
+    /// and directory is `dir`.
+    pub fn with_learner(socket: &Path, dir: &Path, config: JobConfig, learner: L) -> Self {
         let bridge = Client::new(socket);
-        Ok(Self {
+        Self {
             data: Reader::new(bridge.clone(), dir, &config),
             bridge,
             dir: dir.to_path_buf(),
             config,
-            model,
-            optimizer,
-            global,
-            global_hash,
+            learner,
             deltas_applied: 0,
             round: None,
             last_model: None,
             stats: RoundStats::default(),
-            codec,
-            feedback: ErrorFeedback::new(),
             ahead: None,
             sending: None,
             send_ms: None,
@@ -301,7 +286,7 @@ impl Trainer {
             server: None,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
-        })
+        }
     }
 
     /// Trains until the scheduler says training is over.
@@ -438,16 +423,12 @@ impl Trainer {
             while !self.stats.syncing && self.data.in_slice() && self.train_batch(false)? {}
             if self.stats.samples > 0 {
                 self.report_consumed()?;
-                let bytes = match self.stats.pseudo_gradient.take() {
-                    Some(bytes) => bytes,
+                let name = match self.stats.pseudo_gradient.take() {
+                    Some(name) => name,
                     None => self.pseudo_gradient(round)?,
                 };
                 let started = Instant::now();
-                self.send(
-                    &server,
-                    &format!("pseudo-gradient-{round}.safetensors"),
-                    &bytes,
-                )?;
+                send_file(&self.bridge, &self.dir, &server, &name)?;
                 self.sent(round, started.elapsed());
             }
         }
@@ -470,10 +451,10 @@ impl Trainer {
             send_ms: self.send_ms,
             train_ms: self.train_time.as_millis() as u64,
             ahead_batches: ahead.map_or(0, |a| a.batches),
-            loss: (stats.batches > 0).then(|| stats.loss_sum / stats.batches as f64),
+            loss: (stats.losses > 0).then(|| stats.loss_sum / stats.losses as f64),
             // Samples trained ahead still go to the server with the next round.
             data_done: self.data.out_of_data() && ahead.is_none_or(|a| a.samples == 0),
-            model_hash: self.round.map(|_| self.global_hash.clone()),
+            model_hash: self.round.map(|_| self.learner.global_hash().to_string()),
             deltas_applied: self.deltas_applied,
             eval: None,
         });
@@ -493,15 +474,16 @@ impl Trainer {
         let Some((batch, rows)) = next else {
             return Ok(false);
         };
-        let loss = self.model.loss(&batch)?;
-        self.optimizer.backward_step(&loss)?;
-        let loss = f64::from(loss.to_scalar::<f32>()?);
+        let loss = self.learner.train(&batch)?;
         let took = started.elapsed();
         self.train_time += took;
         let elapsed = took.as_secs_f64() * 1000.0;
         stats.batches += 1;
         stats.samples += rows as u64;
-        stats.loss_sum += loss;
+        if let Some(loss) = loss {
+            stats.loss_sum += loss;
+            stats.losses += 1;
+        }
         // A moving average: recent batches count most, one slow batch does not swing it.
         stats.batch_ms = Some(
             stats
@@ -533,7 +515,7 @@ impl Trainer {
             // The new server may go on from an earlier round than the lost one reached; what
             // compression dropped was measured against the lost server's model.
             self.last_model = None;
-            self.feedback.reset();
+            self.learner.forget_dropped();
             // The scheduler learns that this trainer holds no model of the lost server now:
             // until then, it keeps telling it to join.
             if self.report()? == TrainerOrder::Done {
@@ -551,8 +533,10 @@ impl Trainer {
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), "0".to_string()),
         ]);
-        let bytes = self.global.to_bytes(&metadata)?;
-        self.send(parameter_server, "initial-model.safetensors", &bytes)
+        let name = "initial-model.safetensors";
+        self.learner
+            .write_global(&outbox(&self.dir, name)?, &metadata)?;
+        send_file(&self.bridge, &self.dir, parameter_server, name)
     }
 
     /// Reports the slices read to their end since the last report as consumed: by the round,
@@ -593,18 +577,17 @@ impl Trainer {
         self.report_consumed()?;
         let overlap = self.config.diloco.overlap;
         if self.stats.samples > 0 && !self.stats.sent && self.sending.is_none() {
-            let bytes = match self.stats.pseudo_gradient.take() {
-                Some(bytes) => bytes,
+            let name = match self.stats.pseudo_gradient.take() {
+                Some(name) => name,
                 None => self.pseudo_gradient(round)?,
             };
             if overlap && !self.leaving {
-                self.send_in_background(parameter_server, round, bytes);
+                self.send_in_background(parameter_server, round, name);
             } else {
                 let started = Instant::now();
-                let name = format!("pseudo-gradient-{round}.safetensors");
-                let sent = self.send(parameter_server, &name, &bytes);
+                let sent = send_file(&self.bridge, &self.dir, parameter_server, &name);
                 if sent.is_err() {
-                    self.stats.pseudo_gradient = Some(bytes);
+                    self.stats.pseudo_gradient = Some(name);
                 }
                 sent?;
                 self.sent(round, started.elapsed());
@@ -615,9 +598,9 @@ impl Trainer {
             return Ok(Some(TrainerOrder::Done));
         }
         if overlap && self.ahead.is_none() {
+            self.learner.remember_sync()?;
             self.ahead = Some(Ahead {
                 round,
-                synced: self.model.tensors()?,
                 stats: RoundStats {
                     batch_ms: self.stats.batch_ms,
                     ..RoundStats::default()
@@ -640,18 +623,16 @@ impl Trainer {
         );
     }
 
-    /// Starts sending round `round`'s pseudo-gradient `bytes` in a thread of its own.
-    fn send_in_background(&mut self, peer: &str, round: u64, bytes: Vec<u8>) {
-        let (bridge, dir, peer_owned) = (self.bridge.clone(), self.dir.clone(), peer.to_string());
-        let file = bytes.clone();
-        let task = std::thread::spawn(move || {
-            let name = format!("pseudo-gradient-{round}.safetensors");
-            send_file(&bridge, &dir, &peer_owned, &name, &file)
-        });
+    /// Starts sending round `round`'s pseudo-gradient, the outbox's file `name`, in a thread
+    /// of its own.
+    fn send_in_background(&mut self, peer: &str, round: u64, name: String) {
+        let (bridge, dir, peer) = (self.bridge.clone(), self.dir.clone(), peer.to_string());
+        let file = name.clone();
+        let task = std::thread::spawn(move || send_file(&bridge, &dir, &peer, &file));
         self.sending = Some(Sending {
             task,
             started: Instant::now(),
-            bytes,
+            name,
             round,
         });
     }
@@ -674,28 +655,16 @@ impl Trainer {
             Ok(()) => self.sent(sending.round, sending.started.elapsed()),
             Err(error) if error.is_transient() => {
                 eprintln!("round {}: {error}; sending again", sending.round);
-                self.send_in_background(peer, sending.round, sending.bytes);
+                self.send_in_background(peer, sending.round, sending.name);
             }
             Err(error) => return Err(error),
         }
         Ok(())
     }
 
-    /// The round's pseudo-gradient θ_global − θ_local, compressed with the job's codec, as
-    /// the file sent to the parameter server.
-    fn pseudo_gradient(&mut self, round: u64) -> Result<Vec<u8>, TrainError> {
-        let mut delta = self.global.clone();
-        let local = self.model.tensors()?;
-        for (name, tensor) in &mut delta.0 {
-            let trained = local.0.get(name).ok_or_else(|| {
-                TrainError::Protocol(format!(
-                    "the global model's {name} is not a parameter of this trainer's model"
-                ))
-            })?;
-            for (g, l) in tensor.values.iter_mut().zip(&trained.values) {
-                *g -= l;
-            }
-        }
+    /// Writes the round's pseudo-gradient θ_global − θ_local, compressed with the job's
+    /// codec, into the outbox: the name of the file sent to the parameter server.
+    fn pseudo_gradient(&mut self, round: u64) -> Result<String, TrainError> {
         let metadata = Metadata::from([
             (
                 meta::KIND.to_string(),
@@ -708,11 +677,10 @@ impl Trainer {
                 meta::KIND_MODEL_DELTA.to_string(),
             ),
         ]);
-        Ok(self.feedback.compress(&delta, self.codec, &metadata)?)
-    }
-
-    fn send(&self, peer: &str, name: &str, bytes: &[u8]) -> Result<(), TrainError> {
-        send_file(&self.bridge, &self.dir, peer, name, bytes)
+        let name = format!("pseudo-gradient-{round}.safetensors");
+        self.learner
+            .write_pseudo_gradient(&outbox(&self.dir, &name)?, &metadata)?;
+        Ok(name)
     }
 
     /// Waits for the parameter server's next global model (whole, or as the change of the
@@ -750,8 +718,11 @@ impl Trainer {
                 wait_ms: Some(wait.as_millis() as u64),
             })?;
             if let Some(entry) = entries.into_iter().next() {
-                let bytes = take(&self.dir, &entry)?;
-                if self.take_model(peer, &bytes)? {
+                let path = self.dir.join(&entry.path);
+                let taken = self.take_model(peer, &path);
+                // Taken or not, the file goes: a long job's directory does not fill up.
+                let _ = std::fs::remove_file(&path);
+                if taken? {
                     return Ok(None);
                 }
                 continue;
@@ -786,18 +757,24 @@ impl Trainer {
         }
     }
 
-    /// Takes a file the parameter server sent: a global model, whole or as a change of the
-    /// one this trainer holds. True when a round starts from it; false when it was of an
-    /// earlier round, did not fit (the whole model is asked for), or is not a model.
-    fn take_model(&mut self, peer: &str, bytes: &[u8]) -> Result<bool, TrainError> {
-        let metadata = hypha_diloco::metadata(bytes)?;
+    /// Takes the file at `path` the parameter server sent: a global model, whole or as a
+    /// change of the one this trainer holds. True when a round starts from it; false when
+    /// it was of an earlier round, did not fit (the whole model is asked for), or is not a
+    /// model.
+    fn take_model(&mut self, peer: &str, path: &Path) -> Result<bool, TrainError> {
+        let file_error = |error| TrainError::File {
+            path: path.to_path_buf(),
+            error,
+        };
+        let mut file = std::fs::File::open(path).map_err(file_error)?;
+        let metadata = hypha_diloco::read_metadata(&mut file)?;
         let round = hypha_diloco::server::round_of(&metadata)?;
         if self.last_model.is_some_and(|last| round <= last) {
             return Ok(false);
         }
-        let (global, changed) = match metadata.get(meta::KIND).map(String::as_str) {
-            Some(meta::KIND_MODEL_DELTA) => match self.apply_change(bytes, &metadata) {
-                Ok(global) => (global, true),
+        let (global, hash, changed) = match metadata.get(meta::KIND).map(String::as_str) {
+            Some(meta::KIND_MODEL_DELTA) => match self.apply_change(path, &metadata) {
+                Ok((global, hash)) => (global, hash, true),
                 Err(why) => {
                     eprintln!(
                         "round {round}: the model's change does not fit this trainer's copy ({why}); asking for the whole model"
@@ -806,13 +783,15 @@ impl Trainer {
                     return Ok(false);
                 }
             },
-            Some(meta::KIND_MODEL) => (Tensors::from_bytes(bytes)?, false),
+            Some(meta::KIND_MODEL) => {
+                let (global, hash) = self.learner.read_model(path)?;
+                (global, hash, false)
+            }
             other => {
                 eprintln!("a file of kind {other:?} from the parameter server: ignored");
                 return Ok(false);
             }
         };
-        let hash = global.digest();
         if metadata
             .get(meta::MODEL_HASH)
             .is_some_and(|expected| *expected != hash)
@@ -828,8 +807,7 @@ impl Trainer {
             self.ask_whole(peer)?;
             return Ok(false);
         }
-        self.start_round(round, global)?;
-        self.global_hash = hash;
+        self.start_round(round, global, hash)?;
         if changed {
             self.deltas_applied += 1;
         }
@@ -840,7 +818,12 @@ impl Trainer {
 
     /// Starts round `round` from the global model `global`: loaded as it is, or, when the
     /// trainer trained ahead, with what it learned since the sync moved onto it.
-    fn start_round(&mut self, round: u64, global: Tensors) -> Result<(), TrainError> {
+    fn start_round(
+        &mut self,
+        round: u64,
+        global: L::Global,
+        hash: String,
+    ) -> Result<(), TrainError> {
         // An update still on its way is of a round that is over.
         if let Some(sending) = self.sending.take()
             && sending.task.is_finished()
@@ -864,29 +847,14 @@ impl Trainer {
                     self.report_slices(&ahead.stats.consumed, ahead.round + 1)?;
                 }
                 self.data.rewind();
-                self.model.load(&global)?;
+                self.learner.start(global, hash, false)?;
                 self.stats = RoundStats {
                     batch_ms,
                     ..RoundStats::default()
                 };
             }
             Some(ahead) if ahead.stats.batches > 0 => {
-                let mut local = self.model.tensors()?;
-                for (name, tensor) in &mut local.0 {
-                    let (Some(new), Some(synced)) = (global.0.get(name), ahead.synced.0.get(name))
-                    else {
-                        continue;
-                    };
-                    for ((l, n), s) in tensor
-                        .values
-                        .iter_mut()
-                        .zip(&new.values)
-                        .zip(&synced.values)
-                    {
-                        *l += n - s;
-                    }
-                }
-                self.model.load(&local)?;
+                self.learner.start(global, hash, true)?;
                 eprintln!(
                     "round {round}: {} batches trained ahead moved onto the new global model",
                     ahead.stats.batches
@@ -897,7 +865,7 @@ impl Trainer {
                 };
             }
             ahead => {
-                self.model.load(&global)?;
+                self.learner.start(global, hash, false)?;
                 self.stats = RoundStats {
                     batch_ms,
                     consumed: ahead.map(|a| a.stats.consumed).unwrap_or_default(),
@@ -905,15 +873,19 @@ impl Trainer {
                 };
             }
         }
-        self.global = global;
         self.round = Some(round);
         self.last_model = Some(round);
         Ok(())
     }
 
-    /// The global model the change `bytes` (with its `metadata`) makes of the one this
-    /// trainer holds; why not, when the change is of another model.
-    fn apply_change(&self, bytes: &[u8], metadata: &Metadata) -> Result<Tensors, String> {
+    /// The global model the change in the file at `path` (with its `metadata`) makes of the
+    /// one this trainer holds, and its fingerprint; why not, when the change is of another
+    /// model.
+    fn apply_change(
+        &mut self,
+        path: &Path,
+        metadata: &Metadata,
+    ) -> Result<(L::Global, String), String> {
         let base_round = metadata
             .get(meta::BASE_ROUND)
             .and_then(|r| r.parse::<u64>().ok());
@@ -929,14 +901,10 @@ impl Trainer {
                 "it claims to lead from round {base_round:?} to {round:?}"
             ));
         }
-        if metadata.get(meta::BASE_HASH) != Some(&self.global_hash) {
+        if metadata.get(meta::BASE_HASH).map(String::as_str) != Some(self.learner.global_hash()) {
             return Err("it changes a model with another fingerprint".into());
         }
-        let mut global = self.global.clone();
-        Update::read(bytes)
-            .and_then(|change| change.add_to(&mut global))
-            .map_err(|error| error.to_string())?;
-        Ok(global)
+        self.learner.apply_change(path)
     }
 
     /// Asks `parameter_server` for the whole global model, again every [`OFFER_AGAIN`] until
@@ -945,47 +913,33 @@ impl Trainer {
         self.asked_whole = Some(Instant::now());
         let metadata =
             Metadata::from([(meta::KIND.to_string(), meta::KIND_MODEL_REQUEST.to_string())]);
-        let bytes = Tensors::default().to_bytes(&metadata)?;
-        self.send(parameter_server, "model-request.safetensors", &bytes)
+        let name = "model-request.safetensors";
+        let path = outbox(&self.dir, name)?;
+        hypha_diloco::Tensors::default().save(&path, &metadata)?;
+        send_file(&self.bridge, &self.dir, parameter_server, name)
     }
 }
 
-/// Sends `bytes` to `peer` through the job's bridge, as the file `outbox/{name}` of the job's
-/// directory `dir` (removed once sent).
-fn send_file(
-    bridge: &Client,
-    dir: &Path,
-    peer: &str,
-    name: &str,
-    bytes: &[u8],
-) -> Result<(), TrainError> {
+/// The path of the file `name` in the outbox of the job's directory `dir` (made if missing).
+fn outbox(dir: &Path, name: &str) -> Result<PathBuf, TrainError> {
     let outbox = dir.join("outbox");
-    let path = outbox.join(name);
-    let file_error = |error| TrainError::File {
-        path: path.clone(),
+    std::fs::create_dir_all(&outbox).map_err(|error| TrainError::File {
+        path: outbox.clone(),
         error,
-    };
-    std::fs::create_dir_all(&outbox).map_err(file_error)?;
-    std::fs::write(&path, bytes).map_err(file_error)?;
+    })?;
+    Ok(outbox.join(name))
+}
+
+/// Sends the file `outbox/{name}` of the job's directory `dir` to `peer` through the job's
+/// bridge; removed once sent, kept to be sent again when not.
+fn send_file(bridge: &Client, dir: &Path, peer: &str, name: &str) -> Result<(), TrainError> {
     bridge.send(&SendRequest {
         send: Target::Peers(Peers::new([peer], Strategy::All)),
         path: format!("outbox/{name}"),
         patience_ms: Some(SEND_PATIENCE.as_millis() as u64),
     })?;
-    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(dir.join("outbox").join(name));
     Ok(())
-}
-
-/// The bytes of a file the bridge delivered into the job's directory `dir`; the file is
-/// removed, so that a long job's directory does not fill up.
-fn take(dir: &Path, entry: &FileEntry) -> Result<Vec<u8>, TrainError> {
-    let path = dir.join(&entry.path);
-    let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
-        path: path.clone(),
-        error,
-    })?;
-    let _ = std::fs::remove_file(&path);
-    Ok(bytes)
 }
 
 /// The job's slices, read batch by batch.
@@ -1109,9 +1063,15 @@ impl Reader {
             epoch: u32::try_from(number("epoch")?).unwrap_or(u32::MAX),
             slice: number("slice")?,
         };
-        let bytes = take(&self.dir, entry)?;
+        let path = self.dir.join(&entry.path);
+        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+            path: path.clone(),
+            error,
+        });
+        // Read or not, the file goes: a long job's directory does not fill up.
+        let _ = std::fs::remove_file(&path);
         let batch =
-            Batch::read(&bytes, &self.model, &self.tensors).map_err(|error| TrainError::Data {
+            Batch::read(&bytes?, &self.model, &self.tensors).map_err(|error| TrainError::Data {
                 epoch: id.epoch,
                 slice: id.slice,
                 error,

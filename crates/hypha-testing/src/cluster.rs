@@ -658,8 +658,15 @@ impl Cluster {
     /// A worker whose executor `train/diloco` is the reference trainer (`hypha-executor
     /// train`); it also offers `executors`.
     pub fn trainer_worker(&self, name: &str, executors: &str) -> Proc {
+        self.trainer_worker_with_args(name, &[], executors)
+    }
+
+    /// [`trainer_worker`](Self::trainer_worker), with `args` after the trainer's usual ones
+    /// (`--synthetic-updates`).
+    pub fn trainer_worker_with_args(&self, name: &str, args: &[&str], executors: &str) -> Proc {
+        let args: String = args.iter().map(|arg| format!(", {arg:?}")).collect();
         let executor = format!(
-            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{executors}",
+            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"{args}]\n{executors}",
             bin("hypha-executor").display().to_string()
         );
         self.worker_with_executors(name, "price = 10\n", "cpu = 1\n", &executor, &[])

@@ -34,7 +34,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 }
 
 fn measure(repetitions: usize) -> anyhow::Result<Report> {
-    let (cluster, mut servers, _others) = spare_server_cluster();
+    let (cluster, mut servers, _others) = spare_server_cluster(&[]);
     let names = SERVER_WORKERS;
     // Enough epochs that the data outlasts every kill.
     let job = cluster.diloco_job("recovery", 2, 200, "");
