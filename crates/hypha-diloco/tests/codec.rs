@@ -449,3 +449,141 @@ fn every_encoding_fits_its_bound_and_a_looser_one_does_not() {
     let f32_bytes = codec::encode(&big, Codec::None, &metadata).unwrap();
     assert!(f32_bytes.len() as u64 > codec::max_encoded_bytes(Codec::Int8, [1 << 20].into_iter()));
 }
+
+/// A model of two parameters, one of more values than a chunk read from a file holds.
+fn large_model(seed: u64) -> Tensors {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut values =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+    let big = (hypha_diloco::file::CHUNK + 3 * INT8_BLOCK + 7) / 2;
+    Tensors(
+        [
+            ("a.weight".to_string(), tensor(&[2, big], values(2 * big))),
+            ("b.bias".to_string(), tensor(&[5], values(5))),
+        ]
+        .into(),
+    )
+}
+
+fn small_change(model: &Tensors, seed: u64) -> Tensors {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut change = model.clone();
+    for t in change.0.values_mut() {
+        t.values
+            .iter_mut()
+            .for_each(|v| *v = rng.random_range(-1e-3..1e-3));
+    }
+    change
+}
+
+#[test]
+fn a_change_applied_to_a_model_file_a_chunk_at_a_time_gives_what_add_to_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = large_model(1);
+    let model_path = dir.path().join("model.safetensors");
+    model.save(&model_path, &Metadata::new()).unwrap();
+    let source = hypha_diloco::file::FileSource::open(&model_path).unwrap();
+    assert_eq!(Tensors::fingerprint_of(&source).unwrap(), model.digest());
+    for codec in [
+        Codec::None,
+        Codec::Bf16,
+        Codec::Int8,
+        Codec::TopK { density: 0.01 },
+    ] {
+        let change = codec::encode(&small_change(&model, 2), codec, &Metadata::new()).unwrap();
+        let mut expected = model.clone();
+        Update::read(&change)
+            .unwrap()
+            .add_to(&mut expected)
+            .unwrap();
+        let out = dir.path().join(format!("{}.safetensors", codec.name()));
+        let hash = Update::read(&change)
+            .unwrap()
+            .add_to_file(&source, &out, Metadata::new())
+            .unwrap();
+        assert_eq!(hash, expected.digest(), "{codec:?}");
+        assert_eq!(Tensors::load(&out).unwrap(), expected, "{codec:?}");
+    }
+
+    // A change of another model is refused, and nothing is written.
+    let mut wrong = large_model(3);
+    wrong.0.remove("b.bias");
+    let wrong = codec::encode(&wrong, Codec::Int8, &Metadata::new()).unwrap();
+    let out = dir.path().join("refused.safetensors");
+    assert!(
+        Update::read(&wrong)
+            .unwrap()
+            .add_to_file(&source, &out, Metadata::new())
+            .is_err()
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_file_encoded_a_parameter_at_a_time_is_the_file_encode_makes() {
+    let dir = tempfile::tempdir().unwrap();
+    let update = update(5);
+    let metadata = Metadata::from([("round".to_string(), "3".to_string())]);
+    let shapes: Vec<(String, Vec<usize>)> = update
+        .0
+        .iter()
+        .map(|(name, t)| (name.clone(), t.shape.clone()))
+        .collect();
+    for codec in [Codec::None, Codec::Bf16, Codec::Int8] {
+        let path = dir.path().join(codec.name());
+        let size = codec::encode_file(
+            &path,
+            false,
+            codec,
+            &shapes,
+            &metadata,
+            |name, _, values| {
+                values.extend_from_slice(&update.0[name].values);
+                Ok(())
+            },
+        )
+        .unwrap();
+        let written = std::fs::read(&path).unwrap();
+        assert_eq!(written.len() as u64, size);
+        assert_eq!(
+            written,
+            codec::encode(&update, codec, &metadata).unwrap(),
+            "{codec:?}"
+        );
+    }
+    // Too few values for a shape: refused, nothing written.
+    let path = dir.path().join("short");
+    let short = codec::encode_file(
+        &path,
+        false,
+        Codec::Int8,
+        &shapes,
+        &metadata,
+        |_, _, values| {
+            values.push(1.0);
+            Ok(())
+        },
+    );
+    assert!(short.is_err());
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_rewritten_file_holds_the_same_tensors_with_the_new_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = large_model(6);
+    let path = dir.path().join("model.safetensors");
+    model
+        .save(
+            &path,
+            &Metadata::from([("kind".to_string(), "model".to_string())]),
+        )
+        .unwrap();
+    let copy = dir.path().join("copy.safetensors");
+    let metadata = Metadata::from([("round".to_string(), "0".to_string())]);
+    let source = hypha_diloco::file::FileSource::open(&path).unwrap();
+    hypha_diloco::file::rewrite(&source, &copy, &metadata).unwrap();
+    let bytes = std::fs::read(&copy).unwrap();
+    assert_eq!(hypha_diloco::metadata(&bytes).unwrap(), metadata);
+    assert_eq!(Tensors::from_bytes(&bytes).unwrap(), model);
+}

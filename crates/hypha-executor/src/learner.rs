@@ -242,7 +242,7 @@ impl SyntheticUpdates {
             shapes,
             global_hash: String::new(),
             codec,
-            rng: StdRng::seed_from_u64(seed ^ 0x5EED_0F_D17F),
+            rng: StdRng::seed_from_u64(seed ^ 0x005E_ED0F_D17F),
         };
         let mut rng = StdRng::seed_from_u64(seed);
         let global = learner.global_path();

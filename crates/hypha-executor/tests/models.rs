@@ -99,3 +99,43 @@ fn a_model_round_trips_through_safetensors_and_seeds_fix_it() {
     let err = other.load(&a.tensors().unwrap()).unwrap_err().to_string();
     assert!(err.contains("l1.weight"), "{err}");
 }
+
+#[test]
+fn a_specs_parameter_shapes_are_those_of_the_model_it_makes() {
+    for spec in [
+        ModelSpec::Mlp {
+            inputs: 16,
+            hidden: 32,
+            classes: 4,
+        },
+        ModelSpec::Cnn {
+            channels: 3,
+            classes: 10,
+            width: 8,
+        },
+        ModelSpec::Transformer {
+            vocab: 40,
+            context: 16,
+            dim: 32,
+            heads: 4,
+            layers: 2,
+        },
+    ] {
+        let made: Vec<(String, Vec<usize>)> = Model::new(&spec, 0)
+            .unwrap()
+            .tensors()
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|(name, tensor)| (name, tensor.shape))
+            .collect();
+        assert_eq!(spec.parameter_shapes().unwrap(), made, "{spec:?}");
+    }
+    // A spec that makes no model makes no shapes either.
+    let bad = ModelSpec::Mlp {
+        inputs: 0,
+        hidden: 32,
+        classes: 4,
+    };
+    assert!(bad.parameter_shapes().is_err());
+}

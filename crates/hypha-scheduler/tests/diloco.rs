@@ -1663,6 +1663,60 @@ fn rust_and_pytorch_trainers_train_the_transformer_together_on_the_same_global_m
     }
 }
 
+/// `hypha-executor train --synthetic-updates` (the trainers of `hypha-bench scale`) in a job of
+/// `int8` changes: they read their slices as trainers do and send drawn pseudo-gradients,
+/// which the server takes; they apply its changes to the model they keep in a file, a chunk
+/// at a time, and report the fingerprint of the server's model in the rounds they train. Every
+/// slice is used once.
+#[test]
+fn synthetic_trainers_apply_the_servers_changes_to_the_model_they_keep_on_disk() {
+    let (cluster, _data, mut server) = cluster();
+    let mut trainers: Vec<Proc> = (0..2)
+        .map(|i| {
+            cluster.trainer_worker_with_args(&format!("synthetic{i}"), &["--synthetic-updates"], "")
+        })
+        .collect();
+    let job = cluster.diloco_job("synthetic", 2, 2, "compression = \"int8\"\n");
+    let (mut scheduler, _events) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(120));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let metrics = lines_of(&cluster.path("synthetic-job.metrics.jsonl"));
+    let ps_dir = job_dir(&cluster.path("ps-work"));
+    let checked = trainers_held_the_rounds_models(&metrics, &ps_dir);
+    for i in 0..2 {
+        let job = job_id_of(&cluster, &format!("synthetic{i}"));
+        assert!(
+            checked.get(&job).is_some_and(|n| *n >= 2),
+            "synthetic{i}'s reports of the global model it held, checked: {checked:?}"
+        );
+    }
+    let logs: String = (0..2)
+        .map(|i| {
+            let dir = job_dir(&cluster.path(&format!("synthetic{i}-work")));
+            std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+        })
+        .collect();
+    assert!(logs.contains("(as a change)"), "{logs}");
+    assert!(!logs.contains("does not match"), "{logs}");
+    // Nothing was learned: no trainer reports a loss.
+    assert!(
+        metrics
+            .iter()
+            .filter(|m| m["kind"] == "trainer")
+            .all(|m| m["loss"].is_null()),
+        "a synthetic trainer reported a loss"
+    );
+    assert_audit_passes(&cluster.path("synthetic-job.ledger"), 2, SLICES);
+
+    for (i, trainer) in trainers.iter_mut().enumerate() {
+        trainer.kill();
+        no_errors(&format!("synthetic{i}"), &trainer.seen);
+    }
+}
+
 /// A trainer of the run that lies (`python/tests/lying_trainer.py`: the numpy trainer, its
 /// every pseudo-gradient claiming a trillion samples) beside two honest reference trainers.
 /// The parameter server refuses its updates and the rounds go on without waiting for it: the

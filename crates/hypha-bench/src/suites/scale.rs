@@ -94,6 +94,8 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
     let parameters = hidden * hidden + 22 * hidden + 4;
     let model_bytes = 4 * parameters;
 
+    // On a machine at rest, before any process of the run starts.
+    let memcpy_s = memcpy_seconds(model_bytes);
     let (cluster, mut servers, _others) = spare_server_cluster(&["--synthetic-updates"]);
     let names = SERVER_WORKERS;
     // Before any job: what the worker holds whatever it runs.
@@ -168,7 +170,6 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         .filter_map(|l| l["bytes"].as_f64())
         .next()
         .unwrap_or(3.0 * model_bytes as f64);
-    let memcpy_s = memcpy_seconds(model_bytes);
     eprintln!(
         "checkpoints of rounds {:?}; DiLoCo MB a round {:?}",
         checkpoints
