@@ -75,15 +75,36 @@ pub enum FetchError {
 /// Which peers a fetch lets into this node's swarm of the artifact (and fetch chunks here):
 /// those a job or request on this node names, such as the workers of the job's task.
 #[derive(Clone)]
-pub struct Admission(Arc<dyn Fn(&PeerId) -> bool + Send + Sync>);
+pub struct Admission {
+    admits: Arc<dyn Fn(&PeerId) -> bool + Send + Sync>,
+    named: Option<Arc<dyn Fn() -> Vec<PeerId> + Send + Sync>>,
+}
 
 impl Admission {
     pub fn new(admits: impl Fn(&PeerId) -> bool + Send + Sync + 'static) -> Admission {
-        Admission(Arc::new(admits))
+        Admission {
+            admits: Arc::new(admits),
+            named: None,
+        }
+    }
+
+    /// Names the peers expected to fetch the artifact too (the workers of a job's task, as
+    /// its scheduler said): while the swarm waits for the members it expects, it dials them
+    /// itself and does not wait for the DHT to find them, which on a loaded network can take
+    /// longer than the join timeout (a member found too late reads its own turns of a ring
+    /// the others never saw, and the origin sends those chunks twice).
+    pub fn naming(mut self, named: impl Fn() -> Vec<PeerId> + Send + Sync + 'static) -> Admission {
+        self.named = Some(Arc::new(named));
+        self
     }
 
     pub fn admits(&self, peer: &PeerId) -> bool {
-        (self.0)(peer)
+        (self.admits)(peer)
+    }
+
+    /// The peers it names (see [`naming`](Self::naming)); none if it names nobody.
+    pub fn named(&self) -> Vec<PeerId> {
+        self.named.as_ref().map(|named| named()).unwrap_or_default()
     }
 }
 
@@ -153,6 +174,13 @@ struct Member {
 impl Member {
     fn admits(&self, peer: &PeerId) -> bool {
         self.anyone || self.admissions.iter().any(|a| a.admits(peer))
+    }
+
+    fn named(&self) -> Vec<PeerId> {
+        let mut named: Vec<PeerId> = self.admissions.iter().flat_map(Admission::named).collect();
+        named.sort_unstable();
+        named.dedup();
+        named
     }
 }
 
@@ -496,11 +524,18 @@ impl Distributor {
         admission: &Option<Admission>,
     ) -> watch::Receiver<Progress> {
         let id = holding.assembly.manifest().id;
+        let inner = Arc::downgrade(&self.inner);
         let context = Context {
             network: self.inner.network.clone(),
             origin,
             cache: self.inner.cache.clone(),
             settings: self.inner.settings.clone(),
+            named: swarm::Named::new(move || {
+                inner
+                    .upgrade()
+                    .and_then(|inner| inner.swarms().get(&id).map(Member::named))
+                    .unwrap_or_default()
+            }),
         };
         // Locked from before the swarm announces itself until it is in, admission included:
         // a peer's hello in between would be answered `not_member`, and the peer would stay

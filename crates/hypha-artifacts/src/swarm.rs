@@ -427,6 +427,30 @@ pub(crate) struct Context {
     pub origin: Arc<Origin>,
     pub cache: Arc<Cache>,
     pub settings: Settings,
+    /// The peers the fetches in this swarm name as fetching it too
+    /// ([`Admission::naming`](crate::Admission::naming)).
+    pub named: Named,
+}
+
+/// The peers a swarm's fetches name, asked for each time (the list changes as jobs come and
+/// go).
+#[derive(Clone)]
+pub(crate) struct Named(Arc<dyn Fn() -> Vec<PeerId> + Send + Sync>);
+
+impl Named {
+    pub fn new(named: impl Fn() -> Vec<PeerId> + Send + Sync + 'static) -> Named {
+        Named(Arc::new(named))
+    }
+
+    fn get(&self) -> Vec<PeerId> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Named {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Named(..)")
+    }
 }
 
 /// Starts the actor of one artifact. `expect` members (this node included) are waited for,
@@ -548,9 +572,18 @@ impl Actor {
             }
         }
         let key = provider_key(self.manifest.id);
-        if let Err(e) = self.context.network.start_providing(&key).await {
-            tracing::warn!(artifact = %self.manifest.id, "cannot announce in the DHT: {e}");
-        }
+        // Announced beside the actor, never before it: a DHT put waits on the slowest of the
+        // closest peers (up to the query timeout), and a swarm that waited for it would let
+        // its join timeout pass without hearing the members that came meanwhile.
+        let announcement = tokio::spawn({
+            let (network, key, artifact) =
+                (self.context.network.clone(), key.clone(), self.manifest.id);
+            async move {
+                if let Err(e) = network.start_providing(&key).await {
+                    tracing::warn!(%artifact, "cannot announce in the DHT: {e}");
+                }
+            }
+        });
         let discovery = tokio::spawn(discover(
             self.context.network.clone(),
             key.clone(),
@@ -568,6 +601,7 @@ impl Actor {
                 break;
             }
         }
+        announcement.abort();
         discovery.abort();
         ticker.abort();
         let _ = self.context.network.stop_providing(&key).await;
@@ -576,13 +610,7 @@ impl Actor {
     fn handle(&mut self, event: Event) {
         match event {
             Event::Joined { peer, stream } => self.joined(peer, stream),
-            Event::Discovered(found) => {
-                for peer in found {
-                    if peer != self.me {
-                        self.connect(peer);
-                    }
-                }
-            }
+            Event::Discovered(found) => self.reach(found),
             Event::Message {
                 peer,
                 generation,
@@ -727,6 +755,10 @@ impl Actor {
                 Err(reason) => self.fail(Failure::Failed(reason)),
             },
             Event::Tick => {
+                if self.join_deadline.is_some() {
+                    let named = self.context.named.get();
+                    self.reach(named);
+                }
                 let uploads = self.holding.uploads_now();
                 if uploads != self.reported_uploads {
                     self.reported_uploads = uploads;
@@ -955,6 +987,15 @@ impl Actor {
             p.reader_task = Some(task.abort_handle());
         }
         self.connect(peer);
+    }
+
+    /// Opens our streams to `peers` (found in the DHT, or named by the fetches).
+    fn reach(&mut self, peers: impl IntoIterator<Item = PeerId>) {
+        for peer in peers {
+            if peer != self.me {
+                self.connect(peer);
+            }
+        }
     }
 
     /// Opens our stream to `peer` unless one is open or it was refused a moment ago.
@@ -1238,10 +1279,17 @@ impl Actor {
             members.len() >= self.expect
                 && self.peers.values().filter(|p| p.live()).all(|p| p.synced)
         };
-        if self
-            .join_deadline
-            .is_some_and(|deadline| whole() || Instant::now() >= deadline)
+        if let Some(deadline) = self.join_deadline
+            && (whole() || Instant::now() >= deadline)
         {
+            if !whole() {
+                tracing::warn!(
+                    artifact = %self.manifest.id,
+                    expected = self.expect,
+                    here = members.len(),
+                    "the members expected did not all join within the join timeout; reading from the origin without them (chunks a late member reads in its own turn leave the origin twice)"
+                );
+            }
             self.join_deadline = None;
             let now = Instant::now();
             self.ring_changed = now;

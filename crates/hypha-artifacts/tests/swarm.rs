@@ -632,3 +632,86 @@ async fn a_peer_no_fetch_admits_cannot_join_the_swarm_or_take_chunks() {
         second.progress.peers
     );
 }
+
+/// Where the DHT is slow (here every query waits on a peer in the routing tables that accepts
+/// connections and never answers, as a vanished machine's address can), the members a fetch
+/// names still find each other before the join timeout, as a job's workers do: they dial each
+/// other, and each chunk leaves the origin once. (Checked by naming nobody, and by announcing
+/// in the DHT before taking any event: the join timeout passes first, each node reads the
+/// whole artifact itself.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_the_fetches_name_join_although_the_dht_is_slow() {
+    use hypha_artifacts::{Admission, FetchOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    let model = pattern(12 * 64 * 1024 + 5, 9);
+    s3.put("m.bin", model.clone()).await.unwrap();
+    // Accepts connections and never speaks: a dial to it lasts until the upgrade times out.
+    let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let black_hole_addr: libp2p::Multiaddr = format!(
+        "/ip4/127.0.0.1/tcp/{}",
+        black_hole.local_addr().unwrap().port()
+    )
+    .parse()
+    .unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = black_hole.incoming().collect();
+        drop(held);
+    });
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let mut settings = settings(64 * 1024);
+    // Shorter than a query that waits on the silent peer (10 s), long enough for members
+    // that dial each other on a loaded machine.
+    settings.join_timeout = Duration::from_secs(8);
+    let mut members = Vec::new();
+    for i in 0..3 {
+        let member = node(
+            &pki,
+            &format!("n{i}"),
+            &gateway_addr,
+            &s3,
+            dir.path(),
+            settings.clone(),
+        )
+        .await;
+        member
+            .network()
+            .add_address(libp2p::PeerId::random(), black_hole_addr.clone())
+            .await
+            .unwrap();
+        members.push(member);
+    }
+    let names: Vec<libp2p::PeerId> = members
+        .iter()
+        .map(|m| m.network().local_peer_id())
+        .collect();
+    let fetches = members.iter().enumerate().map(|(i, member)| {
+        let (admitted, named) = (names.clone(), names.clone());
+        let out = dir.path().join(format!("out{i}/m.bin"));
+        async move {
+            let options = FetchOptions {
+                expect: 3,
+                progress: None,
+                admission: Some(
+                    Admission::new(move |peer| admitted.contains(peer))
+                        .naming(move || named.clone()),
+                ),
+            };
+            member
+                .fetch(&object("m.bin", &out), &options)
+                .await
+                .unwrap()
+        }
+    });
+    let fetched = futures::future::join_all(fetches).await;
+    for (i, fetched) in fetched.iter().enumerate() {
+        assert_eq!(std::fs::read(&fetched.files[0]).unwrap(), model, "node {i}");
+    }
+    assert_eq!(
+        s3.bytes_served(),
+        model.len() as u64,
+        "each chunk leaves the origin once: {:#?}",
+        fetched.iter().map(|f| &f.progress).collect::<Vec<_>>()
+    );
+}

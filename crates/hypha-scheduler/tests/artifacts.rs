@@ -171,9 +171,14 @@ destination = "copy/same-object.bin"
     // the same object under another name too); each executor's prefix fetch, made when it got there, at most once per worker.
     let once = (model.len() + archive.len()) as u64;
     let served = s3.bytes_served();
+    let swarm_warnings: Vec<&String> = workers
+        .iter()
+        .flat_map(|w| &w.seen)
+        .filter(|l| l.contains("WARN") && l.contains("artifact"))
+        .collect();
     assert!(
         served >= once + prefix_bytes && served <= once + 3 * prefix_bytes,
-        "S3 served {served} bytes; the job's artifacts are {once} bytes, the prefix {prefix_bytes}"
+        "S3 served {served} bytes; the job's artifacts are {once} bytes, the prefix {prefix_bytes}; the workers warned {swarm_warnings:#?}"
     );
 }
 

@@ -203,6 +203,24 @@ struct Task {
     version: u64,
 }
 
+/// A task's entry among the inboxes, while its scheduler is the one named.
+struct TaskOf {
+    inboxes: std::sync::Weak<Inboxes>,
+    scheduler: PeerId,
+    task: String,
+}
+
+impl TaskOf {
+    /// `f` of the task's peers as its scheduler last said; `None` when no job of the task
+    /// runs here or it belongs to another scheduler.
+    fn peers<T>(&self, f: impl FnOnce(&HashSet<PeerId>) -> T) -> Option<T> {
+        let inboxes = self.inboxes.upgrade()?;
+        let by_task = inboxes.lock();
+        let task = by_task.get(&self.task)?;
+        (task.scheduler == self.scheduler).then(|| f(&task.peers))
+    }
+}
+
 impl Task {
     /// Takes `peers` if they are newer than the list held.
     fn update(&mut self, peers: &TaskPeers) -> bool {
@@ -287,17 +305,21 @@ impl Inboxes {
 
     /// Who may share the artifacts of `scheduler`'s `task` with this worker: the workers of
     /// the task's jobs, as its scheduler last said (while an artifact is shared, the list may
-    /// change). Nobody, should the task here belong to another scheduler.
+    /// change), named to the swarm so that it dials them. Nobody, should the task here
+    /// belong to another scheduler.
     pub fn artifact_admission(self: &Arc<Self>, scheduler: PeerId, task: &str) -> Admission {
-        let inboxes = Arc::downgrade(self);
-        let task = task.to_string();
-        Admission::new(move |peer| {
-            inboxes.upgrade().is_some_and(|i| {
-                i.lock()
-                    .get(&task)
-                    .is_some_and(|t| t.scheduler == scheduler && t.peers.contains(peer))
+        let task = Arc::new(TaskOf {
+            inboxes: Arc::downgrade(self),
+            scheduler,
+            task: task.to_string(),
+        });
+        let named = task.clone();
+        Admission::new(move |peer| task.peers(|peers| peers.contains(peer)).unwrap_or(false))
+            .naming(move || {
+                named
+                    .peers(|peers| peers.iter().copied().collect())
+                    .unwrap_or_default()
             })
-        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Task>> {
