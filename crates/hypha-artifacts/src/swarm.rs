@@ -3,6 +3,10 @@
 //! There is no coordinator. Every node hears from every other member what it holds, what it
 //! is pulling from the origin and how many chunks it is sending, and decides for itself:
 //!
+//! - **Membership**: a member is a peer whose stream to this node is open, and this node
+//!   keeps its own stream to each open (a refused or broken one is opened again). Members
+//!   are found in the DHT and, while the expected ones are not all there, among the peers the
+//!   fetches name (a job's workers): a slow DHT must not let the join timeout pass.
 //! - **Origin**: a chunk belongs to one member, `members[(chunk + k) % n]` over the sorted
 //!   live members (k from the artifact id), and only its owner reads it from the origin,
 //!   within `origin_connections / n` connections. While the members agree on who is live,
@@ -755,6 +759,16 @@ impl Actor {
                 Err(reason) => self.fail(Failure::Failed(reason)),
             },
             Event::Tick => {
+                // A member whose stream to this node is open hears nothing from it while ours
+                // to it is closed (refused, or it broke), and may be waiting for it to join:
+                // ours is opened again, whether or not the DHT shows the member.
+                let unanswered: Vec<PeerId> = self
+                    .peers
+                    .iter()
+                    .filter(|(_, p)| p.live() && p.writer.is_none())
+                    .map(|(peer, _)| *peer)
+                    .collect();
+                self.reach(unanswered);
                 if self.join_deadline.is_some() {
                     let named = self.context.named.get();
                     self.reach(named);

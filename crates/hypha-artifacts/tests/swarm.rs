@@ -636,9 +636,11 @@ async fn a_peer_no_fetch_admits_cannot_join_the_swarm_or_take_chunks() {
 /// Where the DHT is slow (here every query waits on a peer in the routing tables that accepts
 /// connections and never answers, as a vanished machine's address can), the members a fetch
 /// names still find each other before the join timeout, as a job's workers do: they dial each
-/// other, and each chunk leaves the origin once. (Checked by naming nobody, and by announcing
-/// in the DHT before taking any event: the join timeout passes first, each node reads the
-/// whole artifact itself.)
+/// other, and each chunk leaves the origin once; one that starts a moment after the others,
+/// which dialled it before it was there and were refused, is dialled again. (Checked by
+/// naming nobody, by announcing in the DHT before taking any event, and by not dialling again
+/// a member whose stream to this node is open: the join timeout passes first and the origin
+/// sends chunks twice.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_the_fetches_name_join_although_the_dht_is_slow() {
     use hypha_artifacts::{Admission, FetchOptions};
@@ -690,6 +692,10 @@ async fn members_the_fetches_name_join_although_the_dht_is_slow() {
         let (admitted, named) = (names.clone(), names.clone());
         let out = dir.path().join(format!("out{i}/m.bin"));
         async move {
+            if i == 2 {
+                // The others found it not yet in the swarm, and were refused.
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+            }
             let options = FetchOptions {
                 expect: 3,
                 progress: None,
@@ -714,4 +720,88 @@ async fn members_the_fetches_name_join_although_the_dht_is_slow() {
         "each chunk leaves the origin once: {:#?}",
         fetched.iter().map(|f| &f.progress).collect::<Vec<_>>()
     );
+}
+
+/// A member whose stream to this node is open, but that refused this node's stream to it (it
+/// was not ready), is dialled again, although the ring is whole and the DHT never shows it:
+/// otherwise it would never hear this node, and might wait for it until its join timeout.
+/// (Checked by dialling again only the peers the DHT shows: the member waits in vain.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_refused_this_nodes_stream_once_is_dialled_again() {
+    use futures::StreamExt;
+    use hypha_artifacts::{
+        Manifest,
+        protocol::{HelloReply, SWARM_PROTOCOL, SwarmMessage, read_frame, write_frame},
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    s3.put("m.bin", pattern(4 * 64 * 1024, 4)).await.unwrap();
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "n0",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+    let request = object("m.bin", &dir.path().join("out0/m.bin"));
+    let origin = origins(&s3).get("default").unwrap();
+    let artifact = Manifest::new(
+        origin.url(),
+        64 * 1024,
+        origin.resolve(&request).await.unwrap(),
+    )
+    .id;
+
+    // The member: announces nothing in the DHT, refuses the first stream the node opens to
+    // it, welcomes the next.
+    let member = pki.start("member", Some(&gateway_addr)).await;
+    let (dialled_again, mut welcomed) = tokio::sync::mpsc::channel(1);
+    let mut hellos = member.accept_streams(SWARM_PROTOCOL).unwrap();
+    tokio::spawn(async move {
+        let mut refused = false;
+        while let Some((_, mut stream)) = hellos.next().await {
+            let _ = read_frame::<SwarmMessage>(&mut stream).await;
+            if !refused {
+                refused = true;
+                let _ = write_frame(&mut stream, &HelloReply::NotMember).await;
+                continue;
+            }
+            let _ = write_frame(&mut stream, &HelloReply::Welcome).await;
+            let _ = dialled_again.try_send(());
+            tokio::spawn(
+                async move { while read_frame::<SwarmMessage>(&mut stream).await.is_ok() {} },
+            );
+        }
+    });
+
+    let fetch = tokio::spawn({
+        let node = node.clone();
+        async move { fetch(&node, &request, 2).await }
+    });
+    // Its own stream to the node, once the node is in the swarm: the ring of two is whole.
+    let node_id = node.network().local_peer_id();
+    let mut stream = loop {
+        let mut stream = member.open_stream(node_id, SWARM_PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &SwarmMessage::Hello { artifact })
+            .await
+            .unwrap();
+        if read_frame::<HelloReply>(&mut stream).await.unwrap() == HelloReply::Welcome {
+            break stream;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    write_frame(&mut stream, &SwarmMessage::Load { uploads: 0 })
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(30), welcomed.recv())
+            .await
+            .is_ok(),
+        "the node never opened its stream to the member again"
+    );
+    fetch.abort();
 }
