@@ -391,6 +391,13 @@ pub(crate) struct RoundTrip {
     scratch: Scratch,
 }
 
+impl RoundTrip {
+    /// The bytes of the last [`round_trip`].
+    pub(crate) fn encoded(&self) -> &[u8] {
+        &self.encoded
+    }
+}
+
 /// One parameter's `values` compressed with `codec` ([`codec::encode_values`]), and the values
 /// a receiver reads from those bytes, read and checked by the code every receiver uses.
 pub(crate) fn round_trip<'b>(
@@ -749,6 +756,19 @@ impl Accumulator {
         for sum in self.sums.values_mut() {
             sum.values.fill(0.0);
         }
+        self.emptied();
+    }
+
+    /// [`clear`](Self::clear) where the caller zeroed every sum already, as a close does
+    /// chunk by chunk while they are in the caches (another pass would cost a model's bytes
+    /// of memory traffic).
+    pub(crate) fn emptied(&mut self) {
+        debug_assert!(
+            self.sums
+                .values()
+                .all(|sum| sum.values.iter().all(|v| *v == 0.0)),
+            "a sum left non-zero"
+        );
         self.weight = 0.0;
         self.updates = 0;
         self.damaged = false;

@@ -16,6 +16,7 @@ use std::{
 };
 
 use hypha_messages::diloco::meta;
+use rayon::prelude::*;
 use safetensors::Dtype;
 
 use crate::{
@@ -407,7 +408,7 @@ impl ParameterServer {
     ///
     /// An error writing to `out` makes no change either: the round is closed all the same,
     /// each chunk having moved by what the codec would have sent.
-    fn close_with<W: Write + Seek>(
+    fn close_with<W: Write + Seek + Send>(
         &mut self,
         out: Option<W>,
     ) -> Result<(Closed, Option<W>), Error> {
@@ -449,9 +450,21 @@ impl ParameterServer {
         };
         let mut uncompressed = None;
         let mut fingerprint = Fingerprint::new();
-        let (lr, mu) = (self.optimizer.learning_rate, self.optimizer.momentum);
-        let mut carried = Vec::with_capacity(CLOSE_CHUNK);
-        let mut buffers = RoundTrip::default();
+        let step = Step {
+            codec,
+            learning_rate: self.optimizer.learning_rate,
+            momentum: self.optimizer.momentum,
+            scale,
+        };
+        // A window of chunks closes at once, one chunk per thread at a time, while the window
+        // before it is written and hashed (in order): two sets of buffers take turns.
+        let slots_per_window = CLOSE_WINDOW_CHUNKS_PER_THREAD * rayon::current_num_threads();
+        let window = slots_per_window * CLOSE_CHUNK;
+        let mut slots = [(); 2].map(|_| {
+            std::iter::repeat_with(ChunkClose::default)
+                .take(slots_per_window)
+                .collect::<Vec<_>>()
+        });
         for (name, parameter) in &mut model.0 {
             let sum = self.sum.values_mut(name).ok_or_else(|| Error::Mismatch {
                 name: name.clone(),
@@ -467,49 +480,44 @@ impl ParameterServer {
             // int8's scales follow the parameter's values in the file.
             let mut companion = Vec::new();
             fingerprint.begin(name, parameter.dtype, &parameter.shape);
-            for start in (0..len).step_by(CLOSE_CHUNK) {
-                let end = (start + CLOSE_CHUNK).min(len);
-                let step = &mut sum[start..end];
-                step_values(lr, mu, &mut momentum[start..end], step, scale);
-                let target = &mut parameter.values[start..end];
-                match (residual.as_deref_mut(), writer.as_mut()) {
-                    (Some(residual), Some(writer)) if uncompressed.is_none() => {
-                        let residual = &mut residual[start..end];
-                        carried.clear();
-                        carried.extend(step.iter().zip(residual.iter()).map(|(s, r)| s + r));
-                        match round_trip(codec, name, &[end - start], &carried, &mut buffers) {
-                            Ok((encoded, sent)) => {
-                                let (values, scales) =
-                                    codec::split_encoded(codec, end - start, encoded);
-                                // The change is for trainers that hold the model; without it
-                                // they get the whole model. The chunk still moves by what
-                                // was sent, and carries what the codec dropped.
-                                if let Err(error) = writer.write(values) {
-                                    uncompressed =
-                                        Some(format!("cannot write the change: {error}"));
-                                }
-                                companion.extend_from_slice(scales);
-                                add(target, sent);
-                                for ((r, c), s) in residual.iter_mut().zip(&carried).zip(sent) {
-                                    *r = c - s;
-                                }
-                            }
-                            Err(error) => {
-                                uncompressed = Some(error.to_string());
-                                add(target, step);
-                                residual.fill(0.0);
-                            }
+            // The window closed last, to be written and hashed.
+            let mut closed: Option<std::ops::Range<usize>> = None;
+            for start in (0..len).step_by(window).map(Some).chain([None]) {
+                let next = start.map(|start| start..(start + window).min(len));
+                // A window closes compressed unless one before it, written by now, could not.
+                let compress = writer.is_some() && uncompressed.is_none();
+                let (done, rest) = parameter
+                    .values
+                    .split_at_mut(next.as_ref().map_or(len, |n| n.start));
+                let [computing, emitting] = &mut slots;
+                rayon::join(
+                    || {
+                        if let Some(next) = next.clone() {
+                            let residual = residual.as_deref_mut().map(|r| &mut r[next.clone()]);
+                            close_window(
+                                &step,
+                                name,
+                                compress,
+                                &mut sum[next.clone()],
+                                &mut momentum[next.clone()],
+                                &mut rest[..next.len()],
+                                residual,
+                                computing,
+                            );
                         }
-                    }
-                    (Some(residual), _) => {
-                        // The codec could not carry an earlier part: exact from there on.
-                        add(target, step);
-                        residual[start..end].fill(0.0);
-                    }
-                    (None, _) => add(target, step),
-                }
-                step.fill(0.0);
-                fingerprint.values(target, parameter.dtype);
+                    },
+                    || {
+                        if let Some(closed) = closed.clone() {
+                            let chunks = closed.len().div_ceil(CLOSE_CHUNK);
+                            for slot in &emitting[..chunks] {
+                                slot.emit(codec, &mut writer, &mut companion, &mut uncompressed);
+                            }
+                            fingerprint.values(&done[closed], parameter.dtype);
+                        }
+                    },
+                );
+                slots.swap(0, 1);
+                closed = next;
             }
             if let Some(writer) = writer.as_mut().filter(|_| uncompressed.is_none())
                 && let Err(error) = writer.write(&companion)
@@ -534,7 +542,8 @@ impl ParameterServer {
             }
             None => None,
         };
-        self.sum.clear();
+        // Every chunk of every sum was zeroed as it closed.
+        self.sum.emptied();
         self.hash = Some(hash);
         let arrived = std::mem::take(&mut self.arrived);
         self.refused.clear();
@@ -658,6 +667,140 @@ impl ParameterServer {
 /// change, what the codec makes of it, the bytes hashed) are this long, whatever the model.
 /// A multiple of `int8`'s block, so that each block is quantised as the whole tensor's is.
 const CLOSE_CHUNK: usize = 1 << 16;
+
+/// Chunks per thread in a window of a close: enough that no thread waits long for the
+/// slowest of the others, few enough that a window stays in the caches while it is hashed.
+const CLOSE_WINDOW_CHUNKS_PER_THREAD: usize = 4;
+
+/// The outer step's settings, shared by the chunks of a close.
+struct Step {
+    codec: Codec,
+    learning_rate: f32,
+    momentum: f32,
+    scale: f32,
+}
+
+/// One chunk of a close, on whichever thread takes it: its buffers (kept from chunk to
+/// chunk), and what became of its change.
+#[derive(Debug, Default)]
+struct ChunkClose {
+    carried: Vec<f32>,
+    buffers: RoundTrip,
+    /// The chunk's values in `buffers` were compressed and moved the model.
+    sent: Option<usize>,
+    /// Why the codec could not carry the chunk's step (taken exactly instead).
+    failed: Option<String>,
+}
+
+impl ChunkClose {
+    /// The step on one chunk: the sum becomes the step (momentum updated), the step is added
+    /// to `target` (compressed with what earlier compressions dropped, where `compress` and
+    /// the parameter carries a residual; exactly otherwise), and the sum is zeroed.
+    #[allow(clippy::too_many_arguments)]
+    fn close(
+        &mut self,
+        step: &Step,
+        name: &str,
+        sum: &mut [f32],
+        momentum: &mut [f32],
+        target: &mut [f32],
+        residual: Option<&mut [f32]>,
+        compress: bool,
+    ) {
+        self.sent = None;
+        self.failed = None;
+        step_values(step.learning_rate, step.momentum, momentum, sum, step.scale);
+        match residual {
+            Some(residual) if compress => {
+                self.carried.clear();
+                self.carried
+                    .extend(sum.iter().zip(residual.iter()).map(|(s, r)| s + r));
+                match round_trip(
+                    step.codec,
+                    name,
+                    &[sum.len()],
+                    &self.carried,
+                    &mut self.buffers,
+                ) {
+                    Ok((_, sent)) => {
+                        add(target, sent);
+                        for ((r, c), s) in residual.iter_mut().zip(&self.carried).zip(sent) {
+                            *r = c - s;
+                        }
+                        self.sent = Some(sum.len());
+                    }
+                    Err(error) => {
+                        self.failed = Some(error.to_string());
+                        add(target, sum);
+                        residual.fill(0.0);
+                    }
+                }
+            }
+            Some(residual) => {
+                // The codec could not carry an earlier part: exact from there on.
+                add(target, sum);
+                residual.fill(0.0);
+            }
+            None => add(target, sum),
+        }
+        sum.fill(0.0);
+    }
+
+    /// Writes the chunk's compressed values to `writer` and keeps their scales (int8) for
+    /// after the parameter's values, while the change is still being made; notes why it no
+    /// longer is (the codec could not carry the chunk, or the writer failed).
+    fn emit<W: Write + Seek>(
+        &self,
+        codec: Codec,
+        writer: &mut Option<Writer<W>>,
+        companion: &mut Vec<u8>,
+        uncompressed: &mut Option<String>,
+    ) {
+        if let Some(error) = &self.failed {
+            uncompressed.get_or_insert_with(|| error.clone());
+        }
+        let (Some(len), Some(writer)) = (self.sent, writer.as_mut()) else {
+            return;
+        };
+        if uncompressed.is_some() {
+            return;
+        }
+        // The change is for trainers that hold the model; without it they get the whole
+        // model. The chunk still moved by what was sent, and carries what the codec dropped.
+        let (values, scales) = codec::split_encoded(codec, len, self.buffers.encoded());
+        if let Err(error) = writer.write(values) {
+            *uncompressed = Some(format!("cannot write the change: {error}"));
+        }
+        companion.extend_from_slice(scales);
+    }
+}
+
+/// One window of a parameter's close: its chunks ([`CLOSE_CHUNK`] values each) on the
+/// threads at hand, each with its slot's buffers.
+#[allow(clippy::too_many_arguments)]
+fn close_window(
+    step: &Step,
+    name: &str,
+    compress: bool,
+    sum: &mut [f32],
+    momentum: &mut [f32],
+    target: &mut [f32],
+    residual: Option<&mut [f32]>,
+    slots: &mut [ChunkClose],
+) {
+    let residuals: Vec<Option<&mut [f32]>> = match residual {
+        Some(residual) => residual.chunks_mut(CLOSE_CHUNK).map(Some).collect(),
+        None => sum.chunks(CLOSE_CHUNK).map(|_| None).collect(),
+    };
+    sum.par_chunks_mut(CLOSE_CHUNK)
+        .zip(momentum.par_chunks_mut(CLOSE_CHUNK))
+        .zip(target.par_chunks_mut(CLOSE_CHUNK))
+        .zip(residuals)
+        .zip(slots)
+        .for_each(|((((sum, momentum), target), residual), slot)| {
+            slot.close(step, name, sum, momentum, target, residual, compress);
+        });
+}
 
 /// `target` += `values`, value by value.
 fn add(target: &mut [f32], values: &[f32]) {

@@ -200,8 +200,13 @@ impl Fingerprint {
         self.0.update(&(len as u64).to_le_bytes());
     }
 
-    /// The next of the parameter's values, as `dtype` stores them.
+    /// The next of the parameter's values, as `dtype` stores them. f32 values are hashed in
+    /// place, on every core for big slices.
     pub fn values(&mut self, values: &[f32], dtype: Dtype) {
+        if dtype == Dtype::F32 && cfg!(target_endian = "little") {
+            self.0.update_rayon(bytemuck::cast_slice(values));
+            return;
+        }
         let _ = stored_bytes::<()>(values, dtype, |bytes| {
             self.0.update(bytes);
             Ok(())

@@ -303,6 +303,20 @@ fn broadcast_changes_of_a_parameter_larger_than_a_close_chunk_hold_the_same() {
     broadcast_changes_hold(300_000, 10);
 }
 
+/// The same where the server closes a parameter in several windows of chunks on its
+/// threads, writing and hashing each window while it closes the next: one thread (windows of
+/// four chunks) and three.
+#[test]
+fn broadcast_changes_closed_window_by_window_on_any_number_of_threads_hold_the_same() {
+    for threads in [1, 3] {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| broadcast_changes_hold(1_000_000, 10));
+    }
+}
+
 #[allow(non_snake_case)]
 fn broadcast_changes_hold(N: usize, rounds: u64) {
     let dir = tempfile::tempdir().unwrap();
