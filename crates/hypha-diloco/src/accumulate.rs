@@ -25,7 +25,7 @@ pub struct Update<'a, S: Source + ?Sized = [u8]> {
 }
 
 /// One parameter of an update, as its codec stored it.
-enum Part {
+pub(crate) enum Part {
     /// `none` and `bf16`: the values.
     Dense(Entry),
     /// `int8`: quantised values and a scale per block.
@@ -40,6 +40,30 @@ enum Part {
 
 fn f32_of(b: &[u8]) -> f32 {
     f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// How many values [`Part::apply`] reads at a time: a multiple of `int8`'s block.
+const APPLY_VALUES: usize = crate::file::CHUNK / 4;
+
+/// The index, in a sparse part's increasing positions (`indices`, U32), of the first
+/// position at or after `position`: the count of those before it.
+fn first_position(
+    source: &(impl Source + ?Sized),
+    indices: &Entry,
+    position: usize,
+    buffer: &mut Vec<u8>,
+) -> Result<usize, Error> {
+    let (mut low, mut high) = (0, indices.values());
+    while low < high {
+        let middle = low + (high - low) / 2;
+        let bytes = source.bytes_at(indices.offset + 4 * middle as u64, 4, buffer)?;
+        if (u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize) < position {
+            low = middle + 1;
+        } else {
+            high = middle;
+        }
+    }
+    Ok(low)
 }
 
 impl Part {
@@ -76,7 +100,8 @@ impl Part {
     }
 
     /// `op(target, value)` for each value, with the target of its position in `targets`
-    /// (positions a sparse part does not hold are left alone: their value is 0).
+    /// (positions a sparse part does not hold are left alone: their value is 0), read
+    /// [`APPLY_VALUES`] values at a time.
     fn apply(
         &self,
         source: &(impl Source + ?Sized),
@@ -84,56 +109,70 @@ impl Part {
         targets: &mut [f32],
         op: impl Fn(&mut f32, f32),
     ) -> Result<(), Error> {
+        for (i, targets) in targets.chunks_mut(APPLY_VALUES).enumerate() {
+            self.apply_range(source, scratch, i * APPLY_VALUES, targets, &op)?;
+        }
+        Ok(())
+    }
+
+    /// [`apply`](Self::apply) to the values at `start..start + targets.len()` alone, reading
+    /// only their bytes. `start` is a multiple of `int8`'s block.
+    fn apply_range(
+        &self,
+        source: &(impl Source + ?Sized),
+        scratch: &mut Scratch,
+        start: usize,
+        targets: &mut [f32],
+        op: impl Fn(&mut f32, f32),
+    ) -> Result<(), Error> {
+        let Scratch { main, companion } = scratch;
+        let at =
+            |entry: &Entry, values: usize, width: usize| entry.offset + (values * width) as u64;
         match self {
             Part::Dense(entry) => {
                 let width = dtype_bytes(entry.dtype);
-                entry.chunks(source, width, &mut scratch.main, |at, bytes| {
-                    let from = at as usize / width;
-                    decode(entry.dtype, bytes, &mut targets[from..], &op);
-                    Ok(())
-                })
+                let bytes =
+                    source.bytes_at(at(entry, start, width), targets.len() * width, main)?;
+                decode(entry.dtype, bytes, targets, &op);
             }
-            Part::Int8 { values, scales } => Self::paired(
-                source,
-                scratch,
-                values,
-                scales,
-                INT8_BLOCK,
-                4,
-                |at, quantised, scales| {
-                    let blocks = targets[at as usize..]
-                        .chunks_mut(INT8_BLOCK)
-                        .zip(quantised.chunks(INT8_BLOCK))
-                        .zip(scales.chunks_exact(4));
-                    for ((targets, quantised), scale) in blocks {
-                        let scale = f32_of(scale);
-                        for (t, q) in targets.iter_mut().zip(quantised) {
-                            op(t, f32::from(*q as i8) * scale);
-                        }
+            Part::Int8 { values, scales } => {
+                debug_assert_eq!(start % INT8_BLOCK, 0, "a range inside an int8 block");
+                let quantised = source.bytes_at(at(values, start, 1), targets.len(), main)?;
+                let blocks = targets.len().div_ceil(INT8_BLOCK);
+                let scales =
+                    source.bytes_at(at(scales, start / INT8_BLOCK, 4), blocks * 4, companion)?;
+                let blocks = targets
+                    .chunks_mut(INT8_BLOCK)
+                    .zip(quantised.chunks(INT8_BLOCK))
+                    .zip(scales.chunks_exact(4));
+                for ((targets, quantised), scale) in blocks {
+                    let scale = f32_of(scale);
+                    for (t, q) in targets.iter_mut().zip(quantised) {
+                        op(t, f32::from(*q as i8) * scale);
                     }
-                    Ok(())
-                },
-            ),
+                }
+            }
             Part::Sparse {
                 indices, values, ..
-            } => Self::paired(
-                source,
-                scratch,
-                indices,
-                values,
-                4,
-                4,
-                |_, indices, values| {
-                    for (index, value) in indices.chunks_exact(4).zip(values.chunks_exact(4)) {
-                        let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
-                        if let Some(t) = targets.get_mut(index as usize) {
-                            op(t, f32_of(value));
-                        }
+            } => {
+                // Positions increase (checked as the update was read): those of the range
+                // are a run, found by halving.
+                let first = first_position(source, indices, start, main)?;
+                let end = first_position(source, indices, start + targets.len(), main)?;
+                let positions = source.bytes_at(at(indices, first, 4), (end - first) * 4, main)?;
+                let kept = source.bytes_at(at(values, first, 4), (end - first) * 4, companion)?;
+                for (index, value) in positions.chunks_exact(4).zip(kept.chunks_exact(4)) {
+                    let index = u32::from_le_bytes([index[0], index[1], index[2], index[3]]);
+                    if let Some(t) = (index as usize)
+                        .checked_sub(start)
+                        .and_then(|i| targets.get_mut(i))
+                    {
+                        op(t, f32_of(value));
                     }
-                    Ok(())
-                },
-            ),
+                }
+            }
         }
+        Ok(())
     }
 
     /// Calls `each` with the part's values in order, a chunk at a time decoded into
@@ -252,6 +291,11 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
             parts,
             scratch: std::cell::RefCell::new(scratch),
         })
+    }
+
+    /// Its parameters, as read from its source: what an [`Accumulator`] holds with the source.
+    pub(crate) fn into_parts(self) -> Vec<(String, Part)> {
+        self.parts
     }
 
     /// The L2 norm over all its values: one more pass over them, so taken only when asked.
@@ -601,16 +645,35 @@ impl<S: Source + ?Sized> std::fmt::Debug for Update<'_, S> {
     }
 }
 
-/// The running sum Σ nᵢΔᵢ and Σ nᵢ of one round's updates. Holds one sum per parameter,
-/// whatever the number of updates; each update can be dropped once added.
-#[derive(Debug, Default)]
+/// One round's pseudo-gradients, checked as they arrive and summed when asked: Σ nᵢΔᵢ and
+/// Σ nᵢ. Each update stays where it is (a file is read again, not held in memory), and the
+/// sum is made a range of values at a time ([`mean`](Self::mean), and the parameter server's
+/// close, which steps each range as it is summed): no sum the size of the model is kept
+/// between updates, whatever their number, and the close reads each update's (compressed)
+/// bytes once instead of a model-sized f32 sum written as they arrive and read back.
+#[derive(Default)]
 pub struct Accumulator {
-    sums: BTreeMap<String, Tensor>,
+    /// The parameters' shapes: the model's, or the first update's.
+    shapes: BTreeMap<String, Vec<usize>>,
+    held: Vec<Held>,
     weight: f64,
-    updates: usize,
-    /// An update could not be read whole while it was added (it was checked, then its file
-    /// failed): the sum holds part of it, and the round is lost.
-    damaged: bool,
+}
+
+/// An update checked and held until the sum.
+struct Held {
+    source: Box<dyn Source + Send + Sync>,
+    parts: BTreeMap<String, Part>,
+    weight: f32,
+}
+
+impl std::fmt::Debug for Accumulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accumulator")
+            .field("parameters", &self.shapes.len())
+            .field("updates", &self.held.len())
+            .field("weight", &self.weight)
+            .finish()
+    }
 }
 
 impl Accumulator {
@@ -620,113 +683,82 @@ impl Accumulator {
 
     /// An accumulator that takes only updates with exactly `model`'s tensors and shapes.
     pub fn shaped_like(model: &Tensors) -> Self {
-        let mut accumulator = Self::new();
-        accumulator.create(model.shapes());
-        accumulator
+        Self {
+            shapes: model
+                .0
+                .iter()
+                .map(|(name, tensor)| (name.clone(), tensor.shape.clone()))
+                .collect(),
+            ..Self::default()
+        }
     }
 
     /// Adds one worker's pseudo-gradient, weighted by the samples it trained on. The first
-    /// update fixes the tensors' names and shapes; every later one must have the same, or it
+    /// update fixes the tensors' names and shapes (unless the accumulator is
+    /// [shaped like a model](Self::shaped_like)); every later one must have the same, or it
     /// is refused and the sum is left as it was.
     pub fn add(&mut self, update: &Tensors, weight: f64) -> Result<(), Error> {
-        let shapes = update
-            .0
-            .iter()
-            .map(|(n, t)| (n.as_str(), &t.shape[..], t.dtype));
-        self.prepare(shapes, weight)?;
-        let w = weight as f32;
-        for (name, tensor) in &update.0 {
-            if let Some(sum) = self.sums.get_mut(name) {
-                for (s, v) in sum.values.iter_mut().zip(&tensor.values) {
-                    *s += w * v;
-                }
-            }
-        }
-        self.added(weight);
-        Ok(())
+        self.add_safetensors(&update.to_bytes(&Metadata::new())?, weight)
     }
 
-    /// [`add`](Self::add) straight from a SafeTensors file's bytes, converting each value as
-    /// it is added: the update is never held decoded, so the server's memory is the sum plus
-    /// the bytes of the update being read.
+    /// [`add`](Self::add) of the SafeTensors bytes of an update (copied: see
+    /// [`add_source`](Self::add_source) for updates that stay where they are).
     pub fn add_safetensors(&mut self, bytes: &[u8], weight: f64) -> Result<(), Error> {
-        self.add_update(&Update::read(bytes)?, weight)
+        self.add_source(bytes.to_vec(), weight)
     }
 
-    /// [`add`](Self::add) of an update already [read](Update::read) and checked.
-    pub fn add_update<S: Source + ?Sized>(
+    /// [`add`](Self::add) of the update in `source` (a file, say), read a chunk at a time to
+    /// check it and held, unread, until the sum.
+    pub fn add_source(
         &mut self,
-        update: &Update<'_, S>,
+        source: impl Source + Send + Sync + 'static,
         weight: f64,
     ) -> Result<(), Error> {
-        // A top-k file states its shapes in a line of metadata: only a model's shapes may
-        // say how large the sum is.
-        if self.sums.is_empty()
-            && let Some((name, _)) = update
-                .parts
-                .iter()
-                .find(|(_, part)| matches!(part, Part::Sparse { .. }))
-        {
-            return Err(Error::Mismatch {
-                name: name.clone(),
-                problem: "a top-k update is added only to a sum shaped like the model (Accumulator::shaped_like)".into(),
-            });
-        }
-        let shapes = update
-            .parts
-            .iter()
-            .map(|(n, part)| (n.as_str(), part.shape(), Dtype::F32));
-        self.prepare(shapes, weight)?;
-        let w = weight as f32;
-        let scratch = &mut update.scratch.borrow_mut();
-        for (name, part) in &update.parts {
-            if let Some(sum) = self.sums.get_mut(name) {
-                part.apply(update.source, scratch, &mut sum.values, |s, v| *s += w * v)
-                    .inspect_err(|_| self.damaged = true)?;
-            }
-        }
-        self.added(weight);
-        Ok(())
+        let parts = Update::from_source(&source)?.parts;
+        self.hold(source, parts, weight)
     }
 
-    /// Checks an update's weight, names and shapes; the first update creates the sums.
-    fn prepare<'a>(
+    /// Holds an update already [read](Update::from_source) and checked from `source`, as its
+    /// `parts`.
+    pub(crate) fn hold(
         &mut self,
-        shapes: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>,
+        source: impl Source + Send + Sync + 'static,
+        parts: Vec<(String, Part)>,
         weight: f64,
     ) -> Result<(), Error> {
         if !weight.is_finite() || weight <= 0.0 {
             return Err(Error::Weight(weight));
         }
-        if self.sums.is_empty() {
-            self.create(shapes);
-            return Ok(());
+        let shapes = parts
+            .iter()
+            .map(|(name, part)| (name.as_str(), part.shape(), Dtype::F32));
+        if self.shapes.is_empty() {
+            // A top-k file states its shapes in a line of metadata: only a model's shapes
+            // may say how large the sum is.
+            if let Some((name, _)) = parts.iter().find(|(_, p)| matches!(p, Part::Sparse { .. })) {
+                return Err(Error::Mismatch {
+                    name: name.clone(),
+                    problem: "a top-k update is added only to a sum shaped like the model (Accumulator::shaped_like)".into(),
+                });
+            }
+            self.shapes = shapes
+                .map(|(name, shape, _)| (name.to_string(), shape.to_vec()))
+                .collect();
+        } else {
+            check_same(&self.shapes, shapes)?;
         }
-        check_same(&self.sums, shapes)
-    }
-
-    fn create<'a>(&mut self, shapes: impl Iterator<Item = (&'a str, &'a [usize], Dtype)>) {
-        self.sums = shapes
-            .map(|(name, shape, dtype)| {
-                let len = shape.iter().product();
-                let tensor = Tensor {
-                    shape: shape.to_vec(),
-                    values: vec![0.0; len],
-                    dtype,
-                };
-                (name.to_string(), tensor)
-            })
-            .collect();
-    }
-
-    fn added(&mut self, weight: f64) {
+        self.held.push(Held {
+            source: Box::new(source),
+            parts: parts.into_iter().collect(),
+            weight: weight as f32,
+        });
         self.weight += weight;
-        self.updates += 1;
+        Ok(())
     }
 
     /// How many updates were added.
     pub fn updates(&self) -> usize {
-        self.updates
+        self.held.len()
     }
 
     /// The total weight (samples) added.
@@ -735,57 +767,57 @@ impl Accumulator {
     }
 
     /// 1 / Σ nᵢ, what each sum is multiplied by to make the mean; fails when nothing was
-    /// added or the sum was damaged.
+    /// added.
     pub(crate) fn scale(&self) -> Result<f32, Error> {
-        if self.damaged {
-            return Err(Error::SumLost);
-        }
-        if self.updates == 0 {
+        if self.held.is_empty() {
             return Err(Error::Empty);
         }
         Ok((1.0 / self.weight) as f32)
     }
 
-    /// The running sum of one parameter, to be made a step in place.
-    pub(crate) fn values_mut(&mut self, name: &str) -> Option<&mut [f32]> {
-        self.sums.get_mut(name).map(|sum| &mut sum.values[..])
-    }
-
-    /// Zeroes every sum, keeping its memory and shape, for the next round.
-    pub fn clear(&mut self) {
-        for sum in self.sums.values_mut() {
-            sum.values.fill(0.0);
-        }
-        self.emptied();
-    }
-
-    /// [`clear`](Self::clear) where the caller zeroed every sum already, as a close does
-    /// chunk by chunk while they are in the caches (another pass would cost a model's bytes
-    /// of memory traffic).
-    pub(crate) fn emptied(&mut self) {
-        debug_assert!(
-            self.sums
-                .values()
-                .all(|sum| sum.values.iter().all(|v| *v == 0.0)),
-            "a sum left non-zero"
-        );
-        self.weight = 0.0;
-        self.updates = 0;
-        self.damaged = false;
-    }
-
-    /// Σ nᵢΔᵢ / Σ nᵢ, computed in place: the accumulator is left empty and unshaped (the next
-    /// update shapes it again).
-    pub fn mean(&mut self) -> Result<Tensors, Error> {
-        let scale = self.scale()?;
-        let mut mean = std::mem::take(&mut self.sums);
-        for tensor in mean.values_mut() {
-            for value in &mut tensor.values {
-                *value *= scale;
+    /// Σ nᵢΔᵢ of parameter `name` at `start..start + sum.len()`, into `sum`, the updates
+    /// added in the order they came (the same f32 arithmetic whatever the ranges). `start`
+    /// is a multiple of `int8`'s block.
+    pub(crate) fn sum_into(
+        &self,
+        name: &str,
+        start: usize,
+        sum: &mut [f32],
+        scratch: &mut Scratch,
+    ) -> Result<(), Error> {
+        sum.fill(0.0);
+        for held in &self.held {
+            if let Some(part) = held.parts.get(name) {
+                let w = held.weight;
+                part.apply_range(&*held.source, scratch, start, sum, |s, v| *s += w * v)?;
             }
         }
+        Ok(())
+    }
+
+    /// Drops every update, keeping the shapes, for the next round.
+    pub fn clear(&mut self) {
+        self.held.clear();
         self.weight = 0.0;
-        self.updates = 0;
+    }
+
+    /// Σ nᵢΔᵢ / Σ nᵢ: the accumulator is left empty and unshaped (the next update shapes it
+    /// again).
+    pub fn mean(&mut self) -> Result<Tensors, Error> {
+        let scale = self.scale()?;
+        let mut scratch = Scratch::default();
+        let mut mean = BTreeMap::new();
+        for (name, shape) in std::mem::take(&mut self.shapes) {
+            let mut values = vec![0.0; shape.iter().product()];
+            for (i, range) in values.chunks_mut(APPLY_VALUES).enumerate() {
+                self.sum_into(&name, i * APPLY_VALUES, range, &mut scratch)?;
+                for value in range {
+                    *value *= scale;
+                }
+            }
+            mean.insert(name, codec::tensor(shape, values));
+        }
+        self.clear();
         Ok(Tensors(mean))
     }
 }
@@ -793,6 +825,12 @@ impl Accumulator {
 /// Something with a shape: a parameter in memory or in a file.
 pub(crate) trait Shaped {
     fn shape(&self) -> &[usize];
+}
+
+impl Shaped for Vec<usize> {
+    fn shape(&self) -> &[usize] {
+        self
+    }
 }
 
 impl Shaped for Tensor {

@@ -67,6 +67,36 @@ impl Source for [u8] {
     }
 }
 
+impl Source for Vec<u8> {
+    fn size(&self) -> u64 {
+        self[..].size()
+    }
+
+    fn bytes_at<'b>(
+        &'b self,
+        offset: u64,
+        len: usize,
+        buffer: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8], Error> {
+        self[..].bytes_at(offset, len, buffer)
+    }
+}
+
+impl Source for std::sync::Arc<[u8]> {
+    fn size(&self) -> u64 {
+        self[..].size()
+    }
+
+    fn bytes_at<'b>(
+        &'b self,
+        offset: u64,
+        len: usize,
+        buffer: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8], Error> {
+        self[..].bytes_at(offset, len, buffer)
+    }
+}
+
 /// A SafeTensors file on disk, read with `pread` at whatever offsets are asked: never mapped,
 /// so that its pages count against the page cache, not against the reader's memory.
 #[derive(Debug)]

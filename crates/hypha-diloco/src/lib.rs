@@ -12,18 +12,19 @@
 //! θ ← θ − η·(g + μ·bₜ)
 //! ```
 //!
-//! - [`Accumulator`]: adds updates as they arrive and keeps only the running weighted sum, so
-//!   the server holds one sum, whatever the number of workers; an update is read from its
-//!   file a chunk at a time ([`Update::from_source`]).
+//! - [`Accumulator`]: checks updates as they arrive ([`Update::from_source`], a chunk at a
+//!   time) and keeps them where they are (their files), summing them a range of values at a
+//!   time when the round closes: the server holds no sum the size of the model, whatever the
+//!   number of workers.
 //! - [`OuterOptimizer`]: the Nesterov step and its momentum buffers.
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
 //!
 //! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`), their wire format, and
-//!   error feedback; [`Update`] reads every codec and the [`Accumulator`] adds them without
+//!   error feedback; [`Update`] reads every codec and the [`Accumulator`] sums them without
 //!   decoding a copy.
 //! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint;
-//!   a round closes in place, a chunk at a time.
+//!   a round closes in place, a chunk at a time, each chunk's updates summed as it steps.
 //! - [`file`]: SafeTensors read ([`file::Source`], [`file::Layout`]) and written
 //!   ([`file::Writer`]) a piece at a time, for models of gigabytes.
 //! - [`Fingerprint`]: the model's BLAKE3 fingerprint, taken as its values go by.
@@ -67,10 +68,11 @@ pub enum Error {
     Norm { norm: f64, limit: f64 },
     #[error("no update was added")]
     Empty,
+    /// The server's model is gone: restore the server from its checkpoint.
     #[error(
-        "an update's file could not be read while it was being added: the round's sum holds part of it and is lost"
+        "an update held for the round could not be read again at its close ({0}): the model took part of the round's step and was dropped"
     )]
-    SumLost,
+    RoundBroken(String),
     #[error(transparent)]
     File(#[from] hypha_files::Error),
     #[error("cannot write the file: {0}")]

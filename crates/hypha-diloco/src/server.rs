@@ -24,7 +24,7 @@ use crate::{
     Update,
     accumulate::{RoundTrip, round_trip},
     codec,
-    file::{FileSource, Layout, Source, Writer, write_file},
+    file::{FileSource, Layout, Scratch, Source, Writer, write_file},
     optimizer::step_values,
     tensors::stored_bytes,
 };
@@ -244,15 +244,16 @@ impl ParameterServer {
         round: u64,
         samples: u64,
     ) -> Result<Taken, Error> {
-        self.add_from(from, bytes, round, samples)
+        self.add_from(from, bytes.to_vec(), round, samples)
     }
 
     /// [`add`](Self::add) of the pseudo-gradient in `source`: a file is read a chunk at a
-    /// time, once to check it and once to add it, and never held in memory.
+    /// time to check it, kept (open) until the round closes and read again then, and never
+    /// held in memory.
     pub fn add_from(
         &mut self,
         from: &str,
-        source: &(impl Source + ?Sized),
+        source: impl Source + Send + Sync + 'static,
         round: u64,
         samples: u64,
     ) -> Result<Taken, Error> {
@@ -280,13 +281,13 @@ impl ParameterServer {
     fn take(
         &mut self,
         from: &str,
-        source: &(impl Source + ?Sized),
+        source: impl Source + Send + Sync + 'static,
         samples: u64,
     ) -> Result<Taken, Error> {
         if let Some(max) = self.max_samples.filter(|max| samples > *max) {
             return Err(Error::Samples { samples, max });
         }
-        let update = Update::from_source(source)?;
+        let update = Update::from_source(&source)?;
         let norm = match self.max_norm_ratio {
             Some(_) => Some(update.norm()?),
             None => None,
@@ -304,7 +305,8 @@ impl ParameterServer {
             self.largest_norm_ratio =
                 Some(self.largest_norm_ratio.map_or(typical, |r| r.max(typical)));
         }
-        self.sum.add_update(&update, samples as f64)?;
+        let parts = update.into_parts();
+        self.sum.hold(source, parts, samples as f64)?;
         self.arrived.push((from.to_string(), samples));
         if let Some(norm) = norm {
             if self.norms.len() == NORM_HISTORY {
@@ -327,7 +329,10 @@ impl ParameterServer {
     }
 
     /// Closes the round: the sample-weighted mean of what arrived is the outer gradient of one
-    /// Nesterov step. Fails (leaving everything as it was) when nothing arrived.
+    /// Nesterov step. Fails (leaving everything as it was) when nothing arrived. An update
+    /// that cannot be read again (its file failed after it was checked) fails it with
+    /// [`Error::RoundBroken`]: part of the model has stepped, and the server holds no model
+    /// any more (restore it from its checkpoint).
     ///
     /// With [`broadcast_changes`](Self::broadcast_changes), the step is compressed (with
     /// what earlier compressions dropped) and the model moves by exactly the decoded change,
@@ -395,12 +400,12 @@ impl ParameterServer {
         Ok(closed)
     }
 
-    /// The step, a parameter at a time and in place: the sum becomes the mean, the mean the
-    /// step, the step is added to the model (compressed, with what earlier compressions
-    /// dropped, when a change is written to `out`) and the sum is zeroed for the next round;
-    /// the fingerprint is taken as each parameter is done. Beside the model, its momentum, the
-    /// sum and the carried residual, the server holds one parameter's temporaries: a model
-    /// of gigabytes closes in a few passes over its bytes and no more memory.
+    /// The step, a parameter at a time and in place: a chunk's updates are summed, the sum
+    /// becomes the mean, the mean the step, the step is added to the model (compressed, with
+    /// what earlier compressions dropped, when a change is written to `out`); the fingerprint
+    /// is taken as each parameter is done. Beside the model, its momentum and the carried
+    /// residual, the server holds a window's temporaries: a model of gigabytes closes in a
+    /// few passes over its bytes and no more memory.
     ///
     /// A step the codec cannot carry (a value beyond what a reader takes) is taken exactly
     /// from that parameter on, with nothing carried for those parameters, and no change is
@@ -465,12 +470,9 @@ impl ParameterServer {
                 .take(slots_per_window)
                 .collect::<Vec<_>>()
         });
-        for (name, parameter) in &mut model.0 {
-            let sum = self.sum.values_mut(name).ok_or_else(|| Error::Mismatch {
-                name: name.clone(),
-                problem: "has no sum".into(),
-            })?;
-            let len = sum.len();
+        let mut unread = None;
+        'parameters: for (name, parameter) in &mut model.0 {
+            let len = parameter.values.len();
             let momentum = self.optimizer.buffer_mut(name, len);
             let compressing = writer.is_some() && uncompressed.is_none();
             if !compressing && uncompressed.is_some() {
@@ -490,6 +492,7 @@ impl ParameterServer {
                     .values
                     .split_at_mut(next.as_ref().map_or(len, |n| n.start));
                 let [computing, emitting] = &mut slots;
+                let sum = &self.sum;
                 rayon::join(
                     || {
                         if let Some(next) = next.clone() {
@@ -498,7 +501,7 @@ impl ParameterServer {
                                 &step,
                                 name,
                                 compress,
-                                &mut sum[next.clone()],
+                                (sum, next.start),
                                 &mut momentum[next.clone()],
                                 &mut rest[..next.len()],
                                 residual,
@@ -516,6 +519,10 @@ impl ParameterServer {
                         }
                     },
                 );
+                unread = slots[0].iter_mut().find_map(|slot| slot.unread.take());
+                if unread.is_some() {
+                    break 'parameters;
+                }
                 slots.swap(0, 1);
                 closed = next;
             }
@@ -524,6 +531,12 @@ impl ParameterServer {
             {
                 uncompressed = Some(format!("cannot write the change: {error}"));
             }
+        }
+        if let Some(error) = unread {
+            // Some chunks stepped, others not: this model is nobody's.
+            self.model = None;
+            self.sum.clear();
+            return Err(Error::RoundBroken(error.to_string()));
         }
         let hash = fingerprint.finish();
         let delta = match writer.filter(|_| uncompressed.is_none()) {
@@ -542,8 +555,7 @@ impl ParameterServer {
             }
             None => None,
         };
-        // Every chunk of every sum was zeroed as it closed.
-        self.sum.emptied();
+        self.sum.clear();
         self.hash = Some(hash);
         let arrived = std::mem::take(&mut self.arrived);
         self.refused.clear();
@@ -684,6 +696,12 @@ struct Step {
 /// chunk), and what became of its change.
 #[derive(Debug, Default)]
 struct ChunkClose {
+    /// The chunk's sum of the round's updates, made the step in place.
+    sum: Vec<f32>,
+    /// Where the updates are read from.
+    scratch: Scratch,
+    /// An update could not be read: the chunk did not step.
+    unread: Option<Error>,
     carried: Vec<f32>,
     buffers: RoundTrip,
     /// The chunk's values in `buffers` were compressed and moved the model.
@@ -693,15 +711,17 @@ struct ChunkClose {
 }
 
 impl ChunkClose {
-    /// The step on one chunk: the sum becomes the step (momentum updated), the step is added
+    /// The step on one chunk, the values of parameter `name` from `start`: the round's
+    /// updates are summed and the sum becomes the step (momentum updated), the step is added
     /// to `target` (compressed with what earlier compressions dropped, where `compress` and
-    /// the parameter carries a residual; exactly otherwise), and the sum is zeroed.
+    /// the parameter carries a residual; exactly otherwise). Nothing moves when an update
+    /// cannot be read (`unread`).
     #[allow(clippy::too_many_arguments)]
     fn close(
         &mut self,
         step: &Step,
         name: &str,
-        sum: &mut [f32],
+        (updates, start): (&Accumulator, usize),
         momentum: &mut [f32],
         target: &mut [f32],
         residual: Option<&mut [f32]>,
@@ -709,6 +729,12 @@ impl ChunkClose {
     ) {
         self.sent = None;
         self.failed = None;
+        self.sum.resize(target.len(), 0.0);
+        if let Err(error) = updates.sum_into(name, start, &mut self.sum, &mut self.scratch) {
+            self.unread = Some(error);
+            return;
+        }
+        let sum = &mut self.sum[..];
         step_values(step.learning_rate, step.momentum, momentum, sum, step.scale);
         match residual {
             Some(residual) if compress => {
@@ -743,7 +769,6 @@ impl ChunkClose {
             }
             None => add(target, sum),
         }
-        sum.fill(0.0);
     }
 
     /// Writes the chunk's compressed values to `writer` and keeps their scales (int8) for
@@ -775,14 +800,14 @@ impl ChunkClose {
     }
 }
 
-/// One window of a parameter's close: its chunks ([`CLOSE_CHUNK`] values each) on the
-/// threads at hand, each with its slot's buffers.
+/// One window of a parameter's close, the values from `start` (in `updates`): its chunks
+/// ([`CLOSE_CHUNK`] values each) on the threads at hand, each with its slot's buffers.
 #[allow(clippy::too_many_arguments)]
 fn close_window(
     step: &Step,
     name: &str,
     compress: bool,
-    sum: &mut [f32],
+    (updates, start): (&Accumulator, usize),
     momentum: &mut [f32],
     target: &mut [f32],
     residual: Option<&mut [f32]>,
@@ -790,15 +815,17 @@ fn close_window(
 ) {
     let residuals: Vec<Option<&mut [f32]>> = match residual {
         Some(residual) => residual.chunks_mut(CLOSE_CHUNK).map(Some).collect(),
-        None => sum.chunks(CLOSE_CHUNK).map(|_| None).collect(),
+        None => target.chunks(CLOSE_CHUNK).map(|_| None).collect(),
     };
-    sum.par_chunks_mut(CLOSE_CHUNK)
-        .zip(momentum.par_chunks_mut(CLOSE_CHUNK))
+    momentum
+        .par_chunks_mut(CLOSE_CHUNK)
         .zip(target.par_chunks_mut(CLOSE_CHUNK))
         .zip(residuals)
         .zip(slots)
-        .for_each(|((((sum, momentum), target), residual), slot)| {
-            slot.close(step, name, sum, momentum, target, residual, compress);
+        .enumerate()
+        .for_each(|(i, (((momentum, target), residual), slot))| {
+            let chunk = (updates, start + i * CLOSE_CHUNK);
+            slot.close(step, name, chunk, momentum, target, residual, compress);
         });
 }
 

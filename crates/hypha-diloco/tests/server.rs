@@ -119,6 +119,58 @@ fn a_resumed_server_continues_as_if_it_never_stopped() {
 }
 
 #[test]
+fn updates_stay_in_their_files_until_the_close_which_fails_whole_when_one_breaks() {
+    let dir = tempfile::tempdir().unwrap();
+    let optimizer = || OuterOptimizer::new(0.7, 0.9);
+    let file = |name: &str, values: &[f32]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes(values)).unwrap();
+        path
+    };
+    let (a, b) = (file("a", &[0.5, 0.25]), file("b", &[0.1, -0.2]));
+    let mut from_files = ParameterServer::new(optimizer());
+    let mut in_memory = ParameterServer::new(optimizer());
+    for server in [&mut from_files, &mut in_memory] {
+        server.offer(&bytes(&[1.0, -1.0])).unwrap();
+    }
+    for (peer, path) in [("a", &a), ("b", &b)] {
+        let source = hypha_diloco::file::FileSource::open(path).unwrap();
+        from_files.add_from(peer, source, 0, 8).unwrap();
+        in_memory
+            .add(peer, &std::fs::read(path).unwrap(), 0, 8)
+            .unwrap();
+        // The server holds the file open; its name may go, as a worker's inbox removes it.
+        std::fs::remove_file(path).unwrap();
+    }
+    from_files.close().unwrap();
+    in_memory.close().unwrap();
+    assert_eq!(model_of(&from_files), model_of(&in_memory));
+
+    // A file cut short after its check: the close cannot sum it, and the server, whose
+    // model took part of the step, holds none any more.
+    let c = file("c", &[0.3, 0.3]);
+    let source = hypha_diloco::file::FileSource::open(&c).unwrap();
+    from_files.add_from("a", source, 1, 8).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&c)
+        .unwrap()
+        .set_len(10)
+        .unwrap();
+    let error = from_files.close().unwrap_err();
+    assert!(
+        matches!(error, hypha_diloco::Error::RoundBroken(_)),
+        "{error}"
+    );
+    assert_eq!(from_files.round(), None);
+    assert!(
+        from_files
+            .checkpoint(&dir.path().join("checkpoint"))
+            .is_err()
+    );
+}
+
+#[test]
 fn poisoned_updates_are_refused_and_the_model_is_as_without_them() {
     let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.9)).limit_samples(100);
     assert!(server.offer(&bytes(&[1.0, 2.0])).unwrap());

@@ -475,6 +475,12 @@ impl Proc {
         }
     }
 
+    /// Everything it logged so far, without waiting.
+    pub fn logged(&mut self) -> &[String] {
+        self.seen.extend(self.lines.try_iter());
+        &self.seen
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

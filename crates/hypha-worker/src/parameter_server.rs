@@ -456,10 +456,11 @@ impl ServerJob {
                     }
                     return received;
                 }
-                // Read a chunk at a time (once to check it, once to add it), never whole:
-                // adding walks the whole model, so it stays off the runtime's async threads.
+                // Read a chunk at a time to check it, never whole, off the runtime's async
+                // threads; the server keeps the file open and reads it again at the close
+                // (its name goes now: nobody else opens it).
                 let taken = FileSource::open(&path).and_then(|update| {
-                    tokio::task::block_in_place(|| server.add_from(&from, &update, round, samples))
+                    tokio::task::block_in_place(|| server.add_from(&from, update, round, samples))
                 });
                 let _ = std::fs::remove_file(&path);
                 match taken {
@@ -568,15 +569,10 @@ impl ServerJob {
                 server.close_without_change()
             }
         });
-        let closed = match closed {
-            // An update's file failed between its check and its addition: the sum holds part
-            // of it. The round is given up, its slices trained again, the job goes on.
-            Err(hypha_diloco::Error::SumLost) => {
-                tracing::warn!(round = ?server.round(), "{}; the round ends without a change", hypha_diloco::Error::SumLost);
-                return self.skip(server, send_to);
-            }
-            closed => closed?,
-        };
+        // An update's file that fails between its check and the close leaves a model
+        // part-stepped (`RoundBroken`): this server ends, and the scheduler restores the next
+        // one from its checkpoint.
+        let closed = closed?;
         tracing::info!(
             round = closed.round,
             trainers = closed.included.len(),

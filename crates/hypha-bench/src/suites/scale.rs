@@ -33,6 +33,9 @@
 //!   cadence makes of it: ten checkpoints' size over the median round's traffic.
 //! - `metrics.failover_s_{size}`: the SIGKILL of the server's worker to the next applied
 //!   round. Target ≤ 15 s.
+//!
+//! `HYPHA_SCALE_LOG=<file>` writes every process's log (`name: line`) there once the round
+//! after the failover is applied: where the failover's seconds went.
 
 use std::{path::Path, time::Duration};
 
@@ -96,7 +99,7 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
 
     // On a machine at rest, before any process of the run starts.
     let memcpy_s = memcpy_seconds(model_bytes);
-    let (cluster, mut servers, _others) = spare_server_cluster(&["--synthetic-updates"]);
+    let (cluster, mut servers, mut others) = spare_server_cluster(&["--synthetic-updates"]);
     let names = SERVER_WORKERS;
     // Before any job: what the worker holds whatever it runs.
     let idle_rss: Vec<f64> = servers
@@ -112,7 +115,7 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
             "samples_per_round = 64\nround_seconds = 120\ncompression = \"int8\"\n",
         ),
     );
-    let (_scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let metrics_path = cluster.path("scale-job.metrics.jsonl");
     let rounds = |all: &[serde_json::Value]| all.iter().filter(|l| l["kind"] == "round").count();
     wait_for_events(
@@ -136,6 +139,20 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         |all| rounds(all) > applied,
     )?;
     let failover_s = killed.elapsed().as_secs_f64();
+    if let Some(path) = std::env::var_os("HYPHA_SCALE_LOG") {
+        let logs = std::iter::once(&mut scheduler)
+            .chain(&mut servers)
+            .chain(&mut others)
+            .flat_map(|proc| {
+                let name = proc.name.clone();
+                proc.logged()
+                    .iter()
+                    .map(move |line| format!("{name}: {line}\n"))
+                    .collect::<Vec<_>>()
+            })
+            .collect::<String>();
+        std::fs::write(&path, logs).with_context(|| format!("HYPHA_SCALE_LOG: {path:?}"))?;
+    }
 
     let round_lines: Vec<&serde_json::Value> = before_kill
         .iter()
