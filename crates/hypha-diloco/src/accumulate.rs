@@ -74,6 +74,17 @@ impl Part {
         }
     }
 
+    /// The bytes of its values in the file.
+    fn bytes(&self) -> u64 {
+        match self {
+            Part::Dense(entry) => entry.len,
+            Part::Int8 { values, scales } => values.len + scales.len,
+            Part::Sparse {
+                indices, values, ..
+            } => indices.len + values.len,
+        }
+    }
+
     /// Calls `each` with the bytes of a companion tensor (`int8`'s scales, `topk`'s values)
     /// that belong with each chunk of the main one (`int8`'s values, `topk`'s positions),
     /// `per` bytes of it for every `unit` of the main one.
@@ -648,14 +659,23 @@ impl<S: Source + ?Sized> std::fmt::Debug for Update<'_, S> {
 /// One round's pseudo-gradients, checked as they arrive and summed when asked: Σ nᵢΔᵢ and
 /// Σ nᵢ. Each update stays where it is (a file is read again, not held in memory), and the
 /// sum is made a range of values at a time ([`mean`](Self::mean), and the parameter server's
-/// close, which steps each range as it is summed): no sum the size of the model is kept
-/// between updates, whatever their number, and the close reads each update's (compressed)
-/// bytes once instead of a model-sized f32 sum written as they arrive and read back.
+/// close, which steps each range as it is summed): while the updates held carry no more
+/// values' bytes than the model's f32 (three `int8` updates, or one f32), no sum the size of
+/// the model is kept, and the close reads each update's (compressed) bytes once instead of a
+/// model-sized f32 sum written as they arrive and read back. Past that (many updates, or f32
+/// ones) the held updates are folded into a sum and the later ones added to it as they come:
+/// the close then reads the sum, and never more than a model's bytes of updates.
 #[derive(Default)]
 pub struct Accumulator {
     /// The parameters' shapes: the model's, or the first update's.
     shapes: BTreeMap<String, Vec<usize>>,
     held: Vec<Held>,
+    /// The bytes of values the held updates carry.
+    held_bytes: u64,
+    /// Σ nᵢΔᵢ of the updates folded so far, by parameter; empty until they are.
+    folded: BTreeMap<String, Vec<f32>>,
+    /// A fold could not read an update whole: the round's sum is lost.
+    damaged: Option<String>,
     weight: f64,
 }
 
@@ -747,13 +767,45 @@ impl Accumulator {
         } else {
             check_same(&self.shapes, shapes)?;
         }
+        self.held_bytes += parts.iter().map(|(_, part)| part.bytes()).sum::<u64>();
         self.held.push(Held {
             source: Box::new(source),
             parts: parts.into_iter().collect(),
             weight: weight as f32,
         });
         self.weight += weight;
+        let model_bytes: u64 = self
+            .shapes
+            .values()
+            .map(|shape| 4 * shape.iter().product::<usize>() as u64)
+            .sum();
+        if !self.folded.is_empty() || self.held_bytes > model_bytes {
+            self.fold();
+        }
         Ok(())
+    }
+
+    /// Adds every held update into the sum, in the order they came, and drops them.
+    fn fold(&mut self) {
+        if self.folded.is_empty() {
+            self.folded = (self.shapes.iter())
+                .map(|(name, shape)| (name.clone(), vec![0.0; shape.iter().product()]))
+                .collect();
+        }
+        let mut scratch = Scratch::default();
+        for held in self.held.drain(..) {
+            for (name, part) in &held.parts {
+                let (Some(sum), None) = (self.folded.get_mut(name), &self.damaged) else {
+                    continue;
+                };
+                let w = held.weight;
+                if let Err(error) = part.apply(&*held.source, &mut scratch, sum, |s, v| *s += w * v)
+                {
+                    self.damaged = Some(error.to_string());
+                }
+            }
+        }
+        self.held_bytes = 0;
     }
 
     /// How many updates were added.
@@ -769,7 +821,10 @@ impl Accumulator {
     /// 1 / Σ nᵢ, what each sum is multiplied by to make the mean; fails when nothing was
     /// added.
     pub(crate) fn scale(&self) -> Result<f32, Error> {
-        if self.held.is_empty() {
+        if let Some(reason) = &self.damaged {
+            return Err(Error::SumLost(reason.clone()));
+        }
+        if self.weight == 0.0 {
             return Err(Error::Empty);
         }
         Ok((1.0 / self.weight) as f32)
@@ -785,7 +840,10 @@ impl Accumulator {
         sum: &mut [f32],
         scratch: &mut Scratch,
     ) -> Result<(), Error> {
-        sum.fill(0.0);
+        match self.folded.get(name) {
+            Some(folded) => sum.copy_from_slice(&folded[start..start + sum.len()]),
+            None => sum.fill(0.0),
+        }
         for held in &self.held {
             if let Some(part) = held.parts.get(name) {
                 let w = held.weight;
@@ -798,6 +856,9 @@ impl Accumulator {
     /// Drops every update, keeping the shapes, for the next round.
     pub fn clear(&mut self) {
         self.held.clear();
+        self.held_bytes = 0;
+        self.folded.clear();
+        self.damaged = None;
         self.weight = 0.0;
     }
 
@@ -808,13 +869,21 @@ impl Accumulator {
         let mut scratch = Scratch::default();
         let mut mean = BTreeMap::new();
         for (name, shape) in std::mem::take(&mut self.shapes) {
-            let mut values = vec![0.0; shape.iter().product()];
-            for (i, range) in values.chunks_mut(APPLY_VALUES).enumerate() {
-                self.sum_into(&name, i * APPLY_VALUES, range, &mut scratch)?;
-                for value in range {
-                    *value *= scale;
+            // A folded sum (nothing is held beside it) becomes the mean in place.
+            let values = match self.folded.remove(&name) {
+                Some(mut values) => {
+                    values.iter_mut().for_each(|value| *value *= scale);
+                    values
                 }
-            }
+                None => {
+                    let mut values = vec![0.0; shape.iter().product()];
+                    for (i, range) in values.chunks_mut(APPLY_VALUES).enumerate() {
+                        self.sum_into(&name, i * APPLY_VALUES, range, &mut scratch)?;
+                        range.iter_mut().for_each(|value| *value *= scale);
+                    }
+                    values
+                }
+            };
             mean.insert(name, codec::tensor(shape, values));
         }
         self.clear();

@@ -68,6 +68,12 @@ pub enum Error {
     Norm { norm: f64, limit: f64 },
     #[error("no update was added")]
     Empty,
+    /// An update folded into the round's sum as it arrived could not be read whole (it was
+    /// checked, then its file failed): the round's sum is lost, the model is as it was.
+    #[error(
+        "an update could not be read while it was added to the round's sum ({0}): the round is lost"
+    )]
+    SumLost(String),
     /// The server's model is gone: restore the server from its checkpoint.
     #[error(
         "an update held for the round could not be read again at its close ({0}): the model took part of the round's step and was dropped"

@@ -171,6 +171,56 @@ fn updates_stay_in_their_files_until_the_close_which_fails_whole_when_one_breaks
 }
 
 #[test]
+fn updates_past_a_models_bytes_are_folded_into_a_sum_as_they_come() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, values: &[f32]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes(values)).unwrap();
+        path
+    };
+    let cut = |path: &std::path::Path| {
+        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        file.set_len(10).unwrap();
+    };
+    let open = |path: &std::path::Path| hypha_diloco::file::FileSource::open(path).unwrap();
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9));
+    let mut reference = ParameterServer::new(OuterOptimizer::new(0.7, 0.9));
+    for s in [&mut server, &mut reference] {
+        s.offer(&bytes(&[1.0, -1.0])).unwrap();
+    }
+    // Two f32 updates carry twice the model's bytes: the second folds both into a sum, and
+    // their files are not read again (cut short after it, the close does not notice).
+    let updates = [("a", [0.5, 0.25]), ("b", [0.1, -0.2]), ("c", [0.3, 0.3])];
+    let mut paths = Vec::new();
+    for (peer, values) in &updates {
+        let path = write(peer, values);
+        server.add_from(peer, open(&path), 0, 8).unwrap();
+        reference.add(peer, &bytes(values), 0, 8).unwrap();
+        paths.push(path);
+    }
+    paths.iter().for_each(|path| cut(path));
+    server.close().unwrap();
+    reference.close().unwrap();
+    assert_eq!(model_of(&server), model_of(&reference));
+
+    // A held file cut short before the fold reads it: the round's sum is lost, the model
+    // stays as it was, and the next round goes on.
+    let before = model_of(&server);
+    let a = write("a1", &[0.5, 0.25]);
+    server.add_from("a", open(&a), 1, 8).unwrap();
+    cut(&a);
+    server
+        .add_from("b", open(&write("b1", &[0.1, -0.2])), 1, 8)
+        .unwrap();
+    let error = server.close().unwrap_err();
+    assert!(matches!(error, hypha_diloco::Error::SumLost(_)), "{error}");
+    assert_eq!(model_of(&server), before);
+    server.skip().unwrap();
+    server.add("a", &bytes(&[0.5, 0.25]), 2, 8).unwrap();
+    server.close().unwrap();
+}
+
+#[test]
 fn poisoned_updates_are_refused_and_the_model_is_as_without_them() {
     let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.9)).limit_samples(100);
     assert!(server.offer(&bytes(&[1.0, 2.0])).unwrap());

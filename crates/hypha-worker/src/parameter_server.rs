@@ -569,10 +569,17 @@ impl ServerJob {
                 server.close_without_change()
             }
         });
-        // An update's file that fails between its check and the close leaves a model
-        // part-stepped (`RoundBroken`): this server ends, and the scheduler restores the next
-        // one from its checkpoint.
-        let closed = closed?;
+        let closed = match closed {
+            // An update's file failed between its check and its addition to the round's sum:
+            // the round is given up, its slices trained again, the job goes on.
+            Err(error @ hypha_diloco::Error::SumLost(_)) => {
+                tracing::warn!(round = ?server.round(), "{error}; the round ends without a change");
+                return self.skip(server, send_to);
+            }
+            // One that fails at the close leaves a model part-stepped (`RoundBroken`): this
+            // server ends, and the scheduler restores the next one from its checkpoint.
+            closed => closed?,
+        };
         tracing::info!(
             round = closed.round,
             trainers = closed.included.len(),
