@@ -67,9 +67,13 @@ impl Source for [u8] {
     }
 }
 
-impl Source for Vec<u8> {
+/// Bytes held in memory by any owner (`Vec<u8>`, `Arc<[u8]>`): an [`Accumulator`] keeps
+/// such an update until the round's sum.
+///
+/// [`Accumulator`]: crate::Accumulator
+impl<T: std::ops::Deref<Target = [u8]>> Source for T {
     fn size(&self) -> u64 {
-        self[..].size()
+        (**self).size()
     }
 
     fn bytes_at<'b>(
@@ -78,22 +82,7 @@ impl Source for Vec<u8> {
         len: usize,
         buffer: &'b mut Vec<u8>,
     ) -> Result<&'b [u8], Error> {
-        self[..].bytes_at(offset, len, buffer)
-    }
-}
-
-impl Source for std::sync::Arc<[u8]> {
-    fn size(&self) -> u64 {
-        self[..].size()
-    }
-
-    fn bytes_at<'b>(
-        &'b self,
-        offset: u64,
-        len: usize,
-        buffer: &'b mut Vec<u8>,
-    ) -> Result<&'b [u8], Error> {
-        self[..].bytes_at(offset, len, buffer)
+        (**self).bytes_at(offset, len, buffer)
     }
 }
 
