@@ -273,7 +273,8 @@ impl Rounds {
 
     /// Whether the ledger still has slices to hand out or handed out and not yet consumed:
     /// asked when a trainer says it is out of data, which may be only for now (its worker
-    /// still fetching the slices it was given, others holding the rest).
+    /// still fetching the slices it was given, others holding the rest), and before a
+    /// server status that applies a round (slices may have gone back since).
     pub fn data_left(&mut self, left: bool) {
         self.data_left = left;
     }
@@ -797,6 +798,14 @@ impl Rounds {
             .saturating_add(since.saturating_mul(batch))
     }
 
+    /// Whether the server's `status` says it applied the round it was told to close.
+    pub fn applies(&self, status: &ServerStatus) -> bool {
+        status.applied.as_ref().is_some_and(|applied| {
+            self.closing
+                .is_some_and(|(closing, _)| closing == applied.round)
+        })
+    }
+
     /// The server's status: what it should do next, and what the ledger must settle.
     pub fn server_status(
         &mut self,
@@ -806,11 +815,8 @@ impl Rounds {
         let mut settle = Vec::new();
         let mut applied_round = None;
         self.resolve_departing(&status, now_ms);
-        if let Some(applied) = status.applied
-            && self
-                .closing
-                .is_some_and(|(closing, _)| closing == applied.round)
-        {
+        let applies = self.applies(&status);
+        if let Some(applied) = status.applied.filter(|_| applies) {
             let included: HashSet<String> = applied.included.iter().cloned().collect();
             let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
             let mut weighted_loss = (0.0, 0u64);
@@ -840,10 +846,14 @@ impl Rounds {
                     }
                 }
             }
-            // Out of data for good: none left in the ledger, and no trainer's slices of the
-            // round go back (it trained in it and is not included).
+            // Out of data for good: none left in the ledger, and no slices of the round go
+            // back: no trainer's that trained in it and is not included, no departed one's
+            // left out, none of a job that ended with its update maybe still on its way.
+            let gives_back = settle.iter().any(|s| matches!(s, Settle::Drop { .. }));
             let everyone_out_of_data = !self.trainers.is_empty()
                 && !self.data_left
+                && !gives_back
+                && self.departing.is_empty()
                 && self.trainers.values().all(|t| {
                     t.status.data_done
                         && t.status.round == Some(applied.round)
@@ -1793,6 +1803,72 @@ mod tests {
             report(&mut rounds, server(0, &[], None), 20).0,
             ServerOrder::Done
         );
+    }
+
+    /// The last round applied with every trainer out of data does not end the training
+    /// while slices of the round go back: those of a job that ended with its update maybe
+    /// still on its way (a trainer killed as it sent it), and those of a departed job whose
+    /// update did not make the round. The run gives them back, and trainers train them.
+    #[test]
+    fn slices_going_back_with_the_last_round_are_not_the_end_of_the_data() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: None,
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        for (job, peer) in [("a", "pa"), ("b", "pb")] {
+            rounds.trainer_started(job.into(), peer.into());
+            rounds.trainer_status(job, status(0, 1, Some(100.0)), 0);
+        }
+        // b ends having trained round 0; a trains the last slice and is out of data.
+        assert!(
+            rounds.trainer_ended("b", 100),
+            "b's update may be on its way"
+        );
+        let out = TrainerStatus {
+            data_done: true,
+            ..status(0, 1, Some(100.0))
+        };
+        rounds.trainer_status("a", out, 200);
+        let (order, _, _) = report(&mut rounds, server(0, &["pa"], None), 300);
+        assert!(
+            matches!(order, ServerOrder::Close { round: 0, .. }),
+            "{order:?}"
+        );
+        // Applied without b, whose update was not heard yet.
+        let applied = server(1, &[], Some((0, &["pa"])));
+        assert!(rounds.applies(&applied));
+        let (order, _, _) = report(&mut rounds, applied, 400);
+        assert_ne!(order, ServerOrder::Done, "b's slices may go back");
+        assert!(!rounds.done());
+
+        // Round 1: a trains on; c ends with its update arrived, and the round is applied
+        // without it (too late for the server): c's slices go back. b's wait is over by now.
+        rounds.trainer_started("c".into(), "pc".into());
+        rounds.trainer_status("c", status(1, 1, Some(100.0)), 2_500);
+        let out = TrainerStatus {
+            data_done: true,
+            ..status(1, 1, Some(100.0))
+        };
+        rounds.trainer_status("a", out, 2_600);
+        let (order, _, _) = report(&mut rounds, server(1, &["pa"], None), 2_650);
+        assert_eq!(
+            order,
+            ServerOrder::Trainers {
+                peers: vec!["pa".into(), "pc".into()]
+            },
+            "b no longer"
+        );
+        let (order, _, _) = report(&mut rounds, server(1, &["pa", "pc"], None), 2_700);
+        assert!(
+            matches!(order, ServerOrder::Close { round: 1, .. }),
+            "{order:?}"
+        );
+        assert!(rounds.trainer_ended("c", 2_800), "c's update arrived");
+        let (order, settle, _) = report(&mut rounds, server(2, &[], Some((1, &["pa"]))), 2_900);
+        assert!(settle.contains(&drop("c", 1)), "{settle:?}");
+        assert_ne!(order, ServerOrder::Done, "c's slices go back");
+        assert!(!rounds.done());
     }
 
     #[test]

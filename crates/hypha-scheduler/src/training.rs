@@ -431,6 +431,11 @@ impl Training {
                         });
                     }
                 }
+                if self.rounds.applies(&status) {
+                    // A round applied with everyone out of data ends the training, unless
+                    // slices went back since a trainer last asked (a job lost or ended).
+                    self.rounds.data_left(!self.data.drained().await);
+                }
                 let (order, settle, applied) = self.rounds.server_status(status, now);
                 (serde_json::to_string(&order), settle, applied)
             }

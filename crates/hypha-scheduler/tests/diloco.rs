@@ -1278,11 +1278,14 @@ fn survive_kill_schedule(seed: u64) {
     let (ok, lines) = scheduler.wait(Duration::from_secs(180));
     let mut procs: Vec<&mut Proc> = nodes.values_mut().collect();
     if !ok {
+        // Its last lines again at the end, where a log cut in the middle still shows them.
+        let last = &lines[lines.len().saturating_sub(12)..];
         panic!(
-            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}\nslices never used:\n{}",
+            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}\nslices never used:\n{}\nthe scheduler's last lines:\n{}",
             lines.join("\n"),
             diagnostics(&cluster, &mut procs),
-            never_used(&cluster.path("chaos-job.ledger"))
+            never_used(&cluster.path("chaos-job.ledger")),
+            last.join("\n")
         );
     }
     no_errors(
