@@ -584,6 +584,7 @@ impl ServerJob {
             round = closed.round,
             trainers = closed.included.len(),
             samples = closed.samples,
+            step_ms = started.elapsed().as_millis() as u64,
             "round closed"
         );
         if let Some(why) = &closed.uncompressed {

@@ -12,8 +12,8 @@
 //! fit beside a server of a billion parameters. The job compresses with `int8` both ways (the
 //! server then holds the most: model, momentum, sum and the carried residual); every other
 //! setting is at its default (the checkpoint cadence included). Once [`MEASURED_ROUNDS`]
-//! rounds are applied the parameter server's worker is SIGKILLed; the spare takes over from
-//! the last checkpoint.
+//! rounds are applied the parameter server's worker is SIGKILLed and its directory removed
+//! (its machine is gone with it); the spare takes over from the last checkpoint.
 //!
 //! Sizes: `25m` (`--quick`); `100m` and `1b` in the full run. `HYPHA_SCALE_SIZES` (e.g.
 //! `500m,1b`) runs others of [`SIZES`]. Keys, `{size}` one of them:
@@ -131,6 +131,10 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
     servers[server].child.kill()?;
     let killed = std::time::Instant::now();
     servers[server].child.wait()?;
+    // Its machine is gone with it: its files (at 1 B a 12 GB checkpoint and the last models)
+    // do not share the spare's disk, as they would on one machine (the 1 B failover's
+    // checkpoint did not fit beside them on this machine's 60 GB).
+    let _ = std::fs::remove_dir_all(cluster.path(&format!("{}-work", names[server])));
     let applied = rounds(&events(&metrics_path));
     wait_for_events(
         &metrics_path,
