@@ -1098,6 +1098,14 @@ mod tests {
         }
     }
 
+    /// A trainer's status in `round`: one batch trained, and out of data.
+    fn last_batch(round: u64) -> TrainerStatus {
+        TrainerStatus {
+            data_done: true,
+            ..status(round, 1, Some(100.0))
+        }
+    }
+
     fn target(order: TrainerOrder) -> u64 {
         match order {
             TrainerOrder::Train { batches, .. } => batches,
@@ -1825,11 +1833,7 @@ mod tests {
             rounds.trainer_ended("b", 100),
             "b's update may be on its way"
         );
-        let out = TrainerStatus {
-            data_done: true,
-            ..status(0, 1, Some(100.0))
-        };
-        rounds.trainer_status("a", out, 200);
+        rounds.trainer_status("a", last_batch(0), 200);
         let (order, _, _) = report(&mut rounds, server(0, &["pa"], None), 300);
         assert!(
             matches!(order, ServerOrder::Close { round: 0, .. }),
@@ -1846,11 +1850,7 @@ mod tests {
         // without it (too late for the server): c's slices go back. b's wait is over by now.
         rounds.trainer_started("c".into(), "pc".into());
         rounds.trainer_status("c", status(1, 1, Some(100.0)), 2_500);
-        let out = TrainerStatus {
-            data_done: true,
-            ..status(1, 1, Some(100.0))
-        };
-        rounds.trainer_status("a", out, 2_600);
+        rounds.trainer_status("a", last_batch(1), 2_600);
         let (order, _, _) = report(&mut rounds, server(1, &["pa"], None), 2_650);
         assert_eq!(
             order,
