@@ -20,8 +20,8 @@ use rayon::prelude::*;
 use safetensors::Dtype;
 
 use crate::{
-    Accumulator, Codec, Error, ErrorFeedback, Fingerprint, Metadata, OuterOptimizer, Tensors,
-    Update,
+    Accumulator, Codec, Error, ErrorFeedback, Fingerprint, Metadata, OuterOptimizer, Tensor,
+    Tensors, Update,
     accumulate::{RoundTrip, round_trip},
     codec,
     file::{FileSource, Layout, Scratch, Source, Writer, write_file},
@@ -177,14 +177,76 @@ impl ParameterServer {
                 residual.insert(name.to_string(), tensor.values);
             }
         }
-        let model = Tensors(model);
-        Ok(Self {
+        Ok(Self::holding(
+            Tensors(model),
+            round,
+            optimizer.with_buffers(buffers),
+            ErrorFeedback::with_residual(residual),
+        ))
+    }
+
+    /// A server that goes on from what a standby holds (`[diloco] standby`): the global model
+    /// in the SafeTensors file `model`, of the round its metadata names (built from the
+    /// server's changes, as trainers build theirs), with the momentum of the
+    /// [`checkpoint`](Self::checkpoint) at `checkpoint`. A checkpoint of that round or a
+    /// later one is the whole state ([`resume`](Self::resume)). An older one's momentum is
+    /// the best there is: the rounds since moved the model, and the momentum by what this
+    /// server cannot know, their mean updates. What compression dropped is not carried: it
+    /// was measured against the changes of those rounds, which the model holds.
+    pub fn take_over(
+        model: &Path,
+        checkpoint: Option<&Path>,
+        optimizer: OuterOptimizer,
+    ) -> Result<Self, Error> {
+        let source = FileSource::open(model)?;
+        let round = round_of(&Layout::read(&source)?.metadata)?;
+        let checkpoint = match checkpoint {
+            Some(path) => {
+                let source = FileSource::open(path)?;
+                let layout = Layout::read(&source)?;
+                if round_of(&layout.metadata)? >= round {
+                    return Self::resume(path, optimizer);
+                }
+                Some((source, layout))
+            }
+            None => None,
+        };
+        let model = Tensors::read(&source)?;
+        let mut buffers = BTreeMap::new();
+        if let Some((source, layout)) = checkpoint {
+            let mut buffer = Vec::new();
+            for (name, entry) in &layout.entries {
+                let Some(parameter) = name.strip_prefix(MOMENTUM_PREFIX) else {
+                    continue;
+                };
+                if model.0.get(parameter).is_some_and(|t| t.shape == entry.shape) {
+                    let momentum = Tensor::read(&source, name, entry, &mut buffer)?;
+                    buffers.insert(parameter.to_string(), momentum.values);
+                }
+            }
+        }
+        Ok(Self::holding(
+            model,
+            round,
+            optimizer.with_buffers(buffers),
+            ErrorFeedback::new(),
+        ))
+    }
+
+    /// A server holding `model` at `round`, collecting nothing yet.
+    fn holding(
+        model: Tensors,
+        round: u64,
+        optimizer: OuterOptimizer,
+        feedback: ErrorFeedback,
+    ) -> Self {
+        Self {
             sum: Accumulator::shaped_like(&model),
             hash: Some(model.digest()),
             broadcast: Codec::None,
-            feedback: ErrorFeedback::with_residual(residual),
+            feedback,
             model: Some(model),
-            optimizer: optimizer.with_buffers(buffers),
+            optimizer,
             round,
             arrived: Vec::new(),
             refused: Vec::new(),
@@ -192,7 +254,7 @@ impl ParameterServer {
             max_norm_ratio: None,
             norms: std::collections::VecDeque::new(),
             largest_norm_ratio: None,
-        })
+        }
     }
 
     /// The round being collected; `None` before the server holds a model.

@@ -542,3 +542,83 @@ fn a_round_without_takers_of_changes_steps_the_model_exactly() {
         held(&exact.model_bytes().unwrap()).digest()
     );
 }
+
+/// Issue 36, item 3: a standby that builds each round's model from the server's changes, as
+/// trainers do, takes over with the server's global model bit for bit, at its round, and
+/// with the momentum of the last checkpoint it was given; with a checkpoint of its own round
+/// it is the server as that checkpoint left it, and closes the next round as the server does.
+#[test]
+fn a_standby_built_from_the_changes_takes_over_with_the_model_and_the_checkpoints_momentum() {
+    const N: usize = 5000;
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    let optimizer = || OuterOptimizer::new(0.7, 0.9);
+    let mut server = ParameterServer::new(optimizer()).broadcast_changes(Codec::Int8);
+    server.offer(&bf16_model(N, 3)).unwrap();
+    std::fs::write(path("standby.safetensors"), server.model_bytes().unwrap()).unwrap();
+    let mut rng = StdRng::seed_from_u64(11);
+    let close = |server: &mut ParameterServer, rng: &mut StdRng| {
+        let round = server.round().unwrap();
+        for i in 0..2 {
+            let update = random_update(N, rng);
+            server.add(&format!("t{i}"), &update, round, 10).unwrap();
+        }
+        server.close().unwrap().delta.unwrap()
+    };
+    for round in 0..4u64 {
+        let delta = close(&mut server, &mut rng);
+        let metadata = hypha_diloco::metadata(&delta).unwrap();
+        let held = hypha_diloco::file::FileSource::open(&path("standby.safetensors")).unwrap();
+        let built = Update::read(&delta)
+            .unwrap()
+            .add_to_file(
+                &held,
+                &path("next.safetensors"),
+                BTreeMap::from([(meta::ROUND.to_string(), (round + 1).to_string())]),
+            )
+            .unwrap();
+        assert_eq!(built, metadata[meta::MODEL_HASH]);
+        std::fs::rename(path("next.safetensors"), path("standby.safetensors")).unwrap();
+        if round == 1 {
+            server.checkpoint(&path("old.safetensors")).unwrap();
+        }
+    }
+    let momentum = |file: &str| Tensors::load(&path(file)).unwrap().0.remove("momentum/w");
+
+    let taken = ParameterServer::take_over(
+        &path("standby.safetensors"),
+        Some(&path("old.safetensors")),
+        optimizer(),
+    )
+    .unwrap();
+    assert_eq!(taken.round(), Some(4));
+    assert_eq!(taken.model_hash(), server.model_hash());
+    taken.checkpoint(&path("taken.safetensors")).unwrap();
+    assert!(momentum("old.safetensors").is_some());
+    assert_eq!(momentum("taken.safetensors"), momentum("old.safetensors"));
+    let residual = Tensors::load(&path("taken.safetensors")).unwrap();
+    assert!(!residual.0.contains_key("residual/w"), "nothing carried");
+
+    let fresh = ParameterServer::take_over(&path("standby.safetensors"), None, optimizer()).unwrap();
+    assert_eq!(fresh.model_hash(), server.model_hash());
+    fresh.checkpoint(&path("fresh.safetensors")).unwrap();
+    assert_eq!(momentum("fresh.safetensors"), None, "no momentum without a checkpoint");
+
+    server.checkpoint(&path("now.safetensors")).unwrap();
+    let mut current = ParameterServer::take_over(
+        &path("standby.safetensors"),
+        Some(&path("now.safetensors")),
+        optimizer(),
+    )
+    .unwrap()
+    .broadcast_changes(Codec::Int8);
+    let mut again = rng.clone();
+    // The same metadata and tensors (SafeTensors writes metadata in any order).
+    let read = |bytes: &[u8]| {
+        let metadata = hypha_diloco::metadata(bytes).unwrap();
+        (metadata, Update::read(bytes).unwrap().to_tensors().unwrap())
+    };
+    let expected = read(&close(&mut server, &mut rng));
+    assert!(read(&close(&mut current, &mut again)) == expected);
+    assert_eq!(current.model_hash(), server.model_hash());
+}

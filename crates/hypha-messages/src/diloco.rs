@@ -73,6 +73,7 @@ pub mod meta {
 pub enum Status {
     Trainer(TrainerStatus),
     ParameterServer(ServerStatus),
+    Standby(StandbyStatus),
 }
 
 /// Where a trainer stands in its round.
@@ -177,6 +178,29 @@ pub struct ServerStatus {
     /// one the scheduler names.
     #[serde(default)]
     pub offered: Vec<String>,
+    /// The standby it sends every round's model to, as the scheduler last named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby: Option<String>,
+}
+
+/// What a standby parameter server (`[diloco] standby = true`) holds: the global model of a
+/// round, built from the server's changes as trainers build theirs, and the server's last
+/// checkpoint, for its momentum. It takes over when the server is lost.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StandbyStatus {
+    /// The round whose global model it holds (the round that model is the starting point
+    /// of); `None` before it holds one.
+    #[serde(default)]
+    pub round: Option<u64>,
+    /// That model's fingerprint, checked against the server's as it was built.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
+    /// The round of the server's checkpoint it holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<u64>,
+    /// The server whose models it takes, as the scheduler last named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub following: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -220,6 +244,10 @@ pub struct Applied {
     /// models and changes it sent out after it (a published model counted once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_bytes: Option<u64>,
+    /// The bytes it sent its standby since the round before (the round's change, or the
+    /// whole model): not in `traffic_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby_bytes: Option<u64>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -244,7 +272,27 @@ pub enum ServerOrder {
     /// Adopt the initial model `from` offered as the global model (and answer every offer
     /// with it): the scheduler chooses the source, not whoever sends first.
     Adopt { from: String },
+    /// Send every round's model (its change, or the whole model) to this standby from now
+    /// on, starting with the whole current one; `None`: to nobody. Sent whenever the status
+    /// names another.
+    Standby { peer: Option<String> },
     /// Training is over: write the final model and exit successfully.
+    Done,
+}
+
+/// The scheduler's answer to a standby parameter server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum StandbyOrder {
+    /// Keep following.
+    Wait,
+    /// Take models from this server (and checkpoints from the scheduler): sent whenever the
+    /// status names another.
+    Follow { server: String },
+    /// The server is lost: become the parameter server, at the round whose model it holds,
+    /// with the momentum of the checkpoint it holds.
+    Serve,
+    /// Training is over: exit successfully.
     Done,
 }
 
