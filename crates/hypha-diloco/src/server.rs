@@ -219,7 +219,11 @@ impl ParameterServer {
                 let Some(parameter) = name.strip_prefix(MOMENTUM_PREFIX) else {
                     continue;
                 };
-                if model.0.get(parameter).is_some_and(|t| t.shape == entry.shape) {
+                if model
+                    .0
+                    .get(parameter)
+                    .is_some_and(|t| t.shape == entry.shape)
+                {
                     let momentum = Tensor::read(&source, name, entry, &mut buffer)?;
                     buffers.insert(parameter.to_string(), momentum.values);
                 }

@@ -599,10 +599,15 @@ fn a_standby_built_from_the_changes_takes_over_with_the_model_and_the_checkpoint
     let residual = Tensors::load(&path("taken.safetensors")).unwrap();
     assert!(!residual.0.contains_key("residual/w"), "nothing carried");
 
-    let fresh = ParameterServer::take_over(&path("standby.safetensors"), None, optimizer()).unwrap();
+    let fresh =
+        ParameterServer::take_over(&path("standby.safetensors"), None, optimizer()).unwrap();
     assert_eq!(fresh.model_hash(), server.model_hash());
     fresh.checkpoint(&path("fresh.safetensors")).unwrap();
-    assert_eq!(momentum("fresh.safetensors"), None, "no momentum without a checkpoint");
+    assert_eq!(
+        momentum("fresh.safetensors"),
+        None,
+        "no momentum without a checkpoint"
+    );
 
     server.checkpoint(&path("now.safetensors")).unwrap();
     let mut current = ParameterServer::take_over(

@@ -47,17 +47,26 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
             peer,
             round,
             lost_rounds,
+            standby,
             ..
         } => {
             progress.failovers += 1;
+            let after = match standby {
+                Some(_) => "the round its standby holds",
+                None => "its last checkpoint",
+            };
             let lost = match lost_rounds {
                 0 => String::new(),
-                1 => " (1 round after its last checkpoint is trained again)".to_string(),
-                n => format!(" ({n} rounds after its last checkpoint are trained again)"),
+                1 => format!(" (1 round after {after} is trained again)"),
+                n => format!(" ({n} rounds after {after} are trained again)"),
+            };
+            let who = match standby {
+                Some(standby) => format!("its standby {standby}"),
+                None => "a new one".to_string(),
             };
             (
                 "failover",
-                format!("parameter server {peer} lost; a new one goes on from round {round}{lost}"),
+                format!("parameter server {peer} lost; {who} goes on from round {round}{lost}"),
             )
         }
         Event::Lost { slot, peer, reason } => {
@@ -160,6 +169,7 @@ mod tests {
                 reason: "gone".into(),
                 round: 4,
                 lost_rounds: 2,
+                standby: None,
             },
             lost(2, "gone"),
         ];

@@ -1151,6 +1151,7 @@ mod tests {
                 largest_norm_ratio: None,
                 close_ms: None,
                 traffic_bytes: None,
+                standby_bytes: None,
             }),
             ..ServerStatus::default()
         }

@@ -57,7 +57,7 @@ use crate::{
     rounds::News,
     slots::{Allocation, Role, SlotState, Slots, Verdict},
     spec::JobFile,
-    training::{Answered, Training},
+    training::{Answered, Promotion, Training},
     unix_ms,
 };
 
@@ -153,6 +153,10 @@ pub enum Event {
         round: u64,
         #[serde(default)]
         lost_rounds: u64,
+        /// The standby that took over (`[diloco] standby`): it held the model of `round`, and
+        /// no checkpoint was sent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        standby: Option<String>,
     },
     /// The parameter server applied a DiLoCo round. `away`: it did so as the scheduler's
     /// earlier process died, which did not hear of it; the process that took the server over
@@ -368,8 +372,18 @@ impl EventLog {
                 reason,
                 round,
                 lost_rounds,
+                standby: None,
             } => {
                 tracing::warn!(%peer, %reason, round, lost_rounds, "parameter server lost; a new one takes over from the checkpoint")
+            }
+            Event::Failover {
+                peer,
+                reason,
+                round,
+                lost_rounds,
+                standby: Some(standby),
+            } => {
+                tracing::warn!(%peer, %reason, round, lost_rounds, %standby, "parameter server lost; its standby takes over")
             }
             Event::Round {
                 round,
@@ -892,6 +906,11 @@ enum Internal {
         job: String,
         result: Result<(), String>,
     },
+    /// The checkpoint of `round` was sent to the standby (or could not be).
+    Forwarded {
+        round: u64,
+        result: Result<(), String>,
+    },
     /// The network stopped handing over requests (`router`) or streams (`checkpoints`).
     Stopped(&'static str),
 }
@@ -953,6 +972,10 @@ struct JobRun<'a> {
     joiners_after: tokio::time::Instant,
     /// A [`Internal::JoinersDue`] is on its way.
     joiners_timer: bool,
+    /// A checkpoint is on its way to the standby; `forward_again`: a newer one was stored
+    /// meanwhile.
+    forwarding: bool,
+    forward_again: bool,
 }
 
 impl<'a> JobRun<'a> {
@@ -1030,7 +1053,10 @@ impl<'a> JobRun<'a> {
             trainer,
             slots: Slots::new(
                 (spec.workers.min, spec.workers.max),
-                server.is_some(),
+                (
+                    server.is_some(),
+                    spec.diloco.as_ref().is_some_and(|d| d.standby),
+                ),
                 spec.max_attempts,
             ),
             server,
@@ -1054,6 +1080,8 @@ impl<'a> JobRun<'a> {
             benched: Vec::new(),
             joiners_after: tokio::time::Instant::now(),
             joiners_timer: false,
+            forwarding: false,
+            forward_again: false,
         };
         let channels = Channels {
             statuses,
@@ -1314,7 +1342,7 @@ impl<'a> JobRun<'a> {
 
     fn work(&self, role: Role) -> &Work {
         match (role, &self.server) {
-            (Role::ParameterServer, Some(server)) => server,
+            (Role::ParameterServer | Role::Standby, Some(server)) => server,
             _ => &self.trainer,
         }
     }
@@ -1373,7 +1401,12 @@ impl<'a> JobRun<'a> {
                 };
                 let (slot, peer) = (dispatched.slot, dispatched.lease.peer.to_string());
                 match result {
-                    Ok(()) => self.announce_dispatched(&job),
+                    Ok(()) => {
+                        self.announce_dispatched(&job);
+                        if self.slots.role(slot) == Role::Standby {
+                            self.forward_checkpoint();
+                        }
+                    }
                     Err(error) => {
                         let reason = format!("dispatch failed: {error}");
                         self.events.record(Event::Lost {
@@ -1383,6 +1416,18 @@ impl<'a> JobRun<'a> {
                         });
                         self.ended(&job, Some(reason)).await?;
                     }
+                }
+            }
+            Internal::Forwarded { round, result } => {
+                self.forwarding = false;
+                match result {
+                    Ok(()) => tracing::debug!(round, "the standby has the checkpoint"),
+                    Err(error) => {
+                        tracing::warn!(round, %error, "the checkpoint did not reach the standby")
+                    }
+                }
+                if std::mem::take(&mut self.forward_again) {
+                    self.forward_checkpoint();
                 }
             }
             Internal::Stopped(what) => {
@@ -1442,6 +1487,7 @@ impl<'a> JobRun<'a> {
                     },
                     round,
                     lost_rounds: trained.saturating_sub(round),
+                    standby: None,
                 });
             }
         }
@@ -1485,6 +1531,8 @@ impl<'a> JobRun<'a> {
         if let Some(training) = self.training.as_mut() {
             match role {
                 Role::Trainer => training.trainer_taken_over(&job, peer, rejoin),
+                // A standby does not go on ([`goes_on`]): a new one follows the server.
+                Role::Standby => {}
                 Role::ParameterServer => {
                     training.server_taken_over(&job, peer);
                     self.server_heard = std::time::Instant::now();
@@ -1629,11 +1677,16 @@ impl<'a> JobRun<'a> {
         let work = self.work(role);
         let restore = match role {
             Role::ParameterServer => self.restore,
-            Role::Trainer => None,
+            Role::Trainer | Role::Standby => None,
         };
-        let config = match restore {
-            Some(round) => restoring(&work.config, round),
-            None => work.config.clone(),
+        let config = match (role, restore) {
+            (Role::Standby, _) => server_config_with(&work.config, "standby", true.into()),
+            (_, Some(round)) => server_config_with(
+                &work.config,
+                "restore",
+                serde_json::json!({ "round": round }),
+            ),
+            (_, None) => work.config.clone(),
         };
         let mut spec = JobSpec {
             id: id.clone(),
@@ -1655,6 +1708,7 @@ impl<'a> JobRun<'a> {
         if let Some(training) = self.training.as_mut() {
             match role {
                 Role::ParameterServer => training.server_started(&id, lease.peer, restore),
+                Role::Standby => training.standby_started(&id, lease.peer),
                 Role::Trainer => training.trainer_started(&id, lease.peer),
             }
         }
@@ -1809,6 +1863,12 @@ impl<'a> JobRun<'a> {
         // at the server keeps its slices of that round until the round settles.
         let server = self.training.as_mut().is_some_and(|t| t.ended(job));
         self.release_data(peer, job).await;
+        // A server that failed is replaced by its standby where that holds a round the run
+        // reached; the rounds before it are kept.
+        let promotion = match (server, &failure) {
+            (true, Some(_)) => self.training.as_ref().and_then(Training::promotion),
+            _ => None,
+        };
         if server {
             // A server taken over that ended before it said where it was does not go on.
             self.server_pending = false;
@@ -1816,7 +1876,8 @@ impl<'a> JobRun<'a> {
                 checkpoints.accept_from(None);
             }
             if let (Some(training), Some(_)) = (self.training.as_mut(), &failure) {
-                training.rounds_lost().await;
+                let kept = promotion.as_ref().map_or(0, |p| p.round);
+                training.rounds_lost_from(kept).await;
             }
         }
         self.store_record()?;
@@ -1829,6 +1890,9 @@ impl<'a> JobRun<'a> {
             }
             return Ok(());
         };
+        if let Some(promotion) = promotion {
+            return self.promote(job, peer, &reason, promotion);
+        }
         if server {
             self.fail_over(peer, &reason)?;
         }
@@ -1922,7 +1986,51 @@ impl<'a> JobRun<'a> {
             reason: reason.to_string(),
             round: held.unwrap_or(0),
             lost_rounds: trained.saturating_sub(held.unwrap_or(0)),
+            standby: None,
         });
+        Ok(())
+    }
+
+    /// The server's job `lost` on `peer` failed, and its standby takes over at the round it
+    /// holds: its job moves into the server's slot, the trainers join it, and a new standby
+    /// is leased. The rounds after that one are lost; those before wait for its checkpoints.
+    fn promote(
+        &mut self,
+        lost: &str,
+        peer: PeerId,
+        reason: &str,
+        promotion: Promotion,
+    ) -> Result<(), RunError> {
+        let trained = self.training.as_ref().map_or(0, Training::round);
+        if !self.slots.promote(lost, &promotion.job) {
+            return Err(RunError::ServerLost {
+                peer: peer.to_string(),
+                reason: format!("{reason}; its standby could not take its slot"),
+            });
+        }
+        if let (Some(slot), Some(dispatched)) = (
+            self.slots.slot_of(&promotion.job),
+            self.jobs.get_mut(&promotion.job),
+        ) {
+            dispatched.slot = slot;
+        }
+        if let Some(training) = self.training.as_mut() {
+            training.promote(&promotion);
+        }
+        if let Some(checkpoints) = &self.checkpoints {
+            checkpoints.accept_from(Some(promotion.peer));
+        }
+        self.server_heard = std::time::Instant::now();
+        self.events.record(Event::Failover {
+            peer: peer.to_string(),
+            reason: reason.to_string(),
+            round: promotion.round,
+            lost_rounds: trained.saturating_sub(promotion.round),
+            standby: Some(promotion.peer.to_string()),
+        });
+        self.task_peers_changed();
+        self.store_record()?;
+        self.allocate_next();
         Ok(())
     }
 
@@ -1941,7 +2049,39 @@ impl<'a> JobRun<'a> {
             training.checkpoint_stored(round, bytes).await;
             self.store_record()?;
         }
+        self.forward_checkpoint();
         Ok(())
+    }
+
+    /// Sends the newest checkpoint held to the standby, if one runs: one at a time, the
+    /// newest again when one was stored meanwhile. Over this scheduler's link, not the
+    /// server's.
+    fn forward_checkpoint(&mut self) {
+        if self.forwarding {
+            self.forward_again = true;
+            return;
+        }
+        let standby = self
+            .jobs
+            .values()
+            .find(|d| self.slots.role(d.slot) == Role::Standby)
+            .map(|d| d.lease.peer);
+        let (Some(peer), Some((round, file))) = (
+            standby,
+            self.checkpoints.as_ref().and_then(Checkpoints::open),
+        ) else {
+            return;
+        };
+        self.forwarding = true;
+        let network = self.network.clone();
+        let task = self.task.clone();
+        self.tasks.spawn(async move {
+            let result = send_checkpoint(&network, peer, task, file)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string());
+            Internal::Forwarded { round, result }
+        });
     }
 
     async fn on_executor_status(
@@ -1957,6 +2097,7 @@ impl<'a> JobRun<'a> {
             let _ = answer.send(match (&self.training, self.taking_over(peer, &job)) {
                 (Some(_), Some(Role::Trainer)) => Training::wait_order(),
                 (Some(_), Some(Role::ParameterServer)) => Training::server_wait_order(),
+                (Some(_), Some(Role::Standby)) => Training::standby_wait_order(),
                 _ => RECEIVED.to_string(),
             });
             return Ok(());
@@ -2122,12 +2263,13 @@ impl<'a> JobRun<'a> {
     }
 }
 
-/// A parameter server's config that restores it from the checkpoint of `round`.
-fn restoring(config: &str, round: u64) -> String {
+/// A parameter server's config with `key` set to `value`: `"restore": {"round": r}` for one
+/// restored from the checkpoint of round `r`, `"standby": true` for a standby.
+fn server_config_with(config: &str, key: &str, value: serde_json::Value) -> String {
     let mut config: serde_json::Value =
         serde_json::from_str(config).unwrap_or_else(|_| serde_json::json!({}));
     if let Some(object) = config.as_object_mut() {
-        object.insert("restore".into(), serde_json::json!({ "round": round }));
+        object.insert(key.into(), value);
     }
     config.to_string()
 }

@@ -3,7 +3,8 @@
 //! and carries out what it returns; it knows nothing of networks or leases.
 //!
 //! Each worker's share of a job is a *slot*: slots `0..trainers` run the job's executor, and a
-//! DiLoCo job has one more, the parameter server's. A slot moves through
+//! DiLoCo job has one more, the parameter server's, and with `standby` one after it, the
+//! standby server's. A slot moves through
 //!
 //! ```text
 //! Wanted ──allocation starts──▶ Allocating ──leased──▶ Running(job) ──exit 0──▶ Done
@@ -17,8 +18,11 @@
 //! the run's work over) is `GivenUp`.
 //!
 //! One allocation is in flight at a time, for the wanted slots of one role, the parameter
-//! server's first: so no worker is leased for two slots of a run, and a replacement never
-//! races another allocation for the same worker.
+//! server's first, the standby's last: so no worker is leased for two slots of a run, and a
+//! replacement never races another allocation for the same worker. The standby is optional:
+//! training neither waits for one nor fails without one, and a standby slot that failed its
+//! attempts is given up. When the server is lost its standby's job moves into the server's
+//! slot ([`promote`](Slots::promote)) and the standby's slot wants a worker again.
 //!
 //! **Elastic runs.** With trainers `{ min, max }` there are `max` trainer slots. While fewer
 //! than `min` run (or finished), an allocation must find the missing ones (the run fails
@@ -31,6 +35,7 @@
 pub enum Role {
     Trainer,
     ParameterServer,
+    Standby,
 }
 
 /// Where a slot stands.
@@ -96,10 +101,11 @@ pub struct Slots {
 
 impl Slots {
     /// `max_trainers` executor slots, of which `min_trainers` are needed, then the parameter
-    /// server's when `server`; each may start at most `max_attempts` jobs.
+    /// server's when `server`, then the standby's when `standby` too; each may start at most
+    /// `max_attempts` jobs.
     pub fn new(
         (min_trainers, max_trainers): (usize, usize),
-        server: bool,
+        (server, standby): (bool, bool),
         max_attempts: u32,
     ) -> Self {
         let mut slots = vec![
@@ -110,9 +116,16 @@ impl Slots {
             };
             max_trainers
         ];
-        if server {
+        let servers = [
+            (server, Role::ParameterServer),
+            (server && standby, Role::Standby),
+        ];
+        for role in servers
+            .into_iter()
+            .filter_map(|(wanted, role)| wanted.then_some(role))
+        {
             slots.push(Slot {
-                role: Role::ParameterServer,
+                role,
                 state: SlotState::Wanted,
                 attempts: 0,
             });
@@ -138,26 +151,26 @@ impl Slots {
     }
 
     /// The next allocation to start, when none is in flight and slots are wanted: the wanted
-    /// slots of one role, the parameter server's first; an optional one only when
-    /// `optional`. They become `Allocating`.
+    /// slots of one role, the parameter server's first, the standby's last; an optional one
+    /// only when `optional`. They become `Allocating`.
     pub fn next_allocation(&mut self, optional: bool) -> Option<Allocation> {
         if self.allocating {
             return None;
         }
-        let role = [Role::ParameterServer, Role::Trainer]
+        let (role, slots, at_least) = [Role::ParameterServer, Role::Trainer, Role::Standby]
             .into_iter()
-            .find(|role| self.wanted(*role).next().is_some())?;
-        let slots: Vec<usize> = self.wanted(role).collect();
-        let at_least = match role {
-            Role::ParameterServer => slots.len(),
-            Role::Trainer => self
-                .min_trainers
-                .saturating_sub(self.trainers_in_run())
-                .min(slots.len()),
-        };
-        if at_least == 0 && !optional {
-            return None;
-        }
+            .find_map(|role| {
+                let slots: Vec<usize> = self.wanted(role).collect();
+                let at_least = match role {
+                    Role::ParameterServer => slots.len(),
+                    Role::Trainer => self
+                        .min_trainers
+                        .saturating_sub(self.trainers_in_run())
+                        .min(slots.len()),
+                    Role::Standby => 0,
+                };
+                (!slots.is_empty() && (at_least > 0 || optional)).then_some((role, slots, at_least))
+            })?;
         for slot in &slots {
             self.slots[*slot].state = SlotState::Allocating;
         }
@@ -281,8 +294,11 @@ impl Slots {
         let attempts = self.slots[slot].attempts;
         if attempts >= self.max_attempts {
             self.slots[slot].state = SlotState::GivenUp;
-            let spare = self.slots[slot].role == Role::Trainer
-                && self.trainers_in_run() >= self.min_trainers;
+            let spare = match self.slots[slot].role {
+                Role::Trainer => self.trainers_in_run() >= self.min_trainers,
+                Role::Standby => true,
+                Role::ParameterServer => false,
+            };
             return match spare {
                 true => Verdict::GivenUp { slot, attempts },
                 false => Verdict::Exhausted { slot, attempts },
@@ -290,6 +306,31 @@ impl Slots {
         }
         self.slots[slot].state = SlotState::Wanted;
         Verdict::Replace
+    }
+
+    /// The server's job `server` failed and the standby's job takes its place: the standby's
+    /// job moves into the server's slot (one more attempt of it), and the standby's slot
+    /// wants a worker. False, with nothing changed, unless both run.
+    pub fn promote(&mut self, server: &str, standby: &str) -> bool {
+        let (Some(to), Some(from)) = (self.slot_of(server), self.slot_of(standby)) else {
+            return false;
+        };
+        if self.slots[to].role != Role::ParameterServer || self.slots[from].role != Role::Standby {
+            return false;
+        }
+        self.slots[to].state = SlotState::Running {
+            job: standby.to_string(),
+        };
+        self.slots[to].attempts += 1;
+        // Its job did not fail: the slot starts over.
+        self.slots[from].attempts = 0;
+        self.slots[from].state = SlotState::Wanted;
+        true
+    }
+
+    /// The slot of `role` (the first), if the job has one.
+    pub fn of_role(&self, role: Role) -> Option<usize> {
+        self.slots.iter().position(|s| s.role == role)
     }
 
     /// The slots of `role` whose job finished successfully.
@@ -333,7 +374,7 @@ mod tests {
     /// while the run has `min` without it; a closed run wants nobody.
     #[test]
     fn an_elastic_run_needs_min_trainers_and_takes_more_as_they_come() {
-        let mut slots = Slots::new((2, 4), true, 2);
+        let mut slots = Slots::new((2, 4), (true, false), 2);
         let server = slots.next_allocation(false).unwrap();
         assert_eq!((server.role, server.at_least), (Role::ParameterServer, 1));
         slots.started(4, "ps");
@@ -395,7 +436,7 @@ mod tests {
 
     #[test]
     fn the_parameter_server_is_allocated_first_and_alone() {
-        let mut slots = Slots::new((3, 3), true, 2);
+        let mut slots = Slots::new((3, 3), (true, false), 2);
         assert_eq!(next(&mut slots), Some((Role::ParameterServer, vec![3])));
         assert_eq!(next(&mut slots), None, "one allocation at a time");
         slots.started(3, "ps");
@@ -411,7 +452,7 @@ mod tests {
 
     #[test]
     fn slots_without_a_worker_are_wanted_again_and_a_failure_is_replaced() {
-        let mut slots = Slots::new((2, 2), false, 2);
+        let mut slots = Slots::new((2, 2), (false, false), 2);
         assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0, 1])));
         slots.started(0, "a");
         slots.allocation_ended();
@@ -439,7 +480,7 @@ mod tests {
 
     #[test]
     fn slots_being_adopted_are_not_allocated_and_are_wanted_when_adoption_fails() {
-        let mut slots = Slots::new((2, 2), true, 2);
+        let mut slots = Slots::new((2, 2), (true, false), 2);
         slots.adopting(0);
         slots.adopting(2);
         assert_eq!(next(&mut slots), Some((Role::Trainer, vec![1])));
@@ -457,7 +498,7 @@ mod tests {
 
     #[test]
     fn a_slot_that_fails_its_attempts_ends_the_run() {
-        let mut slots = Slots::new((1, 1), false, 2);
+        let mut slots = Slots::new((1, 1), (false, false), 2);
         next(&mut slots);
         slots.started(0, "a");
         slots.allocation_ended();
@@ -472,5 +513,49 @@ mod tests {
                 attempts: 2
             }
         );
+    }
+
+    #[test]
+    fn the_standby_comes_last_is_optional_and_takes_the_servers_slot_when_it_is_lost() {
+        let mut slots = Slots::new((2, 2), (true, true), 2);
+        assert_eq!(next(&mut slots), Some((Role::ParameterServer, vec![2])));
+        slots.started(2, "ps");
+        slots.allocation_ended();
+        assert_eq!(next(&mut slots), Some((Role::Trainer, vec![0, 1])));
+        slots.started(0, "a");
+        slots.started(1, "b");
+        slots.allocation_ended();
+        // Optional: not while joiners pause, and finding none is no failure.
+        assert_eq!(slots.next_allocation(false), None);
+        let standby = slots.next_allocation(true).unwrap();
+        assert_eq!(
+            (standby.role, standby.slots, standby.at_least),
+            (Role::Standby, vec![3], 0)
+        );
+        slots.started(3, "sb");
+        slots.allocation_ended();
+
+        assert!(!slots.promote("a", "sb"), "only the server's job makes way");
+        assert!(slots.promote("ps", "sb"));
+        assert_eq!(slots.slot_of("sb"), Some(2));
+        assert_eq!(slots.role(2), Role::ParameterServer);
+        assert_eq!(slots.state(3), Some(&SlotState::Wanted));
+        assert_eq!(next(&mut slots), Some((Role::Standby, vec![3])));
+        slots.started(3, "sb2");
+        slots.allocation_ended();
+
+        // A standby that fails its attempts is given up; the run goes on.
+        assert_eq!(slots.failed("sb2", false), Verdict::Replace);
+        assert_eq!(next(&mut slots), Some((Role::Standby, vec![3])));
+        slots.started(3, "sb3");
+        slots.allocation_ended();
+        assert_eq!(
+            slots.failed("sb3", false),
+            Verdict::GivenUp {
+                slot: 3,
+                attempts: 2
+            }
+        );
+        assert_eq!(next(&mut slots), None);
     }
 }

@@ -63,6 +63,8 @@
 //! overlap = true           # train on while the update travels (default false)
 //! checkpoint_every = 5     # the parameter server checkpoints every 5 rounds (default: when
 //!                          # its DiLoCo traffic since the last is 10× a checkpoint's size)
+//! standby = true           # a second server on another worker follows every round and
+//!                          # takes over at once when the server is lost (default false)
 //!
 //! [diloco.parameter_server]
 //! bid = 50.0
@@ -244,6 +246,15 @@ pub struct DilocoSpec {
     /// their slices are trained again.
     #[serde(default)]
     pub checkpoint_every: Option<u64>,
+    /// A standby parameter server, on a worker of its own leased like the server's (its
+    /// `parameter_server` settings), follows the server: it takes every round's model (the
+    /// change, as trainers take it) and every checkpoint the scheduler stores. When the
+    /// server is lost it takes over at the round it holds, with the momentum of that
+    /// checkpoint: no round is lost and no checkpoint travels at the failover (a restore
+    /// from the checkpoint loses the rounds since it and sends it whole). It costs the
+    /// server's link a round's change a round. Off by default.
+    #[serde(default)]
+    pub standby: bool,
     pub parameter_server: ServerSpec,
 }
 

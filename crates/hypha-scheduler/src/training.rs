@@ -15,9 +15,15 @@
 //! than [`FORWARD_QUEUE`] lines waiting), lines are dropped for it, never for the file, and
 //! the job never waits for it.
 
-use std::{collections::HashMap, io::Write, path::Path};
+use std::{
+    collections::{BTreeMap, HashMap},
+    io::Write,
+    path::Path,
+};
 
-use hypha_messages::diloco::{ServerOrder, ServerStatus, Status, TrainerOrder};
+use hypha_messages::diloco::{
+    ServerOrder, ServerStatus, StandbyOrder, StandbyStatus, Status, TrainerOrder,
+};
 use hypha_network::PeerId;
 use serde::Serialize;
 
@@ -65,6 +71,28 @@ pub struct Training {
     /// The rounds the earlier process recorded applied past the checkpoint, with a peer
     /// included in each: what the server that goes on must have applied.
     earlier_rounds: Vec<(u64, String)>,
+    /// The standby server (`[diloco] standby`), when one runs.
+    standby: Option<Standby>,
+    /// The fingerprint of the global model each round starts from, as the server said when
+    /// it applied the round before: what a standby must hold to take over at that round.
+    model_hashes: BTreeMap<u64, String>,
+}
+
+/// The standby server's job, its peer, and what it last said it holds.
+#[derive(Debug)]
+struct Standby {
+    job: String,
+    peer: PeerId,
+    status: StandbyStatus,
+}
+
+/// A standby that can take over from the lost server: its job and peer, and the round whose
+/// model it holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Promotion {
+    pub job: String,
+    pub peer: PeerId,
+    pub round: u64,
 }
 
 #[derive(Debug)]
@@ -118,6 +146,8 @@ impl Training {
             resuming: false,
             earlier_trainers: HashMap::new(),
             earlier_rounds: Vec::new(),
+            standby: None,
+            model_hashes: BTreeMap::new(),
         })
     }
 
@@ -209,8 +239,50 @@ impl Training {
         self.rounds.server_started(peer.to_string());
     }
 
+    /// The standby server's job `job` starts on `peer`.
+    pub fn standby_started(&mut self, job: &str, peer: PeerId) {
+        self.standby = Some(Standby {
+            job: job.to_string(),
+            peer,
+            status: StandbyStatus::default(),
+        });
+    }
+
+    /// What the standby is told when the scheduler cannot say more yet: go on following.
+    pub fn standby_wait_order() -> String {
+        serde_json::to_string(&StandbyOrder::Wait).unwrap_or_default()
+    }
+
+    /// The standby that can take over from the server just lost, if there is one: it holds
+    /// the model of a round the run reached, with the fingerprint the server gave it, and no
+    /// older than the checkpoint held here (a restore from that would lose fewer rounds).
+    pub fn promotion(&self) -> Option<Promotion> {
+        let standby = self.standby.as_ref()?;
+        let round = standby.status.round?;
+        let fits = round <= self.rounds.round()
+            && self.checkpointed.is_none_or(|held| round >= held)
+            && self.model_hashes.get(&round) == standby.status.model_hash.as_ref();
+        fits.then(|| Promotion {
+            job: standby.job.clone(),
+            peer: standby.peer,
+            round,
+        })
+    }
+
+    /// The standby takes over from the lost server (see [`promotion`](Self::promotion)): it
+    /// serves from the round it holds, the rounds after that are gone, and the trainers join
+    /// it.
+    pub fn promote(&mut self, promotion: &Promotion) {
+        self.standby = None;
+        self.server_started(&promotion.job, promotion.peer, Some(promotion.round));
+    }
+
     /// A job of the training ended or lost its worker; true when it was the parameter server.
     pub fn ended(&mut self, job: &str) -> bool {
+        if self.standby.as_ref().is_some_and(|s| s.job == job) {
+            self.standby = None;
+            return false;
+        }
         if self.server.as_deref() == Some(job) {
             self.peers.remove(job);
             self.server = None;
@@ -235,6 +307,8 @@ impl Training {
             bytes,
         });
         self.checkpointed = self.checkpointed.max(Some(round));
+        self.model_hashes
+            .retain(|model_round, _| *model_round >= round);
         let (held, waiting) = std::mem::take(&mut self.uncommitted)
             .into_iter()
             .partition(|u| u.round < round);
@@ -248,7 +322,18 @@ impl Training {
     /// The parameter server is gone with the rounds it applied after its last checkpoint
     /// here, and the open round: their slices go back.
     pub async fn rounds_lost(&mut self) {
-        for u in std::mem::take(&mut self.uncommitted) {
+        self.rounds_lost_from(0).await;
+    }
+
+    /// The parameter server is gone, and the one that takes over holds the rounds before
+    /// `round`: those wait for its checkpoints; the slices of the rounds from `round` on and
+    /// of the open round go back.
+    pub async fn rounds_lost_from(&mut self, round: u64) {
+        let (lost, held) = std::mem::take(&mut self.uncommitted)
+            .into_iter()
+            .partition(|u| u.round >= round);
+        self.uncommitted = held;
+        for u in lost {
             self.settle_now(&u.peer, &u.job, u.round, false).await;
         }
         for settle in self.rounds.abandon_departed() {
@@ -436,16 +521,34 @@ impl Training {
                     // slices went back since a trainer last asked (a job lost or ended).
                     self.rounds.data_left(!self.data.drained().await);
                 }
+                let named = self.standby.as_ref().map(|s| s.peer.to_string());
+                let standby_named = status.standby == named;
                 let (order, settle, applied) = self.rounds.server_status(status, now);
+                let order = match order {
+                    ServerOrder::Wait if !standby_named => ServerOrder::Standby { peer: named },
+                    order => order,
+                };
                 (serde_json::to_string(&order), settle, applied)
             }
             Status::ParameterServer(_) => (serde_json::to_string(&ServerOrder::Done), vec![], None),
+            Status::Standby(status) => {
+                let order = self.standby_status(job, status);
+                return Some(Answered {
+                    payload: serde_json::to_string(&order)
+                        .unwrap_or_else(|_| Self::standby_wait_order()),
+                    applied: None,
+                    resumed: None,
+                });
+            }
         };
         for settle in settle {
             self.settle(settle).await;
         }
         self.release_deferred().await;
         if let Some(applied) = &applied {
+            if let Some(hash) = &applied.model_hash {
+                self.model_hashes.insert(applied.round + 1, hash.clone());
+            }
             self.record(&RoundLine {
                 kind: "round",
                 time_ms: now,
@@ -460,6 +563,32 @@ impl Training {
             applied,
             resumed,
         })
+    }
+
+    /// The answer to a standby's status: take over when it was made the server, follow the
+    /// server, or finish with the training.
+    fn standby_status(&mut self, job: &str, status: StandbyStatus) -> StandbyOrder {
+        if self.server.as_deref() == Some(job) {
+            return StandbyOrder::Serve;
+        }
+        let Some(standby) = self.standby.as_mut().filter(|s| s.job == job) else {
+            return StandbyOrder::Done;
+        };
+        if self.rounds.done() {
+            return StandbyOrder::Done;
+        }
+        let server = self
+            .server
+            .as_ref()
+            .and_then(|server| self.peers.get(server));
+        let following = status.following.clone();
+        standby.status = status;
+        match server {
+            Some(server) if following != Some(server.to_string()) => StandbyOrder::Follow {
+                server: server.to_string(),
+            },
+            _ => StandbyOrder::Wait,
+        }
     }
 
     async fn settle(&mut self, settle: Settle) {

@@ -882,6 +882,115 @@ fn server_killed_mid_round(checkpoint_every: u64) {
     assert_audit_passes(&cluster.path("failover-job.ledger"), 2, SLICES);
 }
 
+/// Issue 36, item 3: with `standby = true` a second server follows the first, taking every
+/// round's change as trainers do. When the first one's worker is killed, the standby takes
+/// over at the round it holds (the checkpoint, every third round, holds only round 0): the
+/// rounds it holds are not trained again, no checkpoint travels, training goes on with the
+/// same model, a new standby is leased, and every slice is used once.
+#[test]
+fn a_parameter_server_killed_with_a_standby_is_replaced_by_it_without_losing_its_rounds() {
+    let (cluster, _data, first) = cluster();
+    let mut servers = [
+        ("ps", first),
+        ("ps2", cluster.server_worker("ps2")),
+        ("ps3", cluster.server_worker("ps3")),
+    ];
+    let mut trainers: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
+        .collect();
+    let job = cluster.diloco_job(
+        "standby",
+        2,
+        2,
+        "checkpoint_every = 3\ncompression = \"int8\"\nstandby = true\n",
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    scheduler.wait_for("round applied");
+    scheduler.wait_for("round applied");
+    // Once the standby holds the model of round 2 (two rounds applied), the server's worker
+    // is killed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let holds = |proc: &mut Proc, needle: &str| proc.logged().iter().any(|l| l.contains(needle));
+    let standby = loop {
+        let found = servers
+            .iter_mut()
+            .position(|(_, proc)| holds(proc, "standby: holding the global model round=2"));
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no standby held round 2"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let victim = servers
+        .iter_mut()
+        .position(|(_, proc)| holds(proc, "round closed"))
+        .unwrap();
+    assert_ne!(victim, standby);
+    servers[victim].1.child.kill().unwrap();
+    let (ok, lines) = scheduler.wait(Duration::from_secs(240));
+    let mut procs: Vec<&mut Proc> = trainers.iter_mut().collect();
+    procs.extend(servers.iter_mut().map(|(_, proc)| proc));
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let events = events(&events_path);
+    let failovers = of_kind(&events, "failover");
+    assert_eq!(failovers.len(), 1, "{failovers:#?}");
+    let failover = &failovers[0]["event"];
+    assert!(failover["standby"].is_string(), "{failover:#?}");
+    let from = failover["round"].as_u64().unwrap();
+    assert!(
+        from >= 2,
+        "the standby held round 2 before the kill: {failover:#?}"
+    );
+    let round = |e: &serde_json::Value| e["event"]["round"].as_u64().unwrap();
+    let at = events
+        .iter()
+        .position(|e| e["event"]["kind"] == "failover")
+        .unwrap();
+    let before: Vec<&serde_json::Value> = events[..at]
+        .iter()
+        .filter(|e| e["event"]["kind"] == "round")
+        .collect();
+    let after: Vec<&serde_json::Value> = events[at..]
+        .iter()
+        .filter(|e| e["event"]["kind"] == "round")
+        .collect();
+    assert_eq!(
+        failover["lost_rounds"].as_u64().unwrap(),
+        before.iter().filter(|e| round(e) >= from).count() as u64,
+        "only rounds past the one the standby held are lost"
+    );
+    let continued = continued_rounds(&events);
+    assert_eq!(continued, (0..continued.len() as u64).collect::<Vec<_>>());
+    assert!(!after.is_empty(), "rounds were applied after the failover");
+    let loss = |e: &serde_json::Value| e["event"]["loss"].as_f64().unwrap();
+    assert!(
+        loss(after[0]) < 0.9 * loss(before[0]),
+        "loss {} in round 0, {} right after the failover",
+        loss(before[0]),
+        loss(after[0])
+    );
+    // The standby took over from what it held: nobody sent it a checkpoint to restore.
+    let (_, taker) = &mut servers[standby];
+    assert!(holds(taker, "taking over"));
+    assert!(!holds(taker, "restored from the scheduler's checkpoint"));
+    // The standby's slot (after the two trainers' and the server's) was filled again.
+    let standby_leases = of_kind(&events, "leased")
+        .into_iter()
+        .filter(|e| e["event"]["slot"] == 3)
+        .count();
+    assert_eq!(standby_leases, 2, "{events:#?}");
+
+    let final_model =
+        job_dir(&cluster.path(&format!("{}-work", servers[standby].0))).join("final.safetensors");
+    let (start, end) = (evaluation_loss(None), evaluation_loss(Some(final_model)));
+    assert!(end < 0.75 * start, "evaluation loss {start} → {end}");
+    assert_audit_passes(&cluster.path("standby-job.ledger"), 2, SLICES);
+}
+
 /// The round events of a run as the model it ends with saw them: each failover (with the
 /// checkpoint's `round` the new server goes on from) throws away the rounds applied at or
 /// after that round before it. A restart of the scheduler throws nothing away when the

@@ -40,6 +40,12 @@
 //! round is in a checkpoint it holds, and restores a replacement from it. A server given
 //! `{"restore": {"round": r}}` waits for that checkpoint from the scheduler before it serves;
 //! a server told that training is over pushes its last checkpoint before it exits.
+//!
+//! **The standby.** A job whose config says `"standby": true` follows the serving server
+//! ([`standby`]) until the scheduler tells it to take over. The serving server sends the
+//! standby the scheduler names ([`ServerOrder::Standby`]) every round's model as it sends
+//! trainers theirs: the change when it made one, whole otherwise, counted apart from the
+//! round's DiLoCo traffic (`Applied::standby_bytes`).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -55,7 +61,6 @@ use hypha_diloco::{
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
-    Request, Response,
     diloco::{Applied, Arrival, Late, Refusal, ServerOrder, ServerStatus, Status, meta},
     job::JobStatus,
 };
@@ -67,6 +72,8 @@ use crate::{
     artifacts::ArtifactStore,
     bridge::transfer::{self, Header, Inbox},
 };
+
+mod standby;
 
 /// How often the server reports when nothing arrives.
 pub const REPORT_EVERY: Duration = Duration::from_millis(250);
@@ -111,6 +118,9 @@ struct Config {
     /// Checkpoint every this many rounds; unset: by traffic ([`Cadence`]).
     #[serde(default)]
     checkpoint_every: Option<u64>,
+    /// Follow the serving server until the scheduler says to take over ([`standby`]).
+    #[serde(default)]
+    standby: bool,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -259,7 +269,28 @@ impl ServerJob {
         if let Some(restore) = config.restore {
             self.restore(restore.round).await?;
         }
-        let mut server = ParameterServer::resume(&checkpoint, optimizer)?;
+        let mut server = if config.standby {
+            let Some(model) = self.stand_by().await else {
+                return Ok(());
+            };
+            let held = checkpoint.exists().then_some(checkpoint.as_path());
+            let taken = tokio::task::block_in_place(|| {
+                ParameterServer::take_over(&model, held, optimizer.clone())
+            });
+            match taken {
+                Ok(server) => server,
+                Err(error) if held.is_some() => {
+                    tracing::warn!(%error, "the checkpoint held is unreadable; taking over without its momentum");
+                    let _ = std::fs::remove_file(&checkpoint);
+                    tokio::task::block_in_place(|| {
+                        ParameterServer::take_over(&model, None, optimizer)
+                    })?
+                }
+                Err(error) => return Err(error.into()),
+            }
+        } else {
+            ParameterServer::resume(&checkpoint, optimizer)?
+        };
         if let Some(max) = config.max_samples {
             server = server.limit_samples(max);
         }
@@ -284,6 +315,8 @@ impl ServerJob {
         );
         let mut dropped = Vec::new();
         let mut applied = None;
+        // Bytes sent to the standby since the last round applied, for the next `Applied`.
+        let mut standby_traffic = 0u64;
         // A round's checkpoint goes to the scheduler once it has answered the status saying
         // the round was applied: a scheduler that holds the checkpoint knows whose slices
         // the round used, even if it was restarted in between.
@@ -325,8 +358,9 @@ impl ServerJob {
                 applied: applied.clone(),
                 trainers: peers.trainers.iter().cloned().collect(),
                 offered: peers.offers.keys().cloned().collect(),
+                standby: peers.standby.clone(),
             };
-            let order = self.report(status).await;
+            let order = self.ask(Status::ParameterServer(status)).await;
             if order.is_some() && std::mem::take(&mut announce) {
                 uploads.checkpointed();
             }
@@ -334,8 +368,11 @@ impl ServerJob {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
-                        let (mut closed, moved) = self.close(&mut server, &send_to, &peers)?;
+                        let (mut closed, moved) =
+                            self.close(&mut server, &send_to, &peers, &mut standby_traffic)?;
                         closed.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
+                        closed.standby_bytes = Some(std::mem::take(&mut standby_traffic))
+                            .filter(|_| peers.standby.is_some());
                         applied = Some(closed);
                         cadence.round_applied(moved);
                         announce |= self.checkpoint_if_due(&server, &mut cadence)?;
@@ -344,7 +381,10 @@ impl ServerJob {
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
                         let (mut skipped, moved) = self.skip(&mut server, &send_to)?;
+                        standby_traffic += self.send_standby(&server, None, &peers);
                         skipped.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
+                        skipped.standby_bytes = Some(std::mem::take(&mut standby_traffic))
+                            .filter(|_| peers.standby.is_some());
                         applied = Some(skipped);
                         cadence.round_applied(moved);
                         announce |= self.checkpoint_if_due(&server, &mut cadence)?;
@@ -355,6 +395,14 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Adopt { from }) => {
                     self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
+                    standby_traffic += self.send_standby(&server, None, &peers);
+                }
+                Some(ServerOrder::Standby { peer }) => {
+                    if peer != peers.standby {
+                        tracing::info!(standby = ?peer, "every round's model goes to the standby too");
+                        peers.standby = peer;
+                        standby_traffic += self.send_standby(&server, None, &peers);
+                    }
                 }
                 Some(ServerOrder::Done) => {
                     // The last rounds' slices are used once a checkpoint holds them: it goes
@@ -406,7 +454,10 @@ impl ServerJob {
             }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
                 let _ = std::fs::remove_file(&path);
-                if kind == meta::KIND_MODEL_REQUEST && !peers.trainers.contains(&from) {
+                if kind == meta::KIND_MODEL_REQUEST
+                    && !peers.trainers.contains(&from)
+                    && peers.standby.as_ref() != Some(&from)
+                {
                     tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
                     return received;
                 }
@@ -551,6 +602,7 @@ impl ServerJob {
         server: &mut ParameterServer,
         send_to: &[String],
         peers: &Peers,
+        standby_traffic: &mut u64,
     ) -> Result<(Applied, u64), ServerError> {
         let started = std::time::Instant::now();
         let delta = self.dir.join(MODELS_DIR).join(format!(
@@ -603,6 +655,7 @@ impl ServerJob {
                 tracing::warn!(%error, "could not send the new global model");
                 0
             });
+        *standby_traffic += self.send_standby(server, delta.as_deref(), peers);
         let applied = Applied {
             round: closed.round,
             delta_bytes: closed.delta_bytes,
@@ -611,6 +664,7 @@ impl ServerJob {
             largest_norm_ratio: closed.largest_norm_ratio,
             close_ms: Some(started.elapsed().as_millis() as u64),
             traffic_bytes: None,
+            standby_bytes: None,
         };
         Ok((applied, sent))
     }
@@ -641,6 +695,7 @@ impl ServerJob {
             largest_norm_ratio: None,
             close_ms: None,
             traffic_bytes: None,
+            standby_bytes: None,
         };
         Ok((applied, sent))
     }
@@ -688,6 +743,23 @@ impl ServerJob {
             sent += self.send_file(&path, round, whole, true);
         }
         Ok(sent)
+    }
+
+    /// Sends the standby (if any) the current global model: as the change in the file
+    /// `delta` (the one just made) when there is one, whole otherwise; the bytes sent.
+    fn send_standby(&self, server: &ParameterServer, delta: Option<&Path>, peers: &Peers) -> u64 {
+        let (Some(standby), Some(_)) = (&peers.standby, server.round()) else {
+            return 0;
+        };
+        let standby = std::slice::from_ref(standby);
+        let sent = match delta {
+            Some(delta) => self.send_models(server, Some(delta), standby, &[]),
+            None => self.send_models(server, None, &[], standby),
+        };
+        sent.unwrap_or_else(|error| {
+            tracing::warn!(%error, "could not send the standby the global model");
+            0
+        })
     }
 
     /// Removes the models and changes of rounds before the last: nobody is sent them again
@@ -838,32 +910,6 @@ impl ServerJob {
             }),
         }
     }
-
-    /// Sends a status to the scheduler; its order, or `None` when it could not be asked.
-    async fn report(&self, status: ServerStatus) -> Option<ServerOrder> {
-        let payload = serde_json::to_string(&Status::ParameterServer(status)).ok()?;
-        let request = Request::ExecutorStatus {
-            job: self.job.clone(),
-            payload,
-        };
-        match self.network.request(self.scheduler, request).await {
-            Ok(Response::ExecutorStatus { payload }) => match serde_json::from_str(&payload) {
-                Ok(order) => Some(order),
-                Err(error) => {
-                    tracing::warn!(%error, %payload, "the scheduler's answer is not a parameter-server order");
-                    None
-                }
-            },
-            Ok(other) => {
-                tracing::warn!(answer = ?other, "the scheduler did not take the status");
-                None
-            }
-            Err(error) => {
-                tracing::debug!(%error, "the scheduler is unreachable; trying again");
-                None
-            }
-        }
-    }
 }
 
 /// Who the server hears from, as far as the scheduler said.
@@ -878,6 +924,8 @@ struct Peers {
     take_changes: std::collections::BTreeSet<String>,
     /// When each peer was last sent the whole model on its own offer or request.
     whole_sent: std::collections::HashMap<String, std::time::Instant>,
+    /// The standby that gets every round's model, as the scheduler named it.
+    standby: Option<String>,
 }
 
 impl Peers {

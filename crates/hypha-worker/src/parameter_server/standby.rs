@@ -1,0 +1,298 @@
+//! A standby parameter server (`[diloco] standby = true`): a server's job that follows the
+//! one serving until the scheduler says to take over.
+//!
+//! It holds the global model of the last round it heard of, built from the serving server's
+//! changes as trainers build theirs (checked against the fingerprint each change carries), or
+//! taken whole when it has none or missed one, and the newest checkpoint the scheduler
+//! forwards it, for its momentum. It reports both to the scheduler every [`REPORT_EVERY`];
+//! told to serve, it goes on as the parameter server from the round of its model
+//! ([`ParameterServer::take_over`](hypha_diloco::server::ParameterServer::take_over)): the
+//! trainers lose no round and nobody sends it a checkpoint at the failover. Its memory is a
+//! chunk of the model: both live in files in the job's directory until it takes over.
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use hypha_diloco::{Metadata, Tensors, Update, file::FileSource, server::round_of};
+use hypha_messages::{
+    Request, Response,
+    diloco::{StandbyOrder, StandbyStatus, Status, meta},
+};
+use hypha_network::PeerId;
+
+use super::{CHECKPOINT, REPORT_EVERY, ServerJob, WHOLE_MODEL_EVERY};
+use crate::bridge::transfer::{self, Header};
+
+/// The model a standby holds, in the job's directory.
+pub const STANDBY_MODEL: &str = "standby-model.safetensors";
+
+/// What became of a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Taken {
+    Yes,
+    Not,
+    /// A change that is not of the model held.
+    Unfit,
+}
+
+/// The model a standby holds: of which round, with which fingerprint.
+#[derive(Debug, Clone)]
+struct Held {
+    round: u64,
+    hash: String,
+}
+
+/// What a standby follows, between files.
+#[derive(Debug, Default)]
+struct Following {
+    /// The server it takes models from, as the scheduler named it.
+    server: Option<PeerId>,
+    model: Option<Held>,
+    /// The round of the checkpoint it holds.
+    checkpoint: Option<u64>,
+    /// When it last asked the server for the whole model.
+    asked: Option<Instant>,
+}
+
+impl ServerJob {
+    /// Follows the serving server until the scheduler says to serve (the model's file is
+    /// returned, the checkpoint beside it in [`CHECKPOINT`]) or that training is over
+    /// (`None`).
+    pub(super) async fn stand_by(&self) -> Option<PathBuf> {
+        let mut following = Following::default();
+        let mut report = tokio::time::interval(REPORT_EVERY);
+        report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let from: HashSet<PeerId> = [Some(self.scheduler), following.server]
+                .into_iter()
+                .flatten()
+                .collect();
+            tokio::select! {
+                arrived = self.inbox.next(&from) => {
+                    if self.take_file(&arrived, &mut following) == Taken::Unfit {
+                        self.ask_whole(&mut following).await;
+                    }
+                }
+                _ = report.tick() => {}
+            }
+            let status = StandbyStatus {
+                round: following.model.as_ref().map(|m| m.round),
+                model_hash: following.model.as_ref().map(|m| m.hash.clone()),
+                checkpoint: following.checkpoint,
+                following: following.server.map(|p| p.to_string()),
+            };
+            match self.ask(Status::Standby(status)).await {
+                Some(StandbyOrder::Follow { server }) => match server.parse() {
+                    Ok(server) => following.server = Some(server),
+                    Err(_) => {
+                        tracing::warn!(%server, "the scheduler named a server that is not a peer ID")
+                    }
+                },
+                Some(StandbyOrder::Serve) if following.model.is_some() => {
+                    tracing::info!(round = ?following.model.as_ref().map(|m| m.round), checkpoint = ?following.checkpoint, "the server is lost: taking over");
+                    return Some(self.dir.join(STANDBY_MODEL));
+                }
+                Some(StandbyOrder::Serve) => {
+                    tracing::warn!(
+                        "told to take over holding no model; the scheduler restores a server from its checkpoint instead"
+                    );
+                }
+                Some(StandbyOrder::Done) => return None,
+                Some(StandbyOrder::Wait) | None => {}
+            }
+        }
+    }
+
+    /// Takes one file: a checkpoint from the scheduler, or a model or a change from the
+    /// server. Whatever is not taken is removed.
+    fn take_file(&self, arrived: &transfer::Arrived, following: &mut Following) -> Taken {
+        let from = arrived.from;
+        let path = match self.inbox.deliver(arrived, Path::new("received")) {
+            Ok(path) => self.dir.join(path),
+            Err(error) => {
+                tracing::warn!(%from, %error, "could not take a file");
+                return Taken::Not;
+            }
+        };
+        let metadata = std::fs::File::open(&path)
+            .ok()
+            .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())
+            .unwrap_or_default();
+        let round = round_of(&metadata).ok();
+        let kind = metadata.get(meta::KIND).map(String::as_str);
+        let taken = match (kind, round) {
+            (Some(meta::KIND_CHECKPOINT), Some(round)) if from == self.scheduler => {
+                if following.checkpoint.is_some_and(|held| held >= round) {
+                    Taken::Not
+                } else {
+                    match std::fs::rename(&path, self.dir.join(CHECKPOINT)) {
+                        Ok(()) => {
+                            following.checkpoint = Some(round);
+                            Taken::Yes
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "could not keep the checkpoint");
+                            Taken::Not
+                        }
+                    }
+                }
+            }
+            (Some(meta::KIND_MODEL | meta::KIND_MODEL_DELTA), Some(round))
+                if Some(from) == following.server =>
+            {
+                if following.model.as_ref().is_some_and(|m| m.round >= round) {
+                    Taken::Not
+                } else {
+                    let built = tokio::task::block_in_place(|| {
+                        self.build_model(&path, &metadata, round, following.model.as_ref())
+                    });
+                    match built {
+                        Ok(held) => {
+                            tracing::info!(round, "standby: holding the global model");
+                            following.model = Some(held);
+                            Taken::Yes
+                        }
+                        // A change that does not fit the model held: the next ones will not
+                        // either, and the server sends the whole model only when it learns
+                        // of the standby or is asked.
+                        Err(reason) => {
+                            tracing::info!(%reason, "a model not taken; asking for the whole model");
+                            Taken::Unfit
+                        }
+                    }
+                }
+            }
+            _ => {
+                tracing::debug!(?kind, ?round, %from, "a file not taken");
+                Taken::Not
+            }
+        };
+        let _ = std::fs::remove_file(&path);
+        taken
+    }
+
+    /// The model of `round` from the file at `path`: whole, or the change from the model
+    /// `held`; checked against the fingerprint the file carries and made the one held.
+    fn build_model(
+        &self,
+        path: &Path,
+        metadata: &Metadata,
+        round: u64,
+        held: Option<&Held>,
+    ) -> Result<Held, String> {
+        let model = self.dir.join(STANDBY_MODEL);
+        let next = self.dir.join("standby-next.safetensors");
+        let marked = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
+            (meta::ROUND.to_string(), round.to_string()),
+        ]);
+        let hash = match metadata.get(meta::KIND).map(String::as_str) {
+            Some(meta::KIND_MODEL_DELTA) => {
+                let base = (
+                    metadata.get(meta::BASE_ROUND).map(String::as_str),
+                    metadata.get(meta::BASE_HASH),
+                );
+                let fits = held.is_some_and(|held| {
+                    base == (Some(held.round.to_string().as_str()), Some(&held.hash))
+                });
+                if !fits {
+                    return Err(format!(
+                        "the change to round {round} is not from the model held"
+                    ));
+                }
+                let change = FileSource::open(path).map_err(|e| e.to_string())?;
+                let base = FileSource::open(&model).map_err(|e| e.to_string())?;
+                Update::from_source(&change)
+                    .and_then(|update| update.add_to_file(&base, &next, marked))
+                    .map_err(|e| e.to_string())?
+            }
+            // A whole model's file says its round already: it is kept as it came.
+            _ => {
+                let whole = FileSource::open(path).map_err(|e| e.to_string())?;
+                let hash = Tensors::fingerprint_of(&whole).map_err(|e| e.to_string())?;
+                std::fs::rename(path, &next).map_err(|e| e.to_string())?;
+                hash
+            }
+        };
+        if metadata.get(meta::MODEL_HASH) != Some(&hash) {
+            let _ = std::fs::remove_file(&next);
+            return Err(format!(
+                "the model of round {round} is not the one its server fingerprinted"
+            ));
+        }
+        std::fs::rename(&next, &model).map_err(|e| e.to_string())?;
+        Ok(Held { round, hash })
+    }
+
+    /// Asks the server for its whole model, at most every [`WHOLE_MODEL_EVERY`].
+    async fn ask_whole(&self, following: &mut Following) {
+        let Some(server) = following.server else {
+            return;
+        };
+        if following
+            .asked
+            .is_some_and(|asked| asked.elapsed() < WHOLE_MODEL_EVERY)
+        {
+            return;
+        }
+        following.asked = Some(Instant::now());
+        let path = self.dir.join("model-request.safetensors");
+        let metadata =
+            Metadata::from([(meta::KIND.to_string(), meta::KIND_MODEL_REQUEST.to_string())]);
+        let sent = async {
+            Tensors::default()
+                .save(&path, &metadata)
+                .map_err(|e| e.to_string())?;
+            let file = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+            let header = Header {
+                task: self.task.clone(),
+                name: "model-request.safetensors".to_string(),
+                size: file.metadata().map_err(|e| e.to_string())?.len(),
+                published: None,
+                sha256: None,
+            };
+            transfer::send(
+                &self.network,
+                server,
+                &header,
+                file,
+                transfer::SEND_PATIENCE,
+            )
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+        };
+        if let Err(error) = sent.await {
+            tracing::debug!(%server, %error, "could not ask the server for its model");
+        }
+    }
+
+    /// Sends `status` to the scheduler; its answer, or `None` when it could not be asked.
+    pub(super) async fn ask<O: serde::de::DeserializeOwned>(&self, status: Status) -> Option<O> {
+        let payload = serde_json::to_string(&status).ok()?;
+        let request = Request::ExecutorStatus {
+            job: self.job.clone(),
+            payload,
+        };
+        match self.network.request(self.scheduler, request).await {
+            Ok(Response::ExecutorStatus { payload }) => match serde_json::from_str(&payload) {
+                Ok(order) => Some(order),
+                Err(error) => {
+                    tracing::warn!(%error, %payload, "the scheduler's answer is not an order of this job's");
+                    None
+                }
+            },
+            Ok(other) => {
+                tracing::warn!(answer = ?other, "the scheduler did not take the status");
+                None
+            }
+            Err(error) => {
+                tracing::debug!(%error, "the scheduler is unreachable; trying again");
+                None
+            }
+        }
+    }
+}
