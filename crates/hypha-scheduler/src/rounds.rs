@@ -196,6 +196,9 @@ pub struct AppliedRound {
     /// The DiLoCo bytes the round put on the server's link, as it said.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub traffic_bytes: Option<u64>,
+    /// The bytes the server sent its standby for the round, as it said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standby_bytes: Option<u64>,
 }
 
 /// The rounds of one DiLoCo job.
@@ -879,6 +882,7 @@ impl Rounds {
                 largest_norm_ratio: applied.largest_norm_ratio,
                 close_ms: applied.close_ms,
                 traffic_bytes: applied.traffic_bytes,
+                standby_bytes: applied.standby_bytes,
             });
         }
         if self.done {

@@ -8,7 +8,8 @@
 //! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
 //! trainer's report (round, batches, samples, batch time, loss, evaluation) and
 //! `{"kind": "round", …}` for every round the parameter server applied (with how long it took
-//! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`), and
+//! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`, and what
+//! it sent its standby, `standby_bytes`), and
 //! `{"kind": "checkpoint", "round", "bytes"}` for every checkpoint stored. Each line is written
 //! whole and flushed, so it can be followed while the job runs. With `forward`, each line is
 //! also POSTed to that URL as JSON by a background task; when the URL cannot keep up (more
@@ -458,6 +459,7 @@ impl Training {
             largest_norm_ratio: applied.largest_norm_ratio,
             close_ms: applied.close_ms,
             traffic_bytes: applied.traffic_bytes,
+            standby_bytes: applied.standby_bytes,
         }))
     }
 

@@ -973,6 +973,17 @@ fn a_parameter_server_killed_with_a_standby_is_replaced_by_it_without_losing_its
         loss(before[0]),
         loss(after[0])
     );
+    // The server counted what it sent the standby apart from the round's traffic.
+    let metrics = lines_of(&cluster.path("standby-job.metrics.jsonl"));
+    let followed: Vec<u64> = metrics
+        .iter()
+        .filter(|l| l["kind"] == "round")
+        .filter_map(|l| l["standby_bytes"].as_u64())
+        .collect();
+    assert!(
+        followed.iter().any(|bytes| *bytes > 0),
+        "rounds said no bytes went to the standby: {followed:?}"
+    );
     // The standby took over from what it held: nobody sent it a checkpoint to restore.
     let (_, taker) = &mut servers[standby];
     assert!(holds(taker, "taking over"));

@@ -2,7 +2,8 @@
 //! round close, its checkpoints' share of its link, and a failover.
 //!
 //! Real processes of the release binaries (`hypha_testing`'s cluster: a gateway, a data node
-//! serving `blobs`, two parameter-server workers, two trainer workers running
+//! serving `blobs`, two parameter-server workers (the server and its standby), two trainer
+//! workers running
 //! `hypha-executor train --synthetic-updates`, the scheduler). The model is the reference
 //! MLP (16 inputs, two hidden layers of one width, 4 classes); the trainers train nothing:
 //! each round they read their slices as trainers do and send a pseudo-gradient of the
@@ -11,9 +12,11 @@
 //! pipeline (the server, the transfers, the checkpoints), not CPU training, and two trainers
 //! fit beside a server of a billion parameters. The job compresses with `int8` both ways (the
 //! server then holds the most: model, momentum, sum and the carried residual); every other
-//! setting is at its default (the checkpoint cadence included). Once [`MEASURED_ROUNDS`]
+//! setting is at its default (the checkpoint cadence included) but `standby = true`: the
+//! second server worker runs a standby that follows every round. Once [`MEASURED_ROUNDS`]
 //! rounds are applied the parameter server's worker is SIGKILLed and its directory removed
-//! (its machine is gone with it); the spare takes over from the last checkpoint.
+//! (its machine is gone with it); the standby takes over at the round it holds (there is no
+//! third worker for a new standby: the run goes on without one).
 //!
 //! Sizes: `25m` (`--quick`); `100m` and `1b` in the full run. `HYPHA_SCALE_SIZES` (e.g.
 //! `500m,1b`) runs others of [`SIZES`]. Keys, `{size}` one of them:
@@ -31,8 +34,13 @@
 //!   put on the server's link (`traffic_bytes`: updates in, models and changes out), until
 //!   the kill. Target ≤ 0.1. `metrics.rounds_per_checkpoint_{size}` is what the default
 //!   cadence makes of it: ten checkpoints' size over the median round's traffic.
+//! - `ratios.standby_vs_diloco_bytes_{size}`: the bytes the server sent its standby (every
+//!   round's change, `standby_bytes`) over the same DiLoCo bytes, until the kill;
+//!   `metrics.standby_mb_per_round_{size}` the median round's, and
+//!   `metrics.standby_peak_rss_mb_{size}` the standby's worker's peak RSS before the kill.
 //! - `metrics.failover_s_{size}`: the SIGKILL of the server's worker to the next applied
-//!   round. Target ≤ 15 s.
+//!   round. Target ≤ 15 s. `metrics.failover_lost_rounds_{size}`: the rounds applied that
+//!   the standby had not received and were trained again.
 //!
 //! `HYPHA_SCALE_LOG=<file>` writes every process's log (`name: line`) there once the round
 //! after the failover is applied: where the failover's seconds went.
@@ -112,7 +120,7 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
             2,
             100,
             hidden,
-            "samples_per_round = 64\nround_seconds = 120\ncompression = \"int8\"\n",
+            "samples_per_round = 64\nround_seconds = 120\ncompression = \"int8\"\nstandby = true\n",
         ),
     );
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
@@ -140,6 +148,7 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
 
     let server = current_server(&cluster, &events_path, &names, 2)?;
     let peak_rss = rss_mb(servers[server].child.id(), "VmHWM")?;
+    let standby_rss = rss_mb(servers[1 - server].child.id(), "VmHWM")?;
     let before_kill = events(&metrics_path);
     servers[server].child.kill()?;
     let killed = std::time::Instant::now();
@@ -187,6 +196,18 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         .iter()
         .filter_map(|l| l["traffic_bytes"].as_f64())
         .collect();
+    let standby: Vec<f64> = round_lines
+        .iter()
+        .filter_map(|l| l["standby_bytes"].as_f64())
+        .collect();
+    let failover = events(&events_path)
+        .into_iter()
+        .rfind(|e| e["event"]["kind"] == "failover")
+        .context("no failover event")?;
+    anyhow::ensure!(
+        failover["event"]["standby"].is_string(),
+        "the standby did not take over: {failover}"
+    );
     let checkpoints: Vec<&serde_json::Value> = before_kill
         .iter()
         .filter(|l| l["kind"] == "checkpoint")
@@ -268,11 +289,28 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
     );
     report.metrics.insert(
         format!("rounds_per_checkpoint_{size}"),
-        10.0 * checkpoint_size / median(traffic).max(1.0),
+        10.0 * checkpoint_size / median(traffic.clone()).max(1.0),
+    );
+    report.metrics.insert(
+        format!("standby_mb_per_round_{size}"),
+        median(standby.clone()) / 1e6,
+    );
+    report.ratios.insert(
+        format!("standby_vs_diloco_bytes_{size}"),
+        standby.iter().sum::<f64>() / traffic.iter().sum::<f64>().max(1.0),
     );
     report
         .metrics
+        .insert(format!("standby_peak_rss_mb_{size}"), standby_rss);
+    report
+        .metrics
         .insert(format!("failover_s_{size}"), failover_s);
+    report.metrics.insert(
+        format!("failover_lost_rounds_{size}"),
+        failover["event"]["lost_rounds"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+    );
     Ok(report)
 }
 

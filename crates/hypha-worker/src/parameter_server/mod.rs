@@ -96,6 +96,10 @@ const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
 /// asks again after `hypha_executor::train::OFFER_AGAIN` (5 s) without an answer.
 const WHOLE_MODEL_EVERY: Duration = Duration::from_secs(4);
+/// The link a peer asking again for the round's whole model is assumed to have at worst
+/// (25 MB/s): the whole model of that round goes to it again only once it would have
+/// arrived over one.
+const SLOW_LINK_BYTES_PER_S: f64 = 25e6;
 
 /// The parameter server's config (the scheduler's `{"outer": …}`).
 #[derive(Debug, Clone, Deserialize)]
@@ -463,17 +467,26 @@ impl ServerJob {
                 }
                 // A joining trainer starts from the current global model; one whose copy
                 // does not fit a change asks for it. One whole model per peer per
-                // WHOLE_MODEL_EVERY: asking more often cannot fill the server's link.
+                // WHOLE_MODEL_EVERY: asking more often cannot fill the server's link. The
+                // same round's again only once it would have arrived on a slow link: a
+                // trainer offers again every few seconds while a model of gigabytes is still
+                // on its way to it.
                 let now = std::time::Instant::now();
-                if peers
-                    .whole_sent
-                    .get(&from)
-                    .is_some_and(|sent| now.duration_since(*sent) < WHOLE_MODEL_EVERY)
-                {
-                    tracing::debug!(%from, "sent the whole model moments ago: not again yet");
+                let round = server.round();
+                let arrives_within = WHOLE_MODEL_EVERY
+                    + Duration::from_secs_f64(
+                        server.max_update_bytes(Codec::None).unwrap_or(0) as f64
+                            / SLOW_LINK_BYTES_PER_S,
+                    );
+                let too_soon = peers.whole_sent.get(&from).is_some_and(|(sent, of)| {
+                    let since = now.duration_since(*sent);
+                    since < WHOLE_MODEL_EVERY || (*of == round && since < arrives_within)
+                });
+                if too_soon {
+                    tracing::debug!(%from, "sent the whole model a moment ago: not again yet");
                     return received;
                 }
-                peers.whole_sent.insert(from.clone(), now);
+                peers.whole_sent.insert(from.clone(), (now, round));
                 match self.send_models(server, None, &[], std::slice::from_ref(&from)) {
                     Ok(sent) => return received + sent,
                     Err(error) => tracing::warn!(%from, %error, "could not send the global model"),
@@ -922,8 +935,9 @@ struct Peers {
     offers: std::collections::BTreeMap<String, PathBuf>,
     /// Trainers whose last pseudo-gradient said they take the model's changes.
     take_changes: std::collections::BTreeSet<String>,
-    /// When each peer was last sent the whole model on its own offer or request.
-    whole_sent: std::collections::HashMap<String, std::time::Instant>,
+    /// When each peer was last sent the whole model on its own offer or request, and of
+    /// which round.
+    whole_sent: std::collections::HashMap<String, (std::time::Instant, Option<u64>)>,
     /// The standby that gets every round's model, as the scheduler named it.
     standby: Option<String>,
 }
