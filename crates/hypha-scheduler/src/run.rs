@@ -1884,7 +1884,9 @@ impl<'a> JobRun<'a> {
         let Some(reason) = failure else {
             self.slots.finished(job);
             let no_work = self.training.is_none() && self.data.is_none();
-            if self.spec.workers.elastic() && (no_work || self.work_done().await) {
+            // A server that finished ended the training: a standby's slot still wanting a
+            // worker (its last one took over) wants none now.
+            if (self.spec.workers.elastic() || server) && (no_work || self.work_done().await) {
                 // No worker that joins now would have anything to do.
                 self.slots.close();
             }

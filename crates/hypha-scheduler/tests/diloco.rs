@@ -889,12 +889,22 @@ fn server_killed_mid_round(checkpoint_every: u64) {
 /// same model, a new standby is leased, and every slice is used once.
 #[test]
 fn a_parameter_server_killed_with_a_standby_is_replaced_by_it_without_losing_its_rounds() {
+    server_killed_with_a_standby(3);
+}
+
+/// The same with no worker left for a new standby: the run goes on without one and
+/// completes.
+#[test]
+fn a_run_whose_standby_took_over_completes_without_a_new_one() {
+    server_killed_with_a_standby(2);
+}
+
+fn server_killed_with_a_standby(server_workers: usize) {
     let (cluster, _data, first) = cluster();
-    let mut servers = [
-        ("ps", first),
-        ("ps2", cluster.server_worker("ps2")),
-        ("ps3", cluster.server_worker("ps3")),
-    ];
+    let mut servers = vec![("ps", first)];
+    for name in ["ps2", "ps3"].into_iter().take(server_workers - 1) {
+        servers.push((name, cluster.server_worker(name)));
+    }
     let mut trainers: Vec<Proc> = (0..2)
         .map(|i| cluster.trainer_worker(&format!("trainer{i}"), ""))
         .collect();
@@ -993,7 +1003,7 @@ fn a_parameter_server_killed_with_a_standby_is_replaced_by_it_without_losing_its
         .into_iter()
         .filter(|e| e["event"]["slot"] == 3)
         .count();
-    assert_eq!(standby_leases, 2, "{events:#?}");
+    assert_eq!(standby_leases, server_workers - 1, "{events:#?}");
 
     let final_model =
         job_dir(&cluster.path(&format!("{}-work", servers[standby].0))).join("final.safetensors");
