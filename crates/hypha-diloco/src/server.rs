@@ -188,11 +188,12 @@ impl ParameterServer {
     /// A server that goes on from what a standby holds (`[diloco] standby`): the global model
     /// in the SafeTensors file `model`, of the round its metadata names (built from the
     /// server's changes, as trainers build theirs), with the momentum of the
-    /// [`checkpoint`](Self::checkpoint) at `checkpoint`. A checkpoint of that round or a
-    /// later one is the whole state ([`resume`](Self::resume)). An older one's momentum is
-    /// the best there is: the rounds since moved the model, and the momentum by what this
-    /// server cannot know, their mean updates. What compression dropped is not carried: it
-    /// was measured against the changes of those rounds, which the model holds.
+    /// [`checkpoint`](Self::checkpoint) at `checkpoint`. A checkpoint of that round is the
+    /// whole state ([`resume`](Self::resume)). Another one's momentum is the best there is:
+    /// the rounds between moved the model, and the momentum by what this server cannot know,
+    /// their mean updates. What compression dropped is not carried: it was measured against
+    /// the changes of those rounds. The server is at the model's round, whatever the
+    /// checkpoint's.
     pub fn take_over(
         model: &Path,
         checkpoint: Option<&Path>,
@@ -204,7 +205,7 @@ impl ParameterServer {
             Some(path) => {
                 let source = FileSource::open(path)?;
                 let layout = Layout::read(&source)?;
-                if round_of(&layout.metadata)? >= round {
+                if round_of(&layout.metadata)? == round {
                     return Self::resume(path, optimizer);
                 }
                 Some((source, layout))

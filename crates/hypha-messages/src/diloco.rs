@@ -289,9 +289,11 @@ pub enum StandbyOrder {
     /// Take models from this server (and checkpoints from the scheduler): sent whenever the
     /// status names another.
     Follow { server: String },
-    /// The server is lost: become the parameter server, at the round whose model it holds,
-    /// with the momentum of the checkpoint it holds.
-    Serve,
+    /// The server is lost: become the parameter server at `round`, the round whose model it
+    /// said it holds, with the momentum of the checkpoint it holds. A standby that holds
+    /// another round's model by now cannot: it fails, and the scheduler restores a server
+    /// from its checkpoint.
+    Serve { round: u64 },
     /// Training is over: exit successfully.
     Done,
 }

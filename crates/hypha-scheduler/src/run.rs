@@ -1865,8 +1865,9 @@ impl<'a> JobRun<'a> {
         self.release_data(peer, job).await;
         // A server that failed is replaced by its standby where that holds a round the run
         // reached; the rounds before it are kept.
-        let promotion = match (server, &failure) {
-            (true, Some(_)) => self.training.as_ref().and_then(Training::promotion),
+        let stored = self.checkpoints.as_ref().and_then(Checkpoints::round);
+        let promotion = match (server, &failure, &self.training) {
+            (true, Some(_), Some(training)) => training.promotion(stored),
             _ => None,
         };
         if server {

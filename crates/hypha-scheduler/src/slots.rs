@@ -157,20 +157,29 @@ impl Slots {
         if self.allocating {
             return None;
         }
-        let (role, slots, at_least) = [Role::ParameterServer, Role::Trainer, Role::Standby]
-            .into_iter()
-            .find_map(|role| {
-                let slots: Vec<usize> = self.wanted(role).collect();
-                let at_least = match role {
-                    Role::ParameterServer => slots.len(),
-                    Role::Trainer => self
-                        .min_trainers
-                        .saturating_sub(self.trainers_in_run())
-                        .min(slots.len()),
-                    Role::Standby => 0,
-                };
-                (!slots.is_empty() && (at_least > 0 || optional)).then_some((role, slots, at_least))
-            })?;
+        let wanted = |role| {
+            let slots: Vec<usize> = self.wanted(role).collect();
+            let at_least = match role {
+                Role::ParameterServer => slots.len(),
+                Role::Trainer => self
+                    .min_trainers
+                    .saturating_sub(self.trainers_in_run())
+                    .min(slots.len()),
+                Role::Standby => 0,
+            };
+            (role, slots, at_least)
+        };
+        // Needed ones first; of the optional ones the standby before more trainers, which an
+        // elastic run below its `max` would otherwise advertise for ahead of it forever.
+        let (role, slots, at_least) = [
+            wanted(Role::ParameterServer),
+            wanted(Role::Trainer),
+            wanted(Role::Standby),
+        ]
+        .into_iter()
+        .filter(|(_, slots, _)| !slots.is_empty())
+        .min_by_key(|(role, _, at_least)| (*at_least == 0, *role == Role::Trainer))
+        .filter(|(_, _, at_least)| *at_least > 0 || optional)?;
         for slot in &slots {
             self.slots[*slot].state = SlotState::Allocating;
         }
@@ -543,6 +552,17 @@ mod tests {
         assert_eq!(next(&mut slots), Some((Role::Standby, vec![3])));
         slots.started(3, "sb2");
         slots.allocation_ended();
+
+        // An elastic run below its `max` leases the standby before more trainers.
+        let mut elastic = Slots::new((1, 3), (true, true), 2);
+        assert_eq!(next(&mut elastic), Some((Role::ParameterServer, vec![3])));
+        elastic.started(3, "ps");
+        elastic.allocation_ended();
+        assert_eq!(next(&mut elastic), Some((Role::Trainer, vec![0, 1, 2])));
+        elastic.started(0, "a");
+        elastic.allocation_ended();
+        assert_eq!(next(&mut elastic), Some((Role::Standby, vec![4])));
+        elastic.allocation_ended();
 
         // A standby that fails its attempts is given up; the run goes on.
         assert_eq!(slots.failed("sb2", false), Verdict::Replace);

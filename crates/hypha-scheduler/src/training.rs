@@ -234,6 +234,9 @@ impl Training {
     pub fn server_started(&mut self, job: &str, peer: PeerId, restored: Option<u64>) {
         if let Some(round) = restored {
             self.rounds.restored(round);
+            // The models of the rounds after it are nobody's now.
+            self.model_hashes
+                .retain(|model_round, _| *model_round <= round);
         }
         self.server = Some(job.to_string());
         self.peers.insert(job.to_string(), peer);
@@ -257,12 +260,18 @@ impl Training {
     /// The standby that can take over from the server just lost, if there is one: it holds
     /// the model of a round the run reached, with the fingerprint the server gave it, and no
     /// older than the checkpoint held here (a restore from that would lose fewer rounds).
-    pub fn promotion(&self) -> Option<Promotion> {
+    /// `stored`: the round of the checkpoint stored here, which may be newer than the last
+    /// one the run heard of.
+    pub fn promotion(&self, stored: Option<u64>) -> Option<Promotion> {
         let standby = self.standby.as_ref()?;
         let round = standby.status.round?;
+        let hash = standby.status.model_hash.as_ref()?;
         let fits = round <= self.rounds.round()
-            && self.checkpointed.is_none_or(|held| round >= held)
-            && self.model_hashes.get(&round) == standby.status.model_hash.as_ref();
+            && self
+                .checkpointed
+                .max(stored)
+                .is_none_or(|held| round >= held)
+            && self.model_hashes.get(&round) == Some(hash);
         fits.then(|| Promotion {
             job: standby.job.clone(),
             peer: standby.peer,
@@ -571,7 +580,9 @@ impl Training {
     /// server, or finish with the training.
     fn standby_status(&mut self, job: &str, status: StandbyStatus) -> StandbyOrder {
         if self.server.as_deref() == Some(job) {
-            return StandbyOrder::Serve;
+            return StandbyOrder::Serve {
+                round: self.rounds.round(),
+            };
         }
         let Some(standby) = self.standby.as_mut().filter(|s| s.job == job) else {
             return StandbyOrder::Done;

@@ -235,6 +235,8 @@ enum ServerError {
     Codec(String),
     #[error(transparent)]
     Diloco(#[from] hypha_diloco::Error),
+    #[error("the standby cannot take over: {0}")]
+    Standby(String),
     #[error(
         "the scheduler's checkpoint of round {round} did not come within {:?}: {reason}",
         CHECKPOINT_PATIENCE
@@ -274,7 +276,7 @@ impl ServerJob {
             self.restore(restore.round).await?;
         }
         let mut server = if config.standby {
-            let Some(model) = self.stand_by().await else {
+            let Some(model) = self.stand_by().await.map_err(ServerError::Standby)? else {
                 return Ok(());
             };
             let held = checkpoint.exists().then_some(checkpoint.as_path());
@@ -311,6 +313,11 @@ impl ServerJob {
             config.checkpoint_every,
             std::fs::metadata(&checkpoint).map_or(0, |m| m.len()),
         );
+        if config.standby {
+            // The rounds it took over past the checkpoint it holds are used once a checkpoint
+            // of its own holds them: at the latest when training is over.
+            cadence.round_applied(0);
+        }
         let uploads = Uploads::start(
             self.network.clone(),
             self.scheduler,
@@ -373,7 +380,7 @@ impl ServerJob {
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
                         let (mut closed, moved) =
-                            self.close(&mut server, &send_to, &peers, &mut standby_traffic)?;
+                            self.close(&mut server, &send_to, &mut peers, &mut standby_traffic)?;
                         closed.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
                         closed.standby_bytes = Some(std::mem::take(&mut standby_traffic))
                             .filter(|_| peers.standby.is_some());
@@ -385,7 +392,7 @@ impl ServerJob {
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
                         let (mut skipped, moved) = self.skip(&mut server, &send_to)?;
-                        standby_traffic += self.send_standby(&server, None, &peers);
+                        standby_traffic += self.send_standby(&server, None, &mut peers);
                         skipped.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
                         skipped.standby_bytes = Some(std::mem::take(&mut standby_traffic))
                             .filter(|_| peers.standby.is_some());
@@ -399,13 +406,13 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Adopt { from }) => {
                     self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
-                    standby_traffic += self.send_standby(&server, None, &peers);
+                    standby_traffic += self.send_standby(&server, None, &mut peers);
                 }
                 Some(ServerOrder::Standby { peer }) => {
                     if peer != peers.standby {
                         tracing::info!(standby = ?peer, "every round's model goes to the standby too");
                         peers.standby = peer;
-                        standby_traffic += self.send_standby(&server, None, &peers);
+                        standby_traffic += self.send_standby(&server, None, &mut peers);
                     }
                 }
                 Some(ServerOrder::Done) => {
@@ -614,7 +621,7 @@ impl ServerJob {
         &self,
         server: &mut ParameterServer,
         send_to: &[String],
-        peers: &Peers,
+        peers: &mut Peers,
         standby_traffic: &mut u64,
     ) -> Result<(Applied, u64), ServerError> {
         let started = std::time::Instant::now();
@@ -639,7 +646,9 @@ impl ServerJob {
             // the round is given up, its slices trained again, the job goes on.
             Err(error @ hypha_diloco::Error::SumLost(_)) => {
                 tracing::warn!(round = ?server.round(), "{error}; the round ends without a change");
-                return self.skip(server, send_to);
+                let skipped = self.skip(server, send_to)?;
+                *standby_traffic += self.send_standby(server, None, peers);
+                return Ok(skipped);
             }
             // One that fails at the close leaves a model part-stepped (`RoundBroken`): this
             // server ends, and the scheduler restores the next one from its checkpoint.
@@ -760,14 +769,26 @@ impl ServerJob {
 
     /// Sends the standby (if any) the current global model: as the change in the file
     /// `delta` (the one just made) when there is one, whole otherwise; the bytes sent.
-    fn send_standby(&self, server: &ParameterServer, delta: Option<&Path>, peers: &Peers) -> u64 {
-        let (Some(standby), Some(_)) = (&peers.standby, server.round()) else {
+    fn send_standby(
+        &self,
+        server: &ParameterServer,
+        delta: Option<&Path>,
+        peers: &mut Peers,
+    ) -> u64 {
+        let (Some(standby), Some(round)) = (&peers.standby, server.round()) else {
             return 0;
         };
-        let standby = std::slice::from_ref(standby);
         let sent = match delta {
-            Some(delta) => self.send_models(server, Some(delta), standby, &[]),
-            None => self.send_models(server, None, &[], standby),
+            Some(delta) => {
+                self.send_models(server, Some(delta), std::slice::from_ref(standby), &[])
+            }
+            None => {
+                // Its request for the whole model, which may cross this, waits for it.
+                peers
+                    .whole_sent
+                    .insert(standby.clone(), (std::time::Instant::now(), Some(round)));
+                self.send_models(server, None, &[], std::slice::from_ref(standby))
+            }
         };
         sent.unwrap_or_else(|error| {
             tracing::warn!(%error, "could not send the standby the global model");

@@ -60,18 +60,17 @@ struct Following {
 impl ServerJob {
     /// Follows the serving server until the scheduler says to serve (the model's file is
     /// returned, the checkpoint beside it in [`CHECKPOINT`]) or that training is over
-    /// (`None`).
-    pub(super) async fn stand_by(&self) -> Option<PathBuf> {
+    /// (`None`); an error when told to serve a round other than the one it holds.
+    pub(super) async fn stand_by(&self) -> Result<Option<PathBuf>, String> {
         let mut following = Following::default();
         let mut report = tokio::time::interval(REPORT_EVERY);
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Files from anyone: those not from the scheduler or the server are removed, so that
+        // no other peer of the task can fill the inbox with what is never taken.
+        let anyone = HashSet::new();
         loop {
-            let from: HashSet<PeerId> = [Some(self.scheduler), following.server]
-                .into_iter()
-                .flatten()
-                .collect();
             tokio::select! {
-                arrived = self.inbox.next(&from) => {
+                arrived = self.inbox.next(&anyone) => {
                     if self.take_file(&arrived, &mut following) == Taken::Unfit {
                         self.ask_whole(&mut following).await;
                     }
@@ -86,21 +85,29 @@ impl ServerJob {
             };
             match self.ask(Status::Standby(status)).await {
                 Some(StandbyOrder::Follow { server }) => match server.parse() {
-                    Ok(server) => following.server = Some(server),
+                    Ok(server) => {
+                        // Another server's models (one restored from an older checkpoint)
+                        // are not this one's: its whole model first.
+                        following.server = Some(server);
+                        following.model = None;
+                        following.asked = None;
+                        self.ask_whole(&mut following).await;
+                    }
                     Err(_) => {
                         tracing::warn!(%server, "the scheduler named a server that is not a peer ID")
                     }
                 },
-                Some(StandbyOrder::Serve) if following.model.is_some() => {
-                    tracing::info!(round = ?following.model.as_ref().map(|m| m.round), checkpoint = ?following.checkpoint, "the server is lost: taking over");
-                    return Some(self.dir.join(STANDBY_MODEL));
+                Some(StandbyOrder::Serve { round }) => {
+                    let held = following.model.as_ref().map(|m| m.round);
+                    if held != Some(round) {
+                        return Err(format!(
+                            "told to take over at round {round}, holding the model of {held:?}"
+                        ));
+                    }
+                    tracing::info!(round, checkpoint = ?following.checkpoint, "the server is lost: taking over");
+                    return Ok(Some(self.dir.join(STANDBY_MODEL)));
                 }
-                Some(StandbyOrder::Serve) => {
-                    tracing::warn!(
-                        "told to take over holding no model; the scheduler restores a server from its checkpoint instead"
-                    );
-                }
-                Some(StandbyOrder::Done) => return None,
+                Some(StandbyOrder::Done) => return Ok(None),
                 Some(StandbyOrder::Wait) | None => {}
             }
         }
