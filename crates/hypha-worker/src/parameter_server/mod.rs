@@ -375,30 +375,24 @@ impl ServerJob {
             if order.is_some() && std::mem::take(&mut announce) {
                 uploads.checkpointed();
             }
+            // The round closed or skipped now, with the bytes its ending sent.
+            let mut ended = None;
             match order {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
                     if server.round() == Some(round) {
-                        let (mut closed, moved) =
-                            self.close(&mut server, &send_to, &mut peers, &mut standby_traffic)?;
-                        closed.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
-                        closed.standby_bytes = Some(std::mem::take(&mut standby_traffic))
-                            .filter(|_| peers.standby.is_some());
-                        applied = Some(closed);
-                        cadence.round_applied(moved);
-                        announce |= self.checkpoint_if_due(&server, &mut cadence)?;
+                        ended = Some(self.close(
+                            &mut server,
+                            &send_to,
+                            &mut peers,
+                            &mut standby_traffic,
+                        )?);
                     }
                 }
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
-                        let (mut skipped, moved) = self.skip(&mut server, &send_to)?;
+                        ended = Some(self.skip(&mut server, &send_to)?);
                         standby_traffic += self.send_standby(&server, None, &mut peers);
-                        skipped.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
-                        skipped.standby_bytes = Some(std::mem::take(&mut standby_traffic))
-                            .filter(|_| peers.standby.is_some());
-                        applied = Some(skipped);
-                        cadence.round_applied(moved);
-                        announce |= self.checkpoint_if_due(&server, &mut cadence)?;
                     }
                 }
                 Some(ServerOrder::Trainers { peers: named }) => {
@@ -431,6 +425,14 @@ impl ServerJob {
                     uploads.finish().await;
                     return Ok(());
                 }
+            }
+            if let Some((mut round, moved)) = ended {
+                round.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
+                round.standby_bytes =
+                    Some(std::mem::take(&mut standby_traffic)).filter(|_| peers.standby.is_some());
+                applied = Some(round);
+                cadence.round_applied(moved);
+                announce |= self.checkpoint_if_due(&server, &mut cadence)?;
             }
         }
     }
