@@ -188,8 +188,9 @@ class Trainer:
     ``batch_size`` defaults to the job's ``[diloco] batch_size``. The timings mirror the
     reference executor's: report every ``report_every`` s, wait ``data_wait`` s for a free
     slice and ``model_wait`` s for a global model before asking the scheduler again, keep
-    trying an unreachable parameter server ``send_patience`` s, offer the model again every
-    ``offer_again`` s while joining, ask again every ``retry`` s after a peer was away.
+    trying an unreachable parameter server ``send_patience`` s, offer the model again after
+    ``offer_again`` s while joining (twice as long each time, up to a minute: a large model
+    may still be on its way), ask again every ``retry`` s after a peer was away.
     """
 
     def __init__(
@@ -316,6 +317,9 @@ class Trainer:
             "loss": _finite(stats.loss_sum / stats.batches) if stats.batches else None,
             "data_done": self.reader.out_of_data(),
             "model_hash": self.global_hash if self.round is not None else None,
+            # Whether it has begun to send the round's update: one that has not goes on with
+            # its round when a replacement server holds the model it trains from.
+            "syncing": self.stats.syncing,
         }
         return self.bridge.status(status)
 
@@ -412,6 +416,7 @@ class Trainer:
 
     def _receive(self, server: str) -> Optional[Dict[str, Any]]:
         offered = time.monotonic()
+        offer_every = self.offer_again
         while True:
             entries = self.bridge.fetch(
                 peers([server]), out_dir="models", wait_ms=int(self.model_wait * 1000)
@@ -463,9 +468,10 @@ class Trainer:
                 return order
             if action == "join":
                 if self.round is None and order.get("parameter_server") == server:
-                    if time.monotonic() - offered >= self.offer_again:
+                    if time.monotonic() - offered >= offer_every:
                         self._offer(server)
                         offered = time.monotonic()
+                        offer_every = min(2 * offer_every, max(self.offer_again, 60.0))
                 else:
                     return order
 

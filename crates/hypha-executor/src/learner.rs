@@ -57,12 +57,12 @@ pub trait Learner {
     /// model ([`start`](Self::start) with `keep_ahead`).
     fn remember_sync(&mut self) -> Result<(), TrainError>;
 
-    /// Starts a round from `global`: trains from it, or, `keep_ahead`, moves what it learned
-    /// since the sync onto it (θ ← θ + (θ̂ − θ_sync)).
+    /// Starts a round from `global` (with its fingerprint; `None`: the global model it
+    /// holds): trains from it, or, `keep_ahead`, moves what it learned since the sync onto
+    /// it (θ ← θ + (θ̂ − θ_sync)).
     fn start(
         &mut self,
-        global: Self::Global,
-        hash: String,
+        global: Option<(Self::Global, String)>,
         keep_ahead: bool,
     ) -> Result<(), TrainError>;
 
@@ -175,7 +175,16 @@ impl Learner for Trained {
         Ok(())
     }
 
-    fn start(&mut self, global: Tensors, hash: String, keep_ahead: bool) -> Result<(), TrainError> {
+    fn start(
+        &mut self,
+        global: Option<(Tensors, String)>,
+        keep_ahead: bool,
+    ) -> Result<(), TrainError> {
+        if let Some((global, hash)) = global {
+            self.global = global;
+            self.global_hash = hash;
+        }
+        let global = &self.global;
         match self.synced.take() {
             Some(synced) if keep_ahead => {
                 let mut local = self.model.tensors()?;
@@ -194,10 +203,8 @@ impl Learner for Trained {
                 }
                 self.model.load(&local)?;
             }
-            _ => self.model.load(&global)?,
+            _ => self.model.load(global)?,
         }
-        self.global = global;
-        self.global_hash = hash;
         Ok(())
     }
 
@@ -335,10 +342,12 @@ impl Learner for SyntheticUpdates {
     }
 
     /// Nothing is learned ahead: the new global model is taken as it is.
-    fn start(&mut self, global: PathBuf, hash: String, _: bool) -> Result<(), TrainError> {
-        let path = self.global_path();
-        std::fs::rename(&global, &path).map_err(|error| TrainError::File { path, error })?;
-        self.global_hash = hash;
+    fn start(&mut self, global: Option<(PathBuf, String)>, _: bool) -> Result<(), TrainError> {
+        if let Some((global, hash)) = global {
+            let path = self.global_path();
+            std::fs::rename(&global, &path).map_err(|error| TrainError::File { path, error })?;
+            self.global_hash = hash;
+        }
         Ok(())
     }
 

@@ -3,7 +3,11 @@
 //!
 //! 1. Ask the scheduler (`/status/send`). `join`: send the model it holds to the parameter
 //!    server, then take the global model it answers with. A trainer told to join while it
-//!    holds a round (its parameter server was replaced) abandons the round first.
+//!    holds a round (its parameter server was replaced) abandons the round first, and offers
+//!    the global model it holds by its fingerprint ([`meta::KIND_MODEL_HELD`]): a server
+//!    holding the same starts it from its own copy, one a round ahead sends the change. A
+//!    trainer told to train its round with another server (one that took over holding the
+//!    model it trains from) goes on with the round and sends its update there.
 //! 2. `train`: run AdamW steps on batches of the job's slices (`/resources/fetch` with the
 //!    job's `data` reference) until the round's batch target; report every
 //!    [`REPORT_EVERY`] (batch time, loss) and take the new target.
@@ -78,8 +82,10 @@ pub const MODEL_WAIT: Duration = Duration::from_secs(1);
 /// asks its scheduler whether it is still the one.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(2);
 /// How long a trainer that joins a parameter server waits for its answer before it offers
-/// its model again.
+/// its model again; a whole model offered again waits twice as long each time, up to
+/// [`OFFER_AGAIN_MAX`] (a model of gigabytes may still be on its way).
 pub const OFFER_AGAIN: Duration = Duration::from_secs(5);
+pub const OFFER_AGAIN_MAX: Duration = Duration::from_secs(60);
 /// How long a trainer waits before it asks again after a peer could not be reached.
 pub const RETRY: Duration = Duration::from_millis(500);
 
@@ -195,8 +201,11 @@ pub struct Trainer<L = Trained> {
     train_time: Duration,
     /// When it last asked the server for the whole model, while it waits for it.
     asked_whole: Option<Instant>,
-    /// The parameter server it was last told to train with.
+    /// The parameter server it was last told to train with or to join.
     server: Option<String>,
+    /// Joining a parameter server with the global model of this round of an earlier one:
+    /// offered by its fingerprint ([`meta::KIND_MODEL_HELD`]) until the server answers.
+    rejoining: Option<u64>,
     /// Told to stop: it finishes its part of the round and sends it, then ends.
     leaving: bool,
     /// Set by SIGTERM (see [`Trainer::run`]).
@@ -284,6 +293,7 @@ impl<L: Learner> Trainer<L> {
             train_time: Duration::ZERO,
             asked_whole: None,
             server: None,
+            rejoining: None,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
         }
@@ -380,7 +390,12 @@ impl<L: Learner> Trainer<L> {
                 if self.round != Some(*round) {
                     return Ok(None);
                 }
-                self.server = Some(parameter_server.clone());
+                if self.server.as_ref() != Some(parameter_server) {
+                    eprintln!(
+                        "round {round}: going on with the parameter server {parameter_server}, which holds the model this round trains from"
+                    );
+                    self.server = Some(parameter_server.clone());
+                }
                 // Finish the slice being read before syncing: its samples go into one round.
                 // Once the round is being synced, it takes no more: a retried sync sends the
                 // same pseudo-gradient.
@@ -457,6 +472,7 @@ impl<L: Learner> Trainer<L> {
             model_hash: self.round.map(|_| self.learner.global_hash().to_string()),
             deltas_applied: self.deltas_applied,
             eval: None,
+            syncing: Some(stats.syncing || self.sending.is_some() || ahead.is_some()),
         });
         Ok(self.bridge.status(&status)?)
     }
@@ -498,12 +514,21 @@ impl<L: Learner> Trainer<L> {
     /// A trainer that held a round of an earlier server abandons it, and what it trained
     /// ahead: what it read into them went to the ledger with its reports, and the scheduler
     /// gives it back; the slice being read is read again from its start in the next round.
+    /// It offers the global model it holds by its fingerprint: a server that holds the same
+    /// one says so, and the round starts over from this trainer's copy, with nothing sent.
     fn join(&mut self, parameter_server: &str) -> Result<Option<TrainerOrder>, TrainError> {
         if self.round.is_some() {
             self.report_consumed()?;
         }
+        self.server = Some(parameter_server.to_string());
+        if let Some(held) = self.last_model {
+            self.rejoining = Some(held);
+        }
         if let Some(round) = self.round.take() {
-            eprintln!("round {round}: abandoned; joining the parameter server {parameter_server}");
+            eprintln!(
+                "round {round}: abandoned; joining the parameter server {parameter_server} with the global model of round {:?}",
+                self.rejoining
+            );
             self.ahead = None;
             self.asked_whole = None;
             self.sending = None;
@@ -527,15 +552,34 @@ impl<L: Learner> Trainer<L> {
     }
 
     /// Offers the model this trainer holds to `parameter_server`, which answers with its
-    /// global model.
+    /// global model: by its fingerprint when it is a global model of an earlier server
+    /// ([`rejoining`](Self::rejoining)), whole otherwise.
     fn offer(&self, parameter_server: &str) -> Result<(), TrainError> {
-        let metadata = Metadata::from([
-            (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
-            (meta::ROUND.to_string(), "0".to_string()),
-        ]);
-        let name = "initial-model.safetensors";
-        self.learner
-            .write_global(&outbox(&self.dir, name)?, &metadata)?;
+        let name = match self.rejoining {
+            Some(round) => {
+                let metadata = Metadata::from([
+                    (meta::KIND.to_string(), meta::KIND_MODEL_HELD.to_string()),
+                    (meta::ROUND.to_string(), round.to_string()),
+                    (
+                        meta::MODEL_HASH.to_string(),
+                        self.learner.global_hash().to_string(),
+                    ),
+                ]);
+                let name = "held-model.safetensors";
+                hypha_diloco::Tensors::default().save(&outbox(&self.dir, name)?, &metadata)?;
+                name
+            }
+            None => {
+                let metadata = Metadata::from([
+                    (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
+                    (meta::ROUND.to_string(), "0".to_string()),
+                ]);
+                let name = "initial-model.safetensors";
+                self.learner
+                    .write_global(&outbox(&self.dir, name)?, &metadata)?;
+                name
+            }
+        };
         send_file(&self.bridge, &self.dir, parameter_server, name)
     }
 
@@ -695,6 +739,7 @@ impl<L: Learner> Trainer<L> {
     /// a round away and after the worker's `kill_grace_ms`.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
         let mut offered = Instant::now();
+        let mut offer_every = OFFER_AGAIN;
         let mut asked = Instant::now();
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -746,9 +791,12 @@ impl<L: Learner> Trainer<L> {
                 TrainerOrder::Join { parameter_server }
                     if self.round.is_none() && parameter_server == peer =>
                 {
-                    if offered.elapsed() >= OFFER_AGAIN {
+                    if offered.elapsed() >= offer_every {
                         self.offer(peer)?;
                         offered = Instant::now();
+                        if self.rejoining.is_none() {
+                            offer_every = (offer_every * 2).min(OFFER_AGAIN_MAX);
+                        }
                     }
                 }
                 order @ TrainerOrder::Join { .. } => return Ok(Some(order)),
@@ -768,6 +816,20 @@ impl<L: Learner> Trainer<L> {
         };
         let mut file = std::fs::File::open(path).map_err(file_error)?;
         let metadata = hypha_diloco::read_metadata(&mut file)?;
+        match metadata.get(meta::KIND).map(String::as_str) {
+            Some(meta::KIND_MODEL_HELD) => return self.take_held(peer, &metadata),
+            Some(meta::KIND_MODEL_REQUEST) => {
+                // A server with no model yet: it adopts one of those offered whole.
+                if self.rejoining.take().is_some() {
+                    eprintln!(
+                        "the parameter server {peer} holds no model yet: offering this trainer's whole"
+                    );
+                    self.offer(peer)?;
+                }
+                return Ok(false);
+            }
+            _ => {}
+        }
         let round = hypha_diloco::server::round_of(&metadata)?;
         if self.last_model.is_some_and(|last| round <= last) {
             return Ok(false);
@@ -807,7 +869,7 @@ impl<L: Learner> Trainer<L> {
             self.ask_whole(peer)?;
             return Ok(false);
         }
-        self.start_round(round, global, hash)?;
+        self.start_round(round, Some((global, hash)))?;
         if changed {
             self.deltas_applied += 1;
         }
@@ -816,13 +878,32 @@ impl<L: Learner> Trainer<L> {
         Ok(true)
     }
 
-    /// Starts round `round` from the global model `global`: loaded as it is, or, when the
-    /// trainer trained ahead, with what it learned since the sync moved onto it.
+    /// The server's answer to this trainer's offer by fingerprint: it holds the model of
+    /// the round `metadata` names. When that is the model this trainer offered, its round
+    /// starts over from it: true.
+    fn take_held(&mut self, peer: &str, metadata: &Metadata) -> Result<bool, TrainError> {
+        let round = hypha_diloco::server::round_of(metadata)?;
+        let hash = metadata.get(meta::MODEL_HASH).map(String::as_str);
+        if self.rejoining != Some(round) || hash != Some(self.learner.global_hash()) {
+            eprintln!(
+                "round {round}: the parameter server {peer} says it holds a model this trainer did not offer; waiting for the global model"
+            );
+            return Ok(false);
+        }
+        self.start_round(round, None)?;
+        eprintln!(
+            "round {round}: the parameter server {peer} holds this trainer's global model; the round starts over from it"
+        );
+        Ok(true)
+    }
+
+    /// Starts round `round` from the global model `global` (with its fingerprint; `None`:
+    /// the one the trainer holds): loaded as it is, or, when the trainer trained ahead, with
+    /// what it learned since the sync moved onto it.
     fn start_round(
         &mut self,
         round: u64,
-        global: L::Global,
-        hash: String,
+        global: Option<(L::Global, String)>,
     ) -> Result<(), TrainError> {
         // An update still on its way is of a round that is over.
         if let Some(sending) = self.sending.take()
@@ -832,6 +913,7 @@ impl<L: Learner> Trainer<L> {
             self.sent(sending.round, sending.started.elapsed());
         }
         self.asked_whole = None;
+        self.rejoining = None;
         let batch_ms = self.stats.batch_ms;
         match self.ahead.take() {
             // What it trained ahead belongs to the round after the one it synced: on any
@@ -847,14 +929,14 @@ impl<L: Learner> Trainer<L> {
                     self.report_slices(&ahead.stats.consumed, ahead.round + 1)?;
                 }
                 self.data.rewind();
-                self.learner.start(global, hash, false)?;
+                self.learner.start(global, false)?;
                 self.stats = RoundStats {
                     batch_ms,
                     ..RoundStats::default()
                 };
             }
             Some(ahead) if ahead.stats.batches > 0 => {
-                self.learner.start(global, hash, true)?;
+                self.learner.start(global, true)?;
                 eprintln!(
                     "round {round}: {} batches trained ahead moved onto the new global model",
                     ahead.stats.batches
@@ -865,7 +947,7 @@ impl<L: Learner> Trainer<L> {
                 };
             }
             ahead => {
-                self.learner.start(global, hash, false)?;
+                self.learner.start(global, false)?;
                 self.stats = RoundStats {
                     batch_ms,
                     consumed: ahead.map(|a| a.stats.consumed).unwrap_or_default(),
@@ -890,10 +972,11 @@ impl<L: Learner> Trainer<L> {
             .get(meta::BASE_ROUND)
             .and_then(|r| r.parse::<u64>().ok());
         let round = hypha_diloco::server::round_of(metadata).ok();
-        if base_round.is_none() || base_round != self.last_model {
+        // Joining a new server, it holds the model it offered by its fingerprint.
+        let held = self.last_model.or(self.rejoining);
+        if base_round.is_none() || base_round != held {
             return Err(format!(
-                "it changes the model of round {base_round:?}, this trainer holds {:?}",
-                self.last_model
+                "it changes the model of round {base_round:?}, this trainer holds {held:?}"
             ));
         }
         if round != base_round.map(|base| base + 1) {

@@ -52,6 +52,13 @@ pub mod meta {
     /// A trainer asks for the whole global model (its copy does not fit the change it got):
     /// a file with no tensors.
     pub const KIND_MODEL_REQUEST: &str = "model_request";
+    /// A file with no tensors that names a global model by its `ROUND` and `MODEL_HASH`. From
+    /// a trainer that joins a new parameter server holding a model of an earlier one: the
+    /// model it holds, instead of the model itself (which may be gigabytes). From the
+    /// server, the answer when it holds that very model: the trainer starts its round from
+    /// its own copy. A server with no model answers with a [`KIND_MODEL_REQUEST`]: the
+    /// trainer sends the model whole.
+    pub const KIND_MODEL_HELD: &str = "model_held";
     /// The fingerprint of the global model a model or a change leads to
     /// (`hypha_diloco::Tensors::digest`).
     pub const MODEL_HASH: &str = "hypha.model_hash";
@@ -122,6 +129,12 @@ pub struct TrainerStatus {
     /// Evaluation loss and accuracy of the global model it holds, when it measured them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<Evaluation>,
+    /// Whether it has begun to send the round's pseudo-gradient (it trains no more batches
+    /// of the round). `Some(false)` lets a trainer whose parameter server was replaced by one
+    /// holding the model it trains from go on with its round; a trainer that does not say
+    /// starts the round over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub syncing: Option<bool>,
 }
 
 /// An evaluation of a model on held-out data.

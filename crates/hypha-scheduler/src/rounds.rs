@@ -218,6 +218,10 @@ pub struct Rounds {
     /// The server is an earlier process's that went on from the checkpoint of this round:
     /// trainers taken over hold its models and train on with it.
     continued_from: Option<u64>,
+    /// The round a replacement server starts from and its model's fingerprint: a trainer
+    /// of an earlier server that trains that round on that very model, and has not begun to
+    /// send its update, goes on with its round rather than start it over.
+    goes_on_from: Option<(u64, String)>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// Peers whose pseudo-gradient of `round` the server refused, with why: they sent what
@@ -257,6 +261,7 @@ impl Rounds {
             server: None,
             generation: 0,
             continued_from: None,
+            goes_on_from: None,
             arrived: HashMap::new(),
             refused: HashMap::new(),
             departed: HashMap::new(),
@@ -308,10 +313,21 @@ impl Rounds {
         self.done = true;
     }
 
+    /// The job's parameter server is `peer` from now on; trainers holding a model of an
+    /// earlier server join it (see [`goes_on_from`](Self::goes_on_from) for those that
+    /// need not).
     pub fn server_started(&mut self, peer: String) {
         self.server = Some(peer);
         self.generation += 1;
         self.continued_from = None;
+        self.goes_on_from = None;
+    }
+
+    /// The server started last starts from the model of the current round whose
+    /// fingerprint is `model_hash`: trainers that train this round on that model and have
+    /// not begun to send their update go on with it, their update to the new server.
+    pub fn goes_on_from(&mut self, model_hash: String) {
+        self.goes_on_from = Some((self.round, model_hash));
     }
 
     /// The parameter server of an earlier process of the scheduler goes on, on `peer`; its
@@ -559,9 +575,17 @@ impl Rounds {
         let Some(trainer) = self.trainers.get_mut(job) else {
             return (TrainerOrder::Done, settle);
         };
+        let goes_on = self.goes_on_from.as_ref().is_some_and(|(round, hash)| {
+            *round == restart
+                && status.round == Some(*round)
+                && status.model_hash.as_ref() == Some(hash)
+                && status.syncing == Some(false)
+                && status.ahead_batches == 0
+        });
         let stale = trainer
             .generation
-            .is_some_and(|joined| joined != generation);
+            .is_some_and(|joined| joined != generation)
+            && !goes_on;
         // A trainer joins the current server once it holds no model of an earlier one: until
         // then (an answer to join that was lost) it is told again.
         if !stale || status.round.is_none() {
@@ -1941,6 +1965,74 @@ mod tests {
             matches!(order, TrainerOrder::Train { round: 3, .. }),
             "{order:?}"
         );
+    }
+
+    #[test]
+    fn trainers_mid_round_on_the_model_a_replacement_starts_from_go_on_with_it() {
+        let mut rounds = Rounds::new(RoundPlan {
+            rounds: Some(10),
+            ..plan()
+        });
+        rounds.server_started("ps".into());
+        for (job, peer) in [("a", "pa"), ("b", "pb"), ("c", "pc"), ("d", "pd")] {
+            rounds.trainer_started(job.into(), peer.into());
+            rounds.trainer_status(job, TrainerStatus::default(), 0);
+            rounds.trainer_status(job, status(0, 1, Some(100.0)), 0);
+        }
+        report(&mut rounds, server(0, &["pa", "pb", "pc", "pd"], None), 10);
+        report(
+            &mut rounds,
+            server(1, &[], Some((0, &["pa", "pb", "pc", "pd"]))),
+            20,
+        );
+        let on = |hash: &str, syncing: Option<bool>| TrainerStatus {
+            model_hash: Some(hash.into()),
+            syncing,
+            ..status(1, 1, Some(100.0))
+        };
+        // The standby holds round 1's model ("h1") and takes over.
+        rounds.server_lost();
+        rounds.restored(1);
+        rounds.server_started("standby".into());
+        rounds.goes_on_from("h1".into());
+        // a trains round 1 on that model: it goes on, its update to the new server, and
+        // nothing of its round goes back.
+        let (order, settle) = rounds.trainer_status("a", on("h1", Some(false)), 30);
+        assert!(
+            matches!(&order, TrainerOrder::Train { round: 1, parameter_server, .. } if parameter_server == "standby"),
+            "{order:?}"
+        );
+        assert!(settle.is_empty(), "{settle:?}");
+        // b sent its update to the lost server, c holds another model, d does not say
+        // whether it is sending (an older trainer): each starts the round over.
+        for (job, status) in [
+            ("b", on("h1", Some(true))),
+            ("c", on("h0", Some(false))),
+            ("d", on("h1", None)),
+        ] {
+            let (order, settle) = rounds.trainer_status(job, status, 40);
+            assert_eq!(
+                order,
+                TrainerOrder::Join {
+                    parameter_server: "standby".into()
+                },
+                "{job}"
+            );
+            assert_eq!(
+                settle,
+                vec![Settle::Drop {
+                    job: job.into(),
+                    round: 1
+                }],
+                "{job}"
+            );
+        }
+        // A later server (a restore from the checkpoint) starts nobody's round anew.
+        rounds.server_lost();
+        rounds.restored(1);
+        rounds.server_started("ps3".into());
+        let (order, _) = rounds.trainer_status("a", on("h1", Some(false)), 50);
+        assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
     }
 
     #[test]

@@ -241,6 +241,10 @@ impl Training {
         self.server = Some(job.to_string());
         self.peers.insert(job.to_string(), peer);
         self.rounds.server_started(peer.to_string());
+        // Trainers that hold the model it starts from need not start their round over.
+        if let Some(hash) = restored.and_then(|round| self.model_hashes.get(&round)) {
+            self.rounds.goes_on_from(hash.clone());
+        }
     }
 
     /// The standby server's job `job` starts on `peer`.

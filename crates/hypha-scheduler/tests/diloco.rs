@@ -983,6 +983,41 @@ fn server_killed_with_a_standby(server_workers: usize) {
         loss(before[0]),
         loss(after[0])
     );
+    // No trainer holding the model the standby took over at was sent that model again: each
+    // went on with its round (no join), or offered the model by its fingerprint and started
+    // the round over from its own copy.
+    let said: Vec<String> = (0..trainers.len())
+        .map(|i| {
+            let dir = job_dir(&cluster.path(&format!("trainer{i}-work")));
+            std::fs::read_to_string(dir.join("stderr.log")).unwrap()
+        })
+        .collect();
+    for said in &said {
+        let said: Vec<&str> = said.lines().collect();
+        let joined_with_it = format!("with the global model of round Some({from})");
+        let Some(joined) = said.iter().position(|l| l.contains(&joined_with_it)) else {
+            continue;
+        };
+        let after_join = &said[joined..];
+        let started = after_join.iter().find(|l| {
+            l.contains("global model received") || l.contains("holds this trainer's global model")
+        });
+        // A whole model of a later round is what a trainer left out of a round gets (the
+        // standby closed the round while it joined).
+        let sent_again = format!("round {from}: global model received (whole)");
+        assert!(
+            started.is_some_and(|l| !l.contains(&sent_again)),
+            "a trainer that held round {from}'s model joined the standby and was sent it whole: {after_join:#?}"
+        );
+    }
+    // The kill comes as the standby takes round 2: the trainers train or sync that round.
+    assert!(
+        said.iter().any(|said| {
+            said.contains("going on with the parameter server")
+                || said.contains("holds this trainer's global model")
+        }),
+        "no trainer went on with its round or started it over from its own copy: {said:#?}"
+    );
     // The server counted what it sent the standby apart from the round's traffic.
     let metrics = lines_of(&cluster.path("standby-job.metrics.jsonl"));
     let followed: Vec<u64> = metrics

@@ -18,7 +18,11 @@
 //! trainers whose update made the round and that take changes (their pseudo-gradient says
 //! so, [`meta::ACCEPTS`]): they hold the round's model. Everybody else, and a trainer that
 //! asks ([`meta::KIND_MODEL_REQUEST`]: its copy did not fit the change), gets the whole model.
-//! Both carry the fingerprint of the model they lead to ([`meta::MODEL_HASH`]).
+//! Both carry the fingerprint of the model they lead to ([`meta::MODEL_HASH`]). A trainer
+//! that joins holding a model of an earlier server names it by its fingerprint
+//! ([`meta::KIND_MODEL_HELD`]): it is told when the server holds the same, sent the change
+//! when it is one round behind, the whole model otherwise (and asked for its own whole when
+//! the server holds none yet).
 //!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
 //! momentum, carried residual, round; written atomically when the model is adopted, then as
@@ -56,7 +60,7 @@ use std::{
 
 use hypha_artifacts::{Admission, Published};
 use hypha_diloco::{
-    Codec, OuterOptimizer,
+    Codec, Metadata, OuterOptimizer,
     file::FileSource,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
@@ -465,6 +469,27 @@ impl ServerJob {
             Some(meta::KIND_MODEL) if server.round().is_none() => {
                 peers.hold_offer(&self.dir, &from, &path);
             }
+            Some(meta::KIND_MODEL_HELD) => {
+                let _ = std::fs::remove_file(&path);
+                let offered = round_of(&metadata)
+                    .ok()
+                    .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
+                let held = server.round().zip(server.model_hash());
+                return received
+                    + match held {
+                        // A server with no model adopts one offered whole.
+                        None => self.answer(&from, meta::KIND_MODEL_REQUEST, None),
+                        Some(held) if offered == Some(held) => {
+                            tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
+                            self.answer(&from, meta::KIND_MODEL_HELD, Some(held))
+                        }
+                        // One round behind: the change from its model, when this server
+                        // holds it.
+                        Some(_) => offered
+                            .and_then(|base| self.send_change(server, &from, base))
+                            .unwrap_or_else(|| self.send_whole(server, &from, peers)),
+                    };
+            }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
                 let _ = std::fs::remove_file(&path);
                 if kind == meta::KIND_MODEL_REQUEST
@@ -474,32 +499,7 @@ impl ServerJob {
                     tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
                     return received;
                 }
-                // A joining trainer starts from the current global model; one whose copy
-                // does not fit a change asks for it. One whole model per peer per
-                // WHOLE_MODEL_EVERY: asking more often cannot fill the server's link. The
-                // same round's again only once it would have arrived on a slow link: a
-                // trainer offers again every few seconds while a model of gigabytes is still
-                // on its way to it.
-                let now = std::time::Instant::now();
-                let round = server.round();
-                let arrives_within = WHOLE_MODEL_EVERY
-                    + Duration::from_secs_f64(
-                        server.max_update_bytes(Codec::None).unwrap_or(0) as f64
-                            / SLOW_LINK_BYTES_PER_S,
-                    );
-                let too_soon = peers.whole_sent.get(&from).is_some_and(|(sent, of)| {
-                    let since = now.duration_since(*sent);
-                    since < WHOLE_MODEL_EVERY || (*of == round && since < arrives_within)
-                });
-                if too_soon {
-                    tracing::debug!(%from, "sent the whole model a moment ago: not again yet");
-                    return received;
-                }
-                peers.whole_sent.insert(from.clone(), (now, round));
-                match self.send_models(server, None, &[], std::slice::from_ref(&from)) {
-                    Ok(sent) => return received + sent,
-                    Err(error) => tracing::warn!(%from, %error, "could not send the global model"),
-                }
+                return received + self.send_whole(server, &from, peers);
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
                 // Who sent it and how large it is are known before a byte of it is read.
@@ -564,6 +564,88 @@ impl ServerJob {
             }
         }
         received
+    }
+
+    /// Sends `from` the whole global model: a joining trainer starts from it; one whose copy
+    /// does not fit a change asks for it. One whole model per peer per
+    /// [`WHOLE_MODEL_EVERY`]: asking more often cannot fill the server's link. The same
+    /// round's again only once it would have arrived on a slow link: a trainer offers again
+    /// now and then while a model of gigabytes is still on its way to it. The bytes sent.
+    fn send_whole(&self, server: &ParameterServer, from: &str, peers: &mut Peers) -> u64 {
+        let now = std::time::Instant::now();
+        let round = server.round();
+        let arrives_within = WHOLE_MODEL_EVERY
+            + Duration::from_secs_f64(
+                server.max_update_bytes(Codec::None).unwrap_or(0) as f64 / SLOW_LINK_BYTES_PER_S,
+            );
+        let too_soon = peers.whole_sent.get(from).is_some_and(|(sent, of)| {
+            let since = now.duration_since(*sent);
+            since < WHOLE_MODEL_EVERY || (*of == round && since < arrives_within)
+        });
+        if too_soon {
+            tracing::debug!(%from, "sent the whole model a moment ago: not again yet");
+            return 0;
+        }
+        peers.whole_sent.insert(from.to_string(), (now, round));
+        self.send_models(server, None, &[], &[from.to_string()])
+            .unwrap_or_else(|error| {
+                tracing::warn!(%from, %error, "could not send the global model");
+                0
+            })
+    }
+
+    /// Sends `to`, which holds the model `base` (its round and fingerprint), the change that
+    /// leads from it to this server's model: the bytes sent; `None` where this server holds
+    /// no such change (it keeps the last round's, a standby that took over the last it took).
+    fn send_change(&self, server: &ParameterServer, to: &str, base: (u64, &str)) -> Option<u64> {
+        let round = server.round().filter(|round| *round == base.0 + 1)?;
+        let path = self
+            .dir
+            .join(MODELS_DIR)
+            .join(format!("delta-{round}.safetensors"));
+        let metadata = std::fs::File::open(&path)
+            .ok()
+            .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())?;
+        let fits = metadata.get(meta::BASE_ROUND) == Some(&base.0.to_string())
+            && metadata.get(meta::BASE_HASH).map(String::as_str) == Some(base.1)
+            && metadata.get(meta::MODEL_HASH).map(String::as_str) == server.model_hash();
+        fits.then(|| {
+            tracing::info!(%to, round, "a trainer holds the model of the round before: sending it the change");
+            self.send_file(&path, round, &[to.to_string()], false)
+        })
+    }
+
+    /// Answers a trainer's offer by fingerprint with a file of `kind` and no tensors: the
+    /// model it names is this server's (`held`: its round and fingerprint), or this server
+    /// holds none yet. The bytes sent.
+    fn answer(&self, to: &str, kind: &str, held: Option<(u64, &str)>) -> u64 {
+        let mut metadata = Metadata::from([(meta::KIND.to_string(), kind.to_string())]);
+        let name = match held {
+            Some((round, hash)) => {
+                metadata.insert(meta::ROUND.to_string(), round.to_string());
+                metadata.insert(meta::MODEL_HASH.to_string(), hash.to_string());
+                format!("held-{round}.safetensors")
+            }
+            None => format!("{kind}.safetensors"),
+        };
+        let path = self.dir.join(MODELS_DIR).join(name);
+        let written = std::fs::create_dir_all(self.dir.join(MODELS_DIR))
+            .map_err(|error| error.to_string())
+            .and_then(|()| {
+                hypha_diloco::Tensors::default()
+                    .save(&path, &metadata)
+                    .map_err(|error| error.to_string())
+            });
+        if let Err(error) = written {
+            tracing::warn!(%to, %error, "could not answer a trainer's offer");
+            return 0;
+        }
+        self.send_file(
+            &path,
+            held.map_or(0, |(round, _)| round),
+            &[to.to_string()],
+            false,
+        )
     }
 
     /// Adopts the initial model `from` offered, as the scheduler said, and answers every
@@ -813,6 +895,7 @@ impl ServerJob {
                 .and_then(|n| {
                     n.strip_prefix("round-")
                         .or_else(|| n.strip_prefix("delta-"))
+                        .or_else(|| n.strip_prefix("held-"))
                 })
                 .and_then(|r| r.parse::<u64>().ok())
                 .is_some_and(|r| r + 1 < round);

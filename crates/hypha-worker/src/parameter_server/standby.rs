@@ -8,7 +8,9 @@
 //! told to serve, it goes on as the parameter server from the round of its model
 //! ([`ParameterServer::take_over`](hypha_diloco::server::ParameterServer::take_over)): the
 //! trainers lose no round and nobody sends it a checkpoint at the failover. Its memory is a
-//! chunk of the model: both live in files in the job's directory until it takes over.
+//! chunk of the model: both live in files in the job's directory until it takes over. It
+//! keeps the last change it took where a server keeps its own (`models/delta-{round}`): a
+//! trainer still one round behind at the takeover is sent that change, not the whole model.
 
 use std::{
     collections::HashSet,
@@ -23,7 +25,7 @@ use hypha_messages::{
 };
 use hypha_network::PeerId;
 
-use super::{CHECKPOINT, REPORT_EVERY, ServerJob, WHOLE_MODEL_EVERY};
+use super::{CHECKPOINT, MODELS_DIR, REPORT_EVERY, ServerJob, WHOLE_MODEL_EVERY};
 use crate::bridge::transfer::{self, Header};
 
 /// The model a standby holds, in the job's directory.
@@ -231,7 +233,23 @@ impl ServerJob {
             ));
         }
         std::fs::rename(&next, &model).map_err(|e| e.to_string())?;
+        if metadata.get(meta::KIND).map(String::as_str) == Some(meta::KIND_MODEL_DELTA) {
+            self.keep_change(path, round);
+        }
         Ok(Held { round, hash })
+    }
+
+    /// Keeps the change in the file at `path`, which led to the model of `round`, as the
+    /// only one held.
+    fn keep_change(&self, path: &Path, round: u64) {
+        let models = self.dir.join(MODELS_DIR);
+        let _ = std::fs::remove_dir_all(&models);
+        let kept = std::fs::create_dir_all(&models).and_then(|()| {
+            std::fs::rename(path, models.join(format!("delta-{round}.safetensors")))
+        });
+        if let Err(error) = kept {
+            tracing::debug!(%error, "could not keep the change taken");
+        }
     }
 
     /// Asks the server for its whole model, at most every [`WHOLE_MODEL_EVERY`].
