@@ -47,9 +47,9 @@
 //!
 //! **The standby.** A job whose config says `"standby": true` follows the serving server
 //! ([`standby`]) until the scheduler tells it to take over. The serving server sends the
-//! standby the scheduler names ([`ServerOrder::Standby`]) every round's model as it sends
-//! trainers theirs: the change when it made one, whole otherwise, counted apart from the
-//! round's DiLoCo traffic (`Applied::standby_bytes`).
+//! standby the scheduler names ([`ServerOrder::Standby`]) every round's model before it
+//! sends trainers theirs ([`STANDBY_HEAD_START`]): the change when it made one, whole
+//! otherwise, counted apart from the round's DiLoCo traffic (`Applied::standby_bytes`).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -100,6 +100,12 @@ const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
 /// asks again after `hypha_executor::train::OFFER_AGAIN` (5 s) without an answer.
 const WHOLE_MODEL_EVERY: Duration = Duration::from_secs(4);
+/// How long the trainers' copies of a round's model wait for the standby's to arrive first.
+/// A server lost right after a round then leaves that round's model on the standby, and no
+/// trainer holds a newer model than the standby that takes over (it would be sent the whole
+/// standby's). Over a link shared by all, the trainers' copies arrive about as late either
+/// way; a standby on a link slower than the trainers' costs each round this at most.
+const STANDBY_HEAD_START: Duration = Duration::from_secs(2);
 /// The link a peer asking again for the round's whole model is assumed to have at worst
 /// (25 MB/s): the whole model of that round goes to it again only once it would have
 /// arrived over one.
@@ -225,6 +231,19 @@ impl Drop for ModelPublisher {
         for (_, done) in published.drain() {
             self.artifacts.distributor().unpublish(&done);
         }
+    }
+}
+
+/// Turns true once every transfer of one send has ended, arrived or given up.
+type Ended = tokio::sync::watch::Receiver<bool>;
+
+/// Says so when the last transfer of a send lets go of it (each holds a clone).
+#[derive(Debug)]
+struct EndsOnDrop(tokio::sync::watch::Sender<bool>);
+
+impl Drop for EndsOnDrop {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
     }
 }
 
@@ -395,8 +414,12 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Skip { round, send_to }) => {
                     if server.round() == Some(round) {
-                        ended = Some(self.skip(&mut server, &send_to)?);
-                        standby_traffic += self.send_standby(&server, None, &mut peers);
+                        ended = Some(self.skip(
+                            &mut server,
+                            &send_to,
+                            &mut peers,
+                            &mut standby_traffic,
+                        )?);
                     }
                 }
                 Some(ServerOrder::Trainers { peers: named }) => {
@@ -404,13 +427,13 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Adopt { from }) => {
                     self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
-                    standby_traffic += self.send_standby(&server, None, &mut peers);
+                    standby_traffic += self.send_standby(&server, None, &mut peers).0;
                 }
                 Some(ServerOrder::Standby { peer }) => {
                     if peer != peers.standby {
                         tracing::info!(standby = ?peer, "every round's model goes to the standby too");
                         peers.standby = peer;
-                        standby_traffic += self.send_standby(&server, None, &mut peers);
+                        standby_traffic += self.send_standby(&server, None, &mut peers).0;
                     }
                 }
                 Some(ServerOrder::Done) => {
@@ -587,7 +610,7 @@ impl ServerJob {
             return 0;
         }
         peers.whole_sent.insert(from.to_string(), (now, round));
-        self.send_models(server, None, &[], &[from.to_string()])
+        self.send_models(server, None, &[], &[from.to_string()], None)
             .unwrap_or_else(|error| {
                 tracing::warn!(%from, %error, "could not send the global model");
                 0
@@ -611,7 +634,7 @@ impl ServerJob {
             && metadata.get(meta::MODEL_HASH).map(String::as_str) == server.model_hash();
         fits.then(|| {
             tracing::info!(%to, round, "a trainer holds the model of the round before: sending it the change");
-            self.send_file(&path, round, &[to.to_string()], false)
+            self.send_file(&path, round, &[to.to_string()], false, None).0
         })
     }
 
@@ -645,7 +668,9 @@ impl ServerJob {
             held.map_or(0, |(round, _)| round),
             &[to.to_string()],
             false,
+            None,
         )
+        .0
     }
 
     /// Adopts the initial model `from` offered, as the scheduler said, and answers every
@@ -684,7 +709,7 @@ impl ServerJob {
                 }
                 let offered: Vec<String> = peers.offers.keys().cloned().collect();
                 peers.clear_offers(&self.dir);
-                if let Err(error) = self.send_models(server, None, &[], &offered) {
+                if let Err(error) = self.send_models(server, None, &[], &offered, None) {
                     tracing::warn!(%error, "could not send the global model");
                 }
             }
@@ -730,9 +755,7 @@ impl ServerJob {
             // the round is given up, its slices trained again, the job goes on.
             Err(error @ hypha_diloco::Error::SumLost(_)) => {
                 tracing::warn!(round = ?server.round(), "{error}; the round ends without a change");
-                let skipped = self.skip(server, send_to)?;
-                *standby_traffic += self.send_standby(server, None, peers);
-                return Ok(skipped);
+                return self.skip(server, send_to, peers, standby_traffic);
             }
             // One that fails at the close leaves a model part-stepped (`RoundBroken`): this
             // server ends, and the scheduler restores the next one from its checkpoint.
@@ -755,13 +778,20 @@ impl ServerJob {
                     && peers.take_changes.contains(peer)
                     && closed.included.contains(peer)
             });
+        let (to_standby, standby_ended) = self.send_standby(server, delta.as_deref(), peers);
+        *standby_traffic += to_standby;
         let sent = self
-            .send_models(server, delta.as_deref(), &changed, &whole)
+            .send_models(
+                server,
+                delta.as_deref(),
+                &changed,
+                &whole,
+                standby_ended.as_ref(),
+            )
             .unwrap_or_else(|error| {
                 tracing::warn!(%error, "could not send the new global model");
                 0
             });
-        *standby_traffic += self.send_standby(server, delta.as_deref(), peers);
         let applied = Applied {
             round: closed.round,
             delta_bytes: closed.delta_bytes,
@@ -776,19 +806,24 @@ impl ServerJob {
     }
 
     /// Ends the round without a change, as the scheduler said: what arrived is discarded,
-    /// and every trainer in `send_to` gets the model whole, marked for the next round.
+    /// and every trainer in `send_to` gets the model whole, marked for the next round (after
+    /// the standby, as at a close).
     fn skip(
         &self,
         server: &mut ParameterServer,
         send_to: &[String],
+        peers: &mut Peers,
+        standby_traffic: &mut u64,
     ) -> Result<(Applied, u64), ServerError> {
         let skipped = server.skip()?;
         tracing::warn!(
             round = skipped.round,
             "round ended without a change: too few of its updates were taken"
         );
+        let (to_standby, standby_ended) = self.send_standby(server, None, peers);
+        *standby_traffic += to_standby;
         let sent = self
-            .send_models(server, None, &[], send_to)
+            .send_models(server, None, &[], send_to, standby_ended.as_ref())
             .unwrap_or_else(|error| {
                 tracing::warn!(%error, "could not send the global model");
                 0
@@ -823,61 +858,78 @@ impl ServerJob {
 
     /// Sends the global model of the current round in the background, as the change in the
     /// file `delta` (when there is one) to `changed` and whole to `whole`: a slow trainer does
-    /// not hold up the others or the server. The whole model's file is written once per round.
+    /// not hold up the others or the server. `after`: the standby's transfer, which these
+    /// wait for (see [`STANDBY_HEAD_START`]).
     fn send_models(
         &self,
         server: &ParameterServer,
         delta: Option<&Path>,
         changed: &[String],
         whole: &[String],
+        after: Option<&Ended>,
     ) -> Result<u64, ServerError> {
         let round = server.round().unwrap_or(0);
         self.prune_models(round);
         let mut sent = 0;
         if let Some(delta) = delta.filter(|_| !changed.is_empty()) {
-            sent += self.send_file(delta, round, changed, false);
+            sent += self.send_file(delta, round, changed, false, after).0;
         }
         if !whole.is_empty() {
-            let path = self
-                .dir
-                .join(MODELS_DIR)
-                .join(format!("round-{round}.safetensors"));
-            if !path.exists() {
-                // Not fsynced: it is written again from the model if lost.
-                tokio::task::block_in_place(|| server.write_model(&path, false))?;
-            }
-            sent += self.send_file(&path, round, whole, true);
+            let path = self.whole_model(server)?;
+            sent += self.send_file(&path, round, whole, true, after).0;
         }
         Ok(sent)
     }
 
+    /// The file of the current round's whole model, written once per round.
+    fn whole_model(&self, server: &ParameterServer) -> Result<PathBuf, ServerError> {
+        let round = server.round().unwrap_or(0);
+        let path = self
+            .dir
+            .join(MODELS_DIR)
+            .join(format!("round-{round}.safetensors"));
+        if !path.exists() {
+            // Not fsynced: it is written again from the model if lost.
+            tokio::task::block_in_place(|| server.write_model(&path, false))?;
+        }
+        Ok(path)
+    }
+
     /// Sends the standby (if any) the current global model: as the change in the file
-    /// `delta` (the one just made) when there is one, whole otherwise; the bytes sent.
+    /// `delta` (the one just made) when there is one, whole otherwise (to it alone, not
+    /// published: the transfer ends when the standby holds the file). The bytes sent, and
+    /// the transfer's end.
     fn send_standby(
         &self,
         server: &ParameterServer,
         delta: Option<&Path>,
         peers: &mut Peers,
-    ) -> u64 {
+    ) -> (u64, Option<Ended>) {
         let (Some(standby), Some(round)) = (&peers.standby, server.round()) else {
-            return 0;
+            return (0, None);
         };
-        let sent = match delta {
-            Some(delta) => {
-                self.send_models(server, Some(delta), std::slice::from_ref(standby), &[])
-            }
+        let to = std::slice::from_ref(standby);
+        let path = match delta {
+            Some(delta) => Ok(delta.to_path_buf()),
             None => {
                 // Its request for the whole model, which may cross this, waits for it.
                 peers
                     .whole_sent
                     .insert(standby.clone(), (std::time::Instant::now(), Some(round)));
-                self.send_models(server, None, &[], std::slice::from_ref(standby))
+                self.prune_models(round);
+                self.whole_model(server)
             }
         };
-        sent.unwrap_or_else(|error| {
-            tracing::warn!(%error, "could not send the standby the global model");
-            0
-        })
+        match path {
+            Ok(path) => {
+                let (sent, ended) = self.send_file(&path, round, to, false, None);
+                (sent, Some(ended))
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not send the standby the global model");
+                (0, None)
+            }
+        }
     }
 
     /// Removes the models and changes of rounds before the last: nobody is sent them again
@@ -911,7 +963,18 @@ impl ServerJob {
     /// ([`ModelPublisher`]): the trainers' workers fetch it from this one and from each
     /// other, so that trainers joining together do not each take a model's worth of this
     /// server's link.
-    fn send_file(&self, path: &Path, round: u64, peers: &[String], publish: bool) -> u64 {
+    ///
+    /// Transfers of a trainer's model wait for `after` (the standby's) to end first, for at
+    /// most [`STANDBY_HEAD_START`]. Returns the bytes this puts on the server's link, and
+    /// the end of the transfers started (arrived or given up).
+    fn send_file(
+        &self,
+        path: &Path,
+        round: u64,
+        peers: &[String],
+        publish: bool,
+        after: Option<&Ended>,
+    ) -> (u64, Ended) {
         let name = path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
@@ -944,6 +1007,8 @@ impl ServerJob {
         } else {
             size * peers.len() as u64
         };
+        let (ends, ended) = tokio::sync::watch::channel(false);
+        let ends = Arc::new(EndsOnDrop(ends));
         for peer in peers {
             let Ok(peer) = peer.parse::<PeerId>() else {
                 tracing::warn!(%peer, "the scheduler named a trainer that is not a peer ID");
@@ -958,7 +1023,14 @@ impl ServerJob {
                 published: published.clone(),
                 sha256: sha256.clone(),
             };
+            let (ends, after) = (ends.clone(), after.cloned());
             tokio::spawn(async move {
+                let _ends = ends;
+                if let Some(mut first) = after {
+                    let _ =
+                        tokio::time::timeout(STANDBY_HEAD_START, first.wait_for(|ended| *ended))
+                            .await;
+                }
                 let sent = match (&header.published, std::fs::File::open(&path)) {
                     (Some(_), _) => hypha_transfer::send_published(
                         &network,
@@ -981,7 +1053,7 @@ impl ServerJob {
                 }
             });
         }
-        sent
+        (sent, ended)
     }
 
     /// Waits for the scheduler's checkpoint of `round` and makes it this server's.
