@@ -53,6 +53,8 @@ KIND_MODEL = "model"
 KIND_MODEL_REQUEST = "model_request"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 MODEL_HASH = "hypha.model_hash"
+# Whole models of this size or more are offered again less and less often while joining.
+BACK_OFF_FROM_BYTES = 64 * 1024 * 1024
 
 # How long a trainer told to stop goes on with its part of the round before it sends what it
 # has: within the worker's default kill_grace_ms of 5 s, with time to send.
@@ -189,8 +191,8 @@ class Trainer:
     reference executor's: report every ``report_every`` s, wait ``data_wait`` s for a free
     slice and ``model_wait`` s for a global model before asking the scheduler again, keep
     trying an unreachable parameter server ``send_patience`` s, offer the model again after
-    ``offer_again`` s while joining (twice as long each time, up to a minute: a large model
-    may still be on its way), ask again every ``retry`` s after a peer was away.
+    ``offer_again`` s while joining (for a model of 64 MiB or more twice as long each time,
+    up to a minute: it may still be on its way), ask again every ``retry`` s after a peer was away.
     """
 
     def __init__(
@@ -471,7 +473,8 @@ class Trainer:
                     if time.monotonic() - offered >= offer_every:
                         self._offer(server)
                         offered = time.monotonic()
-                        offer_every = min(2 * offer_every, max(self.offer_again, 60.0))
+                        if sum(v.nbytes for v in self.global_parameters.values()) >= BACK_OFF_FROM_BYTES:
+                            offer_every = min(2 * offer_every, max(self.offer_again, 60.0))
                 else:
                     return order
 

@@ -82,10 +82,12 @@ pub const MODEL_WAIT: Duration = Duration::from_secs(1);
 /// asks its scheduler whether it is still the one.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(2);
 /// How long a trainer that joins a parameter server waits for its answer before it offers
-/// its model again; a whole model offered again waits twice as long each time, up to
-/// [`OFFER_AGAIN_MAX`] (a model of gigabytes may still be on its way).
+/// its model again; a whole model of [`BACK_OFF_FROM_BYTES`] or more waits twice as long
+/// each time, up to [`OFFER_AGAIN_MAX`] (a model of gigabytes may still be on its way). An
+/// offer by fingerprint, a few bytes, goes again every [`MODEL_WAIT`].
 pub const OFFER_AGAIN: Duration = Duration::from_secs(5);
 pub const OFFER_AGAIN_MAX: Duration = Duration::from_secs(60);
+pub const BACK_OFF_FROM_BYTES: u64 = 64 * 1024 * 1024;
 /// How long a trainer waits before it asks again after a peer could not be reached.
 pub const RETRY: Duration = Duration::from_millis(500);
 
@@ -203,9 +205,14 @@ pub struct Trainer<L = Trained> {
     asked_whole: Option<Instant>,
     /// The parameter server it was last told to train with or to join.
     server: Option<String>,
-    /// Joining a parameter server with the global model of this round of an earlier one:
-    /// offered by its fingerprint ([`meta::KIND_MODEL_HELD`]) until the server answers.
-    rejoining: Option<u64>,
+    /// Joining a parameter server with the global model of an earlier one: offered by its
+    /// fingerprint ([`meta::KIND_MODEL_HELD`]) until the server answers.
+    rejoining: Option<Rejoining>,
+    /// When it last offered its model, and how long it waits before it offers again (zero:
+    /// no offer yet in this join).
+    offered: (Instant, Duration),
+    /// The model's size in f32: whole offers of a large one back off.
+    model_bytes: u64,
     /// Told to stop: it finishes its part of the round and sends it, then ends.
     leaving: bool,
     /// Set by SIGTERM (see [`Trainer::run`]).
@@ -231,6 +238,15 @@ struct Ahead {
     limit: u64,
     /// No slice was free for it: it waits for the model instead.
     starved: bool,
+}
+
+/// A join with a model of an earlier server, offered by its fingerprint.
+#[derive(Debug)]
+struct Rejoining {
+    /// The round of the global model it holds.
+    round: u64,
+    /// Its name for the offer, which the server's answer echoes.
+    offer: String,
 }
 
 /// A pseudo-gradient on its way to the parameter server, in a thread of its own.
@@ -277,6 +293,12 @@ impl<L: Learner> Trainer<L> {
     /// and directory is `dir`.
     pub fn with_learner(socket: &Path, dir: &Path, config: JobConfig, learner: L) -> Self {
         let bridge = Client::new(socket);
+        let model_bytes = config.model.parameter_shapes().map_or(0, |shapes| {
+            shapes
+                .iter()
+                .map(|(_, shape)| 4 * shape.iter().product::<usize>() as u64)
+                .sum()
+        });
         Self {
             data: Reader::new(bridge.clone(), dir, &config),
             bridge,
@@ -294,6 +316,8 @@ impl<L: Learner> Trainer<L> {
             asked_whole: None,
             server: None,
             rejoining: None,
+            offered: (Instant::now(), Duration::ZERO),
+            model_bytes,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
         }
@@ -521,13 +545,17 @@ impl<L: Learner> Trainer<L> {
             self.report_consumed()?;
         }
         self.server = Some(parameter_server.to_string());
-        if let Some(held) = self.last_model {
-            self.rejoining = Some(held);
+        self.offered.1 = Duration::ZERO;
+        if let Some(round) = self.last_model {
+            self.rejoining = Some(Rejoining {
+                round,
+                offer: format!("{:016x}", rand::random::<u64>()),
+            });
         }
         if let Some(round) = self.round.take() {
             eprintln!(
                 "round {round}: abandoned; joining the parameter server {parameter_server} with the global model of round {:?}",
-                self.rejoining
+                self.rejoining.as_ref().map(|r| r.round)
             );
             self.ahead = None;
             self.asked_whole = None;
@@ -554,9 +582,9 @@ impl<L: Learner> Trainer<L> {
     /// Offers the model this trainer holds to `parameter_server`, which answers with its
     /// global model: by its fingerprint when it is a global model of an earlier server
     /// ([`rejoining`](Self::rejoining)), whole otherwise.
-    fn offer(&self, parameter_server: &str) -> Result<(), TrainError> {
-        let name = match self.rejoining {
-            Some(round) => {
+    fn offer(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+        let name = match &self.rejoining {
+            Some(Rejoining { round, offer }) => {
                 let metadata = Metadata::from([
                     (meta::KIND.to_string(), meta::KIND_MODEL_HELD.to_string()),
                     (meta::ROUND.to_string(), round.to_string()),
@@ -564,6 +592,7 @@ impl<L: Learner> Trainer<L> {
                         meta::MODEL_HASH.to_string(),
                         self.learner.global_hash().to_string(),
                     ),
+                    (meta::OFFER.to_string(), offer.clone()),
                 ]);
                 let name = "held-model.safetensors";
                 hypha_diloco::Tensors::default().save(&outbox(&self.dir, name)?, &metadata)?;
@@ -580,7 +609,18 @@ impl<L: Learner> Trainer<L> {
                 name
             }
         };
-        send_file(&self.bridge, &self.dir, parameter_server, name)
+        send_file(&self.bridge, &self.dir, parameter_server, name)?;
+        let again = match &self.rejoining {
+            Some(_) => MODEL_WAIT,
+            // The first whole offer of a join waits OFFER_AGAIN, each one after a large
+            // model's twice as long as the last.
+            None if self.model_bytes < BACK_OFF_FROM_BYTES || self.offered.1.is_zero() => {
+                OFFER_AGAIN
+            }
+            None => (self.offered.1 * 2).min(OFFER_AGAIN_MAX),
+        };
+        self.offered = (Instant::now(), again);
+        Ok(())
     }
 
     /// Reports the slices read to their end since the last report as consumed: by the round,
@@ -738,8 +778,6 @@ impl<L: Learner> Trainer<L> {
     /// [`run`](Self::run), it leaves at once rather than after the next model, which may be
     /// a round away and after the worker's `kill_grace_ms`.
     fn receive(&mut self, peer: &str) -> Result<Option<TrainerOrder>, TrainError> {
-        let mut offered = Instant::now();
-        let mut offer_every = OFFER_AGAIN;
         let mut asked = Instant::now();
         loop {
             if self.stop.load(Ordering::Relaxed) {
@@ -791,12 +829,8 @@ impl<L: Learner> Trainer<L> {
                 TrainerOrder::Join { parameter_server }
                     if self.round.is_none() && parameter_server == peer =>
                 {
-                    if offered.elapsed() >= offer_every {
+                    if self.offered.0.elapsed() >= self.offered.1 {
                         self.offer(peer)?;
-                        offered = Instant::now();
-                        if self.rejoining.is_none() {
-                            offer_every = (offer_every * 2).min(OFFER_AGAIN_MAX);
-                        }
                     }
                 }
                 order @ TrainerOrder::Join { .. } => return Ok(Some(order)),
@@ -821,6 +855,7 @@ impl<L: Learner> Trainer<L> {
             Some(meta::KIND_MODEL_REQUEST) => {
                 // A server with no model yet: it adopts one of those offered whole.
                 if self.rejoining.take().is_some() {
+                    self.offered.1 = Duration::ZERO;
                     eprintln!(
                         "the parameter server {peer} holds no model yet: offering this trainer's whole"
                     );
@@ -884,7 +919,12 @@ impl<L: Learner> Trainer<L> {
     fn take_held(&mut self, peer: &str, metadata: &Metadata) -> Result<bool, TrainError> {
         let round = hypha_diloco::server::round_of(metadata)?;
         let hash = metadata.get(meta::MODEL_HASH).map(String::as_str);
-        if self.rejoining != Some(round) || hash != Some(self.learner.global_hash()) {
+        let offer = metadata.get(meta::OFFER);
+        let answers = self
+            .rejoining
+            .as_ref()
+            .is_some_and(|r| r.round == round && Some(&r.offer) == offer);
+        if !answers || hash != Some(self.learner.global_hash()) {
             eprintln!(
                 "round {round}: the parameter server {peer} says it holds a model this trainer did not offer; waiting for the global model"
             );
@@ -973,7 +1013,9 @@ impl<L: Learner> Trainer<L> {
             .and_then(|r| r.parse::<u64>().ok());
         let round = hypha_diloco::server::round_of(metadata).ok();
         // Joining a new server, it holds the model it offered by its fingerprint.
-        let held = self.last_model.or(self.rejoining);
+        let held = self
+            .last_model
+            .or(self.rejoining.as_ref().map(|rejoining| rejoining.round));
         if base_round.is_none() || base_round != held {
             return Err(format!(
                 "it changes the model of round {base_round:?}, this trainer holds {held:?}"

@@ -59,6 +59,9 @@ pub mod meta {
     /// its own copy. A server with no model answers with a [`KIND_MODEL_REQUEST`]: the
     /// trainer sends the model whole.
     pub const KIND_MODEL_HELD: &str = "model_held";
+    /// On a [`KIND_MODEL_HELD`] offer: the trainer's name for this offer, echoed in the
+    /// server's answer, so that an answer to an earlier offer is not taken for this one's.
+    pub const OFFER: &str = "hypha.offer";
     /// The fingerprint of the global model a model or a change leads to
     /// (`hypha_diloco::Tensors::digest`).
     pub const MODEL_HASH: &str = "hypha.model_hash";

@@ -222,6 +222,10 @@ pub struct Rounds {
     /// of an earlier server that trains that round on that very model, and has not begun to
     /// send its update, goes on with its round rather than start it over.
     goes_on_from: Option<(u64, String)>,
+    /// The current server said it takes the updates of every trainer of the job (its status
+    /// named them all): a trainer that goes on sends it its update only then (a standby
+    /// still taking over, or a server restored a moment ago, would drop it).
+    server_knows_trainers: bool,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// Peers whose pseudo-gradient of `round` the server refused, with why: they sent what
@@ -262,6 +266,7 @@ impl Rounds {
             generation: 0,
             continued_from: None,
             goes_on_from: None,
+            server_knows_trainers: false,
             arrived: HashMap::new(),
             refused: HashMap::new(),
             departed: HashMap::new(),
@@ -321,6 +326,7 @@ impl Rounds {
         self.generation += 1;
         self.continued_from = None;
         self.goes_on_from = None;
+        self.server_knows_trainers = false;
     }
 
     /// The server started last starts from the model of the current round whose
@@ -584,8 +590,16 @@ impl Rounds {
         });
         let stale = trainer
             .generation
-            .is_some_and(|joined| joined != generation)
-            && !goes_on;
+            .is_some_and(|joined| joined != generation);
+        if stale && goes_on && !self.server_knows_trainers {
+            return (
+                TrainerOrder::Wait {
+                    retry_ms: RETRY_MS / 5,
+                },
+                settle,
+            );
+        }
+        let stale = stale && !goes_on;
         // A trainer joins the current server once it holds no model of an earlier one: until
         // then (an answer to join that was lost) it is told again.
         if !stale || status.round.is_none() {
@@ -917,6 +931,7 @@ impl Rounds {
             let peers = trainers.into_iter().collect();
             return (ServerOrder::Trainers { peers }, settle, applied_round);
         }
+        self.server_knows_trainers = status.round.is_some();
         if status.round.is_none()
             && let Some(from) = self.initial_model_source(&status.offered)
         {
@@ -1995,8 +2010,12 @@ mod tests {
         rounds.restored(1);
         rounds.server_started("standby".into());
         rounds.goes_on_from("h1".into());
-        // a trains round 1 on that model: it goes on, its update to the new server, and
-        // nothing of its round goes back.
+        // a trains round 1 on that model: it waits until the new server takes its update,
+        // then goes on, its update to the new server, and nothing of its round goes back.
+        let (order, settle) = rounds.trainer_status("a", on("h1", Some(false)), 25);
+        assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
+        assert!(settle.is_empty(), "{settle:?}");
+        report(&mut rounds, server(1, &[], None), 28);
         let (order, settle) = rounds.trainer_status("a", on("h1", Some(false)), 30);
         assert!(
             matches!(&order, TrainerOrder::Train { round: 1, parameter_server, .. } if parameter_server == "standby"),
@@ -2027,7 +2046,8 @@ mod tests {
                 "{job}"
             );
         }
-        // A later server (a restore from the checkpoint) starts nobody's round anew.
+        // A server started with no fingerprint to go on from (none recorded) has everyone
+        // join it.
         rounds.server_lost();
         rounds.restored(1);
         rounds.server_started("ps3".into());

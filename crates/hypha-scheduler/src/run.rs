@@ -2151,6 +2151,11 @@ impl<'a> JobRun<'a> {
                         checkpoints.accept_up_to(training.round());
                     }
                 }
+                if answered.rejoined {
+                    // A restarted scheduler must not tell it to join again (and drop the
+                    // round its update may be in).
+                    self.store_record()?;
+                }
                 let _ = answer.send(answered.payload);
                 self.report_news();
                 if let Some(applied) = answered.applied {

@@ -112,6 +112,9 @@ pub struct Answered {
     /// the round it said, with the round it applied as the earlier process died, if any), or
     /// why it cannot.
     pub resumed: Option<Result<Option<AppliedRound>, String>>,
+    /// A trainer that held a model of an earlier server went on with the current one: the
+    /// run's record must say so before it is answered.
+    pub rejoined: bool,
 }
 
 impl Training {
@@ -503,6 +506,7 @@ impl Training {
         let status: Status = serde_json::from_value(payload.clone()).ok()?;
         let now = unix_ms();
         let mut resumed = None;
+        let mut rejoined = false;
         let (answer, settle, applied) = match status {
             Status::Trainer(status) => {
                 self.record(&TrainerLine {
@@ -515,7 +519,9 @@ impl Training {
                     // Out of data may be only for now: slices still on their way to workers.
                     self.rounds.data_left(!self.data.drained().await);
                 }
+                let stale = self.rounds.must_rejoin(job);
                 let (order, settle) = self.rounds.trainer_status(job, status, now);
+                rejoined = stale && !self.rounds.must_rejoin(job);
                 (serde_json::to_string(&order), settle, None)
             }
             Status::ParameterServer(status) if self.server.as_deref() == Some(job) => {
@@ -528,6 +534,7 @@ impl Training {
                             payload: Self::server_wait_order(),
                             applied: None,
                             resumed,
+                            rejoined: false,
                         });
                     }
                 }
@@ -553,6 +560,7 @@ impl Training {
                         .unwrap_or_else(|_| Self::standby_wait_order()),
                     applied: None,
                     resumed: None,
+                    rejoined: false,
                 });
             }
         };
@@ -577,6 +585,7 @@ impl Training {
             payload,
             applied,
             resumed,
+            rejoined,
         })
     }
 

@@ -494,23 +494,25 @@ impl ServerJob {
             }
             Some(meta::KIND_MODEL_HELD) => {
                 let _ = std::fs::remove_file(&path);
+                if !peers.trainers.contains(&from) {
+                    // It offers again: the scheduler names a joining trainer in a moment.
+                    tracing::debug!(%from, "a model offered by fingerprint from a peer not named a trainer of the job: not answered");
+                    return received;
+                }
                 let offered = round_of(&metadata)
                     .ok()
                     .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
+                let offer = metadata.get(meta::OFFER).map(String::as_str);
                 let held = server.round().zip(server.model_hash());
                 return received
                     + match held {
                         // A server with no model adopts one offered whole.
-                        None => self.answer(&from, meta::KIND_MODEL_REQUEST, None),
+                        None => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
                         Some(held) if offered == Some(held) => {
                             tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
-                            self.answer(&from, meta::KIND_MODEL_HELD, Some(held))
+                            self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
                         }
-                        // One round behind: the change from its model, when this server
-                        // holds it.
-                        Some(_) => offered
-                            .and_then(|base| self.send_change(server, &from, base))
-                            .unwrap_or_else(|| self.send_whole(server, &from, peers)),
+                        Some(_) => self.send_model(server, &from, offered, peers),
                     };
             }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
@@ -522,7 +524,7 @@ impl ServerJob {
                     tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
                     return received;
                 }
-                return received + self.send_whole(server, &from, peers);
+                return received + self.send_model(server, &from, None, peers);
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
                 // Who sent it and how large it is are known before a byte of it is read.
@@ -589,12 +591,20 @@ impl ServerJob {
         received
     }
 
-    /// Sends `from` the whole global model: a joining trainer starts from it; one whose copy
-    /// does not fit a change asks for it. One whole model per peer per
-    /// [`WHOLE_MODEL_EVERY`]: asking more often cannot fill the server's link. The same
-    /// round's again only once it would have arrived on a slow link: a trainer offers again
-    /// now and then while a model of gigabytes is still on its way to it. The bytes sent.
-    fn send_whole(&self, server: &ParameterServer, from: &str, peers: &mut Peers) -> u64 {
+    /// Sends `from` the global model: a joining trainer starts from it; one whose copy does
+    /// not fit a change asks for it. The change that leads to it when `from` holds the
+    /// model it changes (`base`: round and fingerprint), the whole model otherwise. One
+    /// model per peer per [`WHOLE_MODEL_EVERY`]: asking more often cannot fill the server's
+    /// link. The same round's again only once it would have arrived on a slow link: a
+    /// trainer offers again now and then while a model of gigabytes is still on its way to
+    /// it. The bytes sent.
+    fn send_model(
+        &self,
+        server: &ParameterServer,
+        from: &str,
+        base: Option<(u64, &str)>,
+        peers: &mut Peers,
+    ) -> u64 {
         let now = std::time::Instant::now();
         let round = server.round();
         let arrives_within = WHOLE_MODEL_EVERY
@@ -610,6 +620,9 @@ impl ServerJob {
             return 0;
         }
         peers.whole_sent.insert(from.to_string(), (now, round));
+        if let Some(sent) = base.and_then(|base| self.send_change(server, from, base)) {
+            return sent;
+        }
         self.send_models(server, None, &[], &[from.to_string()], None)
             .unwrap_or_else(|error| {
                 tracing::warn!(%from, %error, "could not send the global model");
@@ -621,7 +634,9 @@ impl ServerJob {
     /// leads from it to this server's model: the bytes sent; `None` where this server holds
     /// no such change (it keeps the last round's, a standby that took over the last it took).
     fn send_change(&self, server: &ParameterServer, to: &str, base: (u64, &str)) -> Option<u64> {
-        let round = server.round().filter(|round| *round == base.0 + 1)?;
+        let round = server
+            .round()
+            .filter(|round| Some(*round) == base.0.checked_add(1))?;
         let path = self
             .dir
             .join(MODELS_DIR)
@@ -638,26 +653,31 @@ impl ServerJob {
         })
     }
 
-    /// Answers a trainer's offer by fingerprint with a file of `kind` and no tensors: the
-    /// model it names is this server's (`held`: its round and fingerprint), or this server
-    /// holds none yet. The bytes sent.
-    fn answer(&self, to: &str, kind: &str, held: Option<(u64, &str)>) -> u64 {
+    /// Answers a trainer's offer by fingerprint (`offer`, its name for it) with a file of
+    /// `kind` and no tensors: the model it names is this server's (`held`: its round and
+    /// fingerprint), or this server holds none yet. The bytes sent.
+    fn answer(&self, to: &str, kind: &str, held: Option<(u64, &str)>, offer: Option<&str>) -> u64 {
         let mut metadata = Metadata::from([(meta::KIND.to_string(), kind.to_string())]);
-        let name = match held {
-            Some((round, hash)) => {
-                metadata.insert(meta::ROUND.to_string(), round.to_string());
-                metadata.insert(meta::MODEL_HASH.to_string(), hash.to_string());
-                format!("held-{round}.safetensors")
-            }
-            None => format!("{kind}.safetensors"),
-        };
-        let path = self.dir.join(MODELS_DIR).join(name);
+        if let Some(offer) = offer {
+            metadata.insert(meta::OFFER.to_string(), offer.to_string());
+        }
+        if let Some((round, hash)) = held {
+            metadata.insert(meta::ROUND.to_string(), round.to_string());
+            metadata.insert(meta::MODEL_HASH.to_string(), hash.to_string());
+        }
+        // One file per peer, its last answer (replaced whole: a transfer reading the one
+        // before goes on reading it).
+        let path = self
+            .dir
+            .join(MODELS_DIR)
+            .join(format!("answer-{to}.safetensors"));
         let written = std::fs::create_dir_all(self.dir.join(MODELS_DIR))
             .map_err(|error| error.to_string())
             .and_then(|()| {
-                hypha_diloco::Tensors::default()
-                    .save(&path, &metadata)
-                    .map_err(|error| error.to_string())
+                tokio::task::block_in_place(|| {
+                    hypha_diloco::Tensors::default().save(&path, &metadata)
+                })
+                .map_err(|error| error.to_string())
             });
         if let Err(error) = written {
             tracing::warn!(%to, %error, "could not answer a trainer's offer");
@@ -947,7 +967,6 @@ impl ServerJob {
                 .and_then(|n| {
                     n.strip_prefix("round-")
                         .or_else(|| n.strip_prefix("delta-"))
-                        .or_else(|| n.strip_prefix("held-"))
                 })
                 .and_then(|r| r.parse::<u64>().ok())
                 .is_some_and(|r| r + 1 < round);
