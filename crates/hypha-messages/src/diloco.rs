@@ -217,6 +217,18 @@ pub struct StandbyStatus {
     /// The server whose models it takes, as the scheduler last named it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub following: Option<String>,
+    /// The model it held before (kept until the next one comes): the round the scheduler
+    /// has not heard was applied when the server was lost between the standby taking it and
+    /// the server saying so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<ModelOfRound>,
+}
+
+/// A global model, by its round and fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ModelOfRound {
+    pub round: u64,
+    pub model_hash: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -268,18 +268,19 @@ impl Training {
     /// the model of a round the run reached, with the fingerprint the server gave it, and no
     /// older than the checkpoint held here (a restore from that would lose fewer rounds).
     /// `stored`: the round of the checkpoint stored here, which may be newer than the last
-    /// one the run heard of.
+    /// one the run heard of. The model it held before serves when the newest is of a round
+    /// the run did not hear of (the server was lost before it said it applied the round).
     pub fn promotion(&self, stored: Option<u64>) -> Option<Promotion> {
         let standby = self.standby.as_ref()?;
-        let round = standby.status.round?;
-        let hash = standby.status.model_hash.as_ref()?;
-        let fits = round <= self.rounds.round()
-            && self
-                .checkpointed
-                .max(stored)
-                .is_none_or(|held| round >= held)
-            && self.model_hashes.get(&round) == Some(hash);
-        fits.then(|| Promotion {
+        let round = takeover_round(&standby.status, |round, hash| {
+            round <= self.rounds.round()
+                && self
+                    .checkpointed
+                    .max(stored)
+                    .is_none_or(|held| round >= held)
+                && self.model_hashes.get(&round).map(String::as_str) == Some(hash)
+        })?;
+        Some(Promotion {
             job: standby.job.clone(),
             peer: standby.peer,
             round,
@@ -718,4 +719,54 @@ struct RoundLine<'a> {
     seconds: f64,
     #[serde(flatten)]
     applied: &'a AppliedRound,
+}
+
+/// The round a standby with `status` takes over at: of the models it holds, the newest that
+/// `fits` (its round and fingerprint are the run's).
+fn takeover_round(status: &StandbyStatus, fits: impl Fn(u64, &str) -> bool) -> Option<u64> {
+    let newest = status.round.zip(status.model_hash.as_deref());
+    let previous = status
+        .previous
+        .as_ref()
+        .map(|model| (model.round, model.model_hash.as_str()));
+    [newest, previous]
+        .into_iter()
+        .flatten()
+        .find(|(round, hash)| fits(*round, hash))
+        .map(|(round, _)| round)
+}
+
+#[cfg(test)]
+mod tests {
+    use hypha_messages::diloco::ModelOfRound;
+
+    use super::*;
+
+    #[test]
+    fn a_standby_takes_over_at_its_newest_model_the_run_knows() {
+        let status = StandbyStatus {
+            round: Some(8),
+            model_hash: Some("h8".into()),
+            previous: Some(ModelOfRound {
+                round: 7,
+                model_hash: "h7".into(),
+            }),
+            ..StandbyStatus::default()
+        };
+        let known = |rounds: &'static [(u64, &'static str)]| {
+            move |round: u64, hash: &str| rounds.contains(&(round, hash))
+        };
+        assert_eq!(
+            takeover_round(&status, known(&[(7, "h7"), (8, "h8")])),
+            Some(8)
+        );
+        // The server was lost before it said it applied round 7: the model before serves.
+        assert_eq!(takeover_round(&status, known(&[(7, "h7")])), Some(7));
+        assert_eq!(takeover_round(&status, known(&[(7, "other")])), None);
+        let alone = StandbyStatus {
+            previous: None,
+            ..status
+        };
+        assert_eq!(takeover_round(&alone, known(&[(7, "h7")])), None);
+    }
 }

@@ -100,6 +100,9 @@ const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
 /// asks again after `hypha_executor::train::OFFER_AGAIN` (5 s) without an answer.
 const WHOLE_MODEL_EVERY: Duration = Duration::from_secs(4);
+/// How often a peer's offer by fingerprint is answered, at most (a trainer offers again
+/// every second until it is).
+const ANSWER_EVERY: Duration = Duration::from_millis(500);
 /// How long the trainers' copies of a round's model wait for the standby's to arrive first.
 /// A server lost right after a round then leaves that round's model on the standby, and no
 /// trainer holds a newer model than the standby that takes over (it would be sent the whole
@@ -237,6 +240,32 @@ impl Drop for ModelPublisher {
 /// Turns true once every transfer of one send has ended, arrived or given up.
 type Ended = tokio::sync::watch::Receiver<bool>;
 
+/// A round the server applied, not yet said to the scheduler: it waits until the standby
+/// holds the round's model (its transfer ended) or [`STANDBY_HEAD_START`] passed, as the
+/// trainers' copies do. A round the scheduler hears was applied is then on the standby too,
+/// and a failover right after it loses nothing.
+#[derive(Debug)]
+struct Announcing {
+    applied: Applied,
+    /// A checkpoint of the round was written: it goes to the scheduler after the round.
+    checkpointed: bool,
+    /// The standby's transfer; `None` without a standby.
+    standby: Option<Ended>,
+    until: tokio::time::Instant,
+}
+
+impl Announcing {
+    /// Resolves once the round `announcing` holds may be said; never without one.
+    async fn held(announcing: &mut Option<Announcing>) {
+        let Some(held) = announcing else {
+            return std::future::pending().await;
+        };
+        if let Some(standby) = held.standby.as_mut() {
+            let _ = tokio::time::timeout_at(held.until, standby.wait_for(|ended| *ended)).await;
+        }
+    }
+}
+
 /// Says so when the last transfer of a send lets go of it (each holds a clone).
 #[derive(Debug)]
 struct EndsOnDrop(tokio::sync::watch::Sender<bool>);
@@ -357,6 +386,8 @@ impl ServerJob {
         let mut announce = false;
         // The DiLoCo bytes of the round being collected, for its `Applied`.
         let mut round_traffic = 0u64;
+        // The round just ended, until its standby holds it.
+        let mut announcing: Option<Announcing> = None;
         let mut report = tokio::time::interval(REPORT_EVERY);
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let anyone = HashSet::new();
@@ -369,6 +400,12 @@ impl ServerJob {
                     round_traffic += moved;
                 }
                 _ = report.tick() => {}
+                () = Announcing::held(&mut announcing) => {
+                    if let Some(held) = announcing.take() {
+                        applied = Some(held.applied);
+                        announce |= held.checkpointed;
+                    }
+                }
             }
             let status = ServerStatus {
                 round: server.round(),
@@ -438,7 +475,7 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Done) => {
                     // The last rounds' slices are used once a checkpoint holds them: it goes
-                    // on its way first.
+                    // on its way first (the round still announcing is in it).
                     if cadence.behind() {
                         let size = tokio::task::block_in_place(|| {
                             server.checkpoint(&self.dir.join(CHECKPOINT))
@@ -453,13 +490,21 @@ impl ServerJob {
                     return Ok(());
                 }
             }
-            if let Some((mut round, moved)) = ended {
+            if let Some((mut round, moved, standby)) = ended {
                 round.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
                 round.standby_bytes =
                     Some(std::mem::take(&mut standby_traffic)).filter(|_| peers.standby.is_some());
-                applied = Some(round);
                 cadence.round_applied(moved);
-                announce |= self.checkpoint_if_due(&server, &mut cadence)?;
+                let checkpointed = self.checkpoint_if_due(&server, &mut cadence)?;
+                if let Some(earlier) = announcing.take() {
+                    announce |= earlier.checkpointed;
+                }
+                announcing = Some(Announcing {
+                    applied: round,
+                    checkpointed,
+                    standby,
+                    until: tokio::time::Instant::now() + STANDBY_HEAD_START,
+                });
             }
         }
     }
@@ -494,11 +539,18 @@ impl ServerJob {
             }
             Some(meta::KIND_MODEL_HELD) => {
                 let _ = std::fs::remove_file(&path);
-                if !peers.trainers.contains(&from) {
-                    // It offers again: the scheduler names a joining trainer in a moment.
-                    tracing::debug!(%from, "a model offered by fingerprint from a peer not named a trainer of the job: not answered");
+                // From anyone, as whole offers are (the scheduler names a trainer that joins
+                // a moment after it is told to): one answer per peer per ANSWER_EVERY, and
+                // models under the per-peer limit of `send_model`.
+                let now = std::time::Instant::now();
+                if peers
+                    .answered
+                    .get(&from)
+                    .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY)
+                {
                     return received;
                 }
+                peers.answered.insert(from.clone(), now);
                 let offered = round_of(&metadata)
                     .ok()
                     .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
@@ -752,7 +804,7 @@ impl ServerJob {
         send_to: &[String],
         peers: &mut Peers,
         standby_traffic: &mut u64,
-    ) -> Result<(Applied, u64), ServerError> {
+    ) -> Result<(Applied, u64, Option<Ended>), ServerError> {
         let started = std::time::Instant::now();
         let delta = self.dir.join(MODELS_DIR).join(format!(
             "delta-{}.safetensors",
@@ -822,7 +874,7 @@ impl ServerJob {
             traffic_bytes: None,
             standby_bytes: None,
         };
-        Ok((applied, sent))
+        Ok((applied, sent, standby_ended))
     }
 
     /// Ends the round without a change, as the scheduler said: what arrived is discarded,
@@ -834,7 +886,7 @@ impl ServerJob {
         send_to: &[String],
         peers: &mut Peers,
         standby_traffic: &mut u64,
-    ) -> Result<(Applied, u64), ServerError> {
+    ) -> Result<(Applied, u64, Option<Ended>), ServerError> {
         let skipped = server.skip()?;
         tracing::warn!(
             round = skipped.round,
@@ -858,7 +910,7 @@ impl ServerJob {
             traffic_bytes: None,
             standby_bytes: None,
         };
-        Ok((applied, sent))
+        Ok((applied, sent, standby_ended))
     }
 
     /// Checkpoints when `cadence` says it is time; whether it did.
@@ -1137,6 +1189,8 @@ struct Peers {
     whole_sent: std::collections::HashMap<String, (std::time::Instant, Option<u64>)>,
     /// The standby that gets every round's model, as the scheduler named it.
     standby: Option<String>,
+    /// When each peer's offer by fingerprint was last answered.
+    answered: std::collections::HashMap<String, std::time::Instant>,
 }
 
 impl Peers {

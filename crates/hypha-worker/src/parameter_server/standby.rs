@@ -11,6 +11,9 @@
 //! chunk of the model: both live in files in the job's directory until it takes over. It
 //! keeps the last change it took where a server keeps its own (`models/delta-{round}`): a
 //! trainer still one round behind at the takeover is sent that change, not the whole model.
+//! It keeps the model before the newest too ([`STANDBY_PREVIOUS`]): the server says it
+//! applied a round once the standby holds it, and when it is lost in between, the standby
+//! serves from the round the scheduler knows.
 
 use std::{
     collections::HashSet,
@@ -21,7 +24,7 @@ use std::{
 use hypha_diloco::{Metadata, Tensors, Update, file::FileSource, server::round_of};
 use hypha_messages::{
     Request, Response,
-    diloco::{StandbyOrder, StandbyStatus, Status, meta},
+    diloco::{ModelOfRound, StandbyOrder, StandbyStatus, Status, meta},
 };
 use hypha_network::PeerId;
 
@@ -30,6 +33,8 @@ use crate::bridge::transfer::{self, Header};
 
 /// The model a standby holds, in the job's directory.
 pub const STANDBY_MODEL: &str = "standby-model.safetensors";
+/// The model it held before that one, until the next comes.
+pub const STANDBY_PREVIOUS: &str = "standby-previous.safetensors";
 
 /// What became of a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +58,8 @@ struct Following {
     /// The server it takes models from, as the scheduler named it.
     server: Option<PeerId>,
     model: Option<Held>,
+    /// The model held before `model` (in [`STANDBY_PREVIOUS`]).
+    previous: Option<Held>,
     /// The round of the checkpoint it holds.
     checkpoint: Option<u64>,
     /// When it last asked the server for the whole model.
@@ -84,6 +91,10 @@ impl ServerJob {
                 model_hash: following.model.as_ref().map(|m| m.hash.clone()),
                 checkpoint: following.checkpoint,
                 following: following.server.map(|p| p.to_string()),
+                previous: following.previous.as_ref().map(|m| ModelOfRound {
+                    round: m.round,
+                    model_hash: m.hash.clone(),
+                }),
             };
             match self.ask(Status::Standby(status)).await {
                 Some(StandbyOrder::Follow { server }) => match server.parse() {
@@ -92,6 +103,7 @@ impl ServerJob {
                         // are not this one's: its whole model first.
                         following.server = Some(server);
                         following.model = None;
+                        following.previous = None;
                         following.asked = None;
                         self.ask_whole(&mut following).await;
                     }
@@ -100,14 +112,20 @@ impl ServerJob {
                     }
                 },
                 Some(StandbyOrder::Serve { round }) => {
-                    let held = following.model.as_ref().map(|m| m.round);
-                    if held != Some(round) {
+                    let of = |held: &Option<Held>| held.as_ref().map(|m| m.round);
+                    let model = if of(&following.model) == Some(round) {
+                        STANDBY_MODEL
+                    } else if of(&following.previous) == Some(round) {
+                        STANDBY_PREVIOUS
+                    } else {
                         return Err(format!(
-                            "told to take over at round {round}, holding the model of {held:?}"
+                            "told to take over at round {round}, holding the models of {:?} and {:?}",
+                            of(&following.model),
+                            of(&following.previous)
                         ));
-                    }
+                    };
                     tracing::info!(round, checkpoint = ?following.checkpoint, "the server is lost: taking over");
-                    return Ok(Some(self.dir.join(STANDBY_MODEL)));
+                    return Ok(Some(self.dir.join(model)));
                 }
                 Some(StandbyOrder::Done) => return Ok(None),
                 Some(StandbyOrder::Wait) | None => {}
@@ -161,7 +179,7 @@ impl ServerJob {
                     match built {
                         Ok(held) => {
                             tracing::info!(round, "standby: holding the global model");
-                            following.model = Some(held);
+                            following.previous = following.model.replace(held);
                             Taken::Yes
                         }
                         // A change that does not fit the model held: the next ones will not
@@ -231,6 +249,9 @@ impl ServerJob {
             return Err(format!(
                 "the model of round {round} is not the one its server fingerprinted"
             ));
+        }
+        if held.is_some() {
+            std::fs::rename(&model, self.dir.join(STANDBY_PREVIOUS)).map_err(|e| e.to_string())?;
         }
         std::fs::rename(&next, &model).map_err(|e| e.to_string())?;
         if metadata.get(meta::KIND).map(String::as_str) == Some(meta::KIND_MODEL_DELTA) {
