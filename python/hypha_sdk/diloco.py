@@ -203,7 +203,7 @@ class Trainer:
         report_every: float = 0.2,
         data_wait: float = 1.0,
         model_wait: float = 1.0,
-        send_patience: float = 2.0,
+        send_patience: float = 1.0,
         offer_again: float = 5.0,
         retry: float = 0.5,
         log=None,
@@ -259,6 +259,7 @@ class Trainer:
                 if finished or time.monotonic() - self.stopping >= FINISH_WITHIN:
                     self._leave()
                     return self.rounds_trained
+            began = time.monotonic()
             try:
                 order, reported = self._step(order, reported)
                 if order is not None and order.get("action") == "done":
@@ -273,7 +274,9 @@ class Trainer:
                     self.log(f"{error}; asking again every {self.retry} s")
                 unreachable = True
                 order = None
-                time.sleep(self.retry)
+                # A try that spent its own patience (a send to a server that is gone) asks
+                # the scheduler at once: it may have named a new server meanwhile.
+                time.sleep(max(0.0, self.retry - (time.monotonic() - began)))
 
     def _step(self, order: Optional[Dict[str, Any]], reported: float):
         target_reached = (

@@ -204,6 +204,20 @@ pub(crate) fn spare_server_cluster(
     (cluster, servers, others)
 }
 
+/// The trainers of [`spare_server_cluster`] by name, with their work directories: their
+/// executors' logs for [`write_logs`].
+pub(crate) fn trainer_executors(
+    cluster: &hypha_testing::cluster::Cluster,
+) -> Vec<(String, PathBuf)> {
+    (0..2)
+        .map(|i| {
+            let name = format!("trainer{i}");
+            let work = cluster.path(&format!("{name}-work"));
+            (format!("{name}-executor"), work)
+        })
+        .collect()
+}
+
 /// Which of the workers `names` runs the job's `slot` now (the parameter server's is the slot
 /// after the trainers'): the peer of the last dispatch for it.
 pub(crate) fn current_server(
@@ -224,6 +238,42 @@ pub(crate) fn current_server(
         .iter()
         .position(|name| cluster.peer_id(name) == peer)
         .context("the parameter server runs on none of the parameter-server workers")
+}
+
+/// Writes every line `procs` logged, and the executor logs (`stderr.log`) of the job
+/// directories under the workers' work directories `executors` (name, path), as `name: line`,
+/// to the file the environment variable `var` names; nothing where it is not set. Where a
+/// measured second went.
+pub(crate) fn write_logs<'a>(
+    var: &str,
+    procs: impl IntoIterator<Item = &'a mut hypha_testing::cluster::Proc>,
+    executors: &[(String, PathBuf)],
+) -> anyhow::Result<()> {
+    let Some(path) = std::env::var_os(var) else {
+        return Ok(());
+    };
+    let mut logs: Vec<(String, String)> = Vec::new();
+    for proc in procs {
+        let name = proc.name.clone();
+        logs.extend(
+            proc.logged()
+                .iter()
+                .map(|line| (name.clone(), line.clone())),
+        );
+    }
+    for (name, work) in executors {
+        let jobs = std::fs::read_dir(work).into_iter().flatten().flatten();
+        for job in jobs {
+            let log = std::fs::read_to_string(job.path().join("stderr.log")).unwrap_or_default();
+            logs.extend(log.lines().map(|line| (name.clone(), line.to_string())));
+        }
+    }
+    let text: String = logs
+        .iter()
+        .map(|(name, line)| format!("{name}: {line}\n"))
+        .collect();
+    std::fs::write(&path, text)
+        .map_err(|error| anyhow::anyhow!("{var}: could not write {path:?}: {error}"))
 }
 
 pub(crate) fn median(mut values: Vec<f64>) -> f64 {

@@ -12,13 +12,17 @@
 //! stops when the scheduler's events file gets the next `round` event.
 //!
 //! The target (issue 19): each median ≤ 5 s.
+//!
+//! `HYPHA_RECOVERY_LOG=<file>` writes every process's log (`name: line`, the killed ones'
+//! too) there at the end: where a recovery's seconds went.
 
 use std::time::{Duration, Instant};
 
 use hypha_testing::cluster::{events, of_kind};
 
 use crate::{
-    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, wait_for_events,
+    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, trainer_executors,
+    wait_for_events, write_logs,
 };
 
 /// The target for both medians.
@@ -34,7 +38,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 }
 
 fn measure(repetitions: usize) -> anyhow::Result<Report> {
-    let (cluster, mut servers, _others) = spare_server_cluster(&[]);
+    let (cluster, mut servers, mut others) = spare_server_cluster(&[]);
     let names = SERVER_WORKERS;
     // Enough epochs that the data outlasts every kill.
     let job = cluster.diloco_job("recovery", 2, 200, "");
@@ -42,6 +46,8 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
     let rounds = || of_kind(&events(&events_path), "round").len();
     wait_for_rounds(&events_path, 2)?;
 
+    // The processes killed, for their logs.
+    let mut killed_procs = Vec::new();
     let mut scheduler_s = Vec::new();
     let mut server_s = Vec::new();
     for repetition in 0..repetitions {
@@ -50,7 +56,10 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
         scheduler.child.wait()?;
         // Counted once it is dead: a round it applied just before it died is not the next.
         let before = rounds();
-        scheduler = cluster.restart_scheduler("scheduler", &job).0;
+        killed_procs.push(std::mem::replace(
+            &mut scheduler,
+            cluster.restart_scheduler("scheduler", &job).0,
+        ));
         wait_for_rounds(&events_path, before + 1)?;
         scheduler_s.push(killed.elapsed().as_secs_f64());
         wait_for_rounds(&events_path, rounds() + 2)?;
@@ -64,7 +73,10 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
         let before = rounds();
         wait_for_rounds(&events_path, before + 1)?;
         server_s.push(killed.elapsed().as_secs_f64());
-        servers[server] = cluster.server_worker(names[server]);
+        killed_procs.push(std::mem::replace(
+            &mut servers[server],
+            cluster.server_worker(names[server]),
+        ));
         wait_for_rounds(&events_path, rounds() + 2)?;
         eprintln!(
             "repetition {}: scheduler {:.2} s, parameter server {:.2} s",
@@ -73,6 +85,15 @@ fn measure(repetitions: usize) -> anyhow::Result<Report> {
             server_s[repetition]
         );
     }
+    write_logs(
+        "HYPHA_RECOVERY_LOG",
+        killed_procs
+            .iter_mut()
+            .chain(std::iter::once(&mut scheduler))
+            .chain(&mut servers)
+            .chain(&mut others),
+        &trainer_executors(&cluster),
+    )?;
     let mut report = Report::default();
     let scheduler_median = median(scheduler_s.clone());
     let server_median = median(server_s.clone());

@@ -51,7 +51,8 @@ use anyhow::Context;
 use hypha_testing::cluster::{diloco_job_text, events};
 
 use crate::{
-    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, wait_for_events,
+    Report, SERVER_WORKERS, current_server, median, spare_server_cluster, trainer_executors,
+    wait_for_events, write_logs,
 };
 
 /// Rounds applied before the parameter server is killed: enough for the default cadence to
@@ -165,20 +166,13 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         |all| rounds(all) > applied,
     )?;
     let failover_s = killed.elapsed().as_secs_f64();
-    if let Some(path) = std::env::var_os("HYPHA_SCALE_LOG") {
-        let logs = std::iter::once(&mut scheduler)
+    write_logs(
+        "HYPHA_SCALE_LOG",
+        std::iter::once(&mut scheduler)
             .chain(&mut servers)
-            .chain(&mut others)
-            .flat_map(|proc| {
-                let name = proc.name.clone();
-                proc.logged()
-                    .iter()
-                    .map(move |line| format!("{name}: {line}\n"))
-                    .collect::<Vec<_>>()
-            })
-            .collect::<String>();
-        std::fs::write(&path, logs).with_context(|| format!("HYPHA_SCALE_LOG: {path:?}"))?;
-    }
+            .chain(&mut others),
+        &trainer_executors(&cluster),
+    )?;
 
     let round_lines: Vec<&serde_json::Value> = before_kill
         .iter()
