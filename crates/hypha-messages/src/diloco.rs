@@ -222,6 +222,11 @@ pub struct StandbyStatus {
     /// the server saying so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous: Option<ModelOfRound>,
+    /// The model it is building from a file the server sent (the fingerprint the server
+    /// gave it), said before it starts: a model of gigabytes takes seconds to build, and a
+    /// standby told to take over at that round serves it once built.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub building: Option<ModelOfRound>,
 }
 
 /// A global model, by its round and fingerprint.

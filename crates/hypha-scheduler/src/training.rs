@@ -23,7 +23,7 @@ use std::{
 };
 
 use hypha_messages::diloco::{
-    ServerOrder, ServerStatus, StandbyOrder, StandbyStatus, Status, TrainerOrder,
+    ModelOfRound, ServerOrder, ServerStatus, StandbyOrder, StandbyStatus, Status, TrainerOrder,
 };
 use hypha_network::PeerId;
 use serde::Serialize;
@@ -721,15 +721,17 @@ struct RoundLine<'a> {
     applied: &'a AppliedRound,
 }
 
-/// The round a standby with `status` takes over at: of the models it holds, the newest that
-/// `fits` (its round and fingerprint are the run's).
+/// The round a standby with `status` takes over at: of the models it holds or is building
+/// (it serves that one once built), the newest that `fits` (its round and fingerprint are the
+/// run's).
 fn takeover_round(status: &StandbyStatus, fits: impl Fn(u64, &str) -> bool) -> Option<u64> {
+    fn of(model: &ModelOfRound) -> (u64, &str) {
+        (model.round, model.model_hash.as_str())
+    }
+    let building = status.building.as_ref().map(of);
     let newest = status.round.zip(status.model_hash.as_deref());
-    let previous = status
-        .previous
-        .as_ref()
-        .map(|model| (model.round, model.model_hash.as_str()));
-    [newest, previous]
+    let previous = status.previous.as_ref().map(of);
+    [building, newest, previous]
         .into_iter()
         .flatten()
         .find(|(round, hash)| fits(*round, hash))
@@ -738,8 +740,6 @@ fn takeover_round(status: &StandbyStatus, fits: impl Fn(u64, &str) -> bool) -> O
 
 #[cfg(test)]
 mod tests {
-    use hypha_messages::diloco::ModelOfRound;
-
     use super::*;
 
     #[test]
@@ -768,5 +768,35 @@ mod tests {
             ..status
         };
         assert_eq!(takeover_round(&alone, known(&[(7, "h7")])), None);
+    }
+
+    /// At a billion parameters a standby builds a round's model from its change for seconds:
+    /// a server lost meanwhile, after it said it applied that round, is replaced at that
+    /// round, not the one before (which would train it again).
+    #[test]
+    fn a_standby_building_the_newest_round_takes_over_at_it() {
+        let status = StandbyStatus {
+            round: Some(8),
+            model_hash: Some("h8".into()),
+            building: Some(ModelOfRound {
+                round: 9,
+                model_hash: "h9".into(),
+            }),
+            ..StandbyStatus::default()
+        };
+        let known = |rounds: &'static [(u64, &'static str)]| {
+            move |round: u64, hash: &str| rounds.contains(&(round, hash))
+        };
+        assert_eq!(
+            takeover_round(&status, known(&[(8, "h8"), (9, "h9")])),
+            Some(9)
+        );
+        // Lost before it said so: the model the standby holds serves.
+        assert_eq!(takeover_round(&status, known(&[(8, "h8")])), Some(8));
+        // A model the server never fingerprinted so is not taken over at.
+        assert_eq!(
+            takeover_round(&status, known(&[(8, "h8"), (9, "other")])),
+            Some(8)
+        );
     }
 }

@@ -13,7 +13,9 @@
 //! trainer still one round behind at the takeover is sent that change, not the whole model.
 //! It keeps the model before the newest too ([`STANDBY_PREVIOUS`]): the server says it
 //! applied a round once the standby holds it, and when it is lost in between, the standby
-//! serves from the round the scheduler knows.
+//! serves from the round the scheduler knows. It says which model it is building before it
+//! builds it (seconds for a model of gigabytes): a server lost meanwhile is replaced at that
+//! round, and the standby serves it once built.
 
 use std::{
     collections::HashSet,
@@ -43,6 +45,21 @@ enum Taken {
     Not,
     /// A change that is not of the model held.
     Unfit,
+}
+
+/// What became of a file received.
+enum Received {
+    Done(Taken),
+    /// A model or a change of the server's, to be built.
+    Build(Pending),
+}
+
+/// A model or a change of the server's, received and not built yet.
+#[derive(Debug)]
+struct Pending {
+    path: PathBuf,
+    metadata: Metadata,
+    round: u64,
 }
 
 /// The model a standby holds: of which round, with which fingerprint.
@@ -77,11 +94,16 @@ impl ServerJob {
         // Files from anyone: those not from the scheduler or the server are removed, so that
         // no other peer of the task can fill the inbox with what is never taken.
         let anyone = HashSet::new();
+        // A model received and not built yet: built once the scheduler heard it is being
+        // built, so that a server lost meanwhile is replaced at its round.
+        let mut pending: Option<Pending> = None;
         loop {
             tokio::select! {
                 arrived = self.inbox.next(&anyone) => {
-                    if self.take_file(&arrived, &mut following) == Taken::Unfit {
-                        self.ask_whole(&mut following).await;
+                    match self.receive(&arrived, &mut following) {
+                        Received::Build(model) => pending = Some(model),
+                        Received::Done(Taken::Unfit) => self.ask_whole(&mut following).await,
+                        Received::Done(_) => {}
                     }
                 }
                 _ = report.tick() => {}
@@ -95,6 +117,12 @@ impl ServerJob {
                     round: m.round,
                     model_hash: m.hash.clone(),
                 }),
+                building: pending.as_ref().and_then(|model| {
+                    Some(ModelOfRound {
+                        round: model.round,
+                        model_hash: model.metadata.get(meta::MODEL_HASH)?.clone(),
+                    })
+                }),
             };
             match self.ask(Status::Standby(status)).await {
                 Some(StandbyOrder::Follow { server }) => match server.parse() {
@@ -105,6 +133,9 @@ impl ServerJob {
                         following.model = None;
                         following.previous = None;
                         following.asked = None;
+                        if let Some(model) = pending.take() {
+                            let _ = std::fs::remove_file(&model.path);
+                        }
                         self.ask_whole(&mut following).await;
                     }
                     Err(_) => {
@@ -112,6 +143,10 @@ impl ServerJob {
                     }
                 },
                 Some(StandbyOrder::Serve { round }) => {
+                    // Told to serve the round being built: once it is.
+                    if let Some(model) = pending.take() {
+                        self.build(model, &mut following);
+                    }
                     let of = |held: &Option<Held>| held.as_ref().map(|m| m.round);
                     let model = if of(&following.model) == Some(round) {
                         STANDBY_MODEL
@@ -130,18 +165,24 @@ impl ServerJob {
                 Some(StandbyOrder::Done) => return Ok(None),
                 Some(StandbyOrder::Wait) | None => {}
             }
+            if let Some(model) = pending.take()
+                && self.build(model, &mut following) == Taken::Unfit
+            {
+                self.ask_whole(&mut following).await;
+            }
         }
     }
 
-    /// Takes one file: a checkpoint from the scheduler, or a model or a change from the
-    /// server. Whatever is not taken is removed.
-    fn take_file(&self, arrived: &transfer::Arrived, following: &mut Following) -> Taken {
+    /// Receives one file: a checkpoint from the scheduler is taken; a model or a change from
+    /// the server of a round newer than the model held is to be built. Whatever is not
+    /// taken is removed.
+    fn receive(&self, arrived: &transfer::Arrived, following: &mut Following) -> Received {
         let from = arrived.from;
         let path = match self.inbox.deliver(arrived, Path::new("received")) {
             Ok(path) => self.dir.join(path),
             Err(error) => {
                 tracing::warn!(%from, %error, "could not take a file");
-                return Taken::Not;
+                return Received::Done(Taken::Not);
             }
         };
         let metadata = std::fs::File::open(&path)
@@ -168,33 +209,46 @@ impl ServerJob {
                 }
             }
             (Some(meta::KIND_MODEL | meta::KIND_MODEL_DELTA), Some(round))
-                if Some(from) == following.server =>
+                if Some(from) == following.server
+                    && following.model.as_ref().is_none_or(|m| m.round < round) =>
             {
-                if following.model.as_ref().is_some_and(|m| m.round >= round) {
-                    Taken::Not
-                } else {
-                    let built = tokio::task::block_in_place(|| {
-                        self.build_model(&path, &metadata, round, following.model.as_ref())
-                    });
-                    match built {
-                        Ok(held) => {
-                            tracing::info!(round, "standby: holding the global model");
-                            following.previous = following.model.replace(held);
-                            Taken::Yes
-                        }
-                        // A change that does not fit the model held: the next ones will not
-                        // either, and the server sends the whole model only when it learns
-                        // of the standby or is asked.
-                        Err(reason) => {
-                            tracing::info!(%reason, "a model not taken; asking for the whole model");
-                            Taken::Unfit
-                        }
-                    }
-                }
+                return Received::Build(Pending {
+                    path,
+                    metadata,
+                    round,
+                });
             }
             _ => {
                 tracing::debug!(?kind, ?round, %from, "a file not taken");
                 Taken::Not
+            }
+        };
+        let _ = std::fs::remove_file(&path);
+        Received::Done(taken)
+    }
+
+    /// Builds the model `pending` leads to and holds it.
+    fn build(&self, pending: Pending, following: &mut Following) -> Taken {
+        let Pending {
+            path,
+            metadata,
+            round,
+        } = pending;
+        let built = tokio::task::block_in_place(|| {
+            self.build_model(&path, &metadata, round, following.model.as_ref())
+        });
+        let taken = match built {
+            Ok(held) => {
+                tracing::info!(round, "standby: holding the global model");
+                following.previous = following.model.replace(held);
+                Taken::Yes
+            }
+            // A change that does not fit the model held: the next ones will not either, and
+            // the server sends the whole model only when it learns of the standby or is
+            // asked.
+            Err(reason) => {
+                tracing::info!(%reason, "a model not taken; asking for the whole model");
+                Taken::Unfit
             }
         };
         let _ = std::fs::remove_file(&path);
