@@ -723,7 +723,7 @@ pub async fn progress(schema: &hypha_config::Schema, args: &ProgressArgs) -> Res
         }
     }
     if let Some(run) = &progress.run {
-        for line in run_lines(run, crate::iteration::now_ms()) {
+        for line in run_lines(run, hypha_messages::unix_ms()) {
             println!("{line}");
         }
     }

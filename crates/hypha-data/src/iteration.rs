@@ -20,7 +20,7 @@ use std::{
         Arc,
         atomic::{AtomicUsize, Ordering},
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, UNIX_EPOCH},
 };
 
 use hypha_dataset::Manifest;
@@ -31,6 +31,7 @@ use hypha_messages::{
         ConsumerRate, EpochCounts, GrantedSlice, IterateGrant, IterateRequest, IterateStatus,
         IterationProgress, SliceRef,
     },
+    unix_ms,
 };
 use hypha_network::PeerId;
 use tokio::sync::Mutex;
@@ -384,7 +385,7 @@ impl NodeIterations {
         check_name("iteration", &request.iteration)?;
         let key = (request.dataset.clone(), request.iteration.clone());
         let path = self.ledger_path(&request.dataset, &request.iteration);
-        let now = now_ms();
+        let now = unix_ms();
         let mut open = self.open.lock().await;
         if let Some(running) = open.get_mut(&key) {
             check_admitted(&running.owner, peer, &request.iteration)?;
@@ -482,7 +483,7 @@ impl NodeIterations {
     /// Ends the iterations nobody asked about for the idle time, running or left on disk
     /// from before a restart: their ledgers are removed and their places freed.
     pub async fn expire(&self) {
-        let now = now_ms();
+        let now = unix_ms();
         let idle_ms = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
         let mut open = self.open.lock().await;
         open.retain(|(dataset, iteration), running| {
@@ -586,7 +587,7 @@ async fn open_ledger(path: &Path, spec: IterationSpec) -> Result<Ledger, hypha_l
                 ))
             })?;
         }
-        Ledger::open_or_create(&path, spec, LEASE_MS, now_ms())
+        Ledger::open_or_create(&path, spec, LEASE_MS, unix_ms())
     })
     .await
     .map_err(|_| hypha_ledger::Error::Stopped)?
@@ -598,13 +599,6 @@ fn key(slice: &SliceRef) -> SliceKey {
         epoch: slice.epoch,
         slice: slice.slice,
     }
-}
-
-/// Milliseconds since the Unix epoch.
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Iteration names become file names: letters, digits, `.`, `_` and `-`, not starting with a

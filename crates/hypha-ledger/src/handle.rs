@@ -252,6 +252,8 @@ impl LedgerHandle {
     }
 }
 
+/// The handle's clock: Unix milliseconds, as the times callers pass the [`Ledger`]. Its own
+/// (not `hypha_messages::unix_ms`): the ledger depends on nothing of Hypha's.
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -14,6 +14,14 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+/// Now, in milliseconds since the Unix epoch: the clock of every absolute time a message,
+/// an event or a record carries (advertisement deadlines, task peer versions, metrics lines).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// The request-response protocol every control message travels on.
 pub const RPC_PROTOCOL: &str = "/hypha/rpc/1.0.0";
 

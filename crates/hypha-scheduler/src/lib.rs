@@ -35,9 +35,4 @@ pub mod slots;
 pub mod spec;
 pub mod training;
 
-/// Milliseconds since the Unix epoch, as events and records stamp them.
-pub(crate) fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+pub(crate) use hypha_messages::unix_ms;

@@ -1608,11 +1608,8 @@ impl<'a> JobRun<'a> {
             return;
         }
         let joined = peers.iter().any(|p| !self.told_peers.peers.contains(p));
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         self.told_peers = TaskPeers {
-            version: now_ms.max(self.told_peers.version + 1),
+            version: unix_ms().max(self.told_peers.version + 1),
             peers,
         };
         let now = tokio::time::Instant::now();

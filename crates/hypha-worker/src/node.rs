@@ -10,13 +10,14 @@
 use std::{
     collections::HashMap,
     sync::Arc,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use hypha_messages::{
     Error as RemoteError, ErrorCode, Request, Response,
     job::{JobSpec, JobStatus, StatusReport},
     market::{Advertisement, LeaseGrant, LeaseRequest, MARKET_VERSION, Offer, WORKER_TOPIC},
+    unix_ms,
 };
 use hypha_network::{GossipMessage, InboundRequest, Network, Role};
 use hypha_node::{Error, Node, RunArgs};
@@ -504,11 +505,4 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Now as Unix milliseconds (advertisement deadlines are absolute).
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, millis)
 }

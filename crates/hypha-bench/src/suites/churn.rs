@@ -208,9 +208,7 @@ fn train(plan: &Plan, churn: bool) -> anyhow::Result<Outcome> {
 /// A trainer worker named `name`, when it started (ms since the epoch, as the metrics file
 /// writes times), and its peer id.
 fn start_trainer(cluster: &Cluster, name: &str) -> (Proc, u64, String) {
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let started = hypha_messages::unix_ms();
     let (peer, proc) = cluster.peer_id_after(name, |cluster| cluster.trainer_worker(name, ""));
     (proc, started, peer)
 }
