@@ -3,7 +3,7 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand};
-use hypha_node::{InitArgs, ProbeArgs, RunArgs};
+use hypha_node::NodeCommand;
 
 hypha_network::global_allocator!();
 
@@ -13,6 +13,7 @@ hypha_network::global_allocator!();
 /// `hypha-data run --config config.toml`.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about, max_term_width = 100)]
+#[command(mut_subcommand("run", |run| run.about("Run the data node")))]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,12 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Write a commented config file holding every key with its default.
-    Init(InitArgs),
-    /// Run the data node.
-    Run(RunArgs),
-    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
-    Probe(ProbeArgs),
+    #[command(flatten)]
+    Node(NodeCommand),
     /// Build a dataset from arrays (.npy, .safetensors), text (.jsonl) or an image folder.
     Prepare(hypha_data::commands::PrepareArgs),
     /// Describe a dataset directory: slices, samples, sizes, compression ratio, tensor schema.
@@ -53,9 +50,15 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let schema = hypha_data::node::schema();
     hypha_node::report(match cli.command {
-        Command::Init(args) => hypha_node::init(&schema, &args),
-        Command::Run(args) => hypha_data::node::run(&args).await,
-        Command::Probe(args) => hypha_node::probe(&hypha_data::node::client_schema(), &args).await,
+        Command::Node(command) => {
+            command
+                .execute(
+                    &schema,
+                    &hypha_data::node::client_schema(),
+                    |args| async move { hypha_data::node::run(&args).await },
+                )
+                .await
+        }
         Command::Prepare(args) => hypha_data::commands::prepare(&args),
         Command::Inspect { path } => hypha_data::commands::inspect(&path),
         Command::Verify(args) => hypha_data::commands::verify_dataset(&args),

@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use hypha_node::{InitArgs, ProbeArgs, RunArgs};
+use clap::Parser;
+use hypha_node::NodeCommand;
 
 hypha_network::global_allocator!();
 
@@ -13,27 +13,21 @@ hypha_network::global_allocator!();
 /// `hypha-gateway run --config config.toml`.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about, max_term_width = 100)]
+#[command(mut_subcommand("run", |run| run.about("Run the gateway")))]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Write a commented config file holding every key with its default.
-    Init(InitArgs),
-    /// Run the gateway.
-    Run(RunArgs),
-    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
-    Probe(ProbeArgs),
+    command: NodeCommand,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    hypha_node::report(match cli.command {
-        Command::Init(args) => hypha_node::init(&hypha_gateway::schema(), &args),
-        Command::Run(args) => hypha_gateway::run(&args).await,
-        Command::Probe(args) => hypha_node::probe(&hypha_gateway::schema(), &args).await,
-    })
+    let schema = hypha_gateway::schema();
+    hypha_node::report(
+        cli.command
+            .execute(&schema, &schema, |args| async move {
+                hypha_gateway::run(&args).await
+            })
+            .await,
+    )
 }

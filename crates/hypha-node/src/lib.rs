@@ -1,6 +1,7 @@
 //! What every Hypha node program shares, so that each binary stays a few lines long.
 //!
-//! - [`InitArgs`], [`RunArgs`], [`ProbeArgs`]: the `init`, `run` and `probe` subcommands' flags.
+//! - [`NodeCommand`]: the `init`, `run` and `probe` subcommands every program has, and
+//!   [`InitArgs`], [`RunArgs`], [`ProbeArgs`], their flags.
 //! - [`init`] writes the program's commented config template.
 //! - [`Node::start`] loads the layered config, sets up telemetry, loads the certificate and
 //!   trust store, and starts the network.
@@ -17,7 +18,7 @@ mod node;
 mod probe;
 pub mod trust_reload;
 
-pub use args::{InitArgs, Overrides, ProbeArgs, RunArgs};
+pub use args::{InitArgs, NodeCommand, Overrides, ProbeArgs, RunArgs};
 pub use error::{Error, report};
 pub use node::{Node, init, load_run_config, shutdown_signal};
 pub use probe::{probe, start_client};

@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use hypha_node::{InitArgs, ProbeArgs};
+use hypha_node::NodeCommand;
+use hypha_scheduler::node::RunJobArgs;
 
 hypha_network::global_allocator!();
 
@@ -13,6 +14,9 @@ hypha_network::global_allocator!();
 /// job file, then `hypha-scheduler run --config scheduler.toml --job job.toml`.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about, max_term_width = 100)]
+#[command(mut_subcommand("run", |run| run.about(
+    "Lease workers for a job file and run it until every worker's share finished"
+)))]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,12 +24,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Write a commented config file holding every key with its default.
-    Init(InitArgs),
-    /// Lease workers for a job file and run it until every worker's share finished.
-    Run(hypha_scheduler::node::RunJobArgs),
-    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
-    Probe(ProbeArgs),
+    #[command(flatten)]
+    Node(NodeCommand<RunJobArgs>),
     /// Show where a running scheduler's iteration stands: slices per epoch and state, and
     /// each job's share and pace.
     Progress(hypha_data::commands::ProgressArgs),
@@ -39,9 +39,13 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let schema = hypha_scheduler::node::schema();
     hypha_node::report(match cli.command {
-        Command::Init(args) => hypha_node::init(&schema, &args),
-        Command::Run(args) => hypha_scheduler::node::run(&args).await,
-        Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+        Command::Node(command) => {
+            command
+                .execute(&schema, &schema, |args| async move {
+                    hypha_scheduler::node::run(&args).await
+                })
+                .await
+        }
         Command::Progress(args) => hypha_data::commands::progress(&schema, &args).await,
         Command::Audit(args) => hypha_data::commands::audit(&args),
     })

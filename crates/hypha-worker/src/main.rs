@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use hypha_node::{InitArgs, ProbeArgs, RunArgs};
+use hypha_node::NodeCommand;
 
 hypha_network::global_allocator!();
 
@@ -13,6 +13,7 @@ hypha_network::global_allocator!();
 /// [resources], [offer] and [[executors]], then `hypha-worker run --config worker.toml`.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about, max_term_width = 100)]
+#[command(mut_subcommand("run", |run| run.about("Run the worker")))]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,12 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Write a commented config file holding every key with its default.
-    Init(InitArgs),
-    /// Run the worker.
-    Run(RunArgs),
-    /// Check a node's health over the network; exit 0 healthy, 1 unhealthy or unreachable.
-    Probe(ProbeArgs),
+    #[command(flatten)]
+    Node(NodeCommand),
     /// Fetch an artifact from an [artifacts.profiles] origin, sharing chunks with every other
     /// node fetching it; shows where chunks come from and prints a JSON summary.
     ///
@@ -46,9 +43,13 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let schema = hypha_worker::config::schema();
     hypha_node::report(match cli.command {
-        Command::Init(args) => hypha_node::init(&schema, &args),
-        Command::Run(args) => hypha_worker::node::run(&args).await,
-        Command::Probe(args) => hypha_node::probe(&schema, &args).await,
+        Command::Node(command) => {
+            command
+                .execute(&schema, &schema, |args| async move {
+                    hypha_worker::node::run(&args).await
+                })
+                .await
+        }
         Command::Fetch(args) => hypha_worker::fetch_command::run(&args).await,
         Command::Drain(args) => hypha_worker::drain::run(&args).await,
     })
