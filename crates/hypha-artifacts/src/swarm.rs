@@ -60,7 +60,11 @@ use std::{
 };
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use hypha_network::{Network, PeerId, Stream, shares::PeerShares};
+use hypha_network::{
+    Network, PeerId, Stream,
+    frame::{AskError, ask},
+    shares::PeerShares,
+};
 use serde::Serialize;
 use tokio::{
     sync::{Semaphore, mpsc, watch},
@@ -88,10 +92,6 @@ const PEER_QUEUE: usize = 4096;
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often load is reported and stalled decisions are revisited.
 const TICK: Duration = Duration::from_millis(250);
-/// How often a chunk request that a holder dropped before answering is sent again, and the
-/// first pause (doubled each time): 5 tries over about 0.15 s.
-const NOT_ACCEPTED_ATTEMPTS: u32 = 5;
-const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 /// How long a peer that refused us (busy, not a member, unreachable) is left alone.
 const BACKOFF: Duration = Duration::from_secs(1);
 /// The slowest a holder may send a chunk (bytes per second, after [`PEER_TIMEOUT`]) before the
@@ -1805,39 +1805,16 @@ async fn read_peer(
         artifact: holding.assembly.manifest().id,
         chunk,
     };
-    // `libp2p-stream` hands inbound streams to the holder through a one-slot queue and drops
-    // those that arrive while it is occupied, which a busy holder's many downloaders make
-    // likely; the request then fails before any answer. Asking again a moment later is far
-    // better than leaving the holder alone for `BACKOFF`: at the end of a distribution the
-    // last chunks have few holders.
-    let mut pause = NOT_ACCEPTED_PAUSE;
-    let mut attempt = 1;
-    let (mut stream, header) = loop {
-        let outcome = async {
-            let mut stream = network
-                .open_stream(peer, CHUNK_PROTOCOL)
-                .await
-                .map_err(|e| e.to_string())?;
-            write_frame(&mut stream, &request)
-                .await
-                .map_err(|e| e.to_string())?;
-            let header: ChunkHeader = read_frame(&mut stream).await.map_err(|e| e.to_string())?;
-            Ok::<_, String>((stream, header))
+    // A busy holder may drop the request's stream before it answers (`frame::ask` asks again
+    // a moment later): far better than leaving it alone for `BACKOFF`, as at the end of a
+    // distribution the last chunks have few holders. A holder that does not take our
+    // streams now (it may be flooded by someone else's) says nothing of what it announced.
+    let (mut stream, header) =
+        match ask::<_, ChunkHeader>(network, peer, CHUNK_PROTOCOL, &request, PEER_TIMEOUT).await {
+            Ok(answered) => answered,
+            Err(AskError::Silent(_)) => return Err(failed(&"no answer")),
+            Err(error) => return Err(PeerFailure::Refused(error.to_string())),
         };
-        match tokio::time::timeout(PEER_TIMEOUT, outcome).await {
-            Ok(Ok(answered)) => break answered,
-            Ok(Err(reason)) if attempt < NOT_ACCEPTED_ATTEMPTS => {
-                tracing::trace!(%peer, chunk, attempt, "chunk request not accepted: {reason}");
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-                attempt += 1;
-            }
-            // Its node does not take our streams now (it may be flooded by someone else's):
-            // that says nothing of what it announced.
-            Ok(Err(reason)) => return Err(PeerFailure::Refused(reason)),
-            Err(_) => return Err(failed(&"no answer")),
-        }
-    };
     match header {
         ChunkHeader::Ok { size } if size == span.len => {}
         ChunkHeader::Ok { size } => {

@@ -8,6 +8,7 @@ use hypha_dataset::{Manifest, SliceEntry};
 use hypha_messages::{Request, Response};
 use hypha_network::{
     Network, NetworkError, PeerId, Role,
+    frame::{AskError, ask},
     rate::{MIN_BYTES_PER_SECOND, RateFloor},
 };
 use tokio::io::AsyncWriteExt;
@@ -35,11 +36,6 @@ pub enum FetchError {
         error: std::io::Error,
     },
 }
-
-/// How often a provider that dropped a fresh stream is asked again, and the first pause
-/// (doubled each time): 5 tries over about 0.3 s.
-const NOT_ACCEPTED_RETRIES: u32 = 5;
-const NOT_ACCEPTED_PAUSE: Duration = Duration::from_millis(10);
 
 /// How a fetch went.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,20 +225,9 @@ impl DataClient {
                 continue;
             }
             let started_at = transfer.offset;
-            let mut outcome = self
+            let outcome = self
                 .receive(peer, dataset, entry, &mut transfer, sink)
                 .await;
-            let mut pause = NOT_ACCEPTED_PAUSE;
-            for _ in 0..NOT_ACCEPTED_RETRIES {
-                if !matches!(outcome, Err(Failure::NotAccepted(_))) {
-                    break;
-                }
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-                outcome = self
-                    .receive(peer, dataset, entry, &mut transfer, sink)
-                    .await;
-            }
             bytes_received += transfer.offset - started_at;
             match outcome {
                 Ok(()) if transfer.offset == entry.size => {
@@ -279,9 +264,7 @@ impl DataClient {
                     resumed += 1;
                     failures.push(format!("{peer}: stream ended at byte {}", transfer.offset));
                 }
-                Err(Failure::Refused(reason) | Failure::NotAccepted(reason)) => {
-                    failures.push(format!("{peer}: {reason}"))
-                }
+                Err(Failure::Refused(reason)) => failures.push(format!("{peer}: {reason}")),
                 Err(Failure::Mismatch(reason)) => {
                     failures.push(format!("{peer}: {reason}"));
                     rejected.insert(peer);
@@ -315,11 +298,6 @@ impl DataClient {
         transfer: &mut Transfer,
         sink: &mut impl Sink,
     ) -> Result<(), Failure> {
-        let mut stream = self
-            .network
-            .open_stream(peer, PROTOCOL)
-            .await
-            .map_err(|e| Failure::Refused(e.to_string()))?;
         let request = SliceRequest {
             dataset: dataset.to_string(),
             slice: entry.index,
@@ -327,17 +305,18 @@ impl DataClient {
             file: entry.file.clone(),
         };
         let silent = |limit: Duration| format!("sent nothing for {limit:?}");
-        let answer = async {
-            protocol::write_frame(&mut stream, &request)
-                .await
-                .map_err(|e| Failure::NotAccepted(e.to_string()))?;
-            protocol::read_frame::<SliceHeader>(&mut stream)
-                .await
-                .map_err(|e| Failure::NotAccepted(e.to_string()))
-        };
-        let answer = tokio::time::timeout(self.answer_deadline, answer)
-            .await
-            .map_err(|_| Failure::Refused(silent(self.answer_deadline)))??;
+        let (mut stream, answer) = ask::<_, SliceHeader>(
+            &self.network,
+            peer,
+            PROTOCOL,
+            &request,
+            self.answer_deadline,
+        )
+        .await
+        .map_err(|error| match error {
+            AskError::Silent(limit) => Failure::Refused(silent(limit)),
+            error => Failure::Refused(error.to_string()),
+        })?;
         match answer {
             SliceHeader::Error(e) => return Err(Failure::Refused(e.to_string())),
             SliceHeader::Ok {
@@ -404,11 +383,6 @@ struct Transfer {
 enum Failure {
     /// The provider refused or could not be reached; try another.
     Refused(String),
-    /// The stream closed before the provider answered the request. `libp2p-stream` hands
-    /// inbound streams to the server through a one-slot queue and drops those that arrive while
-    /// it is occupied, so a busy provider can lose a fresh stream: worth retrying the same
-    /// provider after a short pause.
-    NotAccepted(String),
     /// The provider serves something else; never ask it again for this slice.
     Mismatch(String),
     /// The transfer broke off; resume elsewhere.

@@ -4,8 +4,19 @@
 //! [`MAX_FRAME`] are refused before anything is read or allocated, so a peer cannot make a
 //! node buffer more than that for a header.
 
+use std::time::Duration;
+
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use serde::{Deserialize, Serialize};
+use libp2p::{PeerId, Stream, StreamProtocol};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::{Network, NetworkError};
+
+/// Tries of [`ask`] whose stream was dropped before the answer, in all.
+pub const ASK_ATTEMPTS: u32 = 5;
+/// The pause after [`ask`]'s first dropped try; it doubles after each (5 tries over about
+/// 0.15 s).
+pub const ASK_PAUSE: Duration = Duration::from_millis(10);
 
 /// The largest frame either side accepts.
 pub const MAX_FRAME: usize = 4 * 1024;
@@ -52,4 +63,56 @@ pub async fn read_frame<T: for<'de> Deserialize<'de>>(
     let mut body = vec![0u8; length];
     io.read_exact(&mut body).await?;
     serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// Why [`ask`] got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    /// No stream could be opened: the peer cannot be reached or does not speak the protocol.
+    #[error("{0}")]
+    Open(#[from] NetworkError),
+    /// Every try's stream broke off before the answer.
+    #[error("the stream broke off before an answer, {ASK_ATTEMPTS} times: {0}")]
+    Dropped(FrameError),
+    /// A try's answer did not come within its deadline.
+    #[error("no answer within {0:?}")]
+    Silent(Duration),
+}
+
+/// Asks `peer` over a fresh stream of `protocol`: writes `request` and reads the first frame
+/// of the answer, each try within `deadline`; the stream is handed back for what follows.
+///
+/// `libp2p-stream` hands inbound streams to their acceptor through a one-slot queue and
+/// drops those that arrive while it is occupied, which a busy peer's many clients make
+/// likely: the stream opens, then breaks off before any answer. A try that breaks off so is
+/// made again after [`ASK_PAUSE`] (doubled each time), [`ASK_ATTEMPTS`] tries in all: far
+/// better than counting a busy peer out. A stream that cannot be opened, or an answer that
+/// does not come in time, is not tried again here.
+pub async fn ask<Q: Serialize, A: DeserializeOwned>(
+    network: &Network,
+    peer: PeerId,
+    protocol: StreamProtocol,
+    request: &Q,
+    deadline: Duration,
+) -> Result<(Stream, A), AskError> {
+    let mut pause = ASK_PAUSE;
+    let mut attempt = 1;
+    loop {
+        let mut stream = network.open_stream(peer, protocol.clone()).await?;
+        let exchange = async {
+            write_frame(&mut stream, request).await?;
+            read_frame::<A>(&mut stream).await
+        };
+        match tokio::time::timeout(deadline, exchange).await {
+            Ok(Ok(answer)) => return Ok((stream, answer)),
+            Ok(Err(error)) if attempt < ASK_ATTEMPTS => {
+                tracing::trace!(%peer, %protocol, attempt, %error, "a request on a fresh stream was not taken; asking again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            Ok(Err(error)) => return Err(AskError::Dropped(error)),
+            Err(_) => return Err(AskError::Silent(deadline)),
+        }
+    }
 }
