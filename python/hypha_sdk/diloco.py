@@ -271,7 +271,7 @@ class Trainer:
                 if not error.transient:
                     raise
                 if not unreachable:
-                    self.log(f"{error}; asking again every {self.retry} s")
+                    self.log(f"{error}; asking again (at most every {self.retry} s)")
                 unreachable = True
                 order = None
                 # A try that spent its own patience (a send to a server that is gone) asks

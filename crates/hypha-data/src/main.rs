@@ -70,3 +70,14 @@ async fn main() -> ExitCode {
         Command::Audit(args) => hypha_data::commands::audit(&args),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every flag and subcommand is well formed, and `run` is there to be named.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
+}

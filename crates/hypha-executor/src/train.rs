@@ -372,7 +372,7 @@ impl<L: Learner> Trainer<L> {
                 }
                 Err(error) if error.is_transient() => {
                     if !unreachable {
-                        eprintln!("{error}; asking again every {RETRY:?}");
+                        eprintln!("{error}; asking again (at most every {RETRY:?})");
                     }
                     unreachable = true;
                     // A try that spent its own patience (a send to a server that is gone)

@@ -31,3 +31,14 @@ async fn main() -> ExitCode {
             .await,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every flag and subcommand is well formed, and `run` is there to be named.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
+}

@@ -47,6 +47,15 @@ enum Taken {
     Unfit,
 }
 
+/// Whether the change whose file says `metadata` is of the model `held`.
+fn changes(metadata: &Metadata, held: Option<&Held>) -> bool {
+    let base = (
+        metadata.get(meta::BASE_ROUND).map(String::as_str),
+        metadata.get(meta::BASE_HASH),
+    );
+    held.is_some_and(|held| base == (Some(held.round.to_string().as_str()), Some(&held.hash)))
+}
+
 /// What became of a file received.
 enum Received {
     Done(Taken),
@@ -143,9 +152,16 @@ impl ServerJob {
                     }
                 },
                 Some(StandbyOrder::Serve { round }) => {
-                    // Told to serve the round being built: once it is.
+                    // Told to serve the round being built: once it is. Another round's model
+                    // is not built (that would take the place of the one before).
                     if let Some(model) = pending.take() {
-                        self.build(model, &mut following);
+                        if model.round == round {
+                            self.build(model, &mut following).map_err(|reason| {
+                                format!("could not build the model of round {round} to take over from: {reason}")
+                            })?;
+                        } else {
+                            let _ = std::fs::remove_file(&model.path);
+                        }
                     }
                     let of = |held: &Option<Held>| held.as_ref().map(|m| m.round);
                     let model = if of(&following.model) == Some(round) {
@@ -162,12 +178,20 @@ impl ServerJob {
                     tracing::info!(round, checkpoint = ?following.checkpoint, "the server is lost: taking over");
                     return Ok(Some(self.dir.join(model)));
                 }
-                Some(StandbyOrder::Done) => return Ok(None),
+                Some(StandbyOrder::Done) => {
+                    if let Some(model) = pending.take() {
+                        let _ = std::fs::remove_file(&model.path);
+                    }
+                    return Ok(None);
+                }
                 Some(StandbyOrder::Wait) | None => {}
             }
             if let Some(model) = pending.take()
-                && self.build(model, &mut following) == Taken::Unfit
+                && let Err(reason) = self.build(model, &mut following)
             {
+                // The next changes will not fit either, and the server sends the whole model
+                // only when it learns of the standby or is asked.
+                tracing::info!(%reason, "a model not taken; asking for the whole model");
                 self.ask_whole(&mut following).await;
             }
         }
@@ -212,11 +236,22 @@ impl ServerJob {
                 if Some(from) == following.server
                     && following.model.as_ref().is_none_or(|m| m.round < round) =>
             {
-                return Received::Build(Pending {
-                    path,
-                    metadata,
-                    round,
-                });
+                // Said to be built only when it can be: a change of another model is not.
+                if kind == Some(meta::KIND_MODEL_DELTA)
+                    && !changes(&metadata, following.model.as_ref())
+                {
+                    tracing::info!(
+                        round,
+                        "a change of a model this standby does not hold; asking for the whole model"
+                    );
+                    Taken::Unfit
+                } else {
+                    return Received::Build(Pending {
+                        path,
+                        metadata,
+                        round,
+                    });
+                }
             }
             _ => {
                 tracing::debug!(?kind, ?round, %from, "a file not taken");
@@ -227,8 +262,8 @@ impl ServerJob {
         Received::Done(taken)
     }
 
-    /// Builds the model `pending` leads to and holds it.
-    fn build(&self, pending: Pending, following: &mut Following) -> Taken {
+    /// Builds the model `pending` leads to and holds it; why not where it could not.
+    fn build(&self, pending: Pending, following: &mut Following) -> Result<(), String> {
         let Pending {
             path,
             metadata,
@@ -237,22 +272,11 @@ impl ServerJob {
         let built = tokio::task::block_in_place(|| {
             self.build_model(&path, &metadata, round, following.model.as_ref())
         });
-        let taken = match built {
-            Ok(held) => {
-                tracing::info!(round, "standby: holding the global model");
-                following.previous = following.model.replace(held);
-                Taken::Yes
-            }
-            // A change that does not fit the model held: the next ones will not either, and
-            // the server sends the whole model only when it learns of the standby or is
-            // asked.
-            Err(reason) => {
-                tracing::info!(%reason, "a model not taken; asking for the whole model");
-                Taken::Unfit
-            }
-        };
         let _ = std::fs::remove_file(&path);
-        taken
+        let held = built?;
+        tracing::info!(round, "standby: holding the global model");
+        following.previous = following.model.replace(held);
+        Ok(())
     }
 
     /// The model of `round` from the file at `path`: whole, or the change from the model
@@ -272,14 +296,7 @@ impl ServerJob {
         ]);
         let hash = match metadata.get(meta::KIND).map(String::as_str) {
             Some(meta::KIND_MODEL_DELTA) => {
-                let base = (
-                    metadata.get(meta::BASE_ROUND).map(String::as_str),
-                    metadata.get(meta::BASE_HASH),
-                );
-                let fits = held.is_some_and(|held| {
-                    base == (Some(held.round.to_string().as_str()), Some(&held.hash))
-                });
-                if !fits {
+                if !changes(metadata, held) {
                     return Err(format!(
                         "the change to round {round} is not from the model held"
                     ));
