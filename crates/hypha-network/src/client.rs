@@ -18,8 +18,13 @@ pub enum NetworkError {
     Dial { target: String, reason: String },
     #[error("cannot listen on {address}: {reason}")]
     Listen { address: Multiaddr, reason: String },
-    #[error("request to {peer} failed: {reason}")]
-    Request { peer: PeerId, reason: String },
+    #[error("request to {peer} failed: {failure}")]
+    Request {
+        peer: PeerId,
+        failure: RequestFailure,
+    },
+    #[error("{protocol} already has an acceptor on this node")]
+    AcceptorTaken { protocol: StreamProtocol },
     #[error("{peer} answered with an error: {error}")]
     Remote {
         peer: PeerId,
@@ -39,6 +44,57 @@ pub enum NetworkError {
     },
     #[error("the network has shut down")]
     Shutdown,
+}
+
+/// Why a request or a stream to a peer failed, as rust-libp2p says (its `OutboundFailure`
+/// and `OpenStreamError`), so that a caller can tell a peer that is away from one that will
+/// never take the request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestFailure {
+    #[error("the peer could not be dialled")]
+    Dial,
+    #[error("no answer in time (the peer may have taken the request)")]
+    Timeout,
+    #[error("the connection closed before an answer (the peer may have taken the request)")]
+    ConnectionClosed,
+    #[error("the peer speaks none of the protocols asked for")]
+    UnsupportedProtocol,
+    /// An I/O error on the stream, by its text (`std::io::Error` cannot be cloned).
+    #[error("{0}")]
+    Io(String),
+}
+
+impl RequestFailure {
+    /// Whether asking again may go through: not when the peer does not speak the protocol.
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, RequestFailure::UnsupportedProtocol)
+    }
+}
+
+impl From<libp2p::request_response::OutboundFailure> for RequestFailure {
+    fn from(failure: libp2p::request_response::OutboundFailure) -> Self {
+        use libp2p::request_response::OutboundFailure;
+        match failure {
+            OutboundFailure::DialFailure => RequestFailure::Dial,
+            OutboundFailure::Timeout => RequestFailure::Timeout,
+            OutboundFailure::ConnectionClosed => RequestFailure::ConnectionClosed,
+            OutboundFailure::UnsupportedProtocols => RequestFailure::UnsupportedProtocol,
+            OutboundFailure::Io(error) => RequestFailure::Io(error.to_string()),
+        }
+    }
+}
+
+impl From<libp2p_stream::OpenStreamError> for RequestFailure {
+    fn from(error: libp2p_stream::OpenStreamError) -> Self {
+        match error {
+            libp2p_stream::OpenStreamError::UnsupportedProtocol(_) => {
+                RequestFailure::UnsupportedProtocol
+            }
+            libp2p_stream::OpenStreamError::Io(error) => RequestFailure::Io(error.to_string()),
+            // The enum is not exhaustive.
+            other => RequestFailure::Io(other.to_string()),
+        }
+    }
 }
 
 /// A gossip message received on a subscribed topic.
@@ -413,7 +469,7 @@ impl Network {
             .await
             .map_err(|e| NetworkError::Request {
                 peer,
-                reason: e.to_string(),
+                failure: e.into(),
             })
     }
 
@@ -425,10 +481,7 @@ impl Network {
         self.streams
             .clone()
             .accept(protocol.clone())
-            .map_err(|_| NetworkError::Request {
-                peer: self.local_peer_id,
-                reason: format!("{protocol} already has an acceptor"),
-            })
+            .map_err(|_| NetworkError::AcceptorTaken { protocol })
     }
 
     /// Closes every connection and stops the event loop.

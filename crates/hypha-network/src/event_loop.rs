@@ -1099,7 +1099,7 @@ impl EventLoop {
                 if let Some((peer, reply)) = self.pending_requests.remove(&request_id) {
                     let _ = reply.send(Err(NetworkError::Request {
                         peer,
-                        reason: error.to_string(),
+                        failure: error.into(),
                     }));
                 }
             }

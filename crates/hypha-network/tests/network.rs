@@ -9,7 +9,9 @@ use hypha_certs::{
     NodeIdentity, Role, Roles, TrustStore,
     authority::{self, Authority, Reason, Validity},
 };
-use hypha_network::{InboundRequest, Network, NetworkError, Settings, StreamProtocol};
+use hypha_network::{
+    InboundRequest, Network, NetworkError, RequestFailure, Settings, StreamProtocol,
+};
 use libp2p::{Multiaddr, PeerId, multiaddr::Protocol};
 use tokio::sync::mpsc;
 
@@ -162,6 +164,39 @@ async fn handshake_across_root_org_node_chain_and_health_round_trip() {
             .contains(&client_id.peer_id()),
         "the server knows the client by its certificate's peer id"
     );
+}
+
+/// A stream of a protocol the peer accepts no streams of fails as such, so that a caller
+/// does not try it again (issue 39: the request's failure typed by its cause).
+#[tokio::test]
+async fn a_stream_the_peer_does_not_accept_fails_as_an_unsupported_protocol() {
+    let pki = Pki::new();
+    let (server, server_addr) = gateway(&pki).await;
+    let (client, _) = start(
+        &pki.node("client"),
+        pki.trust(),
+        settings("worker", false, &[]),
+    )
+    .await;
+    let peer = client.dial(server_addr).await.unwrap();
+    let opened = client
+        .open_stream(peer, StreamProtocol::new("/hypha/nobody-accepts/1"))
+        .await;
+    match opened {
+        Err(NetworkError::Request { peer: to, failure }) => {
+            assert_eq!(to, server.local_peer_id());
+            assert_eq!(failure, RequestFailure::UnsupportedProtocol);
+            assert!(!failure.is_transient());
+        }
+        other => panic!("expected an unsupported protocol, got {other:?}"),
+    }
+    // A protocol taken twice on one node is said to be so.
+    let protocol = StreamProtocol::new("/hypha/accepted-once/1");
+    let _first = server.accept_streams(protocol.clone()).unwrap();
+    assert!(matches!(
+        server.accept_streams(protocol),
+        Err(NetworkError::AcceptorTaken { .. })
+    ));
 }
 
 /// Starts `listener` (trusting our root, so it would take the dialer), dials it from `dialer`

@@ -379,10 +379,13 @@ pub enum SendError {
 
 impl SendError {
     /// Worth another try: a refusal the receiver expects to lift, or an exchange that broke
-    /// off (a connection replaced mid-transfer, say).
+    /// off (a connection replaced mid-transfer, say). Not a peer that does not speak the
+    /// transfer protocol, nor one whose certificate does not allow it.
     fn is_transient(&self) -> bool {
         match self {
             SendError::Refused(refusal) => refusal.code.is_transient(),
+            SendError::Network(NetworkError::Request { failure, .. }) => failure.is_transient(),
+            SendError::Network(NetworkError::Role { .. }) => false,
             SendError::Network(_)
             | SendError::Frame(_)
             | SendError::Stalled(_)
