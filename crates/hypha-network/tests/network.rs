@@ -166,18 +166,24 @@ async fn handshake_across_root_org_node_chain_and_health_round_trip() {
     );
 }
 
+/// A worker node named "client" of `pki`, listening nowhere.
+async fn worker_client(pki: &Pki) -> Network {
+    start(
+        &pki.node("client"),
+        pki.trust(),
+        settings("worker", false, &[]),
+    )
+    .await
+    .0
+}
+
 /// A stream of a protocol the peer accepts no streams of fails as such, so that a caller
 /// does not try it again (issue 39: the request's failure typed by its cause).
 #[tokio::test]
 async fn a_stream_the_peer_does_not_accept_fails_as_an_unsupported_protocol() {
     let pki = Pki::new();
     let (server, server_addr) = gateway(&pki).await;
-    let (client, _) = start(
-        &pki.node("client"),
-        pki.trust(),
-        settings("worker", false, &[]),
-    )
-    .await;
+    let client = worker_client(&pki).await;
     let peer = client.dial(server_addr).await.unwrap();
     let opened = client
         .open_stream(peer, StreamProtocol::new("/hypha/nobody-accepts/1"))
@@ -602,12 +608,7 @@ async fn one_gibibyte_stream_arrives_byte_exact() {
     const BLOCK: usize = 1024 * 1024;
     let pki = Pki::new();
     let (server, server_addr) = gateway(&pki).await;
-    let (client, _) = start(
-        &pki.node("client"),
-        pki.trust(),
-        settings("worker", false, &[]),
-    )
-    .await;
+    let client = worker_client(&pki).await;
     client.dial(server_addr).await.unwrap();
 
     let protocol = StreamProtocol::new("/test/bulk/1");

@@ -742,6 +742,11 @@ fn takeover_round(status: &StandbyStatus, fits: impl Fn(u64, &str) -> bool) -> O
 mod tests {
     use super::*;
 
+    /// The run knows the models `rounds` (round, fingerprint).
+    fn known(rounds: &'static [(u64, &'static str)]) -> impl Fn(u64, &str) -> bool {
+        move |round, hash| rounds.contains(&(round, hash))
+    }
+
     #[test]
     fn a_standby_takes_over_at_its_newest_model_the_run_knows() {
         let status = StandbyStatus {
@@ -752,9 +757,6 @@ mod tests {
                 model_hash: "h7".into(),
             }),
             ..StandbyStatus::default()
-        };
-        let known = |rounds: &'static [(u64, &'static str)]| {
-            move |round: u64, hash: &str| rounds.contains(&(round, hash))
         };
         assert_eq!(
             takeover_round(&status, known(&[(7, "h7"), (8, "h8")])),
@@ -783,9 +785,6 @@ mod tests {
                 model_hash: "h9".into(),
             }),
             ..StandbyStatus::default()
-        };
-        let known = |rounds: &'static [(u64, &'static str)]| {
-            move |round: u64, hash: &str| rounds.contains(&(round, hash))
         };
         assert_eq!(
             takeover_round(&status, known(&[(8, "h8"), (9, "h9")])),
