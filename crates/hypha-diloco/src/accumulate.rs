@@ -6,7 +6,7 @@ use safetensors::Dtype;
 
 use crate::{
     Codec, Error, Fingerprint, Metadata, Tensor, Tensors,
-    codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION},
+    codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION, sparse},
     file::{Entry, Layout, Scratch, Source, dtype_bytes},
     tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm, stored_bytes},
 };
@@ -31,10 +31,16 @@ pub(crate) enum Part {
     /// `int8`: quantised values and a scale per block.
     Int8 { values: Entry, scales: Entry },
     /// `topk`: the shape, and the kept values at their positions.
-    Sparse {
+    TopK {
         shape: Vec<usize>,
         indices: Entry,
         values: Entry,
+    },
+    /// `sparse`: the shape, and the records of its chunks.
+    Sparse {
+        shape: Vec<usize>,
+        records: Entry,
+        format: sparse::Format,
     },
 }
 
@@ -70,7 +76,7 @@ impl Part {
     fn shape(&self) -> &[usize] {
         match self {
             Part::Dense(entry) | Part::Int8 { values: entry, .. } => &entry.shape,
-            Part::Sparse { shape, .. } => shape,
+            Part::TopK { shape, .. } | Part::Sparse { shape, .. } => shape,
         }
     }
 
@@ -79,9 +85,10 @@ impl Part {
         match self {
             Part::Dense(entry) => entry.len,
             Part::Int8 { values, scales } => values.len + scales.len,
-            Part::Sparse {
+            Part::TopK {
                 indices, values, ..
             } => indices.len + values.len,
+            Part::Sparse { records, .. } => records.len,
         }
     }
 
@@ -163,7 +170,7 @@ impl Part {
                     }
                 }
             }
-            Part::Sparse {
+            Part::TopK {
                 indices, values, ..
             } => {
                 // Positions increase (checked as the update was read): those of the range
@@ -181,6 +188,26 @@ impl Part {
                         op(t, f32_of(value));
                     }
                 }
+            }
+            Part::Sparse {
+                shape,
+                records,
+                format,
+            } => {
+                let end = start + targets.len();
+                sparse_records(
+                    source,
+                    main,
+                    shape,
+                    records,
+                    format,
+                    start..end,
+                    |at, value| {
+                        if let Some(t) = at.checked_sub(start).and_then(|i| targets.get_mut(i)) {
+                            op(t, value);
+                        }
+                    },
+                )?;
             }
         }
         Ok(())
@@ -224,7 +251,16 @@ impl Part {
                     each(at as usize, decoded)
                 },
             )?,
-            Part::Sparse { .. } => return Ok(false),
+            Part::Sparse { .. } => {
+                let len = self.shape().iter().product::<usize>();
+                for start in (0..len).step_by(APPLY_VALUES) {
+                    decoded.clear();
+                    decoded.resize(APPLY_VALUES.min(len - start), 0.0);
+                    self.apply_range(source, scratch, start, decoded, |t, v| *t = v)?;
+                    each(start, decoded)?;
+                }
+            }
+            Part::TopK { .. } => return Ok(false),
         }
         Ok(true)
     }
@@ -236,7 +272,7 @@ impl Part {
     ) -> Result<f64, Error> {
         let mut sum = 0.0;
         match self {
-            Part::Dense(entry) | Part::Sparse { values: entry, .. } => {
+            Part::Dense(entry) | Part::TopK { values: entry, .. } => {
                 entry.chunks(
                     source,
                     dtype_bytes(entry.dtype),
@@ -265,6 +301,24 @@ impl Part {
                             sum += block * scale * scale;
                         }
                         Ok(())
+                    },
+                )?;
+            }
+            Part::Sparse {
+                shape,
+                records,
+                format,
+            } => {
+                let len = shape.iter().product();
+                sparse_records(
+                    source,
+                    &mut scratch.main,
+                    shape,
+                    records,
+                    format,
+                    0..len,
+                    |_, v| {
+                        sum += f64::from(v) * f64::from(v);
                     },
                 )?;
             }
@@ -431,9 +485,10 @@ fn parts(
     match codec {
         "none" | "bf16" => dense_parts(source, buffer, entries),
         "int8" => int8_parts(source, buffer, entries),
-        "topk" => sparse_parts(source, buffer, entries, metadata),
+        "topk" => top_k_parts(source, buffer, entries, metadata),
+        "sparse" => sparse_parts(source, buffer, entries, metadata),
         other => Err(Error::Format(format!(
-            "codec {other:?}; this node reads none, bf16, int8 and topk"
+            "codec {other:?}; this node reads none, bf16, int8, topk and sparse"
         ))),
     }
 }
@@ -578,7 +633,7 @@ fn int8_parts(
     Ok(parts)
 }
 
-fn sparse_parts(
+fn top_k_parts(
     source: &(impl Source + ?Sized),
     buffer: &mut Vec<u8>,
     mut entries: BTreeMap<String, Entry>,
@@ -596,14 +651,7 @@ fn sparse_parts(
         let values = entries
             .remove(&format!("{name}{VALUE}"))
             .ok_or_else(|| malformed(&name, "has no values"))?;
-        let shape_text = metadata
-            .get(&format!("{SHAPE}{name}"))
-            .ok_or_else(|| malformed(&name, "has no shape in the metadata"))?;
-        let shape = codec::parse_shape(&name, shape_text)?;
-        let len = shape
-            .iter()
-            .try_fold(1usize, |n, d| n.checked_mul(*d))
-            .ok_or_else(|| malformed(&name, "a shape too large"))?;
+        let (shape, len) = claimed_shape(&name, metadata)?;
         if indices.dtype != Dtype::U32 || values.dtype != Dtype::F32 {
             return Err(malformed(&name, "U32 positions and F32 values expected"));
         }
@@ -635,7 +683,7 @@ fn sparse_parts(
         }
         parts.push((
             name,
-            Part::Sparse {
+            Part::TopK {
                 shape,
                 indices,
                 values,
@@ -644,6 +692,106 @@ fn sparse_parts(
     }
     if let Some(stray) = entries.keys().next() {
         return Err(malformed(stray, "values of no parameter"));
+    }
+    Ok(parts)
+}
+
+/// The shape, and its count of values, that the metadata of a `topk` or `sparse` file claims
+/// for parameter `name`.
+fn claimed_shape(name: &str, metadata: &Metadata) -> Result<(Vec<usize>, usize), Error> {
+    let shape_text = metadata
+        .get(&format!("{SHAPE}{name}"))
+        .ok_or_else(|| malformed(name, "has no shape in the metadata"))?;
+    let shape = codec::parse_shape(name, shape_text)?;
+    let len = shape
+        .iter()
+        .try_fold(1usize, |n, d| n.checked_mul(*d))
+        .ok_or_else(|| malformed(name, "a shape too large"))?;
+    Ok((shape, len))
+}
+
+/// How many bytes of `sparse` records are read at once: whole records of about
+/// [`CHUNK`](crate::file::CHUNK).
+const SPARSE_READ_VALUES: usize = 256 * sparse::CHUNK;
+
+/// Calls `each` with the position and value of every value kept by the records of `records`
+/// (a parameter of `shape`) for the chunks that hold values `range`, checking each record
+/// (those of a file read again at a round's close too), a run of chunks at a time.
+fn sparse_records(
+    source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
+    shape: &[usize],
+    records: &Entry,
+    format: &sparse::Format,
+    range: std::ops::Range<usize>,
+    mut each: impl FnMut(usize, f32),
+) -> Result<(), Error> {
+    let len: usize = shape.iter().product();
+    let name = "a sparse parameter";
+    for start in (range.start..range.end).step_by(SPARSE_READ_VALUES) {
+        // From the start of the chunk that holds `start`: the chunks are whole.
+        let end = (start - start % sparse::CHUNK + SPARSE_READ_VALUES).min(range.end);
+        let (first, offset, bytes) = format.span(len, start, end);
+        let bytes = source.bytes_at(records.offset + offset, bytes, buffer)?;
+        format
+            .decode(len, first, bytes, &mut each)
+            .map_err(|problem| malformed(name, problem))?;
+    }
+    Ok(())
+}
+
+fn sparse_parts(
+    source: &(impl Source + ?Sized),
+    buffer: &mut Vec<u8>,
+    mut entries: BTreeMap<String, Entry>,
+    metadata: &Metadata,
+) -> Result<Vec<(String, Part)>, Error> {
+    let number = |key: &str| {
+        metadata
+            .get(key)
+            .and_then(|text| text.parse::<u32>().ok())
+            .ok_or_else(|| Error::Format(format!("a sparse file without a number at {key}")))
+    };
+    let format = sparse::Format::new(number(sparse::KEPT)? as usize, number(sparse::BITS)?)
+        .map_err(|problem| Error::Format(format!("a sparse file's format: {problem}")))?;
+    let names: Vec<String> = entries
+        .keys()
+        .filter_map(|n| n.strip_suffix(sparse::RECORDS).map(str::to_string))
+        .collect();
+    let mut parts = Vec::new();
+    for name in names {
+        let Some(records) = entries.remove(&format!("{name}{}", sparse::RECORDS)) else {
+            continue;
+        };
+        let (shape, len) = claimed_shape(&name, metadata)?;
+        if records.dtype != Dtype::U8 || records.len != format.bytes(len) {
+            return Err(malformed(
+                &name,
+                format!(
+                    "{} bytes of {} records for {len} values; {} expected",
+                    records.len,
+                    records.dtype,
+                    format.bytes(len)
+                ),
+            ));
+        }
+        sparse_records(source, buffer, &shape, &records, &format, 0..len, |_, _| ()).map_err(
+            |error| match error {
+                Error::Mismatch { problem, .. } => malformed(&name, problem),
+                error => error,
+            },
+        )?;
+        parts.push((
+            name,
+            Part::Sparse {
+                shape,
+                records,
+                format,
+            },
+        ));
+    }
+    if let Some(stray) = entries.keys().next() {
+        return Err(malformed(stray, "is not a parameter's records"));
     }
     Ok(parts)
 }
@@ -755,10 +903,12 @@ impl Accumulator {
         if self.shapes.is_empty() {
             // A top-k file states its shapes in a line of metadata: only a model's shapes
             // may say how large the sum is.
-            if let Some((name, _)) = parts.iter().find(|(_, p)| matches!(p, Part::Sparse { .. })) {
+            if let Some((name, _)) =
+                (parts.iter()).find(|(_, p)| matches!(p, Part::TopK { .. } | Part::Sparse { .. }))
+            {
                 return Err(Error::Mismatch {
                     name: name.clone(),
-                    problem: "a top-k update is added only to a sum shaped like the model (Accumulator::shaped_like)".into(),
+                    problem: "a top-k or sparse update is added only to a sum shaped like the model (Accumulator::shaped_like)".into(),
                 });
             }
             self.shapes = shapes

@@ -20,7 +20,8 @@
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
 //!
-//! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`), their wire format, and
+//! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`, chunked `sparse`), their
+//!   wire format, and
 //!   error feedback; [`Update`] reads every codec and the [`Accumulator`] sums them without
 //!   decoding a copy.
 //! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint;

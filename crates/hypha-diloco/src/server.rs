@@ -121,9 +121,9 @@ impl ParameterServer {
     /// with `codec` ([`Closed::delta`]), with error feedback; the global model is then held
     /// and sent as F32, the values its holders compute. [`Codec::None`]: no changes, the
     /// whole model is sent.
+    /// The codec is the changes' own: for trainers that compress with a codec, its
+    /// [`Codec::for_broadcast`] (a whole-tensor top-k change is never sent).
     pub fn broadcast_changes(mut self, codec: Codec) -> Self {
-        // A change goes out whole-tensor top-k never: it is int8 ([`Codec::for_broadcast`]).
-        let codec = codec.for_broadcast();
         self.broadcast = codec;
         if codec != Codec::None
             && let Some(model) = self.model.take()

@@ -111,7 +111,7 @@ impl Trained {
             optimizer,
             global,
             codec,
-            feedback: ErrorFeedback::new(),
+            feedback: ErrorFeedback::for_codec(codec),
             synced: None,
         })
     }

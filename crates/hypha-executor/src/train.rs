@@ -52,7 +52,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use hypha_diloco::{Codec, Metadata};
+use hypha_diloco::{Codec, Metadata, codec::Parameters};
 use hypha_messages::{
     diloco::{Status, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
@@ -115,8 +115,9 @@ pub struct TrainerSettings {
     /// How pseudo-gradients are compressed (see [`hypha_diloco::codec`]); `none` by default.
     #[serde(default)]
     pub compression: Option<String>,
-    #[serde(default)]
-    pub topk_density: Option<f32>,
+    /// The codec's own keys (`topk_density`, `sparse_density`, `sparse_bits`).
+    #[serde(flatten)]
+    pub codec_parameters: Parameters,
     /// Train on into the next round while the pseudo-gradient travels (see [`Trainer`]).
     #[serde(default)]
     pub overlap: bool,
@@ -127,7 +128,7 @@ impl TrainerSettings {
     pub fn codec(&self) -> Result<Codec, String> {
         Codec::named(
             self.compression.as_deref().unwrap_or("none"),
-            self.topk_density,
+            self.codec_parameters,
         )
     }
 }

@@ -58,8 +58,14 @@
 //! forward = "http://127.0.0.1:8080/metrics"  # also POST each metrics line there (optional)
 //! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
 //! outer = { learning_rate = 0.7, momentum = 0.9 }
-//! compression = "int8"     # pseudo-gradients: "none" (default), "bf16", "int8" or "topk",
-//! topk_density = 0.01      # with error feedback on the trainers (see hypha_diloco::codec)
+//! compression = "int8"     # pseudo-gradients: "none" (default), "bf16", "int8", "topk" or
+//!                          # "sparse", with error feedback (see hypha_diloco::codec)
+//! topk_density = 0.01      # topk: the share of each tensor's values sent (no default)
+//! sparse_density = 0.01    # sparse: the share of each chunk of 4,096 values sent (default)
+//! sparse_bits = 2          # sparse: bits a value sent, 2 (default) or 4
+//! sparse_decay = 0.8       # sparse: share of the residual carried on (default); with sparse
+//!                          # the outer step defaults to plain SGD, { learning_rate = 1.0,
+//!                          # momentum = 0.0 }, the residual being the momentum
 //! overlap = true           # train on while the update travels (default false)
 //! checkpoint_every = 5     # the parameter server checkpoints every 5 rounds (default: when
 //!                          # its DiLoCo traffic since the last is 10× a checkpoint's size)
@@ -72,10 +78,10 @@
 //! resources = { cpu = 1, memory = 2 }
 //! ```
 //!
-//! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "topk_density",
-//! "overlap"}`;
-//! the parameter server's is `{"outer", "max_samples", "compression", "topk_density",
-//! "checkpoint_every"}` (it reads
+//! Trainers' config gains `"diloco": {"batch_size", "inner", "compression", "overlap"}` and the
+//! codec's keys that are set (`"topk_density"`, `"sparse_density"`, `"sparse_bits"`);
+//! the parameter server's is `{"outer", "max_samples", "compression", "checkpoint_every"}` and
+//! the same codec keys (it reads
 //! every codec from the files themselves, and sends the global model's changes compressed with
 //! the job's).
 //!
@@ -91,7 +97,7 @@
 use std::path::{Path, PathBuf};
 
 use hypha_dataset::Manifest;
-use hypha_diloco::Codec;
+use hypha_diloco::{Codec, codec::Parameters};
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
 use hypha_messages::{
     artifact,
@@ -226,14 +232,25 @@ pub struct DilocoSpec {
     pub forward: Option<String>,
     #[serde(default)]
     pub inner: InnerOptimizer,
+    /// The parameter server's step; unset: [`outer`](Self::outer)'s default for the codec.
     #[serde(default)]
-    pub outer: OuterOptimizer,
-    /// How trainers compress their pseudo-gradients (`none`, `bf16`, `int8`, `topk`).
+    pub outer: Option<OuterOptimizer>,
+    /// How trainers compress their pseudo-gradients (`none`, `bf16`, `int8`, `topk`,
+    /// `sparse`).
     #[serde(default = "default_compression")]
     pub compression: String,
     /// For `topk`: the share of each tensor's values sent.
     #[serde(default)]
     pub topk_density: Option<f32>,
+    /// For `sparse`: the share of each chunk's values sent.
+    #[serde(default)]
+    pub sparse_density: Option<f32>,
+    /// For `sparse`: the bits of each value sent.
+    #[serde(default)]
+    pub sparse_bits: Option<u8>,
+    /// For `sparse`: the share of a trainer's residual carried into its next update.
+    #[serde(default)]
+    pub sparse_decay: Option<f32>,
     /// Trainers go on training into the next round while their update is on its way and
     /// apply the outer update when it arrives (one round of delay), so that communication
     /// hides behind compute. Off by default.
@@ -519,13 +536,12 @@ impl JobFile {
         if let Some(object) = config.as_object_mut() {
             object.insert(
                 "diloco".into(),
-                serde_json::json!({
+                diloco.with_codec(serde_json::json!({
                     "batch_size": diloco.batch_size,
                     "inner": diloco.inner,
                     "compression": diloco.compression,
-                    "topk_density": diloco.topk_density,
                     "overlap": diloco.overlap,
-                }),
+                })),
             );
         }
         config.to_string()
@@ -604,7 +620,7 @@ impl DilocoSpec {
             ("diloco.batch_size", self.batch_size as f64),
             ("diloco.round_seconds", self.round_seconds),
             ("diloco.inner.learning_rate", self.inner.learning_rate),
-            ("diloco.outer.learning_rate", self.outer.learning_rate),
+            ("diloco.outer.learning_rate", self.outer().learning_rate),
             ("diloco.parameter_server.bid", self.parameter_server.bid),
         ];
         for (key, value) in positive {
@@ -617,7 +633,7 @@ impl DilocoSpec {
         }
         let fractions = [
             ("diloco.quorum", self.quorum),
-            ("diloco.outer.momentum", self.outer.momentum),
+            ("diloco.outer.momentum", self.outer().momentum),
             ("diloco.inner.beta1", self.inner.beta1),
             ("diloco.inner.beta2", self.inner.beta2),
         ];
@@ -645,13 +661,20 @@ impl DilocoSpec {
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
-        Codec::named(&self.compression, self.topk_density)
+        Codec::named(&self.compression, self.codec_parameters())
             .map_err(|e| format!("diloco.compression = {:?}: {e}", self.compression))?;
-        if self.topk_density.is_some() && self.compression != "topk" {
-            return Err(format!(
-                "diloco.topk_density is read only with compression = \"topk\" (this job compresses with {:?}): remove it or choose topk",
-                self.compression
-            ));
+        for (key, set, codec) in [
+            ("topk_density", self.topk_density.is_some(), "topk"),
+            ("sparse_density", self.sparse_density.is_some(), "sparse"),
+            ("sparse_bits", self.sparse_bits.is_some(), "sparse"),
+            ("sparse_decay", self.sparse_decay.is_some(), "sparse"),
+        ] {
+            if set && self.compression != codec {
+                return Err(format!(
+                    "diloco.{key} is read only with compression = {codec:?} (this job compresses with {:?}): remove it or choose {codec}",
+                    self.compression
+                ));
+            }
         }
         if self.checkpoint_every == Some(0) {
             return Err("diloco.checkpoint_every = 0: give the rounds between checkpoints, from 1 (every round), or remove the key to checkpoint by traffic".into());
@@ -663,6 +686,44 @@ impl DilocoSpec {
             ));
         }
         Ok(())
+    }
+
+    /// The parameter server's step: the job's, or the DiLoCo paper's Nesterov (learning rate
+    /// 0.7, momentum 0.9), or with `sparse` plain SGD at 1.0 ([`hypha_diloco::codec::SPARSE_OUTER`]).
+    pub fn outer(&self) -> OuterOptimizer {
+        self.outer
+            .unwrap_or_else(|| match self.compression.as_str() {
+                "sparse" => {
+                    let (learning_rate, momentum) = hypha_diloco::codec::SPARSE_OUTER;
+                    OuterOptimizer {
+                        learning_rate: f64::from(learning_rate),
+                        momentum: f64::from(momentum),
+                    }
+                }
+                _ => OuterOptimizer::default(),
+            })
+    }
+
+    /// The codec's own keys the job set.
+    fn codec_parameters(&self) -> Parameters {
+        Parameters {
+            topk_density: self.topk_density,
+            sparse_density: self.sparse_density,
+            sparse_bits: self.sparse_bits,
+            sparse_decay: self.sparse_decay,
+        }
+    }
+
+    /// `config` (an object) with the codec's keys the job set, as trainers and the parameter
+    /// server read them ([`Parameters`]).
+    fn with_codec(&self, mut config: serde_json::Value) -> serde_json::Value {
+        if let (Some(object), Ok(serde_json::Value::Object(keys))) = (
+            config.as_object_mut(),
+            serde_json::to_value(self.codec_parameters()),
+        ) {
+            object.extend(keys);
+        }
+        config
     }
 
     /// How rounds are planned and closed.
@@ -687,14 +748,11 @@ impl DilocoSpec {
             .samples_per_round
             .saturating_mul(2)
             .saturating_add(largest_slice);
-        let mut config = serde_json::json!({
-            "outer": self.outer,
+        let mut config = self.with_codec(serde_json::json!({
+            "outer": self.outer(),
             "max_samples": max_samples,
             "compression": self.compression,
-        });
-        if let Some(density) = self.topk_density {
-            config["topk_density"] = density.into();
-        }
+        }));
         if self.max_update_norm_ratio > 0.0 {
             config["max_norm_ratio"] = self.max_update_norm_ratio.into();
         }
@@ -760,7 +818,7 @@ mod tests {
         let spec = JobFile::parse("job.toml", &format!("{base}{diloco}")).unwrap();
         let d = spec.diloco.as_ref().unwrap();
         assert_eq!(
-            (d.round_seconds, d.quorum, d.outer.momentum),
+            (d.round_seconds, d.quorum, d.outer().momentum),
             (60.0, 0.5, 0.9)
         );
         let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
@@ -794,6 +852,31 @@ mod tests {
         assert!(bad("compression = \"topk\"").contains("topk needs a density"));
         assert!(bad("compression = \"topk\"\ntopk_density = 2.0").contains("not in (0, 1]"));
         assert!(bad("topk_density = 0.1").contains("read only with compression = \"topk\""));
+        assert!(bad("sparse_bits = 4").contains("read only with compression = \"sparse\""));
+        assert!(
+            bad("compression = \"sparse\"\nsparse_bits = 3").contains("write 2 (the default) or 4")
+        );
+        assert!(bad("compression = \"sparse\"\nsparse_density = 0").contains("not in (0, 1]"));
+        let sparse = format!("{base}{diloco}").replace(
+            "batch_size = 32\n",
+            "batch_size = 32\ncompression = \"sparse\"\nsparse_bits = 4\n",
+        );
+        let spec = JobFile::parse("job.toml", &sparse).unwrap();
+        let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
+        assert_eq!(trainer["diloco"]["compression"], "sparse");
+        assert_eq!(trainer["diloco"]["sparse_bits"], 4);
+        assert!(
+            trainer["diloco"].get("sparse_density").is_none(),
+            "unset: the default"
+        );
+        let server: serde_json::Value =
+            serde_json::from_str(&spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
+        assert_eq!(server["sparse_bits"], 4);
+        assert_eq!(
+            server["outer"],
+            serde_json::json!({"learning_rate": 1.0, "momentum": 0.0}),
+            "sparse steps with plain SGD unless the job says otherwise"
+        );
         let compressed = format!("{base}{diloco}").replace(
             "batch_size = 32\n",
             "batch_size = 32\ncompression = \"int8\"\n",

@@ -61,6 +61,7 @@ use std::{
 use hypha_artifacts::{Admission, Published};
 use hypha_diloco::{
     Codec, Metadata, OuterOptimizer,
+    codec::Parameters,
     file::FileSource,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
@@ -130,8 +131,9 @@ struct Config {
     /// The job's codec: the changes of the global model are sent compressed with it.
     #[serde(default)]
     compression: Option<String>,
-    #[serde(default)]
-    topk_density: Option<f32>,
+    /// The codec's own keys (`topk_density`, `sparse_density`, `sparse_bits`).
+    #[serde(flatten)]
+    codec_parameters: Parameters,
     /// Checkpoint every this many rounds; unset: by traffic ([`Cadence`]).
     #[serde(default)]
     checkpoint_every: Option<u64>,
@@ -357,7 +359,7 @@ impl ServerJob {
         }
         let codec = Codec::named(
             config.compression.as_deref().unwrap_or("none"),
-            config.topk_density,
+            config.codec_parameters,
         )
         .map_err(ServerError::Codec)?;
         server = server.broadcast_changes(codec.for_broadcast());
