@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import math
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
-from . import safetensors
+from . import codec, safetensors
 from .client import Bridge, BridgeError, peers
 from .job import Job
 
@@ -237,6 +237,9 @@ class Trainer:
         self.rounds_trained = 0
         self.server: Optional[str] = None
         self.stopping: Optional[float] = None
+        # With compression = "sparse", pseudo-gradients go sparse with error feedback, as
+        # the Rust trainers send them; otherwise float32 (the server reads both).
+        self.feedback = codec.from_config(diloco)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -299,6 +302,9 @@ class Trainer:
             raise ProtocolError(f"the scheduler answered an unknown order: {order}")
         if self.round != order["round"]:
             return None, reported
+        if self.server != order["parameter_server"] and self.feedback is not None:
+            # What compression dropped was measured against the model of a server that is gone.
+            self.feedback.reset()
         self.server = order["parameter_server"]
         wants_more = self.stats.batches < order["batches"] or self.reader.in_slice()
         if wants_more and not self.stats.syncing:
@@ -400,12 +406,16 @@ class Trainer:
             _check_same("the global model", self.global_parameters, "this trainer's model", local)
             delta = {name: global_ - _f32(local[name]) for name, global_ in self.global_parameters.items()}
             metadata = {KIND: KIND_PSEUDO_GRADIENT, ROUND: str(round_), SAMPLES: str(self.stats.samples)}
-            self._send(server, f"pseudo-gradient-{round_}.safetensors", delta, metadata)
+            tensors: Mapping[str, Any] = delta
+            if self.feedback is not None:
+                tensors, metadata = self.feedback.compress(delta, metadata)
+            self._send(server, f"pseudo-gradient-{round_}.safetensors", tensors, metadata)
             self.stats.sent = True
             self.rounds_trained += 1
             self.log(
                 f"round {round_}: pseudo-gradient of {self.stats.samples} samples "
                 f"({self.stats.batches} batches) sent"
+                + (" sparse" if self.feedback is not None else "")
             )
 
     def _send(self, server: str, name: str, tensors: Mapping[str, Any], metadata: Dict[str, str]) -> None:

@@ -51,7 +51,7 @@ fn f32_of(b: &[u8]) -> f32 {
 /// How many values [`Part::apply`] reads at a time: a multiple of `int8`'s block.
 const APPLY_VALUES: usize = crate::file::CHUNK / 4;
 
-/// The index, in a sparse part's increasing positions (`indices`, U32), of the first
+/// The index, in a top-k part's increasing positions (`indices`, U32), of the first
 /// position at or after `position`: the count of those before it.
 fn first_position(
     source: &(impl Source + ?Sized),
@@ -118,7 +118,7 @@ impl Part {
     }
 
     /// `op(target, value)` for each value, with the target of its position in `targets`
-    /// (positions a sparse part does not hold are left alone: their value is 0), read
+    /// (positions a top-k or sparse part does not hold are left alone: their value is 0), read
     /// [`APPLY_VALUES`] values at a time.
     fn apply(
         &self,
@@ -214,7 +214,7 @@ impl Part {
     }
 
     /// Calls `each` with the part's values in order, a chunk at a time decoded into
-    /// `decoded`, with the index of the first; false, calling nothing, for a sparse part,
+    /// `decoded`, with the index of the first; false, calling nothing, for a top-k part,
     /// whose chunks are not runs of values.
     fn decoded_chunks(
         &self,
@@ -395,7 +395,7 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
 
     /// Adds the update to the model in the SafeTensors file `model` as [`add_to`](Self::add_to)
     /// adds it, writing the new model (f32) to `out` atomically, a chunk at a time (a
-    /// parameter at a time for a sparse update): a few megabytes of memory, whatever the
+    /// parameter at a time for a top-k update): a few megabytes of memory, whatever the
     /// model's size. The new model's
     /// fingerprint; refused, with nothing written, unless the update has exactly the model's
     /// parameters and shapes.
@@ -446,7 +446,7 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
                         stored_bytes(&sum, Dtype::F32, |bytes| writer.write(bytes))
                     })?;
                 if !streamed {
-                    // A sparse change: the parameter whole.
+                    // A top-k change: the parameter whole.
                     let mut tensor = Tensor::read(model, name, entry, &mut buffer)?;
                     part.apply(self.source, scratch, &mut tensor.values, |t, v| *t += v)?;
                     fingerprint.values(&tensor.values, Dtype::F32);
@@ -458,7 +458,7 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
         Ok(fingerprint.finish())
     }
 
-    /// The update decoded, each parameter f32. A `topk` part is as large as the shape its
+    /// The update decoded, each parameter f32. A `topk` or `sparse` part is as large as the shape its
     /// file claims: decode only bytes whose shapes were checked against the model (the
     /// [`Accumulator`] never decodes a copy).
     pub fn to_tensors(&self) -> Result<Tensors, Error> {
@@ -706,12 +706,17 @@ fn claimed_shape(name: &str, metadata: &Metadata) -> Result<(Vec<usize>, usize),
     let len = shape
         .iter()
         .try_fold(1usize, |n, d| n.checked_mul(*d))
+        .filter(|len| *len <= MAX_CLAIMED_VALUES)
         .ok_or_else(|| malformed(name, "a shape too large"))?;
     Ok((shape, len))
 }
 
-/// How many bytes of `sparse` records are read at once: whole records of about
-/// [`CHUNK`](crate::file::CHUNK).
+/// The most values a `topk` or `sparse` file may claim for a parameter: 2⁴⁸, a thousand
+/// times a trillion-parameter model, and far from where the sizes computed from it overflow.
+const MAX_CLAIMED_VALUES: usize = 1 << 48;
+
+/// The values whose `sparse` records are read at once: 256 chunks (20 KiB of records at 1 %
+/// and 2 bits).
 const SPARSE_READ_VALUES: usize = 256 * sparse::CHUNK;
 
 /// Calls `each` with the position and value of every value kept by the records of `records`
@@ -728,14 +733,16 @@ fn sparse_records(
 ) -> Result<(), Error> {
     let len: usize = shape.iter().product();
     let name = "a sparse parameter";
-    for start in (range.start..range.end).step_by(SPARSE_READ_VALUES) {
-        // From the start of the chunk that holds `start`: the chunks are whole.
-        let end = (start - start % sparse::CHUNK + SPARSE_READ_VALUES).min(range.end);
+    // From the start of the chunk that holds the range's first value: records are whole.
+    let mut start = range.start - range.start % sparse::CHUNK;
+    while start < range.end {
+        let end = (start + SPARSE_READ_VALUES).min(range.end);
         let (first, offset, bytes) = format.span(len, start, end);
         let bytes = source.bytes_at(records.offset + offset, bytes, buffer)?;
         format
             .decode(len, first, bytes, &mut each)
             .map_err(|problem| malformed(name, problem))?;
+        start = end;
     }
     Ok(())
 }

@@ -121,9 +121,15 @@ impl ParameterServer {
     /// with `codec` ([`Closed::delta`]), with error feedback; the global model is then held
     /// and sent as F32, the values its holders compute. [`Codec::None`]: no changes, the
     /// whole model is sent.
+    ///
     /// The codec is the changes' own: for trainers that compress with a codec, its
-    /// [`Codec::for_broadcast`] (a whole-tensor top-k change is never sent).
+    /// [`Codec::for_broadcast`]. Whole-tensor top-k cannot be made a chunk at a time, as a
+    /// close makes a change: given it, the server sends int8.
     pub fn broadcast_changes(mut self, codec: Codec) -> Self {
+        let codec = match codec {
+            Codec::TopK { .. } => Codec::Int8,
+            codec => codec,
+        };
         self.broadcast = codec;
         if codec != Codec::None
             && let Some(model) = self.model.take()
@@ -744,8 +750,14 @@ impl ParameterServer {
 
 /// The values of a parameter the round's close takes at once: its temporaries (the carried
 /// change, what the codec makes of it, the bytes hashed) are this long, whatever the model.
-/// A multiple of `int8`'s block, so that each block is quantised as the whole tensor's is.
+/// A multiple of `int8`'s block and of `sparse`'s chunk, so that each block and chunk is
+/// compressed as the whole tensor's is and the pieces' bytes, one after the other, are the
+/// whole tensor's encoding.
 const CLOSE_CHUNK: usize = 1 << 16;
+const _: () = assert!(
+    CLOSE_CHUNK.is_multiple_of(codec::INT8_BLOCK)
+        && CLOSE_CHUNK.is_multiple_of(codec::sparse::CHUNK)
+);
 
 /// Chunks per thread in a window of a close: enough that no thread waits long for the
 /// slowest of the others, few enough that a window stays in the caches while it is hashed.

@@ -601,6 +601,16 @@ fn a_sparse_file_made_by_hand_reads_as_its_format_says_and_hostile_ones_are_refu
             "expected",
         ),
     ];
+    // A shape whose size in records overflows: refused, not a panic (a review found it).
+    let overflowing = sparse_file(
+        &record(0.5, 1.0, [1, 5], [0, 0]),
+        &[
+            ("hypha.shape.w", "[18446744073709551615]"),
+            ("hypha.sparse.kept", "4096"),
+            ("hypha.sparse.bits", "4"),
+        ],
+    );
+    let cases = cases.into_iter().chain([(overflowing, "too large")]);
     for (bytes, expected) in cases {
         let error = Update::read(&bytes).map(|_| ()).map_err(|e| e.to_string());
         let error = error.expect_err(expected);

@@ -732,6 +732,7 @@ fn the_python_sdk_and_the_upstream_client_work_against_real_bridges() {
     if !python_with(&["json"], true) {
         return;
     }
+    let numpy = python_with(&["numpy"], true);
     let cluster = Cluster::new();
     let _data = cluster.blobs_data_node("data");
     let shared = cluster.path("python-shared");
@@ -792,7 +793,15 @@ fn the_python_sdk_and_the_upstream_client_work_against_real_bridges() {
             "test_upstream_dialect.UpstreamClient.test_its_send_status_reads_the_answers_type",
             "test_upstream_dialect.UpstreamClient.test_a_refused_receive_is_an_event_it_tells_from_a_file",
             "test_upstream_dialect.UpstreamClient.test_its_job_json_has_job_id_and_executor_config",
-        ] {
+        ]
+        .into_iter()
+        // The sparse codec's tests need numpy (.ci/run installs it).
+        .chain(numpy.then_some([
+            "test_codec.Sparse.test_it_keeps_the_largest_of_each_chunk_and_decodes_what_it_says_it_sent",
+            "test_codec.Sparse.test_error_feedback_carries_what_was_not_sent",
+            "test_codec.Sparse.test_hostile_records_are_refused",
+        ]).into_iter().flatten())
+        {
             assert!(
                 passed.contains(&test),
                 "{name}: {test} did not pass: {results}"

@@ -76,8 +76,8 @@ enum Command {
         #[arg(long, value_name = "SCRIPT")]
         python_trainer: Option<PathBuf>,
         /// How the trainers compress their pseudo-gradients and the server the model's
-        /// changes: none, bf16 or int8 (README, "DiLoCo training").
-        #[arg(long, default_value = "none", value_parser = ["none", "bf16", "int8"])]
+        /// changes: none, bf16, int8 or sparse (README, "Choosing a codec and overlap").
+        #[arg(long, default_value = "none", value_parser = ["none", "bf16", "int8", "sparse"])]
         compression: String,
         /// Trainers train on while their update travels (README, "DiLoCo training").
         #[arg(long)]

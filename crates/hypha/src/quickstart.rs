@@ -58,7 +58,7 @@ pub struct Settings {
     /// One more trainer, written in Python with `hypha_sdk`: the script and the interpreter
     /// that runs it.
     pub python_trainer: Option<PythonTrainer>,
-    /// `[diloco] compression`: `none`, `bf16` or `int8`.
+    /// `[diloco] compression`: `none`, `bf16`, `int8` or `sparse` (with its defaults).
     pub compression: String,
     /// `[diloco] overlap`.
     pub overlap: bool,

@@ -229,7 +229,8 @@ pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
     let dir = Path::new(dir);
     let updates: usize = updates.parse()?;
     let codec = Codec::named(codec, Default::default()).map_err(anyhow::Error::msg)?;
-    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9)).broadcast_changes(codec);
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9))
+        .broadcast_changes(codec.for_broadcast());
     server.offer_from(&FileSource::open(&dir.join("model.safetensors"))?)?;
     // Three rounds: the first allocates momentum and residual, the later ones carry them.
     let mut close_s = 0.0;

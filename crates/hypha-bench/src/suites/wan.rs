@@ -4,11 +4,17 @@
 //! Real processes of the release binaries, the reference executor's MLP with about 10 M
 //! parameters (1 M with `--quick`) on the learnable `blobs` dataset, the same rounds of the
 //! same samples in every mode: `none` (f32 both ways), `int8` (int8 pseudo-gradients and
-//! model changes, error feedback on both sides), `int8 + overlap`. The dataset holds as many
+//! model changes, error feedback on both sides), `int8 + overlap`, `sparse` (the job's
+//! defaults: 1 % of each chunk at 2 bits up, 3 % back, plain SGD outer steps) and
+//! `sparse + overlap`. The dataset holds as many
 //! samples as the run trains, so no sample is seen twice: a model this wide fits a few
 //! thousand samples by heart within a few epochs, and its held-out loss then measures that,
 //! not the codec (the suite's first runs, on the 1,536 samples of the tests' dataset, got
 //! worse with every round).
+//!
+//! The sparse ratios compare each direction on its own (`bytes_up_sparse_vs_f32`: the
+//! trainers' sent bytes, `bytes_down_sparse_vs_f32`: what they received), and
+//! `traffic_sparse_vs_data_parallel` takes `sparse + overlap`'s bytes.
 //!
 //! Measured per mode over the rounds after the first (the first one holds the joining: every
 //! trainer's initial model to the server and the whole global model back):
@@ -77,7 +83,7 @@ struct Mode {
     overlap: bool,
 }
 
-const MODES: [Mode; 3] = [
+const MODES: [Mode; 5] = [
     Mode {
         name: "none",
         compression: "none",
@@ -93,13 +99,27 @@ const MODES: [Mode; 3] = [
         compression: "int8",
         overlap: true,
     },
+    Mode {
+        name: "sparse",
+        compression: "sparse",
+        overlap: false,
+    },
+    Mode {
+        name: "sparse_overlap",
+        compression: "sparse",
+        overlap: true,
+    },
 ];
 
 /// What one mode measured.
 #[derive(Debug)]
 struct Measured {
-    /// Between the trainers and the server.
+    /// Between the trainers and the server, both ways.
     bytes_per_round: f64,
+    /// From the trainers to the server (pseudo-gradients, model requests).
+    up_bytes_per_round: f64,
+    /// From the server to the trainers (models or changes).
+    down_bytes_per_round: f64,
     /// Everything through the trainers' links.
     link_bytes_per_round: f64,
     /// Bytes between the trainers and the server and samples trained over the rounds after
@@ -182,6 +202,14 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
             format!("server_other_bytes_per_round_{}", mode.name),
             measured.other_server_bytes_per_round,
         );
+        metrics.insert(
+            format!("bytes_up_per_round_{}", mode.name),
+            measured.up_bytes_per_round,
+        );
+        metrics.insert(
+            format!("bytes_down_per_round_{}", mode.name),
+            measured.down_bytes_per_round,
+        );
         metrics.insert(format!("utilisation_{}", mode.name), measured.utilisation);
         metrics.insert(format!("loss_{}", mode.name), measured.loss);
         metrics.insert(
@@ -190,8 +218,8 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         );
         results.push(measured);
     }
-    let [none, int8, overlap] = &results[..] else {
-        bail!("three modes measured");
+    let [none, int8, overlap, sparse, sparse_overlap] = &results[..] else {
+        bail!("five modes measured");
     };
     let ratios = &mut report.ratios;
     ratios.insert(
@@ -204,14 +232,35 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     );
     ratios.insert("loss_int8_vs_none".into(), int8.loss / none.loss);
     ratios.insert("loss_int8_overlap_vs_none".into(), overlap.loss / none.loss);
+    ratios.insert(
+        "bytes_up_sparse_vs_f32".into(),
+        sparse.up_bytes_per_round / none.up_bytes_per_round,
+    );
+    ratios.insert(
+        "bytes_down_sparse_vs_f32".into(),
+        sparse.down_bytes_per_round / none.down_bytes_per_round,
+    );
+    ratios.insert("loss_sparse_vs_none".into(), sparse.loss / none.loss);
+    ratios.insert(
+        "loss_sparse_overlap_vs_none".into(),
+        sparse_overlap.loss / none.loss,
+    );
+    report.metrics.insert(
+        "utilisation_sparse_overlap".into(),
+        sparse_overlap.utilisation,
+    );
     // Per-step data parallel for the same samples: a ring all-reduce of the f32 gradient,
     // each trainer sending and receiving 2 (N − 1) / N of it.
-    let n = TRAINERS as f64;
-    let steps = overlap.window_samples / (BATCH as f64 * n);
-    let data_parallel = steps * n * 2.0 * (2.0 * (n - 1.0) / n) * 4.0 * parameters;
+    let vs_data_parallel = |mode: &Measured| {
+        let n = TRAINERS as f64;
+        let steps = mode.window_samples / (BATCH as f64 * n);
+        let data_parallel = steps * n * 2.0 * (2.0 * (n - 1.0) / n) * 4.0 * parameters;
+        mode.window_bytes / data_parallel
+    };
+    ratios.insert("traffic_vs_data_parallel".into(), vs_data_parallel(overlap));
     ratios.insert(
-        "traffic_vs_data_parallel".into(),
-        overlap.window_bytes / data_parallel,
+        "traffic_sparse_vs_data_parallel".into(),
+        vs_data_parallel(sparse_overlap),
     );
     Ok(report)
 }
@@ -267,13 +316,15 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
         sent + received
     };
     let mark = || -> anyhow::Result<Mark> {
-        let mut diloco = 0;
+        let (mut up, mut down) = (0, 0);
         for i in 1..=TRAINERS {
             let (sent, received) = wan.bytes_between(i, 0).map_err(anyhow::Error::msg)?;
-            diloco += sent + received;
+            up += sent;
+            down += received;
         }
         Ok(Mark {
-            diloco,
+            diloco: up + down,
+            up,
             trainer_links: (1..=TRAINERS).map(link).sum(),
             server_link: link(0),
         })
@@ -309,6 +360,7 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
     let (first, last) = (marks[0], marks[marks.len() - 1]);
     let intervals = (marks.len() - 1) as f64;
     let window_bytes = (last.diloco - first.diloco) as f64;
+    let up_bytes = (last.up - first.up) as f64;
     let link_bytes = (last.trainer_links - first.trainer_links) as f64;
     // Every byte between a trainer and the server crosses the server's link too.
     let other_server_bytes = (last.server_link - first.server_link) as f64 - window_bytes;
@@ -347,6 +399,8 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
     let _ = scheduler.wait(Duration::from_secs(60));
     Ok(Measured {
         bytes_per_round: window_bytes / intervals,
+        up_bytes_per_round: up_bytes / intervals,
+        down_bytes_per_round: (window_bytes - up_bytes) / intervals,
         link_bytes_per_round: link_bytes / intervals,
         window_bytes,
         other_server_bytes_per_round: other_server_bytes / intervals,
@@ -362,6 +416,8 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
 struct Mark {
     /// Between the trainers and the server, both ways.
     diloco: u64,
+    /// From the trainers to the server.
+    up: u64,
     /// Through the trainers' links, both ways.
     trainer_links: u64,
     /// Through the server's link, both ways.

@@ -25,7 +25,7 @@
 //! `sparse` keeps the top k of every chunk of 4,096 values with 12-bit offsets and 2- or
 //! 4-bit codes between the chunk's smallest and largest kept magnitude ([`sparse`] has its
 //! records). Sizes against f32: `bf16` ½, `int8` ¼ + 1/256 for the scales, `topk` 2 ×
-//! density, `sparse` at 1 % and 2 bits 0.0049 (81 bytes a chunk), at 4 bits 0.0057.
+//! density, `sparse` at 1 % and 2 bits 0.0049 (81 bytes a chunk), at 4 bits 0.0056.
 //!
 //! # Error feedback
 //!
@@ -55,7 +55,7 @@ pub const CODEC: &str = "hypha.codec";
 pub const CODEC_VERSION: &str = "hypha.codec_version";
 /// The version of the wire format this module writes and reads.
 pub const VERSION: &str = "1";
-/// Metadata key prefix of a `topk` parameter's shape.
+/// Metadata key prefix of a `topk` or `sparse` parameter's shape.
 pub const SHAPE: &str = "hypha.shape.";
 /// Values per `int8` block, each with its own scale.
 pub const INT8_BLOCK: usize = 256;
@@ -492,7 +492,7 @@ fn shape_text(shape: &[usize]) -> String {
     format!("[{}]", dims.join(","))
 }
 
-/// A `topk` parameter's shape from its metadata value.
+/// A `topk` or `sparse` parameter's shape from its metadata value.
 pub(crate) fn parse_shape(name: &str, text: &str) -> Result<Vec<usize>, Error> {
     serde_json::from_str(text).map_err(|_| Error::Mismatch {
         name: name.to_string(),

@@ -112,12 +112,13 @@ impl Format {
         BOUNDS + (OFFSET_BITS as usize * k).div_ceil(8) + (self.bits as usize * k).div_ceil(8)
     }
 
-    /// The bytes of the records of a parameter of `values` values.
+    /// The bytes of the records of a parameter of `values` values (saturating: a claimed
+    /// shape of more values than any file holds gives a size no file has).
     pub fn bytes(&self, values: usize) -> u64 {
-        let whole = (values / CHUNK) as u64 * self.record_bytes(CHUNK) as u64;
+        let whole = ((values / CHUNK) as u64).saturating_mul(self.record_bytes(CHUNK) as u64);
         match values % CHUNK {
             0 => whole,
-            rest => whole + self.record_bytes(rest) as u64,
+            rest => whole.saturating_add(self.record_bytes(rest) as u64),
         }
     }
 

@@ -1,0 +1,245 @@
+"""The ``sparse`` codec of DiLoCo pseudo-gradients, as the Rust trainers write it.
+
+Of every chunk of 4,096 values (a parameter's values in row-major order) the k of largest
+magnitude are sent, each as a 12-bit offset in its chunk and a code of 2 or 4 bits between
+the chunk's smallest and largest kept magnitude. The wire format is written down in the Rust
+crate (``hypha_diloco::codec::sparse``): a parameter ``name`` becomes one U8 tensor
+``name#sparse`` of its chunks' records, its shape goes in the metadata as ``hypha.shape.name``,
+and the file says ``hypha.codec = sparse``, ``hypha.codec_version = 1``, ``hypha.sparse.kept``
+(k of a whole chunk) and ``hypha.sparse.bits``.
+
+:class:`ErrorFeedback` carries what was not sent into the next update, decayed by the job's
+``sparse_decay`` (the trainer's outer momentum, as in SparseLoCo).
+
+Needs numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Tuple
+
+__all__ = ["CHUNK", "SparseFormat", "ErrorFeedback", "kept_count", "from_config"]
+
+CHUNK = 4096
+CODEC = "hypha.codec"
+CODEC_VERSION = "hypha.codec_version"
+SHAPE = "hypha.shape."
+KEPT = "hypha.sparse.kept"
+BITS = "hypha.sparse.bits"
+RECORDS = "#sparse"
+# The job's defaults when it sets no sparse_* key (hypha_diloco::codec's).
+DENSITY = 0.01
+DEFAULT_BITS = 2
+DECAY = 0.8
+
+
+def kept_count(density: float, n: int) -> int:
+    """k = ceil(density * n), at least 1, at most n, reading the density as the f32 the
+    Rust nodes read (0.1 keeps 100 of 1,000, not 101): the parameter server bounds an
+    update's size by it."""
+    import numpy as np
+
+    exact = float(np.float32(density)) * n
+    whole = round(exact)
+    k = whole if abs(exact - whole) <= 1e-6 * max(exact, 1.0) else math.ceil(exact)
+    return min(max(int(k), 1), max(n, 1))
+
+
+@dataclass(frozen=True)
+class SparseFormat:
+    """``kept`` values of a whole chunk, each in ``bits`` bits (2 or 4)."""
+
+    kept: int
+    bits: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.kept <= CHUNK:
+            raise ValueError(f"{self.kept} values kept of a chunk of {CHUNK}: from 1 to {CHUNK}")
+        if self.bits not in (2, 4):
+            raise ValueError(f"codes of {self.bits} bits: 2 or 4")
+
+    def kept_in(self, length: int) -> int:
+        if length == CHUNK:
+            return self.kept
+        return min(max(-(-self.kept * length // CHUNK), 1), length)
+
+    def record_bytes(self, length: int) -> int:
+        k = self.kept_in(length)
+        return 8 + -(-12 * k // 8) + -(-self.bits * k // 8)
+
+    def encode(self, values: Any) -> Tuple[bytes, Any]:
+        """The records of ``values`` (flat float32), and the values a reader decodes from
+        them (what was sent, for error feedback)."""
+        import numpy as np
+
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        if not np.isfinite(values).all():
+            # The server would refuse the whole update: say so here, where it began.
+            raise ValueError("an update with a NaN or an infinite value cannot be sent")
+        n = values.size
+        whole = n // CHUNK
+        parts = []
+        sent = np.zeros(n, dtype=np.float32)
+        if whole:
+            block = values[: whole * CHUNK].reshape(whole, CHUNK)
+            records, decoded = self._encode_chunks(block, self.kept)
+            parts.append(records.tobytes())
+            sent[: whole * CHUNK] = decoded.reshape(-1)
+        if n % CHUNK:
+            rest = values[whole * CHUNK :].reshape(1, -1)
+            records, decoded = self._encode_chunks(rest, self.kept_in(rest.shape[1]))
+            parts.append(records.tobytes())
+            sent[whole * CHUNK :] = decoded.reshape(-1)
+        return b"".join(parts), sent
+
+    def _encode_chunks(self, chunks: Any, k: int) -> Tuple[Any, Any]:
+        """Records (uint8, one row a chunk) of the rows of ``chunks``, each keeping ``k``."""
+        import numpy as np
+
+        rows, length = chunks.shape
+        magnitude = np.abs(chunks)
+        if k < length:
+            kept = np.argpartition(magnitude, length - k, axis=1)[:, length - k :]
+        else:
+            kept = np.broadcast_to(np.arange(length), (rows, length))
+        kept = np.sort(kept, axis=1)
+        values = np.take_along_axis(chunks, kept, axis=1)
+        magnitudes = np.abs(values)
+        low = magnitudes.min(axis=1).astype(np.float32)
+        high = magnitudes.max(axis=1).astype(np.float32)
+        steps = np.float32((1 << (self.bits - 1)) - 1)
+        span = (high - low).astype(np.float32)
+        safe = np.where(span > 0, span, np.float32(1))
+        levels = np.where(
+            span[:, None] > 0,
+            np.clip(np.rint((magnitudes - low[:, None]) / safe[:, None] * steps), 0, steps),
+            0,
+        ).astype(np.uint32)
+        negative = values < 0
+        codes = levels | (negative.astype(np.uint32) << (self.bits - 1))
+        decoded_magnitude = low[:, None] + span[:, None] * (levels.astype(np.float32) / steps)
+        decoded_kept = np.where(negative, -decoded_magnitude, decoded_magnitude).astype(np.float32)
+        decoded = np.zeros_like(chunks, dtype=np.float32)
+        np.put_along_axis(decoded, kept, decoded_kept, axis=1)
+        bounds = np.stack([low, high], axis=1).astype("<f4").view(np.uint8)
+        records = np.concatenate(
+            [bounds, _pack(kept.astype(np.uint32), 12), _pack(codes, self.bits)], axis=1
+        )
+        return records, decoded
+
+    def decode(self, records: bytes, n: int) -> Any:
+        """The ``n`` values whose records are ``records``, checked as the Rust nodes check
+        them (a ``ValueError`` says what is wrong)."""
+        import numpy as np
+
+        out = np.zeros(n, dtype=np.float32)
+        data = memoryview(records)
+        at = 0
+        steps = float((1 << (self.bits - 1)) - 1)
+        sign = 1 << (self.bits - 1)
+        for start in range(0, n, CHUNK):
+            length = min(CHUNK, n - start)
+            k = self.kept_in(length)
+            size = self.record_bytes(length)
+            record = np.frombuffer(data[at : at + size], dtype=np.uint8)
+            if record.size != size:
+                raise ValueError("a record cut short")
+            at += size
+            low, high = np.frombuffer(record[:8].tobytes(), dtype="<f4")
+            if not (0.0 <= low <= high <= 1e9):
+                raise ValueError("a chunk's magnitudes are not finite, negative, beyond ±1e9 or out of order")
+            offsets_len = -(-12 * k // 8)
+            offsets = _unpack(record[8 : 8 + offsets_len], 12, k)
+            codes = _unpack(record[8 + offsets_len :], self.bits, k)
+            if (offsets >= length).any() or (np.diff(offsets.astype(np.int64)) <= 0).any():
+                raise ValueError("offsets outside the chunk or not increasing")
+            span = np.float32(high - low)
+            magnitude = np.float32(low) + span * ((codes & (sign - 1)).astype(np.float32) / np.float32(steps))
+            out[start + offsets] = np.where(codes & sign, -magnitude, magnitude)
+        if at != len(records):
+            raise ValueError("records past the parameter's values")
+        return out
+
+
+def _pack(values: Any, bits: int) -> Any:
+    """Rows of ``values`` (each below 2**bits) packed from the least significant bit of the
+    first byte on, each row padded with zero bits to whole bytes."""
+    import numpy as np
+
+    rows, count = values.shape
+    shifts = np.arange(bits, dtype=np.uint64)
+    as_bits = ((values[:, :, None].astype(np.uint64) >> shifts) & 1).astype(np.uint8)
+    flat = as_bits.reshape(rows, count * bits)
+    return np.packbits(flat, axis=1, bitorder="little")
+
+
+def _unpack(packed: Any, bits: int, count: int) -> Any:
+    """``count`` values of ``bits`` bits from ``packed``, as :func:`_pack` wrote them; a
+    ``ValueError`` if a padding bit is set."""
+    import numpy as np
+
+    flat = np.unpackbits(np.asarray(packed, dtype=np.uint8), bitorder="little")
+    if flat[count * bits :].any():
+        raise ValueError("bits set after a record's last offset or code")
+    grouped = flat[: count * bits].reshape(count, bits).astype(np.uint32)
+    return (grouped << np.arange(bits, dtype=np.uint32)).sum(axis=1).astype(np.uint32)
+
+
+@dataclass
+class ErrorFeedback:
+    """What the codec did not send of each parameter, carried (times ``decay``) into the
+    next update."""
+
+    format: SparseFormat
+    decay: float = DECAY
+    residual: Dict[str, Any] = field(default_factory=dict)
+
+    def compress(
+        self, update: Mapping[str, Any], metadata: Mapping[str, str]
+    ) -> Tuple[Dict[str, Any], Dict[str, str]]:
+        """The tensors and metadata of ``update`` (float32 arrays by name) as a sparse file,
+        with the carried residual added; what was not sent is carried on."""
+        import numpy as np
+
+        tensors: Dict[str, Any] = {}
+        meta = dict(metadata)
+        meta.update({CODEC: "sparse", CODEC_VERSION: "1", KEPT: str(self.format.kept), BITS: str(self.format.bits)})
+        residual = {}
+        for name, value in update.items():
+            value = np.asarray(value, dtype=np.float32)
+            carried = value.reshape(-1).copy()
+            previous = self.residual.get(name)
+            if previous is not None and previous.shape == carried.shape:
+                carried += np.float32(self.decay) * previous
+            records, sent = self.format.encode(carried)
+            residual[name] = carried - sent
+            tensors[name + RECORDS] = np.frombuffer(records, dtype=np.uint8)
+            meta[SHAPE + name] = "[" + ",".join(str(d) for d in value.shape) + "]"
+        self.residual = residual
+        return tensors, meta
+
+    def reset(self) -> None:
+        """Forgets the residuals: the model they were measured against is gone."""
+        self.residual = {}
+
+
+def from_config(diloco: Mapping[str, Any]) -> "ErrorFeedback | None":
+    """The error feedback of the job's ``[diloco]`` settings (the trainers' config's
+    ``diloco``) when it compresses with ``sparse``; ``None`` when it sends float32 (the
+    server reads every codec, so a trainer that does not compress is still understood)."""
+    if diloco.get("compression") != "sparse":
+        return None
+
+    def setting(key: str, default: float) -> float:
+        value = diloco.get(key)
+        return default if value is None else float(value)
+
+    density = setting("sparse_density", DENSITY)
+    decay = setting("sparse_decay", DECAY)
+    for key, value in (("sparse_density", density), ("sparse_decay", decay)):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"the job's {key} = {value} is not in (0, 1]")
+    bits = int(setting("sparse_bits", DEFAULT_BITS))
+    return ErrorFeedback(SparseFormat(kept_count(density, CHUNK), bits), decay)
