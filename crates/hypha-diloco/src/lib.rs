@@ -21,9 +21,8 @@
 //!   in; each tensor written back in the dtype it came in).
 //!
 //! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`, chunked `sparse`), their
-//!   wire format, and
-//!   error feedback; [`Update`] reads every codec and the [`Accumulator`] sums them without
-//!   decoding a copy.
+//!   wire format, and error feedback; [`Update`] reads every codec and the [`Accumulator`]
+//!   sums them without decoding a copy.
 //! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint;
 //!   a round closes in place, a chunk at a time, each chunk's updates summed as it steps.
 //! - [`file`]: SafeTensors read ([`file::Source`], [`file::Layout`]) and written
