@@ -135,6 +135,17 @@ class SparseFormat:
         import numpy as np
 
         out = np.zeros(n, dtype=np.float32)
+        positions, values = self.decode_kept(records, n)
+        out[positions] = values
+        return out
+
+    def decode_kept(self, records: bytes, n: int) -> Tuple[Any, Any]:
+        """The positions and values that ``records`` keep of ``n`` values, checked as
+        :meth:`decode` checks them."""
+        import numpy as np
+
+        kept_positions = []
+        kept_values = []
         data = memoryview(records)
         at = 0
         steps = float((1 << (self.bits - 1)) - 1)
@@ -157,10 +168,13 @@ class SparseFormat:
                 raise ValueError("offsets outside the chunk or not increasing")
             span = np.float32(high - low)
             magnitude = np.float32(low) + span * ((codes & (sign - 1)).astype(np.float32) / np.float32(steps))
-            out[start + offsets] = np.where(codes & sign, -magnitude, magnitude)
+            kept_positions.append(start + offsets.astype(np.int64))
+            kept_values.append(np.where(codes & sign, -magnitude, magnitude).astype(np.float32))
         if at != len(records):
             raise ValueError("records past the parameter's values")
-        return out
+        if not kept_positions:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        return np.concatenate(kept_positions), np.concatenate(kept_values)
 
 
 def _pack(values: Any, bits: int) -> Any:
@@ -223,6 +237,39 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forgets the residuals: the model they were measured against is gone."""
         self.residual = {}
+
+
+def apply_change(
+    model: Mapping[str, Any], tensors: Mapping[str, Any], metadata: Mapping[str, str]
+) -> Dict[str, Any]:
+    """``model`` (float32 arrays by name) moved by a ``sparse`` change of it (the tensors
+    and metadata of the parameter server's file), as the Rust trainers apply it: each kept
+    value added in f32 where it is kept, every other value left as it is, so that the result
+    is the server's model bit for bit. A ``ValueError`` says what does not fit."""
+    import numpy as np
+
+    if metadata.get(CODEC) != "sparse" or metadata.get(CODEC_VERSION) != "1":
+        raise ValueError(f"a change of codec {metadata.get(CODEC)!r} version {metadata.get(CODEC_VERSION)!r}; this loop reads sparse version 1")
+    try:
+        format = SparseFormat(int(metadata[KEPT]), int(metadata[BITS]))
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"a sparse change without a readable format: {error}")
+    names = {name[: -len(RECORDS)] for name in tensors if name.endswith(RECORDS)}
+    if names != set(model) or len(names) != len(tensors):
+        raise ValueError("a change of other parameters than the model's")
+    moved = {}
+    for name, values in model.items():
+        shape = "[" + ",".join(str(d) for d in values.shape) + "]"
+        if metadata.get(SHAPE + name, "").replace(" ", "") != shape:
+            raise ValueError(f"{name}: a change of shape {metadata.get(SHAPE + name)} for {shape}")
+        records = tensors[name + RECORDS]
+        records = records.data if hasattr(records, "data") else bytes(records)
+        positions, kept = format.decode_kept(bytes(records), values.size)
+        new = np.array(values, dtype=np.float32, copy=True)
+        flat = new.reshape(-1)
+        flat[positions] += kept
+        moved[name] = new
+    return moved
 
 
 def from_config(diloco: Mapping[str, Any]) -> "ErrorFeedback | None":

@@ -53,6 +53,10 @@ KIND_MODEL = "model"
 KIND_MODEL_REQUEST = "model_request"
 KIND_PSEUDO_GRADIENT = "pseudo_gradient"
 MODEL_HASH = "hypha.model_hash"
+KIND_MODEL_DELTA = "model_delta"
+BASE_ROUND = "hypha.base_round"
+BASE_HASH = "hypha.base_hash"
+ACCEPTS = "hypha.accepts"
 # Whole models of this size or more are offered again less and less often while joining.
 BACK_OFF_FROM_BYTES = 64 * 1024 * 1024
 
@@ -240,6 +244,9 @@ class Trainer:
         # With compression = "sparse", pseudo-gradients go sparse with error feedback, as
         # the Rust trainers send them; otherwise float32 (the server reads both).
         self.feedback = codec.from_config(diloco)
+        # Such a trainer takes the server's sparse changes of the model instead of whole models,
+        # where it can check the model they lead to against the server's fingerprint.
+        self.takes_changes = self.feedback is not None and safetensors.can_fingerprint()
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -409,6 +416,8 @@ class Trainer:
             tensors: Mapping[str, Any] = delta
             if self.feedback is not None:
                 tensors, metadata = self.feedback.compress(delta, metadata)
+            if self.takes_changes:
+                metadata[ACCEPTS] = KIND_MODEL_DELTA
             self._send(server, f"pseudo-gradient-{round_}.safetensors", tensors, metadata)
             self.stats.sent = True
             self.rounds_trained += 1
@@ -438,10 +447,15 @@ class Trainer:
             )
             if entries:
                 tensors, metadata = safetensors.loads(self.take(entries[0].path))
-                if metadata.get(KIND, KIND_MODEL) != KIND_MODEL:
-                    # This loop takes whole models only, and its pseudo-gradients do not say
-                    # it takes the model's changes (hypha.accepts): a server sends it none.
-                    self.log(f"a file of kind {metadata.get(KIND)!r} from {server}: ignored")
+                kind = metadata.get(KIND, KIND_MODEL)
+                if kind == KIND_MODEL_DELTA and self.takes_changes:
+                    if self._apply_change(server, tensors, metadata):
+                        return None
+                    continue
+                if kind != KIND_MODEL:
+                    # Its pseudo-gradients say whether it takes the model's changes
+                    # (hypha.accepts): a server sends it none otherwise.
+                    self.log(f"a file of kind {kind!r} from {server}: ignored")
                     continue
                 try:
                     round_ = int(metadata[ROUND])
@@ -468,14 +482,7 @@ class Trainer:
                     self._send(server, "model-request.safetensors", {}, {KIND: KIND_MODEL_REQUEST})
                     continue
                 parameters = {name: _f32(t.to_numpy()) for name, t in tensors.items()}
-                _check_same("the global model", parameters, "this trainer's model", self.model.parameters())
-                self.model.load(parameters)
-                self.global_parameters = parameters
-                self.global_hash = expected if matches else None
-                self.round = round_
-                self.last_model = round_
-                self.log(f"round {round_}: global model received")
-                self.stats = self.stats.fresh()
+                self._adopt(parameters, round_, expected if matches else None, "global model")
                 return None
             order = self._report()
             action = order.get("action")
@@ -490,6 +497,48 @@ class Trainer:
                             offer_every = min(2 * offer_every, max(self.offer_again, 60.0))
                 else:
                     return order
+
+    def _adopt(self, parameters: Dict[str, Any], round_: int, hash_: Optional[str], what: str) -> None:
+        """Trains on from ``parameters``, the global model of ``round_`` (checked against
+        the server's fingerprint ``hash_``, or not)."""
+        _check_same("the global model", parameters, "this trainer's model", self.model.parameters())
+        self.model.load(parameters)
+        self.global_parameters = parameters
+        self.global_hash = hash_
+        self.round = round_
+        self.last_model = round_
+        self.log(f"round {round_}: {what} received")
+        self.stats = self.stats.fresh()
+
+    def _apply_change(self, server: str, tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> bool:
+        """Moves the global model it holds by the server's change, if the change is of that
+        model and leads to the model the server says; otherwise asks for the whole model (as
+        the Rust trainer does) and returns False."""
+        try:
+            round_ = int(metadata[ROUND])
+            base_round = int(metadata[BASE_ROUND])
+        except (KeyError, ValueError):
+            raise ProtocolError(f"a change from {server} without its rounds: {metadata}")
+        if self.last_model is not None and round_ <= self.last_model:
+            return False
+        why = None
+        if base_round != self.round or metadata.get(BASE_HASH) != self.global_hash:
+            why = f"it is of round {base_round}'s model, this trainer holds round {self.round}'s"
+        else:
+            try:
+                parameters = codec.apply_change(self.global_parameters, tensors, metadata)
+            except ValueError as error:
+                why = f"it cannot be applied: {error}"
+            else:
+                expected = metadata.get(MODEL_HASH, "")
+                as_tensors = {n: safetensors.Tensor.from_numpy(v) for n, v in parameters.items()}
+                if safetensors.fingerprint_matches(as_tensors, expected):
+                    self._adopt(parameters, round_, expected, "change of the global model")
+                    return True
+                why = "the model it leads to does not match the fingerprint it came with"
+        self.log(f"round {round_}: the change from {server} is refused ({why}); asking for the whole model")
+        self._send(server, "model-request.safetensors", {}, {KIND: KIND_MODEL_REQUEST})
+        return False
 
     def take(self, relative: str) -> bytes:
         """The bytes of a file the bridge delivered; the file is removed, so that a long

@@ -263,6 +263,11 @@ def _blake3() -> Any:
     return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
+def can_fingerprint() -> bool:
+    """Whether this Python computes the fingerprint the parameter server sends (BLAKE3)."""
+    return _blake3() is not None
+
+
 def fingerprint(tensors: Mapping[str, Tensor], algorithm: str = "blake3") -> str:
     """The model's fingerprint, ``blake3:<hex>``, as the parameter server computes it
     (``hypha_diloco::Fingerprint``) and sends it with every model (``hypha.model_hash``): the

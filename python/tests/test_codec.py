@@ -52,6 +52,25 @@ class Sparse(unittest.TestCase):
         # Sent + carried = the sum of the true updates.
         np.testing.assert_allclose(total + feedback.residual["w"], truth, rtol=1e-4, atol=1e-3)
 
+    def test_a_change_moves_only_the_values_it_keeps_and_refuses_another_models(self):
+        model = {"w": self.values.reshape(-1, 4).copy(), "b": np.array([-0.0, 1.0], dtype=np.float32)}
+        change = {"w": np.ones_like(model["w"]) * 1e-3, "b": np.array([0.0, 0.5], dtype=np.float32)}
+        feedback = codec.ErrorFeedback(codec.SparseFormat(41, 2))
+        tensors, metadata = feedback.compress(change, {})
+        moved = codec.apply_change(model, tensors, metadata)
+        kept_w = np.nonzero(self.format.decode(tensors["w#sparse"].tobytes(), self.values.size))[0]
+        self.assertEqual(len(kept_w), 2 * 41 + self.format.kept_in(100))
+        np.testing.assert_array_equal(
+            np.delete(moved["w"].reshape(-1), kept_w), np.delete(model["w"].reshape(-1), kept_w)
+        )
+        # The value a change does not keep is left as it is, to the bit (-0.0 stays -0.0).
+        self.assertEqual(np.signbit(moved["b"][0]), True)
+        self.assertEqual(moved["b"][1], np.float32(1.5))
+        with self.assertRaisesRegex(ValueError, "shape"):
+            codec.apply_change({"w": model["w"].reshape(4, -1), "b": model["b"]}, tensors, metadata)
+        with self.assertRaisesRegex(ValueError, "other parameters"):
+            codec.apply_change({"w": model["w"]}, tensors, metadata)
+
     def test_hostile_records_are_refused(self):
         records, _ = self.format.encode(self.values[:100])
         record = bytearray(records)

@@ -2100,6 +2100,10 @@ fn train_with_python_trainer(script: &str, rust_trainers: usize, extra: &str) {
             said.contains("sent sparse"),
             "the Python trainer sent no sparse update:\n{said}"
         );
+        assert!(
+            said.contains("change of the global model received") && !said.contains("is refused"),
+            "the Python trainer did not take the server's sparse changes:\n{said}"
+        );
     }
     assert_eq!(of_kind(&events(&events_path), "round").len(), rounds);
 

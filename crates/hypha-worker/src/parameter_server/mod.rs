@@ -596,10 +596,10 @@ impl ServerJob {
                     }
                 };
                 let size = std::fs::metadata(&path).map_or(0, |m| m.len());
-                if let Some(limit) = server.max_update_bytes(codec).filter(|limit| size > *limit) {
+                if let Some(limit) = update_limit(server, codec).filter(|limit| size > *limit) {
                     let _ = std::fs::remove_file(&path);
                     let reason = format!(
-                        "{size} bytes, more than an update of this model can take with {} ({limit})",
+                        "{size} bytes, more than an update of this model can take with {} or f32 ({limit})",
                         codec.name()
                     );
                     tracing::warn!(%from, round, "refused a pseudo-gradient: {reason}");
@@ -1393,4 +1393,43 @@ async fn upload(
         .await
         .map(drop)
         .map_err(|e| e.to_string())
+}
+
+/// The most bytes a pseudo-gradient of the server's model may take: an update compressed with
+/// the job's `codec`, or one in f32, since a trainer that does not compress (the Python SDK's
+/// loop in an int8 job) is read like any other. `None` before there is a model.
+fn update_limit(server: &ParameterServer, codec: Codec) -> Option<u64> {
+    server
+        .max_update_bytes(codec)
+        .max(server.max_update_bytes(Codec::None))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use hypha_diloco::{Tensor, Tensors};
+
+    use super::*;
+
+    /// A regression: an int8 job's limit refused every f32 update of a model of more than
+    /// about 20,000 values (a numpy trainer beside Rust ones lost each round it trained).
+    #[test]
+    fn an_f32_update_fits_the_limit_of_an_int8_job_and_four_times_one_does_not() {
+        let tensors = |n: usize| {
+            let w = Tensor {
+                shape: vec![n],
+                values: vec![0.25; n],
+                dtype: safetensors::Dtype::F32,
+            };
+            Tensors([("w".to_string(), w)].into())
+                .to_bytes(&Metadata::new())
+                .unwrap()
+        };
+        let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9));
+        server.offer(&tensors(100_000)).unwrap();
+        let limit = update_limit(&server, Codec::Int8).unwrap();
+        assert!(tensors(100_000).len() as u64 <= limit, "{limit}");
+        assert!(tensors(400_000).len() as u64 > limit, "{limit}");
+    }
 }
