@@ -43,7 +43,7 @@ from . import codec, safetensors
 from .client import Bridge, BridgeError, peers
 from .job import Job
 
-__all__ = ["Model", "Trainer", "KIND", "ROUND", "SAMPLES"]
+__all__ = ["Model", "Trainer", "Settings", "read_settings", "KIND", "ROUND", "SAMPLES"]
 
 # SafeTensors metadata keys of a DiLoCo job's files.
 KIND = "hypha.kind"
@@ -188,6 +188,28 @@ class _Reader:
         return _Slice(arrays, rows, slice_id)
 
 
+@dataclass
+class Settings:
+    """What the SDK reads of a trainer's ``config["diloco"]``, described in the bridge's
+    ``openapi.json`` as ``TrainerConfig`` (``tests/test_config_schema.py`` checks this
+    reading against it). The inner optimiser (``inner``) is the model's own business."""
+
+    batch_size: int
+    #: The job asks trainers to train on while their update travels (this SDK does not).
+    overlap: bool
+    #: Error feedback for ``sparse`` pseudo-gradients; ``None``: float32 is sent.
+    feedback: Optional["codec.ErrorFeedback"]
+
+
+def read_settings(diloco: Mapping[str, Any]) -> Settings:
+    """The :class:`Settings` of a trainer's ``config["diloco"]``."""
+    return Settings(
+        batch_size=int(diloco.get("batch_size") or 32),
+        overlap=bool(diloco.get("overlap")),
+        feedback=codec.from_config(diloco),
+    )
+
+
 class Trainer:
     """Trains ``model`` in the DiLoCo job ``job`` until its scheduler says training is over.
 
@@ -217,8 +239,8 @@ class Trainer:
         self.job = job
         self.bridge: Bridge = job.bridge
         self.model = model
-        diloco = job.config.get("diloco") or {}
-        self.batch_size = int(batch_size or diloco.get("batch_size") or 32)
+        settings = read_settings(job.config.get("diloco") or {})
+        self.batch_size = int(batch_size or settings.batch_size)
         if "data" not in job.config:
             raise ValueError("the job's config has no \"data\": is it a DiLoCo job with a dataset?")
         self.data = job.config["data"]
@@ -243,7 +265,9 @@ class Trainer:
         self.stopping: Optional[float] = None
         # With compression = "sparse", pseudo-gradients go sparse with error feedback, as
         # the Rust trainers send them; otherwise float32 (the server reads both).
-        self.feedback = codec.from_config(diloco)
+        self.feedback = settings.feedback
+        if settings.overlap:
+            self.log("the job asks for overlap; this SDK trains without it, a round at a time")
         # Such a trainer takes the server's sparse changes of the model instead of whole models,
         # where it can check the model they lead to against the server's fingerprint.
         self.takes_changes = self.feedback is not None and safetensors.can_fingerprint()

@@ -19,7 +19,8 @@ pub struct JobDescription {
     /// The lease the job runs under.
     pub lease: u64,
     pub executor: ExecutorDescription,
-    /// The job file's `[config]`, as JSON.
+    /// The job file's `[config]`, as JSON; a DiLoCo trainer's has `data` (the reference its
+    /// slices are fetched with) and `diloco` (a `TrainerConfig`) added.
     pub config: Value,
     /// `secrets.json` (in the job's directory, readable by the job's user alone) when the
     /// job has secrets.

@@ -5,7 +5,7 @@
 //! `GET /openapi.json`, [`JSON`]) is checked against it by a test; after a change to the
 //! types, `HYPHA_UPDATE_OPENAPI=1 cargo test -p hypha-bridge` rewrites it.
 
-use hypha_messages::diloco::{Status, TrainerOrder};
+use hypha_messages::diloco::{Status, TrainerConfig, TrainerOrder};
 use schemars::{JsonSchema, Schema, SchemaGenerator, generate::SchemaSettings};
 use serde_json::{Value, json};
 
@@ -95,9 +95,10 @@ pub fn document() -> Value {
             errors: &[],
         },
     ];
-    // Not answered by an endpoint, but part of the interface: the job's JSON and the DiLoCo
-    // orders inside a status answer.
+    // Not answered by an endpoint, but part of the interface: the job's JSON, a DiLoCo
+    // trainer's settings in its config and the DiLoCo orders inside a status answer.
     schema(subschema::<JobDescription>);
+    schema(subschema::<TrainerConfig>);
     schema(subschema::<TrainerOrder>);
     schema(subschema::<ErrorBody>);
     let mut paths = serde_json::Map::new();
@@ -136,7 +137,7 @@ pub fn document() -> Value {
         "openapi": "3.1.0",
         "info": {
             "title": "Hypha job bridge",
-            "version": "1.1.0",
+            "version": "1.2.0",
             "description": INFO,
         },
         "paths": paths,

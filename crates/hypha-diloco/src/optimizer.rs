@@ -12,6 +12,13 @@ pub struct OuterOptimizer {
     buffers: BTreeMap<String, Vec<f32>>,
 }
 
+/// The step a job's config sets, in the f32 of the models it steps.
+impl From<hypha_messages::diloco::OuterOptimizer> for OuterOptimizer {
+    fn from(settings: hypha_messages::diloco::OuterOptimizer) -> Self {
+        Self::new(settings.learning_rate as f32, settings.momentum as f32)
+    }
+}
+
 impl OuterOptimizer {
     pub fn new(learning_rate: f32, momentum: f32) -> Self {
         Self {

@@ -5,8 +5,9 @@
 
 use hypha_diloco::{
     Accumulator, Codec, ErrorFeedback, Metadata, Tensor, Tensors, Update,
-    codec::{self, INT8_BLOCK, Parameters, sparse},
+    codec::{self, INT8_BLOCK, sparse},
 };
+use hypha_messages::diloco::Compression;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use safetensors::{Dtype, tensor::TensorView};
 
@@ -39,12 +40,12 @@ fn update(seed: u64) -> Tensors {
 
 /// The `sparse` codec keeping `density` of each chunk in `bits` bits.
 fn sparse(density: f32, bits: u8) -> Codec {
-    let parameters = Parameters {
+    Codec::try_from(Compression::Sparse {
         sparse_density: Some(density),
         sparse_bits: Some(bits),
-        ..Parameters::default()
-    };
-    Codec::named("sparse", parameters).unwrap()
+        sparse_decay: None,
+    })
+    .unwrap()
 }
 
 fn decoded(bytes: &[u8]) -> Tensors {

@@ -18,12 +18,13 @@ use hypha_diloco::{
     Codec, ErrorFeedback, Metadata, Tensors, Update,
     file::{FileSource, rewrite},
 };
+use hypha_messages::diloco::InnerOptimizer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::{
     contract::Batch,
     model::{Model, ModelSpec, initial_values},
-    train::{Inner, TrainError},
+    train::TrainError,
 };
 
 /// The model side of a trainer.
@@ -90,7 +91,7 @@ impl Trained {
     pub fn new(
         spec: &ModelSpec,
         seed: u64,
-        inner: Inner,
+        inner: InnerOptimizer,
         codec: Codec,
     ) -> Result<Self, TrainError> {
         let model = Model::new(spec, seed)?;

@@ -132,7 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "the job's config is not a trainer's: it needs \"model\", \"data\" and \"diloco\" (a [diloco] job file gives them)",
             )?;
             if synthetic_updates {
-                let codec = config.diloco.codec().map_err(anyhow::Error::msg)?;
+                let codec = config.codec().map_err(anyhow::Error::msg)?;
                 let learner = SyntheticUpdates::new(
                     &config.model,
                     config.seed,

@@ -52,9 +52,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use hypha_diloco::{Codec, Metadata, codec::Parameters};
+use hypha_diloco::{Codec, Metadata};
 use hypha_messages::{
-    diloco::{Status, TrainerOrder, TrainerStatus, meta},
+    diloco::{Status, TrainerConfig, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
 };
 use serde::Deserialize;
@@ -105,40 +105,14 @@ pub struct JobConfig {
     pub tensors: TensorNames,
     /// Where slices come from: handed to `/resources/fetch` as it is.
     pub data: Reference,
-    pub diloco: TrainerSettings,
+    pub diloco: TrainerConfig,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-pub struct TrainerSettings {
-    pub batch_size: usize,
-    pub inner: Inner,
-    /// How pseudo-gradients are compressed (see [`hypha_diloco::codec`]); `none` by default.
-    #[serde(default)]
-    pub compression: Option<String>,
-    /// The codec's own keys (`topk_density`, `sparse_density`, `sparse_bits`).
-    #[serde(flatten)]
-    pub codec_parameters: Parameters,
-    /// Train on into the next round while the pseudo-gradient travels (see [`Trainer`]).
-    #[serde(default)]
-    pub overlap: bool,
-}
-
-impl TrainerSettings {
+impl JobConfig {
     /// The codec the job chose.
     pub fn codec(&self) -> Result<Codec, String> {
-        Codec::named(
-            self.compression.as_deref().unwrap_or("none"),
-            self.codec_parameters,
-        )
+        Codec::try_from(self.diloco.compression)
     }
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct Inner {
-    pub learning_rate: f64,
-    pub weight_decay: f64,
-    pub beta1: f64,
-    pub beta2: f64,
 }
 
 /// Why training stopped.
@@ -285,7 +259,7 @@ impl Trainer {
     /// A trainer of the job's reference model ([`Trained`]) for the job whose bridge is at
     /// `socket` and directory is `dir`.
     pub fn new(socket: &Path, dir: &Path, config: JobConfig) -> Result<Self, TrainError> {
-        let codec = config.diloco.codec().map_err(TrainError::Protocol)?;
+        let codec = config.codec().map_err(TrainError::Protocol)?;
         let learner = Trained::new(&config.model, config.seed, config.diloco.inner, codec)?;
         Ok(Self::with_learner(socket, dir, config, learner))
     }
@@ -511,7 +485,9 @@ impl<L: Learner> Trainer<L> {
     /// false when the data is done.
     fn train_batch(&mut self, ahead: bool) -> Result<bool, TrainError> {
         let started = Instant::now();
-        let next = self.data.next_batch(self.config.diloco.batch_size)?;
+        // A batch beyond the address space is a batch of everything the slices hold.
+        let batch_size = usize::try_from(self.config.diloco.batch_size).unwrap_or(usize::MAX);
+        let next = self.data.next_batch(batch_size)?;
         let stats = match self.ahead.as_mut() {
             Some(next_round) if ahead => &mut next_round.stats,
             _ => &mut self.stats,

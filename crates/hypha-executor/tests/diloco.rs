@@ -11,14 +11,13 @@ use std::collections::BTreeMap;
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use hypha_diloco::{
-    Codec, ErrorFeedback, OuterOptimizer, Tensors, Update,
-    codec::{self, Parameters},
-    server::ParameterServer,
+    Codec, ErrorFeedback, OuterOptimizer, Tensors, Update, codec, server::ParameterServer,
 };
 use hypha_executor::{
     model::{Model, ModelSpec},
     synthetic::Synthetic,
 };
+use hypha_messages::diloco::Compression;
 
 const SPEC: ModelSpec = ModelSpec::Mlp {
     inputs: 16,
@@ -44,7 +43,11 @@ fn step_seed(round: u64, trainer: u64, inner: u64) -> u64 {
 }
 
 fn held_out_loss(model: &Model) -> f64 {
-    let batch = Synthetic::for_model(&SPEC).batch(2048, 1 << 40).unwrap();
+    held_out_loss_on(&Synthetic::for_model(&SPEC), model)
+}
+
+fn held_out_loss_on(data: &Synthetic, model: &Model) -> f64 {
+    let batch = data.batch(2048, 1 << 40).unwrap();
     model.evaluate(&batch).unwrap().0
 }
 
@@ -97,18 +100,29 @@ fn diloco(data: &Synthetic, codec: Codec, overlap: u64) -> Model {
     diloco_with(data, codec, OuterOptimizer::new(0.7, 0.9), overlap)
 }
 
-/// [`diloco`] with the server's outer step `outer`; the server's changes go back with
-/// `codec`'s [`Codec::for_broadcast`], the trainers' error feedback is
-/// [`ErrorFeedback::for_codec`].
+/// [`diloco_of`] the MLP of [`SPEC`].
 fn diloco_with(data: &Synthetic, codec: Codec, outer: OuterOptimizer, overlap: u64) -> Model {
+    diloco_of(&SPEC, data, codec, outer, overlap)
+}
+
+/// [`diloco`] of a model of `spec` on `data` with the server's outer step `outer`; the
+/// server's changes go back with `codec`'s [`Codec::for_broadcast`], the trainers' error
+/// feedback is [`ErrorFeedback::for_codec`].
+fn diloco_of(
+    spec: &ModelSpec,
+    data: &Synthetic,
+    codec: Codec,
+    outer: OuterOptimizer,
+    overlap: u64,
+) -> Model {
     let back = codec.for_broadcast();
     let mut server = ParameterServer::new(outer).broadcast_changes(back);
-    let initial = Model::new(&SPEC, 1).unwrap();
+    let initial = Model::new(spec, 1).unwrap();
     server
         .offer(&initial.to_bytes(&BTreeMap::new()).unwrap())
         .unwrap();
     let trainers: Vec<Model> = (0..TRAINERS)
-        .map(|_| Model::new(&SPEC, 1).unwrap())
+        .map(|_| Model::new(spec, 1).unwrap())
         .collect();
     let mut optimizers: Vec<AdamW> = trainers.iter().map(adamw).collect();
     let mut feedback: Vec<ErrorFeedback> = (trainers.iter())
@@ -178,7 +192,7 @@ fn diloco_with(data: &Synthetic, codec: Codec, outer: OuterOptimizer, overlap: u
             }
         }
     }
-    let model = Model::new(&SPEC, 1).unwrap();
+    let model = Model::new(spec, 1).unwrap();
     model
         .load(&Tensors::from_bytes(&server.model_bytes().unwrap()).unwrap())
         .unwrap();
@@ -210,6 +224,22 @@ fn int8_with_error_feedback_comes_within_two_percent_of_uncompressed_diloco() {
     );
 }
 
+/// `sparse` as a job gets it by default.
+fn sparse() -> Codec {
+    Codec::try_from(Compression::Sparse {
+        sparse_density: None,
+        sparse_bits: None,
+        sparse_decay: None,
+    })
+    .unwrap()
+}
+
+/// The outer step that goes with `sparse` by default: plain SGD.
+fn sgd() -> OuterOptimizer {
+    let (rate, momentum) = codec::SPARSE_OUTER;
+    OuterOptimizer::new(rate, momentum)
+}
+
 /// `sparse` as a job gets it by default (1 % of each chunk of 4,096 at 2 bits up, 3 % back,
 /// the trainers' residuals decaying by 0.8 as their momentum, plain SGD at 1.0 on the server)
 /// comes within 2 % of uncompressed DiLoCo with Nesterov momentum on the same samples, with
@@ -218,9 +248,7 @@ fn int8_with_error_feedback_comes_within_two_percent_of_uncompressed_diloco() {
 fn sparse_with_decaying_error_feedback_and_plain_sgd_comes_within_two_percent_of_uncompressed_diloco()
  {
     let data = Synthetic::for_model(&SPEC);
-    let sparse = Codec::named("sparse", Parameters::default()).unwrap();
-    let (rate, momentum) = codec::SPARSE_OUTER;
-    let sgd = || OuterOptimizer::new(rate, momentum);
+    let sparse = sparse();
     let plain = held_out_loss(&diloco(&data, Codec::None, 0));
     let loss = held_out_loss(&diloco_with(&data, sparse, sgd(), 0));
     let overlapped = held_out_loss(&diloco_with(&data, sparse, sgd(), INNER_STEPS / 4));

@@ -36,6 +36,7 @@ use std::{
 use hypha_data::iteration::IterationService;
 use hypha_messages::{
     Error as RemoteError, ErrorCode, Request, Response,
+    diloco::{ServerConfig, config::Restore},
     iterate::RunProgress,
     job::{JobSpec, JobStatus, StatusReport, TaskPeers},
 };
@@ -863,8 +864,35 @@ fn goes_on(spec: &JobFile, slot: usize, restored: Option<u64>) -> bool {
 /// What one kind of slot asks of a worker, and the config its executor gets.
 struct Work {
     request: WorkerRequest,
-    config: String,
+    config: WorkConfig,
     artifacts: Vec<hypha_messages::artifact::Request>,
+}
+
+/// What a slot's executor is configured with.
+enum WorkConfig {
+    /// The job's `[config]` as JSON, for trainers with `data` and `diloco` added.
+    Executor(String),
+    /// The parameter server's, given its role and checkpoint at each dispatch.
+    Server(ServerConfig),
+}
+
+impl WorkConfig {
+    /// The config as JSON for an executor in `role`, restored from the checkpoint of round
+    /// `restore` if any.
+    fn json(&self, role: Role, restore: Option<u64>) -> String {
+        match self {
+            WorkConfig::Executor(json) => json.clone(),
+            WorkConfig::Server(config) => {
+                let config = ServerConfig {
+                    restore: restore.map(|round| Restore { round }),
+                    standby: role == Role::Standby,
+                    ..*config
+                };
+                // Its fields are numbers, strings and options of them: it always serialises.
+                serde_json::to_string(&config).unwrap_or_default()
+            }
+        }
+    }
 }
 
 /// A job dispatched for a slot, and the lease it runs under.
@@ -1032,7 +1060,9 @@ impl<'a> JobRun<'a> {
                 resources: spec.resources,
                 bid: spec.bid,
             },
-            config: spec.trainer_config(data.as_ref().map(JobData::reference)),
+            config: WorkConfig::Executor(
+                spec.trainer_config(data.as_ref().map(JobData::reference)),
+            ),
             artifacts: spec.artifacts.clone(),
         };
         let server = spec.diloco.as_ref().map(|diloco| Work {
@@ -1041,7 +1071,9 @@ impl<'a> JobRun<'a> {
                 resources: diloco.parameter_server.resources,
                 bid: diloco.parameter_server.bid,
             },
-            config: diloco.server_config(data.as_ref().map_or(0, JobData::largest_slice)),
+            config: WorkConfig::Server(
+                diloco.server_config(data.as_ref().map_or(0, JobData::largest_slice)),
+            ),
             // The built-in parameter server runs no program that could read artifacts.
             artifacts: Vec::new(),
         });
@@ -1676,15 +1708,7 @@ impl<'a> JobRun<'a> {
             Role::ParameterServer => self.restore,
             Role::Trainer | Role::Standby => None,
         };
-        let config = match (role, restore) {
-            (Role::Standby, _) => server_config_with(&work.config, "standby", true.into()),
-            (_, Some(round)) => server_config_with(
-                &work.config,
-                "restore",
-                serde_json::json!({ "round": round }),
-            ),
-            (_, None) => work.config.clone(),
-        };
+        let config = work.config.json(role, restore);
         let mut spec = JobSpec {
             id: id.clone(),
             task: self.task.clone(),
@@ -2266,17 +2290,6 @@ impl<'a> JobRun<'a> {
         });
         outcome
     }
-}
-
-/// A parameter server's config with `key` set to `value`: `"restore": {"round": r}` for one
-/// restored from the checkpoint of round `r`, `"standby": true` for a standby.
-fn server_config_with(config: &str, key: &str, value: serde_json::Value) -> String {
-    let mut config: serde_json::Value =
-        serde_json::from_str(config).unwrap_or_else(|_| serde_json::json!({}));
-    if let Some(object) = config.as_object_mut() {
-        object.insert(key.into(), value);
-    }
-    config.to_string()
 }
 
 /// Sends the checkpoint in `file` to the jobs of `task` on `peer`.

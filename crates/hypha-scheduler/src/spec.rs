@@ -97,13 +97,15 @@
 use std::path::{Path, PathBuf};
 
 use hypha_dataset::Manifest;
-use hypha_diloco::{Codec, codec::Parameters};
+use hypha_diloco::Codec;
 use hypha_executor::{contract::TensorNames, model::ModelSpec};
+pub use hypha_messages::diloco::{InnerOptimizer, OuterOptimizer};
 use hypha_messages::{
     artifact,
+    diloco::{Compression, ServerConfig, TrainerConfig},
     market::{ExecutorRef, Resources},
 };
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 /// A parsed job file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -277,46 +279,6 @@ pub struct DilocoSpec {
 
 fn default_compression() -> String {
     Codec::None.name().to_string()
-}
-
-/// The trainers' AdamW.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct InnerOptimizer {
-    pub learning_rate: f64,
-    pub weight_decay: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-}
-
-impl Default for InnerOptimizer {
-    fn default() -> Self {
-        // DiLoCo's paper trains its inner loop with AdamW at these betas.
-        Self {
-            learning_rate: 1e-3,
-            weight_decay: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-        }
-    }
-}
-
-/// The parameter server's SGD with Nesterov momentum.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OuterOptimizer {
-    pub learning_rate: f64,
-    pub momentum: f64,
-}
-
-impl Default for OuterOptimizer {
-    fn default() -> Self {
-        // The DiLoCo paper's outer settings.
-        Self {
-            learning_rate: 0.7,
-            momentum: 0.9,
-        }
-    }
 }
 
 /// The worker the parameter server runs on.
@@ -536,12 +498,7 @@ impl JobFile {
         if let Some(object) = config.as_object_mut() {
             object.insert(
                 "diloco".into(),
-                diloco.with_codec(serde_json::json!({
-                    "batch_size": diloco.batch_size,
-                    "inner": diloco.inner,
-                    "compression": diloco.compression,
-                    "overlap": diloco.overlap,
-                })),
+                serde_json::to_value(diloco.trainer_config()).unwrap_or_default(),
             );
         }
         config.to_string()
@@ -661,7 +618,8 @@ impl DilocoSpec {
         if self.quorum == 0.0 {
             return Err("diloco.quorum = 0 would close rounds with nobody's update: give a share above 0, e.g. 0.5".into());
         }
-        Codec::named(&self.compression, self.codec_parameters())
+        self.compression()
+            .and_then(Codec::try_from)
             .map_err(|e| format!("diloco.compression = {:?}: {e}", self.compression))?;
         for (key, set, codec) in [
             ("topk_density", self.topk_density.is_some(), "topk"),
@@ -704,26 +662,39 @@ impl DilocoSpec {
             })
     }
 
-    /// The codec's own keys the job set.
-    fn codec_parameters(&self) -> Parameters {
-        Parameters {
-            topk_density: self.topk_density,
-            sparse_density: self.sparse_density,
-            sparse_bits: self.sparse_bits,
-            sparse_decay: self.sparse_decay,
-        }
+    /// The job's codec with the keys it set for it.
+    pub fn compression(&self) -> Result<Compression, String> {
+        Ok(match self.compression.as_str() {
+            "none" => Compression::None,
+            "bf16" => Compression::Bf16,
+            "int8" => Compression::Int8,
+            "topk" => Compression::Topk {
+                topk_density: self.topk_density.ok_or(
+                    "topk needs a density, the share of values kept: add e.g. topk_density = 0.01",
+                )?,
+            },
+            "sparse" => Compression::Sparse {
+                sparse_density: self.sparse_density,
+                sparse_bits: self.sparse_bits,
+                sparse_decay: self.sparse_decay,
+            },
+            other => {
+                return Err(format!(
+                    "{other:?} is not a codec: write \"none\", \"bf16\", \"int8\", \"topk\" or \"sparse\""
+                ));
+            }
+        })
     }
 
-    /// `config` (an object) with the codec's keys the job set, as trainers and the parameter
-    /// server read them ([`Parameters`]).
-    fn with_codec(&self, mut config: serde_json::Value) -> serde_json::Value {
-        if let (Some(object), Ok(serde_json::Value::Object(keys))) = (
-            config.as_object_mut(),
-            serde_json::to_value(self.codec_parameters()),
-        ) {
-            object.extend(keys);
+    /// What the trainers are told of DiLoCo (the `diloco` key of their config).
+    pub fn trainer_config(&self) -> TrainerConfig {
+        TrainerConfig {
+            batch_size: self.batch_size,
+            inner: self.inner,
+            // A job file is checked when it is read: its compression is one.
+            compression: self.compression().unwrap_or_default(),
+            overlap: self.overlap,
         }
-        config
     }
 
     /// How rounds are planned and closed.
@@ -743,23 +714,21 @@ impl DilocoSpec {
     /// update may claim at most two rounds' planned samples and a slice (a trainer finishes
     /// the slice it reads before it syncs): more is a lie that would outweigh every honest
     /// update in the mean.
-    pub fn server_config(&self, largest_slice: u64) -> String {
+    pub fn server_config(&self, largest_slice: u64) -> ServerConfig {
         let max_samples = self
             .samples_per_round
             .saturating_mul(2)
             .saturating_add(largest_slice);
-        let mut config = self.with_codec(serde_json::json!({
-            "outer": self.outer(),
-            "max_samples": max_samples,
-            "compression": self.compression,
-        }));
-        if self.max_update_norm_ratio > 0.0 {
-            config["max_norm_ratio"] = self.max_update_norm_ratio.into();
+        ServerConfig {
+            outer: self.outer(),
+            compression: self.compression().unwrap_or_default(),
+            max_samples: Some(max_samples),
+            max_update_norm_ratio: (self.max_update_norm_ratio > 0.0)
+                .then_some(self.max_update_norm_ratio),
+            checkpoint_every: self.checkpoint_every,
+            restore: None,
+            standby: false,
         }
-        if let Some(every) = self.checkpoint_every {
-            config["checkpoint_every"] = every.into();
-        }
-        config.to_string()
     }
 }
 
@@ -825,8 +794,8 @@ mod tests {
         assert_eq!(trainer["diloco"]["batch_size"], 32);
         assert_eq!(trainer["seed"], 1);
         assert_eq!(
-            d.server_config(64),
-            r#"{"compression":"none","max_norm_ratio":10.0,"max_samples":1088,"outer":{"learning_rate":0.7,"momentum":0.9}}"#,
+            serde_json::to_value(d.server_config(64)).unwrap(),
+            serde_json::json!({"compression": "none", "max_update_norm_ratio": 10.0, "max_samples": 1088, "outer": {"learning_rate": 0.7, "momentum": 0.9}}),
             "the norm check is on by default"
         );
         assert_eq!(d.bench_after_refusals, 3);
@@ -840,7 +809,7 @@ mod tests {
         )
         .unwrap();
         let off = off.diloco.unwrap().server_config(64);
-        assert!(!off.contains("max_norm_ratio"), "0 turns it off: {off}");
+        assert_eq!(off.max_update_norm_ratio, None, "0 turns it off");
 
         let bad = |extra: &str| {
             let text = format!("{base}{diloco}")
@@ -869,8 +838,7 @@ mod tests {
             trainer["diloco"].get("sparse_density").is_none(),
             "unset: the default"
         );
-        let server: serde_json::Value =
-            serde_json::from_str(&spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
+        let server = serde_json::to_value(spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
         assert_eq!(server["sparse_bits"], 4);
         assert_eq!(
             server["outer"],
@@ -885,8 +853,7 @@ mod tests {
         let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
         assert_eq!(trainer["diloco"]["compression"], "int8");
         assert_eq!(trainer["diloco"]["overlap"], false);
-        let server: serde_json::Value =
-            serde_json::from_str(&spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
+        let server = serde_json::to_value(spec.diloco.as_ref().unwrap().server_config(64)).unwrap();
         assert_eq!(
             server["compression"], "int8",
             "the server compresses its changes alike"

@@ -801,6 +801,9 @@ fn the_python_sdk_and_the_upstream_client_work_against_real_bridges() {
             "test_codec.Sparse.test_error_feedback_carries_what_was_not_sent",
             "test_codec.Sparse.test_hostile_records_are_refused",
             "test_codec.Sparse.test_a_change_moves_only_the_values_it_keeps_and_refuses_another_models",
+            "test_config_schema.TrainerConfigSchema.test_every_key_the_sdk_reads_is_described",
+            "test_config_schema.TrainerConfigSchema.test_sparse_keys_mean_what_the_schema_says_and_other_codecs_send_float32",
+            "test_config_schema.TrainerConfigSchema.test_the_sdk_defaults_are_the_described_ones_and_it_refuses_what_is_out_of_range",
         ]).into_iter().flatten())
         {
             assert!(

@@ -228,7 +228,10 @@ pub(crate) fn child_main(args: &[String]) -> anyhow::Result<()> {
     };
     let dir = Path::new(dir);
     let updates: usize = updates.parse()?;
-    let codec = Codec::named(codec, Default::default()).map_err(anyhow::Error::msg)?;
+    // The codec as a job file names it, with its defaults.
+    let compression: hypha_messages::diloco::Compression =
+        serde_json::from_value(serde_json::json!({ "compression": codec }))?;
+    let codec = Codec::try_from(compression).map_err(anyhow::Error::msg)?;
     let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9))
         .broadcast_changes(codec.for_broadcast());
     server.offer_from(&FileSource::open(&dir.join("model.safetensors"))?)?;

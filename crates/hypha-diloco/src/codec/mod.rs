@@ -40,6 +40,7 @@ pub mod sparse;
 
 use std::{collections::BTreeMap, path::Path};
 
+use hypha_messages::diloco::Compression;
 use safetensors::Dtype;
 
 use crate::{
@@ -82,36 +83,8 @@ pub enum Codec {
     Sparse { format: sparse::Format, decay: f32 },
 }
 
-/// The parameters a job may give its codec, beside its name: the keys of the same names in
-/// a job's `[diloco]` table and in the trainers' and the parameter server's configs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Parameters {
-    /// `topk`'s share of each tensor's values kept (no default).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub topk_density: Option<f32>,
-    /// `sparse`'s share of each chunk's values kept; [`SPARSE_DENSITY`] by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sparse_density: Option<f32>,
-    /// `sparse`'s bits a kept value, 2 or 4; [`SPARSE_BITS`] by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sparse_bits: Option<u8>,
-    /// `sparse`'s share of a trainer's residual carried into its next update, in (0, 1];
-    /// [`SPARSE_DECAY`] by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sparse_decay: Option<f32>,
-}
-
-/// `sparse`'s share of a chunk's values kept unless the job says otherwise: 41 of 4,096.
-pub const SPARSE_DENSITY: f32 = 0.01;
-/// `sparse`'s bits a kept value unless the job says otherwise.
-pub const SPARSE_BITS: u8 = 2;
-/// `sparse`'s share of a trainer's residual carried on unless the job says otherwise. With
-/// it the residual is the trainer's outer momentum, as in SparseLoCo, and the parameter
-/// server steps without one ([`SPARSE_OUTER`]): in the seeded run of
-/// `hypha-executor/tests/diloco.rs`, sparse 1 % at 2 bits both ways with Nesterov momentum
-/// diverged (evaluation loss 6.3; uncompressed 0.198), with plain SGD and the whole residual
-/// carried it ended at 0.347, carrying 0.9 of it at 0.200 and 0.8 at 0.186.
-pub const SPARSE_DECAY: f32 = 0.8;
+// The defaults of `sparse`'s keys are part of the job's config, described with it.
+pub use hypha_messages::diloco::config::{SPARSE_BITS, SPARSE_DECAY, SPARSE_DENSITY};
 /// The outer step (learning rate, momentum) that goes with `sparse` unless the job sets
 /// one: plain SGD, the trainers' decaying residuals being the momentum.
 pub const SPARSE_OUTER: (f32, f32) = (1.0, 0.0);
@@ -120,35 +93,41 @@ pub const SPARSE_OUTER: (f32, f32) = (1.0, 0.0);
 /// at 0.198, 2× at 0.190, 3× at 0.186.
 pub const SPARSE_BACK_DENSER: usize = 3;
 
-impl Codec {
-    /// The codec named `name` (as in [`CODEC`] and in job files) with its `parameters`.
-    pub fn named(name: &str, parameters: Parameters) -> Result<Self, String> {
+impl TryFrom<Compression> for Codec {
+    type Error = String;
+
+    /// The codec a job's `compression` and its keys name, the defaults filled in; an error
+    /// says which value is out of range and what to write.
+    fn try_from(compression: Compression) -> Result<Self, String> {
         let in_range = |density: f32| density > 0.0 && density <= 1.0;
-        match name {
-            "none" => Ok(Codec::None),
-            "bf16" => Ok(Codec::Bf16),
-            "int8" => Ok(Codec::Int8),
-            "topk" => match parameters.topk_density {
-                Some(density) if in_range(density) => Ok(Codec::TopK { density }),
-                Some(density) => Err(format!(
-                    "a topk density of {density} is not in (0, 1]: it is the share of values kept, e.g. 0.01"
-                )),
-                None => Err("topk needs a density, the share of values kept, e.g. 0.01".into()),
-            },
-            "sparse" => {
-                let density = parameters.sparse_density.unwrap_or(SPARSE_DENSITY);
+        match compression {
+            Compression::None => Ok(Codec::None),
+            Compression::Bf16 => Ok(Codec::Bf16),
+            Compression::Int8 => Ok(Codec::Int8),
+            Compression::Topk { topk_density } if in_range(topk_density) => Ok(Codec::TopK {
+                density: topk_density,
+            }),
+            Compression::Topk { topk_density } => Err(format!(
+                "a topk density of {topk_density} is not in (0, 1]: it is the share of values kept, e.g. 0.01"
+            )),
+            Compression::Sparse {
+                sparse_density,
+                sparse_bits,
+                sparse_decay,
+            } => {
+                let density = sparse_density.unwrap_or(SPARSE_DENSITY);
                 if !in_range(density) {
                     return Err(format!(
                         "a sparse density of {density} is not in (0, 1]: it is the share of each chunk's values kept, e.g. {SPARSE_DENSITY}"
                     ));
                 }
-                let bits = parameters.sparse_bits.unwrap_or(SPARSE_BITS);
+                let bits = sparse_bits.unwrap_or(SPARSE_BITS);
                 if bits != 2 && bits != 4 {
                     return Err(format!(
                         "sparse values of {bits} bits: write 2 (the default) or 4"
                     ));
                 }
-                let decay = parameters.sparse_decay.unwrap_or(SPARSE_DECAY);
+                let decay = sparse_decay.unwrap_or(SPARSE_DECAY);
                 if !(decay > 0.0 && decay <= 1.0) {
                     return Err(format!(
                         "a sparse decay of {decay} is not in (0, 1]: it is the share of what was not sent carried into the next update, e.g. {SPARSE_DECAY}"
@@ -157,12 +136,11 @@ impl Codec {
                 let format = sparse::Format::of(density, bits)?;
                 Ok(Codec::Sparse { format, decay })
             }
-            other => Err(format!(
-                "{other:?} is not a codec: write \"none\", \"bf16\", \"int8\", \"topk\" or \"sparse\""
-            )),
         }
     }
+}
 
+impl Codec {
     /// The codec the parameter server sends the global model's changes with when trainers
     /// compress with this one: the same, except that `topk` goes back as `int8`. A sparse
     /// change leaves most parameters behind the server's optimizer for rounds, and with

@@ -61,16 +61,16 @@ use std::{
 use hypha_artifacts::{Admission, Published};
 use hypha_diloco::{
     Codec, Metadata, OuterOptimizer,
-    codec::Parameters,
     file::FileSource,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
-    diloco::{Applied, Arrival, Late, Refusal, ServerOrder, ServerStatus, Status, meta},
+    diloco::{
+        Applied, Arrival, Late, Refusal, ServerConfig, ServerOrder, ServerStatus, Status, meta,
+    },
     job::JobStatus,
 };
 use hypha_network::{Network, PeerId};
-use serde::Deserialize;
 use tokio::sync::oneshot;
 
 use crate::{
@@ -114,44 +114,6 @@ const STANDBY_HEAD_START: Duration = Duration::from_secs(2);
 /// (25 MB/s): the whole model of that round goes to it again only once it would have
 /// arrived over one.
 const SLOW_LINK_BYTES_PER_S: f64 = 25e6;
-
-/// The parameter server's config (the scheduler's `{"outer": …}`).
-#[derive(Debug, Clone, Deserialize)]
-struct Config {
-    outer: Outer,
-    /// Start from the scheduler's checkpoint of this round instead of a trainer's model.
-    #[serde(default)]
-    restore: Option<Restore>,
-    /// The most samples one update may claim.
-    #[serde(default)]
-    max_samples: Option<u64>,
-    /// How many times the typical norm an update's may be.
-    #[serde(default)]
-    max_norm_ratio: Option<f64>,
-    /// The job's codec: the changes of the global model are sent compressed with it.
-    #[serde(default)]
-    compression: Option<String>,
-    /// The codec's own keys (`topk_density`, `sparse_density`, `sparse_bits`).
-    #[serde(flatten)]
-    codec_parameters: Parameters,
-    /// Checkpoint every this many rounds; unset: by traffic ([`Cadence`]).
-    #[serde(default)]
-    checkpoint_every: Option<u64>,
-    /// Follow the serving server until the scheduler says to take over ([`standby`]).
-    #[serde(default)]
-    standby: bool,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-struct Restore {
-    round: u64,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-struct Outer {
-    learning_rate: f32,
-    momentum: f32,
-}
 
 /// One parameter-server job.
 #[derive(Debug)]
@@ -322,9 +284,9 @@ impl ServerJob {
     }
 
     async fn serve(&self) -> Result<(), ServerError> {
-        let config: Config =
+        let config: ServerConfig =
             serde_json::from_value(self.config.clone()).map_err(ServerError::Config)?;
-        let optimizer = OuterOptimizer::new(config.outer.learning_rate, config.outer.momentum);
+        let optimizer = OuterOptimizer::from(config.outer);
         let checkpoint = self.dir.join(CHECKPOINT);
         if let Some(restore) = config.restore {
             self.restore(restore.round).await?;
@@ -354,14 +316,10 @@ impl ServerJob {
         if let Some(max) = config.max_samples {
             server = server.limit_samples(max);
         }
-        if let Some(ratio) = config.max_norm_ratio {
+        if let Some(ratio) = config.max_update_norm_ratio {
             server = server.limit_norm(ratio);
         }
-        let codec = Codec::named(
-            config.compression.as_deref().unwrap_or("none"),
-            config.codec_parameters,
-        )
-        .map_err(ServerError::Codec)?;
+        let codec = Codec::try_from(config.compression).map_err(ServerError::Codec)?;
         server = server.broadcast_changes(codec.for_broadcast());
         let mut cadence = Cadence::new(
             config.checkpoint_every,

@@ -30,10 +30,15 @@
 //!
 //! Files between trainers and the parameter server go over the resource protocol
 //! (`/resources/send`, `/resources/fetch` with `{"type": "Peers"}`); what a file is travels in
-//! its SafeTensors metadata under the [`meta`] keys.
+//! its SafeTensors metadata under the [`meta`] keys. What the trainers and the server are
+//! configured with is [`config`].
+
+pub mod config;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+pub use config::{Compression, InnerOptimizer, OuterOptimizer, ServerConfig, TrainerConfig};
 
 /// SafeTensors metadata keys (`__metadata__`) on the files of a DiLoCo job.
 pub mod meta {

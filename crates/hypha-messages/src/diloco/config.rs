@@ -1,0 +1,234 @@
+//! The DiLoCo settings a scheduler gives the executors of a job, typed once for everyone
+//! who writes or reads them.
+//!
+//! - [`TrainerConfig`]: the `diloco` key of a trainer's job config (the job file's `[config]`
+//!   with `data` and `diloco` added). The Rust trainer and the Python SDK read it; the
+//!   bridge's `openapi.json` describes it (`components.schemas.TrainerConfig`), and the SDK's
+//!   tests check their reading against that description.
+//! - [`ServerConfig`]: the built-in parameter server's whole job config.
+//!
+//! Both carry the job's [`Compression`]: the codec's name under `compression` and its own
+//! keys beside it (`topk_density`, `sparse_density`, …), flat, as the job file's `[diloco]`
+//! table has them. What a codec's keys mean and which values are in range is
+//! `hypha_diloco::codec`'s to say (`Codec::try_from(Compression)`); this module holds shapes.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A trainer's DiLoCo settings: the `diloco` key of its job's config.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TrainerConfig {
+    /// Samples in an inner step's batch.
+    pub batch_size: u64,
+    /// The inner steps' AdamW.
+    pub inner: InnerOptimizer,
+    /// How pseudo-gradients are compressed, with the codec's own keys beside it.
+    #[serde(flatten)]
+    pub compression: Compression,
+    /// Train on into the next round while the pseudo-gradient travels, and move what was
+    /// trained onto the new global model when it arrives (one round of delay).
+    #[serde(default)]
+    pub overlap: bool,
+}
+
+/// The parameter server's job config.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ServerConfig {
+    /// The outer step.
+    pub outer: OuterOptimizer,
+    /// The job's codec: the global model's changes go back compressed with its broadcast
+    /// form (`hypha_diloco::Codec::for_broadcast`).
+    #[serde(flatten)]
+    pub compression: Compression,
+    /// The most samples one update may claim (its weight in the mean).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_samples: Option<u64>,
+    /// An update whose L2 norm is more than this many times the median of the last ones
+    /// taken is refused; unset: no check. `max_norm_ratio` is read too (what schedulers
+    /// before this type wrote).
+    #[serde(
+        default,
+        alias = "max_norm_ratio",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_update_norm_ratio: Option<f64>,
+    /// Checkpoint every this many rounds; unset: by traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<u64>,
+    /// Start from the scheduler's checkpoint of this round instead of a trainer's model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<Restore>,
+    /// Follow the serving server until the scheduler says to take over.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub standby: bool,
+}
+
+/// The checkpoint a parameter server starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Restore {
+    pub round: u64,
+}
+
+/// `sparse`'s share of a chunk's values kept unless the job says otherwise: 41 of 4,096.
+pub const SPARSE_DENSITY: f32 = 0.01;
+/// `sparse`'s bits a kept value unless the job says otherwise.
+pub const SPARSE_BITS: u8 = 2;
+/// `sparse`'s share of a trainer's residual carried on unless the job says otherwise. With
+/// it the residual is the trainer's outer momentum, as in SparseLoCo, and the parameter
+/// server steps without one (`hypha_diloco::codec::SPARSE_OUTER`): in the seeded run of
+/// `hypha-executor/tests/diloco.rs`, sparse 1 % at 2 bits both ways with Nesterov momentum
+/// diverged (evaluation loss 6.3; uncompressed 0.198), with plain SGD and the whole residual
+/// carried it ended at 0.347, carrying 0.9 of it at 0.200 and 0.8 at 0.186.
+pub const SPARSE_DECAY: f32 = 0.8;
+
+/// A job's codec with its parameters, as `compression = "…"` and the codec's own keys.
+/// Unset parameters take the codec's defaults (`hypha_diloco::codec`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "compression", rename_all = "lowercase")]
+pub enum Compression {
+    /// Full f32.
+    #[default]
+    None,
+    /// bfloat16: half the bytes.
+    Bf16,
+    /// Blockwise int8 with a scale per 256 values: about a quarter of the bytes.
+    Int8,
+    /// The share `topk_density` of each tensor's values of largest magnitude, with their
+    /// positions.
+    Topk {
+        /// The share of each tensor's values kept, in (0, 1].
+        #[schemars(extend("exclusiveMinimum" = 0, "maximum" = 1))]
+        topk_density: f32,
+    },
+    /// The largest values of every chunk of 4,096, 2 or 4 bits each, with error feedback
+    /// that decays.
+    Sparse {
+        /// The share of each chunk's values kept, in (0, 1].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schemars(extend("default" = decimal(SPARSE_DENSITY), "exclusiveMinimum" = 0, "maximum" = 1))]
+        sparse_density: Option<f32>,
+        /// Bits a kept value, 2 or 4.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schemars(extend("default" = SPARSE_BITS, "enum" = [2, 4, null]))]
+        sparse_bits: Option<u8>,
+        /// The share of a trainer's residual carried into its next update, in (0, 1].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schemars(extend("default" = decimal(SPARSE_DECAY), "exclusiveMinimum" = 0, "maximum" = 1))]
+        sparse_decay: Option<f32>,
+    },
+}
+
+/// `value` as the decimal it was written as (0.8, not the f32's 0.800000011920929), for the
+/// schema's defaults.
+fn decimal(value: f32) -> f64 {
+    value.to_string().parse().unwrap_or(value.into())
+}
+
+impl Compression {
+    /// The codec's name, as `compression` has it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Bf16 => "bf16",
+            Compression::Int8 => "int8",
+            Compression::Topk { .. } => "topk",
+            Compression::Sparse { .. } => "sparse",
+        }
+    }
+}
+
+/// The trainers' AdamW.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InnerOptimizer {
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+}
+
+impl Default for InnerOptimizer {
+    fn default() -> Self {
+        // DiLoCo's paper trains its inner loop with AdamW at these betas.
+        Self {
+            learning_rate: 1e-3,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+        }
+    }
+}
+
+/// The parameter server's outer step: SGD with Nesterov momentum (plain SGD at momentum 0).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OuterOptimizer {
+    pub learning_rate: f64,
+    pub momentum: f64,
+}
+
+impl Default for OuterOptimizer {
+    fn default() -> Self {
+        // The DiLoCo paper's outer settings.
+        Self {
+            learning_rate: 0.7,
+            momentum: 0.9,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_codec_and_its_keys_travel_flat_beside_the_other_settings() {
+        let config = TrainerConfig {
+            batch_size: 32,
+            inner: InnerOptimizer::default(),
+            compression: Compression::Sparse {
+                sparse_density: Some(0.02),
+                sparse_bits: None,
+                sparse_decay: None,
+            },
+            overlap: true,
+        };
+        let json = serde_json::to_value(config).unwrap();
+        assert_eq!(json["compression"], "sparse");
+        assert_eq!(json["sparse_density"], 0.02f32);
+        assert!(json.get("sparse_bits").is_none(), "unset keys are left out");
+        assert_eq!(
+            serde_json::from_value::<TrainerConfig>(json).unwrap(),
+            config
+        );
+        let topk: TrainerConfig = serde_json::from_str(
+            r#"{"batch_size": 8, "inner": {"learning_rate": 0.1, "weight_decay": 0, "beta1": 0.9, "beta2": 0.99}, "compression": "topk", "topk_density": 0.5}"#,
+        )
+        .unwrap();
+        assert_eq!(topk.compression, Compression::Topk { topk_density: 0.5 });
+        assert!(!topk.overlap);
+        let error = serde_json::from_str::<TrainerConfig>(
+            r#"{"batch_size": 8, "inner": {"learning_rate": 0.1, "weight_decay": 0, "beta1": 0.9, "beta2": 0.99}, "compression": "zip"}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("zip"), "{error}");
+    }
+
+    #[test]
+    fn a_server_reads_the_norm_ratio_under_its_old_name_too() {
+        let old: ServerConfig = serde_json::from_str(
+            r#"{"outer": {"learning_rate": 0.7, "momentum": 0.9}, "compression": "int8", "max_norm_ratio": 10.0, "restore": {"round": 3}}"#,
+        )
+        .unwrap();
+        assert_eq!(old.max_update_norm_ratio, Some(10.0));
+        assert_eq!(old.restore, Some(Restore { round: 3 }));
+        assert_eq!(old.compression, Compression::Int8);
+        let json = serde_json::to_value(old).unwrap();
+        assert_eq!(json["max_update_norm_ratio"], 10.0);
+        assert!(json.get("max_norm_ratio").is_none() && json.get("standby").is_none());
+    }
+}
