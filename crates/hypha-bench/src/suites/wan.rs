@@ -2,25 +2,38 @@
 //! run in a network namespace of their own behind a link of 50 Mbit/s each way (`tc … tbf`,
 //! [`hypha_testing::netns`]); the gateway, the data node and the scheduler run on the bridge.
 //! Real processes of the release binaries, the reference executor's MLP with about 10 M
-//! parameters (1 M with `--quick`) on the learnable `blobs` dataset, the same rounds of the
-//! same samples in every mode: `none` (f32 both ways), `int8` (int8 pseudo-gradients and
-//! model changes, error feedback on both sides), `int8 + overlap`, `sparse` (the job's
-//! defaults: 1 % of each chunk at 2 bits up, 3 % back, plain SGD outer steps) and
-//! `sparse + overlap`. The dataset holds as many
+//! parameters (1 M with `--quick`) on the learnable `blobs` dataset. Six modes in two
+//! layouts of rounds, each layout the same rounds of the same samples for all its modes:
+//! - **long rounds** (4 rounds of 120 inner steps a trainer; 3 of 16 with `--quick`): `none`
+//!   (f32 both ways), `int8` (int8 pseudo-gradients and model changes, error feedback on
+//!   both sides) and `int8 + overlap`. Long rounds are what int8 needs to be far below data
+//!   parallelism (its traffic against it is about 0.2 / inner steps).
+//! - **short rounds** (12 rounds of 48 inner steps; 12 of 16 with `--quick`): `none_short`
+//!   (f32), `sparse` (the job's defaults: 1 % of each chunk at 2 bits up, 3 % back, plain SGD
+//!   outer steps) and `sparse + overlap`. A round of `sparse` moves only the largest 1 % of
+//!   each chunk, the rest waiting in the residual: in 3 or 4 rounds it is far behind (loss
+//!   2.0× uncompressed in the quick size's 3 rounds), in 12 ahead (`--quick`: 0.186 against
+//!   0.222). 48 steps keep its traffic below 0.0002 of data parallelism.
+//!
+//! The dataset holds as many
 //! samples as the run trains, so no sample is seen twice: a model this wide fits a few
 //! thousand samples by heart within a few epochs, and its held-out loss then measures that,
 //! not the codec (the suite's first runs, on the 1,536 samples of the tests' dataset, got
 //! worse with every round).
 //!
-//! The sparse ratios compare each direction on its own (`bytes_up_sparse_vs_f32`: the
-//! trainers' sent bytes, `bytes_down_sparse_vs_f32`: what they received), and
-//! `traffic_sparse_vs_data_parallel` takes `sparse + overlap`'s bytes.
+//! The sparse ratios are against `none_short` and compare each direction on its own
+//! (`bytes_up_sparse_vs_f32`: the trainers' sent bytes, `bytes_down_sparse_vs_f32`: what they
+//! received); `traffic_sparse_vs_data_parallel` takes `sparse + overlap`'s bytes.
 //!
 //! Measured per mode over the rounds after the first (the first one holds the joining: every
 //! trainer's initial model to the server and the whole global model back):
-//! - DiLoCo's bytes per round: what went between the trainers and the parameter server,
-//!   both ways (pseudo-gradients, global models or changes, model requests), as IP packets
-//!   counted by `iptables` in the trainers' namespaces; beside it, everything through the
+//! - DiLoCo's bytes per round: what the trainers sent to the parameter server (up:
+//!   pseudo-gradients, model requests) and what they received of the global model (down:
+//!   models or changes from the server and, since a whole model of 16 MiB or more is
+//!   published, its pieces from each other), as IP packets counted by `iptables` in the
+//!   trainers' namespaces. Counting only the server's link would credit f32 with a way of
+//!   distributing whole models that changes do not need: each trainer's downlink carries
+//!   the whole model either way. Beside it, everything through the
 //!   trainers' links (their slices from the data node and their statuses to the scheduler
 //!   too: about 2.5 MB a round, the same in every mode) and what else crossed the parameter
 //!   server's link (its checkpoint to the scheduler after every round: model, momentum and,
@@ -66,14 +79,21 @@ const BATCH: u64 = 32;
 /// Samples in a slice of the suite's dataset.
 const SLICE_SAMPLES: u64 = 64;
 /// The longest one mode may take.
-const PATIENCE: Duration = Duration::from_secs(900);
+const PATIENCE: Duration = Duration::from_secs(1800);
 
 /// A run's size.
 #[derive(Debug, Clone, Copy)]
 struct Size {
     /// The MLP's hidden width (two hidden layers): parameters = hidden² + 22 hidden + 4.
     hidden: usize,
-    rounds: u64,
+    long: Rounds,
+    short: Rounds,
+}
+
+/// How a run is cut into rounds.
+#[derive(Debug, Clone, Copy)]
+struct Rounds {
+    count: u64,
     samples_per_round: u64,
 }
 
@@ -82,44 +102,44 @@ struct Mode {
     name: &'static str,
     compression: &'static str,
     overlap: bool,
+    /// In the layout of many short rounds ([`Size::short`]).
+    short: bool,
 }
 
-const MODES: [Mode; 5] = [
-    Mode {
-        name: "none",
-        compression: "none",
-        overlap: false,
-    },
-    Mode {
-        name: "int8",
-        compression: "int8",
-        overlap: false,
-    },
-    Mode {
-        name: "int8_overlap",
-        compression: "int8",
-        overlap: true,
-    },
-    Mode {
-        name: "sparse",
-        compression: "sparse",
-        overlap: false,
-    },
-    Mode {
-        name: "sparse_overlap",
-        compression: "sparse",
-        overlap: true,
-    },
+impl Mode {
+    const fn new(
+        name: &'static str,
+        compression: &'static str,
+        overlap: bool,
+        short: bool,
+    ) -> Self {
+        Self {
+            name,
+            compression,
+            overlap,
+            short,
+        }
+    }
+}
+
+const MODES: [Mode; 6] = [
+    Mode::new("none", "none", false, false),
+    Mode::new("int8", "int8", false, false),
+    Mode::new("int8_overlap", "int8", true, false),
+    Mode::new("none_short", "none", false, true),
+    Mode::new("sparse", "sparse", false, true),
+    Mode::new("sparse_overlap", "sparse", true, true),
 ];
 
 /// What one mode measured.
 #[derive(Debug)]
 struct Measured {
-    /// Between the trainers and the server, both ways.
+    /// What the trainers sent to the server and received from it or from each other.
     bytes_per_round: f64,
     /// From the trainers to the server (pseudo-gradients, model requests).
     up_bytes_per_round: f64,
-    /// From the server to the trainers (models or changes).
+    /// What the trainers received of the global model: models or changes, from the server
+    /// or (a published whole model) from each other.
     down_bytes_per_round: f64,
     /// Everything through the trainers' links.
     link_bytes_per_round: f64,
@@ -141,8 +161,12 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 
 fn measure(quick: bool) -> anyhow::Result<Report> {
     let wan = Wan::new("hyw", 1 + TRAINERS, MBIT).and_then(|wan| {
+        // Every host a trainer talks DiLoCo with: the server and the other trainers (a
+        // whole model of 16 MiB or more is published, and trainers take it from each other).
         for i in 1..=TRAINERS {
-            wan.count_between(i, 0)?;
+            for j in (0..=TRAINERS).filter(|&j| j != i) {
+                wan.count_between(i, j)?;
+            }
         }
         Ok(wan)
     });
@@ -156,19 +180,34 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
             return Ok(Report::default());
         }
     };
+    // Samples per round: inner steps × BATCH × TRAINERS.
     let size = if quick {
         Size {
             hidden: 990,
-            rounds: 3,
-            samples_per_round: 1536,
+            long: Rounds {
+                count: 3,
+                samples_per_round: 1536,
+            },
+            short: Rounds {
+                count: 12,
+                samples_per_round: 1536,
+            },
         }
     } else {
         Size {
             hidden: 3151,
-            rounds: 4,
             // 120 inner steps a trainer a round: DiLoCo's traffic against per-step data
             // parallelism is about 0.2 / steps with int8 (BENCHMARKS.md, "wan").
-            samples_per_round: 11_520,
+            long: Rounds {
+                count: 4,
+                samples_per_round: 11_520,
+            },
+            // 48 steps: sparse's traffic (about 0.01 of f32 a round) below 0.0002 of data
+            // parallelism.
+            short: Rounds {
+                count: 12,
+                samples_per_round: 4_608,
+            },
         }
     };
     let spec = ModelSpec::Mlp {
@@ -187,8 +226,9 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     report.metrics.insert("link_mbit".into(), f64::from(MBIT));
     let mut results = Vec::new();
     for mode in MODES {
+        let rounds = if mode.short { size.short } else { size.long };
         let measured =
-            run_mode(&wan, mode, size, &spec).with_context(|| format!("mode {}", mode.name))?;
+            run_mode(&wan, mode, rounds, &spec).with_context(|| format!("mode {}", mode.name))?;
         eprintln!("wan: {}: {measured:?}", mode.name);
         let per_mode = [
             ("bytes_per_round", measured.bytes_per_round),
@@ -208,8 +248,8 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         }
         results.push(measured);
     }
-    let [none, int8, overlap, sparse, sparse_overlap] = &results[..] else {
-        bail!("five modes measured");
+    let [none, int8, overlap, none_short, sparse, sparse_overlap] = &results[..] else {
+        bail!("six modes measured");
     };
     // Per-step data parallel for the same samples: a ring all-reduce of the f32 gradient,
     // each trainer sending and receiving 2 (N − 1) / N of it.
@@ -233,16 +273,16 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         ("traffic_vs_data_parallel", vs_data_parallel(overlap)),
         (
             "bytes_up_sparse_vs_f32",
-            sparse.up_bytes_per_round / none.up_bytes_per_round,
+            sparse.up_bytes_per_round / none_short.up_bytes_per_round,
         ),
         (
             "bytes_down_sparse_vs_f32",
-            sparse.down_bytes_per_round / none.down_bytes_per_round,
+            sparse.down_bytes_per_round / none_short.down_bytes_per_round,
         ),
-        ("loss_sparse_vs_none", sparse.loss / none.loss),
+        ("loss_sparse_vs_none", sparse.loss / none_short.loss),
         (
             "loss_sparse_overlap_vs_none",
-            sparse_overlap.loss / none.loss,
+            sparse_overlap.loss / none_short.loss,
         ),
         (
             "traffic_sparse_vs_data_parallel",
@@ -255,12 +295,12 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Result<Measured> {
+fn run_mode(wan: &Wan, mode: Mode, rounds: Rounds, spec: &ModelSpec) -> anyhow::Result<Measured> {
     let mut cluster = Cluster::at(wan.root());
     // Lease renewals share the links with the models: long leases.
     cluster.worker_lease_ms = Some(60_000);
-    // Every sample the run trains, once; the same file in every mode.
-    let slices = (size.rounds * size.samples_per_round).div_ceil(SLICE_SAMPLES);
+    // Every sample the run trains, once; the same file in every mode of a layout.
+    let slices = (rounds.count * rounds.samples_per_round).div_ceil(SLICE_SAMPLES);
     Synthetic::for_model(spec).write(
         &cluster.path("data/blobs"),
         slices as usize,
@@ -294,7 +334,7 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
              compression = \"{}\"\noverlap = {}\n\
              inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
              [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
-            size.rounds, size.samples_per_round, mode.compression, mode.overlap
+            rounds.count, rounds.samples_per_round, mode.compression, mode.overlap
         ),
     );
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
@@ -306,14 +346,19 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
         sent + received
     };
     let mark = || -> anyhow::Result<Mark> {
-        let (mut up, mut down) = (0, 0);
+        let (mut up, mut down, mut from_peers) = (0, 0, 0);
         for i in 1..=TRAINERS {
             let (sent, received) = wan.bytes_between(i, 0).map_err(anyhow::Error::msg)?;
             up += sent;
             down += received;
+            for j in (1..=TRAINERS).filter(|&j| j != i) {
+                let (_, from_peer) = wan.bytes_between(i, j).map_err(anyhow::Error::msg)?;
+                from_peers += from_peer;
+            }
         }
         Ok(Mark {
-            diloco: up + down,
+            diloco: up + down + from_peers,
+            diloco_with_server: up + down,
             up,
             trainer_links: (1..=TRAINERS).map(link).sum(),
             server_link: link(0),
@@ -353,7 +398,8 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
     let up_bytes = (last.up - first.up) as f64;
     let link_bytes = (last.trainer_links - first.trainer_links) as f64;
     // Every byte between a trainer and the server crosses the server's link too.
-    let other_server_bytes = (last.server_link - first.server_link) as f64 - window_bytes;
+    let server_bytes = (last.diloco_with_server - first.diloco_with_server) as f64;
+    let other_server_bytes = (last.server_link - first.server_link) as f64 - server_bytes;
     // The metrics file is JSON lines, as the events file is.
     let metrics_lines = events(&cluster.path("wan-job.metrics.jsonl"));
     let applied: Vec<&serde_json::Value> = metrics_lines
@@ -404,8 +450,10 @@ fn run_mode(wan: &Wan, mode: Mode, size: Size, spec: &ModelSpec) -> anyhow::Resu
 /// Byte counters at an applied round.
 #[derive(Debug, Clone, Copy)]
 struct Mark {
-    /// Between the trainers and the server, both ways.
+    /// What the trainers sent to the server and received from it or from each other.
     diloco: u64,
+    /// Between the trainers and the server, both ways.
+    diloco_with_server: u64,
     /// From the trainers to the server.
     up: u64,
     /// Through the trainers' links, both ways.
