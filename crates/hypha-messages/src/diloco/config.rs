@@ -23,7 +23,7 @@ pub struct TrainerConfig {
     /// The inner steps' AdamW.
     pub inner: InnerOptimizer,
     /// How pseudo-gradients are compressed, with the codec's own keys beside it.
-    #[serde(flatten)]
+    #[serde(flatten, deserialize_with = "compression_or_none")]
     pub compression: Compression,
     /// Train on into the next round while the pseudo-gradient travels, and move what was
     /// trained onto the new global model when it arrives (one round of delay).
@@ -38,7 +38,7 @@ pub struct ServerConfig {
     pub outer: OuterOptimizer,
     /// The job's codec: the global model's changes go back compressed with its broadcast
     /// form (`hypha_diloco::Codec::for_broadcast`).
-    #[serde(flatten)]
+    #[serde(flatten, deserialize_with = "compression_or_none")]
     pub compression: Compression,
     /// The most samples one update may claim (its weight in the mean).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -117,6 +117,18 @@ pub enum Compression {
         #[schemars(extend("default" = decimal(SPARSE_DECAY), "exclusiveMinimum" = 0, "maximum" = 1))]
         sparse_decay: Option<f32>,
     },
+}
+
+/// The [`Compression`] among a config's other keys; a config without `compression` (written
+/// by hand: schedulers always write it) sends f32, as it did before the key existed.
+fn compression_or_none<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Compression, D::Error> {
+    let keys = serde_json::Map::deserialize(deserializer)?;
+    if !keys.contains_key("compression") {
+        return Ok(Compression::None);
+    }
+    Compression::deserialize(serde_json::Value::Object(keys)).map_err(serde::de::Error::custom)
 }
 
 /// `value` as the decimal it was written as (0.8, not the f32's 0.800000011920929), for the
@@ -216,6 +228,9 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(error.contains("zip"), "{error}");
+        let unset: ServerConfig =
+            serde_json::from_str(r#"{"outer": {"learning_rate": 1.0, "momentum": 0.0}}"#).unwrap();
+        assert_eq!(unset.compression, Compression::None, "without the key: f32");
     }
 
     #[test]
