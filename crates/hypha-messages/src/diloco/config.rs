@@ -137,19 +137,6 @@ fn decimal(value: f32) -> f64 {
     value.to_string().parse().unwrap_or(value.into())
 }
 
-impl Compression {
-    /// The codec's name, as `compression` has it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Compression::None => "none",
-            Compression::Bf16 => "bf16",
-            Compression::Int8 => "int8",
-            Compression::Topk { .. } => "topk",
-            Compression::Sparse { .. } => "sparse",
-        }
-    }
-}
-
 /// The trainers' AdamW.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
