@@ -44,7 +44,7 @@ use hypha_messages::{
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::run::Event;
+use crate::event::Event;
 
 /// What the dashboard shows for the task id when it listens beyond loopback.
 pub const WITHHELD: &str = "withheld (the dashboard listens beyond loopback)";

@@ -7,7 +7,7 @@
 
 use hypha_messages::iterate::{RunNote, RunProgress};
 
-use crate::run::Event;
+use crate::event::Event;
 
 /// How many of the latest happenings a run's progress lists.
 pub const RECENT: usize = 10;

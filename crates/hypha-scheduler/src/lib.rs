@@ -17,6 +17,8 @@
 //! - [`record`]: a run's durable record beside its ledger, from which a restarted scheduler
 //!   resumes it.
 //! - [`run`]: running a job file on leased workers, replacing lost or failed ones.
+//! - [`event`]: what happens to a run, as the console, the events file, the dashboard and
+//!   the history show it.
 //! - [`dashboard`]: the live dashboard and its JSON API, served while a job runs.
 //! - [`node`]: the `hypha-scheduler` program's commands.
 //!
@@ -26,6 +28,7 @@ pub mod allocator;
 pub mod checkpoint;
 pub mod dashboard;
 pub mod data;
+pub mod event;
 pub mod history;
 pub mod node;
 pub mod record;

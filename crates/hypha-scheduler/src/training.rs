@@ -23,7 +23,8 @@ use std::{
 };
 
 use hypha_messages::diloco::{
-    ModelOfRound, ServerOrder, ServerStatus, StandbyOrder, StandbyStatus, Status, TrainerOrder,
+    ModelOfRound, Order, ServerOrder, ServerStatus, StandbyOrder, StandbyStatus, Status,
+    TrainerOrder,
 };
 use hypha_network::PeerId;
 use serde::Serialize;
@@ -106,7 +107,7 @@ struct Uncommitted {
 /// What a status was answered with, for the run loop to report.
 #[derive(Debug)]
 pub struct Answered {
-    pub payload: String,
+    pub order: Order,
     pub applied: Option<AppliedRound>,
     /// The first status of a parameter server that was taken over: whether it goes on (at
     /// the round it said, with the round it applied as the earlier process died, if any), or
@@ -172,14 +173,14 @@ impl Training {
     }
 
     /// What a trainer is told when the scheduler cannot say more yet: ask again soon.
-    pub fn wait_order() -> String {
-        serde_json::to_string(&TrainerOrder::Wait { retry_ms: WAIT_MS }).unwrap_or_default()
+    pub fn wait_order() -> Order {
+        Order::Trainer(TrainerOrder::Wait { retry_ms: WAIT_MS })
     }
 
     /// What the parameter server is told when the scheduler cannot say more yet: go on
     /// collecting.
-    pub fn server_wait_order() -> String {
-        serde_json::to_string(&ServerOrder::Wait).unwrap_or_default()
+    pub fn server_wait_order() -> Order {
+        Order::ParameterServer(ServerOrder::Wait)
     }
 
     /// Trainer `job` of an earlier process of the scheduler goes on, on `peer`; `rejoin`:
@@ -260,8 +261,8 @@ impl Training {
     }
 
     /// What the standby is told when the scheduler cannot say more yet: go on following.
-    pub fn standby_wait_order() -> String {
-        serde_json::to_string(&StandbyOrder::Wait).unwrap_or_default()
+    pub fn standby_wait_order() -> Order {
+        Order::Standby(StandbyOrder::Wait)
     }
 
     /// The standby that can take over from the server just lost, if there is one: it holds
@@ -502,9 +503,8 @@ impl Training {
         self.rounds.done()
     }
 
-    /// The answer to job `job`'s status, or `None` when it is not a DiLoCo status.
-    pub async fn status(&mut self, job: &str, payload: &serde_json::Value) -> Option<Answered> {
-        let status: Status = serde_json::from_value(payload.clone()).ok()?;
+    /// The answer to job `job`'s status.
+    pub async fn status(&mut self, job: &str, status: Status) -> Answered {
         let now = unix_ms();
         let mut resumed = None;
         let mut rejoined = false;
@@ -523,7 +523,7 @@ impl Training {
                 let stale = self.rounds.must_rejoin(job);
                 let (order, settle) = self.rounds.trainer_status(job, status, now);
                 rejoined = stale && !self.rounds.must_rejoin(job);
-                (serde_json::to_string(&order), settle, None)
+                (Order::Trainer(order), settle, None)
             }
             Status::ParameterServer(status) if self.server.as_deref() == Some(job) => {
                 if std::mem::take(&mut self.resuming) {
@@ -531,12 +531,12 @@ impl Training {
                     let refused = fits.is_err();
                     resumed = Some(fits);
                     if refused {
-                        return Some(Answered {
-                            payload: Self::server_wait_order(),
+                        return Answered {
+                            order: Self::server_wait_order(),
                             applied: None,
                             resumed,
                             rejoined: false,
-                        });
+                        };
                     }
                 }
                 if self.rounds.applies(&status) {
@@ -551,18 +551,17 @@ impl Training {
                     ServerOrder::Wait if !standby_named => ServerOrder::Standby { peer: named },
                     order => order,
                 };
-                (serde_json::to_string(&order), settle, applied)
+                (Order::ParameterServer(order), settle, applied)
             }
-            Status::ParameterServer(_) => (serde_json::to_string(&ServerOrder::Done), vec![], None),
+            Status::ParameterServer(_) => (Order::ParameterServer(ServerOrder::Done), vec![], None),
             Status::Standby(status) => {
                 let order = self.standby_status(job, status);
-                return Some(Answered {
-                    payload: serde_json::to_string(&order)
-                        .unwrap_or_else(|_| Self::standby_wait_order()),
+                return Answered {
+                    order: Order::Standby(order),
                     applied: None,
                     resumed: None,
                     rejoined: false,
-                });
+                };
             }
         };
         for settle in settle {
@@ -581,13 +580,12 @@ impl Training {
             });
             self.round_started_ms = now;
         }
-        let payload = answer.unwrap_or_else(|_| Self::wait_order());
-        Some(Answered {
-            payload,
+        Answered {
+            order: answer,
             applied,
             resumed,
             rejoined,
-        })
+        }
     }
 
     /// The answer to a standby's status: take over when it was made the server, follow the

@@ -336,6 +336,16 @@ pub enum StandbyOrder {
     Done,
 }
 
+/// The scheduler's answer to a DiLoCo [`Status`]: the order of the same kind, on the wire
+/// as that order alone.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Order {
+    Trainer(TrainerOrder),
+    ParameterServer(ServerOrder),
+    Standby(StandbyOrder),
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -1,0 +1,366 @@
+//! The DiLoCo side of a run: the parameter server's statuses and silence, its checkpoints
+//! and their standby, failover and promotion, benched trainers.
+
+use std::time::Duration;
+
+use hypha_network::Network;
+use libp2p::PeerId;
+
+use super::{
+    Internal, JobRun, RunError,
+    inbound::{ExecutorAnswer, ExecutorReport, ExecutorStatus},
+};
+use crate::{
+    checkpoint::{self, Checkpoints},
+    event::Event,
+    record::BenchedTrainer,
+    rounds::News,
+    slots::Role,
+    training::{Answered, Promotion, Training},
+};
+
+/// How long the parameter server may say nothing (it reports every quarter second) before
+/// its lease is renewed at once to learn whether its worker is still there.
+pub(super) const SERVER_SILENCE: Duration = Duration::from_secs(1);
+
+/// How long a parameter server taken over after a restart has to send its first status
+/// (it reports four times a second).
+pub(super) const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
+
+impl JobRun<'_> {
+    /// A parameter server that went quiet may have lost its worker: its lease is renewed now,
+    /// so that a worker that is gone is replaced within seconds, not a lease period. One taken
+    /// over that has not said which round it is at within [`FIRST_STATUS_PATIENCE`] is
+    /// replaced from the checkpoint: the trainers wait for it.
+    pub(super) async fn on_server_silence(&mut self) -> Result<(), RunError> {
+        let silent = self.server_heard.elapsed();
+        if silent < SERVER_SILENCE {
+            return Ok(());
+        }
+        let server = self
+            .jobs
+            .iter()
+            .find(|(_, d)| self.slots.role(d.slot) == Role::ParameterServer);
+        let Some((job, server)) = server else {
+            return Ok(());
+        };
+        if self.server_pending && silent >= FIRST_STATUS_PATIENCE {
+            let reason = format!(
+                "the parameter server taken over sent no status within {} s",
+                FIRST_STATUS_PATIENCE.as_secs()
+            );
+            let job = job.clone();
+            return self.ended(&job, Some(reason)).await;
+        }
+        if !self.server_pending {
+            server.lease.probe();
+            self.server_heard = std::time::Instant::now();
+        }
+        Ok(())
+    }
+
+    /// An executor's status: a DiLoCo one goes to the training, which says what to answer;
+    /// any other is recorded as it came.
+    pub(super) async fn on_executor_status(
+        &mut self,
+        status: ExecutorStatus,
+    ) -> Result<(), RunError> {
+        let ExecutorStatus {
+            peer,
+            job,
+            report,
+            answer,
+        } = status;
+        // Only the worker running a job speaks for it.
+        let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
+            // A job being taken over waits until it is.
+            let _ = answer.send(match (&self.training, self.taking_over(peer, &job)) {
+                (Some(_), Some(Role::Trainer)) => Training::wait_order().into(),
+                (Some(_), Some(Role::ParameterServer)) => Training::server_wait_order().into(),
+                (Some(_), Some(Role::Standby)) => Training::standby_wait_order().into(),
+                _ => ExecutorAnswer::Received,
+            });
+            return Ok(());
+        };
+        if self.slots.role(dispatched.slot) == Role::ParameterServer {
+            self.server_heard = std::time::Instant::now();
+        }
+        let (training, status) = match (self.training.as_mut(), report) {
+            (Some(training), ExecutorReport::Diloco(status)) => (training, status),
+            (_, report) => {
+                let _ = answer.send(ExecutorAnswer::Received);
+                self.events.record(Event::ExecutorStatus {
+                    job,
+                    payload: report.into_json(),
+                });
+                return Ok(());
+            }
+        };
+        match training.status(&job, *status).await {
+            Answered {
+                resumed: Some(Err(reason)),
+                order,
+                ..
+            } => {
+                let _ = answer.send(order.into());
+                let reason = format!("the parameter server taken over cannot go on: {reason}");
+                self.ended(&job, Some(reason)).await?;
+            }
+            answered => {
+                if let Some(Ok(unheard)) = answered.resumed {
+                    // It goes on: the trainers taken over train on with it, and its
+                    // checkpoints up to the round it is at are taken.
+                    self.server_pending = false;
+                    if let Some(applied) = unheard {
+                        self.events.record(Event::Round {
+                            round: applied.round,
+                            trainers: applied.included.len(),
+                            samples: applied.samples,
+                            loss: applied.loss,
+                            away: true,
+                        });
+                    }
+                    self.store_record()?;
+                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
+                    {
+                        checkpoints.accept_up_to(training.round());
+                    }
+                }
+                if answered.applied.is_some() {
+                    // Recorded before the server hears its round was taken: only then may it
+                    // send the round's checkpoint, which makes the round's slices used.
+                    self.store_record()?;
+                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
+                    {
+                        checkpoints.accept_up_to(training.round());
+                    }
+                }
+                if answered.rejoined {
+                    // A restarted scheduler must not tell it to join again (and drop the
+                    // round its update may be in).
+                    self.store_record()?;
+                }
+                let _ = answer.send(answered.order.into());
+                self.report_news();
+                if let Some(applied) = answered.applied {
+                    self.events.record(Event::Round {
+                        round: applied.round,
+                        trainers: applied.included.len(),
+                        samples: applied.samples,
+                        loss: applied.loss,
+                        away: false,
+                    });
+                    for peer in &applied.benched {
+                        self.bench(peer, applied.round).await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records what the rounds say happened to the trainers.
+    pub(super) fn report_news(&mut self) {
+        let Some(training) = self.training.as_mut() else {
+            return;
+        };
+        for news in training.take_news() {
+            let event = match news {
+                News::Waiting {
+                    ready,
+                    trainers,
+                    grace_ms,
+                } => Event::WaitingForTrainers {
+                    ready,
+                    trainers,
+                    grace_s: grace_ms as f64 / 1000.0,
+                },
+                News::Began {
+                    round,
+                    ready,
+                    late,
+                    waited_ms,
+                } => Event::RoundsBegin {
+                    round,
+                    trainers: ready,
+                    late,
+                    waited_s: waited_ms as f64 / 1000.0,
+                },
+                News::Joined { job, peer, round } => {
+                    let Some(slot) = self.jobs.get(&job).map(|d| d.slot) else {
+                        continue;
+                    };
+                    Event::Joined {
+                        slot,
+                        job,
+                        peer,
+                        round,
+                    }
+                }
+            };
+            self.events.record(event);
+        }
+    }
+
+    /// The trainer on `peer` is benched: its job ends (its lease and its slices go back), its
+    /// slot is given up rather than filled again (a worker that lies in every update would
+    /// only be replaced by the next one the market offers; elastic runs may refill it), and
+    /// its worker is never leased again for the task, also after a restart.
+    pub(super) async fn bench(&mut self, peer: &str, round: u64) -> Result<(), RunError> {
+        let Some((job, slot)) = self
+            .jobs
+            .iter()
+            .find(|(_, d)| {
+                d.lease.peer.to_string() == peer && self.slots.role(d.slot) == Role::Trainer
+            })
+            .map(|(job, d)| (job.clone(), d.slot))
+        else {
+            return Ok(());
+        };
+        let refusals = self
+            .spec
+            .diloco
+            .as_ref()
+            .map_or(0, |d| d.bench_after_refusals);
+        self.events.record(Event::Benched {
+            slot,
+            job: job.clone(),
+            peer: peer.to_string(),
+            round,
+            refusals,
+        });
+        self.benched.push(BenchedTrainer {
+            peer: peer.to_string(),
+            slot,
+        });
+        self.ended(&job, None).await
+    }
+
+    /// The parameter server on `peer` is gone: the next one is restored from the checkpoint
+    /// held here. Without one, it starts afresh when no round was applied yet; otherwise the
+    /// run cannot go on with the model it trained.
+    pub(super) fn fail_over(&mut self, peer: PeerId, reason: &str) -> Result<(), RunError> {
+        let held = self.checkpoints.as_ref().and_then(Checkpoints::round);
+        let trained = self.training.as_ref().map_or(0, Training::round);
+        if held.is_none() && trained > 0 {
+            return Err(RunError::ServerLost {
+                peer: peer.to_string(),
+                reason: reason.to_string(),
+            });
+        }
+        self.restore = held;
+        self.events.record(Event::Failover {
+            peer: peer.to_string(),
+            reason: reason.to_string(),
+            round: held.unwrap_or(0),
+            lost_rounds: trained.saturating_sub(held.unwrap_or(0)),
+            standby: None,
+        });
+        Ok(())
+    }
+
+    /// The server's job `lost` on `peer` failed, and its standby takes over at the round it
+    /// holds: its job moves into the server's slot, the trainers join it, and a new standby
+    /// is leased. The rounds after that one are lost; those before wait for its checkpoints.
+    pub(super) fn promote(
+        &mut self,
+        lost: &str,
+        peer: PeerId,
+        reason: &str,
+        promotion: Promotion,
+    ) -> Result<(), RunError> {
+        let trained = self.training.as_ref().map_or(0, Training::round);
+        if !self.slots.promote(lost, &promotion.job) {
+            return Err(RunError::ServerLost {
+                peer: peer.to_string(),
+                reason: format!("{reason}; its standby could not take its slot"),
+            });
+        }
+        if let (Some(slot), Some(dispatched)) = (
+            self.slots.slot_of(&promotion.job),
+            self.jobs.get_mut(&promotion.job),
+        ) {
+            dispatched.slot = slot;
+        }
+        if let Some(training) = self.training.as_mut() {
+            training.promote(&promotion);
+        }
+        if let Some(checkpoints) = &self.checkpoints {
+            checkpoints.accept_from(Some(promotion.peer));
+        }
+        self.server_heard = std::time::Instant::now();
+        self.events.record(Event::Failover {
+            peer: peer.to_string(),
+            reason: reason.to_string(),
+            round: promotion.round,
+            lost_rounds: trained.saturating_sub(promotion.round),
+            standby: Some(promotion.peer.to_string()),
+        });
+        self.task_peers_changed();
+        self.store_record()?;
+        self.allocate_next();
+        Ok(())
+    }
+
+    pub(super) async fn checkpoint_stored(
+        &mut self,
+        round: u64,
+        bytes: u64,
+    ) -> Result<(), RunError> {
+        if let Some(training) = self.training.as_mut() {
+            training.checkpoint_stored(round, bytes).await;
+            self.store_record()?;
+        }
+        self.forward_checkpoint();
+        Ok(())
+    }
+
+    /// Sends the newest checkpoint held to the standby, if one runs: one at a time, the
+    /// newest again when one was stored meanwhile. Over this scheduler's link, not the
+    /// server's.
+    pub(super) fn forward_checkpoint(&mut self) {
+        if self.forwarding {
+            self.forward_again = true;
+            return;
+        }
+        let standby = self
+            .jobs
+            .values()
+            .find(|d| self.slots.role(d.slot) == Role::Standby)
+            .map(|d| d.lease.peer);
+        let (Some(peer), Some((round, file))) = (
+            standby,
+            self.checkpoints.as_ref().and_then(Checkpoints::open),
+        ) else {
+            return;
+        };
+        self.forwarding = true;
+        let network = self.network.clone();
+        let task = self.task.clone();
+        self.tasks.spawn(async move {
+            let result = send_checkpoint(&network, peer, task, file)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string());
+            Internal::Forwarded { round, result }
+        });
+    }
+}
+
+/// Sends the checkpoint in `file` to the jobs of `task` on `peer`.
+pub(super) async fn send_checkpoint(
+    network: &Network,
+    peer: PeerId,
+    task: String,
+    file: std::fs::File,
+) -> Result<String, hypha_transfer::SendError> {
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let header = hypha_transfer::Header {
+        task,
+        name: checkpoint::TRANSFER_NAME.to_string(),
+        size,
+        published: None,
+        sha256: None,
+    };
+    hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
+}
