@@ -1,343 +1,32 @@
-//! One artifact's swarm on one node: an actor that decides which chunk to pull from where.
-//!
-//! There is no coordinator. Every node hears from every other member what it holds, what it
-//! is pulling from the origin and how many chunks it is sending, and decides for itself:
-//!
-//! - **Membership**: a member is a peer whose stream to this node is open, and this node
-//!   keeps its own stream to each open (a refused or broken one is opened again). Members
-//!   are found in the DHT and, while the expected ones are not all there, among the peers the
-//!   fetches name (a job's workers): a slow DHT must not let the join timeout pass.
-//! - **Origin**: a chunk belongs to one member, `members[(chunk + k) % n]` over the sorted
-//!   live members (k from the artifact id), and only its owner reads it from the origin,
-//!   within `origin_connections / n` connections. While the members agree on who is live,
-//!   every chunk leaves the origin once. When a member leaves, its chunks get new owners;
-//!   what it was reading is read again. Where this node banned the owner, or the owner has
-//!   said it is reading a chunk for longer than `PULLING_PATIENCE`, the next member in
-//!   that order reads it.
-//! - **Peers**: the rarest chunk first (fewest live holders; ties broken at random per node),
-//!   from the holder with the fewest uploads under way, within the download slots.
-//! - **Integrity**: a chunk's hash is trusted only as far as the origin vouches for it. A
-//!   member that reads a chunk from the origin announces its hash `from_origin`. Chunks are
-//!   pulled from peers only with a hash vouched for by a member whose turn it was to read the
-//!   chunk when it said so (as this node saw the ring), by two members that agree, or by
-//!   this node's own origin read, or held with it by two live members (where no two hold it
-//!   with another: a newcomer to members that hold everything cannot know whose turn each
-//!   chunk was) unless it is this node's turn to read it, and every transfer is checked
-//!   against it; a claim by any
-//!   other single member (a liar announcing first, say) leaves the chunk to be read in turn.
-//!   What a member vouched for stands after it leaves, and it cannot take it back. When
-//!   members vouch for different hashes, or for another hash than the one this node holds
-//!   (even while it arrives), this node reads the chunk (or only its hash) from the origin,
-//!   and the files are not final before it has; the members the origin contradicts are
-//!   banned, never one that merely relayed what it was given, and chunks taken on their word
-//!   alone are dropped and fetched again. A random share of the chunks
-//!   (`Settings::origin_audit`, chosen by each node and told to nobody) is read from the
-//!   origin although peers hold them: a member lying about chunks that were its own to read
-//!   is caught with probability `1 - (1 - share)^(n - 1)` per chunk. A peer whose bytes
-//!   disagree with the hash it announced, or that fails `FAILURES_BEFORE_BAN` requests in
-//!   a row for chunks it announced, is not asked again for this artifact.
-//! - **Liveness**: no single member can hold a chunk up for longer than
-//!   `Settings::stall_patience`. A chunk whose holders never send it (they answer `busy`,
-//!   `missing`, or report full loads) while this node receives nothing else is read from the
-//!   origin by the next member in turn that does not hold it; a member whose turn it is to
-//!   read chunks and that reads nothing for that long (since it joined, the ring last
-//!   changed, or it last read one) is passed over, as one reading for longer than
-//!   `PULLING_PATIENCE` is. A holder sending slower than `MIN_PEER_RATE` fails the
-//!   transfer, one holder gets at most half the download slots while there are others, and
-//!   a member that drops a chunk it read from the origin is not asked again.
-//!
-//! The actor owns all of this state; transfers, stream readers and writers are tasks that
-//! report back through one bounded queue, so the actor never waits on the network.
+//! The swarm's actor: its state and rules (see the module above for what they are), and the
+//! tasks it starts.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{Arc, atomic::Ordering},
+};
 
 use hypha_messages::artifact::Request;
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
-    },
-    time::Duration,
-};
-
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
-use hypha_network::{
-    Network, PeerId, Stream,
-    frame::{AskError, ask},
-    shares::PeerShares,
-};
-use serde::Serialize;
+use hypha_network::{PeerId, Stream};
 use tokio::{
-    sync::{Semaphore, mpsc, watch},
+    sync::{mpsc, watch},
     time::Instant,
 };
 
-use crate::{
-    Settings,
-    assembly::{Assembly, ChunkSink},
-    cache::{Cache, Record, Stamp},
-    manifest::{ArtifactId, Manifest},
-    origin::{Origin, OriginError},
-    protocol::{
-        CHUNK_PROTOCOL, ChunkErrorCode, ChunkHeader, ChunkRequest, HelloReply, SWARM_PROTOCOL,
-        SwarmMessage, provider_key, read_frame, write_frame,
-    },
+use super::tasks::{discover, hash_origin, read_from, read_origin, read_peer, tick, write_to};
+use super::{
+    BACKOFF, Context, Event, FAILURES_BEFORE_BAN, Failure, Held, Holding, ORIGIN_ATTEMPTS,
+    PEER_QUEUE, PULLING_PATIENCE, PeerFailure, PeerProgress, Progress, TICK,
 };
-
-/// Events queued to a swarm's actor; senders wait when it is full.
-pub(crate) const EVENT_QUEUE: usize = 1024;
-/// Messages queued to one peer's writer. When full the peer is too slow to follow: its writer
-/// is dropped and a fresh one (with a full snapshot) is opened at the next discovery.
-const PEER_QUEUE: usize = 4096;
-/// How long a peer may take to answer a hello or a chunk request, or stall mid-chunk.
-const PEER_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often load is reported and stalled decisions are revisited.
-const TICK: Duration = Duration::from_millis(250);
-/// How long a peer that refused us (busy, not a member, unreachable) is left alone.
-const BACKOFF: Duration = Duration::from_secs(1);
-/// The slowest a holder may send a chunk (bytes per second, after [`PEER_TIMEOUT`]) before the
-/// transfer fails and counts against it.
-const MIN_PEER_RATE: u64 = 32 * 1024;
-/// How long a member may take to read a chunk from the origin before the next member reads it
-/// too: a member that says it is reading and never finishes must not stall the swarm. Long
-/// enough for a 64 MiB chunk at 256 KiB/s.
-const PULLING_PATIENCE: Duration = Duration::from_secs(300);
-/// Origin reads of one chunk tried before the fetch fails.
-const ORIGIN_ATTEMPTS: u32 = 3;
-/// Chunk requests in a row a holder may fail (no answer, stream closed, a malformed answer)
-/// before it is not asked again for this artifact. Refusals an honest member gives too
-/// (`busy`, `missing`, `not_admitted`) are not counted: a member that only refuses holds its
-/// chunks up for at most `Settings::stall_patience`.
-const FAILURES_BEFORE_BAN: u32 = 3;
-
-/// A chunk this node holds: its hash, and whether the bytes came from the origin itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Held {
-    pub(crate) hash: [u8; 32],
-    pub(crate) from_origin: bool,
-}
-
-/// What a node holds of an artifact, shared with the chunk server.
-#[derive(Debug)]
-pub(crate) struct Holding {
-    pub(crate) assembly: Arc<Assembly>,
-    chunks: Vec<Mutex<Option<Held>>>,
-    /// Whether each chunk is held, readable without a lock: the actor asks for every chunk
-    /// on every event.
-    present: Vec<AtomicBool>,
-    /// Chunks found changed on disk while being served: no longer served from here (the
-    /// cache's stamps have them fetched again by the next fetch of the artifact).
-    damaged: Vec<AtomicBool>,
-    held: AtomicU32,
-    pub(crate) uploads: Arc<Semaphore>,
-    upload_slots: usize,
-    /// At most half the upload slots go to one peer.
-    upload_shares: PeerShares,
-    pub(crate) uploaded_chunks: AtomicU64,
-    pub(crate) uploaded_bytes: AtomicU64,
-}
-
-impl Holding {
-    pub(crate) fn new(assembly: Arc<Assembly>, upload_slots: usize) -> Holding {
-        let count = assembly.manifest().chunk_count() as usize;
-        Holding {
-            assembly,
-            chunks: (0..count).map(|_| Mutex::new(None)).collect(),
-            present: (0..count).map(|_| AtomicBool::new(false)).collect(),
-            damaged: (0..count).map(|_| AtomicBool::new(false)).collect(),
-            held: AtomicU32::new(0),
-            uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
-            upload_slots: upload_slots.max(1),
-            upload_shares: PeerShares::new(upload_slots.div_ceil(2)),
-            uploaded_chunks: AtomicU64::new(0),
-            uploaded_bytes: AtomicU64::new(0),
-        }
-    }
-
-    fn slot(&self, chunk: u32) -> Option<std::sync::MutexGuard<'_, Option<Held>>> {
-        self.chunks
-            .get(chunk as usize)
-            .map(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    /// The chunk's hash if it is held (written and verified).
-    pub(crate) fn held(&self, chunk: u32) -> Option<[u8; 32]> {
-        self.held_as(chunk).map(|held| held.hash)
-    }
-
-    pub(crate) fn held_as(&self, chunk: u32) -> Option<Held> {
-        self.slot(chunk).and_then(|slot| *slot)
-    }
-
-    pub(crate) fn is_held(&self, chunk: u32) -> bool {
-        self.present
-            .get(chunk as usize)
-            .is_some_and(|p| p.load(Ordering::Acquire))
-    }
-
-    /// Records a chunk as held, unless it already is.
-    pub(crate) fn hold(&self, chunk: u32, held: Held) {
-        if let Some(mut slot) = self.slot(chunk)
-            && slot.is_none()
-        {
-            *slot = Some(held);
-            self.present[chunk as usize].store(true, Ordering::Release);
-            self.held.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Forgets a held chunk (its bytes stay until they are written again); whether it was held.
-    fn release(&self, chunk: u32) -> bool {
-        let released = self.slot(chunk).and_then(|mut slot| slot.take()).is_some();
-        if released {
-            self.present[chunk as usize].store(false, Ordering::Release);
-            self.held.fetch_sub(1, Ordering::Relaxed);
-        }
-        released
-    }
-
-    /// Takes note that `chunk`'s bytes on disk no longer match its hash.
-    fn damaged(&self, chunk: u32) {
-        if let Some(flag) = self.damaged.get(chunk as usize)
-            && !flag.swap(true, Ordering::AcqRel)
-        {
-            tracing::warn!(
-                artifact = %self.assembly.manifest().id,
-                chunk,
-                "a chunk on disk no longer matches the hash it was verified with; no longer serving it"
-            );
-        }
-    }
-
-    fn is_damaged(&self, chunk: u32) -> bool {
-        self.damaged
-            .get(chunk as usize)
-            .is_some_and(|flag| flag.load(Ordering::Acquire))
-    }
-
-    pub(crate) fn held_count(&self) -> u32 {
-        self.held.load(Ordering::Relaxed)
-    }
-
-    fn uploads_now(&self) -> u32 {
-        (self.upload_slots - self.uploads.available_permits()) as u32
-    }
-
-    fn complete(&self) -> bool {
-        self.held_count() as usize == self.chunks.len()
-    }
-}
-
-/// Why a fetch failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// The origin's object changed since the artifact was resolved.
-    Changed(String),
-    Failed(String),
-}
-
-/// A node's view of one artifact's distribution, for progress displays and results.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Progress {
-    /// The artifact id's first 12 hex digits.
-    pub artifact: String,
-    pub size: u64,
-    pub chunks: u32,
-    pub held: u32,
-    pub resumed_chunks: u32,
-    pub origin_chunks: u32,
-    pub origin_bytes: u64,
-    pub peer_chunks: u32,
-    pub peer_bytes: u64,
-    pub uploaded_chunks: u64,
-    pub uploaded_bytes: u64,
-    /// Every live member but this node.
-    pub peers: Vec<PeerProgress>,
-    pub complete: bool,
-    #[serde(skip)]
-    pub(crate) failure: Option<Failure>,
-}
-
-impl Progress {
-    /// Why the fetch failed, if it did.
-    pub fn failure(&self) -> Option<String> {
-        self.failure.as_ref().map(|f| match f {
-            Failure::Changed(s) | Failure::Failed(s) => s.clone(),
-        })
-    }
-
-    /// Whether every live member announced it holds everything.
-    pub fn peers_done(&self) -> bool {
-        self.peers.iter().all(|p| p.done)
-    }
-}
-
-/// What this node knows of one other member.
-#[derive(Debug, Clone, Serialize)]
-pub struct PeerProgress {
-    /// Kept as a `PeerId`, not text: progress is rebuilt on every event, and base58-encoding
-    /// every member each time cost more than the rest of the progress report.
-    pub peer: PeerId,
-    pub held: u32,
-    pub done: bool,
-    /// It sent bytes that did not match their hash, vouched for a hash the origin
-    /// contradicted, or failed to serve what it announced; it is not asked again.
-    pub banned: bool,
-}
-
-/// Things the actor learns.
-#[derive(Debug)]
-pub(crate) enum Event {
-    /// A member opened its swarm stream to us (its hello was answered).
-    Joined {
-        peer: PeerId,
-        stream: Stream,
-    },
-    /// The DHT lists these members.
-    Discovered(HashSet<PeerId>),
-    Message {
-        peer: PeerId,
-        generation: u64,
-        message: SwarmMessage,
-    },
-    ReaderClosed {
-        peer: PeerId,
-        generation: u64,
-    },
-    WriterEnded {
-        peer: PeerId,
-        generation: u64,
-    },
-    OriginPulled {
-        chunk: u32,
-        result: Result<[u8; 32], Failure>,
-    },
-    /// The origin's hash of a chunk this node holds, read to settle a dispute.
-    Sampled {
-        chunk: u32,
-        result: Result<[u8; 32], Failure>,
-    },
-    PeerPulled {
-        chunk: u32,
-        peer: PeerId,
-        result: Result<[u8; 32], PeerFailure>,
-    },
-    Finished(Result<(), String>),
-    Tick,
-}
-
-#[derive(Debug)]
-pub(crate) enum PeerFailure {
-    Busy,
-    /// An answer an honest holder gives too, for a moment: it dropped the chunk, or has not
-    /// registered this node's admission yet. Not counted towards [`FAILURES_BEFORE_BAN`].
-    Refused(String),
-    Corrupt(String),
-    Failed(String),
-}
+use crate::{
+    cache::{Record, Stamp},
+    manifest::Manifest,
+    protocol::{SwarmMessage, provider_key},
+};
 
 /// What a member announced it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Claim {
+pub(super) struct Claim {
     hash: [u8; 32],
     from_origin: bool,
     /// It was the sender's turn to read the chunk from the origin when it said it did, or
@@ -348,7 +37,7 @@ struct Claim {
 
 /// A member said it reads a chunk from the origin.
 #[derive(Debug, Clone, Copy)]
-struct Pull {
+pub(super) struct Pull {
     since: Instant,
     /// The chunk was that member's to read when it said so: its hash, when it comes, is taken
     /// even if the chunk has become this node's since (a member left meanwhile).
@@ -357,7 +46,7 @@ struct Pull {
 
 /// Whom a chunk's hash is known from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Vouched {
+pub(super) enum Vouched {
     /// Nobody read it from the origin, as far as this node knows.
     Nobody,
     /// This hash: this node read it from the origin, or the members that did agree.
@@ -371,7 +60,7 @@ enum Vouched {
 }
 
 #[derive(Debug, Default)]
-struct Peer {
+pub(super) struct Peer {
     /// Generation of the live inbound stream; `None` while the peer has not joined us.
     reader: Option<u64>,
     /// The task reading it: stopped when the peer opens another (a peer saying hello again
@@ -419,107 +108,12 @@ impl Peer {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
+pub(super) enum Source {
     Origin,
     Peer(PeerId),
 }
 
-/// What a swarm needs from its node.
-#[derive(Debug, Clone)]
-pub(crate) struct Context {
-    pub network: Network,
-    pub origin: Arc<Origin>,
-    pub cache: Arc<Cache>,
-    pub settings: Settings,
-    /// The peers the fetches in this swarm name as fetching it too
-    /// ([`Admission::naming`](crate::Admission::naming)).
-    pub named: Named,
-}
-
-/// The peers a swarm's fetches name, asked for each time (the list changes as jobs come and
-/// go).
-#[derive(Clone)]
-pub(crate) struct Named(Arc<dyn Fn() -> Vec<PeerId> + Send + Sync>);
-
-impl Named {
-    pub fn new(named: impl Fn() -> Vec<PeerId> + Send + Sync + 'static) -> Named {
-        Named(Arc::new(named))
-    }
-
-    fn get(&self) -> Vec<PeerId> {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for Named {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Named(..)")
-    }
-}
-
-/// Starts the actor of one artifact. `expect` members (this node included) are waited for,
-/// at most `settings.join_timeout`, before anything is pulled from the origin or from peers.
-pub(crate) fn spawn(
-    context: Context,
-    request: Request,
-    holding: Arc<Holding>,
-    expect: usize,
-    resumed_chunks: u32,
-) -> (mpsc::Sender<Event>, watch::Receiver<Progress>) {
-    let manifest = holding.assembly.manifest().clone();
-    let (events_tx, events) = mpsc::channel(EVENT_QUEUE);
-    let count = manifest.chunk_count();
-    let progress = Progress {
-        artifact: manifest.id.to_string(),
-        size: manifest.size(),
-        chunks: count,
-        held: holding.held_count(),
-        resumed_chunks,
-        complete: holding.complete(),
-        ..Progress::default()
-    };
-    let (progress_tx, progress_rx) = watch::channel(progress);
-    let me = context.network.local_peer_id();
-    // Chosen here and never told: a member that knew which chunks are checked would lie
-    // about the others.
-    let audit = (0..count)
-        .map(|_| rand::random::<f64>() < context.settings.origin_audit)
-        .collect();
-    let actor = Actor {
-        me,
-        offset: manifest.id.0[0] as usize,
-        tie_break: rand::random(),
-        join_deadline: Some(Instant::now() + context.settings.join_timeout),
-        expect: expect.max(1),
-        context,
-        request,
-        manifest,
-        holding,
-        peers: BTreeMap::new(),
-        availability: vec![0; count as usize],
-        verified: vec![None; count as usize],
-        vouches: vec![Vouched::Nobody; count as usize],
-        audit,
-        vouchers: HashMap::new(),
-        to_sample: std::collections::BTreeSet::new(),
-        pending_vouchers: HashMap::new(),
-        in_flight: HashMap::new(),
-        origin_attempts: HashMap::new(),
-        origin_in_flight: 0,
-        samples_in_flight: 0,
-        generation: 0,
-        events_tx: events_tx.clone(),
-        progress: progress_tx,
-        finishing: false,
-        reported_uploads: 0,
-        ring_changed: Instant::now(),
-        last_arrival: Instant::now(),
-    };
-    tokio::spawn(actor.run(events));
-    (events_tx, progress_rx)
-}
-
-struct Actor {
+pub(super) struct Actor {
     me: PeerId,
     offset: usize,
     tie_break: u64,
@@ -566,7 +160,56 @@ struct Actor {
 }
 
 impl Actor {
-    async fn run(mut self, mut events: mpsc::Receiver<Event>) {
+    /// The actor of the artifact `holding` assembles, `expect` members waited for.
+    pub(super) fn new(
+        context: Context,
+        request: Request,
+        holding: Arc<Holding>,
+        expect: usize,
+        events_tx: mpsc::Sender<Event>,
+        progress: watch::Sender<Progress>,
+    ) -> Self {
+        let manifest = holding.assembly.manifest().clone();
+        let count = manifest.chunk_count();
+        let me = context.network.local_peer_id();
+        // Chosen here and never told: a member that knew which chunks are checked would lie
+        // about the others.
+        let audit = (0..count)
+            .map(|_| rand::random::<f64>() < context.settings.origin_audit)
+            .collect();
+        Actor {
+            me,
+            offset: manifest.id.0[0] as usize,
+            tie_break: rand::random(),
+            join_deadline: Some(Instant::now() + context.settings.join_timeout),
+            expect: expect.max(1),
+            context,
+            request,
+            manifest,
+            holding,
+            peers: BTreeMap::new(),
+            availability: vec![0; count as usize],
+            verified: vec![None; count as usize],
+            vouches: vec![Vouched::Nobody; count as usize],
+            audit,
+            vouchers: HashMap::new(),
+            to_sample: std::collections::BTreeSet::new(),
+            pending_vouchers: HashMap::new(),
+            in_flight: HashMap::new(),
+            origin_attempts: HashMap::new(),
+            origin_in_flight: 0,
+            samples_in_flight: 0,
+            generation: 0,
+            events_tx,
+            progress,
+            finishing: false,
+            reported_uploads: 0,
+            ring_changed: Instant::now(),
+            last_arrival: Instant::now(),
+        }
+    }
+
+    pub(super) async fn run(mut self, mut events: mpsc::Receiver<Event>) {
         for chunk in 0..self.manifest.chunk_count() {
             if let Some(held) = self.holding.held_as(chunk)
                 && held.from_origin
@@ -1728,389 +1371,5 @@ impl Actor {
             p.peers = peers;
             changed
         });
-    }
-}
-
-fn origin_failure(e: OriginError) -> Failure {
-    match e {
-        OriginError::Changed { .. } => Failure::Changed(e.to_string()),
-        e => Failure::Failed(e.to_string()),
-    }
-}
-
-/// Chunk `chunk`'s bytes as the origin serves them.
-async fn origin_bytes(
-    origin: &Origin,
-    manifest: &Manifest,
-    chunk: u32,
-) -> Result<impl futures::Stream<Item = Result<bytes::Bytes, Failure>>, Failure> {
-    let span = manifest.chunks()[chunk as usize];
-    let file = &manifest.files[span.file];
-    let stream = origin
-        .read(file, span.offset..span.offset + span.len)
-        .await
-        .map_err(origin_failure)?;
-    Ok(stream.map(|bytes| bytes.map_err(origin_failure)))
-}
-
-async fn read_origin(origin: &Origin, holding: &Holding, chunk: u32) -> Result<[u8; 32], Failure> {
-    let manifest = holding.assembly.manifest();
-    let span = manifest.chunks()[chunk as usize];
-    let mut stream = std::pin::pin!(origin_bytes(origin, manifest, chunk).await?);
-    let mut sink = ChunkSink::new(holding.assembly.clone(), span);
-    while let Some(bytes) = stream.next().await {
-        sink.push(&bytes?)
-            .await
-            .map_err(|e| Failure::Failed(e.to_string()))?;
-    }
-    sink.finish()
-        .await
-        .map_err(|e| Failure::Failed(format!("origin: {e}")))
-}
-
-/// The BLAKE3 of chunk `chunk` as the origin serves it, without writing it anywhere.
-async fn hash_origin(
-    origin: &Origin,
-    manifest: &Manifest,
-    chunk: u32,
-) -> Result<[u8; 32], Failure> {
-    let span = manifest.chunks()[chunk as usize];
-    let mut stream = std::pin::pin!(origin_bytes(origin, manifest, chunk).await?);
-    let mut hasher = blake3::Hasher::new();
-    let mut received = 0u64;
-    while let Some(bytes) = stream.next().await {
-        let bytes = bytes?;
-        received += bytes.len() as u64;
-        hasher.update(&bytes);
-    }
-    if received != span.len {
-        return Err(Failure::Failed(format!(
-            "origin: sent {received} bytes of a {}-byte chunk",
-            span.len
-        )));
-    }
-    Ok(*hasher.finalize().as_bytes())
-}
-
-async fn read_peer(
-    network: &Network,
-    peer: PeerId,
-    holding: &Holding,
-    chunk: u32,
-    expected: [u8; 32],
-) -> Result<[u8; 32], PeerFailure> {
-    let failed = |e: &dyn std::fmt::Display| PeerFailure::Failed(e.to_string());
-    let span = holding.assembly.manifest().chunks()[chunk as usize];
-    let request = ChunkRequest {
-        artifact: holding.assembly.manifest().id,
-        chunk,
-    };
-    // A busy holder may drop the request's stream before it answers (`frame::ask` asks again
-    // a moment later): far better than leaving it alone for `BACKOFF`, as at the end of a
-    // distribution the last chunks have few holders. A holder that does not take our
-    // streams now (it may be flooded by someone else's) says nothing of what it announced.
-    let (mut stream, header) =
-        match ask::<_, ChunkHeader>(network, peer, CHUNK_PROTOCOL, &request, PEER_TIMEOUT).await {
-            Ok(answered) => answered,
-            Err(AskError::Silent(_)) => return Err(failed(&"no answer")),
-            Err(error) => return Err(PeerFailure::Refused(error.to_string())),
-        };
-    match header {
-        ChunkHeader::Ok { size } if size == span.len => {}
-        ChunkHeader::Ok { size } => {
-            return Err(PeerFailure::Corrupt(format!(
-                "offered {size} bytes for a chunk of {}",
-                span.len
-            )));
-        }
-        ChunkHeader::Error {
-            code: ChunkErrorCode::Busy,
-            ..
-        } => return Err(PeerFailure::Busy),
-        ChunkHeader::Error {
-            code:
-                code @ (ChunkErrorCode::Missing
-                | ChunkErrorCode::NotAdmitted
-                | ChunkErrorCode::UnknownArtifact),
-            message,
-        } => return Err(PeerFailure::Refused(format!("{code:?}: {message}"))),
-        ChunkHeader::Error { code, message } => {
-            return Err(PeerFailure::Failed(format!("{code:?}: {message}")));
-        }
-    }
-    let mut sink = ChunkSink::new(holding.assembly.clone(), span);
-    let mut buf = vec![0u8; 256 * 1024];
-    // A holder sending a byte now and then must not keep a download slot for ever.
-    let deadline = Instant::now() + PEER_TIMEOUT + Duration::from_secs(span.len / MIN_PEER_RATE);
-    while sink.received() < span.len {
-        if Instant::now() >= deadline {
-            return Err(failed(&format!(
-                "sent slower than {} KiB/s",
-                MIN_PEER_RATE / 1024
-            )));
-        }
-        let want = buf.len().min((span.len - sink.received()) as usize);
-        let n = tokio::time::timeout(PEER_TIMEOUT, stream.read(&mut buf[..want]))
-            .await
-            .map_err(|_| failed(&"stalled"))?
-            .map_err(|e| failed(&e))?;
-        if n == 0 {
-            return Err(failed(&"the peer closed the stream mid-chunk"));
-        }
-        sink.push(&buf[..n]).await.map_err(|e| failed(&e))?;
-    }
-    let hash = sink.finish().await.map_err(|e| failed(&e))?;
-    if hash != expected {
-        return Err(PeerFailure::Corrupt("BLAKE3 mismatch".into()));
-    }
-    Ok(hash)
-}
-
-async fn read_from(peer: PeerId, generation: u64, mut stream: Stream, events: mpsc::Sender<Event>) {
-    loop {
-        match read_frame::<SwarmMessage>(&mut stream).await {
-            Ok(message) => {
-                if events
-                    .send(Event::Message {
-                        peer,
-                        generation,
-                        message,
-                    })
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
-            Err(e) => {
-                tracing::debug!(%peer, "swarm stream ended: {e}");
-                break;
-            }
-        }
-    }
-    let _ = events.send(Event::ReaderClosed { peer, generation }).await;
-}
-
-async fn write_to(
-    network: Network,
-    peer: PeerId,
-    artifact: ArtifactId,
-    generation: u64,
-    initial: Vec<SwarmMessage>,
-    mut queue: mpsc::Receiver<SwarmMessage>,
-    events: mpsc::Sender<Event>,
-) {
-    let result: Result<(), String> = async {
-        let mut stream = network
-            .open_stream(peer, SWARM_PROTOCOL)
-            .await
-            .map_err(|e| e.to_string())?;
-        write_frame(&mut stream, &SwarmMessage::Hello { artifact })
-            .await
-            .map_err(|e| e.to_string())?;
-        let reply: HelloReply = tokio::time::timeout(PEER_TIMEOUT, read_frame(&mut stream))
-            .await
-            .map_err(|_| "no answer to hello".to_string())?
-            .map_err(|e| e.to_string())?;
-        if reply == HelloReply::NotMember {
-            return Err("not a member".into());
-        }
-        // A member that stops reading is left, not waited for.
-        let mut send = async |message: &SwarmMessage| {
-            tokio::time::timeout(PEER_TIMEOUT, write_frame(&mut stream, message))
-                .await
-                .map_err(|_| "the peer stopped reading".to_string())?
-                .map_err(|e| e.to_string())
-        };
-        for message in &initial {
-            send(message).await?;
-        }
-        while let Some(message) = queue.recv().await {
-            send(&message).await?;
-        }
-        let _ = stream.close().await;
-        Ok(())
-    }
-    .await;
-    if let Err(reason) = result {
-        tracing::debug!(%peer, %artifact, "swarm stream to peer ended: {reason}");
-    }
-    let _ = events.send(Event::WriterEnded { peer, generation }).await;
-}
-
-async fn discover(
-    network: Network,
-    key: Vec<u8>,
-    events: mpsc::WeakSender<Event>,
-    interval: Duration,
-) {
-    loop {
-        match network.get_providers(&key).await {
-            Ok(found) => {
-                let Some(events) = events.upgrade() else {
-                    return;
-                };
-                if events.send(Event::Discovered(found)).await.is_err() {
-                    return;
-                }
-            }
-            Err(e) => tracing::debug!("artifact discovery: {e}"),
-        }
-        tokio::time::sleep(interval).await;
-    }
-}
-
-async fn tick(events: mpsc::WeakSender<Event>) {
-    let mut interval = tokio::time::interval(TICK);
-    loop {
-        interval.tick().await;
-        let Some(events) = events.upgrade() else {
-            return;
-        };
-        if events.send(Event::Tick).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Serves one chunk request on an inbound stream.
-pub(crate) async fn serve_chunk(
-    mut stream: Stream,
-    peer: PeerId,
-    lookup: impl FnOnce(ArtifactId) -> Result<Arc<Holding>, ChunkErrorCode>,
-) {
-    let refuse = |code, message: String| ChunkHeader::Error { code, message };
-    let request: ChunkRequest =
-        match tokio::time::timeout(PEER_TIMEOUT, read_frame(&mut stream)).await {
-            Ok(Ok(request)) => request,
-            Ok(Err(e)) => {
-                let _ = write_frame(
-                    &mut stream,
-                    &refuse(ChunkErrorCode::Malformed, e.to_string()),
-                )
-                .await;
-                return;
-            }
-            Err(_) => return,
-        };
-    let holding = match lookup(request.artifact) {
-        Ok(holding) => holding,
-        Err(code) => {
-            let message = match code {
-                ChunkErrorCode::NotAdmitted => format!(
-                    "no job or request for {} here lets you in its swarm",
-                    request.artifact
-                ),
-                _ => format!("not in the swarm of {}", request.artifact),
-            };
-            let _ = write_frame(&mut stream, &refuse(code, message)).await;
-            return;
-        }
-    };
-    let Some(span) = holding.assembly.manifest().chunk(request.chunk) else {
-        let _ = write_frame(
-            &mut stream,
-            &refuse(
-                ChunkErrorCode::Malformed,
-                format!(
-                    "artifact {} has no chunk {}",
-                    request.artifact, request.chunk
-                ),
-            ),
-        )
-        .await;
-        return;
-    };
-    let Some(serving) = holding
-        .held(request.chunk)
-        .filter(|_| !holding.is_damaged(request.chunk))
-    else {
-        let _ = write_frame(
-            &mut stream,
-            &refuse(
-                ChunkErrorCode::Missing,
-                format!("chunk {} is not held here", request.chunk),
-            ),
-        )
-        .await;
-        return;
-    };
-    let Ok(_permit) = holding.uploads.clone().try_acquire_owned() else {
-        let _ = write_frame(
-            &mut stream,
-            &refuse(ChunkErrorCode::Busy, "every upload slot is taken".into()),
-        )
-        .await;
-        return;
-    };
-    let Some(_share) = holding.upload_shares.try_take(peer) else {
-        let _ = write_frame(
-            &mut stream,
-            &refuse(
-                ChunkErrorCode::Busy,
-                format!(
-                    "you hold {} of the upload slots already",
-                    holding.upload_shares.per_peer()
-                ),
-            ),
-        )
-        .await;
-        return;
-    };
-    let result: Result<(), String> = async {
-        write_frame(&mut stream, &ChunkHeader::Ok { size: span.len })
-            .await
-            .map_err(|e| e.to_string())?;
-        // Read the next block while the current one is being sent.
-        let read = |offset: u64| {
-            let assembly = holding.assembly.clone();
-            tokio::task::spawn_blocking(move || {
-                assembly.read_at(span, offset, crate::assembly::IO_BLOCK)
-            })
-        };
-        let mut offset = 0u64;
-        let mut next = (span.len > 0).then(|| read(0));
-        // The bytes are hashed as they are read, and the last block goes out only if they
-        // match what this node holds: a chunk changed on disk since it was verified (by a
-        // process of this node's user, by the disk) ends short, which costs the peer a retry
-        // elsewhere, instead of reaching it whole, costing it a download and this node its
-        // place in the swarm.
-        let mut hasher = blake3::Hasher::new();
-        while let Some(pending) = next.take() {
-            let block = pending
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-            hasher.update(&block);
-            offset += block.len() as u64;
-            if offset < span.len {
-                next = Some(read(offset));
-            } else if holding.held(request.chunk) != Some(serving) {
-                // Dropped (and perhaps being written again) while it was being sent: end the
-                // stream short rather than hand out bytes that match no hash.
-                return Err("the chunk was dropped while being sent".to_string());
-            } else if *hasher.finalize().as_bytes() != serving {
-                holding.damaged(request.chunk);
-                return Err("the chunk on disk no longer matches its hash".to_string());
-            }
-            tokio::time::timeout(PEER_TIMEOUT, stream.write_all(&block))
-                .await
-                .map_err(|_| "the peer stopped reading".to_string())?
-                .map_err(|e| e.to_string())?;
-        }
-        stream.close().await.map_err(|e| e.to_string())?;
-        Ok(())
-    }
-    .await;
-    match result {
-        Ok(()) => {
-            holding.uploaded_chunks.fetch_add(1, Ordering::Relaxed);
-            holding
-                .uploaded_bytes
-                .fetch_add(span.len, Ordering::Relaxed);
-        }
-        Err(reason) => {
-            tracing::debug!(%peer, chunk = request.chunk, "upload ended early: {reason}")
-        }
     }
 }
