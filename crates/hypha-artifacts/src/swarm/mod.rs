@@ -52,6 +52,7 @@
 mod actor;
 mod holding;
 mod serve;
+mod state;
 mod tasks;
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
@@ -104,7 +105,7 @@ pub(crate) enum Failure {
 }
 
 /// A node's view of one artifact's distribution, for progress displays and results.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Progress {
     /// The artifact id's first 12 hex digits.
     pub artifact: String,
@@ -140,7 +141,7 @@ impl Progress {
 }
 
 /// What this node knows of one other member.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PeerProgress {
     /// Kept as a `PeerId`, not text: progress is rebuilt on every event, and base58-encoding
     /// every member each time cost more than the rest of the progress report.

@@ -1,0 +1,1359 @@
+//! The swarm's rules: claims, vouches, the turn ring, chunk picks, bans and membership, as a
+//! state machine. [`State::apply`] takes what the node learns ([`Input`]) and the time it
+//! learned it, and says what to do ([`Action`]s): it starts no task, reads no clock and
+//! touches the network nowhere; the actor ([`actor`](super::actor)) feeds it and performs
+//! its actions. What the rules are is in the module above.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::{Arc, atomic::Ordering},
+};
+
+use hypha_network::PeerId;
+use tokio::time::Instant;
+
+use super::{
+    BACKOFF, FAILURES_BEFORE_BAN, Failure, Held, Holding, ORIGIN_ATTEMPTS, PULLING_PATIENCE,
+    PeerFailure, PeerProgress, Progress, TICK,
+};
+use crate::{Settings, manifest::Manifest, protocol::SwarmMessage};
+
+/// What the swarm's state learns.
+#[derive(Debug)]
+pub(super) enum Input {
+    /// The actor started: decide what to read first.
+    Start,
+    /// A member opened its swarm stream to us (its hello was answered).
+    Joined(PeerId),
+    /// The DHT lists these members.
+    Discovered(HashSet<PeerId>),
+    Message {
+        peer: PeerId,
+        generation: u64,
+        message: SwarmMessage,
+    },
+    ReaderClosed {
+        peer: PeerId,
+        generation: u64,
+    },
+    /// Our stream to the peer closed (refused, or it broke).
+    WriterEnded {
+        peer: PeerId,
+        generation: u64,
+    },
+    /// Our stream to the peer could not take a message (its queue was full: the peer does not
+    /// keep up) and was dropped; a fresh one (with a full snapshot) is opened later.
+    WriterDropped {
+        peer: PeerId,
+        generation: u64,
+    },
+    OriginPulled {
+        chunk: u32,
+        result: Result<[u8; 32], Failure>,
+    },
+    /// The origin's hash of a chunk this node holds, read to settle a dispute.
+    Sampled {
+        chunk: u32,
+        result: Result<[u8; 32], Failure>,
+    },
+    PeerPulled {
+        chunk: u32,
+        peer: PeerId,
+        result: Result<[u8; 32], PeerFailure>,
+    },
+    /// The files were completed (synced, renamed into place, recorded), or could not be.
+    Finished(Result<(), String>),
+    /// Time passed ([`TICK`]); `named`: the peers the fetches name, while members are
+    /// still awaited ([`State::joining`]).
+    Tick {
+        named: Vec<PeerId>,
+    },
+}
+
+/// What the swarm's state asks its actor to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Action {
+    /// Read `chunk` from the origin into the files.
+    PullFromOrigin(u32),
+    /// Read only the origin's hash of the held `chunk`.
+    SampleOrigin(u32),
+    /// Read `chunk` from `peer`, expecting `expected` as its hash.
+    PullFromPeer {
+        chunk: u32,
+        peer: PeerId,
+        expected: [u8; 32],
+    },
+    /// Read the stream `peer` opened to us, as `generation`.
+    ReadFrom { peer: PeerId, generation: u64 },
+    /// Stop reading `peer`'s stream (it left, or opened another).
+    StopReading(PeerId),
+    /// Open our stream to `peer`, as `generation`, sending `initial` first.
+    Connect {
+        peer: PeerId,
+        generation: u64,
+        initial: Vec<SwarmMessage>,
+    },
+    /// Close our stream to `peer` (what it was told no longer counts).
+    Disconnect(PeerId),
+    /// Send to every member our stream is open to.
+    Broadcast(SwarmMessage),
+    /// Note in the cache that `chunk` is held with `hash`, for resuming.
+    RecordChunk {
+        chunk: u32,
+        hash: [u8; 32],
+        from_origin: bool,
+    },
+    /// Forget in the cache that `chunk` was held.
+    ForgetChunk(u32),
+    /// Every chunk is in: complete the files ([`Input::Finished`] when done).
+    Finish,
+}
+
+/// What a member announced it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Claim {
+    hash: [u8; 32],
+    from_origin: bool,
+    /// It was the sender's turn to read the chunk from the origin when it said it did, or
+    /// when it said it was reading it (as this node saw the ring then, or when reading
+    /// started, for claims that came before): its word alone is taken.
+    in_turn: bool,
+}
+
+/// A member said it reads a chunk from the origin.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pull {
+    since: Instant,
+    /// The chunk was that member's to read when it said so: its hash, when it comes, is taken
+    /// even if the chunk has become this node's since (a member left meanwhile).
+    in_turn: bool,
+}
+
+/// Whom a chunk's hash is known from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Vouched {
+    /// Nobody read it from the origin, as far as this node knows.
+    Nobody,
+    /// This hash: this node read it from the origin, or the members that did agree.
+    For([u8; 32]),
+    /// Members that read it from the origin announced different hashes.
+    Disputed,
+    /// No member's word on it counts, but two live members hold it with this hash (see
+    /// [`State::endorsed`]): taken from them, except where it is this node's turn to read it,
+    /// so that each chunk's owner still checks it against the origin.
+    Endorsed([u8; 32]),
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Peer {
+    /// Generation of the live inbound stream; `None` while the peer has not joined us.
+    reader: Option<u64>,
+    /// Generation of our stream to it, while it is open.
+    writer: Option<u64>,
+    /// What it holds, while it is live.
+    have: HashMap<u32, Claim>,
+    /// The chunks it said it read from the origin, kept after it leaves: its word on them
+    /// stands (chunks others got from it are still good) unless the origin contradicts it.
+    vouched: HashMap<u32, Claim>,
+    /// Chunks it said it reads from the origin.
+    pulling: HashMap<u32, Pull>,
+    /// When it first said it reads each chunk (kept when it stops or reconnects).
+    first_pulled: HashMap<u32, Instant>,
+    uploads: u32,
+    done: bool,
+    /// Not asked again for this artifact.
+    banned: bool,
+    /// The origin contradicted its word: nothing it vouched for counts (it is banned too).
+    liar: bool,
+    /// Our chunk requests to it under way.
+    requests: u32,
+    /// Our chunk requests it failed in a row.
+    failures: u32,
+    left_alone_until: Option<Instant>,
+    /// When it last announced a chunk it read from the origin.
+    last_read: Option<Instant>,
+    /// When it first said it reads a chunk from the origin after that (kept when it
+    /// reconnects): a read may take up to [`PULLING_PATIENCE`], but saying it reads one chunk
+    /// after another never finishing any does not keep a member from being passed over.
+    reading_since: Option<Instant>,
+    /// It told us what it holds and reads: its first `load` ends what it sends on joining.
+    synced: bool,
+    /// Chunks it holds and could not send this node (it refused, or had no free upload
+    /// slot), since the first time; kept when it drops them or leaves, so that announcing
+    /// them again does not wind the clock back.
+    held_back: HashMap<u32, Instant>,
+}
+
+impl Peer {
+    fn live(&self) -> bool {
+        self.reader.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Source {
+    Origin,
+    Peer(PeerId),
+}
+
+/// One artifact's swarm as this node sees it.
+#[derive(Debug)]
+pub(super) struct State {
+    me: PeerId,
+    offset: usize,
+    tie_break: u64,
+    /// Until the expected members are there (or this passes), nothing is read from the
+    /// origin; `None` once they were: a member that dies later does not stop the others.
+    join_deadline: Option<Instant>,
+    expect: usize,
+    settings: Settings,
+    manifest: Arc<Manifest>,
+    holding: Arc<Holding>,
+    peers: BTreeMap<PeerId, Peer>,
+    /// Live, unbanned holders of each chunk.
+    availability: Vec<u16>,
+    /// The origin's hash of each chunk, where this node read it (or its hash) itself.
+    verified: Vec<Option<[u8; 32]>>,
+    /// Whose word each chunk's hash rests on: kept as claims change, since every event looks
+    /// at every chunk.
+    vouches: Vec<Vouched>,
+    /// Chunks this node reads from the origin even when peers hold them, to check them.
+    audit: Vec<bool>,
+    /// The members whose word a chunk held from a peer was taken on (those that announced its
+    /// hash `from_origin`); when the origin contradicted every one of them, it is dropped.
+    vouchers: HashMap<u32, Vec<PeerId>>,
+    /// Held chunks a member contradicted: their hash is to be read from the origin.
+    to_sample: std::collections::BTreeSet<u32>,
+    /// The vouchers of chunks being pulled from peers.
+    pending_vouchers: HashMap<u32, Vec<PeerId>>,
+    in_flight: HashMap<u32, Source>,
+    origin_attempts: HashMap<u32, u32>,
+    origin_in_flight: usize,
+    /// Hash-only origin reads under way (counted in `origin_in_flight` too).
+    samples_in_flight: usize,
+    generation: u64,
+    /// What this node's progress report says.
+    progress: Progress,
+    finishing: bool,
+    reported_uploads: u32,
+    /// When a member last joined, left or was banned (or the join gate opened): turns to
+    /// read from the origin changed hands, and members are given time to take them up.
+    ring_changed: Instant,
+    /// When a chunk last arrived (or the join gate opened).
+    last_arrival: Instant,
+    /// The time of the input being applied.
+    now: Instant,
+    /// What the input calls for, in order.
+    actions: Vec<Action>,
+}
+
+impl State {
+    /// The swarm of the artifact `holding` assembles, as node `me` with `settings`, `expect`
+    /// members (this node included) waited for from `now` on; `progress` is what this node
+    /// reported so far. The chunks it audits and its tie-break are drawn from `rng`.
+    pub(super) fn new(
+        me: PeerId,
+        settings: Settings,
+        holding: Arc<Holding>,
+        expect: usize,
+        progress: Progress,
+        now: Instant,
+        rng: &mut impl rand::Rng,
+    ) -> Self {
+        let manifest = holding.assembly.manifest().clone();
+        let count = manifest.chunk_count();
+        // Chosen here and never told: a member that knew which chunks are checked would lie
+        // about the others.
+        let audit = (0..count)
+            .map(|_| rng.random::<f64>() < settings.origin_audit)
+            .collect();
+        let mut state = State {
+            me,
+            offset: manifest.id.0[0] as usize,
+            tie_break: rng.random(),
+            join_deadline: Some(now + settings.join_timeout),
+            expect: expect.max(1),
+            settings,
+            manifest,
+            holding,
+            peers: BTreeMap::new(),
+            availability: vec![0; count as usize],
+            verified: vec![None; count as usize],
+            vouches: vec![Vouched::Nobody; count as usize],
+            audit,
+            vouchers: HashMap::new(),
+            to_sample: std::collections::BTreeSet::new(),
+            pending_vouchers: HashMap::new(),
+            in_flight: HashMap::new(),
+            origin_attempts: HashMap::new(),
+            origin_in_flight: 0,
+            samples_in_flight: 0,
+            generation: 0,
+            progress,
+            finishing: false,
+            reported_uploads: 0,
+            ring_changed: now,
+            last_arrival: now,
+            now,
+            actions: Vec::new(),
+        };
+        for chunk in 0..count {
+            if let Some(held) = state.holding.held_as(chunk)
+                && held.from_origin
+            {
+                state.verified[chunk as usize] = Some(held.hash);
+                state.revouch(chunk);
+            }
+        }
+        state
+    }
+
+    /// Takes `input`, learned at `now`, and says what to do about it.
+    pub(super) fn apply(&mut self, input: Input, now: Instant) -> Vec<Action> {
+        self.now = now;
+        self.handle(input);
+        self.schedule();
+        self.publish();
+        std::mem::take(&mut self.actions)
+    }
+
+    /// What this node reports of the artifact's distribution.
+    pub(super) fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// Members are still awaited: nothing is read yet, and the peers the fetches name are
+    /// reached for.
+    pub(super) fn joining(&self) -> bool {
+        self.join_deadline.is_some()
+    }
+
+    fn handle(&mut self, input: Input) {
+        match input {
+            Input::Start => {}
+            Input::Joined(peer) => self.joined(peer),
+            Input::Discovered(found) => self.reach(found),
+            Input::Message {
+                peer,
+                generation,
+                message,
+            } => {
+                if self.peers.get(&peer).and_then(|p| p.reader) == Some(generation) {
+                    self.message(peer, message);
+                }
+            }
+            Input::ReaderClosed { peer, generation } => {
+                if self.peers.get(&peer).and_then(|p| p.reader) == Some(generation) {
+                    tracing::debug!(artifact = %self.manifest.id, %peer, "member left");
+                    self.forget(peer);
+                }
+            }
+            Input::WriterEnded { peer, generation } => {
+                if let Some(p) = self.peers.get_mut(&peer)
+                    && p.writer == Some(generation)
+                {
+                    p.writer = None;
+                    p.left_alone_until = Some(self.now + BACKOFF);
+                }
+            }
+            Input::WriterDropped { peer, generation } => {
+                if let Some(p) = self.peers.get_mut(&peer)
+                    && p.writer == Some(generation)
+                {
+                    tracing::debug!(%peer, "peer queue full or closed; reconnecting later");
+                    p.writer = None;
+                }
+            }
+            Input::OriginPulled { chunk, result } => {
+                self.in_flight.remove(&chunk);
+                self.origin_in_flight -= 1;
+                match result {
+                    Ok(hash) => {
+                        self.verified[chunk as usize] = Some(hash);
+                        self.revouch(chunk);
+                        self.held(
+                            chunk,
+                            Held {
+                                hash,
+                                from_origin: true,
+                            },
+                            Source::Origin,
+                        );
+                        self.arbitrate(chunk, hash);
+                    }
+                    Err(failure) => {
+                        self.broadcast(SwarmMessage::Released { chunk });
+                        self.origin_failed(chunk, failure);
+                    }
+                }
+            }
+            Input::Sampled { chunk, result } => {
+                self.origin_in_flight -= 1;
+                self.samples_in_flight -= 1;
+                match result {
+                    Ok(truth) => self.settle(chunk, truth),
+                    Err(failure) => {
+                        self.to_sample.insert(chunk);
+                        self.origin_failed(chunk, failure);
+                    }
+                }
+            }
+            Input::PeerPulled {
+                chunk,
+                peer,
+                result,
+            } => {
+                self.in_flight.remove(&chunk);
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.requests = p.requests.saturating_sub(1);
+                }
+                let vouchers = self.pending_vouchers.remove(&chunk).unwrap_or_default();
+                match result {
+                    Ok(hash) => {
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            p.failures = 0;
+                        }
+                        let verified = self.verified[chunk as usize] == Some(hash);
+                        let discredited = !vouchers.is_empty()
+                            && vouchers
+                                .iter()
+                                .all(|v| self.peers.get(v).is_some_and(|p| p.liar));
+                        // Taken on the word of members the origin contradicted meanwhile: not
+                        // kept (its bytes are written over when it is fetched again).
+                        if verified || !discredited {
+                            if !verified {
+                                if !vouchers.is_empty() {
+                                    self.vouchers.insert(chunk, vouchers);
+                                }
+                                // Someone vouched for another hash while it came: ask the
+                                // origin. (Members that endorsed it leaving meanwhile take
+                                // nothing back.)
+                                if matches!(
+                                    self.vouches[chunk as usize],
+                                    Vouched::For(other) | Vouched::Endorsed(other) if other != hash
+                                ) || self.vouches[chunk as usize] == Vouched::Disputed
+                                {
+                                    self.to_sample.insert(chunk);
+                                }
+                            }
+                            let held = Held {
+                                hash,
+                                from_origin: false,
+                            };
+                            self.held(chunk, held, Source::Peer(peer));
+                        }
+                    }
+                    Err(PeerFailure::Busy) => {
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            let now = self.now;
+                            p.held_back.entry(chunk).or_insert(now);
+                            p.left_alone_until = Some(now + TICK);
+                        }
+                    }
+                    Err(PeerFailure::Refused(reason)) => {
+                        tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk request refused: {reason}");
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            let now = self.now;
+                            p.held_back.entry(chunk).or_insert(now);
+                            p.left_alone_until = Some(now + BACKOFF);
+                        }
+                    }
+                    Err(PeerFailure::Corrupt(reason)) => {
+                        tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "peer sent a bad chunk ({reason}); not asking it again for this artifact");
+                        self.ban(peer);
+                    }
+                    Err(PeerFailure::Failed(reason)) => {
+                        tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk transfer failed: {reason}");
+                        // A member that left fails what was under way; that says nothing of it.
+                        if let Some(p) = self.peers.get_mut(&peer).filter(|p| p.live()) {
+                            p.left_alone_until = Some(self.now + BACKOFF);
+                            p.failures += 1;
+                            if p.failures >= FAILURES_BEFORE_BAN {
+                                tracing::warn!(artifact = %self.manifest.id, %peer, "failed {FAILURES_BEFORE_BAN} chunk requests in a row ({reason}); not asking it again for this artifact");
+                                self.ban(peer);
+                            }
+                        }
+                    }
+                }
+            }
+            Input::Finished(result) => match result {
+                Ok(()) => {
+                    tracing::info!(artifact = %self.manifest.id, "complete");
+                    self.progress.complete = true;
+                    self.broadcast(SwarmMessage::Done);
+                }
+                Err(reason) => self.fail(Failure::Failed(reason)),
+            },
+            Input::Tick { named } => {
+                // A member whose stream to this node is open hears nothing from it while ours
+                // to it is closed (refused, or it broke), and may be waiting for it to join:
+                // ours is opened again, whether or not the DHT shows the member.
+                let unanswered: Vec<PeerId> = self
+                    .peers
+                    .iter()
+                    .filter(|(_, p)| p.live() && p.writer.is_none())
+                    .map(|(peer, _)| *peer)
+                    .collect();
+                self.reach(unanswered);
+                if self.join_deadline.is_some() {
+                    self.reach(named);
+                }
+                let uploads = self.holding.uploads_now();
+                if uploads != self.reported_uploads {
+                    self.reported_uploads = uploads;
+                    self.broadcast(SwarmMessage::Load { uploads });
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, failure: Failure) {
+        if self.progress.failure.is_none() {
+            self.progress.failure = Some(failure);
+        }
+    }
+
+    fn failed(&self) -> bool {
+        self.progress.failure.is_some()
+    }
+
+    /// An origin read (of a chunk or of its hash) failed: tried again, then the fetch fails.
+    fn origin_failed(&mut self, chunk: u32, failure: Failure) {
+        match failure {
+            Failure::Changed(reason) => self.fail(Failure::Changed(reason)),
+            Failure::Failed(reason) => {
+                let attempts = self.origin_attempts.entry(chunk).or_default();
+                *attempts += 1;
+                tracing::warn!(artifact = %self.manifest.id, chunk, attempt = *attempts, "origin read failed: {reason}");
+                if *attempts >= ORIGIN_ATTEMPTS {
+                    self.fail(Failure::Failed(reason));
+                }
+            }
+        }
+    }
+
+    /// The origin says `truth` is chunk `chunk`'s hash, where this node holds the chunk and a
+    /// member said otherwise: whoever vouched for the wrong hash is banned.
+    fn settle(&mut self, chunk: u32, truth: [u8; 32]) {
+        self.verified[chunk as usize] = Some(truth);
+        self.revouch(chunk);
+        let vouchers = self.vouchers.remove(&chunk).unwrap_or_default();
+        if self.holding.held(chunk).is_some_and(|held| held != truth) {
+            self.release(chunk);
+            for voucher in vouchers {
+                self.convict(voucher, chunk);
+            }
+        }
+        self.arbitrate(chunk, truth);
+    }
+
+    /// Bans every member that announced it read `chunk` from the origin with a hash other
+    /// than `truth`, which this node read from the origin itself.
+    fn arbitrate(&mut self, chunk: u32, truth: [u8; 32]) {
+        let contradicted: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash != truth))
+            .map(|(id, _)| *id)
+            .collect();
+        for peer in contradicted {
+            self.convict(peer, chunk);
+        }
+    }
+
+    /// `peer` vouched for a hash of `chunk` that the origin contradicts: it is banned, and
+    /// what this node took on its word alone is dropped and fetched again.
+    fn convict(&mut self, peer: PeerId, chunk: u32) {
+        let Some(p) = self.peers.get_mut(&peer).filter(|p| !p.liar) else {
+            return;
+        };
+        p.liar = true;
+        tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "announced it read this chunk from the origin, but the origin's bytes have another hash; not trusting it again for this artifact");
+        self.ban(peer);
+        for chunk in 0..self.manifest.chunk_count() {
+            self.revouch(chunk);
+        }
+        let peers = &self.peers;
+        let orphaned: Vec<u32> = self
+            .vouchers
+            .iter()
+            .filter(|(_, vouchers)| {
+                vouchers
+                    .iter()
+                    .all(|v| peers.get(v).is_some_and(|p| p.liar))
+            })
+            .map(|(chunk, _)| *chunk)
+            .collect();
+        for chunk in orphaned {
+            self.vouchers.remove(&chunk);
+            self.release(chunk);
+        }
+    }
+
+    /// Forgets a chunk held on a word the origin contradicted, so that it is fetched again.
+    fn release(&mut self, chunk: u32) {
+        if self.finishing {
+            tracing::warn!(artifact = %self.manifest.id, chunk, "a chunk of the completed files was vouched for by a member the origin contradicted; fetch the artifact again to be sure of it");
+            return;
+        }
+        if !self.holding.release(chunk) {
+            return;
+        }
+        let len = self.manifest.chunks()[chunk as usize].len;
+        let p = &mut self.progress;
+        p.held -= 1;
+        p.peer_chunks = p.peer_chunks.saturating_sub(1);
+        p.peer_bytes = p.peer_bytes.saturating_sub(len);
+        self.broadcast(SwarmMessage::Dropped { chunk });
+        self.actions.push(Action::ForgetChunk(chunk));
+    }
+
+    /// Takes note of whose word chunk `chunk`'s hash rests on now.
+    fn revouch(&mut self, chunk: u32) {
+        self.vouches[chunk as usize] = self.vouched(chunk);
+    }
+
+    /// Whose word chunk `chunk`'s hash rests on, as far as this node knows: this node's own
+    /// read, a claim made in turn, or two that agree.
+    fn vouched(&self, chunk: u32) -> Vouched {
+        if let Some(truth) = self.verified[chunk as usize] {
+            return Vouched::For(truth);
+        }
+        let mut found = None;
+        let mut claimants = 0;
+        let mut in_turn = false;
+        for claim in self.origin_claims(chunk) {
+            match found {
+                Some(hash) if hash != claim.hash => return Vouched::Disputed,
+                _ => found = Some(claim.hash),
+            }
+            claimants += 1;
+            in_turn |= claim.in_turn;
+        }
+        // One member's word is taken where it was its turn; anyone else's alone could be a
+        // liar's that got in first, and the chunk is read from the origin in turn.
+        match found {
+            Some(hash) if in_turn || claimants >= 2 => Vouched::For(hash),
+            _ => self.endorsed(chunk),
+        }
+    }
+
+    /// The hash that two live members hold a chunk with, where no two hold it with another:
+    /// each took it only on a word it could check, so one of them is honest and right (a
+    /// newcomer to members that hold everything takes their chunks this way, not knowing
+    /// whose turn each was when it was read).
+    fn endorsed(&self, chunk: u32) -> Vouched {
+        let mut endorsed = None;
+        let mut counts: Vec<([u8; 32], u32)> = Vec::new();
+        for p in self.peers.values().filter(|p| p.live() && !p.banned) {
+            let Some(claim) = p.have.get(&chunk) else {
+                continue;
+            };
+            match counts.iter_mut().find(|(hash, _)| *hash == claim.hash) {
+                Some((_, count)) => {
+                    *count += 1;
+                    if *count == 2 {
+                        if endorsed.is_some() {
+                            // Two hashes with two members each: not one liar's doing.
+                            return Vouched::Disputed;
+                        }
+                        endorsed = Some(claim.hash);
+                    }
+                }
+                None => counts.push((claim.hash, 1)),
+            }
+        }
+        // Members that took a hash on the word of a member this node found out hold it in
+        // good faith: it is still a lie.
+        let a_liars_word = |hash: &[u8; 32]| {
+            self.peers
+                .values()
+                .any(|p| p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash == *hash))
+        };
+        endorsed
+            .filter(|hash| !a_liars_word(hash))
+            .map_or(Vouched::Nobody, Vouched::Endorsed)
+    }
+
+    /// What members (live or gone) that said they read `chunk` from the origin announced,
+    /// but for those the origin contradicted.
+    fn origin_claims(&self, chunk: u32) -> impl Iterator<Item = &Claim> {
+        self.peers
+            .values()
+            .filter(|p| !p.liar)
+            .filter_map(move |p| p.vouched.get(&chunk))
+    }
+
+    /// The members that vouch for `hash` as chunk `chunk`'s.
+    fn vouchers_of(&self, chunk: u32, hash: [u8; 32]) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .filter(|(_, p)| !p.liar && p.vouched.get(&chunk).is_some_and(|c| c.hash == hash))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// A member opened its stream to us: read it, and make sure ours to it is open.
+    fn joined(&mut self, peer: PeerId) {
+        if self.failed() {
+            return;
+        }
+        let now = self.now;
+        if self.peers.get(&peer).is_some_and(Peer::live) {
+            // It reconnected: what it told us before no longer counts, but the ring did not
+            // change (reconnecting again and again must not hold its turns up).
+            let ring_changed = self.ring_changed;
+            self.forget(peer);
+            self.ring_changed = ring_changed;
+        } else {
+            self.ring_changed = now;
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        let entry = self.peers.entry(peer).or_default();
+        entry.reader = Some(generation);
+        entry.left_alone_until = None;
+        tracing::debug!(artifact = %self.manifest.id, %peer, "member joined");
+        self.actions.push(Action::ReadFrom { peer, generation });
+        self.connect(peer);
+    }
+
+    /// Opens our streams to `peers` (found in the DHT, or named by the fetches).
+    fn reach(&mut self, peers: impl IntoIterator<Item = PeerId>) {
+        for peer in peers {
+            if peer != self.me {
+                self.connect(peer);
+            }
+        }
+    }
+
+    /// Opens our stream to `peer` unless one is open or it was refused a moment ago.
+    fn connect(&mut self, peer: PeerId) {
+        if self.failed() {
+            return;
+        }
+        let now = self.now;
+        let entry = self.peers.entry(peer).or_default();
+        if entry.writer.is_some() || entry.left_alone_until.is_some_and(|t| now < t) {
+            return;
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        entry.writer = Some(generation);
+        let mut initial: Vec<SwarmMessage> = (0..self.manifest.chunk_count())
+            .filter_map(|chunk| {
+                self.holding.held_as(chunk).map(|held| SwarmMessage::Have {
+                    chunk,
+                    blake3: held.hash,
+                    from_origin: held.from_origin,
+                })
+            })
+            .collect();
+        initial.extend(
+            self.in_flight
+                .iter()
+                .filter(|(_, s)| **s == Source::Origin)
+                .map(|(&chunk, _)| SwarmMessage::Pulling { chunk }),
+        );
+        initial.push(SwarmMessage::Load {
+            uploads: self.reported_uploads,
+        });
+        if self.progress.complete {
+            initial.push(SwarmMessage::Done);
+        }
+        self.actions.push(Action::Connect {
+            peer,
+            generation,
+            initial,
+        });
+    }
+
+    /// Drops everything a peer told us (it left, or reconnects).
+    fn forget(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let had: Vec<u32> = p.have.drain().map(|(chunk, _)| chunk).collect();
+        if !p.banned {
+            for &chunk in &had {
+                self.availability[chunk as usize] -= 1;
+            }
+        }
+        p.pulling.clear();
+        p.done = false;
+        p.synced = false;
+        p.uploads = 0;
+        p.reader = None;
+        self.actions.push(Action::StopReading(peer));
+        if p.writer.take().is_some() {
+            self.actions.push(Action::Disconnect(peer));
+        }
+        self.ring_changed = self.now;
+        // What it held counted towards endorsements.
+        for chunk in had {
+            self.revouch(chunk);
+        }
+    }
+
+    fn ban(&mut self, peer: PeerId) {
+        if let Some(p) = self.peers.get_mut(&peer)
+            && !p.banned
+        {
+            p.banned = true;
+            p.pulling.clear();
+            let had: Vec<u32> = p.have.keys().copied().collect();
+            for &chunk in &had {
+                self.availability[chunk as usize] -= 1;
+            }
+            self.ring_changed = self.now;
+            for chunk in had {
+                self.revouch(chunk);
+            }
+        }
+    }
+
+    fn message(&mut self, peer: PeerId, message: SwarmMessage) {
+        let now = self.now;
+        let count = self.manifest.chunk_count();
+        let chunk_of = |m: &SwarmMessage| match m {
+            SwarmMessage::Have { chunk, .. }
+            | SwarmMessage::Pulling { chunk }
+            | SwarmMessage::Released { chunk }
+            | SwarmMessage::Dropped { chunk } => Some(*chunk),
+            _ => None,
+        };
+        if chunk_of(&message).is_some_and(|c| c >= count) {
+            tracing::warn!(artifact = %self.manifest.id, %peer, "ignoring a message about a chunk the artifact does not have: {message:?}");
+            return;
+        }
+        // Whose turn the chunk is, for an origin claim (is it this node's?) or a pull (is it
+        // the puller's?).
+        let turn = match &message {
+            SwarmMessage::Have {
+                chunk,
+                from_origin: true,
+                ..
+            }
+            | SwarmMessage::Pulling { chunk } => self.owner(*chunk, &self.members()),
+            _ => None,
+        };
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        match message {
+            SwarmMessage::Have {
+                chunk,
+                blake3,
+                from_origin,
+            } => {
+                let pulled_in_turn = p.pulling.remove(&chunk).is_some_and(|pull| pull.in_turn);
+                if from_origin {
+                    p.last_read = Some(self.now);
+                    p.reading_since = p.pulling.values().map(|pull| pull.since).min();
+                }
+                let claim = Claim {
+                    hash: blake3,
+                    from_origin,
+                    in_turn: turn == Some(peer) || pulled_in_turn,
+                };
+                // An honest member reads a chunk of one version of an artifact with one hash.
+                let contradicts_itself = from_origin
+                    && p.vouched
+                        .get(&chunk)
+                        .is_some_and(|earlier| earlier.hash != blake3);
+                if from_origin && !contradicts_itself {
+                    p.vouched.insert(chunk, claim);
+                }
+                if p.have.insert(chunk, claim).is_none() && !p.banned {
+                    self.availability[chunk as usize] += 1;
+                }
+                if contradicts_itself {
+                    self.convict(peer, chunk);
+                } else if from_origin && !p.liar {
+                    self.check_claim(peer, chunk, blake3);
+                }
+                self.revouch(chunk);
+            }
+            SwarmMessage::Dropped { chunk } => {
+                // What it said it read from the origin stands: an honest member never drops
+                // such a chunk, and a liar must not take its word back before it is checked.
+                if p.have.remove(&chunk).is_some() && !p.banned {
+                    self.availability[chunk as usize] -= 1;
+                }
+                if p.vouched.contains_key(&chunk) {
+                    // Nobody else would read it again while it stayed the one to.
+                    tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "dropped a chunk it read from the origin; not asking it again for this artifact");
+                    self.ban(peer);
+                }
+                self.revouch(chunk);
+            }
+            SwarmMessage::Pulling { chunk } => {
+                if !p.banned {
+                    // Its patience runs from the first time it said so: saying it again does
+                    // not wind the clock back.
+                    let since = *p.first_pulled.entry(chunk).or_insert(now);
+                    p.reading_since.get_or_insert(now);
+                    p.pulling.entry(chunk).or_insert(Pull {
+                        since,
+                        in_turn: turn == Some(peer),
+                    });
+                }
+            }
+            SwarmMessage::Released { chunk } => {
+                p.pulling.remove(&chunk);
+            }
+            SwarmMessage::Load { uploads } => {
+                p.uploads = uploads;
+                p.synced = true;
+            }
+            SwarmMessage::Done => p.done = true,
+            SwarmMessage::Hello { .. } => {}
+        }
+    }
+
+    /// `peer` says it read `chunk` from the origin and it hashes to `hash`: checked against
+    /// what this node knows of the origin, or, where it holds the chunk on other members'
+    /// word, against the origin itself.
+    fn check_claim(&mut self, peer: PeerId, chunk: u32, hash: [u8; 32]) {
+        match self.verified[chunk as usize] {
+            Some(truth) if truth != hash => self.convict(peer, chunk),
+            Some(_) => {}
+            None => {
+                if self.holding.held(chunk).is_some_and(|held| held != hash) {
+                    self.to_sample.insert(chunk);
+                }
+            }
+        }
+    }
+
+    /// A chunk arrived and was verified.
+    fn held(&mut self, chunk: u32, held: Held, source: Source) {
+        if self.holding.is_held(chunk) {
+            return;
+        }
+        let hash = held.hash;
+        let len = self.manifest.chunks()[chunk as usize].len;
+        self.holding.hold(chunk, held);
+        self.last_arrival = self.now;
+        let p = &mut self.progress;
+        p.held += 1;
+        match source {
+            Source::Origin => {
+                p.origin_chunks += 1;
+                p.origin_bytes += len;
+            }
+            Source::Peer(_) => {
+                p.peer_chunks += 1;
+                p.peer_bytes += len;
+            }
+        }
+        self.broadcast(SwarmMessage::Have {
+            chunk,
+            blake3: hash,
+            from_origin: held.from_origin,
+        });
+        self.actions.push(Action::RecordChunk {
+            chunk,
+            hash,
+            from_origin: held.from_origin,
+        });
+    }
+
+    /// Sends `message` to every member our stream is open to.
+    fn broadcast(&mut self, message: SwarmMessage) {
+        self.actions.push(Action::Broadcast(message));
+    }
+
+    fn members(&self) -> Vec<PeerId> {
+        let mut members: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.live())
+            .map(|(id, _)| *id)
+            .chain(std::iter::once(self.me))
+            .collect();
+        members.sort();
+        members
+    }
+
+    fn schedule(&mut self) {
+        if self.finishing || self.failed() {
+            return;
+        }
+        // Complete, and no chunk held is in doubt: the files are final.
+        if self.holding.complete() && self.to_sample.is_empty() && self.samples_in_flight == 0 {
+            if !self.progress.complete {
+                self.finish();
+            }
+            return;
+        }
+        let slots = self.settings.download_slots.max(1);
+        let members = self.members();
+        // The ring is whole when the members expected are there and each has said what it
+        // holds (a newcomer must not read what they hold because their word is on its way).
+        let whole = || {
+            members.len() >= self.expect
+                && self.peers.values().filter(|p| p.live()).all(|p| p.synced)
+        };
+        if let Some(deadline) = self.join_deadline
+            && (whole() || self.now >= deadline)
+        {
+            if !whole() {
+                tracing::warn!(
+                    artifact = %self.manifest.id,
+                    expected = self.expect,
+                    here = members.len(),
+                    "the members expected did not all join within the join timeout; reading from the origin without them (chunks a late member reads in its own turn leave the origin twice)"
+                );
+            }
+            self.join_deadline = None;
+            let now = self.now;
+            self.ring_changed = now;
+            self.last_arrival = now;
+            self.reassess_claims(&members);
+        }
+        // Nothing is read, from the origin or from peers, until the ring is whole: who owns
+        // which chunk decides whose word on it is taken.
+        if self.join_deadline.is_some() {
+            return;
+        }
+        self.take_claims_now_in_turn(&members);
+        let origin_slots = slots.min((self.settings.origin_connections / members.len()).max(1));
+        while self.origin_in_flight < origin_slots
+            && let Some(chunk) = self.to_sample.pop_first()
+        {
+            if self.verified[chunk as usize].is_none() && self.holding.is_held(chunk) {
+                self.sample_origin(chunk);
+            }
+        }
+        if self.holding.complete() {
+            return;
+        }
+        while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {
+            let Some(chunk) = self.next_origin_chunk(&members) else {
+                break;
+            };
+            self.pull_from_origin(chunk);
+        }
+        if self.in_flight.len() < slots {
+            let (picked, blocked) = self.next_peer_chunks(slots - self.in_flight.len());
+            let now = self.now;
+            for chunk in blocked {
+                for p in self.peers.values_mut() {
+                    if p.have.contains_key(&chunk) {
+                        p.held_back.entry(chunk).or_insert(now);
+                    }
+                }
+            }
+            for (chunk, peer, hash) in picked {
+                self.pull_from_peer(chunk, peer, hash);
+            }
+        }
+    }
+
+    /// The next chunk this node reads from the origin: one whose hash members dispute, one
+    /// it audits, one it owns that others claimed before it could read it, one its holders
+    /// hold back that falls to it, or one nobody read from the origin that falls to it.
+    fn next_origin_chunk(&self, members: &[PeerId]) -> Option<u32> {
+        let now = self.now;
+        let patience = self.settings.stall_patience;
+        // Nothing arrived for that long, so holders that do not send a chunk are not busy
+        // with this node's other requests.
+        let stalled = now.duration_since(self.last_arrival) >= patience;
+        (0..self.manifest.chunk_count()).find(|&chunk| {
+            if self.holding.is_held(chunk) || self.in_flight.contains_key(&chunk) {
+                return false;
+            }
+            match self.vouches[chunk as usize] {
+                Vouched::Disputed => true,
+                Vouched::Endorsed(_) if self.owner(chunk, members) == Some(self.me) => true,
+                Vouched::For(hash) | Vouched::Endorsed(hash) => {
+                    self.audit[chunk as usize]
+                        // Its voucher left (or this node read it, then dropped it), and no
+                        // live member that holds it so sends it.
+                        || (!self.peers.values().any(|p| {
+                            p.live()
+                                && !p.banned
+                                && p.have.get(&chunk).is_some_and(|c| c.hash == hash)
+                                && !(stalled
+                                    && p.held_back.get(&chunk).is_some_and(|since| {
+                                        now.duration_since(*since) >= patience
+                                    }))
+                        }) && self.rescuer(chunk, members) == Some(self.me))
+                }
+                Vouched::Nobody => {
+                    let someone_reads = self.peers.values().any(|p| {
+                        p.live()
+                            && !p.banned
+                            && p.pulling.get(&chunk).is_some_and(|pull| {
+                                pull.in_turn && now.duration_since(pull.since) < PULLING_PATIENCE
+                            })
+                    });
+                    !someone_reads && self.reader(chunk, members) == Some(self.me)
+                }
+            }
+        })
+    }
+
+    /// Claims and pulls that came while members were still joining were judged against a
+    /// ring that was not yet whole: judged again against the one reading starts with.
+    fn reassess_claims(&mut self, members: &[PeerId]) {
+        let said: Vec<(PeerId, u32, Option<PeerId>)> = self
+            .peers
+            .iter()
+            .flat_map(|(id, p)| {
+                p.vouched
+                    .keys()
+                    .chain(p.pulling.keys())
+                    .map(move |chunk| (*id, *chunk))
+            })
+            .map(|(id, chunk)| (id, chunk, self.owner(chunk, members)))
+            .collect();
+        for (id, chunk, turn) in said {
+            if let Some(p) = self.peers.get_mut(&id) {
+                if let Some(claim) = p.vouched.get_mut(&chunk) {
+                    claim.in_turn = turn == Some(id);
+                }
+                if let Some(pull) = p.pulling.get_mut(&chunk) {
+                    pull.in_turn = turn == Some(id);
+                }
+            }
+        }
+        for chunk in 0..self.manifest.chunk_count() {
+            self.revouch(chunk);
+        }
+    }
+
+    /// A member that read a chunk out of its turn as this node saw the ring then, and whose
+    /// turn the chunk is now (the members before it held their turns back, and this node's
+    /// clock passed them over a moment after the reader's): its word is taken now, so that
+    /// the chunk is not read again.
+    fn take_claims_now_in_turn(&mut self, members: &[PeerId]) {
+        let promoted: Vec<(PeerId, u32)> = (0..self.manifest.chunk_count())
+            .filter(|&chunk| {
+                matches!(
+                    self.vouches[chunk as usize],
+                    Vouched::Nobody | Vouched::Endorsed(_)
+                ) && self.origin_claims(chunk).next().is_some()
+            })
+            .filter_map(|chunk| {
+                let owner = self.owner(chunk, members)?;
+                let claim = self.peers.get(&owner)?.vouched.get(&chunk)?;
+                (!claim.in_turn).then_some((owner, chunk))
+            })
+            .collect();
+        for (owner, chunk) in promoted {
+            if let Some(claim) = self
+                .peers
+                .get_mut(&owner)
+                .and_then(|p| p.vouched.get_mut(&chunk))
+            {
+                claim.in_turn = true;
+            }
+            self.revouch(chunk);
+        }
+    }
+
+    /// The member to read `chunk` from the origin: its owner (`members[(chunk + k) % n]`),
+    /// or, where this node banned the owner or the owner has been reading it for longer than
+    /// [`PULLING_PATIENCE`], the next member in that order. Each member in that order has
+    /// `stall_patience` of its own, counted from the last change of the ring: one that
+    /// reads nothing at all by the end of it is passed over (an honest member reads its turns
+    /// one after another from the moment they fall to it).
+    fn owner(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |_| true, true)
+    }
+
+    /// Like [`owner`](Self::owner), passing over members that hold the chunk (on a relayed
+    /// word only, where this is asked): they will not read it again.
+    fn reader(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk), true)
+    }
+
+    /// The member to read again a chunk that was read, when no live member sends it: the
+    /// first after its owner that does not hold it. Idle members are not passed over: having
+    /// read all their turns long ago, they are the ones free to.
+    fn rescuer(&self, chunk: u32, members: &[PeerId]) -> Option<PeerId> {
+        self.in_turn(chunk, members, |p| !p.have.contains_key(&chunk), false)
+    }
+
+    fn in_turn(
+        &self,
+        chunk: u32,
+        members: &[PeerId],
+        eligible: impl Fn(&Peer) -> bool,
+        pass_idle: bool,
+    ) -> Option<PeerId> {
+        let n = members.len();
+        let first = (chunk as usize + self.offset) % n;
+        let now = self.now;
+        let patience = self.settings.stall_patience;
+        // `None` once past what an `Instant` can hold: nobody is passed over.
+        let mut turn_ends = Some(self.ring_changed);
+        (0..n).map(|i| members[(first + i) % n]).find(|m| {
+            if *m == self.me {
+                return true;
+            }
+            let Some(p) = self.peers.get(m) else {
+                return true;
+            };
+            if p.banned
+                || !eligible(p)
+                || p.pulling
+                    .get(&chunk)
+                    .is_some_and(|pull| now.duration_since(pull.since) >= PULLING_PATIENCE)
+            {
+                return false;
+            }
+            turn_ends = turn_ends.and_then(|t| t.checked_add(patience));
+            !(pass_idle && turn_ends.is_some_and(|t| now >= t) && self.idle(p, now))
+        })
+    }
+
+    /// A live member that has announced no chunk read from the origin for `stall_patience`,
+    /// and has not said it reads one since, or said so more than [`PULLING_PATIENCE`] ago.
+    fn idle(&self, p: &Peer, now: Instant) -> bool {
+        p.live()
+            && p.last_read
+                .is_none_or(|t| now.duration_since(t) >= self.settings.stall_patience)
+            && p.reading_since
+                .is_none_or(|t| now.duration_since(t) >= PULLING_PATIENCE)
+    }
+
+    /// Up to `want` (chunk, holder, hash) triples: rarest chunks first, least loaded holders,
+    /// only chunks whose hash the origin vouches for, only from holders that announced it;
+    /// and the chunks looked at that no holder could send now.
+    #[allow(clippy::type_complexity)]
+    fn next_peer_chunks(&self, want: usize) -> (Vec<(u32, PeerId, [u8; 32])>, Vec<u32>) {
+        let now = self.now;
+        let upload_slots = self.settings.upload_slots.max(1) as u32;
+        let mut load: HashMap<PeerId, u32> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.live() && !p.banned && p.left_alone_until.is_none_or(|t| now >= t))
+            .map(|(id, p)| (*id, p.uploads.max(p.requests)))
+            .collect();
+        if load.is_empty() {
+            return (Vec::new(), Vec::new());
+        }
+        // Our requests under way to each holder: at most half the download slots go to one
+        // while there are others, so that one sending slowly cannot take them all.
+        let mut ours: HashMap<PeerId, u32> = load
+            .keys()
+            .map(|id| (*id, self.peers[id].requests))
+            .collect();
+        let slots = self.settings.download_slots.max(1) as u32;
+        let per_holder = if load.len() > 1 {
+            slots.div_ceil(2)
+        } else {
+            slots
+        };
+        let mut candidates: Vec<(u16, u64, u32, [u8; 32])> = (0..self.manifest.chunk_count())
+            .filter(|&c| {
+                self.availability[c as usize] > 0
+                    && !self.audit[c as usize]
+                    && !self.holding.is_held(c)
+                    && !self.in_flight.contains_key(&c)
+            })
+            .filter_map(|c| match self.vouches[c as usize] {
+                Vouched::For(hash) | Vouched::Endorsed(hash) => {
+                    let spread = (c as u64 ^ self.tie_break).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    Some((self.availability[c as usize], spread, c, hash))
+                }
+                _ => None,
+            })
+            .collect();
+        candidates.sort_unstable();
+        let mut picked = Vec::new();
+        let mut blocked = Vec::new();
+        for (_, _, chunk, hash) in candidates {
+            if picked.len() >= want {
+                break;
+            }
+            let has_slot = |id: &PeerId, load: u32| {
+                load < upload_slots
+                    && self.peers[id]
+                        .have
+                        .get(&chunk)
+                        .is_some_and(|c| c.hash == hash)
+            };
+            let holder = load
+                .iter()
+                .filter(|(id, l)| {
+                    has_slot(id, **l) && ours.get(*id).is_some_and(|n| *n < per_holder)
+                })
+                .min_by_key(|(id, l)| {
+                    (
+                        **l,
+                        (id.to_bytes().last().copied().unwrap_or(0) as u64) ^ self.tie_break,
+                    )
+                })
+                .map(|(id, _)| *id);
+            match holder {
+                Some(holder) => {
+                    *load.entry(holder).or_default() += 1;
+                    *ours.entry(holder).or_default() += 1;
+                    picked.push((chunk, holder, hash));
+                }
+                // Held back only if no holder has an upload slot for it: this node's own share
+                // per holder is not the holders' doing.
+                None if !load.iter().any(|(id, l)| has_slot(id, *l)) => blocked.push(chunk),
+                None => {}
+            }
+        }
+        (picked, blocked)
+    }
+
+    fn pull_from_origin(&mut self, chunk: u32) {
+        self.in_flight.insert(chunk, Source::Origin);
+        self.origin_in_flight += 1;
+        self.broadcast(SwarmMessage::Pulling { chunk });
+        self.actions.push(Action::PullFromOrigin(chunk));
+    }
+
+    /// Reads the origin's hash of a held chunk that a member contradicted.
+    fn sample_origin(&mut self, chunk: u32) {
+        self.origin_in_flight += 1;
+        self.samples_in_flight += 1;
+        self.actions.push(Action::SampleOrigin(chunk));
+    }
+
+    fn pull_from_peer(&mut self, chunk: u32, peer: PeerId, expected: [u8; 32]) {
+        if self.verified[chunk as usize] != Some(expected) {
+            let vouchers = self.vouchers_of(chunk, expected);
+            self.pending_vouchers.insert(chunk, vouchers);
+        }
+        self.in_flight.insert(chunk, Source::Peer(peer));
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.requests += 1;
+        }
+        self.actions.push(Action::PullFromPeer {
+            chunk,
+            peer,
+            expected,
+        });
+    }
+
+    /// Every chunk is in: the files are synced, renamed into place and remembered.
+    fn finish(&mut self) {
+        self.finishing = true;
+        self.actions.push(Action::Finish);
+    }
+
+    /// Brings the members and the uploads in the progress report up to date.
+    fn publish(&mut self) {
+        self.progress.peers = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.live())
+            .map(|(id, p)| PeerProgress {
+                peer: *id,
+                held: p.have.len() as u32,
+                done: p.done,
+                banned: p.banned,
+            })
+            .collect();
+        self.progress.uploaded_chunks = self.holding.uploaded_chunks.load(Ordering::Relaxed);
+        self.progress.uploaded_bytes = self.holding.uploaded_bytes.load(Ordering::Relaxed);
+    }
+}
