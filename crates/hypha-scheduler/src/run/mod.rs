@@ -262,8 +262,6 @@ enum Internal {
         round: u64,
         result: Result<(), String>,
     },
-    /// A worker was told the task's peers (or gave up being told).
-    Told,
     /// The network stopped handing over requests (`router`) or streams (`checkpoints`).
     Stopped(&'static str),
 }
@@ -278,8 +276,9 @@ struct Channels {
 }
 
 /// One run of a job file: everything it holds, and the one place that lets go of it
-/// ([`finish`](JobRun::finish)). Every task it starts (the router, allocations, dispatches)
-/// is in `tasks`; every lease is in `jobs` or in the allocation that found it, and released
+/// ([`finish`](JobRun::finish)). Every task it starts is in `tasks` (the router, allocations,
+/// dispatches: what they end with comes back to the loop) or `telling` (telling workers the
+/// task's peers); every lease is in `jobs` or in the allocation that found it, and released
 /// when dropped.
 struct JobRun<'a> {
     network: Network,
@@ -317,6 +316,8 @@ struct JobRun<'a> {
     /// When the workers must next be told the task's peers (see [`JobRun::tell_task_peers`]).
     peers_due: Option<tokio::time::Instant>,
     tasks: JoinSet<Internal>,
+    /// Workers being told the task's peers ([`JobRun::tell_task_peers`]).
+    telling: JoinSet<()>,
     lost: mpsc::Sender<Lost>,
     /// Trainers benched (see [`Event::Benched`]): never leased again for the task.
     benched: Vec<BenchedTrainer>,
@@ -433,6 +434,7 @@ impl<'a> JobRun<'a> {
             told_peers: TaskPeers::default(),
             peers_due: None,
             tasks,
+            telling: JoinSet::new(),
             lost: lost_tx,
             benched: Vec::new(),
             joiners_after: tokio::time::Instant::now(),
@@ -676,7 +678,6 @@ impl<'a> JobRun<'a> {
                     self.forward_checkpoint();
                 }
             }
-            Internal::Told => {}
             Internal::Stopped(what) => {
                 tracing::debug!(what, "the network stopped handing the job what it receives");
             }
@@ -958,6 +959,7 @@ impl<'a> JobRun<'a> {
     /// goes back, and the outcome is recorded.
     async fn finish(mut self, outcome: Result<(), RunError>) -> Result<(), RunError> {
         self.tasks.shutdown().await;
+        self.telling.shutdown().await;
         for (job, dispatched) in std::mem::take(&mut self.jobs) {
             let peer = dispatched.lease.peer;
             drop(dispatched.lease);

@@ -5,7 +5,7 @@ use std::{collections::HashSet, time::Duration};
 use hypha_messages::{ErrorCode, Request, job::TaskPeers};
 use hypha_network::NetworkError;
 
-use super::{Internal, JobRun};
+use super::JobRun;
 use crate::unix_ms;
 
 /// A worker that answers a task's peers `Gone` (its dispatch is still on the way) is told
@@ -54,7 +54,7 @@ impl JobRun<'_> {
     /// once it is due (see [`JobRun::task_peers_changed`]); a job whose dispatch is not
     /// answered yet is told once it is (its dispatch carried the list of its time).
     ///
-    /// Sent by tasks of the run (they end with it). The lists carry rising versions, so one that arrives late
+    /// Sent by tasks the run owns (`telling`; they end with it). The lists carry rising versions, so one that arrives late
     /// changes nothing; one that arrives before the dispatch it follows (answered `Gone`) is
     /// sent again for a few seconds. A worker that never hears it keeps what it was told
     /// before, and a sender it refuses tries again for a while (`not_in_task` is transient).
@@ -75,13 +75,17 @@ impl JobRun<'_> {
                 workers.insert(job.lease.peer);
             }
         }
+        // Those that ended are let go of here, not in the run's loop: a run of 64 workers
+        // tells thousands, and waking the loop for each slowed its dispatches (`hypha-bench
+        // allocation` at N = 64: p50 0.74–1.47 s against 0.42 s).
+        while self.telling.try_join_next().is_some() {}
         for worker in workers {
             let network = self.network.clone();
             let request = Request::TaskPeers {
                 task: self.task.clone(),
                 peers: self.told_peers.clone(),
             };
-            self.tasks.spawn(async move {
+            self.telling.spawn(async move {
                 for _ in 0..TASK_PEERS_TRIES {
                     match network.request(worker, request.clone()).await {
                         Err(NetworkError::Remote { error, .. })
@@ -96,7 +100,6 @@ impl JobRun<'_> {
                         Ok(_) => break,
                     }
                 }
-                Internal::Told
             });
         }
     }
