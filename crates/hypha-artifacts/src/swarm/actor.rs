@@ -97,42 +97,6 @@ impl Actor {
             while self.tasks.try_join_next().is_some() {}
             let (input, stream) = match event {
                 Event::Joined { peer, stream } => (Input::Joined(peer), Some(stream)),
-                Event::Discovered(found) => (Input::Discovered(found), None),
-                Event::Message {
-                    peer,
-                    generation,
-                    message,
-                } => (
-                    Input::Message {
-                        peer,
-                        generation,
-                        message,
-                    },
-                    None,
-                ),
-                Event::ReaderClosed { peer, generation } => {
-                    (Input::ReaderClosed { peer, generation }, None)
-                }
-                Event::WriterEnded { peer, generation } => {
-                    (Input::WriterEnded { peer, generation }, None)
-                }
-                Event::OriginPulled { chunk, result } => {
-                    (Input::OriginPulled { chunk, result }, None)
-                }
-                Event::Sampled { chunk, result } => (Input::Sampled { chunk, result }, None),
-                Event::PeerPulled {
-                    chunk,
-                    peer,
-                    result,
-                } => (
-                    Input::PeerPulled {
-                        chunk,
-                        peer,
-                        result,
-                    },
-                    None,
-                ),
-                Event::Finished(result) => (Input::Finished(result), None),
                 Event::Tick => {
                     let named = match self.state.joining() {
                         true => self.context.named.get(),
@@ -140,6 +104,7 @@ impl Actor {
                     };
                     (Input::Tick { named }, None)
                 }
+                Event::Learned(input) => (input, None),
             };
             self.apply(input, stream);
             // The node dropped every handle on this swarm: leave it.
@@ -179,7 +144,9 @@ impl Actor {
                 let events = self.events_tx.clone();
                 self.tasks.spawn(async move {
                     let result = read_origin(&origin, &holding, chunk).await;
-                    let _ = events.send(Event::OriginPulled { chunk, result }).await;
+                    let _ = events
+                        .send(Event::Learned(Input::OriginPulled { chunk, result }))
+                        .await;
                 });
             }
             Action::SampleOrigin(chunk) => {
@@ -188,7 +155,9 @@ impl Actor {
                 let events = self.events_tx.clone();
                 self.tasks.spawn(async move {
                     let result = hash_origin(&origin, &manifest, chunk).await;
-                    let _ = events.send(Event::Sampled { chunk, result }).await;
+                    let _ = events
+                        .send(Event::Learned(Input::Sampled { chunk, result }))
+                        .await;
                 });
             }
             Action::PullFromPeer {
@@ -201,11 +170,11 @@ impl Actor {
                 self.tasks.spawn(async move {
                     let result = read_peer(&network, peer, &holding, chunk, expected).await;
                     let _ = events
-                        .send(Event::PeerPulled {
+                        .send(Event::Learned(Input::PeerPulled {
                             chunk,
                             peer,
                             result,
-                        })
+                        }))
                         .await;
                 });
             }
@@ -326,7 +295,7 @@ impl Actor {
             })
             .await
             .unwrap_or_else(|e| Err(e.to_string()));
-            let _ = events.send(Event::Finished(result)).await;
+            let _ = events.send(Event::Learned(Input::Finished(result))).await;
         });
     }
 }

@@ -55,16 +55,16 @@ mod serve;
 mod state;
 mod tasks;
 
-use std::{collections::HashSet, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use hypha_messages::artifact::Request;
 use hypha_network::{Network, PeerId, Stream};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 
-use crate::{Settings, cache::Cache, origin::Origin, protocol::SwarmMessage};
+use crate::{Settings, cache::Cache, origin::Origin};
 
-use self::actor::Actor;
+use self::{actor::Actor, state::Input};
 pub(crate) use self::{
     holding::{Held, Holding},
     serve::serve_chunk,
@@ -157,41 +157,11 @@ pub struct PeerProgress {
 #[derive(Debug)]
 pub(crate) enum Event {
     /// A member opened its swarm stream to us (its hello was answered).
-    Joined {
-        peer: PeerId,
-        stream: Stream,
-    },
-    /// The DHT lists these members.
-    Discovered(HashSet<PeerId>),
-    Message {
-        peer: PeerId,
-        generation: u64,
-        message: SwarmMessage,
-    },
-    ReaderClosed {
-        peer: PeerId,
-        generation: u64,
-    },
-    WriterEnded {
-        peer: PeerId,
-        generation: u64,
-    },
-    OriginPulled {
-        chunk: u32,
-        result: Result<[u8; 32], Failure>,
-    },
-    /// The origin's hash of a chunk this node holds, read to settle a dispute.
-    Sampled {
-        chunk: u32,
-        result: Result<[u8; 32], Failure>,
-    },
-    PeerPulled {
-        chunk: u32,
-        peer: PeerId,
-        result: Result<[u8; 32], PeerFailure>,
-    },
-    Finished(Result<(), String>),
+    Joined { peer: PeerId, stream: Stream },
+    /// [`TICK`] passed.
     Tick,
+    /// What the rules take as it came.
+    Learned(Input),
 }
 
 #[derive(Debug)]

@@ -11,7 +11,9 @@ use hypha_network::{
 };
 use tokio::{sync::mpsc, time::Instant};
 
-use super::{Event, Failure, Holding, MIN_PEER_RATE, PEER_TIMEOUT, PeerFailure, TICK};
+use super::{
+    Event, Failure, Holding, MIN_PEER_RATE, PEER_TIMEOUT, PeerFailure, TICK, state::Input,
+};
 use crate::{
     assembly::ChunkSink,
     manifest::{ArtifactId, Manifest},
@@ -171,11 +173,11 @@ pub(super) async fn read_from(
         match read_frame::<SwarmMessage>(&mut stream).await {
             Ok(message) => {
                 if events
-                    .send(Event::Message {
+                    .send(Event::Learned(Input::Message {
                         peer,
                         generation,
                         message,
-                    })
+                    }))
                     .await
                     .is_err()
                 {
@@ -188,7 +190,9 @@ pub(super) async fn read_from(
             }
         }
     }
-    let _ = events.send(Event::ReaderClosed { peer, generation }).await;
+    let _ = events
+        .send(Event::Learned(Input::ReaderClosed { peer, generation }))
+        .await;
 }
 
 pub(super) async fn write_to(
@@ -235,7 +239,9 @@ pub(super) async fn write_to(
     if let Err(reason) = result {
         tracing::debug!(%peer, %artifact, "swarm stream to peer ended: {reason}");
     }
-    let _ = events.send(Event::WriterEnded { peer, generation }).await;
+    let _ = events
+        .send(Event::Learned(Input::WriterEnded { peer, generation }))
+        .await;
 }
 
 pub(super) async fn discover(
@@ -250,7 +256,11 @@ pub(super) async fn discover(
                 let Some(events) = events.upgrade() else {
                     return;
                 };
-                if events.send(Event::Discovered(found)).await.is_err() {
+                if events
+                    .send(Event::Learned(Input::Discovered(found)))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }

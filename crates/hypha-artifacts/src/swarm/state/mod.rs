@@ -25,7 +25,7 @@ use crate::{Settings, manifest::Manifest, protocol::SwarmMessage};
 
 /// What the swarm's state learns.
 #[derive(Debug)]
-pub(super) enum Input {
+pub(crate) enum Input {
     /// The actor started: decide what to read first.
     Start,
     /// A member opened its swarm stream to us (its hello was answered).
