@@ -355,3 +355,82 @@ impl JobRun<'_> {
             .map(|recorded| self.slots.role(recorded.slot))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use libp2p::PeerId;
+
+    use super::{carried_over, goes_on};
+    use crate::{
+        record::{RecordedJob, RecordedRound, RunRecord},
+        spec::JobFile,
+    };
+
+    const PLAIN: &str = "workers = 2\nbid = 50\n[executor]\nclass = \"train\"\nname = \"x\"\n[data]\ndataset = \"blobs\"\n";
+    const DILOCO: &str = "[diloco]\nsamples_per_round = 512\nbatch_size = 32\n[diloco.parameter_server]\nbid = 10\nexecutor = { class = \"aggregate\", name = \"parameter-server\" }\n";
+
+    fn diloco() -> JobFile {
+        JobFile::parse("job.toml", &format!("{PLAIN}{DILOCO}")).unwrap()
+    }
+
+    fn job(slot: usize, peer: PeerId, job: &str) -> RecordedJob {
+        RecordedJob {
+            job: job.into(),
+            slot,
+            peer: peer.to_string(),
+            lease: 1,
+            price: 1.0,
+            rejoin: false,
+        }
+    }
+
+    fn round(round: u64, peer: PeerId, job: &str) -> RecordedRound {
+        RecordedRound {
+            round,
+            peer: peer.to_string(),
+            job: job.into(),
+        }
+    }
+
+    /// Resumed from the checkpoint of round 5: the rounds before it that trainers applied are
+    /// used; the jobs that go on, and those whose rounds past it may still reach the model,
+    /// keep their slices; rounds are open from 5; the data nodes are asked first (a record
+    /// that names something else is passed over). Without a checkpoint nothing is kept.
+    #[test]
+    fn a_run_resumed_from_a_checkpoint_keeps_what_the_model_and_its_jobs_hold() {
+        let spec = diloco();
+        let (a, b, server) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let earlier = RunRecord {
+            task: "task".into(),
+            // Slot 2 is the parameter server's (workers = 2).
+            jobs: vec![job(0, a, "ja"), job(2, server, "js")],
+            uncommitted: vec![round(4, a, "ja"), round(5, b, "jb"), round(6, a, "ja")],
+            data_nodes: vec![server.to_string(), "not a peer".into()],
+            ..RunRecord::default()
+        };
+        let carried = carried_over(&spec, Some(&earlier), Some(5));
+        assert_eq!(carried.committed, vec![(a, "ja".to_string(), 4)]);
+        let going_on = [(a, "ja"), (server, "js"), (b, "jb"), (a, "ja")];
+        let going_on: Vec<_> = going_on.iter().map(|(p, j)| (*p, j.to_string())).collect();
+        assert_eq!(carried.going_on, going_on);
+        assert_eq!(carried.open_from, 5);
+        assert_eq!(carried.data_nodes, vec![server]);
+        let fresh = carried_over(&spec, Some(&earlier), None);
+        assert!(fresh.committed.is_empty() && fresh.going_on.is_empty());
+        assert_eq!(fresh.open_from, 0);
+    }
+
+    /// A DiLoCo trainer or parameter server goes on when the scheduler holds a checkpoint; a
+    /// standby does not, nor any job without a checkpoint, nor a plain iteration's.
+    #[test]
+    fn only_a_diloco_runs_trainers_and_server_go_on_and_only_from_a_checkpoint() {
+        let spec = diloco();
+        assert!(goes_on(&spec, 0, Some(5)) && goes_on(&spec, 2, Some(5)));
+        assert!(!goes_on(&spec, 3, Some(5)), "the standby's slot");
+        assert!(!goes_on(&spec, 0, None));
+        let plain = JobFile::parse("job.toml", PLAIN).unwrap();
+        assert!(!goes_on(&plain, 0, Some(5)));
+    }
+}
