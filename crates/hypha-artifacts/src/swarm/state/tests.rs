@@ -499,3 +499,34 @@ fn an_origin_read_that_keeps_failing_fails_the_fetch() {
         );
     }
 }
+
+/// The chunks a node audits it reads from the origin although a member holds them, vouched
+/// for in the member's turn: with `origin_audit = 1`, every chunk, none from the member.
+#[test]
+fn audited_chunks_are_read_from_the_origin_although_a_member_holds_them() {
+    let settings = Settings {
+        origin_audit: 1.0,
+        ..Settings::default()
+    };
+    let mut swarm = Swarm::with(2, settings);
+    swarm.at(ms(0), Input::Start);
+    let member = PeerId::random();
+    let its: Vec<u32> = {
+        let generation = swarm.join(ms(10), member);
+        let its: Vec<u32> = (0..CHUNKS).filter(|&c| swarm.owner(c) == member).collect();
+        for &chunk in &its {
+            swarm.say(
+                ms(20),
+                member,
+                generation,
+                have(chunk, hash(chunk as u8), true),
+            );
+        }
+        its
+    };
+    swarm.at(ms(30), Input::Tick { named: Vec::new() });
+    let actions = swarm.take_log();
+    assert!(peer_pulls(&actions).is_empty(), "{actions:?}");
+    let from_origin = origin_pulls(&actions);
+    assert!(its.iter().all(|c| from_origin.contains(c)), "{actions:?}");
+}
