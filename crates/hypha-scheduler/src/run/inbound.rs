@@ -260,3 +260,37 @@ pub(super) async fn route_inbound(
         let _ = request.responder.respond(response).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use hypha_messages::diloco::{Order, ServerOrder, Status, TrainerOrder};
+
+    use super::{ExecutorAnswer, ExecutorReport};
+
+    /// What executors send through their bridge: a DiLoCo status reads as one, anything else
+    /// is kept as it came; answers go on the wire as the order alone (as before the types),
+    /// or `{"received":true}`.
+    #[test]
+    fn executor_statuses_are_read_typed_and_answered_in_their_wire_format() {
+        let trainer = serde_json::json!({"diloco": "trainer", "round": 3, "batches": 10});
+        let ExecutorReport::Diloco(status) = ExecutorReport::of(trainer) else {
+            panic!("a trainer's status is a DiLoCo status");
+        };
+        assert!(matches!(*status, Status::Trainer(ref s) if s.round == Some(3) && s.batches == 10));
+        let other = serde_json::json!({"step": 5, "loss": 0.25});
+        assert!(
+            matches!(ExecutorReport::of(other.clone()), ExecutorReport::Other(v) if v == other)
+        );
+        let wait = ExecutorAnswer::from(Order::Trainer(TrainerOrder::Wait { retry_ms: 200 }));
+        assert_eq!(wait.to_json(), r#"{"action":"wait","retry_ms":200}"#);
+        let close = ExecutorAnswer::from(Order::ParameterServer(ServerOrder::Close {
+            round: 4,
+            send_to: vec!["peer".into()],
+        }));
+        assert_eq!(
+            close.to_json(),
+            r#"{"action":"close","round":4,"send_to":["peer"]}"#
+        );
+        assert_eq!(ExecutorAnswer::Received.to_json(), r#"{"received":true}"#);
+    }
+}
