@@ -10,8 +10,9 @@
 //! which goes to it with its dispatch, and the trainers are told to join it.
 //!
 //! A run is one actor (`JobRun`): it owns the slots, the jobs with their leases, the training
-//! and the data, and one `JoinSet` with every task it starts (the router of inbound requests,
-//! allocations, dispatches). Its loop takes what those tasks, the workers and the executors
+//! and the data, and the `JoinSet`s of every task it starts (the router of inbound requests,
+//! allocations, dispatches; apart, those telling workers the task's peers, which report
+//! nothing back). Its loop takes what those tasks, the workers and the executors
 //! report, one at a time; whatever ends the run (success, a failure, an interrupt, an
 //! allocation that gives up), `finish` lets go of everything in one place: it stops the tasks
 //! (an allocation stopped halfway releases what it leased), releases every lease (which stops
