@@ -359,6 +359,7 @@ impl State {
                 {
                     p.writer = None;
                     p.left_alone_until = Some(self.now + BACKOFF);
+                    self.actions.push(Action::Disconnect(peer));
                 }
             }
             Input::WriterDropped { peer, generation } => {
