@@ -132,6 +132,25 @@ impl Swarm {
         )
     }
 
+    /// `peer` failed this node's request for `chunk` at `at`, with `failure`.
+    fn refused(
+        &mut self,
+        at: Duration,
+        chunk: u32,
+        peer: PeerId,
+        failure: PeerFailure,
+    ) -> Vec<Action> {
+        let result = Err(failure);
+        self.at(
+            at,
+            Input::PeerPulled {
+                chunk,
+                peer,
+                result,
+            },
+        )
+    }
+
     /// The member whose turn it is to read `chunk` from the origin, as this node sees it.
     fn owner(&self, chunk: u32) -> PeerId {
         self.state.owner(chunk, &self.state.members()).unwrap()
@@ -276,14 +295,7 @@ fn a_silent_holder_is_passed_over_after_stall_patience() {
     let actions = swarm.say(ms(20), holder, generation, have(its, hash(1), true));
     assert!(peer_pulls(&actions).contains(&(its, holder)), "{actions:?}");
     // The chunks this node reads itself are still on their way: nothing arrives.
-    let actions = swarm.at(
-        ms(30),
-        Input::PeerPulled {
-            chunk: its,
-            peer: holder,
-            result: Err(PeerFailure::Busy),
-        },
-    );
+    let actions = swarm.refused(ms(30), its, holder, PeerFailure::Busy);
     assert!(!origin_pulls(&actions).contains(&its));
     let patience = Settings::default().stall_patience;
     let tick = Input::Tick { named: Vec::new() };
@@ -291,14 +303,7 @@ fn a_silent_holder_is_passed_over_after_stall_patience() {
     assert!(!origin_pulls(&actions).contains(&its), "{actions:?}");
     // Asked again once left alone for a moment, it is busy again.
     assert!(peer_pulls(&actions).contains(&(its, holder)), "{actions:?}");
-    swarm.at(
-        patience - ms(50),
-        Input::PeerPulled {
-            chunk: its,
-            peer: holder,
-            result: Err(PeerFailure::Busy),
-        },
-    );
+    swarm.refused(patience - ms(50), its, holder, PeerFailure::Busy);
     let actions = swarm.at(patience + ms(100), Input::Tick { named: Vec::new() });
     assert!(origin_pulls(&actions).contains(&its), "{actions:?}");
 }
@@ -379,13 +384,11 @@ fn a_ban_outlives_a_reconnect() {
         peer_pulls(&actions).contains(&(its[0], peer)),
         "{actions:?}"
     );
-    swarm.at(
+    swarm.refused(
         ms(30),
-        Input::PeerPulled {
-            chunk: its[0],
-            peer,
-            result: Err(PeerFailure::Corrupt("blake3 mismatch".into())),
-        },
+        its[0],
+        peer,
+        PeerFailure::Corrupt("blake3 mismatch".into()),
     );
     assert!(swarm.banned(peer));
     swarm.at(ms(40), Input::ReaderClosed { peer, generation });
@@ -413,31 +416,17 @@ fn a_holder_failing_three_requests_in_a_row_is_not_asked_again() {
             have(chunk, hash(chunk as u8), true),
         );
     }
-    let fail = |swarm: &mut Swarm, at: Duration, chunk, result| {
-        swarm.at(
-            at,
-            Input::PeerPulled {
-                chunk,
-                peer,
-                result: Err(result),
-            },
-        )
-    };
     for (i, refusal) in [PeerFailure::Busy, PeerFailure::Refused("missing".into())]
         .into_iter()
         .enumerate()
     {
-        fail(&mut swarm, ms(30 + i as u64), its[0], refusal);
+        swarm.refused(ms(30 + i as u64), its[0], peer, refusal);
     }
     assert!(!swarm.banned(peer));
     for i in 0..3 {
         let at = ms(2_000 * (i + 1));
-        fail(
-            &mut swarm,
-            at,
-            its[0],
-            PeerFailure::Failed("stream closed".into()),
-        );
+        let failed = PeerFailure::Failed("stream closed".into());
+        swarm.refused(at, its[0], peer, failed);
         assert_eq!(swarm.banned(peer), i == 2, "after {} failures", i + 1);
     }
 }
