@@ -11,7 +11,7 @@
 //! server's next try of it, which sends only the rest.
 //! Then it tells the run, which marks a round's slices used only once the round is in a
 //! checkpoint here ([`training`](crate::training)), and restores a replacement parameter
-//! server from it.
+//! server from it, or keeps a standby's copy current ([`send`]).
 
 use std::{
     path::{Path, PathBuf},
@@ -250,18 +250,43 @@ impl Checkpoints {
     }
 }
 
+/// Sends the checkpoint in `file` to the jobs of `task` on `peer`.
+pub async fn send(
+    network: &Network,
+    peer: PeerId,
+    task: String,
+    file: std::fs::File,
+) -> Result<String, hypha_transfer::SendError> {
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let header = Header {
+        task,
+        name: TRANSFER_NAME.to_string(),
+        size,
+        published: None,
+        sha256: None,
+    };
+    hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
+}
+
+/// Why a file is not a checkpoint whose round can be read.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Format(#[from] hypha_diloco::Error),
+    #[error("its {} is not {:?}", meta::KIND, meta::KIND_CHECKPOINT)]
+    NotACheckpoint,
+}
+
 /// The round of the checkpoint at `path`, read from its header.
-pub fn checkpoint_round(path: &Path) -> Result<u64, String> {
-    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let metadata = hypha_diloco::read_metadata(&mut file).map_err(|e| e.to_string())?;
+pub fn checkpoint_round(path: &Path) -> Result<u64, CheckpointError> {
+    let mut file = std::fs::File::open(path)?;
+    let metadata = hypha_diloco::read_metadata(&mut file)?;
     if metadata.get(meta::KIND).map(String::as_str) != Some(meta::KIND_CHECKPOINT) {
-        return Err(format!(
-            "its {} is not {:?}",
-            meta::KIND,
-            meta::KIND_CHECKPOINT
-        ));
+        return Err(CheckpointError::NotACheckpoint);
     }
-    hypha_diloco::server::round_of(&metadata).map_err(|e| e.to_string())
+    Ok(hypha_diloco::server::round_of(&metadata)?)
 }
 
 #[cfg(test)]

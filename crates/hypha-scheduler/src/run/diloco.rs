@@ -1,14 +1,12 @@
 //! The DiLoCo side of a run: the parameter server's statuses and silence, its checkpoints
 //! and their standby, failover and promotion, benched trainers.
 
-use std::time::Duration;
-
-use hypha_network::Network;
 use libp2p::PeerId;
 
 use super::{
     Internal, JobRun, RunError,
     inbound::{ExecutorAnswer, ExecutorReport, ExecutorStatus},
+    rules::{self, Ending, Restart, Silence},
 };
 use crate::{
     checkpoint::{self, Checkpoints},
@@ -19,24 +17,12 @@ use crate::{
     training::{Answered, Promotion, Training},
 };
 
-/// How long the parameter server may say nothing (it reports every quarter second) before
-/// its lease is renewed at once to learn whether its worker is still there.
-pub(super) const SERVER_SILENCE: Duration = Duration::from_secs(1);
-
-/// How long a parameter server taken over after a restart has to send its first status
-/// (it reports four times a second).
-pub(super) const FIRST_STATUS_PATIENCE: Duration = Duration::from_secs(10);
-
 impl JobRun<'_> {
     /// A parameter server that went quiet may have lost its worker: its lease is renewed now,
-    /// so that a worker that is gone is replaced within seconds, not a lease period. One taken
-    /// over that has not said which round it is at within [`FIRST_STATUS_PATIENCE`] is
-    /// replaced from the checkpoint: the trainers wait for it.
+    /// or one taken over that has not said which round it is at is replaced from the
+    /// checkpoint ([`rules::server_silence`]).
     pub(super) async fn on_server_silence(&mut self) -> Result<(), RunError> {
         let silent = self.server_heard.elapsed();
-        if silent < SERVER_SILENCE {
-            return Ok(());
-        }
         let server = self
             .jobs
             .iter()
@@ -44,19 +30,18 @@ impl JobRun<'_> {
         let Some((job, server)) = server else {
             return Ok(());
         };
-        if self.server_pending && silent >= FIRST_STATUS_PATIENCE {
-            let reason = format!(
-                "the parameter server taken over sent no status within {} s",
-                FIRST_STATUS_PATIENCE.as_secs()
-            );
-            let job = job.clone();
-            return self.ended(&job, Some(reason)).await;
+        match rules::server_silence(silent, self.server_pending) {
+            Silence::Wait => Ok(()),
+            Silence::Probe => {
+                server.lease.probe();
+                self.server_heard = std::time::Instant::now();
+                Ok(())
+            }
+            Silence::Replace(reason) => {
+                let job = job.clone();
+                self.ended(&job, Ending::Failed(reason)).await
+            }
         }
-        if !self.server_pending {
-            server.lease.probe();
-            self.server_heard = std::time::Instant::now();
-        }
-        Ok(())
     }
 
     /// An executor's status: a DiLoCo one goes to the training, which says what to answer;
@@ -75,9 +60,7 @@ impl JobRun<'_> {
         let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
             // A job being taken over waits until it is.
             let _ = answer.send(match (&self.training, self.taking_over(peer, &job)) {
-                (Some(_), Some(Role::Trainer)) => Training::wait_order().into(),
-                (Some(_), Some(Role::ParameterServer)) => Training::server_wait_order().into(),
-                (Some(_), Some(Role::Standby)) => Training::standby_wait_order().into(),
+                (Some(_), Some(role)) => rules::taking_over_order(role).into(),
                 _ => ExecutorAnswer::Received,
             });
             return Ok(());
@@ -104,7 +87,7 @@ impl JobRun<'_> {
             } => {
                 let _ = answer.send(order.into());
                 let reason = format!("the parameter server taken over cannot go on: {reason}");
-                self.ended(&job, Some(reason)).await?;
+                self.ended(&job, Ending::Failed(reason)).await?;
             }
             answered => {
                 if let Some(Ok(unheard)) = answered.resumed {
@@ -233,27 +216,30 @@ impl JobRun<'_> {
             peer: peer.to_string(),
             slot,
         });
-        self.ended(&job, None).await
+        self.ended(&job, Ending::Done).await
     }
 
     /// The parameter server on `peer` is gone: the next one is restored from the checkpoint
-    /// held here. Without one, it starts afresh when no round was applied yet; otherwise the
-    /// run cannot go on with the model it trained.
+    /// held here, or the run cannot go on ([`rules::restart`]).
     pub(super) fn fail_over(&mut self, peer: PeerId, reason: &str) -> Result<(), RunError> {
         let held = self.checkpoints.as_ref().and_then(Checkpoints::round);
         let trained = self.training.as_ref().map_or(0, Training::round);
-        if held.is_none() && trained > 0 {
+        let Some(Restart {
+            restore,
+            lost_rounds,
+        }) = rules::restart(held, trained)
+        else {
             return Err(RunError::ServerLost {
                 peer: peer.to_string(),
                 reason: reason.to_string(),
             });
-        }
-        self.restore = held;
+        };
+        self.restore = restore;
         self.events.record(Event::Failover {
             peer: peer.to_string(),
             reason: reason.to_string(),
-            round: held.unwrap_or(0),
-            lost_rounds: trained.saturating_sub(held.unwrap_or(0)),
+            round: restore.unwrap_or(0),
+            lost_rounds,
             standby: None,
         });
         Ok(())
@@ -319,8 +305,7 @@ impl JobRun<'_> {
     /// newest again when one was stored meanwhile. Over this scheduler's link, not the
     /// server's.
     pub(super) fn forward_checkpoint(&mut self) {
-        if self.forwarding {
-            self.forward_again = true;
+        if !self.forwarding.stored() {
             return;
         }
         let standby = self
@@ -334,33 +319,15 @@ impl JobRun<'_> {
         ) else {
             return;
         };
-        self.forwarding = true;
+        self.forwarding.sending();
         let network = self.network.clone();
         let task = self.task.clone();
         self.tasks.spawn(async move {
-            let result = send_checkpoint(&network, peer, task, file)
+            let result = checkpoint::send(&network, peer, task, file)
                 .await
                 .map(drop)
                 .map_err(|e| e.to_string());
             Internal::Forwarded { round, result }
         });
     }
-}
-
-/// Sends the checkpoint in `file` to the jobs of `task` on `peer`.
-pub(super) async fn send_checkpoint(
-    network: &Network,
-    peer: PeerId,
-    task: String,
-    file: std::fs::File,
-) -> Result<String, hypha_transfer::SendError> {
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let header = hypha_transfer::Header {
-        task,
-        name: checkpoint::TRANSFER_NAME.to_string(),
-        size,
-        published: None,
-        sha256: None,
-    };
-    hypha_transfer::send(network, peer, &header, file, hypha_transfer::SEND_PATIENCE).await
 }

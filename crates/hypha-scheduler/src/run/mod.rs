@@ -26,17 +26,24 @@
 //! What happens is reported as [`Event`]s: one line each on the console and, when asked,
 //! one JSON object per line in an events file.
 //!
-//! The actor is this module; its other parts are beside it: `log` (where events go),
-//! `inbound` (routing what the network delivers, and who may ask what), `resume` (start-up
-//! from an earlier process's record, and taking its leases over), `diloco` (the parameter
-//! server's statuses, checkpoints, failover and standby) and `peers` (telling the workers
-//! who the task's peers are).
+//! The actor is this module; its other parts are beside it. `rules` holds the decisions
+//! that need no I/O (how a status ends a job, what a job's end means for its slot, a silent
+//! server, where a lost server restarts), tested like [`rounds`](crate::rounds); `earlier`
+//! what an earlier process left (its record, checkpoint, the jobs that go on); `error` why a
+//! run fails; `log` where events go; `inbound` routing what the network delivers, and who
+//! may ask what. The actor's own methods are spread over `resume` (taking the earlier
+//! process's leases over), `diloco` (the parameter server's statuses, checkpoints, failover
+//! and standby) and `peers` (telling the workers who the task's peers are): those files
+//! extend `JobRun`, and this one names nothing in them, so the files depend one way.
 
 mod diloco;
+mod earlier;
+mod error;
 mod inbound;
 mod log;
 mod peers;
 mod resume;
+mod rules;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -55,12 +62,13 @@ use libp2p::PeerId;
 use tokio::{sync::mpsc, task::JoinSet};
 
 pub use crate::event::{Event, with_stderr};
+pub use error::RunError;
 pub use log::EventLog;
 
 use self::{
-    diloco::{SERVER_SILENCE, send_checkpoint},
+    earlier::{Adoption, Earlier, carried_over},
     inbound::{Askers, ExecutorStatus, LiveJobs, route_inbound},
-    resume::{Adoption, Earlier, carried_over},
+    rules::{AfterEnd, Ended, Ending, Forwarding, SERVER_SILENCE},
 };
 use crate::{
     allocator::{AllocationError, Allocator, Lease, Lost, WorkerRequest},
@@ -79,39 +87,6 @@ const JOINERS_PAUSE: Duration = Duration::from_secs(1);
 
 /// How long a finished job waits for its lease releases to reach the workers.
 const RELEASE_LIMIT: Duration = Duration::from_secs(5);
-
-/// Why a job did not complete.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error(transparent)]
-    Allocation(#[from] AllocationError),
-    #[error("slot {slot} failed {attempts} times; last: {last}")]
-    Exhausted {
-        slot: usize,
-        attempts: u32,
-        last: String,
-    },
-    #[error("stopped before the job completed")]
-    Interrupted,
-    #[error(transparent)]
-    Data(#[from] crate::data::DataError),
-    #[error(
-        "the parameter server on {peer} is gone ({reason}) and no checkpoint of its rounds reached the scheduler; the global model of the last round may be in its checkpoint there (parameter-server.safetensors in the job's directory)"
-    )]
-    ServerLost { peer: String, reason: String },
-    #[error(transparent)]
-    Record(#[from] crate::record::RecordError),
-    #[error(
-        "the run's checkpoint {path} cannot be read ({error}); the ledger counts the rounds in it as used, so the run cannot go on without it: put the file back, or start training afresh with a new ledger"
-    )]
-    Checkpoint { path: String, error: String },
-    #[error("the job file's [diloco] metrics file {path}: {error}")]
-    Metrics { path: String, error: std::io::Error },
-    #[error(
-        "every executor exited, but the iteration still has slices that were never used; executors should fetch from their \"data\" reference until it answers that the data is done"
-    )]
-    Unfinished,
-}
 
 /// Runs `spec` to completion (or until `shutdown`).
 pub async fn run_job(
@@ -327,10 +302,8 @@ struct JobRun<'a> {
     joiners_after: tokio::time::Instant,
     /// A [`Internal::JoinersDue`] is on its way.
     joiners_timer: bool,
-    /// A checkpoint is on its way to the standby; `forward_again`: a newer one was stored
-    /// meanwhile.
-    forwarding: bool,
-    forward_again: bool,
+    /// Checkpoints on their way to the standby.
+    forwarding: Forwarding,
 }
 
 impl<'a> JobRun<'a> {
@@ -440,8 +413,7 @@ impl<'a> JobRun<'a> {
             benched: Vec::new(),
             joiners_after: tokio::time::Instant::now(),
             joiners_timer: false,
-            forwarding: false,
-            forward_again: false,
+            forwarding: Forwarding::default(),
         };
         let channels = Channels {
             statuses,
@@ -663,19 +635,18 @@ impl<'a> JobRun<'a> {
                             peer,
                             reason: reason.clone(),
                         });
-                        self.ended(&job, Some(reason)).await?;
+                        self.ended(&job, Ending::Failed(reason)).await?;
                     }
                 }
             }
             Internal::Forwarded { round, result } => {
-                self.forwarding = false;
                 match result {
                     Ok(()) => tracing::debug!(round, "the standby has the checkpoint"),
                     Err(error) => {
                         tracing::warn!(round, %error, "the checkpoint did not reach the standby")
                     }
                 }
-                if std::mem::take(&mut self.forward_again) {
+                if self.forwarding.arrived() {
                     self.forward_checkpoint();
                 }
             }
@@ -758,7 +729,7 @@ impl<'a> JobRun<'a> {
                 .map(drop)
                 .map_err(|e| e.to_string());
             if let (Ok(()), Some((round, file))) = (&result, checkpoint) {
-                result = send_checkpoint(&network, peer, task, file)
+                result = checkpoint::send(&network, peer, task, file)
                     .await
                     .map(drop)
                     .map_err(|e| format!("the checkpoint of round {round} did not reach it: {e}"));
@@ -792,19 +763,10 @@ impl<'a> JobRun<'a> {
             peer: peer.to_string(),
             status: report.status.clone(),
         });
-        let failure = match report.status {
-            JobStatus::Running => return Ok(()),
-            JobStatus::Finished { exit_code: 0, .. } => None,
-            JobStatus::Finished {
-                exit_code,
-                stderr_tail,
-            } => Some(with_stderr(format!("exit code {exit_code}"), &stderr_tail)),
-            JobStatus::Failed {
-                reason,
-                stderr_tail,
-            } => Some(with_stderr(reason, &stderr_tail)),
-        };
-        self.ended(&report.job, failure).await
+        match rules::ending(&report.status) {
+            Some(ending) => self.ended(&report.job, ending).await,
+            None => Ok(()),
+        }
     }
 
     /// Records that `job` was dispatched, once.
@@ -838,18 +800,18 @@ impl<'a> JobRun<'a> {
             peer: lost.peer.to_string(),
             reason: lost.reason.clone(),
         });
-        self.ended(&job, Some(lost.reason)).await
+        self.ended(&job, Ending::Failed(lost.reason)).await
     }
 
-    /// Job `job` ended (`failure`: why not successfully): its lease goes back, its data
-    /// goes back, and its slot is done or wants another worker.
-    async fn ended(&mut self, job: &str, mut failure: Option<String>) -> Result<(), RunError> {
+    /// Job `job` ended: its lease goes back, its data goes back, and its slot is done or
+    /// wants another worker, as [`rules::after_end`] says.
+    async fn ended(&mut self, job: &str, mut ending: Ending) -> Result<(), RunError> {
         let Some(dispatched) = self.jobs.remove(job) else {
             return Ok(());
         };
         self.task_peers_changed();
         let role = self.slots.role(dispatched.slot);
-        if role == Role::ParameterServer && self.server_pending && failure.is_none() {
+        if role == Role::ParameterServer && self.server_pending && ending == Ending::Done {
             // A server taken over that finished before it said where it was: the earlier
             // process told it training was over, or it is replaced.
             let round = self.checkpoints.as_ref().and_then(Checkpoints::round);
@@ -858,7 +820,7 @@ impl<'a> JobRun<'a> {
                 None => true,
             };
             if !over {
-                failure = Some("it ended before it said which round it was at".into());
+                ending = Ending::Failed("it ended before it said which round it was at".into());
             }
         }
         self.live.remove(dispatched.lease.peer, job);
@@ -871,11 +833,12 @@ impl<'a> JobRun<'a> {
         // at the server keeps its slices of that round until the round settles.
         let server = self.training.as_mut().is_some_and(|t| t.ended(job));
         self.release_data(peer, job).await;
+        let failed = matches!(ending, Ending::Failed(_));
         // A server that failed is replaced by its standby where that holds a round the run
         // reached; the rounds before it are kept.
         let stored = self.checkpoints.as_ref().and_then(Checkpoints::round);
-        let promotion = match (server, &failure, &self.training) {
-            (true, Some(_), Some(training)) => training.promotion(stored),
+        let promotion = match (server && failed, &self.training) {
+            (true, Some(training)) => training.promotion(stored),
             _ => None,
         };
         if server {
@@ -884,53 +847,58 @@ impl<'a> JobRun<'a> {
             if let Some(checkpoints) = &self.checkpoints {
                 checkpoints.accept_from(None);
             }
-            if let (Some(training), Some(_)) = (self.training.as_mut(), &failure) {
+            if let (Some(training), true) = (self.training.as_mut(), failed) {
                 let kept = promotion.as_ref().map_or(0, |p| p.round);
                 training.rounds_lost_from(kept).await;
             }
         }
         self.store_record()?;
-        let Some(reason) = failure else {
-            self.slots.finished(job);
-            let no_work = self.training.is_none() && self.data.is_none();
-            // A server that finished ended the training: a standby's slot still wanting a
-            // worker (its last one took over) wants none now.
-            if (self.spec.workers.elastic() || server) && (no_work || self.work_done().await) {
-                // No worker that joins now would have anything to do.
+        let next = rules::after_end(Ended {
+            ending,
+            server,
+            promotion,
+            elastic: self.spec.workers.elastic(),
+            has_work: self.training.is_some() || self.data.is_some(),
+            work_done: self.work_done().await,
+        });
+        match next {
+            AfterEnd::Done { close } => {
+                self.slots.finished(job);
+                if close {
+                    self.slots.close();
+                }
+                Ok(())
+            }
+            AfterEnd::Promote { promotion, reason } => self.promote(job, peer, &reason, promotion),
+            AfterEnd::Close => {
+                self.slots.failed(job, progressed);
                 self.slots.close();
-            }
-            return Ok(());
-        };
-        if let Some(promotion) = promotion {
-            return self.promote(job, peer, &reason, promotion);
-        }
-        if server {
-            self.fail_over(peer, &reason)?;
-        }
-        let verdict = self.slots.failed(job, progressed);
-        if !server && self.work_done().await {
-            // Training or the data is done: nobody replaces it.
-            self.slots.close();
-            return Ok(());
-        }
-        match verdict {
-            Verdict::Exhausted { slot, attempts } => Err(RunError::Exhausted {
-                slot,
-                attempts,
-                last: reason,
-            }),
-            Verdict::GivenUp { slot, attempts } => {
-                tracing::warn!(
-                    slot,
-                    attempts,
-                    "a slot failed its attempts; the run has the trainers it needs without it and goes on"
-                );
-                self.allocate_next();
                 Ok(())
             }
-            _ => {
-                self.allocate_next();
-                Ok(())
+            AfterEnd::Replace { reason, fail_over } => {
+                if fail_over {
+                    self.fail_over(peer, &reason)?;
+                }
+                match self.slots.failed(job, progressed) {
+                    Verdict::Exhausted { slot, attempts } => Err(RunError::Exhausted {
+                        slot,
+                        attempts,
+                        last: reason,
+                    }),
+                    Verdict::GivenUp { slot, attempts } => {
+                        tracing::warn!(
+                            slot,
+                            attempts,
+                            "a slot failed its attempts; the run has the trainers it needs without it and goes on"
+                        );
+                        self.allocate_next();
+                        Ok(())
+                    }
+                    _ => {
+                        self.allocate_next();
+                        Ok(())
+                    }
+                }
             }
         }
     }

@@ -1,0 +1,40 @@
+//! Why a run did not complete.
+
+use crate::allocator::AllocationError;
+
+/// Why a job did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Allocation(#[from] AllocationError),
+    #[error("slot {slot} failed {attempts} times; last: {last}")]
+    Exhausted {
+        slot: usize,
+        attempts: u32,
+        last: String,
+    },
+    #[error("stopped before the job completed")]
+    Interrupted,
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// `reason`: how the server's job ended, as its worker reported it (a peer's words).
+    #[error(
+        "the parameter server on {peer} is gone ({reason}) and no checkpoint of its rounds reached the scheduler; the global model of the last round may be in its checkpoint there (parameter-server.safetensors in the job's directory)"
+    )]
+    ServerLost { peer: String, reason: String },
+    #[error(transparent)]
+    Record(#[from] crate::record::RecordError),
+    #[error(
+        "the run's checkpoint {path} cannot be read ({error}); the ledger counts the rounds in it as used, so the run cannot go on without it: put the file back, or start training afresh with a new ledger"
+    )]
+    Checkpoint {
+        path: String,
+        error: crate::checkpoint::CheckpointError,
+    },
+    #[error("the job file's [diloco] metrics file {path}: {error}")]
+    Metrics { path: String, error: std::io::Error },
+    #[error(
+        "every executor exited, but the iteration still has slices that were never used; executors should fetch from their \"data\" reference until it answers that the data is done"
+    )]
+    Unfinished,
+}
