@@ -36,12 +36,14 @@ pub enum CacheError {
     #[error("cache {path}: {reason}")]
     Open { path: PathBuf, reason: String },
     #[error("cache: {0}")]
-    Store(String),
+    Store(redb::Error),
+    #[error("cache: {0}")]
+    Record(serde_json::Error),
 }
 
 impl<E: Into<redb::Error>> From<E> for CacheError {
     fn from(error: E) -> Self {
-        CacheError::Store(error.into().to_string())
+        CacheError::Store(error.into())
     }
 }
 
@@ -230,7 +232,7 @@ impl Cache {
 
     /// Records a completed artifact and forgets its chunk-level progress.
     pub fn record_completed(&self, record: &Record) -> Result<(), CacheError> {
-        let json = serde_json::to_vec(record).map_err(|e| CacheError::Store(e.to_string()))?;
+        let json = serde_json::to_vec(record).map_err(CacheError::Record)?;
         let txn = self.db.begin_write()?;
         {
             let mut table = txn.open_table(COMPLETED)?;

@@ -57,6 +57,8 @@ impl fmt::Debug for Profile {
 pub enum OriginError {
     #[error("no origin profile named {name:?}; known profiles: {known}")]
     UnknownProfile { name: String, known: String },
+    /// What of the profile's settings is wrong, found by our checks, for the person who
+    /// wrote them.
     #[error("profile {profile:?}: {reason}")]
     BadProfile { profile: String, reason: String },
     #[error("{uri}: not found at the origin")]

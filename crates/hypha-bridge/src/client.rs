@@ -22,6 +22,7 @@ pub enum ClientError {
         socket: PathBuf,
         error: std::io::Error,
     },
+    /// The bridge's answer is not HTTP: where our parser stopped, described.
     #[error("the job bridge's answer to {path} is not HTTP: {detail}")]
     Malformed { path: String, detail: String },
     #[error("the job bridge answered {path} with {status}: {error}")]

@@ -6,7 +6,8 @@ pub enum Error {
     /// A file could not be read.
     #[error(transparent)]
     File(#[from] hypha_files::Error),
-    /// A PEM document holds something other than what was expected.
+    /// A PEM document holds something other than what was expected: what, described by
+    /// our checks or the PEM and X.509 parsers (whose errors borrow the input).
     #[error("{what}: {reason}")]
     Malformed { what: String, reason: String },
     /// The private key does not belong to the certificate.

@@ -32,6 +32,8 @@ pub enum Rejection {
     BadSignature,
     #[error("the certificate may not be used for this purpose (extended key usage)")]
     WrongUsage,
+    /// What in a certificate that verified cannot be used (its key, its roles, its form),
+    /// described: the peer is refused whatever the detail.
     #[error("{0}")]
     Unusable(String),
 }

@@ -18,16 +18,42 @@ pub enum Encoding {
 }
 
 /// A slice that could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum SliceError {
-    #[error("neither SafeTensors nor raw-Snappy-compressed SafeTensors ({0})")]
-    Unrecognised(String),
+    #[error(
+        "neither SafeTensors nor raw-Snappy-compressed SafeTensors (not a SafeTensors header, and not Snappy: {0})"
+    )]
+    Unrecognised(snap::Error),
+    #[error(
+        "neither SafeTensors nor raw-Snappy-compressed SafeTensors (Snappy data that does not hold SafeTensors)"
+    )]
+    SnappyWithoutSafeTensors,
     #[error("the Snappy data is corrupt: {0}")]
-    Snappy(String),
+    Snappy(snap::Error),
+    #[error(
+        "the Snappy data is corrupt: claims {claimed} bytes decompressed, more than the {} allowed",
+        MAX_SLICE_BYTES
+    )]
+    TooLarge { claimed: usize },
+    #[error(
+        "the Snappy data is corrupt: claims {claimed} bytes decompressed from {compressed} bytes, more than Snappy can expand to"
+    )]
+    Overexpanded { claimed: usize, compressed: usize },
     #[error("the SafeTensors data is invalid: {0}")]
-    SafeTensors(String),
-    #[error("tensor {name:?}: {problem}")]
-    Tensor { name: String, problem: String },
+    SafeTensors(safetensors::SafeTensorError),
+    #[error("tensor {name:?}: shape {shape:?} of {dtype} needs {expected} bytes, got {got}")]
+    Size {
+        name: String,
+        shape: Vec<usize>,
+        dtype: Dtype,
+        expected: usize,
+        got: usize,
+    },
+    #[error("tensor {name:?}: {error}")]
+    View {
+        name: String,
+        error: safetensors::SafeTensorError,
+    },
 }
 
 /// Largest decompressed slice accepted: a corrupt or hostile Snappy header (it can claim up
@@ -42,34 +68,26 @@ const MAX_SNAPPY_RATIO: usize = 22;
 /// Tells the encoding from the content and returns the SafeTensors bytes.
 pub fn decode(bytes: &[u8]) -> Result<(Encoding, Cow<'_, [u8]>), SliceError> {
     if looks_like_safetensors(bytes) {
-        safetensors::SafeTensors::read_metadata(bytes)
-            .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+        safetensors::SafeTensors::read_metadata(bytes).map_err(SliceError::SafeTensors)?;
         return Ok((Encoding::Plain, Cow::Borrowed(bytes)));
     }
-    let length = snap::raw::decompress_len(bytes).map_err(|e| {
-        SliceError::Unrecognised(format!("not a SafeTensors header, and not Snappy: {e}"))
-    })?;
+    let length = snap::raw::decompress_len(bytes).map_err(SliceError::Unrecognised)?;
     if length > MAX_SLICE_BYTES {
-        return Err(SliceError::Snappy(format!(
-            "claims {length} bytes decompressed, more than the {MAX_SLICE_BYTES} allowed"
-        )));
+        return Err(SliceError::TooLarge { claimed: length });
     }
     if length > bytes.len().saturating_mul(MAX_SNAPPY_RATIO) {
-        return Err(SliceError::Snappy(format!(
-            "claims {length} bytes decompressed from {} bytes, more than Snappy can expand to",
-            bytes.len()
-        )));
+        return Err(SliceError::Overexpanded {
+            claimed: length,
+            compressed: bytes.len(),
+        });
     }
     let plain = snap::raw::Decoder::new()
         .decompress_vec(bytes)
-        .map_err(|e| SliceError::Snappy(e.to_string()))?;
+        .map_err(SliceError::Snappy)?;
     if !looks_like_safetensors(&plain) {
-        return Err(SliceError::Unrecognised(
-            "Snappy data that does not hold SafeTensors".into(),
-        ));
+        return Err(SliceError::SnappyWithoutSafeTensors);
     }
-    safetensors::SafeTensors::read_metadata(&plain)
-        .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+    safetensors::SafeTensors::read_metadata(&plain).map_err(SliceError::SafeTensors)?;
     Ok((Encoding::Snappy, Cow::Owned(plain)))
 }
 
@@ -89,7 +107,7 @@ fn looks_like_safetensors(bytes: &[u8]) -> bool {
 /// leading dimension when every tensor shares it.
 pub fn describe(safetensors_bytes: &[u8]) -> Result<(Vec<TensorSpec>, Option<u64>), SliceError> {
     let (_, metadata) = safetensors::SafeTensors::read_metadata(safetensors_bytes)
-        .map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+        .map_err(SliceError::SafeTensors)?;
     let mut tensors: Vec<TensorSpec> = metadata
         .tensors()
         .into_iter()
@@ -128,12 +146,12 @@ impl Tensors {
         let elements: usize = shape.iter().product();
         let expected = elements * dtype.bitsize() / 8;
         if data.len() != expected {
-            return Err(SliceError::Tensor {
+            return Err(SliceError::Size {
                 name: name.into(),
-                problem: format!(
-                    "shape {shape:?} of {dtype} needs {expected} bytes, got {}",
-                    data.len()
-                ),
+                shape,
+                dtype,
+                expected,
+                got: data.len(),
             });
         }
         self.0.insert(name.to_string(), (dtype, shape, data));
@@ -149,18 +167,17 @@ pub fn encode(tensors: &Tensors, encoding: Encoding) -> Result<Vec<u8>, SliceErr
         .map(|(name, (dtype, shape, data))| {
             safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
                 .map(|view| (name.clone(), view))
-                .map_err(|e| SliceError::Tensor {
+                .map_err(|error| SliceError::View {
                     name: name.clone(),
-                    problem: e.to_string(),
+                    error,
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let plain =
-        safetensors::serialize(views, None).map_err(|e| SliceError::SafeTensors(e.to_string()))?;
+    let plain = safetensors::serialize(views, None).map_err(SliceError::SafeTensors)?;
     Ok(match encoding {
         Encoding::Plain => plain,
         Encoding::Snappy => snap::raw::Encoder::new()
             .compress_vec(&plain)
-            .map_err(|e| SliceError::Snappy(e.to_string()))?,
+            .map_err(SliceError::Snappy)?,
     })
 }

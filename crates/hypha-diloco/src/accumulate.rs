@@ -830,7 +830,7 @@ pub struct Accumulator {
     /// Σ nᵢΔᵢ of the updates folded so far, by parameter; empty until they are.
     folded: BTreeMap<String, Vec<f32>>,
     /// A fold could not read an update whole: the round's sum is lost.
-    damaged: Option<String>,
+    damaged: Option<std::sync::Arc<Error>>,
     weight: f64,
 }
 
@@ -958,7 +958,7 @@ impl Accumulator {
                 let w = held.weight;
                 if let Err(error) = part.apply(&*held.source, &mut scratch, sum, |s, v| *s += w * v)
                 {
-                    self.damaged = Some(error.to_string());
+                    self.damaged = Some(std::sync::Arc::new(error));
                 }
             }
         }

@@ -194,8 +194,8 @@ impl Layout {
         }
         let header = source.bytes_at(8, length as usize, &mut buffer)?;
         // The crate's own type checks what it checks when it reads a whole file.
-        let header: safetensors::tensor::Metadata = serde_json::from_slice(header)
-            .map_err(|e| Error::Format(format!("the header: {e}")))?;
+        let header: safetensors::tensor::Metadata =
+            serde_json::from_slice(header).map_err(Error::HeaderJson)?;
         let start = 8 + length;
         // Each tensor's size is checked by the crate, their sum is a peer's to choose.
         if start.checked_add(header.data_len() as u64) != Some(source.size()) {
@@ -359,7 +359,7 @@ fn header(
     tensors: &[(String, Dtype, Vec<usize>, u64)],
     metadata: &Metadata,
 ) -> Result<Vec<u8>, Error> {
-    let json = |e: serde_json::Error| Error::Format(e.to_string());
+    let json = Error::HeaderEncode;
     let mut header = b"{".to_vec();
     if !metadata.is_empty() {
         header.extend_from_slice(b"\"__metadata__\":");

@@ -48,10 +48,21 @@ pub use tensors::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// What is wrong with a file that is read as SafeTensors, found by this crate's own
+    /// checks (sizes, offsets, the metadata it needs), described.
     #[error("not a SafeTensors file: {0}")]
     Format(String),
+    #[error("not a SafeTensors file: {0}")]
+    SafeTensors(safetensors::SafeTensorError),
+    #[error("not a SafeTensors file: cannot read the header: {0}")]
+    HeaderRead(std::io::Error),
+    #[error("not a SafeTensors file: the header is not SafeTensors JSON: {0}")]
+    HeaderJson(serde_json::Error),
+    #[error("cannot encode a SafeTensors header: {0}")]
+    HeaderEncode(serde_json::Error),
     #[error("tensor {name:?} is {dtype}; pseudo-gradients and models must be F32, F64 or BF16")]
     Dtype { name: String, dtype: String },
+    /// A tensor that does not match the model's (shape, count, size), described.
     #[error("tensor {name:?}: {problem}")]
     Mismatch { name: String, problem: String },
     #[error("weight {0} is not a positive number of samples")]
@@ -73,12 +84,12 @@ pub enum Error {
     #[error(
         "an update could not be read while it was added to the round's sum ({0}): the round is lost"
     )]
-    SumLost(String),
+    SumLost(std::sync::Arc<Error>),
     /// The server's model is gone: restore the server from its checkpoint.
     #[error(
         "an update held for the round could not be read again at its close ({0}): the model took part of the round's step and was dropped"
     )]
-    RoundBroken(String),
+    RoundBroken(Box<Error>),
     #[error(transparent)]
     File(#[from] hypha_files::Error),
     #[error("cannot write the file: {0}")]

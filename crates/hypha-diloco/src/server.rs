@@ -609,7 +609,7 @@ impl ParameterServer {
             // Some chunks stepped, others not: this model is nobody's.
             self.model = None;
             self.sum.clear();
-            return Err(Error::RoundBroken(error.to_string()));
+            return Err(Error::RoundBroken(Box::new(error)));
         }
         let hash = fingerprint.finish();
         let delta = match writer.filter(|_| uncompressed.is_none()) {

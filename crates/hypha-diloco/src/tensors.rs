@@ -222,18 +222,17 @@ impl Fingerprint {
 /// The SafeTensors file `bytes` with its `__metadata__` replaced by `metadata`, tensors
 /// unchanged.
 pub fn with_metadata(bytes: &[u8], metadata: &Metadata) -> Result<Vec<u8>, Error> {
-    let file = SafeTensors::deserialize(bytes).map_err(|e| Error::Format(e.to_string()))?;
+    let file = SafeTensors::deserialize(bytes).map_err(Error::SafeTensors)?;
     let metadata = metadata
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    safetensors::serialize(file.iter(), Some(metadata)).map_err(|e| Error::Format(e.to_string()))
+    safetensors::serialize(file.iter(), Some(metadata)).map_err(Error::SafeTensors)
 }
 
 /// The `__metadata__` of a SafeTensors file's bytes (empty when it has none).
 pub fn metadata(bytes: &[u8]) -> Result<Metadata, Error> {
-    let (_, header) =
-        SafeTensors::read_metadata(bytes).map_err(|e| Error::Format(e.to_string()))?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(Error::SafeTensors)?;
     Ok(header
         .metadata()
         .iter()
@@ -246,7 +245,7 @@ pub fn metadata(bytes: &[u8]) -> Result<Metadata, Error> {
 /// header alone (at most [`MAX_HEADER`] bytes), however large the tensors behind it.
 pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error> {
     let mut length = [0u8; 8];
-    let io = |e: std::io::Error| Error::Format(format!("cannot read the header: {e}"));
+    let io = Error::HeaderRead;
     reader.read_exact(&mut length).map_err(io)?;
     let length = u64::from_le_bytes(length);
     if length > MAX_HEADER {
@@ -261,8 +260,7 @@ pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error>
         #[serde(rename = "__metadata__", default)]
         metadata: Metadata,
     }
-    let header: Header = serde_json::from_slice(&header)
-        .map_err(|e| Error::Format(format!("the header is not SafeTensors JSON: {e}")))?;
+    let header: Header = serde_json::from_slice(&header).map_err(Error::HeaderJson)?;
     Ok(header.metadata)
 }
 

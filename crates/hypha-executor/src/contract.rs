@@ -418,7 +418,7 @@ fn require_numeric(tensor: &TensorSpec, dtype: Dtype, reader: &str) -> Result<()
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("the slice is not SafeTensors: {0}")]
-    SafeTensors(String),
+    SafeTensors(safetensors::SafeTensorError),
     #[error(transparent)]
     Contract(#[from] ContractError),
     #[error(transparent)]
@@ -440,8 +440,7 @@ pub struct Batch {
 impl Batch {
     /// Reads the tensors of a SafeTensors buffer that `model` needs, converted and checked.
     pub fn read(bytes: &[u8], model: &ModelSpec, names: &TensorNames) -> Result<Self, DataError> {
-        let tensors =
-            SafeTensors::deserialize(bytes).map_err(|e| DataError::SafeTensors(e.to_string()))?;
+        let tensors = SafeTensors::deserialize(bytes).map_err(DataError::SafeTensors)?;
         let schema: Vec<TensorSpec> = tensors
             .tensors()
             .into_iter()
@@ -452,11 +451,7 @@ impl Batch {
             })
             .collect();
         let plan = plan(model, names, &schema)?;
-        let view = |name: &str| {
-            tensors
-                .tensor(name)
-                .map_err(|e| DataError::SafeTensors(e.to_string()))
-        };
+        let view = |name: &str| tensors.tensor(name).map_err(DataError::SafeTensors);
         let input = view(&plan.input)?;
         let rows = input.shape().first().copied().unwrap_or(0);
         let input = match *model {

@@ -40,11 +40,27 @@ pub enum EvaluateError {
         count: usize,
     },
     #[error("{file}: {error}")]
-    Read { file: String, error: String },
+    Read {
+        file: String,
+        error: Box<SliceReadError>,
+    },
     #[error(transparent)]
     Contract(#[from] ContractError),
     #[error(transparent)]
     Model(#[from] ModelError),
+}
+
+/// Why a slice file of the dataset could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SliceReadError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Slice(#[from] hypha_dataset::slice::SliceError),
+    #[error(transparent)]
+    SafeTensors(#[from] safetensors::SafeTensorError),
+    #[error(transparent)]
+    Batch(#[from] DataError),
 }
 
 /// Scores `model` on `slices` of the dataset at `dir` (every slice when `None`): means over
@@ -69,16 +85,16 @@ pub fn evaluate_dataset(
     }
     let (mut loss, mut accuracy, mut counted, mut samples) = (0.0, 0.0, 0.0, 0u64);
     for entry in &manifest.slices[range] {
-        let read_error = |error: String| EvaluateError::Read {
+        let read_error = |error: SliceReadError| EvaluateError::Read {
             file: dataset.root().join(&entry.file).display().to_string(),
-            error,
+            error: Box::new(error),
         };
-        let bytes = std::fs::read(dataset.root().join(&entry.file))
-            .map_err(|e| read_error(e.to_string()))?;
-        let (_, plain) = slice::decode(&bytes).map_err(|e| read_error(e.to_string()))?;
+        let bytes =
+            std::fs::read(dataset.root().join(&entry.file)).map_err(|e| read_error(e.into()))?;
+        let (_, plain) = slice::decode(&bytes).map_err(|e| read_error(e.into()))?;
         let batch = Batch::read(&plain, model.spec(), names).map_err(|e| match e {
             DataError::Contract(e) => EvaluateError::Contract(e),
-            other => read_error(other.to_string()),
+            other => read_error(other.into()),
         })?;
         let rows = batch.rows();
         for start in (0..rows).step_by(CHUNK_ROWS) {
@@ -174,14 +190,14 @@ fn largest_value(dataset: &Dataset, name: &str) -> Result<i128, EvaluateError> {
     let mut largest = None;
     for entry in &dataset.manifest().slices {
         let path = dataset.root().join(&entry.file);
-        let read_error = |error: String| EvaluateError::Read {
+        let read_error = |error: SliceReadError| EvaluateError::Read {
             file: path.display().to_string(),
-            error,
+            error: Box::new(error),
         };
-        let bytes = std::fs::read(&path).map_err(|e| read_error(e.to_string()))?;
-        let (_, plain) = slice::decode(&bytes).map_err(|e| read_error(e.to_string()))?;
+        let bytes = std::fs::read(&path).map_err(|e| read_error(e.into()))?;
+        let (_, plain) = slice::decode(&bytes).map_err(|e| read_error(e.into()))?;
         let tensors =
-            safetensors::SafeTensors::deserialize(&plain).map_err(|e| read_error(e.to_string()))?;
+            safetensors::SafeTensors::deserialize(&plain).map_err(|e| read_error(e.into()))?;
         let view = tensors.tensor(name).map_err(|_| {
             EvaluateError::Contract(ContractError {
                 problem: format!("{} has no tensor {name:?}", path.display()),

@@ -62,6 +62,8 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Tensors(#[from] hypha_diloco::Error),
+    /// What of the model's spec does not fit (sizes, names, kinds), described for the job
+    /// file's author; found by this crate's checks, not flattened from another error.
     #[error("{0}")]
     Spec(String),
     #[error("the batch has no {0}; this model needs one")]

@@ -124,6 +124,8 @@ pub enum TrainError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Tensors(#[from] hypha_diloco::Error),
+    /// What the scheduler or the parameter server answered that a trainer cannot follow,
+    /// described: a peer's mistake, which no caller handles other than by failing the job.
     #[error("{0}")]
     Protocol(String),
     #[error("slice {slice} of epoch {epoch}: {error}")]

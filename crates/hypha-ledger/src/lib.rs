@@ -184,6 +184,8 @@ impl std::str::FromStr for CheckpointToken {
 pub enum Error {
     #[error("the ledger store failed: {0}")]
     Store(#[from] redb::Error),
+    /// Which of the ledger's invariants a stored row breaks, described: only a person can
+    /// repair it, and no caller decides on which.
     #[error("the ledger is damaged: {0}")]
     Corrupt(String),
     #[error("{} already holds a ledger; resume it, or choose another path", .0.display())]
@@ -195,8 +197,12 @@ pub enum Error {
         .0.display()
     )]
     InUse(PathBuf),
+    /// The file holds another iteration than the one asked for: what it holds, what was
+    /// asked, and the fix, in one sentence for the user.
     #[error("{0}")]
     Mismatch(String),
+    /// What is wrong with the iteration asked for (no dataset, no slices, …), described for
+    /// the job file's author.
     #[error("{0}")]
     Invalid(String),
     #[error("the ledger has stopped")]

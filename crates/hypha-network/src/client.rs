@@ -14,6 +14,10 @@ use crate::{Trust, certified::CertifiedPeers};
 /// Something the network could not do.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum NetworkError {
+    /// `reason` by its text: one connect fans out to every caller waiting for the peer
+    /// (a `NetworkError` is cloned), and it fails in many ways (the reach check, libp2p's
+    /// `DialError`, which cannot be cloned, a relay or a hole punch that ended); callers
+    /// decide on the variant, not on why.
     #[error("cannot dial {target}: {reason}")]
     Dial { target: String, reason: String },
     #[error("cannot listen on {address}: {reason}")]
@@ -33,9 +37,9 @@ pub enum NetworkError {
     #[error("{peer} answered with an unexpected message")]
     UnexpectedResponse { peer: PeerId },
     #[error("DHT: {0}")]
-    Dht(String),
+    Dht(DhtFailure),
     #[error("gossip: {0}")]
-    Gossip(String),
+    Gossip(GossipFailure),
     #[error("{peer} may not act as {role}: its certificate holds {held}")]
     Role {
         peer: PeerId,
@@ -49,6 +53,29 @@ pub enum NetworkError {
 /// Why a request or a stream to a peer failed, as rust-libp2p says (its `OutboundFailure`
 /// and `OpenStreamError`), so that a caller can tell a peer that is away from one that will
 /// never take the request.
+/// Why a DHT operation failed, as Kademlia says.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DhtFailure {
+    #[error(transparent)]
+    NoKnownPeers(#[from] libp2p::kad::NoKnownPeers),
+    #[error(transparent)]
+    Store(#[from] libp2p::kad::store::Error),
+    #[error(transparent)]
+    AddProvider(#[from] libp2p::kad::AddProviderError),
+    #[error(transparent)]
+    Bootstrap(#[from] libp2p::kad::BootstrapError),
+}
+
+/// Why gossipsub did not publish or subscribe, as it says (shared: its errors cannot be
+/// cloned, and a [`NetworkError`] can).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GossipFailure {
+    #[error(transparent)]
+    Publish(std::sync::Arc<libp2p::gossipsub::PublishError>),
+    #[error(transparent)]
+    Subscribe(std::sync::Arc<libp2p::gossipsub::SubscriptionError>),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestFailure {
     #[error("the peer could not be dialled")]

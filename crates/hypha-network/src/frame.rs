@@ -29,7 +29,7 @@ pub enum FrameError {
     #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
     TooLarge(usize),
     #[error("malformed frame: {0}")]
-    Malformed(String),
+    Malformed(#[from] serde_json::Error),
 }
 
 /// Writes a length-prefixed JSON frame and flushes it.
@@ -37,7 +37,7 @@ pub async fn write_frame<T: Serialize>(
     io: &mut (impl AsyncWrite + Unpin),
     value: &T,
 ) -> Result<(), FrameError> {
-    let json = serde_json::to_vec(value).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    let json = serde_json::to_vec(value)?;
     if json.len() > MAX_FRAME {
         return Err(FrameError::TooLarge(json.len()));
     }
@@ -62,7 +62,7 @@ pub async fn read_frame<T: for<'de> Deserialize<'de>>(
     }
     let mut body = vec![0u8; length];
     io.read_exact(&mut body).await?;
-    serde_json::from_slice(&body).map_err(|e| FrameError::Malformed(e.to_string()))
+    Ok(serde_json::from_slice(&body)?)
 }
 
 /// Why [`ask`] got no answer.

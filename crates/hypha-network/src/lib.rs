@@ -37,7 +37,10 @@ use std::time::Duration;
 
 pub use address_filter::ExcludedRanges;
 use certified::CertifiedPeers;
-pub use client::{GossipMessage, InboundRequest, Network, NetworkError, RequestFailure, Responder};
+pub use client::{
+    DhtFailure, GossipFailure, GossipMessage, InboundRequest, Network, NetworkError,
+    RequestFailure, Responder,
+};
 use futures::StreamExt;
 use hypha_certs::NodeIdentity;
 pub use hypha_certs::{Role, Roles};

@@ -2,7 +2,10 @@ use std::process::ExitCode;
 
 use hypha_config::ConfigError;
 
-/// Why a node program stopped.
+/// Why a node program stopped: the report at the programs' edge, as `anyhow` would be in a
+/// binary. Its two variants are the exit codes; each holds the message shown to the user,
+/// with the cause and the fix already in it (nothing branches on a report's cause, and the
+/// libraries below keep their errors typed).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The user's input is wrong: config, certificate files, addresses. Exit code 2.

@@ -24,9 +24,13 @@ const PROVIDER_WAIT: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error("no data node announces {dataset:?} (looked for {}s): {detail}", PROVIDER_WAIT.as_secs())]
-    NoProviders { dataset: String, detail: String },
+    NoProviders {
+        dataset: String,
+        detail: Box<hypha_data::FetchError>,
+    },
     #[error("none of the {count} data nodes announcing {dataset:?} sent its manifest")]
     NoManifest { dataset: String, count: usize },
+    /// What of the dataset does not fit the job (`JobFile::check_dataset`), with the fix.
     #[error("the job cannot train on {dataset:?}: {message}")]
     Misfit { dataset: String, message: String },
     #[error("the ledger at {path}: {error}")]
@@ -89,7 +93,7 @@ impl JobData {
                     Err(error) if tokio::time::Instant::now() >= deadline => {
                         return Err(DataError::NoProviders {
                             dataset: spec.dataset.clone(),
-                            detail: error.to_string(),
+                            detail: Box::new(error),
                         });
                     }
                     Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,

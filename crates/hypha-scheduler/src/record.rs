@@ -85,7 +85,12 @@ pub enum RecordError {
         error: serde_json::Error,
     },
     #[error("cannot write the run record {path}: {error}")]
-    Write { path: String, error: String },
+    Write {
+        path: String,
+        error: hypha_files::Error,
+    },
+    #[error("the run record cannot be encoded: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 impl RunRecord {
@@ -111,13 +116,13 @@ impl RunRecord {
 
     /// Writes the record to `path` atomically and durably.
     pub fn store(&self, path: &Path) -> Result<(), RecordError> {
-        let write = |error: String| RecordError::Write {
-            path: path.display().to_string(),
-            error,
-        };
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| write(e.to_string()))?;
-        hypha_files::write_atomic(path, &bytes, hypha_files::Mode::Private, true)
-            .map_err(|e| write(e.to_string()))
+        let bytes = serde_json::to_vec_pretty(self)?;
+        hypha_files::write_atomic(path, &bytes, hypha_files::Mode::Private, true).map_err(|error| {
+            RecordError::Write {
+                path: path.display().to_string(),
+                error,
+            }
+        })
     }
 }
 

@@ -354,6 +354,8 @@ fn default_attempts() -> u32 {
 pub enum SpecError {
     #[error("cannot read job file {path}: {error}")]
     Read { path: String, error: std::io::Error },
+    /// What is wrong in the job file, with its key, position and fix, as the config's
+    /// parser and this crate's checks write it for the file's author.
     #[error("job file {path}: {message}")]
     Invalid { path: String, message: String },
 }

@@ -106,7 +106,7 @@ impl Held {
         signals
             .thread_block()
             .and_then(|()| signals.wait())
-            .map_err(|e| QuickstartError::Signal(e.to_string()))?;
+            .map_err(QuickstartError::Signal)?;
         drop(self.nodes);
         Ok(())
     }
@@ -201,7 +201,7 @@ pub enum QuickstartError {
     #[error("evaluating: {0}")]
     Evaluate(#[from] candle_core::Error),
     #[error("cannot wait for Ctrl-C: {0}")]
-    Signal(String),
+    Signal(nix::Error),
 }
 
 /// The model the quickstart trains.

@@ -14,6 +14,7 @@ mod protocols;
 
 use std::{
     collections::{HashMap, HashSet},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -38,7 +39,7 @@ use crate::{
     Settings,
     behaviour::{Behaviour, BehaviourEvent, peer_id_of},
     certified::CertifiedPeers,
-    client::{Command, GossipMessage, InboundRequest, NetworkError},
+    client::{Command, GossipFailure, GossipMessage, InboundRequest, NetworkError},
     nat::NatBelief,
     paths::Paths,
     reach::Reach,
@@ -359,7 +360,7 @@ impl EventLoop {
                         self.pending_start_providing.insert(id, reply);
                     }
                     Err(e) => {
-                        let _ = reply.send(Err(NetworkError::Dht(e.to_string())));
+                        let _ = reply.send(Err(NetworkError::Dht(e.into())));
                     }
                 }
             }
@@ -375,7 +376,7 @@ impl EventLoop {
                     self.pending_bootstrap.insert(id, reply);
                 }
                 Err(e) => {
-                    let _ = reply.send(Err(NetworkError::Dht(e.to_string())));
+                    let _ = reply.send(Err(NetworkError::Dht(e.into())));
                 }
             },
             Command::Subscribe {
@@ -391,7 +392,8 @@ impl EventLoop {
                         let _ = reply.send(Ok(rx));
                     }
                     Err(e) => {
-                        let _ = reply.send(Err(NetworkError::Gossip(e.to_string())));
+                        let failure = GossipFailure::Subscribe(Arc::new(e));
+                        let _ = reply.send(Err(NetworkError::Gossip(failure)));
                     }
                 }
             }
@@ -404,7 +406,7 @@ impl EventLoop {
                 let _ = reply.send(
                     result
                         .map(|_| ())
-                        .map_err(|e| NetworkError::Gossip(e.to_string())),
+                        .map_err(|e| NetworkError::Gossip(GossipFailure::Publish(Arc::new(e)))),
                 );
             }
             Command::Request {

@@ -153,11 +153,8 @@ impl EventLoop {
                 }
                 kad::QueryResult::StartProviding(result) => {
                     if let Some(reply) = self.pending_start_providing.remove(&id) {
-                        let _ = reply.send(
-                            result
-                                .map(|_| ())
-                                .map_err(|e| NetworkError::Dht(e.to_string())),
-                        );
+                        let _ =
+                            reply.send(result.map(|_| ()).map_err(|e| NetworkError::Dht(e.into())));
                     }
                 }
                 kad::QueryResult::GetClosestPeers(result) => {
@@ -169,11 +166,8 @@ impl EventLoop {
                 }
                 kad::QueryResult::Bootstrap(result) if step.last || result.is_err() => {
                     if let Some(reply) = self.pending_bootstrap.remove(&id) {
-                        let _ = reply.send(
-                            result
-                                .map(|_| ())
-                                .map_err(|e| NetworkError::Dht(e.to_string())),
-                        );
+                        let _ =
+                            reply.send(result.map(|_| ()).map_err(|e| NetworkError::Dht(e.into())));
                     }
                 }
                 _ => {}

@@ -179,10 +179,12 @@ enum ServerError {
         "the job's config is not a parameter server's ({0}); it needs {{\"outer\": {{\"learning_rate\": …, \"momentum\": …}}}}"
     )]
     Config(serde_json::Error),
+    /// The job config's `compression` as the codec's parser describes what is wrong with it.
     #[error("the job's config: compression {0}")]
     Codec(String),
     #[error(transparent)]
     Diloco(#[from] hypha_diloco::Error),
+    /// Why the standby holds no model it could take over with, described by its own checks.
     #[error("the standby cannot take over: {0}")]
     Standby(String),
     #[error(
