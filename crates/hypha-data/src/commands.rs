@@ -739,8 +739,15 @@ fn run_lines(run: &hypha_messages::iterate::RunProgress, now_ms: u64) -> Vec<Str
         |r| format!("last round applied {r}"),
     );
     let mut lines = vec![format!(
-        "run {}: restarts {}, leases taken over {}, parameter-server failovers {}, workers lost {}, trainers benched {}; {round}",
-        run.task, run.restarts, run.readoptions, run.failovers, run.lost, run.benched
+        "run {}: restarts {}, leases taken over {}, parameter-server failovers {}, workers lost {}, trainers benched {}, updates refused {}, clipped {}; {round}",
+        run.task,
+        run.restarts,
+        run.readoptions,
+        run.failovers,
+        run.lost,
+        run.benched,
+        run.refused,
+        run.clipped
     )];
     lines.extend(run.recent.iter().map(|note| {
         let ago = now_ms.saturating_sub(note.time_ms) / 1000;
@@ -764,6 +771,8 @@ mod tests {
             failovers: 2,
             lost: 4,
             benched: 1,
+            refused: 5,
+            clipped: 6,
             round: Some(7),
             recent: vec![RunNote {
                 time_ms: 10_000,
@@ -775,7 +784,7 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "run t1: restarts 1, leases taken over 3, parameter-server failovers 2, workers lost 4, trainers benched 1; last round applied 7",
+                "run t1: restarts 1, leases taken over 3, parameter-server failovers 2, workers lost 4, trainers benched 1, updates refused 5, clipped 6; last round applied 7",
                 "      42 s ago  failover   parameter server p lost",
             ]
         );

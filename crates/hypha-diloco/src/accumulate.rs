@@ -8,6 +8,7 @@ use crate::{
     Codec, Error, Fingerprint, Metadata, Tensor, Tensors,
     codec::{self, CODEC, CODEC_VERSION, INDEX, INT8_BLOCK, SCALE, SHAPE, VALUE, VERSION, sparse},
     file::{Entry, Layout, Scratch, Source, dtype_bytes},
+    robust::{Clip, Norms},
     tensors::{MAX_UPDATE_VALUE, all_within, decode, squared_norm, stored_bytes},
 };
 
@@ -365,12 +366,21 @@ impl<'a, S: Source + ?Sized> Update<'a, S> {
 
     /// The L2 norm over all its values: one more pass over them, so taken only when asked.
     pub fn norm(&self) -> Result<f64, Error> {
-        let mut sum = 0.0;
+        Ok(self.norms()?.whole)
+    }
+
+    /// The L2 norms of the whole update and of each tensor: one more pass over its values.
+    pub fn norms(&self) -> Result<Norms, Error> {
         let scratch = &mut self.scratch.borrow_mut();
-        for (_, part) in &self.parts {
-            sum += part.squared_norm(self.source, scratch)?;
+        let mut norms = Norms::default();
+        let mut sum = 0.0;
+        for (name, part) in &self.parts {
+            let squared = part.squared_norm(self.source, scratch)?;
+            sum += squared;
+            norms.tensors.insert(name.clone(), squared.sqrt());
         }
-        Ok(sum.sqrt())
+        norms.whole = sum.sqrt();
+        Ok(norms)
     }
 
     /// Adds the update to `model` value by value in f32 (θ ← θ + d): how the parameter
@@ -819,7 +829,9 @@ impl<S: Source + ?Sized> std::fmt::Debug for Update<'_, S> {
 /// the model is kept, and the close reads each update's (compressed) bytes once instead of a
 /// model-sized f32 sum written as they arrive and read back. Past that (many updates, or f32
 /// ones) the held updates are folded into a sum and the later ones added to it as they come:
-/// the close then reads the sum, and never more than a model's bytes of updates.
+/// the close then reads the sum, and never more than a model's bytes of updates. An
+/// accumulator that [keeps every update](Self::keep_every_update) never folds: its updates'
+/// shares may change until the sum ([`clip`](Self::clip)), and the close reads each of them.
 #[derive(Default)]
 pub struct Accumulator {
     /// The parameters' shapes: the model's, or the first update's.
@@ -832,6 +844,8 @@ pub struct Accumulator {
     /// A fold could not read an update whole: the round's sum is lost.
     damaged: Option<std::sync::Arc<Error>>,
     weight: f64,
+    /// Never fold: every update is held to the sum.
+    keep_every_update: bool,
 }
 
 /// An update checked and held until the sum.
@@ -839,6 +853,15 @@ struct Held {
     source: Box<dyn Source + Send + Sync>,
     parts: BTreeMap<String, Part>,
     weight: f32,
+    /// The share of each tensor that counts, for tensors clipped on their own.
+    tensor_shares: BTreeMap<String, f32>,
+}
+
+impl Held {
+    /// The weight of its tensor `name` in the sum.
+    fn weight_of(&self, name: &str) -> f32 {
+        self.weight * self.tensor_shares.get(name).copied().unwrap_or(1.0)
+    }
 }
 
 impl std::fmt::Debug for Accumulator {
@@ -929,8 +952,12 @@ impl Accumulator {
             source: Box::new(source),
             parts: parts.into_iter().collect(),
             weight: weight as f32,
+            tensor_shares: BTreeMap::new(),
         });
         self.weight += weight;
+        if self.keep_every_update {
+            return Ok(());
+        }
         let model_bytes: u64 = self
             .shapes
             .values()
@@ -938,6 +965,34 @@ impl Accumulator {
             .sum();
         if !self.folded.is_empty() || self.held_bytes > model_bytes {
             self.fold();
+        }
+        Ok(())
+    }
+
+    /// The same accumulator holding every update to the sum (`true`) or folding them once
+    /// they carry more bytes than the model (`false`, the default). Set before any update
+    /// is added.
+    pub fn keep_every_update(&mut self, keep: bool) {
+        self.keep_every_update = keep;
+    }
+
+    /// Counts each held update, in the order they came, for its share in `clips` (the
+    /// round's [`Limits::clip`](crate::robust::Limits::clip)): its weight times the whole
+    /// share, each tensor clipped on its own times its share too. The total weight, which
+    /// the sum is divided by, stays the samples': a clipped update is a smaller one, not a
+    /// rarer one. Only an accumulator that [keeps every update](Self::keep_every_update)
+    /// can; one that folded refuses.
+    pub fn clip(&mut self, clips: &[Clip]) -> Result<(), Error> {
+        if !self.folded.is_empty() || clips.len() != self.held.len() {
+            return Err(Error::Clips {
+                clips: clips.len(),
+                held: self.held.len(),
+                folded: !self.folded.is_empty(),
+            });
+        }
+        for (held, clip) in self.held.iter_mut().zip(clips) {
+            held.weight *= clip.whole;
+            held.tensor_shares.clone_from(&clip.tensors);
         }
         Ok(())
     }
@@ -955,7 +1010,7 @@ impl Accumulator {
                 let (Some(sum), None) = (self.folded.get_mut(name), &self.damaged) else {
                     continue;
                 };
-                let w = held.weight;
+                let w = held.weight_of(name);
                 if let Err(error) = part.apply(&*held.source, &mut scratch, sum, |s, v| *s += w * v)
                 {
                     self.damaged = Some(std::sync::Arc::new(error));
@@ -1003,7 +1058,7 @@ impl Accumulator {
         }
         for held in &self.held {
             if let Some(part) = held.parts.get(name) {
-                let w = held.weight;
+                let w = held.weight_of(name);
                 part.apply_range(&*held.source, scratch, start, sum, |s, v| *s += w * v)?;
             }
         }

@@ -28,6 +28,8 @@
 //! - [`file`]: SafeTensors read ([`file::Source`], [`file::Layout`]) and written
 //!   ([`file::Writer`]) a piece at a time, for models of gigabytes.
 //! - [`Fingerprint`]: the model's BLAKE3 fingerprint, taken as its values go by.
+//! - [`robust`]: how far one round's updates may move the model: refused only when absurd,
+//!   clipped against the round's own updates, the run's past and the model's size.
 //!
 //! This crate knows tensors, files and rounds; it knows nothing of networks or schedulers.
 
@@ -35,6 +37,7 @@ mod accumulate;
 pub mod codec;
 pub mod file;
 mod optimizer;
+pub mod robust;
 pub mod server;
 mod tensors;
 
@@ -73,10 +76,18 @@ pub enum Error {
     NotFinite { name: String },
     #[error("it claims {samples} samples; an update may count for at most {max}")]
     Samples { samples: u64, max: u64 },
+    /// An update no honest trainer sends ([`robust::Limits::refuses`]).
+    #[error("{0}")]
+    Norm(robust::Absurd),
     #[error(
-        "its norm {norm:.4e} is more than the {limit:.4e} allowed (max_update_norm_ratio times the typical norm)"
+        "{clips} clips for {held} updates held{}: clips are given for every update of a sum that keeps them all",
+        if *folded { " and a folded sum" } else { "" }
     )]
-    Norm { norm: f64, limit: f64 },
+    Clips {
+        clips: usize,
+        held: usize,
+        folded: bool,
+    },
     #[error("no update was added")]
     Empty,
     /// An update folded into the round's sum as it arrived could not be read whole (it was

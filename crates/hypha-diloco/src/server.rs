@@ -26,6 +26,7 @@ use crate::{
     codec,
     file::{FileSource, Layout, Scratch, Source, Writer, write_file},
     optimizer::step_values,
+    robust::{Limits, Norms, Scale},
     tensors::stored_bytes,
 };
 
@@ -56,10 +57,25 @@ pub struct Closed {
     /// Why a compressing server sends no change this round (the step took values the codec
     /// cannot carry): the model took the step exactly and goes whole to everybody.
     pub uncompressed: Option<String>,
-    /// The largest norm of the round's updates taken, as a multiple of the typical norm they
-    /// were held against ([`limit_norm`](ParameterServer::limit_norm)); `None` without a
-    /// limit or before the typical norm is known. How near honest updates come to the limit.
+    /// The largest norm of the round's updates taken, as a multiple of the round's reference
+    /// norm ([`Limits::reference`]); `None` without a limit
+    /// ([`limit_norm`](ParameterServer::limit_norm)) or a reference. How near honest updates
+    /// come to being clipped.
     pub largest_norm_ratio: Option<f64>,
+    /// The updates that counted for less than their whole, in arrival order.
+    pub clipped: Vec<Clipped>,
+}
+
+/// An update of a closed round that counted for a share of itself ([`crate::robust`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Clipped {
+    pub peer: String,
+    /// The share of the whole update that counted.
+    pub share: f32,
+    /// Its norm as a multiple of the round's reference norm.
+    pub ratio: Option<f64>,
+    /// The tensors clipped on their own (against the model's scale).
+    pub tensors: Vec<String>,
 }
 
 /// The DiLoCo parameter server's state.
@@ -74,12 +90,15 @@ pub struct ParameterServer {
     refused: Vec<(String, String)>,
     /// The most samples one update may claim; `None`: any.
     max_samples: Option<u64>,
-    /// How many times the typical norm an update's may be; `None`: any.
-    max_norm_ratio: Option<f64>,
-    /// The norms of the updates last taken, newest last, at most [`NORM_HISTORY`].
-    norms: std::collections::VecDeque<f64>,
-    /// The largest norm ratio of the round's updates taken so far.
-    largest_norm_ratio: Option<f64>,
+    /// The samples a round is planned to hold; `None`: every round steps whole.
+    planned_samples: Option<u64>,
+    /// How far an update may move the model, and the norms taken lately.
+    limits: Limits,
+    /// The norms of the round's updates, in the order they came (as `arrived`), while
+    /// the limits are on.
+    round_norms: Vec<Norms>,
+    /// The model's scale, measured once a round when the first update is judged.
+    scale: Option<Scale>,
     /// How the changes of the global model are compressed; [`Codec::None`]: not sent.
     broadcast: Codec,
     /// What compressing the last changes dropped.
@@ -88,14 +107,11 @@ pub struct ParameterServer {
     hash: Option<String>,
 }
 
-/// How many of the last updates' norms make the typical norm.
-pub const NORM_HISTORY: usize = 32;
-/// Updates taken unchecked before norms are compared: the typical norm of fewer is no norm.
-pub const NORM_WARMUP: usize = 3;
-
 const MODEL_PREFIX: &str = "model/";
 const MOMENTUM_PREFIX: &str = "momentum/";
 const RESIDUAL_PREFIX: &str = "residual/";
+/// A checkpoint's metadata key for the norms the limits took lately.
+const NORMS_KEY: &str = "hypha.norm_history";
 
 impl ParameterServer {
     /// A server without a model: it adopts the first one [`offered`](Self::offer).
@@ -108,9 +124,10 @@ impl ParameterServer {
             arrived: Vec::new(),
             refused: Vec::new(),
             max_samples: None,
-            max_norm_ratio: None,
-            norms: std::collections::VecDeque::new(),
-            largest_norm_ratio: None,
+            planned_samples: None,
+            limits: Limits::default(),
+            round_norms: Vec::new(),
+            scale: None,
             broadcast: Codec::None,
             feedback: ErrorFeedback::new(),
             hash: None,
@@ -141,13 +158,34 @@ impl ParameterServer {
         self
     }
 
-    /// The same server refusing an update whose L2 norm is more than `ratio` times the
-    /// median norm of the last [`NORM_HISTORY`] updates it took (once it took
-    /// [`NORM_WARMUP`]): one scaled-up update would otherwise move the model as far as its
-    /// sender likes. The history starts empty after a restart.
+    /// The same server judging every update ([`crate::robust`]): refused when absurd, clipped at
+    /// the close to `ratio` times the round's reference norm and bounded by the model's
+    /// size. One scaled-up update would otherwise move the model as far as its sender likes.
+    /// The norms taken lately come back with a [`resume`](Self::resume) and a
+    /// [`take_over`](Self::take_over) from a checkpoint. A server judging updates holds each
+    /// of them to the close (their shares are known only then).
     pub fn limit_norm(mut self, ratio: f64) -> Self {
-        self.max_norm_ratio = Some(ratio);
+        self.limits = std::mem::take(&mut self.limits).with_ratio(Some(ratio));
+        self.sum.keep_every_update(true);
         self
+    }
+
+    /// The same server stepping a round that holds fewer than `planned` samples (a tail
+    /// round, one trainer left at the end of the data) by the share of them it holds: a
+    /// round of a few batches from one trainer is a noisy estimate, and taken at the full
+    /// outer learning rate it can undo what the run trained (issue 55: a digits run's last
+    /// rounds raised its loss from 0.25 to 1.33).
+    pub fn plan_samples(mut self, planned: u64) -> Self {
+        self.planned_samples = Some(planned).filter(|n| *n > 0);
+        self
+    }
+
+    /// The share of a full step the round takes: its samples over the planned ones, at most 1.
+    fn tail_share(&self) -> f32 {
+        match self.planned_samples {
+            Some(planned) => (self.sum.weight() / planned as f64).min(1.0) as f32,
+            None => 1.0,
+        }
     }
 
     /// The same server refusing updates that claim more than `max` samples: one update's
@@ -170,7 +208,8 @@ impl ParameterServer {
             }
             Err(error) => return Err(error),
         };
-        let round = round_of(&Layout::read(&source)?.metadata)?;
+        let metadata = Layout::read(&source)?.metadata;
+        let round = round_of(&metadata)?;
         let mut model = BTreeMap::new();
         let mut buffers = BTreeMap::new();
         let mut residual = BTreeMap::new();
@@ -188,7 +227,8 @@ impl ParameterServer {
             round,
             optimizer.with_buffers(buffers),
             ErrorFeedback::with_residual(residual),
-        ))
+        )
+        .with_history(&metadata))
     }
 
     /// A server that goes on from what a standby holds (`[diloco] standby`): the global model
@@ -220,6 +260,10 @@ impl ParameterServer {
         };
         let model = Tensors::read(&source)?;
         let mut buffers = BTreeMap::new();
+        let history = checkpoint
+            .as_ref()
+            .map(|(_, layout)| layout.metadata.clone())
+            .unwrap_or_default();
         if let Some((source, layout)) = checkpoint {
             let mut buffer = Vec::new();
             for (name, entry) in &layout.entries {
@@ -241,7 +285,16 @@ impl ParameterServer {
             round,
             optimizer.with_buffers(buffers),
             ErrorFeedback::new(),
-        ))
+        )
+        .with_history(&history))
+    }
+
+    /// The same server with the norms a checkpoint's `metadata` kept (none when it has none).
+    fn with_history(mut self, metadata: &Metadata) -> Self {
+        if let Some(history) = metadata.get(NORMS_KEY) {
+            self.limits = std::mem::take(&mut self.limits).with_history(history);
+        }
+        self
     }
 
     /// A server holding `model` at `round`, collecting nothing yet.
@@ -262,9 +315,10 @@ impl ParameterServer {
             arrived: Vec::new(),
             refused: Vec::new(),
             max_samples: None,
-            max_norm_ratio: None,
-            norms: std::collections::VecDeque::new(),
-            largest_norm_ratio: None,
+            planned_samples: None,
+            limits: Limits::default(),
+            round_norms: Vec::new(),
+            scale: None,
         }
     }
 
@@ -299,6 +353,8 @@ impl ParameterServer {
             model = model.into_f32();
         }
         self.sum = Accumulator::shaped_like(&model);
+        self.sum.keep_every_update(self.limits.is_on());
+        self.scale = None;
         self.hash = Some(model.digest());
         self.feedback.reset();
         self.model = Some(model);
@@ -361,44 +417,53 @@ impl ParameterServer {
             return Err(Error::Samples { samples, max });
         }
         let update = Update::from_source(&source)?;
-        let norm = match self.max_norm_ratio {
-            Some(_) => Some(update.norm()?),
-            None => None,
+        let norms = match (self.limits.is_on(), &self.model) {
+            (true, Some(model)) => {
+                let norms = update.norms()?;
+                let scale = self.scale.get_or_insert_with(|| scale_of(model));
+                if let Some(absurd) = self.limits.refuses(scale, &norms) {
+                    return Err(Error::Norm(absurd));
+                }
+                Some(norms)
+            }
+            _ => None,
         };
-        let limit = self.norm_limit();
-        if let (Some(norm), Some(limit)) = (norm, limit)
-            && norm > limit
-        {
-            return Err(Error::Norm { norm, limit });
-        }
-        if let (Some(norm), Some(limit), Some(ratio)) = (norm, limit, self.max_norm_ratio)
-            && limit > 0.0
-        {
-            let typical = norm / (limit / ratio);
-            self.largest_norm_ratio =
-                Some(self.largest_norm_ratio.map_or(typical, |r| r.max(typical)));
-        }
         let parts = update.into_parts();
         self.sum.hold(source, parts, samples as f64)?;
         self.arrived.push((from.to_string(), samples));
-        if let Some(norm) = norm {
-            if self.norms.len() == NORM_HISTORY {
-                self.norms.pop_front();
-            }
-            self.norms.push_back(norm);
-        }
+        self.round_norms.extend(norms);
         Ok(Taken::Added)
     }
 
-    /// The largest norm an update may have now, if there is a limit yet.
-    fn norm_limit(&self) -> Option<f64> {
-        let ratio = self.max_norm_ratio?;
-        if self.norms.len() < NORM_WARMUP {
-            return None;
+    /// The limits' verdict on the round's updates: each update's share counted in the sum,
+    /// the norms recorded; the updates that counted for less than their whole and the largest
+    /// norm ratio, for the round's [`Closed`].
+    fn judge(&mut self) -> Result<(Vec<Clipped>, Option<f64>), Error> {
+        if !self.limits.is_on() || self.round_norms.len() != self.arrived.len() {
+            return Ok((Vec::new(), None));
         }
-        let mut sorted: Vec<f64> = self.norms.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
-        Some(ratio * sorted[sorted.len() / 2])
+        let Some(model) = &self.model else {
+            return Ok((Vec::new(), None));
+        };
+        let scale = self.scale.get_or_insert_with(|| scale_of(model));
+        let round: Vec<&Norms> = self.round_norms.iter().collect();
+        let clips = self.limits.clip(scale, &round);
+        self.sum.clip(&clips)?;
+        self.limits.record(&round, &clips);
+        let largest = clips.iter().filter_map(|c| c.ratio).reduce(f64::max);
+        let clipped = self
+            .arrived
+            .iter()
+            .zip(&clips)
+            .filter(|(_, clip)| !clip.is_whole())
+            .map(|((peer, _), clip)| Clipped {
+                peer: peer.clone(),
+                share: clip.whole,
+                ratio: clip.ratio,
+                tensors: clip.tensors.keys().cloned().collect(),
+            })
+            .collect();
+        Ok((clipped, largest))
     }
 
     /// Closes the round: the sample-weighted mean of what arrived is the outer gradient of one
@@ -460,6 +525,7 @@ impl ParameterServer {
         self.sum.clear();
         self.arrived.clear();
         self.refused.clear();
+        self.round_norms.clear();
         let closed = Closed {
             round: self.round,
             included: Vec::new(),
@@ -467,7 +533,8 @@ impl ParameterServer {
             delta: None,
             delta_bytes: None,
             uncompressed: None,
-            largest_norm_ratio: self.largest_norm_ratio.take(),
+            largest_norm_ratio: None,
+            clipped: Vec::new(),
         };
         self.round += 1;
         Ok(closed)
@@ -490,11 +557,12 @@ impl ParameterServer {
         &mut self,
         out: Option<W>,
     ) -> Result<(Closed, Option<W>), Error> {
-        let model = self.model.as_mut().ok_or(Error::Empty)?;
-        if self.arrived.is_empty() {
+        if self.model.is_none() || self.arrived.is_empty() {
             return Err(Error::Empty);
         }
-        let scale = self.sum.scale()?;
+        let scale = self.sum.scale()? * self.tail_share();
+        let (clipped, largest_norm_ratio) = self.judge()?;
+        let model = self.model.as_mut().ok_or(Error::Empty)?;
         let codec = self.broadcast;
         let mut writer = match out.filter(|_| codec != Codec::None) {
             Some(out) => {
@@ -609,6 +677,7 @@ impl ParameterServer {
             // Some chunks stepped, others not: this model is nobody's.
             self.model = None;
             self.sum.clear();
+            self.round_norms.clear();
             return Err(Error::RoundBroken(Box::new(error)));
         }
         let hash = fingerprint.finish();
@@ -630,6 +699,8 @@ impl ParameterServer {
         };
         self.sum.clear();
         self.hash = Some(hash);
+        self.scale = None;
+        self.round_norms.clear();
         let arrived = std::mem::take(&mut self.arrived);
         self.refused.clear();
         let closed = Closed {
@@ -639,7 +710,8 @@ impl ParameterServer {
             delta: None,
             delta_bytes: delta.as_ref().map(|(_, size)| *size),
             uncompressed,
-            largest_norm_ratio: self.largest_norm_ratio.take(),
+            largest_norm_ratio,
+            clipped,
         };
         self.round += 1;
         Ok((closed, delta.map(|(out, _)| out)))
@@ -738,6 +810,7 @@ impl ParameterServer {
         let metadata = Metadata::from([
             (meta::KIND.to_string(), meta::KIND_CHECKPOINT.to_string()),
             (meta::ROUND.to_string(), self.round.to_string()),
+            (NORMS_KEY.to_string(), self.limits.to_text()),
         ]);
         write_file(path, true, listing, metadata, |writer| {
             for (values, dtype) in values {
@@ -906,6 +979,24 @@ fn close_window(
             let chunk = (updates, start + i * CLOSE_CHUNK);
             slot.close(step, name, chunk, momentum, target, residual, compress);
         });
+}
+
+/// The scale of `model` that updates are held against ([`Scale`]).
+fn scale_of(model: &Tensors) -> Scale {
+    Scale::new(
+        model
+            .0
+            .par_iter()
+            .map(|(name, tensor)| {
+                let squared = tensor
+                    .values
+                    .par_chunks(CLOSE_CHUNK)
+                    .map(|chunk| chunk.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>())
+                    .sum();
+                (name.clone(), squared, tensor.values.len())
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// `target` += `values`, value by value.

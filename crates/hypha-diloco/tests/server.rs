@@ -314,42 +314,77 @@ fn a_skipped_round_leaves_the_model_as_it_was() {
     );
 }
 
-/// A trainer of the run that scales its update up is refused once the server knows what
-/// usual updates look like; the round closes with the honest updates only. (Checked by
-/// leaving `limit_norm` out: the scaled update is added and the model moves 1000 times as
-/// far.)
+/// Issue 55: a trainer of the run that scales its update up a hundredfold is not refused
+/// but clipped at the close to `ratio` times the round's reference (the lower median of the
+/// round's norms): the model moves as if it had sent an update three times an honest one.
+/// One a million times the model's norm is refused as it arrives. The norms taken go into
+/// the checkpoint and come back with it. (Checked by leaving `limit_norm` out: the scaled
+/// update moves the model a hundred times as far.)
 #[test]
-fn an_update_whose_norm_is_an_outlier_is_refused() {
-    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.0)).limit_norm(10.0);
-    assert!(server.offer(&bytes(&[1.0, 2.0])).unwrap());
-    // Three usual updates of norm 1 to 1.2: the first are taken unchecked.
-    for (peer, update) in [("a", [1.0, 0.0]), ("b", [0.0, 1.1]), ("c", [1.2, 0.0])] {
+fn an_outlier_of_its_round_is_clipped_and_an_absurd_update_refused() {
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.0)).limit_norm(3.0);
+    assert!(server.offer(&bytes(&[10.0, 20.0])).unwrap());
+    let (before, _) = model_of(&server);
+    for (peer, update) in [("a", [1.0, 0.0]), ("b", [1.1, 0.0]), ("c", [0.9, 0.0])] {
         assert_eq!(
             server.add(peer, &bytes(&update), 0, 10).unwrap(),
             Taken::Added
         );
     }
-    server.close().unwrap();
-    let (before, _) = model_of(&server);
-    let error = server
-        .add("scaled", &bytes(&[1000.0, 0.0]), 1, 10)
-        .unwrap_err();
-    assert!(
-        error.to_string().contains("max_update_norm_ratio"),
-        "{error}"
-    );
-    // Nine times the usual norm is still an update.
     assert_eq!(
-        server.add("bold", &bytes(&[9.0, 0.0]), 1, 10).unwrap(),
+        server.add("liar", &bytes(&[100.0, 0.0]), 0, 10).unwrap(),
         Taken::Added
     );
-    assert_eq!(server.arrived().len(), 1);
-    server.close().unwrap();
+    let closed = server.close().unwrap();
+    assert_eq!(closed.included.len(), 4, "nobody refused: {closed:?}");
+    assert_eq!(closed.clipped.len(), 1, "{closed:?}");
+    assert_eq!(closed.clipped[0].peer, "liar");
+    assert!((f64::from(closed.clipped[0].share) * 100.0 - 3.0).abs() < 1e-4);
+    assert!((closed.largest_norm_ratio.unwrap() - 100.0).abs() < 1e-6);
     let (after, _) = model_of(&server);
+    // The mean of 1, 1.1, 0.9 and the liar's 100 clipped to 3: 1.5; the step 0.5 of it.
+    let moved = before[0] - after[0];
+    assert!((moved - 0.5 * 1.5).abs() < 1e-5, "{before:?} -> {after:?}");
+
+    // A million times the model: refused, named.
+    let error = server
+        .add("liar", &bytes(&[2.5e7, 0.0]), 1, 10)
+        .unwrap_err();
+    assert!(error.to_string().contains("times the model's"), "{error}");
+    assert_eq!(server.refused()[0].0, "liar");
+
+    // The checkpoint keeps the norms: the liar alone in a round of the resumed server is
+    // held to three times the typical norm of those taken (1, 1.1, 0.9, 3, 1, 1 → 1).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("checkpoint.safetensors");
+    server.add("a", &bytes(&[1.0, 0.0]), 1, 10).unwrap();
+    server.add("b", &bytes(&[1.0, 0.0]), 1, 10).unwrap();
+    server.close().unwrap();
+    server.checkpoint(&path).unwrap();
+    let mut resumed = ParameterServer::resume(&path, OuterOptimizer::new(0.5, 0.0))
+        .unwrap()
+        .limit_norm(3.0);
+    resumed.add("liar", &bytes(&[50.0, 0.0]), 2, 10).unwrap();
+    let closed = resumed.close().unwrap();
     assert!(
-        (before[0] - after[0] - 0.5 * 9.0).abs() < 1e-4,
-        "only the bold update moved the model: {before:?} -> {after:?}"
+        (f64::from(closed.clipped[0].share) * 50.0 - 3.0).abs() < 1e-4,
+        "{closed:?}"
     );
+}
+
+/// Issue 55, item 5: a round that holds a tenth of its planned samples steps a tenth as far.
+#[test]
+fn a_tail_round_steps_by_the_share_of_the_planned_samples_it_holds() {
+    let step = |samples: u64| {
+        let mut server = ParameterServer::new(OuterOptimizer::new(1.0, 0.0)).plan_samples(100);
+        server.offer(&bytes(&[0.0])).unwrap();
+        server.add("a", &bytes(&[1.0]), 0, samples).unwrap();
+        server.close().unwrap();
+        -model_of(&server).0[0]
+    };
+    assert!((step(100) - 1.0).abs() < 1e-6);
+    assert!((step(400) - 1.0).abs() < 1e-6, "a full round steps whole");
+    assert!((step(10) - 0.1).abs() < 1e-6);
 }
 
 /// A model of `n` values, stored as BF16 as a trainer in bfloat16 would offer it.

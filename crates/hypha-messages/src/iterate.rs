@@ -126,9 +126,15 @@ pub struct RunProgress {
     pub failovers: u32,
     /// Workers lost and replaced.
     pub lost: u32,
-    /// Trainers benched: their updates were refused too many rounds in a row.
+    /// Trainers benched: their updates were refused, or missing, too many rounds in a row.
     #[serde(default)]
     pub benched: u32,
+    /// Updates the parameter server refused.
+    #[serde(default)]
+    pub refused: u32,
+    /// Updates that counted for a share of themselves (clipped).
+    #[serde(default)]
+    pub clipped: u32,
     /// The last DiLoCo round applied.
     pub round: Option<u64>,
     /// The latest restarts, re-adoptions, failovers and losses, oldest first.

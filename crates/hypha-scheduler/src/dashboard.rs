@@ -103,6 +103,10 @@ pub struct WorkerView {
     pub since_ms: u64,
     /// Jobs dispatched to this slot so far.
     pub dispatches: u32,
+    /// Its updates the parameter server refused, and those that counted for a share of
+    /// themselves (clipped).
+    pub refused: u32,
+    pub clipped: u32,
     /// Its pace over the last 30 s, when it takes slices.
     pub slices_per_s: Option<f64>,
     pub samples_per_s: Option<f64>,
@@ -182,6 +186,8 @@ impl Board {
                         reason: None,
                         since_ms: time_ms,
                         dispatches,
+                        refused: 0,
+                        clipped: 0,
                         slices_per_s: None,
                         samples_per_s: None,
                         path: None,
@@ -231,16 +237,21 @@ impl Board {
                 worker.reason = Some(reason.clone());
             }
             Event::Benched {
-                slot,
-                peer,
-                refusals,
-                ..
+                slot, peer, reason, ..
             } => {
                 let worker = self.worker(*slot, peer, time_ms);
                 worker.state = "benched";
-                worker.reason = Some(format!(
-                    "its updates were refused {refusals} rounds in a row"
-                ));
+                worker.reason = Some(reason.clone());
+            }
+            Event::Refused { peer, .. } => {
+                if let Some(worker) = self.workers.values_mut().find(|w| &w.peer == peer) {
+                    worker.refused += 1;
+                }
+            }
+            Event::Clipped { peer, .. } => {
+                if let Some(worker) = self.workers.values_mut().find(|w| &w.peer == peer) {
+                    worker.clipped += 1;
+                }
             }
             Event::Round {
                 round,
@@ -306,6 +317,8 @@ impl Board {
             reason: None,
             since_ms: time_ms,
             dispatches: 0,
+            refused: 0,
+            clipped: 0,
             slices_per_s: None,
             samples_per_s: None,
             path: None,

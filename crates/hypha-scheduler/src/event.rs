@@ -36,15 +36,31 @@ pub enum Event {
         peer: String,
         reason: String,
     },
-    /// A trainer's updates were refused in `refusals` rounds in a row, the last `round`: its
-    /// job ends, its slices go back, its slot is given up and its worker is never leased
-    /// again for the task.
+    /// A trainer's updates were refused, or missing from the rounds it was expected in,
+    /// rounds in a row, the last `round` (`reason` says which): its job ends, its slices go
+    /// back, its slot is given up and its worker is never leased again for the task.
     Benched {
         slot: usize,
         job: String,
         peer: String,
         round: u64,
-        refusals: u32,
+        reason: String,
+    },
+    /// The parameter server refused `peer`'s update of `round`: the round goes on without it.
+    Refused {
+        round: u64,
+        peer: String,
+        reason: String,
+    },
+    /// `peer`'s update of `round` counted for `share` of itself: its norm was `ratio` times
+    /// the round's reference, beyond `max_update_norm_ratio` (or a tensor of it beyond the
+    /// model's scale).
+    Clipped {
+        round: u64,
+        peer: String,
+        share: f32,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ratio: Option<f64>,
     },
     /// A scheduler resumed the run its earlier process left: the same task, `jobs` of it to
     /// take over, and for DiLoCo the checkpoint of `round` to go on from.

@@ -76,13 +76,38 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
         Event::Benched {
             slot,
             peer,
-            refusals,
+            round,
+            reason,
             ..
         } => {
             progress.benched += 1;
             (
                 "benched",
-                format!("slot {slot}: {peer}: its updates were refused {refusals} rounds in a row"),
+                format!("slot {slot}: {peer} benched at round {round}: {reason}"),
+            )
+        }
+        Event::Refused {
+            round,
+            peer,
+            reason,
+        } => {
+            progress.refused += 1;
+            (
+                "refused",
+                format!("round {round}: {peer}'s update refused: {reason}"),
+            )
+        }
+        Event::Clipped {
+            round,
+            peer,
+            share,
+            ratio,
+        } => {
+            progress.clipped += 1;
+            let ratio = ratio.map_or(String::new(), |r| format!(", its norm {r:.1}× the round's"));
+            (
+                "clipped",
+                format!("round {round}: {peer}'s update counted for {share:.3} of itself{ratio}"),
             )
         }
         // Joining the first round is the run starting, not news.

@@ -41,11 +41,16 @@ pub struct RunRecord {
     pub data_nodes: Vec<String>,
 }
 
-/// A trainer benched for updates refused too many rounds in a row.
+/// A trainer benched for updates refused, or missing, too many rounds in a row.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BenchedTrainer {
     pub peer: String,
     pub slot: usize,
+    /// The round it was benched at, and why (a record of an older version has neither).
+    #[serde(default)]
+    pub round: u64,
+    #[serde(default)]
+    pub reason: String,
 }
 
 /// A job of the run and the lease it runs under.
@@ -161,6 +166,8 @@ mod tests {
             benched: vec![BenchedTrainer {
                 peer: "liar".into(),
                 slot: 1,
+                round: 7,
+                reason: "its updates were refused 3 rounds in a row".into(),
             }],
             data_nodes: vec!["data".into()],
         };

@@ -38,7 +38,8 @@ pub struct RoundPlan {
     pub round_ms: u64,
     /// The share of a round's trainers it may close with once its time is up.
     pub quorum: f64,
-    /// Rounds in a row a trainer's update may be refused before it is benched; 0: never.
+    /// Rounds in a row a trainer's update may be refused, or missing from a round it was
+    /// expected in, before it is benched; 0: never.
     pub bench_after_refusals: u32,
     /// How long the first round waits for the leased trainers that are not ready yet, from
     /// when the first one was (see [`Start`]).
@@ -86,6 +87,19 @@ pub enum News {
         peer: String,
         round: u64,
     },
+    /// The server refused `peer`'s update of `round`, for `reason` (told once a round).
+    Refused {
+        round: u64,
+        peer: String,
+        reason: String,
+    },
+}
+
+/// A trainer benched as a round ended, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Benching {
+    pub peer: String,
+    pub reason: String,
 }
 
 /// What the ledger must do with a trainer's round.
@@ -161,6 +175,12 @@ struct Trainer {
     ordered: Option<(u64, u64)>,
     /// The rounds in a row that ended with its update refused.
     refused_in_a_row: u32,
+    /// The rounds in a row it was expected in that ended without its update, refused or
+    /// late: a trainer that claims to train and sends nothing holds every round to its
+    /// deadline.
+    silent_in_a_row: u32,
+    /// The last reason the server gave for refusing its update.
+    refused_for: Option<String>,
     /// It was told to train a round of the run (by this process, or by the earlier one that
     /// started it).
     joined: bool,
@@ -181,11 +201,14 @@ pub struct AppliedRound {
     /// The size of the compressed change the server sent instead of the model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delta_bytes: Option<u64>,
-    /// Trainers (peers) benched as this round ended: their updates were refused in
-    /// `bench_after_refusals` rounds in a row, this one included. The run ends their jobs and
-    /// never leases them again for the task.
+    /// Trainers benched as this round ended: their updates were refused, or missing from the
+    /// rounds they were expected in, in `bench_after_refusals` rounds in a row, this one
+    /// included. The run ends their jobs and never leases them again for the task.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub benched: Vec<String>,
+    pub benched: Vec<Benching>,
+    /// Updates that counted for a share of themselves (clipped), as the server said.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub clipped: Vec<hypha_messages::diloco::ClippedUpdate>,
     /// How near the round's updates came to `max_update_norm_ratio`: the largest norm, as a
     /// multiple of the typical one, as the server said.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -433,6 +456,8 @@ impl Rounds {
             heard_ms: 0,
             ordered: None,
             refused_in_a_row: 0,
+            silent_in_a_row: 0,
+            refused_for: None,
             joined: false,
         };
         self.trainers.insert(job, trainer);
@@ -788,11 +813,9 @@ impl Rounds {
             .iter()
             .map(|t| match t.status.round {
                 Some(round) if round == self.round => self.trained_by_now(t, now_ms),
-                Some(round) if round.saturating_add(1) == self.round => t
-                    .status
-                    .ahead_batches
-                    .saturating_mul(plan.batch_size)
-                    .min(plan.samples_per_round),
+                Some(round) if round.saturating_add(1) == self.round => {
+                    self.believed_ahead(t).saturating_mul(plan.batch_size)
+                }
                 _ => 0,
             })
             .sum();
@@ -808,6 +831,17 @@ impl Rounds {
         };
         let more = ((arrive_ms - send_ms(status)).max(0.0) / batch_ms).floor() as u64;
         status.batches.saturating_add(more).max(1)
+    }
+
+    /// The batches `trainer` says it trained ahead into this round, believed up to the target
+    /// it was last given (a round's worth before it was given any): a trainer trains ahead
+    /// while its update travels, never more than a round, and a claim of 10¹² would leave the
+    /// others nothing to train (issue 55).
+    fn believed_ahead(&self, trainer: &Trainer) -> u64 {
+        let plan = &self.plan;
+        let round_batches = plan.samples_per_round.div_ceil(plan.batch_size.max(1));
+        let told = trainer.ordered.map_or(round_batches, |(_, target)| target);
+        trainer.status.ahead_batches.min(told).min(round_batches)
     }
 
     /// The samples `trainer` has trained in this round by `now_ms`: what it last said, plus
@@ -856,6 +890,9 @@ impl Rounds {
         let mut settle = Vec::new();
         let mut applied_round = None;
         self.resolve_departing(&status, now_ms);
+        for late in &status.dropped {
+            self.heard_late(&late.peer);
+        }
         let applies = self.applies(&status);
         if let Some(applied) = status.applied.filter(|_| applies) {
             let included: HashSet<String> = applied.included.iter().cloned().collect();
@@ -900,7 +937,7 @@ impl Rounds {
                         && t.status.round == Some(applied.round)
                         && (t.status.samples == 0 || included.contains(&t.peer))
                 });
-            let benched = self.count_refusals(&included);
+            let benched = self.count_misses(&included);
             self.included.insert(applied.round, included);
             self.closing = None;
             self.round = applied.round + 1;
@@ -917,6 +954,7 @@ impl Rounds {
                 model_hash: applied.model_hash,
                 delta_bytes: applied.delta_bytes,
                 benched,
+                clipped: applied.clipped,
                 largest_norm_ratio: applied.largest_norm_ratio,
                 close_ms: applied.close_ms,
                 traffic_bytes: applied.traffic_bytes,
@@ -943,23 +981,31 @@ impl Rounds {
                 .iter()
                 .map(|a| (a.peer.clone(), a.samples))
                 .collect();
-            for refusal in &status.refused {
-                if !self.refused.contains_key(&refusal.peer) {
-                    // The server bounds its reasons; a server that does not is not believed.
+            // The server bounds its reasons; a server that does not is not believed.
+            let refused: HashMap<String, String> = status
+                .refused
+                .into_iter()
+                .map(|refusal| {
                     let reason: String = refusal.reason.chars().take(REASON_CHARS).collect();
+                    (refusal.peer, reason)
+                })
+                .collect();
+            for (peer, reason) in &refused {
+                if !self.refused.contains_key(peer) {
                     tracing::warn!(
                         round = self.round,
-                        peer = %refusal.peer,
+                        %peer,
                         reason = %reason.escape_debug(),
                         "the parameter server refused a trainer's update: the round goes on without it"
                     );
+                    self.news.push(News::Refused {
+                        round: self.round,
+                        peer: peer.clone(),
+                        reason: reason.clone(),
+                    });
                 }
             }
-            self.refused = status
-                .refused
-                .into_iter()
-                .map(|refusal| (refusal.peer, refusal.reason))
-                .collect();
+            self.refused = refused;
         }
         let ending = match self.closing {
             Some((round, ending)) if round == self.round => Some(ending),
@@ -990,25 +1036,56 @@ impl Rounds {
     }
 
     /// Counts, as a round ends with `included` taken, the rounds in a row each trainer's
-    /// update was refused (a taken update starts the count again); the peers that reach
-    /// `bench_after_refusals` now. An honest outlier refused once in a while is never benched;
-    /// a trainer that lies in every update is, before its slices are taken and given back
-    /// round after round to the end of the data.
-    fn count_refusals(&mut self, included: &HashSet<String>) -> Vec<String> {
+    /// update was refused, and those it was expected in (it holds a model, as
+    /// [`ending`](Self::ending) counts it) and sent nothing (a taken update starts both
+    /// counts again); the trainers that reach `bench_after_refusals` now, with why. An honest
+    /// outlier refused once in a while is never benched; a trainer that lies in every update
+    /// is, before its slices are taken and given back round after round to the end of the
+    /// data, and so is one that claims to train and never sends (every round would wait for
+    /// it to its deadline).
+    fn count_misses(&mut self, included: &HashSet<String>) -> Vec<Benching> {
         let limit = self.plan.bench_after_refusals;
         let mut benched = Vec::new();
         for trainer in self.trainers.values_mut() {
-            if self.refused.contains_key(&trainer.peer) {
+            if let Some(reason) = self.refused.get(&trainer.peer) {
                 trainer.refused_in_a_row += 1;
-                if limit > 0 && trainer.refused_in_a_row == limit {
-                    benched.push(trainer.peer.clone());
-                }
+                trainer.silent_in_a_row = 0;
+                trainer.refused_for = Some(reason.clone());
             } else if included.contains(&trainer.peer) {
                 trainer.refused_in_a_row = 0;
+                trainer.silent_in_a_row = 0;
+            } else if expected(trainer) {
+                trainer.silent_in_a_row += 1;
+            }
+            let reason = if trainer.refused_in_a_row == limit {
+                format!(
+                    "its updates were refused {limit} rounds in a row, the last because {}",
+                    trainer.refused_for.as_deref().unwrap_or("of what it sent")
+                )
+            } else if trainer.silent_in_a_row == limit {
+                format!(
+                    "it was expected in {limit} rounds in a row and sent no update for any of them"
+                )
+            } else {
+                continue;
+            };
+            if limit > 0 {
+                benched.push(Benching {
+                    peer: trainer.peer.clone(),
+                    reason,
+                });
             }
         }
-        benched.sort();
+        benched.sort_by(|a, b| a.peer.cmp(&b.peer));
         benched
+    }
+
+    /// The server dropped `peer`'s update of a round already closed: it trains and sends,
+    /// late; it is not silent.
+    fn heard_late(&mut self, peer: &str) {
+        for trainer in self.trainers.values_mut().filter(|t| t.peer == peer) {
+            trainer.silent_in_a_row = 0;
+        }
     }
 
     /// The peers whose pseudo-gradients the server is to take: the trainers, those that left
@@ -1055,12 +1132,7 @@ impl Rounds {
     fn ending(&self, now_ms: u64) -> Option<Ending> {
         // Every trainer that holds a model trains this round, even one that has not taken
         // this round's model yet; one out of data with nothing trained sends nothing.
-        let expected: Vec<&Trainer> = self
-            .trainers
-            .values()
-            .filter(|t| t.status.round.is_some() || t.awaited)
-            .filter(|t| !(t.status.data_done && t.status.samples == 0))
-            .collect();
+        let expected: Vec<&Trainer> = self.trainers.values().filter(|t| expected(t)).collect();
         // One whose update was refused has sent what it had: nothing more will come. With
         // none known (trainers taken over after a restart are known only once the server
         // is), the new model would go to nobody: only arrivals at the deadline close it.
@@ -1080,6 +1152,14 @@ impl Rounds {
             _ => None,
         }
     }
+}
+
+/// Whether a round waits for `trainer`'s update: every trainer that holds a model trains the
+/// round, even one that has not taken the round's model yet; one out of data with nothing
+/// trained sends nothing.
+fn expected(trainer: &Trainer) -> bool {
+    (trainer.status.round.is_some() || trainer.awaited)
+        && !(trainer.status.data_done && trainer.status.samples == 0)
 }
 
 /// How a round ends.

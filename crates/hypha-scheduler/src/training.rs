@@ -474,6 +474,7 @@ impl Training {
             model_hash: applied.model_hash,
             delta_bytes: applied.delta_bytes,
             benched: Vec::new(),
+            clipped: applied.clipped,
             largest_norm_ratio: applied.largest_norm_ratio,
             close_ms: applied.close_ms,
             traffic_bytes: applied.traffic_bytes,

@@ -180,10 +180,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let summary = finished.summary;
             let dir = dir.display();
             println!(
-                "trained {} for {} rounds in {:.0} s\nevaluated on {}\nevaluation loss {:.4} → {:.4}, accuracy {:.1} % → {:.1} %\nwrote {dir}/model.safetensors, {dir}/metrics.jsonl, {dir}/loss.svg; logs in {dir}/logs",
+                "trained {} for {} rounds in {:.0} s\n{}; updates refused {}, clipped {}\nevaluated on {}\nevaluation loss {:.4} → {:.4}, accuracy {:.1} % → {:.1} %\nwrote {dir}/model.safetensors, {dir}/metrics.jsonl, {dir}/loss.svg; logs in {dir}/logs",
                 serde_json::to_string(&summary.model).unwrap_or_default(),
                 summary.rounds,
                 summary.seconds,
+                summary.outcome,
+                summary.refused,
+                summary.clipped,
                 summary.evaluated_on,
                 summary.loss_before,
                 summary.loss_after,

@@ -140,6 +140,13 @@ pub struct Summary {
     pub accuracy_after: f64,
     pub rounds: usize,
     pub seconds: f64,
+    /// How the scheduler said the job ended: the trainers that finished, and each one
+    /// benched, when and why.
+    pub outcome: String,
+    /// Updates the parameter server refused, and those that counted for a share of
+    /// themselves (clipped).
+    pub refused: u64,
+    pub clipped: u64,
     /// What the model was evaluated on.
     pub evaluated_on: String,
     /// The model trained.
@@ -452,6 +459,9 @@ pub fn run(
         accuracy_after,
         rounds: watch.losses.len(),
         seconds: started.elapsed().as_secs_f64(),
+        outcome: watch.outcome.clone(),
+        refused: watch.refused,
+        clipped: watch.clipped,
         evaluated_on: training.evaluation.to_string(),
         model: training.model,
     };
@@ -906,6 +916,12 @@ struct RunWatch {
     losses: Vec<(u64, f64)>,
     /// The job ended: whether it succeeded.
     done: Option<bool>,
+    /// What the scheduler said as the job ended.
+    outcome: String,
+    /// Updates refused and clipped; the peers each was first told of.
+    refused: u64,
+    clipped: u64,
+    told: std::collections::HashSet<(&'static str, String)>,
 }
 
 impl RunWatch {
@@ -928,7 +944,44 @@ impl RunWatch {
                     ))),
                     None => progress(Progress::Step("training")),
                 },
-                Some("done") => self.done = event["ok"].as_bool(),
+                Some("done") => {
+                    self.done = event["ok"].as_bool();
+                    self.outcome = event["message"].as_str().unwrap_or_default().to_string();
+                }
+                Some("benched") => progress(Progress::Notice(&format!(
+                    "trainer {} benched at round {}: {}",
+                    event["peer"].as_str().unwrap_or_default(),
+                    event["round"],
+                    event["reason"].as_str().unwrap_or_default()
+                ))),
+                // Each trainer's first refused and first clipped update is told; the end
+                // says how many there were.
+                Some(kind @ ("refused" | "clipped")) => {
+                    let peer = event["peer"].as_str().unwrap_or_default().to_string();
+                    let kind = if kind == "refused" {
+                        self.refused += 1;
+                        "refused"
+                    } else {
+                        self.clipped += 1;
+                        "clipped"
+                    };
+                    if self.told.insert((kind, peer.clone())) {
+                        let how = match kind {
+                            "refused" => {
+                                format!("refused: {}", event["reason"].as_str().unwrap_or_default())
+                            }
+                            _ => format!(
+                                "clipped to {:.3} of itself (its norm {:.1} times the round's)",
+                                event["share"].as_f64().unwrap_or_default(),
+                                event["ratio"].as_f64().unwrap_or(f64::NAN)
+                            ),
+                        };
+                        progress(Progress::Notice(&format!(
+                            "round {}: trainer {peer}'s update {how}; later ones are counted at the end",
+                            event["round"]
+                        )));
+                    }
+                }
                 _ => {}
             }
         }

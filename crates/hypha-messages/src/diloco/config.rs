@@ -43,15 +43,19 @@ pub struct ServerConfig {
     /// The most samples one update may claim (its weight in the mean).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_samples: Option<u64>,
-    /// An update whose L2 norm is more than this many times the median of the last ones
-    /// taken is refused; unset: no check. `max_norm_ratio` is read too (what schedulers
-    /// before this type wrote).
+    /// An update whose L2 norm is more than this many times the round's reference norm
+    /// counts for that many times the reference (clipped, `hypha_diloco::robust`); unset:
+    /// no check. `max_norm_ratio` is read too (what schedulers before this type wrote).
     #[serde(
         default,
         alias = "max_norm_ratio",
         skip_serializing_if = "Option::is_none"
     )]
     pub max_update_norm_ratio: Option<f64>,
+    /// The samples a round is planned to hold: a round with fewer steps by the share it
+    /// holds (a tail round at the end of the data); unset: every round steps whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_round: Option<u64>,
     /// Checkpoint every this many rounds; unset: by traffic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u64>,

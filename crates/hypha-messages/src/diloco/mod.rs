@@ -253,6 +253,22 @@ pub struct Refusal {
     pub reason: String,
 }
 
+/// An update of an applied round that counted for a share of itself: its norm was more than
+/// `max_update_norm_ratio` times the round's reference, or a tensor of it more than the
+/// model's scale allows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ClippedUpdate {
+    pub peer: String,
+    /// The share of the whole update that counted, in (0, 1].
+    pub share: f32,
+    /// Its norm as a multiple of the round's reference norm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio: Option<f64>,
+    /// Tensors clipped on their own, at most a few named.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensors: Vec<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Late {
     pub peer: String,
@@ -270,10 +286,14 @@ pub struct Applied {
     /// held the round's model; `None` when the job does not compress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta_bytes: Option<u64>,
-    /// The largest norm of the round's updates, as a multiple of the typical norm (the
-    /// median of the last ones taken) that `max_update_norm_ratio` holds them against.
+    /// The largest norm of the round's updates, as a multiple of the round's reference norm
+    /// (the lower median of the round's norms, at least the typical norm of the last ones
+    /// taken) that `max_update_norm_ratio` clips them at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub largest_norm_ratio: Option<f64>,
+    /// The updates that counted for a share of themselves (clipped), in arrival order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clipped: Vec<ClippedUpdate>,
     /// How long closing the round took the server: from the order to the new model (or
     /// change) on its way to the trainers, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -80,6 +80,7 @@ fn server(round: u64, arrived: &[&str], applied: Option<(u64, &[&str])>) -> Serv
             model_hash: None,
             delta_bytes: None,
             largest_norm_ratio: None,
+            clipped: vec![],
             close_ms: None,
             traffic_bytes: None,
             standby_bytes: None,
@@ -414,6 +415,87 @@ fn a_trainer_claiming_more_samples_than_it_was_given_does_not_shrink_the_others_
     }
 }
 
+/// Issue 55, item 3 (a): a trainer that keeps saying it holds the last round's model with a
+/// huge `ahead_batches` is believed up to a round's worth: the honest trainers' targets stay
+/// near what a truthful claim leaves them. (Checked by believing the claim: the honest
+/// target falls to one batch.)
+#[test]
+fn a_trainer_claiming_to_have_trained_far_ahead_does_not_shrink_the_others_rounds() {
+    let honest_target = |ahead: u64| {
+        let mut rounds = rounds_with(&[("liar", "l"), ("honest", "h")]);
+        for job in ["liar", "honest"] {
+            rounds.trainer_status(job, status(0, 10, Some(100.0)), 0);
+        }
+        report(&mut rounds, server(0, &["l", "h"], None), 100);
+        report(&mut rounds, server(1, &[], Some((0, &["l", "h"]))), 200);
+        let lie = TrainerStatus {
+            ahead_batches: ahead,
+            ..status(0, 10, Some(100.0))
+        };
+        rounds.trainer_status("liar", lie, 300);
+        target(
+            rounds
+                .trainer_status("honest", status(1, 0, Some(100.0)), 300)
+                .0,
+        )
+    };
+    let truthful = honest_target(2);
+    assert!(truthful > 20, "{truthful}");
+    for claim in [1_000_000_000_000, u64::MAX] {
+        let target = honest_target(claim);
+        assert!(
+            target >= truthful / 3,
+            "a claim of {claim} batches ahead shrank the honest target to {target} (from {truthful})"
+        );
+    }
+}
+
+/// Issue 55, item 3: a trainer expected in every round (it holds a model) that never sends
+/// is benched after `bench_after_refusals` (3) rounds in a row, with why; one whose update
+/// arrived late (dropped) is not silent, and is not benched.
+#[test]
+fn a_trainer_expected_in_three_rounds_that_sends_nothing_is_benched() {
+    let mut rounds = Rounds::new(RoundPlan {
+        rounds: Some(10),
+        ..plan()
+    });
+    rounds.server_started("ps".into());
+    for (job, peer) in [("a", "pa"), ("b", "pb"), ("s", "ps1"), ("late", "pl")] {
+        rounds.trainer_started(job.into(), peer.into());
+    }
+    let mut now = 0;
+    for round in 0..3u64 {
+        for job in ["a", "b", "s", "late"] {
+            rounds.trainer_status(job, status(round, 1, Some(100.0)), now);
+        }
+        // Past the deadline, with a and b in: it closes without s and late.
+        now += 20_000;
+        let (order, _, _) = report(&mut rounds, server(round, &["pa", "pb"], None), now);
+        assert!(
+            matches!(order, ServerOrder::Close { round: r, .. } if r == round),
+            "round {round}: {order:?}"
+        );
+        now += 100;
+        let mut applied = server(round + 1, &[], Some((round, &["pa", "pb"])));
+        if round > 0 {
+            // late's update of the round before arrived after its close.
+            applied.dropped = vec![hypha_messages::diloco::Late {
+                peer: "pl".into(),
+                round: round - 1,
+            }];
+        }
+        let (_, _, applied) = report(&mut rounds, applied, now);
+        let benched = applied.unwrap().benched;
+        if round == 2 {
+            assert_eq!(benched.len(), 1, "{benched:?}");
+            assert_eq!(benched[0].peer, "ps1");
+            assert!(benched[0].reason.contains("sent no update"), "{benched:?}");
+        } else {
+            assert!(benched.is_empty(), "round {round}: {benched:?}");
+        }
+    }
+}
+
 #[test]
 fn the_first_trainer_to_ask_in_a_new_round_gets_its_share_not_the_whole_round() {
     let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb"), ("c", "pc")]);
@@ -623,7 +705,12 @@ fn a_trainer_refused_three_rounds_in_a_row_is_benched() {
             server(round + 1, &[], Some((round, taken))),
             now,
         );
-        let benched = applied.unwrap().benched;
+        let benched: Vec<String> = applied
+            .unwrap()
+            .benched
+            .into_iter()
+            .map(|b| b.peer)
+            .collect();
         if round == 2 {
             assert_eq!(benched, ["pl"]);
             rounds.trainer_ended("l", 0);

@@ -133,8 +133,17 @@ impl JobRun<'_> {
                         loss: applied.loss,
                         away: false,
                     });
-                    for peer in &applied.benched {
-                        self.bench(peer, applied.round).await?;
+                    for clipped in &applied.clipped {
+                        self.events.record(Event::Clipped {
+                            round: applied.round,
+                            peer: clipped.peer.clone(),
+                            share: clipped.share,
+                            ratio: clipped.ratio,
+                        });
+                    }
+                    for benching in &applied.benched {
+                        self.bench(&benching.peer, applied.round, &benching.reason)
+                            .await?;
                     }
                 }
             }
@@ -169,6 +178,15 @@ impl JobRun<'_> {
                     late,
                     waited_s: waited_ms as f64 / 1000.0,
                 },
+                News::Refused {
+                    round,
+                    peer,
+                    reason,
+                } => Event::Refused {
+                    round,
+                    peer,
+                    reason,
+                },
                 News::Joined { job, peer, round } => {
                     let Some(slot) = self.jobs.get(&job).map(|d| d.slot) else {
                         continue;
@@ -189,7 +207,12 @@ impl JobRun<'_> {
     /// slot is given up rather than filled again (a worker that lies in every update would
     /// only be replaced by the next one the market offers; elastic runs may refill it), and
     /// its worker is never leased again for the task, also after a restart.
-    pub(super) async fn bench(&mut self, peer: &str, round: u64) -> Result<(), RunError> {
+    pub(super) async fn bench(
+        &mut self,
+        peer: &str,
+        round: u64,
+        reason: &str,
+    ) -> Result<(), RunError> {
         let Some((job, slot)) = self
             .jobs
             .iter()
@@ -200,21 +223,18 @@ impl JobRun<'_> {
         else {
             return Ok(());
         };
-        let refusals = self
-            .spec
-            .diloco
-            .as_ref()
-            .map_or(0, |d| d.bench_after_refusals);
         self.events.record(Event::Benched {
             slot,
             job: job.clone(),
             peer: peer.to_string(),
             round,
-            refusals,
+            reason: reason.to_string(),
         });
         self.benched.push(BenchedTrainer {
             peer: peer.to_string(),
             slot,
+            round,
+            reason: reason.to_string(),
         });
         self.ended(&job, Ending::Done).await
     }

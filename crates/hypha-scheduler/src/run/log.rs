@@ -160,14 +160,27 @@ impl EventLog {
                 job,
                 peer,
                 round,
-                refusals,
+                reason,
             } => tracing::warn!(
                 slot,
                 %job,
                 %peer,
                 round,
-                refusals,
-                "trainer benched: the parameter server refused its updates {refusals} rounds in a row; its job ends, its slices go back, and it is not leased again for this task"
+                "trainer benched: {reason}; its job ends, its slices go back, and it is not leased again for this task"
+            ),
+            // Each is logged where it is learnt (rounds, and the parameter server's log).
+            Event::Refused { .. } => {}
+            Event::Clipped {
+                round,
+                peer,
+                share,
+                ratio,
+            } => tracing::info!(
+                round,
+                %peer,
+                share,
+                ?ratio,
+                "a trainer's update counted for a share of itself (clipped): its norm was beyond max_update_norm_ratio times the round's"
             ),
             Event::Resumed { task, round, jobs } => {
                 tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")

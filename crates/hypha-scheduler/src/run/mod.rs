@@ -960,9 +960,7 @@ impl<'a> JobRun<'a> {
                 Ok(()) => {
                     let trainers = self.slots.done(Role::Trainer);
                     match &self.spec.diloco {
-                        Some(_) => {
-                            format!("{trainers} trainers and the parameter server finished")
-                        }
+                        Some(_) => rules::done_message(trainers, &self.benched),
                         None => format!("{trainers} workers finished"),
                     }
                 }

@@ -13,6 +13,7 @@ use hypha_messages::{diloco::Order, job::JobStatus};
 
 use crate::{
     event::with_stderr,
+    record::BenchedTrainer,
     slots::Role,
     training::{Promotion, Training},
 };
@@ -178,6 +179,27 @@ pub(super) fn taking_over_order(role: Role) -> Order {
     }
 }
 
+/// How a DiLoCo run that succeeded says so: how many trainers finished, and each one benched,
+/// at which round and why. A run that lost trainers does not end with the same words as one
+/// that kept them all (issue 55: a run with two of its three trainers benched at round 649
+/// said "3 trainers and the parameter server finished").
+pub(super) fn done_message(trainers: usize, benched: &[BenchedTrainer]) -> String {
+    let mut message = format!("{trainers} trainers and the parameter server finished");
+    if benched.is_empty() {
+        message.push_str("; every trainer stayed to the end");
+        return message;
+    }
+    message.push_str(&format!("; {} benched:", benched.len()));
+    for (i, trainer) in benched.iter().enumerate() {
+        let separator = if i == 0 { " " } else { "; " };
+        message.push_str(&format!(
+            "{separator}{} at round {}: {}",
+            trainer.peer, trainer.round, trainer.reason
+        ));
+    }
+    message
+}
+
 /// Checkpoints on their way to the standby: one at a time, and when others were stored
 /// while one was on its way, the newest of them once it arrived (not each of them).
 #[derive(Debug, Default)]
@@ -214,6 +236,27 @@ mod tests {
     use libp2p::PeerId;
 
     use super::*;
+
+    /// Issue 55, item 4: the end of a run says who was benched, when and why.
+    #[test]
+    fn a_run_that_lost_trainers_does_not_end_in_the_same_words() {
+        let kept = done_message(3, &[]);
+        assert_eq!(
+            kept,
+            "3 trainers and the parameter server finished; every trainer stayed to the end"
+        );
+        let benched = BenchedTrainer {
+            peer: "12D3KooW".into(),
+            slot: 1,
+            round: 649,
+            reason: "its updates were refused 3 rounds in a row".into(),
+        };
+        let lost = done_message(3, std::slice::from_ref(&benched));
+        assert_eq!(
+            lost,
+            "3 trainers and the parameter server finished; 1 benched: 12D3KooW at round 649: its updates were refused 3 rounds in a row"
+        );
+    }
 
     fn failed(reason: &str) -> Ending {
         Ending::Failed(reason.into())

@@ -66,7 +66,8 @@ use hypha_diloco::{
 };
 use hypha_messages::{
     diloco::{
-        Applied, Arrival, Late, Refusal, ServerConfig, ServerOrder, ServerStatus, Status, meta,
+        Applied, Arrival, ClippedUpdate, Late, Refusal, ServerConfig, ServerOrder, ServerStatus,
+        Status, meta,
     },
     job::JobStatus,
 };
@@ -99,6 +100,10 @@ const MODELS_DIR: &str = "models";
 /// Where initial models wait for the scheduler to name the one to adopt, in the job's
 /// directory (one file per peer, its last offer).
 const OFFERS_DIR: &str = "offers";
+/// Tensors clipped on their own that a round's status names, per update: a status stays
+/// small whatever the model.
+const CLIPPED_TENSORS_NAMED: usize = 4;
+
 /// Initial models held at once; offers from further peers are refused until one is adopted.
 const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
@@ -252,6 +257,9 @@ impl ServerJob {
         }
         if let Some(ratio) = config.max_update_norm_ratio {
             server = server.limit_norm(ratio);
+        }
+        if let Some(planned) = config.samples_per_round {
+            server = server.plan_samples(planned);
         }
         let codec = Codec::try_from(config.compression).map_err(ServerError::Codec)?;
         server = server.broadcast_changes(codec.for_broadcast());
@@ -758,12 +766,36 @@ impl ServerJob {
                 tracing::warn!(%error, "could not send the new global model");
                 0
             });
+        for clipped in &closed.clipped {
+            tracing::info!(
+                round = closed.round,
+                peer = %clipped.peer,
+                share = clipped.share,
+                ratio = ?clipped.ratio,
+                tensors = ?clipped.tensors,
+                "an update counted for a share of itself (clipped): its norm was beyond the round's"
+            );
+        }
         let applied = Applied {
             round: closed.round,
             delta_bytes: closed.delta_bytes,
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: closed.largest_norm_ratio,
+            clipped: closed
+                .clipped
+                .into_iter()
+                .map(|clipped| ClippedUpdate {
+                    peer: clipped.peer,
+                    share: clipped.share,
+                    ratio: clipped.ratio,
+                    tensors: clipped
+                        .tensors
+                        .into_iter()
+                        .take(CLIPPED_TENSORS_NAMED)
+                        .collect(),
+                })
+                .collect(),
             close_ms: Some(started.elapsed().as_millis() as u64),
             traffic_bytes: None,
             standby_bytes: None,
@@ -800,6 +832,7 @@ impl ServerJob {
             included: Vec::new(),
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: None,
+            clipped: Vec::new(),
             close_ms: None,
             traffic_bytes: None,
             standby_bytes: None,

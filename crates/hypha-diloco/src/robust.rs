@@ -1,0 +1,442 @@
+//! How far one round's updates may move the model: the rules of robust aggregation, without
+//! I/O, tested one by one.
+//!
+//! An update is judged against its own round first, and against the run's past and the
+//! model's size only where the round cannot speak for itself:
+//!
+//! - **Refused** at arrival only when no honest trainer could have sent it: its norm is more
+//!   than [`ABSURD_MODEL_MULTIPLE`] times the model's own norm, *and* more than
+//!   [`ABSURD_HISTORY_MULTIPLE`] times the typical norm of the updates taken lately (either
+//!   alone can be wrong: a model near zero, a converged run whose updates shrank). Values
+//!   that are not finite are refused when the update is read ([`Update`](crate::Update)).
+//! - **Clipped** at the round's close, not refused: an update whose norm is above `ratio`
+//!   times the round's *reference* norm counts for `reference · ratio / norm` of itself, so
+//!   that a liar's update moves the model no further than an honest one `ratio` times the
+//!   usual size would. The reference is the lower median of the round's norms (with a
+//!   minority of liars it is an honest one), and never less than the median of the last
+//!   [`HISTORY`] norms taken (a liar sending a tiny update cannot shrink the honest ones
+//!   much): a round whose every update is larger than the past (a loss spike, a new phase)
+//!   is judged by itself, for then the history is wrong, not the trainers. A round of one
+//!   update has only the history.
+//! - **Bounded by the model** from the first round, before any history exists: the whole
+//!   update is clipped to [`MODEL_MULTIPLE`] times the model's norm, and each tensor to
+//!   [`TENSOR_MULTIPLE`] times its own scale (its norm, or the norm an average tensor of its
+//!   size has, whichever is larger: a bias that starts at zero still moves), so that an
+//!   update that pours everything into one small tensor (a norm's gain) cannot wreck it.
+//!
+//! The history is the norms as taken (after clipping) and goes into the checkpoint, so a
+//! restart, a failover or a takeover goes on with it ([`Limits::to_text`]).
+//!
+//! The anchors: BTARD's CenteredClip (clip around a robust centre instead of refusing), and
+//! the observation of issue 55 that a limit measured only against the run's past refuses
+//! every honest trainer of a converged run.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// How many of the last updates' norms make the typical norm.
+pub const HISTORY: usize = 32;
+/// Norms the history holds before it speaks: the median of fewer is no typical norm.
+pub const HISTORY_WARMUP: usize = 3;
+/// An update more than this many times the model's norm (and far beyond the history) is
+/// refused: no round of honest training moves a model ten times its own size.
+pub const ABSURD_MODEL_MULTIPLE: f64 = 10.0;
+/// An update more than this many times the typical norm (and beyond the model's) is refused.
+pub const ABSURD_HISTORY_MULTIPLE: f64 = 1000.0;
+/// The whole update is clipped to this many times the model's norm.
+pub const MODEL_MULTIPLE: f64 = 2.0;
+/// Each tensor of an update is clipped to this many times the tensor's scale.
+pub const TENSOR_MULTIPLE: f64 = 2.0;
+
+/// The L2 norms of an update, whole and by tensor, measured as it arrived.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Norms {
+    pub whole: f64,
+    pub tensors: BTreeMap<String, f64>,
+}
+
+/// The model's size, whole and by tensor, that an update is held against.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scale {
+    /// The model's L2 norm.
+    pub whole: f64,
+    /// Each tensor's scale: its L2 norm, or the norm of a tensor of its size whose values
+    /// have the model's root mean square, whichever is larger.
+    pub tensors: BTreeMap<String, f64>,
+}
+
+impl Scale {
+    /// The scale of a model whose tensors have these squared norms and sizes.
+    pub fn new(tensors: impl IntoIterator<Item = (String, f64, usize)>) -> Self {
+        let tensors: Vec<(String, f64, usize)> = tensors.into_iter().collect();
+        let squared: f64 = tensors.iter().map(|(_, s, _)| s).sum();
+        let values: usize = tensors.iter().map(|(_, _, n)| n).sum();
+        let mean_square = if values == 0 {
+            0.0
+        } else {
+            squared / values as f64
+        };
+        Self {
+            whole: squared.sqrt(),
+            tensors: tensors
+                .into_iter()
+                .map(|(name, s, n)| (name, s.max(mean_square * n as f64).sqrt()))
+                .collect(),
+        }
+    }
+}
+
+/// An update refused as it arrived: its norm, beyond the model's and the typical one's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Absurd {
+    pub norm: f64,
+    pub model: f64,
+    pub typical: Option<f64>,
+}
+
+impl std::fmt::Display for Absurd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "its norm {:.4e} is more than {ABSURD_MODEL_MULTIPLE} times the model's ({:.4e})",
+            self.norm, self.model
+        )?;
+        if let Some(typical) = self.typical {
+            write!(
+                f,
+                " and {ABSURD_HISTORY_MULTIPLE} times the typical update's ({typical:.4e})"
+            )?;
+        }
+        write!(f, ": no honest round moves a model that far")
+    }
+}
+
+/// What the close makes of one update.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Clip {
+    /// The share of the whole update that counts, in (0, 1].
+    pub whole: f32,
+    /// The share of each tensor that counts, for the tensors clipped on their own.
+    pub tensors: BTreeMap<String, f32>,
+    /// Its norm as a multiple of the round's reference; `None` without one.
+    pub ratio: Option<f64>,
+}
+
+impl Clip {
+    /// The update counts whole.
+    pub fn is_whole(&self) -> bool {
+        self.whole >= 1.0 && self.tensors.is_empty()
+    }
+}
+
+/// The limits of one run: the clipping ratio and the norms taken lately. The
+/// [default](Limits::default) is off: nothing refused, nothing clipped.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Limits {
+    ratio: Option<f64>,
+    history: VecDeque<f64>,
+}
+
+impl Limits {
+    /// Limits clipping at `ratio` times the reference norm (above 1), with no history yet.
+    pub fn new(ratio: f64) -> Self {
+        Self {
+            ratio: Some(ratio),
+            history: VecDeque::new(),
+        }
+    }
+
+    /// The same limits clipping at `ratio` (`None`: off), keeping the history.
+    pub fn with_ratio(mut self, ratio: Option<f64>) -> Self {
+        self.ratio = ratio;
+        self
+    }
+
+    /// Whether updates are judged at all.
+    pub fn is_on(&self) -> bool {
+        self.ratio.is_some()
+    }
+
+    /// The median of the norms taken lately, once there are [`HISTORY_WARMUP`] of them.
+    pub fn typical(&self) -> Option<f64> {
+        (self.history.len() >= HISTORY_WARMUP).then(|| median(self.history.iter().copied()))
+    }
+
+    /// Why an update of `norms` is refused as it arrives, if it is: only what no honest
+    /// trainer sends (see the module's doc).
+    pub fn refuses(&self, model: &Scale, norms: &Norms) -> Option<Absurd> {
+        self.ratio?;
+        let norm = norms.whole;
+        let beyond_model = model.whole > 0.0 && norm > ABSURD_MODEL_MULTIPLE * model.whole;
+        let typical = self.typical();
+        let beyond_history = typical.is_none_or(|typical| norm > ABSURD_HISTORY_MULTIPLE * typical);
+        (beyond_model && beyond_history).then_some(Absurd {
+            norm,
+            model: model.whole,
+            typical,
+        })
+    }
+
+    /// The reference norm of a round whose updates have `norms`: the lower median of the
+    /// round, never below the typical norm; the typical norm alone for a round of one.
+    pub fn reference(&self, norms: &[f64]) -> Option<f64> {
+        let round = (norms.len() >= 2).then(|| lower_median(norms));
+        match (round, self.typical()) {
+            (Some(round), Some(typical)) => Some(round.max(typical)),
+            (round, typical) => round.or(typical),
+        }
+    }
+
+    /// What the close makes of each of the round's updates (`round`, in the order they
+    /// came), against the model's `scale`.
+    pub fn clip(&self, scale: &Scale, round: &[&Norms]) -> Vec<Clip> {
+        let Some(ratio) = self.ratio else {
+            let whole = Clip {
+                whole: 1.0,
+                tensors: BTreeMap::new(),
+                ratio: None,
+            };
+            return vec![whole; round.len()];
+        };
+        let wholes: Vec<f64> = round.iter().map(|n| n.whole).collect();
+        let reference = self.reference(&wholes);
+        let by_round = reference.map(|r| r * ratio);
+        let by_model = (scale.whole > 0.0).then_some(scale.whole * MODEL_MULTIPLE);
+        let bound = match (by_round, by_model) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        round
+            .iter()
+            .map(|norms| {
+                let whole = share(norms.whole, bound);
+                // A tensor is held to its bound as the whole clip left it.
+                let tensors = norms
+                    .tensors
+                    .iter()
+                    .filter_map(|(name, norm)| {
+                        let bound = scale.tensors.get(name)? * TENSOR_MULTIPLE;
+                        let norm = norm * f64::from(whole);
+                        (bound > 0.0 && norm > bound).then(|| (name.clone(), (bound / norm) as f32))
+                    })
+                    .collect();
+                Clip {
+                    whole,
+                    tensors,
+                    ratio: reference
+                        .filter(|r| *r > 0.0)
+                        .map(|reference| norms.whole / reference),
+                }
+            })
+            .collect()
+    }
+
+    /// Records the norms of a round's updates as they counted (after `clips`).
+    pub fn record(&mut self, round: &[&Norms], clips: &[Clip]) {
+        for (norms, clip) in round.iter().zip(clips) {
+            if self.history.len() == HISTORY {
+                self.history.pop_front();
+            }
+            self.history.push_back(norms.whole * f64::from(clip.whole));
+        }
+    }
+
+    /// The history as text, for a checkpoint's metadata.
+    pub fn to_text(&self) -> String {
+        let norms: Vec<String> = self.history.iter().map(|n| format!("{n:e}")).collect();
+        norms.join(",")
+    }
+
+    /// The same limits with the history [`to_text`](Self::to_text) wrote; what does not
+    /// read as finite, non-negative norms is left out (a checkpoint of an older version has
+    /// none).
+    pub fn with_history(mut self, text: &str) -> Self {
+        self.history = text
+            .split(',')
+            .filter_map(|n| n.trim().parse::<f64>().ok())
+            .filter(|n| n.is_finite() && *n >= 0.0)
+            .collect();
+        while self.history.len() > HISTORY {
+            self.history.pop_front();
+        }
+        self
+    }
+}
+
+/// The share of an update of `norm` that fits `bound`.
+fn share(norm: f64, bound: Option<f64>) -> f32 {
+    match bound {
+        Some(bound) if norm > bound && norm > 0.0 => (bound / norm) as f32,
+        _ => 1.0,
+    }
+}
+
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut sorted: Vec<f64> = values.collect();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// The lower of the two middle values (the middle one of an odd count): with fewer liars
+/// than honest updates, an honest norm or one between two honest norms.
+fn lower_median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[(sorted.len() - 1) / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norms(whole: f64) -> Norms {
+        Norms {
+            whole,
+            tensors: BTreeMap::from([("w".to_string(), whole)]),
+        }
+    }
+
+    fn model(norm: f64) -> Scale {
+        Scale::new([("w".to_string(), norm * norm, 100)])
+    }
+
+    fn clipped(limits: &Limits, scale: &Scale, round: &[f64]) -> Vec<f32> {
+        let round: Vec<Norms> = round.iter().map(|n| norms(*n)).collect();
+        let round: Vec<&Norms> = round.iter().collect();
+        limits.clip(scale, &round).iter().map(|c| c.whole).collect()
+    }
+
+    fn with_history(ratio: f64, norms: &[f64]) -> Limits {
+        let text: Vec<String> = norms.iter().map(f64::to_string).collect();
+        Limits::new(ratio).with_history(&text.join(","))
+    }
+
+    /// Issue 55: a converged run's history fell to 0.02, then its honest updates grew
+    /// (0.26 → 1.6 → 2.0 → 3.8, where the old limit allowed 0.20 and benched them all):
+    /// nothing is refused, nothing is clipped.
+    #[test]
+    fn a_converged_run_refuses_and_clips_no_honest_fluctuation() {
+        let limits = with_history(3.0, &[0.02; 32]);
+        let scale = model(50.0);
+        assert_eq!(limits.refuses(&scale, &norms(3.8)), None);
+        assert_eq!(clipped(&limits, &scale, &[1.6, 2.0, 3.8]), [1.0, 1.0, 1.0]);
+        // An honest spread around the history is taken whole too.
+        let limits = with_history(3.0, &[0.26; 32]);
+        assert_eq!(clipped(&limits, &scale, &[0.2, 0.25, 0.7]), [1.0, 1.0, 1.0]);
+    }
+
+    /// A loss spike: every update of the round is ten times the past's; the round is judged
+    /// by itself, and its honest spread is not clipped.
+    #[test]
+    fn a_round_larger_than_the_history_is_judged_by_itself() {
+        let limits = with_history(3.0, &[0.1; 32]);
+        let clips = clipped(&limits, &model(50.0), &[1.0, 1.4, 0.9, 2.1]);
+        assert_eq!(clips, [1.0, 1.0, 1.0, 1.0]);
+    }
+
+    /// One of four scales its update up a hundredfold: it counts as an update `ratio` times
+    /// the round's honest reference would; the others count whole.
+    #[test]
+    fn an_outlier_of_the_round_is_clipped_to_the_ratio() {
+        let limits = Limits::new(3.0);
+        let clips = clipped(&limits, &model(50.0), &[1.0, 1.1, 0.9, 100.0]);
+        assert_eq!(&clips[..3], [1.0, 1.0, 1.0]);
+        assert!(
+            (f64::from(clips[3]) * 100.0 - 3.0).abs() < 1e-5,
+            "{clips:?}"
+        );
+    }
+
+    /// A liar sending a tiny update cannot shrink the honest ones below the history's bound.
+    #[test]
+    fn a_tiny_liar_cannot_shrink_the_round_below_the_history() {
+        let limits = with_history(3.0, &[1.0; 8]);
+        assert_eq!(clipped(&limits, &model(50.0), &[1e-9, 2.5]), [1.0, 1.0]);
+    }
+
+    /// Before any history, alone in its round (the warm-up attacker): the model bounds it.
+    #[test]
+    fn the_first_update_is_bounded_by_the_model() {
+        let limits = Limits::new(3.0);
+        let clips = clipped(&limits, &model(5.0), &[1000.0]);
+        assert!(
+            (f64::from(clips[0]) * 1000.0 - 10.0).abs() < 1e-3,
+            "{clips:?}"
+        );
+        // An honest first update, a fifth of the model, counts whole.
+        assert_eq!(clipped(&limits, &model(5.0), &[1.0]), [1.0]);
+    }
+
+    /// A tensor moved far beyond its own scale is clipped on its own, the rest whole.
+    #[test]
+    fn one_tensor_poured_full_is_clipped_on_its_own() {
+        let limits = Limits::new(3.0);
+        let scale = Scale::new([
+            ("big".to_string(), 10_000.0, 10_000),
+            ("gain".to_string(), 4.0, 4),
+        ]);
+        let liar = Norms {
+            whole: 40.0,
+            tensors: BTreeMap::from([("big".to_string(), 1.0), ("gain".to_string(), 40.0)]),
+        };
+        let clip = &limits.clip(&scale, &[&liar])[0];
+        assert_eq!(clip.tensors.keys().collect::<Vec<_>>(), ["gain"]);
+        assert!((f64::from(clip.tensors["gain"]) * 40.0 - 4.0).abs() < 1e-4);
+        // A tensor the whole clip brought within its bound is not clipped again.
+        let round = [norms(1.0), norms(1.0), norms(1000.0)];
+        let round: Vec<&Norms> = round.iter().collect();
+        let clips = limits.clip(&model(10.0), &round);
+        assert!(clips[2].tensors.is_empty(), "{clips:?}");
+        // A bias at zero takes the mean scale of the model's values.
+        let scale = Scale::new([("w".to_string(), 400.0, 100), ("b".to_string(), 0.0, 4)]);
+        assert!((scale.tensors["b"] - (400.0 / 104.0 * 4.0f64).sqrt()).abs() < 1e-9);
+    }
+
+    /// Limits that are off judge nothing.
+    #[test]
+    fn limits_that_are_off_refuse_and_clip_nothing() {
+        let off = Limits::default();
+        assert!(off.refuses(&model(1.0), &norms(1e9)).is_none());
+        assert_eq!(clipped(&off, &model(1.0), &[1.0, 1e6]), [1.0, 1.0]);
+    }
+
+    /// Refused only beyond both the model and the history; without history, the model alone.
+    #[test]
+    fn only_what_no_honest_trainer_sends_is_refused() {
+        let scale = model(5.0);
+        let fresh = Limits::new(3.0);
+        assert!(fresh.refuses(&scale, &norms(49.0)).is_none());
+        let why = fresh.refuses(&scale, &norms(1e6)).unwrap().to_string();
+        assert!(why.contains("times the model's"), "{why}");
+        // Beyond the model, within the history (a run whose history is large): taken.
+        let large = with_history(3.0, &[1.0; 8]);
+        assert!(large.refuses(&scale, &norms(60.0)).is_none());
+        assert!(large.refuses(&scale, &norms(1e6)).is_some());
+        // A model at zero refuses nothing (the round clips).
+        assert!(fresh.refuses(&model(0.0), &norms(1e6)).is_none());
+    }
+
+    /// The history counts updates as they were taken (clipped), keeps the last HISTORY, and
+    /// survives its text (a checkpoint's metadata) exactly.
+    #[test]
+    fn the_history_is_clipped_norms_and_survives_a_checkpoint() {
+        let mut limits = Limits::new(3.0);
+        assert_eq!(limits.typical(), None);
+        let round = [norms(1.0), norms(1.0), norms(1.0), norms(90.0)];
+        let round: Vec<&Norms> = round.iter().collect();
+        let clips = limits.clip(&model(50.0), &round);
+        limits.record(&round, &clips);
+        assert_eq!(limits.typical(), Some(1.0));
+        assert!((limits.history.back().unwrap() - 3.0).abs() < 1e-5);
+        for _ in 0..20 {
+            limits.record(&round, &clips);
+        }
+        assert_eq!(limits.history.len(), HISTORY);
+        let again = Limits::new(3.0).with_history(&limits.to_text());
+        assert_eq!(again, limits);
+        assert_eq!(Limits::new(3.0).with_history("").typical(), None);
+        assert_eq!(
+            Limits::new(3.0).with_history("1,NaN,-2,x,inf,2,3").history,
+            [1.0, 2.0, 3.0]
+        );
+    }
+}
