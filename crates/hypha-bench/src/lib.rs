@@ -48,6 +48,11 @@ pub enum Suite {
     /// peak memory over the model, its round close over a copy of the model, checkpoint bytes
     /// over DiLoCo bytes, and the time to the next round after its worker is killed.
     Scale,
+    /// Robust aggregation: DiLoCo with 4 trainers (the reference learner, the parameter
+    /// server and the scheduler's rounds, in this process), honest and under each attack of
+    /// one trainer; a long honest run with a loss spike: honest updates refused, trainers
+    /// benched, rounds with every trainer.
+    Byzantine,
 }
 
 impl Suite {
@@ -65,6 +70,7 @@ impl Suite {
             Suite::Wan => "wan",
             Suite::Sites => "sites",
             Suite::Scale => "scale",
+            Suite::Byzantine => "byzantine",
         }
     }
 }
@@ -118,6 +124,7 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Wan => suites::wan::run(quick).await,
                 Suite::Sites => suites::sites::run(quick).await,
                 Suite::Scale => suites::scale::run(quick).await,
+                Suite::Byzantine => suites::byzantine::run(quick).await,
             }
         })
         .await

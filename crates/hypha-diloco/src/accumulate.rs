@@ -1042,6 +1042,73 @@ impl Accumulator {
         Ok((1.0 / self.weight) as f32)
     }
 
+    /// The dot products of the held updates with one another, by parameter: for each
+    /// parameter, the k×k matrix (row-major, k the updates held, in the order they came) of
+    /// ⟨Δᵢ, Δⱼ⟩ over its values. One pass over the updates, a range of values at a time on
+    /// the threads at hand; what robust aggregation measures distances with
+    /// ([`robust::centre`](crate::robust::centre)). Refused after a fold, which keeps no
+    /// update apart.
+    pub fn gram(&self) -> Result<BTreeMap<String, Vec<f64>>, Error> {
+        use rayon::prelude::*;
+        if !self.folded.is_empty() {
+            return Err(Error::Clips {
+                clips: 0,
+                held: self.held.len(),
+                folded: true,
+            });
+        }
+        let k = self.held.len();
+        let mut grams = BTreeMap::new();
+        for (name, shape) in &self.shapes {
+            let len: usize = shape.iter().product();
+            let starts: Vec<usize> = (0..len).step_by(APPLY_VALUES).collect();
+            let gram = starts
+                .par_iter()
+                .map_init(
+                    || (Scratch::default(), vec![Vec::new(); k]),
+                    |(scratch, values), &start| -> Result<Vec<f64>, Error> {
+                        let end = (start + APPLY_VALUES).min(len);
+                        for (held, values) in self.held.iter().zip(values.iter_mut()) {
+                            values.clear();
+                            values.resize(end - start, 0.0);
+                            if let Some(part) = held.parts.get(name) {
+                                part.apply_range(&*held.source, scratch, start, values, |t, v| {
+                                    *t = v;
+                                })?;
+                            }
+                        }
+                        let mut gram = vec![0.0; k * k];
+                        for i in 0..k {
+                            for j in i..k {
+                                let dot: f64 = values[i]
+                                    .iter()
+                                    .zip(&values[j])
+                                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                                    .sum();
+                                gram[i * k + j] = dot;
+                                gram[j * k + i] = dot;
+                            }
+                        }
+                        Ok(gram)
+                    },
+                )
+                .try_reduce(
+                    || vec![0.0; k * k],
+                    |mut a, b| {
+                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                        Ok(a)
+                    },
+                )?;
+            grams.insert(name.clone(), gram);
+        }
+        Ok(grams)
+    }
+
+    /// The weights the held updates were added with (their samples), in the order they came.
+    pub fn weights(&self) -> Vec<f64> {
+        self.held.iter().map(|h| f64::from(h.weight)).collect()
+    }
+
     /// Σ nᵢΔᵢ of parameter `name` at `start..start + sum.len()`, into `sum`, the updates
     /// added in the order they came (the same f32 arithmetic whatever the ranges). `start`
     /// is a multiple of `int8`'s block.

@@ -26,7 +26,7 @@ use crate::{
     codec,
     file::{FileSource, Layout, Scratch, Source, Writer, write_file},
     optimizer::step_values,
-    robust::{Limits, Norms, Scale},
+    robust::{self, Limits, Norms, Scale},
     tensors::stored_bytes,
 };
 
@@ -110,6 +110,8 @@ pub struct ParameterServer {
 const MODEL_PREFIX: &str = "model/";
 const MOMENTUM_PREFIX: &str = "momentum/";
 const RESIDUAL_PREFIX: &str = "residual/";
+/// The share of a round's planned samples that makes a whole step ([`ParameterServer::plan_samples`]).
+pub const FULL_STEP_SHARE: f64 = 0.5;
 /// A checkpoint's metadata key for the norms the limits took lately.
 const NORMS_KEY: &str = "hypha.norm_history";
 
@@ -170,20 +172,24 @@ impl ParameterServer {
         self
     }
 
-    /// The same server stepping a round that holds fewer than `planned` samples (a tail
-    /// round, one trainer left at the end of the data) by the share of them it holds: a
-    /// round of a few batches from one trainer is a noisy estimate, and taken at the full
-    /// outer learning rate it can undo what the run trained (issue 55: a digits run's last
-    /// rounds raised its loss from 0.25 to 1.33).
+    /// The same server stepping a round that holds far fewer than `planned` samples (a tail
+    /// round, one trainer left at the end of the data) by what it holds: a round of a few
+    /// batches from one trainer is a noisy estimate, and taken at the full outer learning
+    /// rate it can undo what the run trained (issue 55: a digits run's last rounds raised its
+    /// loss from 0.25 to 1.33). A round of at least [`FULL_STEP_SHARE`] of its plan (one
+    /// closed with its quorum) steps whole.
     pub fn plan_samples(mut self, planned: u64) -> Self {
         self.planned_samples = Some(planned).filter(|n| *n > 0);
         self
     }
 
-    /// The share of a full step the round takes: its samples over the planned ones, at most 1.
+    /// The share of a full step the round takes: its samples over [`FULL_STEP_SHARE`] of the
+    /// planned ones, at most 1.
     fn tail_share(&self) -> f32 {
         match self.planned_samples {
-            Some(planned) => (self.sum.weight() / planned as f64).min(1.0) as f32,
+            Some(planned) => {
+                (self.sum.weight() / (FULL_STEP_SHARE * planned as f64)).min(1.0) as f32
+            }
             None => 1.0,
         }
     }
@@ -447,22 +453,30 @@ impl ParameterServer {
         };
         let scale = self.scale.get_or_insert_with(|| scale_of(model));
         let round: Vec<&Norms> = self.round_norms.iter().collect();
-        let clips = self.limits.clip(scale, &round);
-        self.sum.clip(&clips)?;
+        let mut clips = self.limits.clip(scale, &round);
         self.limits.record(&round, &clips);
+        let centred = match clips.len() {
+            0..3 => vec![1.0; clips.len()],
+            _ => robust::centre(&self.sum.gram()?, &clips, &self.sum.weights()),
+        };
         let largest = clips.iter().filter_map(|c| c.ratio).reduce(f64::max);
         let clipped = self
             .arrived
             .iter()
             .zip(&clips)
-            .filter(|(_, clip)| !clip.is_whole())
-            .map(|((peer, _), clip)| Clipped {
+            .zip(&centred)
+            .filter(|((_, clip), centred)| !clip.is_whole() || **centred < robust::CENTRE_REPORT)
+            .map(|(((peer, _), clip), centred)| Clipped {
                 peer: peer.clone(),
-                share: clip.whole,
+                share: (clip.whole * centred).min(1.0),
                 ratio: clip.ratio,
                 tensors: clip.tensors.keys().cloned().collect(),
             })
             .collect();
+        for (clip, centred) in clips.iter_mut().zip(&centred) {
+            clip.whole *= centred;
+        }
+        self.sum.clip(&clips)?;
         Ok((clipped, largest))
     }
 

@@ -2043,6 +2043,91 @@ fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
     }
 }
 
+/// Issue 55: a trainer of the run that scales its every update up a hundredfold
+/// (`python/tests/scaling_trainer.py`, the numpy trainer) beside two honest reference
+/// trainers. The parameter server does not refuse it: it clips it at each close to
+/// `max_update_norm_ratio` times the round's reference, so it is in the rounds, counted for a
+/// share of itself, never benched, and the model learns as from honest trainers. Every clip
+/// is an event naming it, the honest trainers are never clipped, and the job's last words say
+/// every trainer stayed. (Checked with the limit off, `max_update_norm_ratio = 0`: the model
+/// does not learn.)
+#[test]
+fn a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainers() {
+    const ROUNDS: usize = 6;
+    if !python_with(&["numpy"], true) {
+        return;
+    }
+    let (mut cluster, _data, mut server) = cluster();
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut honest: Vec<Proc> = (0..2)
+        .map(|i| cluster.trainer_worker(&format!("honest{i}"), ""))
+        .collect();
+    let (scaler_peer, mut scaler) = cluster.peer_id_after("scaler", |cluster| {
+        cluster.python_worker("scaler", "train", "diloco", "tests/scaling_trainer.py", &[])
+    });
+    let job = cluster.diloco_job(
+        "scaled",
+        3,
+        6,
+        &format!("rounds = {ROUNDS}\nround_seconds = 120\n"),
+    );
+    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = honest.iter_mut().collect();
+    procs.push(&mut scaler);
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+
+    let events = events(&events_path);
+    assert!(
+        of_kind(&events, "benched").is_empty(),
+        "a trainer was benched"
+    );
+    assert!(
+        of_kind(&events, "refused").is_empty(),
+        "an update was refused"
+    );
+    let clipped = of_kind(&events, "clipped");
+    assert!(!clipped.is_empty(), "the scaled updates were taken whole");
+    for event in &clipped {
+        assert_eq!(event["event"]["peer"], scaler_peer.as_str(), "{event}");
+        let share = event["event"]["share"].as_f64().unwrap();
+        assert!(
+            share < 0.1,
+            "a hundredfold update counted for {share} of itself"
+        );
+    }
+    let metrics = lines_of(&cluster.path("scaled-job.metrics.jsonl"));
+    let rounds: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["kind"] == "round").collect();
+    assert_eq!(rounds.len(), ROUNDS);
+    let with_scaler = rounds
+        .iter()
+        .filter(|r| {
+            r["included"]
+                .as_array()
+                .is_some_and(|peers| peers.iter().any(|p| p == scaler_peer.as_str()))
+        })
+        .count();
+    assert!(with_scaler >= 2, "the scaler was in {with_scaler} rounds");
+    assert_eq!(
+        clipped.len(),
+        with_scaler,
+        "every round it was in clipped it"
+    );
+    let done = of_kind(&events, "done");
+    let words = done[0]["event"]["message"].as_str().unwrap();
+    assert!(words.contains("every trainer stayed to the end"), "{words}");
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(
+        job_dir(&cluster.path("ps-work")).join("final.safetensors"),
+    ));
+    assert!(after < 0.8 * before, "evaluation loss {before} → {after}");
+    for trainer in &mut honest {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
 /// Runs a DiLoCo job of `rust_trainers` reference trainers and one trainer that is the Python
 /// `script`, with `extra` in its `[diloco]` table, and checks what a user would: it succeeded,
 /// exactly once, the Python trainer reported and was in at least two rounds (with a codec, its

@@ -167,6 +167,11 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
         .filter_map(|t| t.parse().ok())
         .collect();
     assert!(numbers[1] < numbers[0], "{line}");
+    // Issue 55: the end says whether every trainer stayed and what the limits did.
+    assert!(
+        stdout.contains("every trainer stayed to the end; updates refused 0"),
+        "{stdout}"
+    );
     no_errors_logged(&dir);
 }
 

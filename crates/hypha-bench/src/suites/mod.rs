@@ -1,4 +1,5 @@
 pub(crate) mod allocation;
+pub(crate) mod byzantine;
 pub(crate) mod ceilings;
 pub(crate) mod churn;
 pub(crate) mod dataserve;

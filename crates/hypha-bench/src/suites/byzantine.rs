@@ -1,0 +1,517 @@
+//! `byzantine`: robust aggregation against trainers that lie, and against the honest runs it
+//! must never harm (issue 55).
+//!
+//! Four trainers and a parameter server run DiLoCo in this process, with the parts the
+//! programs run, minus the network: each trainer is the reference executor's learner
+//! ([`Trained`]: candle, AdamW, pseudo-gradients written to files), the server is
+//! [`ParameterServer`] with the job defaults a scheduler gives it (`max_update_norm_ratio`,
+//! the planned samples, the sample limit), and the rounds are planned, closed and benched by
+//! the scheduler's own [`Rounds`] (batch targets, quorum, deadlines, refusals and silence
+//! counted). The clock is simulated: a round's deadline passes when a round waits for a
+//! trainer that never sends.
+//!
+//! Runs, on the quickstart's MLP (blobs) and on a small transformer (token sequences):
+//! - honest, four trainers;
+//! - each attack by one of the four: its update scaled ×100 and ×10⁶, its sign flipped,
+//!   replaced by Gaussian noise of its norm, a random model (the update that makes the
+//!   global model a fresh random one), the `ahead_batches` liar (claims to have trained a
+//!   round ahead, 10¹² batches, and never sends), and the warm-up attacker (in the run's first
+//!   round, before any history, five times the update to a random model).
+//!
+//! `loss_under_attack_vs_honest_<attack>` is the held-out loss of the run under attack over
+//! the honest run's, the larger of the two models' (target ≤ 1.05). A long honest run of the
+//! MLP (10,000 rounds; `--quick`: 600) with one round of shuffled labels halfway (a loss
+//! spike) counts what the limits did to honest trainers: `refused_honest_10k`,
+//! `benched_honest_10k` (targets 0), `rounds_all_trainers_share_10k` (≥ 0.99),
+//! `clipped_honest_10k`.
+
+use std::{collections::BTreeSet, path::Path};
+
+use candle_core::{Device, Tensor};
+use hypha_diloco::{
+    Metadata, OuterOptimizer, Tensors,
+    file::FileSource,
+    server::{Closed, ParameterServer},
+};
+use hypha_executor::{
+    learner::{Learner, Trained},
+    model::{Model, ModelSpec},
+    synthetic::Synthetic,
+};
+use hypha_messages::diloco::{
+    Applied, Arrival, ClippedUpdate, InnerOptimizer, Refusal, ServerOrder, ServerStatus,
+    TrainerOrder, TrainerStatus,
+};
+use hypha_scheduler::{
+    rounds::{RoundPlan, Rounds},
+    spec::DEFAULT_NORM_RATIO,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use crate::Report;
+
+const TRAINERS: usize = 4;
+const BATCH: u64 = 32;
+/// Batches each trainer trains a round.
+const INNER_STEPS: u64 = 8;
+const SAMPLES_PER_ROUND: u64 = TRAINERS as u64 * INNER_STEPS * BATCH;
+/// The planned round, and its pace as every trainer reports it.
+const ROUND_MS: u64 = 10_000;
+const BATCH_MS: f64 = 10.0;
+const MODEL_SEED: u64 = 1;
+/// Held-out samples the final models are scored on.
+const EVAL_SAMPLES: usize = 2048;
+
+/// What the lying trainer (the last one) does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Attack {
+    Scale(f32),
+    SignFlip,
+    Noise,
+    RandomModel,
+    AheadLiar,
+    WarmUp,
+}
+
+const ATTACKS: [(&str, Attack); 7] = [
+    ("scale100", Attack::Scale(100.0)),
+    ("scale1e6", Attack::Scale(1e6)),
+    ("sign_flip", Attack::SignFlip),
+    ("noise", Attack::Noise),
+    ("random_model", Attack::RandomModel),
+    ("ahead_liar", Attack::AheadLiar),
+    ("warm_up", Attack::WarmUp),
+];
+
+/// How a run went.
+#[derive(Debug, Default)]
+struct Outcome {
+    /// The final global model's loss on held-out samples.
+    loss: f64,
+    rounds: u64,
+    /// Rounds that included every honest trainer (every trainer, in an honest run).
+    rounds_all_honest: u64,
+    refused_honest: u64,
+    clipped_honest: u64,
+    benched_honest: u64,
+    refused_liar: u64,
+    clipped_liar: u64,
+    benched_liar: bool,
+}
+
+pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
+    tokio::task::spawn_blocking(move || measure(quick)).await?
+}
+
+fn measure(quick: bool) -> anyhow::Result<Report> {
+    let models = [
+        (
+            "mlp",
+            ModelSpec::Mlp {
+                inputs: 16,
+                hidden: 64,
+                classes: 4,
+            },
+            if quick { 40 } else { 150 },
+        ),
+        (
+            "transformer",
+            ModelSpec::Transformer {
+                vocab: 32,
+                context: 16,
+                dim: 32,
+                heads: 4,
+                layers: 2,
+            },
+            if quick { 8 } else { 40 },
+        ),
+    ];
+    let mut report = Report::default();
+    let mut worst: std::collections::BTreeMap<&str, f64> = Default::default();
+    for (name, spec, rounds) in &models {
+        let honest = simulate(spec, *rounds, None, None)?;
+        report
+            .metrics
+            .insert(format!("loss_{name}_honest"), honest.loss);
+        for (attack_name, attack) in ATTACKS {
+            let attacked = simulate(spec, *rounds, Some(attack), None)?;
+            let ratio = attacked.loss / honest.loss;
+            println!(
+                "{name} {attack_name}: loss {:.4} (honest {:.4}, ×{ratio:.3}); liar refused {} clipped {} benched {}; honest refused {} clipped {} benched {}",
+                attacked.loss,
+                honest.loss,
+                attacked.refused_liar,
+                attacked.clipped_liar,
+                attacked.benched_liar,
+                attacked.refused_honest,
+                attacked.clipped_honest,
+                attacked.benched_honest
+            );
+            report
+                .metrics
+                .insert(format!("loss_{name}_{attack_name}"), attacked.loss);
+            report.metrics.insert(
+                format!("benched_honest_{name}_{attack_name}"),
+                attacked.benched_honest as f64,
+            );
+            let entry = worst.entry(attack_name).or_insert(0.0);
+            *entry = entry.max(ratio);
+        }
+    }
+    for (attack, ratio) in worst {
+        report
+            .ratios
+            .insert(format!("loss_under_attack_vs_honest_{attack}"), ratio);
+    }
+
+    let long = if quick { 600 } else { 10_000 };
+    let started = std::time::Instant::now();
+    let honest = simulate(&models[0].1, long, None, Some(long / 2))?;
+    report
+        .metrics
+        .insert("rounds_10k".into(), honest.rounds as f64);
+    report
+        .metrics
+        .insert("refused_honest_10k".into(), honest.refused_honest as f64);
+    report
+        .metrics
+        .insert("benched_honest_10k".into(), honest.benched_honest as f64);
+    report
+        .metrics
+        .insert("clipped_honest_10k".into(), honest.clipped_honest as f64);
+    report.metrics.insert(
+        "rounds_all_trainers_share_10k".into(),
+        honest.rounds_all_honest as f64 / honest.rounds.max(1) as f64,
+    );
+    report.metrics.insert("loss_10k".into(), honest.loss);
+    report
+        .metrics
+        .insert("seconds_10k".into(), started.elapsed().as_secs_f64());
+    Ok(report)
+}
+
+/// One trainer of a simulated run.
+struct Trainer {
+    job: String,
+    peer: String,
+    learner: Trained,
+    benched: bool,
+}
+
+/// A DiLoCo run of `rounds` rounds of `spec` with four trainers, the last one doing `attack`;
+/// at round `spike`, every honest trainer trains on shuffled labels.
+fn simulate(
+    spec: &ModelSpec,
+    rounds: u64,
+    attack: Option<Attack>,
+    spike: Option<u64>,
+) -> anyhow::Result<Outcome> {
+    let dir = tempfile::tempdir()?;
+    let data = Synthetic::for_model(spec);
+    let codec = hypha_diloco::Codec::None;
+    let first = Trained::new(spec, MODEL_SEED, InnerOptimizer::default(), codec)?;
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9))
+        .limit_norm(DEFAULT_NORM_RATIO)
+        .limit_samples(2 * SAMPLES_PER_ROUND + BATCH * INNER_STEPS)
+        .plan_samples(SAMPLES_PER_ROUND);
+    let offer = dir.path().join("offer.safetensors");
+    first.write_global(&offer, &Metadata::new())?;
+    server.offer_from(&FileSource::open(&offer)?)?;
+    let mut trainers: Vec<Trainer> = (0..TRAINERS)
+        .map(|i| -> anyhow::Result<Trainer> {
+            Ok(Trainer {
+                job: format!("job-{i}"),
+                peer: format!("trainer-{i}"),
+                learner: Trained::new(spec, MODEL_SEED, InnerOptimizer::default(), codec)?,
+                benched: false,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let liar = attack.map(|_| TRAINERS - 1);
+    let mut plan = Rounds::new(RoundPlan {
+        rounds: Some(rounds),
+        samples_per_round: SAMPLES_PER_ROUND,
+        batch_size: BATCH,
+        round_ms: ROUND_MS,
+        quorum: 0.5,
+        bench_after_refusals: 3,
+        start_grace_ms: 0,
+    });
+    plan.server_started("server".into());
+    let mut now = 0u64;
+    for trainer in &trainers {
+        plan.trainer_started(trainer.job.clone(), trainer.peer.clone());
+        plan.trainer_status(&trainer.job, TrainerStatus::default(), now);
+    }
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut outcome = Outcome::default();
+    let mut named: Vec<String> = Vec::new();
+    for round in 0..rounds {
+        // Each trainer asks for its target; the ahead liar first, so that its claim counts.
+        let mut order = Vec::new();
+        for (i, trainer) in trainers.iter().enumerate().rev() {
+            if trainer.benched {
+                continue;
+            }
+            let status = if liar == Some(i) && attack == Some(Attack::AheadLiar) {
+                TrainerStatus {
+                    round: Some(round.saturating_sub(1)),
+                    ahead_batches: 1_000_000_000_000,
+                    batch_ms: Some(BATCH_MS),
+                    ..TrainerStatus::default()
+                }
+            } else {
+                TrainerStatus {
+                    round: Some(round),
+                    batch_ms: Some(BATCH_MS),
+                    ..TrainerStatus::default()
+                }
+            };
+            if let (TrainerOrder::Train { batches, .. }, _) =
+                plan.trainer_status(&trainer.job, status, now)
+            {
+                order.push((i, batches));
+            }
+        }
+        for (i, batches) in order {
+            let silent = liar == Some(i) && attack == Some(Attack::AheadLiar);
+            if silent {
+                continue;
+            }
+            let shuffled = spike == Some(round);
+            let trainer = &mut trainers[i];
+            for batch in 0..batches {
+                let seed = (i as u64) << 40 | round << 12 | batch;
+                let mut batch = data.batch(BATCH as usize, seed)?;
+                if shuffled {
+                    batch.target = match batch.target {
+                        Some(target) => Some(shuffle(&target, &mut rng)?),
+                        None => None,
+                    };
+                }
+                trainer.learner.train(&batch)?;
+            }
+            let samples = batches * BATCH;
+            now += batches * BATCH_MS as u64;
+            let status = TrainerStatus {
+                round: Some(round),
+                batches,
+                samples,
+                batch_ms: Some(BATCH_MS),
+                ..TrainerStatus::default()
+            };
+            plan.trainer_status(&trainer.job, status, now);
+            let path = dir.path().join(format!("update-{i}.safetensors"));
+            trainer
+                .learner
+                .write_pseudo_gradient(&path, &Metadata::new())?;
+            if liar == Some(i)
+                && let Some(attack) = attack
+            {
+                lie(attack, round, &path, &server, spec, &mut rng)?;
+            }
+            // A refusal is the server's answer; the round goes on without the update.
+            let _ = server.add_from(&trainer.peer, FileSource::open(&path)?, round, samples);
+        }
+        // The server reports until the scheduler orders the close (the deadline passes when
+        // a trainer it waits for never sends).
+        let refused: Vec<(String, String)> = server.refused().to_vec();
+        let closed = loop {
+            let status = ServerStatus {
+                round: Some(round),
+                arrived: server
+                    .arrived()
+                    .iter()
+                    .map(|(peer, samples)| Arrival {
+                        peer: peer.clone(),
+                        samples: *samples,
+                    })
+                    .collect(),
+                refused: refused
+                    .iter()
+                    .map(|(peer, reason)| Refusal {
+                        peer: peer.clone(),
+                        reason: reason.clone(),
+                    })
+                    .collect(),
+                trainers: named.clone(),
+                ..ServerStatus::default()
+            };
+            match plan.server_status(status, now).0 {
+                ServerOrder::Trainers { peers } => named = peers,
+                ServerOrder::Close { .. } => break Some(server.close()?),
+                ServerOrder::Skip { .. } => break Some(server.skip()?),
+                ServerOrder::Done => break None,
+                _ => now += ROUND_MS * 2,
+            }
+        };
+        let Some(closed) = closed else { break };
+        now += 100;
+        for (peer, _) in &refused {
+            match trainers.iter().position(|t| &t.peer == peer) {
+                Some(i) if Some(i) == liar => outcome.refused_liar += 1,
+                _ => outcome.refused_honest += 1,
+            }
+        }
+        for clipped in &closed.clipped {
+            match trainers.iter().position(|t| t.peer == clipped.peer) {
+                Some(i) if Some(i) == liar => outcome.clipped_liar += 1,
+                _ => outcome.clipped_honest += 1,
+            }
+        }
+        let honest_in: BTreeSet<usize> = trainers
+            .iter()
+            .enumerate()
+            .filter(|(i, t)| Some(*i) != liar && closed.included.contains(&t.peer))
+            .map(|(i, _)| i)
+            .collect();
+        if honest_in.len() == TRAINERS - usize::from(liar.is_some()) {
+            outcome.rounds_all_honest += 1;
+        }
+        outcome.rounds += 1;
+        let applied = applied(&closed, &server);
+        let (_, _, applied_round) = plan.server_status(
+            ServerStatus {
+                round: server.round(),
+                applied: Some(applied),
+                trainers: named.clone(),
+                ..ServerStatus::default()
+            },
+            now,
+        );
+        for benching in applied_round.map(|a| a.benched).unwrap_or_default() {
+            if let Some(i) = trainers.iter().position(|t| t.peer == benching.peer) {
+                trainers[i].benched = true;
+                plan.trainer_ended(&trainers[i].job, now);
+                match Some(i) == liar {
+                    true => outcome.benched_liar = true,
+                    false => outcome.benched_honest += 1,
+                }
+            }
+        }
+        let global = Tensors::from_bytes(&server.model_bytes()?)?;
+        let hash = global.digest();
+        for trainer in trainers.iter_mut().filter(|t| !t.benched) {
+            trainer
+                .learner
+                .start(Some((global.clone(), hash.clone())), false)?;
+        }
+    }
+    outcome.loss = held_out_loss(spec, &data, &server)?;
+    Ok(outcome)
+}
+
+/// What the server's status says of a closed round.
+fn applied(closed: &Closed, server: &ParameterServer) -> Applied {
+    Applied {
+        round: closed.round,
+        included: closed.included.clone(),
+        model_hash: server.model_hash().map(str::to_string),
+        delta_bytes: None,
+        largest_norm_ratio: closed.largest_norm_ratio,
+        clipped: closed
+            .clipped
+            .iter()
+            .map(|c| ClippedUpdate {
+                peer: c.peer.clone(),
+                share: c.share,
+                ratio: c.ratio,
+                tensors: c.tensors.clone(),
+            })
+            .collect(),
+        close_ms: None,
+        traffic_bytes: None,
+        standby_bytes: None,
+    }
+}
+
+/// Rewrites the liar's honest update at `path` into its attack's.
+fn lie(
+    attack: Attack,
+    round: u64,
+    path: &Path,
+    server: &ParameterServer,
+    spec: &ModelSpec,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    let mut update = Tensors::load(path)?;
+    let toward_random = |factor: f32, rng: &mut StdRng| -> anyhow::Result<Tensors> {
+        // θ_global − θ_random: the update that, taken alone, makes the model a random one.
+        let global = Tensors::from_bytes(&server.model_bytes()?)?;
+        let random = Model::new(spec, rng.random())?.tensors()?;
+        let mut update = global;
+        for (name, tensor) in &mut update.0 {
+            if let Some(random) = random.0.get(name) {
+                for (g, r) in tensor.values.iter_mut().zip(&random.values) {
+                    *g = factor * (*g - r);
+                }
+            }
+        }
+        Ok(update)
+    };
+    match attack {
+        Attack::Scale(factor) => {
+            for tensor in update.0.values_mut() {
+                tensor.values.iter_mut().for_each(|v| *v *= factor);
+            }
+        }
+        Attack::SignFlip => {
+            for tensor in update.0.values_mut() {
+                tensor.values.iter_mut().for_each(|v| *v = -*v);
+            }
+        }
+        Attack::Noise => {
+            let norm: f64 = update
+                .0
+                .values()
+                .flat_map(|t| &t.values)
+                .map(|v| f64::from(*v).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let count: usize = update.0.values().map(|t| t.values.len()).sum();
+            let scale = (norm / (count as f64).sqrt()) as f32;
+            for tensor in update.0.values_mut() {
+                for v in &mut tensor.values {
+                    *v = scale * normal(rng);
+                }
+            }
+        }
+        Attack::RandomModel => update = toward_random(1.0, rng)?,
+        Attack::WarmUp if round == 0 => update = toward_random(5.0, rng)?,
+        Attack::WarmUp | Attack::AheadLiar => return Ok(()),
+    }
+    std::fs::write(path, update.to_bytes(&Metadata::new())?)?;
+    Ok(())
+}
+
+/// A standard normal draw (Box–Muller).
+fn normal(rng: &mut StdRng) -> f32 {
+    let u: f32 = rng.random_range(f32::EPSILON..1.0);
+    let v: f32 = rng.random();
+    (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+}
+
+/// `target`'s labels in a random order: a round of shuffled labels is a loss spike.
+fn shuffle(target: &Tensor, rng: &mut StdRng) -> anyhow::Result<Tensor> {
+    let dtype = target.dtype();
+    let mut labels = target
+        .to_dtype(candle_core::DType::U32)?
+        .flatten_all()?
+        .to_vec1::<u32>()?;
+    for i in (1..labels.len()).rev() {
+        labels.swap(i, rng.random_range(0..=i));
+    }
+    Ok(Tensor::from_vec(labels, target.shape(), &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// The server's global model scored on [`EVAL_SAMPLES`] samples no trainer trained on.
+fn held_out_loss(
+    spec: &ModelSpec,
+    data: &Synthetic,
+    server: &ParameterServer,
+) -> anyhow::Result<f64> {
+    let model = Model::new(spec, MODEL_SEED)?;
+    model.load(&Tensors::from_bytes(&server.model_bytes()?)?)?;
+    let batch = data.batch(EVAL_SAMPLES, u64::MAX / 3)?;
+    Ok(model.evaluate(&batch)?.0)
+}
