@@ -97,13 +97,13 @@ impl std::fmt::Display for Absurd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "its norm {:.4e} is more than {ABSURD_MODEL_MULTIPLE} times the model's ({:.4e})",
+            "its norm {:.4e} is more than {ABSURD_MODEL_MULTIPLE} times the model norm ({:.4e})",
             self.norm, self.model
         )?;
         if let Some(typical) = self.typical {
             write!(
                 f,
-                " and {ABSURD_HISTORY_MULTIPLE} times the typical update's ({typical:.4e})"
+                " and {ABSURD_HISTORY_MULTIPLE} times the typical update norm ({typical:.4e})"
             )?;
         }
         write!(f, ": no honest round moves a model that far")
@@ -573,7 +573,7 @@ mod tests {
         let fresh = Limits::new(3.0);
         assert!(fresh.refuses(&scale, &norms(49.0)).is_none());
         let why = fresh.refuses(&scale, &norms(1e6)).unwrap().to_string();
-        assert!(why.contains("times the model's"), "{why}");
+        assert!(why.contains("times the model norm"), "{why}");
         // Beyond the model, within the history (a run whose history is large): taken.
         let large = with_history(3.0, &[1.0; 8]);
         assert!(large.refuses(&scale, &norms(60.0)).is_none());

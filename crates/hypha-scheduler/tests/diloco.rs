@@ -2049,8 +2049,7 @@ fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
 /// `max_update_norm_ratio` times the round's reference, so it is in the rounds, counted for a
 /// share of itself, never benched, and the model learns as from honest trainers. Every clip
 /// is an event naming it, the honest trainers are never clipped, and the job's last words say
-/// every trainer stayed. (Checked with the limit off, `max_update_norm_ratio = 0`: the model
-/// does not learn.)
+/// every trainer stayed.
 #[test]
 fn a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainers() {
     const ROUNDS: usize = 6;
