@@ -342,6 +342,11 @@ impl Slots {
         self.slots.iter().position(|s| s.role == role)
     }
 
+    /// The slots of `role`.
+    pub fn count(&self, role: Role) -> usize {
+        self.slots.iter().filter(|s| s.role == role).count()
+    }
+
     /// The slots of `role` whose job finished successfully.
     pub fn done(&self, role: Role) -> usize {
         self.slots

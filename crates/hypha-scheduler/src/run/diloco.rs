@@ -236,7 +236,17 @@ impl JobRun<'_> {
             round,
             reason: reason.to_string(),
         });
-        self.ended(&job, Ending::Done).await
+        self.ended(&job, Ending::Done).await?;
+        // Benched slots are given up: with every one of them benched, nobody is left to
+        // train and nobody can join (issue 55: such a run waited for ever).
+        let trainers = self.slots.count(Role::Trainer);
+        if self.benched.len() >= trainers {
+            return Err(RunError::EveryTrainerBenched {
+                count: self.benched.len(),
+                last: format!("{peer} at round {round}: {reason}"),
+            });
+        }
+        Ok(())
     }
 
     /// The parameter server on `peer` is gone: the next one is restored from the checkpoint

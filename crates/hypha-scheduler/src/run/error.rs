@@ -33,6 +33,11 @@ pub enum RunError {
     },
     #[error("the job file's [diloco] metrics file {path}: {error}")]
     Metrics { path: String, error: std::io::Error },
+    /// `last`: the last one benched, when and why (the limits' words).
+    #[error(
+        "every trainer of the run was benched, so nothing can train ({count} in all; the last: {last}); the parameter server's log says what it refused, and `max_update_norm_ratio` / `bench_after_refusals` in [diloco] set the limits"
+    )]
+    EveryTrainerBenched { count: usize, last: String },
     #[error(
         "every executor exited, but the iteration still has slices that were never used; executors should fetch from their \"data\" reference until it answers that the data is done"
     )]
