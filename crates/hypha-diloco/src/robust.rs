@@ -17,7 +17,8 @@
 //!   [`HISTORY`] norms taken (a liar sending a tiny update cannot shrink the honest ones
 //!   much): a round whose every update is larger than the past (a loss spike, a new phase)
 //!   is judged by itself, for then the history is wrong, not the trainers. A round of one
-//!   update has only the history.
+//!   update has only the history. A round of fewer than [`MAJORITY`] updates has no
+//!   majority to say which is honest: each counts at most as the reference itself.
 //! - **Bounded by the model** from the first round, before any history exists: the whole
 //!   update is clipped to [`MODEL_MULTIPLE`] times the model's norm, and each tensor to
 //!   [`TENSOR_MULTIPLE`] times its own scale (its norm, or the norm an average tensor of its
@@ -199,6 +200,10 @@ impl Limits {
         };
         let wholes: Vec<f64> = round.iter().map(|n| n.whole).collect();
         let reference = self.reference(&wholes);
+        // Without a majority (one or two updates) nothing says which one is honest: each
+        // counts at most as the reference, not `ratio` times it (issue 55: a ×100 trainer
+        // beside one honest update counted three times it, and a run's loss rose).
+        let ratio = if round.len() >= MAJORITY { ratio } else { 1.0 };
         let by_round = reference.map(|r| r * ratio);
         let by_model = (scale.whole > 0.0).then_some(scale.whole * MODEL_MULTIPLE);
         let bound = match (by_round, by_model) {
@@ -262,6 +267,11 @@ impl Limits {
     }
 }
 
+/// The fewest updates of a round among which the honest ones are a majority against one
+/// liar: CenteredClip runs, and outliers are clipped at `ratio` times the reference, only
+/// then.
+pub const MAJORITY: usize = 3;
+
 /// Rounds of CenteredClip's fixed-point iteration: each moves the centre by the clipped
 /// mean of the updates' differences from it; a few tens settle it for any round's count.
 pub const CENTRE_ITERATIONS: usize = 20;
@@ -285,7 +295,7 @@ pub const CENTRE_REPORT: f32 = 0.5;
 pub fn centre(grams: &BTreeMap<String, Vec<f64>>, clips: &[Clip], weights: &[f64]) -> Vec<f32> {
     let k = clips.len();
     let total: f64 = weights.iter().sum();
-    if k < 3 || weights.len() != k || total <= 0.0 {
+    if k < MAJORITY || weights.len() != k || total <= 0.0 {
         return vec![1.0; k];
     }
     let scale = |i: usize, name: &str| {
@@ -422,7 +432,23 @@ mod tests {
     #[test]
     fn a_tiny_liar_cannot_shrink_the_round_below_the_history() {
         let limits = with_history(3.0, &[1.0; 8]);
-        assert_eq!(clipped(&limits, &model(50.0), &[1e-9, 2.5]), [1.0, 1.0]);
+        assert_eq!(
+            clipped(&limits, &model(50.0), &[1e-9, 2.5, 0.9]),
+            [1.0, 1.0, 1.0]
+        );
+    }
+
+    /// Without a majority, an update counts at most as the reference: a ×100 liar beside
+    /// one honest update counts as that update, not three times it.
+    #[test]
+    fn without_a_majority_an_update_counts_at_most_as_the_reference() {
+        let limits = Limits::new(3.0);
+        let clips = clipped(&limits, &model(500.0), &[1.0, 100.0]);
+        assert_eq!(clips[0], 1.0);
+        assert!(
+            (f64::from(clips[1]) * 100.0 - 1.0).abs() < 1e-5,
+            "{clips:?}"
+        );
     }
 
     /// Before any history, alone in its round (the warm-up attacker): the model bounds it.

@@ -15,7 +15,7 @@ use std::{
     path::Path,
 };
 
-use hypha_messages::diloco::meta;
+use hypha_messages::diloco::{Arrival, ClippedUpdate, Refusal, meta};
 use rayon::prelude::*;
 use safetensors::Dtype;
 
@@ -62,21 +62,14 @@ pub struct Closed {
     /// ([`limit_norm`](ParameterServer::limit_norm)) or a reference. How near honest updates
     /// come to being clipped.
     pub largest_norm_ratio: Option<f64>,
-    /// The updates that counted for less than their whole, in arrival order.
-    pub clipped: Vec<Clipped>,
+    /// The updates that counted for less than their whole ([`crate::robust`]), in arrival
+    /// order, with at most [`CLIPPED_TENSORS_NAMED`] of the tensors clipped on their own.
+    pub clipped: Vec<ClippedUpdate>,
 }
 
-/// An update of a closed round that counted for a share of itself ([`crate::robust`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Clipped {
-    pub peer: String,
-    /// The share of the whole update that counted.
-    pub share: f32,
-    /// Its norm as a multiple of the round's reference norm.
-    pub ratio: Option<f64>,
-    /// The tensors clipped on their own (against the model's scale).
-    pub tensors: Vec<String>,
-}
+/// Tensors clipped on their own that a round's report names, per update: a status stays
+/// small whatever the model.
+pub const CLIPPED_TENSORS_NAMED: usize = 4;
 
 /// The DiLoCo parameter server's state.
 #[derive(Debug)]
@@ -338,6 +331,26 @@ impl ParameterServer {
         &self.arrived
     }
 
+    /// [`arrived`](Self::arrived) as a status reports it.
+    pub fn arrivals(&self) -> Vec<Arrival> {
+        (self.arrived.iter())
+            .map(|(peer, samples)| Arrival {
+                peer: peer.clone(),
+                samples: *samples,
+            })
+            .collect()
+    }
+
+    /// [`refused`](Self::refused) as a status reports it.
+    pub fn refusals(&self) -> Vec<Refusal> {
+        (self.refused.iter())
+            .map(|(peer, reason)| Refusal {
+                peer: peer.clone(),
+                reason: reason.clone(),
+            })
+            .collect()
+    }
+
     /// Who sent an update of the current round that was [refused](Self::add) and has none in
     /// it, with the reason: the round need not wait for them.
     pub fn refused(&self) -> &[(String, String)] {
@@ -444,7 +457,7 @@ impl ParameterServer {
     /// The limits' verdict on the round's updates: each update's share counted in the sum,
     /// the norms recorded; the updates that counted for less than their whole and the largest
     /// norm ratio, for the round's [`Closed`].
-    fn judge(&mut self) -> Result<(Vec<Clipped>, Option<f64>), Error> {
+    fn judge(&mut self) -> Result<(Vec<ClippedUpdate>, Option<f64>), Error> {
         if !self.limits.is_on() || self.round_norms.len() != self.arrived.len() {
             return Ok((Vec::new(), None));
         }
@@ -466,11 +479,14 @@ impl ParameterServer {
             .zip(&clips)
             .zip(&centred)
             .filter(|((_, clip), centred)| !clip.is_whole() || **centred < robust::CENTRE_REPORT)
-            .map(|(((peer, _), clip), centred)| Clipped {
+            .map(|(((peer, _), clip), centred)| ClippedUpdate {
                 peer: peer.clone(),
                 share: (clip.whole * centred).min(1.0),
                 ratio: clip.ratio,
-                tensors: clip.tensors.keys().cloned().collect(),
+                tensors: (clip.tensors.keys())
+                    .take(CLIPPED_TENSORS_NAMED)
+                    .cloned()
+                    .collect(),
             })
             .collect();
         for (clip, centred) in clips.iter_mut().zip(&centred) {

@@ -39,8 +39,7 @@ use hypha_executor::{
     synthetic::Synthetic,
 };
 use hypha_messages::diloco::{
-    Applied, Arrival, ClippedUpdate, InnerOptimizer, Refusal, ServerOrder, ServerStatus,
-    TrainerOrder, TrainerStatus,
+    Applied, InnerOptimizer, ServerOrder, ServerStatus, TrainerOrder, TrainerStatus,
 };
 use hypha_scheduler::{
     rounds::{RoundPlan, Rounds},
@@ -319,21 +318,8 @@ fn simulate(
         let closed = loop {
             let status = ServerStatus {
                 round: Some(round),
-                arrived: server
-                    .arrived()
-                    .iter()
-                    .map(|(peer, samples)| Arrival {
-                        peer: peer.clone(),
-                        samples: *samples,
-                    })
-                    .collect(),
-                refused: refused
-                    .iter()
-                    .map(|(peer, reason)| Refusal {
-                        peer: peer.clone(),
-                        reason: reason.clone(),
-                    })
-                    .collect(),
+                arrived: server.arrivals(),
+                refused: server.refusals(),
                 trainers: named.clone(),
                 ..ServerStatus::default()
             };
@@ -409,16 +395,7 @@ fn applied(closed: &Closed, server: &ParameterServer) -> Applied {
         model_hash: server.model_hash().map(str::to_string),
         delta_bytes: None,
         largest_norm_ratio: closed.largest_norm_ratio,
-        clipped: closed
-            .clipped
-            .iter()
-            .map(|c| ClippedUpdate {
-                peer: c.peer.clone(),
-                share: c.share,
-                ratio: c.ratio,
-                tensors: c.tensors.clone(),
-            })
-            .collect(),
+        clipped: closed.clipped.clone(),
         close_ms: None,
         traffic_bytes: None,
         standby_bytes: None,

@@ -65,10 +65,7 @@ use hypha_diloco::{
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
-    diloco::{
-        Applied, Arrival, ClippedUpdate, Late, Refusal, ServerConfig, ServerOrder, ServerStatus,
-        Status, meta,
-    },
+    diloco::{Applied, Late, ServerConfig, ServerOrder, ServerStatus, Status, meta},
     job::JobStatus,
 };
 use hypha_network::{Network, PeerId};
@@ -100,10 +97,6 @@ const MODELS_DIR: &str = "models";
 /// Where initial models wait for the scheduler to name the one to adopt, in the job's
 /// directory (one file per peer, its last offer).
 const OFFERS_DIR: &str = "offers";
-/// Tensors clipped on their own that a round's status names, per update: a status stays
-/// small whatever the model.
-const CLIPPED_TENSORS_NAMED: usize = 4;
-
 /// Initial models held at once; offers from further peers are refused until one is adopted.
 const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
@@ -311,23 +304,9 @@ impl ServerJob {
             }
             let status = ServerStatus {
                 round: server.round(),
-                arrived: server
-                    .arrived()
-                    .iter()
-                    .map(|(peer, samples)| Arrival {
-                        peer: peer.clone(),
-                        samples: *samples,
-                    })
-                    .collect(),
+                arrived: server.arrivals(),
                 dropped: std::mem::take(&mut dropped),
-                refused: server
-                    .refused()
-                    .iter()
-                    .map(|(peer, reason)| Refusal {
-                        peer: peer.clone(),
-                        reason: reason.clone(),
-                    })
-                    .collect(),
+                refused: server.refusals(),
                 applied: applied.clone(),
                 trainers: peers.trainers.iter().cloned().collect(),
                 offered: peers.offers.keys().cloned().collect(),
@@ -782,20 +761,7 @@ impl ServerJob {
             included: closed.included,
             model_hash: server.model_hash().map(str::to_string),
             largest_norm_ratio: closed.largest_norm_ratio,
-            clipped: closed
-                .clipped
-                .into_iter()
-                .map(|clipped| ClippedUpdate {
-                    peer: clipped.peer,
-                    share: clipped.share,
-                    ratio: clipped.ratio,
-                    tensors: clipped
-                        .tensors
-                        .into_iter()
-                        .take(CLIPPED_TENSORS_NAMED)
-                        .collect(),
-                })
-                .collect(),
+            clipped: closed.clipped,
             close_ms: Some(started.elapsed().as_millis() as u64),
             traffic_bytes: None,
             standby_bytes: None,
