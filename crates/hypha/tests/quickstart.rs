@@ -122,6 +122,13 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
                 "{page}"
             );
             assert!(page.contains(r#"data-epoch="0""#), "{page}");
+            // Each worker shows its updates refused and clipped (issue 55): none refused.
+            assert_eq!(
+                page.matches(r#"<td class="num refused-count">0</td>"#)
+                    .count(),
+                4,
+                "{page}"
+            );
             // The loss plot arrived and has its size.
             assert!(page.contains(r#"data-loaded="720""#), "{page}");
         }
