@@ -97,18 +97,12 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
                 format!("round {round}: {peer}'s update refused: {reason}"),
             )
         }
-        Event::Clipped {
-            round,
-            peer,
-            share,
-            ratio,
-        } => {
+        // Counted, not listed: the centre holds an honest outlier back now and then, and
+        // the latest happenings are for what a user must look at (the dashboard and the
+        // events file list each clip).
+        Event::Clipped { .. } => {
             progress.clipped += 1;
-            let ratio = ratio.map_or(String::new(), |r| format!(", its norm {r:.1}× the round's"));
-            (
-                "clipped",
-                format!("round {round}: {peer}'s update counted for {share:.3} of itself{ratio}"),
-            )
+            return;
         }
         // Joining the first round is the run starting, not news.
         Event::Joined {
