@@ -166,26 +166,19 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let long = if quick { 600 } else { 10_000 };
     let started = std::time::Instant::now();
     let honest = simulate(&models[0].1, long, None, Some(long / 2))?;
-    report
-        .metrics
-        .insert("rounds_10k".into(), honest.rounds as f64);
-    report
-        .metrics
-        .insert("refused_honest_10k".into(), honest.refused_honest as f64);
-    report
-        .metrics
-        .insert("benched_honest_10k".into(), honest.benched_honest as f64);
-    report
-        .metrics
-        .insert("clipped_honest_10k".into(), honest.clipped_honest as f64);
-    report.metrics.insert(
-        "rounds_all_trainers_share_10k".into(),
-        honest.rounds_all_honest as f64 / honest.rounds.max(1) as f64,
+    let share = honest.rounds_all_honest as f64 / honest.rounds.max(1) as f64;
+    report.metrics.extend(
+        [
+            ("rounds_10k", honest.rounds as f64),
+            ("refused_honest_10k", honest.refused_honest as f64),
+            ("benched_honest_10k", honest.benched_honest as f64),
+            ("clipped_honest_10k", honest.clipped_honest as f64),
+            ("rounds_all_trainers_share_10k", share),
+            ("loss_10k", honest.loss),
+            ("seconds_10k", started.elapsed().as_secs_f64()),
+        ]
+        .map(|(key, value)| (key.to_string(), value)),
     );
-    report.metrics.insert("loss_10k".into(), honest.loss);
-    report
-        .metrics
-        .insert("seconds_10k".into(), started.elapsed().as_secs_f64());
     Ok(report)
 }
 
