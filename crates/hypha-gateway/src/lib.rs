@@ -28,21 +28,36 @@ pub async fn run(args: &RunArgs) -> Result<(), Error> {
         settings.relay_circuit = false;
     })
     .await?;
-    let peer_id = node.network.local_peer_id();
-    for address in node
-        .network
-        .listen_addresses()
-        .await
-        .map_err(|e| Error::Failed(e.to_string()))?
-    {
-        tracing::info!("nodes can join with gateway_addresses = [\"{address}/p2p/{peer_id}\"]");
-    }
-    serve(&node.network, hypha_node::shutdown_signal())
-        .await
-        .map_err(|e| Error::Failed(e.to_string()))?;
+    let served = tokio::select! {
+        served = serve(&node.network, hypha_node::shutdown_signal()) => served,
+        () = announce_join_addresses(&node.network) => Ok(()),
+    };
+    served.map_err(|e| Error::Failed(e.to_string()))?;
     tracing::info!("shutting down");
     node.network.shutdown().await;
     Ok(())
+}
+
+/// Logs, once each, the addresses nodes can join at, as listeners report them: a wildcard
+/// listener reports each interface's address separately, some after the network has started.
+/// Returns only when the network has shut down.
+async fn announce_join_addresses(network: &Network) {
+    let peer_id = network.local_peer_id();
+    let mut listening = network.listen_address_changes();
+    let mut announced = std::collections::HashSet::new();
+    loop {
+        let addresses: Vec<_> = listening.borrow_and_update().clone();
+        for address in addresses {
+            if announced.insert(address.clone()) {
+                tracing::info!(
+                    "nodes can join with gateway_addresses = [\"{address}/p2p/{peer_id}\"]"
+                );
+            }
+        }
+        if listening.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Does a gateway's work on a started network (started with `relay_server`) until `shutdown`

@@ -7,7 +7,7 @@ use hypha_messages::{Envelope, Request, Response, TraceContext, health};
 use libp2p::{
     Multiaddr, PeerId, StreamProtocol, kad::RecordKey, request_response::ResponseChannel,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{Trust, certified::CertifiedPeers};
 
@@ -214,9 +214,6 @@ pub(crate) enum Command {
         peer: PeerId,
         address: Multiaddr,
     },
-    ListenAddresses {
-        reply: oneshot::Sender<Vec<Multiaddr>>,
-    },
     ConnectedPeers {
         reply: oneshot::Sender<Vec<PeerId>>,
     },
@@ -281,6 +278,8 @@ pub struct Network {
     pub(crate) streams: libp2p_stream::Control,
     pub(crate) peers: CertifiedPeers,
     pub(crate) trust: Trust,
+    /// Every address the node listens on, kept current by the event loop.
+    pub(crate) listening: watch::Receiver<Vec<Multiaddr>>,
 }
 
 impl std::fmt::Debug for Network {
@@ -367,9 +366,19 @@ impl Network {
             .map_err(|_| NetworkError::Shutdown)
     }
 
-    /// The addresses this node listens on.
+    /// The addresses this node listens on now. A listener on a wildcard address (`0.0.0.0`)
+    /// reports one address per interface, some of them after `start` returns: to learn of
+    /// those, watch [`Network::listen_address_changes`].
     pub async fn listen_addresses(&self) -> Result<Vec<Multiaddr>, NetworkError> {
-        self.tell(|reply| Command::ListenAddresses { reply }).await
+        if self.listening.has_changed().is_err() {
+            return Err(NetworkError::Shutdown);
+        }
+        Ok(self.listening.borrow().clone())
+    }
+
+    /// Every address this node listens on, updated whenever one comes or goes.
+    pub fn listen_address_changes(&self) -> watch::Receiver<Vec<Multiaddr>> {
+        self.listening.clone()
     }
 
     /// The peers this node is connected to.

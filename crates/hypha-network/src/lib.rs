@@ -163,6 +163,8 @@ pub async fn start(
     }
     wait_for_listeners(&mut swarm, pending, &reach).await?;
 
+    let (listening_tx, listening) =
+        tokio::sync::watch::channel(swarm.listeners().cloned().collect());
     let (command_tx, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (inbound_tx, inbound_rx) = mpsc::channel(settings.inbound_request_queue.max(1));
     let event_loop = event_loop::EventLoop::new(
@@ -172,6 +174,7 @@ pub async fn start(
         settings,
         peers.clone(),
         reach,
+        listening_tx,
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     tokio::spawn(event_loop.run(joined_tx));
@@ -191,6 +194,7 @@ pub async fn start(
             streams,
             peers,
             trust,
+            listening,
         },
         inbound_rx,
     ))

@@ -32,7 +32,7 @@ use libp2p::{
         dial_opts::{DialOpts, PeerCondition},
     },
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use self::connect::{ConnectStage, PendingConnect};
 use crate::{
@@ -70,6 +70,8 @@ pub(crate) struct EventLoop {
     pub(crate) relay_circuit: bool,
     pub(crate) started: Instant,
     peers: CertifiedPeers,
+    /// Where [`Network::listen_addresses`](crate::Network::listen_addresses) reads from.
+    listening: watch::Sender<Vec<Multiaddr>>,
 
     health: (bool, String),
     /// Connected gateways and the address each was reached at (relay circuits are built on it).
@@ -116,6 +118,7 @@ impl EventLoop {
         settings: Settings,
         peers: CertifiedPeers,
         reach: Reach,
+        listening: watch::Sender<Vec<Multiaddr>>,
     ) -> Self {
         let mut nat = NatBelief::default();
         for address in swarm.listeners().chain(swarm.external_addresses()) {
@@ -132,6 +135,7 @@ impl EventLoop {
             relay_circuit: settings.relay_circuit,
             started: Instant::now(),
             peers,
+            listening,
             health: (true, "running".into()),
             gateway_peers: HashMap::new(),
             relay_listeners: HashMap::new(),
@@ -345,9 +349,6 @@ impl EventLoop {
                     self.swarm.add_peer_address(peer, address);
                 }
             }
-            Command::ListenAddresses { reply } => {
-                let _ = reply.send(self.swarm.listeners().cloned().collect());
-            }
             Command::ConnectedPeers { reply } => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
@@ -459,10 +460,12 @@ impl EventLoop {
                 tracing::info!(%address, "listening");
                 self.nat.own_address(&address);
                 crate::announce_listen_address(&mut self.swarm, &self.reach, address);
+                self.publish_listeners();
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 tracing::info!(%address, "no longer listening");
                 self.swarm.remove_external_address(&address);
+                self.publish_listeners();
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -557,10 +560,16 @@ impl EventLoop {
                 } else {
                     tracing::debug!(?addresses, ?reason, "listener closed");
                 }
+                self.publish_listeners();
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             _ => {}
         }
+    }
+
+    fn publish_listeners(&self) {
+        self.listening
+            .send_replace(self.swarm.listeners().cloned().collect());
     }
 
     fn on_gateway_connected(&mut self, gateway: PeerId, address: Multiaddr) {
