@@ -971,11 +971,9 @@ impl RunWatch {
                                 format!("refused: {}", event["reason"].as_str().unwrap_or_default())
                             }
                             _ => format!(
-                                "clipped to {:.3} of itself: {}",
+                                "clipped to {:.3} of itself (its norm {:.1} times the round's)",
                                 event["share"].as_f64().unwrap_or_default(),
-                                event["reason"]
-                                    .as_str()
-                                    .unwrap_or("beyond the round's limits")
+                                event["ratio"].as_f64().unwrap_or(f64::NAN)
                             ),
                         };
                         progress(Progress::Notice(&format!(
