@@ -279,39 +279,75 @@ pub const CENTRE_ITERATIONS: usize = 20;
 /// update's weight: reported as clipped.
 pub const CENTRE_REPORT: f32 = 0.5;
 
-/// BTARD's CenteredClip over a round's updates, as the share of its weight each counts for:
-/// the centre v starts at the weighted mean of the updates (each already `clips`'d), and
-/// moves by the weighted mean of their differences from it, each difference clipped to the
-/// radius τ (v ← v + Σ pᵢ·min(1, τ/‖xᵢ − v‖)·(xᵢ − v)), τ the upper median of the updates'
-/// first distances from it: with fewer liars than honest updates an honest distance, so
-/// that honest updates pull the centre whole and a liar (a flipped sign, noise, another
-/// model) by τ at most.
-/// (A radius measured again at each step, which shrinks with the centre, did no better in
-/// `hypha-bench byzantine --quick`: a flipped sign 1.22 against 1.19 of the honest loss.) The centre stays a weighted sum of the updates, so distances come
-/// from their dot products alone (`grams`, by parameter, as
-/// [`Accumulator::gram`](crate::Accumulator::gram) measures them) and the result is a share
-/// of each update's weight (above 1 for those that take a liar's weight). Fewer than three
-/// updates have no majority: all count whole.
-pub fn centre(grams: &BTreeMap<String, Vec<f64>>, clips: &[Clip], weights: &[f64]) -> Vec<f32> {
+/// The dot products of a round's updates as `clips` leaves them, summed over the parameters
+/// of `grams` (each a k×k matrix, row-major, as [`Accumulator::gram`](crate::Accumulator::gram)
+/// measures them); `None` when a matrix is not k×k.
+pub fn clipped_gram(grams: &BTreeMap<String, Vec<f64>>, clips: &[Clip]) -> Option<Vec<f64>> {
     let k = clips.len();
-    let total: f64 = weights.iter().sum();
-    if k < MAJORITY || weights.len() != k || total <= 0.0 {
-        return vec![1.0; k];
-    }
     let scale = |i: usize, name: &str| {
         f64::from(clips[i].whole) * f64::from(clips[i].tensors.get(name).copied().unwrap_or(1.0))
     };
-    // The dot products of the updates as clipped.
     let mut gram = vec![0.0; k * k];
     for (name, g) in grams {
         if g.len() != k * k {
-            return vec![1.0; k];
+            return None;
         }
         for i in 0..k {
             for j in 0..k {
                 gram[i * k + j] += scale(i, name) * scale(j, name) * g[i * k + j];
             }
         }
+    }
+    Some(gram)
+}
+
+/// BTARD's CenteredClip over a round's updates (their dot products `gram`, k×k), as the
+/// share of its weight each counts for: the centre v starts at the weighted mean of the
+/// updates and moves by the weighted mean of their differences from it, each difference
+/// clipped to the radius τ (v ← v + Σ pᵢ·min(1, τ/‖xᵢ − v‖)·(xᵢ − v)), τ the upper median of
+/// the updates' first distances from it: with fewer liars than honest updates an honest
+/// distance, so that honest updates pull the centre whole and a liar (a flipped sign, noise,
+/// another model) by τ at most. The weights p are the updates' `weights` (their samples,
+/// none above the round's median: [`capped`]) times `trust` (what [`Agreement::weigh`]
+/// makes of their past); each update's share is of its own weight, so the round's mean is
+/// the centre.
+/// (A radius measured again at each step, which shrinks with the centre, did no better in
+/// `hypha-bench byzantine --quick`: a flipped sign 1.22 against 1.19 of the honest loss.)
+/// The centre stays a weighted sum of the updates, so distances come from their dot
+/// products alone, and the result is a share of each update's own weight (above 1 for those
+/// that take a liar's). Fewer than three updates have no majority: all count whole.
+pub fn centre(gram: &[f64], weights: &[f64], trust: &[f64]) -> Vec<f32> {
+    let k = weights.len();
+    let total: f64 = weights.iter().sum();
+    if k < MAJORITY || trust.len() != k || gram.len() != k * k || total <= 0.0 {
+        return vec![1.0; k];
+    }
+    let trusted: Vec<f64> = (capped(weights).iter().zip(trust))
+        .map(|(w, t)| w * t)
+        .collect();
+    let Some(a) = centre_coefficients(gram, &trusted) else {
+        return vec![1.0; k];
+    };
+    a.iter()
+        .zip(weights)
+        .map(|(a, w)| {
+            if *w > 0.0 {
+                (a * total / w) as f32
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// The CenteredClip centre of the updates whose dot products are `gram` (k×k), weighted by
+/// `weights` (those of weight 0 left out), as its coefficients: c = Σ aᵢ·xᵢ, Σ aᵢ = 1.
+/// `None` when no update has weight.
+fn centre_coefficients(gram: &[f64], weights: &[f64]) -> Option<Vec<f64>> {
+    let k = weights.len();
+    let total: f64 = weights.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        return None;
     }
     let p: Vec<f64> = weights.iter().map(|w| w / total).collect();
     let mut a = p.clone();
@@ -324,24 +360,245 @@ pub fn centre(grams: &BTreeMap<String, Vec<f64>>, clips: &[Clip], weights: &[f64
             .map(|i| (gram[i * k + i] - 2.0 * ga[i] + aga).max(0.0).sqrt())
             .collect()
     };
-    let mut sorted = distances(&a);
+    let mut sorted: Vec<f64> = (distances(&a).into_iter().zip(&p))
+        .filter(|(_, p)| **p > 0.0)
+        .map(|(d, _)| d)
+        .collect();
     sorted.sort_by(f64::total_cmp);
-    let radius = sorted[k / 2];
-    if !(radius.is_finite() && radius > 0.0) {
-        return vec![1.0; k];
-    }
-    for _ in 0..CENTRE_ITERATIONS {
-        let pulls: Vec<f64> = distances(&a)
-            .iter()
-            .zip(&p)
-            .map(|(d, p)| p * if *d > radius { radius / d } else { 1.0 })
-            .collect();
-        let moved: f64 = pulls.iter().sum();
-        for (a, pull) in a.iter_mut().zip(&pulls) {
-            *a = *a * (1.0 - moved) + pull;
+    let radius = sorted[sorted.len() / 2];
+    if radius.is_finite() && radius > 0.0 {
+        for _ in 0..CENTRE_ITERATIONS {
+            let pulls: Vec<f64> = distances(&a)
+                .iter()
+                .zip(&p)
+                .map(|(d, p)| p * if *d > radius { radius / d } else { 1.0 })
+                .collect();
+            let moved: f64 = pulls.iter().sum();
+            for (a, pull) in a.iter_mut().zip(&pulls) {
+                *a = *a * (1.0 - moved) + pull;
+            }
         }
     }
-    a.iter().zip(&p).map(|(a, p)| (a / p) as f32).collect()
+    Some(a)
+}
+
+/// Of the exponential mean of a trainer's agreement, the part the newest round makes.
+pub const AGREEMENT_NEWEST: f64 = 0.1;
+/// An update counts whole when its trainer's agreement is at least this share of the
+/// round's median agreement, and in proportion below it.
+pub const AGREEMENT_WHOLE: f64 = 0.5;
+/// How many standard deviations of chance an agreement must lie below the round's median
+/// to count as lower ([`Agreement`]).
+pub const AGREEMENT_SIGNIFICANCE: f64 = 3.0;
+/// A trainer unseen for this many rounds is forgotten (it starts afresh if it comes back).
+pub const AGREEMENT_FORGET_ROUNDS: u64 = 1000;
+/// The most trainers remembered; the longest unseen are forgotten first.
+pub const AGREEMENT_TRAINERS: usize = 4096;
+
+/// How well each trainer's updates have lately pointed where the rest of their round's did:
+/// the exponential mean of the cosine between its update and the weighted mean of the
+/// others'. Honest trainers share the gradient's direction under their noise, so theirs is
+/// positive; a flipped sign is negative, noise or another objective near zero. One round
+/// alone cannot tell an honest update from a flipped one when the noise dwarfs the shared
+/// direction (in high dimension, all honest updates are nearly orthogonal): rounds together
+/// can. A trainer the run has not seen yet starts from its first round's cosine.
+///
+/// An honest trainer on different data from the others (non-IID shards) agrees less, but in
+/// the same direction; the bar is half the round's median, not the median.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Agreement {
+    trainers: BTreeMap<String, Agreed>,
+    /// How far an agreement may lie below the median by chance, as the rounds' cosines have
+    /// spread lately (an exponential mean; not kept in a checkpoint: 0 until a round has
+    /// been weighed).
+    chance: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Agreed {
+    mean: f64,
+    round: u64,
+}
+
+impl Agreement {
+    /// Records round `round`'s agreements (the updates of `peers`, their dot products `gram`
+    /// as clipped, their `weights`) and returns what each update's weight is to be multiplied
+    /// by: 1 for a trainer agreeing at least [`AGREEMENT_WHOLE`] of the round's median
+    /// agreement, less in proportion below it, 0 at or below none. A round of fewer than
+    /// [`MAJORITY`] updates, or one whose median agreement is not positive (a converged run's
+    /// updates are noise for everyone), has nothing to tell: all 1, nothing recorded.
+    pub fn weigh(&mut self, round: u64, peers: &[&str], gram: &[f64], weights: &[f64]) -> Vec<f64> {
+        let k = peers.len();
+        if k < MAJORITY || weights.len() != k || gram.len() != k * k {
+            return vec![1.0; k];
+        }
+        // What the past says, a trainer not seen yet trusted whole: the others' centre, that
+        // each update is compared with, then leaves out a liar known already even in a round
+        // of three.
+        let known: Vec<Option<f64>> = (peers.iter())
+            .map(|peer| self.trainers.get(*peer).map(|agreed| agreed.mean))
+            .collect();
+        let past = trust(&known, self.chance);
+        let weights = capped(weights);
+        let cosines: Vec<f64> = (0..k)
+            .map(|i| {
+                let others: Vec<f64> = (0..k)
+                    .map(|j| if j == i { 0.0 } else { weights[j] * past[j] })
+                    .collect();
+                let Some(a) = centre_coefficients(gram, &others) else {
+                    return 0.0;
+                };
+                let dot: f64 = (0..k).map(|j| a[j] * gram[i * k + j]).sum();
+                let centre: f64 = (0..k)
+                    .flat_map(|j| (0..k).map(move |l| (j, l)))
+                    .map(|(j, l)| a[j] * a[l] * gram[j * k + l])
+                    .sum();
+                let norms = (gram[i * k + i] * centre).sqrt();
+                if norms > 0.0 && norms.is_finite() {
+                    (dot / norms).clamp(-1.0, 1.0)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let means: Vec<Option<f64>> = peers
+            .iter()
+            .zip(&cosines)
+            .map(|(peer, cosine)| {
+                let entry = self.trainers.entry((*peer).to_string()).or_insert(Agreed {
+                    mean: *cosine,
+                    round,
+                });
+                entry.mean += AGREEMENT_NEWEST * (cosine - entry.mean);
+                entry.round = round;
+                Some(entry.mean)
+            })
+            .collect();
+        self.forget(round);
+        // The spread of one round of a few cosines is itself noisy: a round whose cosines
+        // happen to lie close together would hold every honest trainer to a hair.
+        let spread = chance(&cosines);
+        self.chance = match self.chance {
+            0.0 => spread,
+            chance => chance + AGREEMENT_NEWEST * (spread - chance),
+        };
+        trust(&means, self.chance)
+    }
+
+    fn forget(&mut self, round: u64) {
+        self.trainers
+            .retain(|_, agreed| agreed.round + AGREEMENT_FORGET_ROUNDS >= round);
+        while self.trainers.len() > AGREEMENT_TRAINERS {
+            let Some(oldest) = (self.trainers.iter())
+                .min_by_key(|(_, agreed)| agreed.round)
+                .map(|(peer, _)| peer.clone())
+            else {
+                break;
+            };
+            self.trainers.remove(&oldest);
+        }
+    }
+
+    /// The agreements as text, for a checkpoint's metadata: `peer=mean@round` by commas.
+    pub fn to_text(&self) -> String {
+        let entries: Vec<String> = (self.trainers.iter())
+            .map(|(peer, agreed)| format!("{peer}={:e}@{}", agreed.mean, agreed.round))
+            .collect();
+        entries.join(",")
+    }
+
+    /// The agreements [`to_text`](Self::to_text) wrote; entries that do not read (or are
+    /// not finite cosines) are left out.
+    pub fn from_text(text: &str) -> Self {
+        let trainers = text
+            .split(',')
+            .filter_map(|entry| {
+                let (peer, rest) = entry.trim().split_once('=')?;
+                let (mean, round) = rest.split_once('@')?;
+                let mean: f64 = mean.parse().ok()?;
+                let round: u64 = round.parse().ok()?;
+                ((-1.0..=1.0).contains(&mean) && !peer.is_empty())
+                    .then(|| (peer.to_string(), Agreed { mean, round }))
+            })
+            .collect();
+        Self {
+            trainers,
+            chance: 0.0,
+        }
+    }
+}
+
+/// A round's `weights` (the samples each update claims) as the robust rules count them: none
+/// above the round's median. The mean weighs updates by their samples, but a majority by
+/// weight is what the centre and the agreements are built on: a liar claiming twice the
+/// round's samples (what the server's sample limit lets through), or the first trainer of a
+/// run given a whole round before the others spoke, would otherwise outweigh the honest
+/// rest. An honest trainer faster than most then counts as the median one: its extra
+/// samples still trained the model it sent, they only buy it no more say.
+fn capped(weights: &[f64]) -> Vec<f64> {
+    let cap = median(weights.iter().copied());
+    weights.iter().map(|w| w.min(cap)).collect()
+}
+
+/// How far below the round's median a trainer's exponential mean may lie by chance: the
+/// spread of the round's `cosines` (their median absolute deviation, as a standard
+/// deviation), narrowed as an exponential mean narrows it, [`AGREEMENT_SIGNIFICANCE`] times.
+fn chance(cosines: &[f64]) -> f64 {
+    let middle = median(cosines.iter().copied());
+    let deviation = median(cosines.iter().map(|c| (c - middle).abs()));
+    let narrowed = (AGREEMENT_NEWEST / (2.0 - AGREEMENT_NEWEST)).sqrt();
+    AGREEMENT_SIGNIFICANCE * 1.4826 * deviation * narrowed
+}
+
+/// What each of a round's updates is weighted by for its trainer's agreement `means` (`None`:
+/// not known, trusted whole): 1 at or above the bar, in proportion below it, 0 at none or
+/// less. The bar is [`AGREEMENT_WHOLE`] of the median of those known, or further below the
+/// median by what `chance` allows. With fewer than [`MAJORITY`] known, or a bar that is not
+/// positive (the honest updates agree no more than chance says noise would: a converged
+/// run's updates are noise for everyone), all 1.
+fn trust(means: &[Option<f64>], chance: f64) -> Vec<f64> {
+    let known: Vec<f64> = means.iter().flatten().copied().collect();
+    if known.len() < MAJORITY {
+        return vec![1.0; means.len()];
+    }
+    let median = median(known.into_iter());
+    let bar = (AGREEMENT_WHOLE * median).min(median - chance);
+    if bar.is_nan() || bar <= 0.0 {
+        return vec![1.0; means.len()];
+    }
+    means
+        .iter()
+        .map(|mean| mean.map_or(1.0, |mean| (mean / bar).clamp(0.0, 1.0)))
+        .collect()
+}
+
+/// Why an update counted for less than itself, in words: its `clip`, the `trust` its
+/// trainer's agreement left it, and its share of the centre (`centred`).
+pub fn why_clipped(clip: &Clip, trust: f64, centred: f32) -> String {
+    let mut why = Vec::new();
+    if clip.whole < 1.0 {
+        why.push(match clip.ratio {
+            Some(ratio) => format!(
+                "norm {ratio:.1}× the round's reference, beyond max_update_norm_ratio or twice the model's"
+            ),
+            None => "norm beyond twice the model's".to_string(),
+        });
+    }
+    if !clip.tensors.is_empty() {
+        why.push(format!(
+            "{} tensors beyond twice their scale",
+            clip.tensors.len()
+        ));
+    }
+    if trust < 1.0 {
+        why.push(format!(
+            "its trainer's updates lately point away from the others' (weight kept: {:.0} %)",
+            trust * 100.0
+        ));
+    } else if centred < CENTRE_REPORT {
+        why.push("far from the round's robust centre".to_string());
+    }
+    why.join("; ")
 }
 
 /// The share of an update of `norm` that fits `bound`.
@@ -491,23 +748,7 @@ mod tests {
 
     /// The centre, as a weighted sum of the updates `vectors` with their centred shares.
     fn centred(vectors: &[Vec<f64>], weights: &[f64]) -> (Vec<f64>, Vec<f32>) {
-        let k = vectors.len();
-        let mut gram = vec![0.0; k * k];
-        for i in 0..k {
-            for j in 0..k {
-                gram[i * k + j] = vectors[i].iter().zip(&vectors[j]).map(|(a, b)| a * b).sum();
-            }
-        }
-        let whole = Clip {
-            whole: 1.0,
-            tensors: BTreeMap::new(),
-            ratio: None,
-        };
-        let shares = centre(
-            &BTreeMap::from([("w".to_string(), gram)]),
-            &vec![whole; k],
-            weights,
-        );
+        let shares = centre(&gram_of(vectors), weights, &vec![1.0; vectors.len()]);
         let total: f64 = weights.iter().sum();
         let mut v = vec![0.0; vectors[0].len()];
         for ((x, w), share) in vectors.iter().zip(weights).zip(&shares) {
@@ -631,5 +872,119 @@ mod tests {
             Limits::new(3.0).with_history("1,NaN,-2,x,inf,2,3").history,
             [1.0, 2.0, 3.0]
         );
+    }
+
+    /// The dot products of `vectors`, row-major.
+    fn gram_of(vectors: &[Vec<f64>]) -> Vec<f64> {
+        let k = vectors.len();
+        let mut gram = vec![0.0; k * k];
+        for i in 0..k {
+            for j in 0..k {
+                gram[i * k + j] = vectors[i].iter().zip(&vectors[j]).map(|(a, b)| a * b).sum();
+            }
+        }
+        gram
+    }
+
+    /// Updates of `count` trainers in 1,000 dimensions sharing a direction of `signal` per
+    /// coordinate under unit noise: at 0.05, each honest update's cosine with another is
+    /// about 0.0025, nothing one round could tell from a flipped sign.
+    fn noisy(count: usize, signal: f64, seed: u64) -> Vec<Vec<f64>> {
+        let mut state = seed.wrapping_add(1);
+        let mut noise = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((state >> 33) as f64 / (1u64 << 31) as f64) - 0.5) * 12f64.sqrt()
+        };
+        (0..count)
+            .map(|_| (0..1000).map(|_| signal + noise()).collect())
+            .collect()
+    }
+
+    /// Over rounds, a trainer that flips its sign, or sends noise, loses its weight; honest
+    /// trainers keep theirs whole, even where a round's updates are mostly noise.
+    #[test]
+    fn a_trainer_pointing_away_from_the_others_loses_its_weight_over_rounds() {
+        let peers = ["honest-1", "honest-2", "honest-3", "liar"];
+        for (attack, signal) in [("flip", 0.3), ("noise", 0.3), ("flip", 1.0)] {
+            let mut agreement = Agreement::default();
+            let mut trust = Vec::new();
+            for round in 0..30 {
+                let mut updates = noisy(4, signal, round * 7 + 1);
+                match attack {
+                    "flip" => updates[3].iter_mut().for_each(|v| *v = -*v),
+                    _ => updates[3].iter_mut().for_each(|v| *v -= signal),
+                }
+                trust = agreement.weigh(round, &peers, &gram_of(&updates), &[1.0; 4]);
+            }
+            assert_eq!(trust[..3], [1.0; 3], "{attack} at {signal}: {trust:?}");
+            assert!(trust[3] < 0.1, "{attack} at {signal}: {trust:?}");
+        }
+    }
+
+    /// When every update is noise (a converged run), nobody agrees with anybody: nobody is
+    /// judged by it.
+    #[test]
+    fn in_a_round_of_noise_everyone_counts_whole() {
+        let peers = ["a", "b", "c", "d"];
+        let mut agreement = Agreement::default();
+        for round in 0..50 {
+            let trust = agreement.weigh(round, &peers, &gram_of(&noisy(4, 0.0, round)), &[1.0; 4]);
+            let cut = trust.iter().filter(|t| **t < 1.0).count();
+            assert!(cut <= 1, "round {round}: {trust:?}");
+        }
+    }
+
+    /// A liar claiming ten times the samples of each honest trainer would hold the majority
+    /// of the weight; counted at the round's median weight, its flipped update is left out
+    /// by the centre in its first round, when no past speaks against it yet.
+    #[test]
+    fn claimed_samples_buy_no_majority() {
+        let mut updates = honest(3, 5);
+        let truth: Vec<f64> = (0..64)
+            .map(|i| updates.iter().map(|u| u[i]).sum::<f64>() / 3.0)
+            .collect();
+        updates.push(truth.iter().map(|v| -v).collect());
+        let weights = [1.0, 1.0, 1.0, 10.0];
+        let gram = gram_of(&updates);
+        let peers = ["a", "b", "c", "liar"];
+        let trust = Agreement::default().weigh(0, &peers, &gram, &weights);
+        assert_eq!(trust, [1.0, 1.0, 1.0, 0.0]);
+        let shares = centre(&gram, &weights, &trust);
+        // What each update counts for in the round's mean, as the accumulator weighs it.
+        let total: f64 = weights.iter().sum();
+        let counted: Vec<f64> = (weights.iter().zip(&shares))
+            .map(|(w, s)| w * f64::from(*s) / total)
+            .collect();
+        assert!(counted[3] < 0.01, "{counted:?}");
+        assert!(
+            (counted[..3].iter().sum::<f64>() - 1.0).abs() < 0.01,
+            "{counted:?}"
+        );
+    }
+
+    /// The agreements go into a checkpoint and come back; trainers long unseen are
+    /// forgotten, and what does not read is left out.
+    #[test]
+    fn agreements_survive_a_checkpoint_and_the_unseen_are_forgotten() {
+        let mut agreement = Agreement::default();
+        let gram = gram_of(&honest(3, 2));
+        agreement.weigh(1, &["a", "b", "c"], &gram, &[1.0; 3]);
+        agreement.weigh(2, &["a", "b", "d"], &gram, &[1.0; 3]);
+        let text = agreement.to_text();
+        assert_eq!(Agreement::from_text(&text).to_text(), text);
+        assert_eq!(text.split(',').count(), 4, "{text}");
+        let broken = format!("{text},x=nan@3,y=2.5@1,=0.1@1,z");
+        assert_eq!(Agreement::from_text(&broken).to_text(), text);
+        agreement.weigh(
+            2 + AGREEMENT_FORGET_ROUNDS + 1,
+            &["a", "b", "d"],
+            &gram,
+            &[1.0; 3],
+        );
+        let text = agreement.to_text();
+        assert!(!text.contains("c="), "{text}");
+        assert!(text.contains("a="), "{text}");
     }
 }

@@ -26,7 +26,7 @@ use crate::{
     codec,
     file::{FileSource, Layout, Scratch, Source, Writer, write_file},
     optimizer::step_values,
-    robust::{self, Limits, Norms, Scale},
+    robust::{self, Agreement, Limits, Norms, Scale},
     tensors::stored_bytes,
 };
 
@@ -92,6 +92,9 @@ pub struct ParameterServer {
     round_norms: Vec<Norms>,
     /// The model's scale, measured once a round when the first update is judged.
     scale: Option<Scale>,
+    /// How well each trainer's updates have lately agreed with their rounds', while the
+    /// limits are on.
+    agreement: Agreement,
     /// How the changes of the global model are compressed; [`Codec::None`]: not sent.
     broadcast: Codec,
     /// What compressing the last changes dropped.
@@ -107,6 +110,8 @@ const RESIDUAL_PREFIX: &str = "residual/";
 pub const FULL_STEP_SHARE: f64 = 0.5;
 /// A checkpoint's metadata key for the norms the limits took lately.
 const NORMS_KEY: &str = "hypha.norm_history";
+/// A checkpoint's metadata key for the trainers' agreements ([`Agreement::to_text`]).
+const AGREEMENT_KEY: &str = "hypha.agreement";
 
 impl ParameterServer {
     /// A server without a model: it adopts the first one [`offered`](Self::offer).
@@ -123,6 +128,7 @@ impl ParameterServer {
             limits: Limits::default(),
             round_norms: Vec::new(),
             scale: None,
+            agreement: Agreement::default(),
             broadcast: Codec::None,
             feedback: ErrorFeedback::new(),
             hash: None,
@@ -293,6 +299,9 @@ impl ParameterServer {
         if let Some(history) = metadata.get(NORMS_KEY) {
             self.limits = std::mem::take(&mut self.limits).with_history(history);
         }
+        if let Some(agreement) = metadata.get(AGREEMENT_KEY) {
+            self.agreement = Agreement::from_text(agreement);
+        }
         self
     }
 
@@ -318,6 +327,7 @@ impl ParameterServer {
             limits: Limits::default(),
             round_norms: Vec::new(),
             scale: None,
+            agreement: Agreement::default(),
         }
     }
 
@@ -468,18 +478,28 @@ impl ParameterServer {
         let round: Vec<&Norms> = self.round_norms.iter().collect();
         let mut clips = self.limits.clip(scale, &round);
         self.limits.record(&round, &clips);
-        let centred = match clips.len() {
-            0..3 => vec![1.0; clips.len()],
-            _ => robust::centre(&self.sum.gram()?, &clips, &self.sum.weights()),
+        let (trust, centred) = match clips.len() {
+            0..robust::MAJORITY => (vec![1.0; clips.len()], vec![1.0; clips.len()]),
+            _ => {
+                let grams = self.sum.gram()?;
+                let gram = robust::clipped_gram(&grams, &clips).unwrap_or_default();
+                let weights = self.sum.weights();
+                let peers: Vec<&str> = self.arrived.iter().map(|(p, _)| p.as_str()).collect();
+                let trust = self.agreement.weigh(self.round, &peers, &gram, &weights);
+                let centred = robust::centre(&gram, &weights, &trust);
+                (trust, centred)
+            }
         };
         let largest = clips.iter().filter_map(|c| c.ratio).reduce(f64::max);
         let clipped = self
             .arrived
             .iter()
             .zip(&clips)
-            .zip(&centred)
-            .filter(|((_, clip), centred)| !clip.is_whole() || **centred < robust::CENTRE_REPORT)
-            .map(|(((peer, _), clip), centred)| ClippedUpdate {
+            .zip(centred.iter().zip(&trust))
+            .filter(|((_, clip), (centred, _))| {
+                !clip.is_whole() || **centred < robust::CENTRE_REPORT
+            })
+            .map(|(((peer, _), clip), (centred, trust))| ClippedUpdate {
                 peer: peer.clone(),
                 share: (clip.whole * centred).min(1.0),
                 ratio: clip.ratio,
@@ -487,6 +507,7 @@ impl ParameterServer {
                     .take(CLIPPED_TENSORS_NAMED)
                     .cloned()
                     .collect(),
+                reason: robust::why_clipped(clip, *trust, *centred),
             })
             .collect();
         for (clip, centred) in clips.iter_mut().zip(&centred) {
@@ -841,6 +862,7 @@ impl ParameterServer {
             (meta::KIND.to_string(), meta::KIND_CHECKPOINT.to_string()),
             (meta::ROUND.to_string(), self.round.to_string()),
             (NORMS_KEY.to_string(), self.limits.to_text()),
+            (AGREEMENT_KEY.to_string(), self.agreement.to_text()),
         ]);
         write_file(path, true, listing, metadata, |writer| {
             for (values, dtype) in values {

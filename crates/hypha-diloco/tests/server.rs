@@ -379,6 +379,55 @@ fn an_outlier_of_its_round_is_clipped_and_an_absurd_update_refused() {
     );
 }
 
+/// Issue 55: a trainer that flips the sign of its update every round is left out of the
+/// round's mean for its agreement with the others (each round's cosine with the centre of
+/// the rest), says why, and is remembered in the checkpoint. (Checked by weighing with
+/// trust 1: the centre alone leaves the flipped update more than half of itself, in every
+/// round, unreported.)
+#[test]
+fn a_trainer_pointing_against_the_others_is_left_out_and_remembered() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut server = ParameterServer::new(OuterOptimizer::new(0.5, 0.0)).limit_norm(3.0);
+    server.offer(&bytes(&[0.0; 64])).unwrap();
+    let mut last = None;
+    for round in 0..6 {
+        let mut honest = |sign: f32| -> Vec<u8> {
+            let values: Vec<f32> = (0..64)
+                .map(|_| sign * (0.3 + rng.random_range(-1.0f32..1.0)))
+                .collect();
+            bytes(&values)
+        };
+        for peer in ["a", "b", "c"] {
+            server.add(peer, &honest(1.0), round, 10).unwrap();
+        }
+        server.add("liar", &honest(-1.0), round, 10).unwrap();
+        last = Some(server.close().unwrap());
+    }
+    let closed = last.unwrap();
+    assert_eq!(closed.included.len(), 4, "nobody refused: {closed:?}");
+    let liar: Vec<_> = closed.clipped.iter().filter(|c| c.peer == "liar").collect();
+    assert_eq!(liar.len(), 1, "{closed:?}");
+    assert!(liar[0].share < 0.01, "{closed:?}");
+    assert!(liar[0].reason.contains("point away"), "{closed:?}");
+    assert!(
+        closed.clipped.iter().all(|c| c.peer == "liar"),
+        "no honest trainer held back: {closed:?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("checkpoint.safetensors");
+    server.checkpoint(&path).unwrap();
+    let metadata = hypha_diloco::read_metadata(&mut std::fs::File::open(&path).unwrap()).unwrap();
+    let agreement = &metadata["hypha.agreement"];
+    let liar_mean: f64 = agreement
+        .split(',')
+        .find_map(|entry| entry.strip_prefix("liar="))
+        .and_then(|rest| rest.split('@').next())
+        .and_then(|mean| mean.parse().ok())
+        .unwrap_or_else(|| panic!("{agreement}"));
+    assert!(liar_mean < 0.0, "{agreement}");
+}
+
 /// Issue 55, item 5: a round that holds a tenth of its planned samples steps a fifth as far
 /// (a round of half its plan steps whole).
 #[test]

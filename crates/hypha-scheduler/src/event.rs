@@ -52,15 +52,18 @@ pub enum Event {
         peer: String,
         reason: String,
     },
-    /// `peer`'s update of `round` counted for `share` of itself: its norm was `ratio` times
-    /// the round's reference, beyond `max_update_norm_ratio` (or a tensor of it beyond the
-    /// model's scale).
+    /// `peer`'s update of `round` counted for `share` of itself, for `reason` (its norm was
+    /// `ratio` times the round's reference, beyond `max_update_norm_ratio`; a tensor of it
+    /// beyond the model's scale; far from the round's robust centre; its trainer's updates
+    /// pointing away from the others').
     Clipped {
         round: u64,
         peer: String,
         share: f32,
         #[serde(skip_serializing_if = "Option::is_none")]
         ratio: Option<f64>,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
     },
     /// A scheduler resumed the run its earlier process left: the same task, `jobs` of it to
     /// take over, and for DiLoCo the checkpoint of `round` to go on from.

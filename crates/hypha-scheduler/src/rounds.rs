@@ -954,7 +954,13 @@ impl Rounds {
                 model_hash: applied.model_hash,
                 delta_bytes: applied.delta_bytes,
                 benched,
-                clipped: applied.clipped,
+                // The server bounds its reasons; a server that does not is not believed.
+                clipped: (applied.clipped.into_iter())
+                    .map(|mut clipped| {
+                        clipped.reason = clipped.reason.chars().take(REASON_CHARS).collect();
+                        clipped
+                    })
+                    .collect(),
                 largest_norm_ratio: applied.largest_norm_ratio,
                 close_ms: applied.close_ms,
                 traffic_bytes: applied.traffic_bytes,

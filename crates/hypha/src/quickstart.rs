@@ -971,9 +971,11 @@ impl RunWatch {
                                 format!("refused: {}", event["reason"].as_str().unwrap_or_default())
                             }
                             _ => format!(
-                                "clipped to {:.3} of itself (its norm {:.1} times the round's)",
+                                "clipped to {:.3} of itself: {}",
                                 event["share"].as_f64().unwrap_or_default(),
-                                event["ratio"].as_f64().unwrap_or(f64::NAN)
+                                event["reason"]
+                                    .as_str()
+                                    .unwrap_or("beyond the round's limits")
                             ),
                         };
                         progress(Progress::Notice(&format!(

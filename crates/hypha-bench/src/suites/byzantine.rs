@@ -19,7 +19,11 @@
 //!   round, before any history, five times the update to a random model).
 //!
 //! `loss_under_attack_vs_honest_<attack>` is the held-out loss of the run under attack over
-//! the honest run's, the larger of the two models' (target ≤ 1.05). A long honest run of the
+//! the honest run's, the larger of the two models' (target ≤ 1.05).
+//! `loss_under_attack_vs_liar_absent_<attack>` is over the run of the three honest trainers
+//! alone, each training as much a round: the liar's data is lost to the run whatever the
+//! server does, so this is what the server's defence itself costs (1 when it leaves the liar
+//! out entirely). A long honest run of the
 //! MLP (10,000 rounds; `--quick`: 600) with one round of shuffled labels halfway (a loss
 //! spike) counts what the limits did to honest trainers: `refused_honest_10k`,
 //! `benched_honest_10k` (targets 0), `rounds_all_trainers_share_10k` (≥ 0.99),
@@ -53,7 +57,6 @@ const TRAINERS: usize = 4;
 const BATCH: u64 = 32;
 /// Batches each trainer trains a round.
 const INNER_STEPS: u64 = 8;
-const SAMPLES_PER_ROUND: u64 = TRAINERS as u64 * INNER_STEPS * BATCH;
 /// The planned round, and its pace as every trainer reports it.
 const ROUND_MS: u64 = 10_000;
 const BATCH_MS: f64 = 10.0;
@@ -95,6 +98,8 @@ struct Outcome {
     benched_honest: u64,
     refused_liar: u64,
     clipped_liar: u64,
+    /// The liar's clipped shares, summed (a round it counted whole adds nothing).
+    liar_share_clipped: f64,
     benched_liar: bool,
 }
 
@@ -126,21 +131,30 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         ),
     ];
     let mut report = Report::default();
-    let mut worst: std::collections::BTreeMap<&str, f64> = Default::default();
+    let mut worst: std::collections::BTreeMap<&str, (f64, f64)> = Default::default();
     for (name, spec, rounds) in &models {
-        let honest = simulate(spec, *rounds, None, None)?;
+        let honest = simulate(spec, *rounds, TRAINERS, None, None)?;
+        // The liar's data is lost to the run whatever the server does: the best it can do
+        // is what the honest trainers alone would have done.
+        let liar_absent = simulate(spec, *rounds, TRAINERS - 1, None, None)?;
         report
             .metrics
             .insert(format!("loss_{name}_honest"), honest.loss);
+        report
+            .metrics
+            .insert(format!("loss_{name}_liar_absent"), liar_absent.loss);
         for (attack_name, attack) in ATTACKS {
-            let attacked = simulate(spec, *rounds, Some(attack), None)?;
+            let attacked = simulate(spec, *rounds, TRAINERS, Some(attack), None)?;
             let ratio = attacked.loss / honest.loss;
+            let beyond_absent = attacked.loss / liar_absent.loss;
             println!(
-                "{name} {attack_name}: loss {:.4} (honest {:.4}, ×{ratio:.3}); liar refused {} clipped {} benched {}; honest refused {} clipped {} benched {}",
+                "{name} {attack_name}: loss {:.4} (honest {:.4}, ×{ratio:.3}; liar absent {:.4}, ×{beyond_absent:.3}); liar refused {} clipped {} (mean share {:.3}) benched {}; honest refused {} clipped {} benched {}",
                 attacked.loss,
                 honest.loss,
+                liar_absent.loss,
                 attacked.refused_liar,
                 attacked.clipped_liar,
+                attacked.liar_share_clipped / attacked.clipped_liar.max(1) as f64,
                 attacked.benched_liar,
                 attacked.refused_honest,
                 attacked.clipped_honest,
@@ -153,19 +167,23 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
                 format!("benched_honest_{name}_{attack_name}"),
                 attacked.benched_honest as f64,
             );
-            let entry = worst.entry(attack_name).or_insert(0.0);
-            *entry = entry.max(ratio);
+            let entry = worst.entry(attack_name).or_insert((0.0, 0.0));
+            *entry = (entry.0.max(ratio), entry.1.max(beyond_absent));
         }
     }
-    for (attack, ratio) in worst {
+    for (attack, (ratio, beyond_absent)) in worst {
         report
             .ratios
             .insert(format!("loss_under_attack_vs_honest_{attack}"), ratio);
+        report.ratios.insert(
+            format!("loss_under_attack_vs_liar_absent_{attack}"),
+            beyond_absent,
+        );
     }
 
     let long = if quick { 600 } else { 10_000 };
     let started = std::time::Instant::now();
-    let honest = simulate(&models[0].1, long, None, Some(long / 2))?;
+    let honest = simulate(&models[0].1, long, TRAINERS, None, Some(long / 2))?;
     let share = honest.rounds_all_honest as f64 / honest.rounds.max(1) as f64;
     report.metrics.extend(
         [
@@ -195,21 +213,24 @@ struct Trainer {
 fn simulate(
     spec: &ModelSpec,
     rounds: u64,
+    count: usize,
     attack: Option<Attack>,
     spike: Option<u64>,
 ) -> anyhow::Result<Outcome> {
     let dir = tempfile::tempdir()?;
     let data = Synthetic::for_model(spec);
+    // Each trainer trains as many batches a round whatever their count.
+    let samples_per_round = count as u64 * INNER_STEPS * BATCH;
     let codec = hypha_diloco::Codec::None;
     let first = Trained::new(spec, MODEL_SEED, InnerOptimizer::default(), codec)?;
     let mut server = ParameterServer::new(OuterOptimizer::new(0.7, 0.9))
         .limit_norm(DEFAULT_NORM_RATIO)
-        .limit_samples(2 * SAMPLES_PER_ROUND + BATCH * INNER_STEPS)
-        .plan_samples(SAMPLES_PER_ROUND);
+        .limit_samples(2 * samples_per_round + BATCH * INNER_STEPS)
+        .plan_samples(samples_per_round);
     let offer = dir.path().join("offer.safetensors");
     first.write_global(&offer, &Metadata::new())?;
     server.offer_from(&FileSource::open(&offer)?)?;
-    let mut trainers: Vec<Trainer> = (0..TRAINERS)
+    let mut trainers: Vec<Trainer> = (0..count)
         .map(|i| -> anyhow::Result<Trainer> {
             Ok(Trainer {
                 job: format!("job-{i}"),
@@ -219,10 +240,10 @@ fn simulate(
             })
         })
         .collect::<anyhow::Result<_>>()?;
-    let liar = attack.map(|_| TRAINERS - 1);
+    let liar = attack.map(|_| count - 1);
     let mut plan = Rounds::new(RoundPlan {
         rounds: Some(rounds),
-        samples_per_round: SAMPLES_PER_ROUND,
+        samples_per_round,
         batch_size: BATCH,
         round_ms: ROUND_MS,
         quorum: 0.5,
@@ -334,7 +355,10 @@ fn simulate(
         }
         for clipped in &closed.clipped {
             match trainers.iter().position(|t| t.peer == clipped.peer) {
-                Some(i) if Some(i) == liar => outcome.clipped_liar += 1,
+                Some(i) if Some(i) == liar => {
+                    outcome.clipped_liar += 1;
+                    outcome.liar_share_clipped += f64::from(clipped.share);
+                }
                 _ => outcome.clipped_honest += 1,
             }
         }
@@ -344,7 +368,7 @@ fn simulate(
             .filter(|(i, t)| Some(*i) != liar && closed.included.contains(&t.peer))
             .map(|(i, _)| i)
             .collect();
-        if honest_in.len() == TRAINERS - usize::from(liar.is_some()) {
+        if honest_in.len() == count - usize::from(liar.is_some()) {
             outcome.rounds_all_honest += 1;
         }
         outcome.rounds += 1;

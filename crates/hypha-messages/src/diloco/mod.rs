@@ -254,8 +254,9 @@ pub struct Refusal {
 }
 
 /// An update of an applied round that counted for a share of itself: its norm was more than
-/// `max_update_norm_ratio` times the round's reference, or a tensor of it more than the
-/// model's scale allows.
+/// `max_update_norm_ratio` times the round's reference, a tensor of it more than the model's
+/// scale allows, it lay far from the round's robust centre, or its trainer's updates have
+/// lately pointed away from the others'.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ClippedUpdate {
     pub peer: String,
@@ -267,6 +268,9 @@ pub struct ClippedUpdate {
     /// Tensors clipped on their own, at most a few named.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tensors: Vec<String>,
+    /// Why, in words (a server of an earlier version says nothing).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

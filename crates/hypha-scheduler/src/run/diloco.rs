@@ -139,6 +139,7 @@ impl JobRun<'_> {
                             peer: clipped.peer.clone(),
                             share: clipped.share,
                             ratio: clipped.ratio,
+                            reason: clipped.reason.clone(),
                         });
                     }
                     for benching in &applied.benched {

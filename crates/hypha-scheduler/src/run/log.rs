@@ -175,12 +175,14 @@ impl EventLog {
                 peer,
                 share,
                 ratio,
+                reason,
             } => tracing::info!(
                 round,
                 %peer,
                 share,
                 ?ratio,
-                "a trainer's update counted for a share of itself (clipped): its norm was beyond max_update_norm_ratio times the round's"
+                reason = %reason.escape_debug(),
+                "a trainer's update counted for a share of itself (clipped)"
             ),
             Event::Resumed { task, round, jobs } => {
                 tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
