@@ -24,13 +24,25 @@
 //!   [`TENSOR_MULTIPLE`] times its own scale (its norm, or the norm an average tensor of its
 //!   size has, whichever is larger: a bias that starts at zero still moves), so that an
 //!   update that pours everything into one small tensor (a norm's gain) cannot wreck it.
+//! - **Weighed by its trainer's agreement** ([`Agreement`]): an update of an honest norm in
+//!   a wrong direction (a flipped sign, noise) is, in any one round, often no farther from
+//!   the others than honest noise; over rounds its cosine with the others' centre is not
+//!   positive, where honest trainers' is. A trainer agreeing clearly less than the round's
+//!   median counts for less, down to nothing.
+//! - **Centred** ([`centre`], BTARD's CenteredClip): each update's pull on the round's
+//!   centre is clipped to an honest distance.
 //!
-//! The history is the norms as taken (after clipping) and goes into the checkpoint, so a
-//! restart, a failover or a takeover goes on with it ([`Limits::to_text`]).
+//! In the last two, an update weighs no more than the round's median claim of samples
+//! ([`capped`]): a weighted majority is what both rest on.
 //!
-//! The anchors: BTARD's CenteredClip (clip around a robust centre instead of refusing), and
-//! the observation of issue 55 that a limit measured only against the run's past refuses
-//! every honest trainer of a converged run.
+//! The norm history and the agreements go into the checkpoint, so a restart, a failover or
+//! a takeover goes on with them ([`Limits::to_text`], [`Agreement::to_text`]).
+//!
+//! The anchors: BTARD's CenteredClip (clip around a robust centre instead of refusing),
+//! Templar's Gauntlet (score each peer over rounds by what its updates do; here by their
+//! direction, for the server holds no data to measure a loss on), and the observation of
+//! issue 55 that a limit measured only against the run's past refuses every honest trainer
+//! of a converged run.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -887,8 +899,9 @@ mod tests {
     }
 
     /// Updates of `count` trainers in 1,000 dimensions sharing a direction of `signal` per
-    /// coordinate under unit noise: at 0.05, each honest update's cosine with another is
-    /// about 0.0025, nothing one round could tell from a flipped sign.
+    /// coordinate under unit noise: at 0.3, each honest update's cosine with the mean of
+    /// three others is about 0.13, against a spread of about 0.03 a round; the distance of a
+    /// flipped one from the centre is within the honest spread.
     fn noisy(count: usize, signal: f64, seed: u64) -> Vec<Vec<f64>> {
         let mut state = seed.wrapping_add(1);
         let mut noise = move || {
