@@ -321,8 +321,11 @@ pub fn clipped_gram(grams: &BTreeMap<String, Vec<f64>>, clips: &[Clip]) -> Optio
 /// distance, so that honest updates pull the centre whole and a liar (a flipped sign, noise,
 /// another model) by τ at most. The weights p are the updates' `weights` (their samples,
 /// none above the round's median: [`capped`]) times `trust` (what [`Agreement::weigh`]
-/// makes of their past); each update's share is of its own weight, so the round's mean is
-/// the centre.
+/// makes of their past). A last step from that centre weighs each update by its own
+/// samples (times its trust): an honest round steps by its sample-weighted mean, as
+/// trainers of uneven pace should (one that trained nine times the batches of another sent
+/// an update that far along; weights equalised, a mixed Rust and numpy run learned
+/// measurably slower), and an update still pulls by τ at most.
 /// (A radius measured again at each step, which shrinks with the centre, did no better in
 /// `hypha-bench byzantine --quick`: a flipped sign 1.22 against 1.19 of the honest loss.)
 /// The centre stays a weighted sum of the updates, so distances come from their dot
@@ -334,17 +337,27 @@ pub fn centre(gram: &[f64], weights: &[f64], trust: &[f64]) -> Vec<f32> {
     if k < MAJORITY || trust.len() != k || gram.len() != k * k || total <= 0.0 {
         return vec![1.0; k];
     }
-    let trusted: Vec<f64> = (capped(weights).iter().zip(trust))
+    let trusted: Vec<f64> = weights.iter().zip(trust).map(|(w, t)| w * t).collect();
+    let capped_trusted: Vec<f64> = (capped(weights).iter().zip(trust))
         .map(|(w, t)| w * t)
         .collect();
-    let Some(a) = centre_coefficients(gram, &trusted) else {
+    let (Some((a, radius)), Some(q)) = (
+        centre_coefficients(gram, &capped_trusted),
+        normalised(&trusted),
+    ) else {
         return vec![1.0; k];
     };
-    a.iter()
-        .zip(weights)
-        .map(|(a, w)| {
+    // The last step, from the centre, with each update's own (trusted) samples: where every
+    // update lies within the radius it lands on their sample-weighted mean, as a round
+    // without liars steps; one beyond it pulls by the radius at most.
+    let pulls: Vec<f64> = (distances(gram, &a).iter().zip(&q))
+        .map(|(d, q)| q * if *d > radius { radius / d } else { 1.0 })
+        .collect();
+    let moved: f64 = pulls.iter().sum();
+    (a.iter().zip(&pulls).zip(weights))
+        .map(|((a, pull), w)| {
             if *w > 0.0 {
-                (a * total / w) as f32
+                ((a * (1.0 - moved) + pull) * total / w) as f32
             } else {
                 0.0
             }
@@ -352,27 +365,32 @@ pub fn centre(gram: &[f64], weights: &[f64], trust: &[f64]) -> Vec<f32> {
         .collect()
 }
 
-/// The CenteredClip centre of the updates whose dot products are `gram` (k×k), weighted by
-/// `weights` (those of weight 0 left out), as its coefficients: c = Σ aᵢ·xᵢ, Σ aᵢ = 1.
-/// `None` when no update has weight.
-fn centre_coefficients(gram: &[f64], weights: &[f64]) -> Option<Vec<f64>> {
-    let k = weights.len();
+/// `weights` as shares of their sum; `None` when that is not positive.
+fn normalised(weights: &[f64]) -> Option<Vec<f64>> {
     let total: f64 = weights.iter().sum();
-    if total.is_nan() || total <= 0.0 {
-        return None;
-    }
-    let p: Vec<f64> = weights.iter().map(|w| w / total).collect();
+    (total > 0.0).then(|| weights.iter().map(|w| w / total).collect())
+}
+
+/// The distances of the updates whose dot products are `gram` (k×k) from the point
+/// Σ aᵢ·xᵢ.
+fn distances(gram: &[f64], a: &[f64]) -> Vec<f64> {
+    let k = a.len();
+    let ga: Vec<f64> = (0..k)
+        .map(|i| (0..k).map(|j| gram[i * k + j] * a[j]).sum())
+        .collect();
+    let aga: f64 = (0..k).map(|i| a[i] * ga[i]).sum();
+    (0..k)
+        .map(|i| (gram[i * k + i] - 2.0 * ga[i] + aga).max(0.0).sqrt())
+        .collect()
+}
+
+/// The CenteredClip centre of the updates whose dot products are `gram` (k×k), weighted by
+/// `weights` (those of weight 0 left out), as its coefficients (c = Σ aᵢ·xᵢ, Σ aᵢ = 1), and
+/// the radius it clipped at. `None` when no update has weight.
+fn centre_coefficients(gram: &[f64], weights: &[f64]) -> Option<(Vec<f64>, f64)> {
+    let p = normalised(weights)?;
     let mut a = p.clone();
-    let distances = |a: &[f64]| -> Vec<f64> {
-        let ga: Vec<f64> = (0..k)
-            .map(|i| (0..k).map(|j| gram[i * k + j] * a[j]).sum())
-            .collect();
-        let aga: f64 = (0..k).map(|i| a[i] * ga[i]).sum();
-        (0..k)
-            .map(|i| (gram[i * k + i] - 2.0 * ga[i] + aga).max(0.0).sqrt())
-            .collect()
-    };
-    let mut sorted: Vec<f64> = (distances(&a).into_iter().zip(&p))
+    let mut sorted: Vec<f64> = (distances(gram, &a).into_iter().zip(&p))
         .filter(|(_, p)| **p > 0.0)
         .map(|(d, _)| d)
         .collect();
@@ -380,7 +398,7 @@ fn centre_coefficients(gram: &[f64], weights: &[f64]) -> Option<Vec<f64>> {
     let radius = sorted[sorted.len() / 2];
     if radius.is_finite() && radius > 0.0 {
         for _ in 0..CENTRE_ITERATIONS {
-            let pulls: Vec<f64> = distances(&a)
+            let pulls: Vec<f64> = distances(gram, &a)
                 .iter()
                 .zip(&p)
                 .map(|(d, p)| p * if *d > radius { radius / d } else { 1.0 })
@@ -391,7 +409,7 @@ fn centre_coefficients(gram: &[f64], weights: &[f64]) -> Option<Vec<f64>> {
             }
         }
     }
-    Some(a)
+    Some((a, radius))
 }
 
 /// Of the exponential mean of a trainer's agreement, the part the newest round makes.
@@ -457,7 +475,7 @@ impl Agreement {
                 let others: Vec<f64> = (0..k)
                     .map(|j| if j == i { 0.0 } else { weights[j] * past[j] })
                     .collect();
-                let Some(a) = centre_coefficients(gram, &others) else {
+                let Some((a, _)) = centre_coefficients(gram, &others) else {
                     return 0.0;
                 };
                 let dot: f64 = (0..k).map(|j| a[j] * gram[i * k + j]).sum();
@@ -835,6 +853,46 @@ mod tests {
         // Two updates have no majority.
         let (_, shares) = centred(&honest(2, 3), &[1.0; 2]);
         assert_eq!(shares, [1.0, 1.0]);
+    }
+
+    /// Trainers of uneven pace, whose updates are as long as the batches they trained: each
+    /// honest one counts as its samples say, not as the capped weights the centre is found
+    /// with; and a ×100 update from a trainer of few samples, clipped to three times the
+    /// reference, gains no share of itself from the others' weights being capped. (Checked
+    /// with the centre's own coefficients as the shares: the honest ones counted 0.54 and
+    /// 2.37 of themselves, the scaled one 0.12 of itself, twelve honest updates' worth; a CI
+    /// run met one counting for 0.77.)
+    #[test]
+    fn uneven_samples_keep_their_weights_and_lend_a_light_liar_none() {
+        let weights = [576.0, 128.0, 64.0];
+        let mut state = 3u64;
+        let mut noise = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as f64 / (1u64 << 31) as f64) - 0.5
+        };
+        let mut updates: Vec<Vec<f64>> = (weights.iter())
+            .map(|w| {
+                (0..64)
+                    .map(|i| w / 100.0 * if i < 8 { 1.0 } else { 0.0 } + 0.5 * noise())
+                    .collect()
+            })
+            .collect();
+        let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let reference = norm(&updates[1]);
+        let clipped = 3.0 * reference / (100.0 * norm(&updates[2]));
+        let scaled = 3.0 * reference / norm(&updates[2]);
+        updates[2].iter_mut().for_each(|v| *v *= scaled);
+        let shares = centre(&gram_of(&updates), &weights, &[1.0; 3]);
+        assert!(
+            shares[..2].iter().all(|s| (0.9..1.1).contains(s)),
+            "{shares:?}"
+        );
+        assert!(
+            f64::from(shares[2]) * clipped < 0.1,
+            "{shares:?} × {clipped}"
+        );
     }
 
     /// Limits that are off judge nothing.
