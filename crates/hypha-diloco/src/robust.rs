@@ -32,8 +32,10 @@
 //! - **Centred** ([`centre`], BTARD's CenteredClip): each update's pull on the round's
 //!   centre is clipped to an honest distance.
 //!
-//! In the last two, an update weighs no more than the round's median claim of samples
-//! ([`capped`]): a weighted majority is what both rest on.
+//! The agreements and the centre are found with no update weighing more than the round's
+//! median claim of samples ([`capped`]): a weighted majority is what both rest on. The step
+//! from the centre then weighs each update by its own samples again, so an honest round of
+//! uneven paces steps by its sample-weighted mean.
 //!
 //! The norm history and the agreements go into the checkpoint, so a restart, a failover or
 //! a takeover goes on with them ([`Limits::to_text`], [`Agreement::to_text`]).
