@@ -1,10 +1,12 @@
 """A trainer of the run that scales its every pseudo-gradient up a hundredfold: the numpy
 example trainer, its updates multiplied by 100 before they are sent (one such update, taken
-whole, would move the global model as far as a hundred honest ones).
+whole, would move the global model as far as a hundred honest ones). ``HYPHA_TEST_UPDATE_FACTOR``
+sets another factor: -1 flips the sign of every update, keeping its norm.
 
 The parameter server clips it to ``max_update_norm_ratio`` times the round's reference norm
 rather than refusing it; ``a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainers``
-in ``crates/hypha-scheduler/tests/diloco.rs`` runs it beside honest trainers. Started as the
+and ``a_trainer_that_flips_its_updates_counts_for_nothing_and_the_run_keeps_it`` in
+``crates/hypha-scheduler/tests/diloco.rs`` run it beside honest trainers. Started as the
 example is (``--socket``, ``--work-dir``, ``--job``), with ``hypha_sdk`` on ``PYTHONPATH``.
 """
 
@@ -16,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy_trainer  # noqa: E402
 from hypha_sdk import diloco  # noqa: E402
 
-FACTOR = 100.0
+FACTOR = float(os.environ.get("HYPHA_TEST_UPDATE_FACTOR", "100"))
 
 _honest_send = diloco.Trainer._send
 

@@ -428,8 +428,8 @@ pub const AGREEMENT_FORGET_ROUNDS: u64 = 1000;
 pub const AGREEMENT_TRAINERS: usize = 4096;
 
 /// How well each trainer's updates have lately pointed where the rest of their round's did:
-/// the exponential mean of the cosine between its update and the weighted mean of the
-/// others'. Honest trainers share the gradient's direction under their noise, so theirs is
+/// the exponential mean of the cosine between its update and the CenteredClip centre of the
+/// others', each trainer one vote whatever samples it claims. Honest trainers share the gradient's direction under their noise, so theirs is
 /// positive; a flipped sign is negative, noise or another objective near zero. One round
 /// alone cannot tell an honest update from a flipped one when the noise dwarfs the shared
 /// direction (in high dimension, all honest updates are nearly orthogonal): rounds together
@@ -453,15 +453,14 @@ struct Agreed {
 }
 
 impl Agreement {
-    /// Records round `round`'s agreements (the updates of `peers`, their dot products `gram`
-    /// as clipped, their `weights`) and returns what each update's weight is to be multiplied
-    /// by: 1 for a trainer agreeing at least [`AGREEMENT_WHOLE`] of the round's median
+    /// Records round `round`'s agreements (the updates of `peers` and their dot products
+    /// `gram` as clipped) and returns what each update's weight is to be multiplied by: 1 for a trainer agreeing at least [`AGREEMENT_WHOLE`] of the round's median
     /// agreement, less in proportion below it, 0 at or below none. A round of fewer than
     /// [`MAJORITY`] updates, or one whose median agreement is not positive (a converged run's
     /// updates are noise for everyone), has nothing to tell: all 1, nothing recorded.
-    pub fn weigh(&mut self, round: u64, peers: &[&str], gram: &[f64], weights: &[f64]) -> Vec<f64> {
+    pub fn weigh(&mut self, round: u64, peers: &[&str], gram: &[f64]) -> Vec<f64> {
         let k = peers.len();
-        if k < MAJORITY || weights.len() != k || gram.len() != k * k {
+        if k < MAJORITY || gram.len() != k * k {
             return vec![1.0; k];
         }
         // What the past says, a trainer not seen yet trusted whole: the others' centre, that
@@ -471,12 +470,14 @@ impl Agreement {
             .map(|peer| self.trainers.get(*peer).map(|agreed| agreed.mean))
             .collect();
         let past = trust(&known, self.chance);
-        let weights = capped(weights);
+        // One trainer, one vote: the others' centre is not weighted by their samples. A
+        // direction is judged by how many trainers share it, and samples are a claim, or a
+        // pace. Weighted, a liar among four whose pace gave it a round's largest share (256
+        // samples against 64, 64 and 256) outweighed two of the honest in each one's others,
+        // and the honest one it outweighed looked the liar.
         let cosines: Vec<f64> = (0..k)
             .map(|i| {
-                let others: Vec<f64> = (0..k)
-                    .map(|j| if j == i { 0.0 } else { weights[j] * past[j] })
-                    .collect();
+                let others: Vec<f64> = (0..k).map(|j| if j == i { 0.0 } else { past[j] }).collect();
                 let Some((a, _)) = centre_coefficients(gram, &others) else {
                     return 0.0;
                 };
@@ -562,7 +563,7 @@ impl Agreement {
 
 /// A round's `weights` (the samples each update claims) as the robust rules count them: none
 /// above the round's median. The mean weighs updates by their samples, but a majority by
-/// weight is what the centre and the agreements are built on: a liar claiming twice the
+/// weight is what the centre is built on: a liar claiming twice the
 /// round's samples (what the server's sample limit lets through), or the first trainer of a
 /// run given a whole round before the others spoke, would otherwise outweigh the honest
 /// rest. An honest trainer faster than most then counts as the median one: its extra
@@ -989,7 +990,7 @@ mod tests {
                     "flip" => updates[3].iter_mut().for_each(|v| *v = -*v),
                     _ => updates[3].iter_mut().for_each(|v| *v -= signal),
                 }
-                trust = agreement.weigh(round, &peers, &gram_of(&updates), &[1.0; 4]);
+                trust = agreement.weigh(round, &peers, &gram_of(&updates));
             }
             assert_eq!(trust[..3], [1.0; 3], "{attack} at {signal}: {trust:?}");
             assert!(trust[3] < 0.1, "{attack} at {signal}: {trust:?}");
@@ -1003,7 +1004,7 @@ mod tests {
         let peers = ["a", "b", "c", "d"];
         let mut agreement = Agreement::default();
         for round in 0..50 {
-            let trust = agreement.weigh(round, &peers, &gram_of(&noisy(4, 0.0, round)), &[1.0; 4]);
+            let trust = agreement.weigh(round, &peers, &gram_of(&noisy(4, 0.0, round)));
             let cut = trust.iter().filter(|t| **t < 1.0).count();
             assert!(cut <= 1, "round {round}: {trust:?}");
         }
@@ -1022,7 +1023,7 @@ mod tests {
         let weights = [1.0, 1.0, 1.0, 10.0];
         let gram = gram_of(&updates);
         let peers = ["a", "b", "c", "liar"];
-        let trust = Agreement::default().weigh(0, &peers, &gram, &weights);
+        let trust = Agreement::default().weigh(0, &peers, &gram);
         assert_eq!(trust, [1.0, 1.0, 1.0, 0.0]);
         let shares = centre(&gram, &weights, &trust);
         // What each update counts for in the round's mean, as the accumulator weighs it.
@@ -1043,19 +1044,14 @@ mod tests {
     fn agreements_survive_a_checkpoint_and_the_unseen_are_forgotten() {
         let mut agreement = Agreement::default();
         let gram = gram_of(&honest(3, 2));
-        agreement.weigh(1, &["a", "b", "c"], &gram, &[1.0; 3]);
-        agreement.weigh(2, &["a", "b", "d"], &gram, &[1.0; 3]);
+        agreement.weigh(1, &["a", "b", "c"], &gram);
+        agreement.weigh(2, &["a", "b", "d"], &gram);
         let text = agreement.to_text();
         assert_eq!(Agreement::from_text(&text).to_text(), text);
         assert_eq!(text.split(',').count(), 4, "{text}");
         let broken = format!("{text},x=nan@3,y=2.5@1,=0.1@1,z");
         assert_eq!(Agreement::from_text(&broken).to_text(), text);
-        agreement.weigh(
-            2 + AGREEMENT_FORGET_ROUNDS + 1,
-            &["a", "b", "d"],
-            &gram,
-            &[1.0; 3],
-        );
+        agreement.weigh(2 + AGREEMENT_FORGET_ROUNDS + 1, &["a", "b", "d"], &gram);
         let text = agreement.to_text();
         assert!(!text.contains("c="), "{text}");
         assert!(text.contains("a="), "{text}");

@@ -485,7 +485,7 @@ impl ParameterServer {
                 let gram = robust::clipped_gram(&grams, &clips).unwrap_or_default();
                 let weights = self.sum.weights();
                 let peers: Vec<&str> = self.arrived.iter().map(|(p, _)| p.as_str()).collect();
-                let trust = self.agreement.weigh(self.round, &peers, &gram, &weights);
+                let trust = self.agreement.weigh(self.round, &peers, &gram);
                 let centred = robust::centre(&gram, &weights, &trust);
                 (trust, centred)
             }

@@ -1929,31 +1929,16 @@ fn synthetic_trainers_apply_the_servers_changes_to_the_model_they_keep_on_disk()
 /// refused in every round.)
 #[test]
 fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
-    const ROUNDS: usize = 6;
     if !python_with(&["numpy"], true) {
         return;
     }
-    let (mut cluster, _data, mut server) = cluster();
-    cluster.worker_prefetch_bytes = Some(1);
-    let mut honest: Vec<Proc> = (0..2)
-        .map(|i| cluster.trainer_worker(&format!("honest{i}"), ""))
-        .collect();
-    let (liar_peer, mut liar) = cluster.peer_id_after("liar", |cluster| {
-        cluster.python_worker("liar", "train", "diloco", "tests/lying_trainer.py", &[])
-    });
-    // More data than the rounds use: the run ends after its rounds, not when the data does.
-    let job = cluster.diloco_job(
-        "lies",
-        3,
-        6,
-        &format!("rounds = {ROUNDS}\nround_seconds = 120\n"),
-    );
-    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
-    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
-    let mut procs: Vec<&mut Proc> = honest.iter_mut().collect();
-    procs.push(&mut liar);
-    procs.push(&mut server);
-    assert_succeeded(&cluster, ok, &lines, &mut procs);
+    let Beside {
+        cluster,
+        peer: liar_peer,
+        events: events_path,
+        lines,
+        mut honest,
+    } = run_beside_a_python_trainer("lies", 2, "tests/lying_trainer.py", &[]);
 
     assert_eq!(of_kind(&events(&events_path), "round").len(), ROUNDS);
     let metrics = lines_of(&cluster.path("lies-job.metrics.jsonl"));
@@ -2076,30 +2061,16 @@ fn a_run_whose_every_trainer_is_benched_ends_and_says_why() {
 /// loss risen, 1.37 → 2.55.)
 #[test]
 fn a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainers() {
-    const ROUNDS: usize = 6;
     if !python_with(&["numpy"], true) {
         return;
     }
-    let (mut cluster, _data, mut server) = cluster();
-    cluster.worker_prefetch_bytes = Some(1);
-    let mut honest: Vec<Proc> = (0..2)
-        .map(|i| cluster.trainer_worker(&format!("honest{i}"), ""))
-        .collect();
-    let (scaler_peer, mut scaler) = cluster.peer_id_after("scaler", |cluster| {
-        cluster.python_worker("scaler", "train", "diloco", "tests/scaling_trainer.py", &[])
-    });
-    let job = cluster.diloco_job(
-        "scaled",
-        3,
-        6,
-        &format!("rounds = {ROUNDS}\nround_seconds = 120\n"),
-    );
-    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
-    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
-    let mut procs: Vec<&mut Proc> = honest.iter_mut().collect();
-    procs.push(&mut scaler);
-    procs.push(&mut server);
-    assert_succeeded(&cluster, ok, &lines, &mut procs);
+    let Beside {
+        cluster,
+        peer: scaler_peer,
+        events: events_path,
+        mut honest,
+        ..
+    } = run_beside_a_python_trainer("scaled", 2, "tests/scaling_trainer.py", &[]);
 
     let events = events(&events_path);
     assert!(
@@ -2156,6 +2127,139 @@ fn a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainer
     for trainer in &mut honest {
         trainer.kill();
         no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
+/// Issue 55: a trainer of four that flips the sign of its every update (the numpy example's,
+/// negated) sends updates of an honest norm, so no norm limit holds it; but they point against
+/// the others', round after round, and the parameter server counts it for next to nothing and
+/// says why. It is never benched, and the model learns from the honest three. (Checked by
+/// trusting every trainer whole: its flipped update of round 1 counted whole.)
+#[test]
+fn a_trainer_that_flips_its_updates_counts_for_nothing_and_the_run_keeps_it() {
+    if !python_with(&["numpy"], true) {
+        return;
+    }
+    let env = [("HYPHA_TEST_UPDATE_FACTOR", "-1".to_string())];
+    let Beside {
+        cluster,
+        peer: flipper,
+        events: events_path,
+        mut honest,
+        ..
+    } = run_beside_a_python_trainer("flipped", 3, "tests/scaling_trainer.py", &env);
+
+    let events = events(&events_path);
+    assert!(
+        of_kind(&events, "benched").is_empty(),
+        "a trainer was benched"
+    );
+    assert!(
+        of_kind(&events, "refused").is_empty(),
+        "an update was refused"
+    );
+    let metrics = lines_of(&cluster.path("flipped-job.metrics.jsonl"));
+    let rounds_in: Vec<u64> = metrics
+        .iter()
+        .filter(|m| m["kind"] == "round")
+        .filter(|r| {
+            r["included"]
+                .as_array()
+                .is_some_and(|peers| peers.iter().any(|p| p == flipper.as_str()))
+        })
+        .filter_map(|r| r["round"].as_u64())
+        .collect();
+    assert!(
+        rounds_in.len() >= 2,
+        "the flipper was in rounds {rounds_in:?}"
+    );
+    let clipped: HashMap<u64, &serde_json::Value> = of_kind(&events, "clipped")
+        .into_iter()
+        .filter(|e| e["event"]["peer"] == flipper.as_str())
+        .filter_map(|e| Some((e["event"]["round"].as_u64()?, e)))
+        .collect();
+    // The first round it is in, nothing is known of it yet (and the run's first updates may
+    // disagree among themselves): from then on it counts for next to nothing.
+    for round in &rounds_in[1..] {
+        let event = clipped.get(round).unwrap_or_else(|| {
+            let record = metrics
+                .iter()
+                .find(|r| r["kind"] == "round" && r["round"] == *round);
+            panic!("the flipped update of round {round} counted whole: {record:?}")
+        });
+        let share = event["event"]["share"].as_f64().unwrap();
+        assert!(
+            share < 0.1,
+            "round {round}: it counted for {share} of itself"
+        );
+        let reason = event["event"]["reason"].as_str().unwrap();
+        assert!(reason.contains("point away from the others"), "{reason}");
+    }
+    let done = of_kind(&events, "done");
+    let words = done[0]["event"]["message"].as_str().unwrap();
+    assert!(words.contains("every trainer stayed to the end"), "{words}");
+    let before = evaluation_loss(None);
+    let after = evaluation_loss(Some(
+        job_dir(&cluster.path("ps-work")).join("final.safetensors"),
+    ));
+    assert!(after < 0.5 * before, "evaluation loss {before} → {after}");
+    for trainer in &mut honest {
+        trainer.kill();
+        no_errors(&trainer.name.clone(), &trainer.seen);
+    }
+}
+
+/// The rounds of a run beside a Python trainer ([`run_beside_a_python_trainer`]).
+const ROUNDS: usize = 6;
+
+/// What a run beside a Python trainer left.
+struct Beside {
+    cluster: Cluster,
+    /// The Python trainer's peer ID.
+    peer: String,
+    /// The scheduler's events file, and its log.
+    events: PathBuf,
+    lines: Vec<String>,
+    /// The reference trainers' workers, still running.
+    honest: Vec<Proc>,
+}
+
+/// Runs job `name` of [`ROUNDS`] rounds (120 s each at most; more data than they use, so the
+/// run ends after its rounds) by `honest` reference trainers and one Python trainer, `script`
+/// with `env`, and checks that it succeeded. Each worker prefetches one byte ahead: the Python
+/// trainer starts a second later and would otherwise find every slice taken.
+fn run_beside_a_python_trainer(
+    name: &str,
+    honest: usize,
+    script: &str,
+    env: &[(&str, String)],
+) -> Beside {
+    let (mut cluster, _data, mut server) = cluster();
+    cluster.worker_prefetch_bytes = Some(1);
+    let mut rust: Vec<Proc> = (0..honest)
+        .map(|i| cluster.trainer_worker(&format!("honest{i}"), ""))
+        .collect();
+    let (peer, mut python) = cluster.peer_id_after("python", |cluster| {
+        cluster.python_worker("python", "train", "diloco", script, env)
+    });
+    let job = cluster.diloco_job(
+        name,
+        honest + 1,
+        6,
+        &format!("rounds = {ROUNDS}\nround_seconds = 120\n"),
+    );
+    let (mut scheduler, events) = cluster.scheduler("scheduler", &job);
+    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
+    let mut procs: Vec<&mut Proc> = rust.iter_mut().collect();
+    procs.push(&mut python);
+    procs.push(&mut server);
+    assert_succeeded(&cluster, ok, &lines, &mut procs);
+    Beside {
+        cluster,
+        peer,
+        events,
+        lines,
+        honest: rust,
     }
 }
 
