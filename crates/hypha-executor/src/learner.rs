@@ -116,6 +116,11 @@ impl Trained {
             synced: None,
         })
     }
+
+    /// The model as it trains (the global model plus what this trainer learned since).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
 }
 
 impl Learner for Trained {

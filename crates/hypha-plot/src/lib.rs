@@ -34,11 +34,13 @@ pub struct Chart<'a> {
 pub struct PlotError(String);
 
 /// The colours of the series, in order (then again from the first).
-const PALETTE: [RGBColor; 4] = [
+const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
 ];
 
 /// The chart as an SVG document. Points whose coordinates are not finite are left out; a
@@ -135,12 +137,16 @@ fn padded(values: impl Iterator<Item = f64>, margin: f64) -> Range<f64> {
     low - pad..high + pad
 }
 
-/// A tick label: whole numbers (rounds, steps) without a fraction.
+/// A tick label: whole numbers (rounds, steps) without a fraction, others to six decimals
+/// without trailing zeros (ticks are sums of float steps: 3 × 0.1 is 0.30000000000000004).
 fn tick(value: &f64) -> String {
     if value.fract() == 0.0 {
-        format!("{value:.0}")
-    } else {
-        format!("{value}")
+        return format!("{value:.0}");
+    }
+    let fixed = format!("{value:.6}");
+    match fixed.trim_end_matches('0').trim_end_matches('.') {
+        "0" | "-0" => format!("{value:.1e}"),
+        short => short.to_string(),
     }
 }
 
@@ -173,6 +179,15 @@ mod tests {
             .filter(|n| n.has_tag_name("text"))
             .filter_map(|n| n.text().map(|t| t.trim().to_string()))
             .collect()
+    }
+
+    #[test]
+    fn ticks_read_as_people_write_numbers() {
+        assert_eq!(tick(&12.0), "12");
+        assert_eq!(tick(&2.5), "2.5");
+        assert_eq!(tick(&(0.1 * 3.0)), "0.3");
+        assert_eq!(tick(&-0.25), "-0.25");
+        assert_eq!(tick(&0.0000002), "2.0e-7");
     }
 
     #[test]

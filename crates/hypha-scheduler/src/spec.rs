@@ -279,6 +279,22 @@ pub struct DilocoSpec {
     pub parameter_server: ServerSpec,
 }
 
+/// The outer step of a job that names none, for its `compression`: the DiLoCo paper's
+/// Nesterov (learning rate 0.7, momentum 0.9), or with `sparse` plain SGD at 1.0
+/// ([`hypha_diloco::codec::SPARSE_OUTER`]).
+pub fn default_outer(compression: &str) -> OuterOptimizer {
+    match compression {
+        "sparse" => {
+            let (learning_rate, momentum) = hypha_diloco::codec::SPARSE_OUTER;
+            OuterOptimizer {
+                learning_rate: f64::from(learning_rate),
+                momentum: f64::from(momentum),
+            }
+        }
+        _ => OuterOptimizer::default(),
+    }
+}
+
 fn default_compression() -> String {
     Codec::None.name().to_string()
 }
@@ -651,20 +667,10 @@ impl DilocoSpec {
         Ok(())
     }
 
-    /// The parameter server's step: the job's, or the DiLoCo paper's Nesterov (learning rate
-    /// 0.7, momentum 0.9), or with `sparse` plain SGD at 1.0 ([`hypha_diloco::codec::SPARSE_OUTER`]).
+    /// The parameter server's step: the job's, or [`default_outer`] for its codec.
     pub fn outer(&self) -> OuterOptimizer {
         self.outer
-            .unwrap_or_else(|| match self.compression.as_str() {
-                "sparse" => {
-                    let (learning_rate, momentum) = hypha_diloco::codec::SPARSE_OUTER;
-                    OuterOptimizer {
-                        learning_rate: f64::from(learning_rate),
-                        momentum: f64::from(momentum),
-                    }
-                }
-                _ => OuterOptimizer::default(),
-            })
+            .unwrap_or_else(|| default_outer(&self.compression))
     }
 
     /// The job's codec with the keys it set for it.

@@ -6,6 +6,7 @@ pub(crate) mod dataserve;
 pub(crate) mod diloco;
 pub(crate) mod distribute;
 pub(crate) mod ledger;
+pub(crate) mod outcome;
 pub(crate) mod prefetch;
 pub(crate) mod recovery;
 pub(crate) mod scale;
