@@ -32,10 +32,12 @@
 //! - **Centred** ([`centre`], BTARD's CenteredClip): each update's pull on the round's
 //!   centre is clipped to an honest distance.
 //!
-//! The agreements and the centre are found with no update weighing more than the round's
-//! median claim of samples ([`capped`]): a weighted majority is what both rest on. The step
-//! from the centre then weighs each update by its own samples again, so an honest round of
-//! uneven paces steps by its sample-weighted mean.
+//! The agreements count one vote a trainer, whatever samples it claims: a direction is
+//! judged by how many trainers share it. The centre is found with no update weighing more
+//! than the round's median claim of samples ([`capped`]); the step from it then weighs each
+//! update by its own samples again, so an honest round of uneven paces steps by its
+//! sample-weighted mean. (A vote costs a claim either way: an update of no samples is
+//! refused, and one claiming the median or more had a whole vote under the cap too.)
 //!
 //! The norm history and the agreements go into the checkpoint, so a restart, a failover or
 //! a takeover goes on with them ([`Limits::to_text`], [`Agreement::to_text`]).
