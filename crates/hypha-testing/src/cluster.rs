@@ -8,7 +8,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    io::{BufRead, BufReader},
+    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{Mutex, OnceLock, mpsc},
@@ -54,6 +54,13 @@ pub fn bin(name: &str) -> PathBuf {
 /// `info,hypha_network=debug` to see every connection).
 fn node_log_filter() -> String {
     std::env::var("CLUSTER_RUST_LOG").unwrap_or_else(|_| "info".into())
+}
+
+/// `CLUSTER_KEEP`, where set: the folder where a test's clusters stay after it ends (their
+/// configs, work folders, events and metrics), each node's log beside them, to read what a
+/// flaky run did.
+fn kept_in() -> Option<PathBuf> {
+    std::env::var_os("CLUSTER_KEEP").map(PathBuf::from)
 }
 
 /// A gateway and the nodes a test starts beside it, in one temporary directory with one
@@ -109,7 +116,19 @@ impl Cluster {
     /// A cluster whose gateway (and every node until [`place`](Self::place) changes) runs at
     /// `place`.
     pub fn at(place: Place) -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = match kept_in() {
+            Some(keep) => {
+                std::fs::create_dir_all(&keep).unwrap();
+                let dir = tempfile::Builder::new()
+                    .prefix("cluster-")
+                    .disable_cleanup(true)
+                    .tempdir_in(keep)
+                    .unwrap();
+                eprintln!("cluster kept in {}", dir.path().display());
+                dir
+            }
+            None => tempfile::tempdir().unwrap(),
+        };
         let root = authority::create_root("Market Root", Validity::days(5)).unwrap();
         let org = authority::create_org(&root, "Market Org", Validity::days(5)).unwrap();
         std::fs::write(dir.path().join("root.pem"), root.cert_pem()).unwrap();
@@ -416,8 +435,14 @@ impl Proc {
             .unwrap();
         let stderr = child.stderr.take().unwrap();
         let (tx, lines) = mpsc::channel();
+        let mut kept_log = kept_in().map(|keep| {
+            std::fs::File::create(keep.join(format!("{name}-{}.log", child.id()))).unwrap()
+        });
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(log) = kept_log.as_mut() {
+                    let _ = writeln!(log, "{line}");
+                }
                 if tx.send(line).is_err() {
                     break;
                 }
