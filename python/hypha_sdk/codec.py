@@ -32,7 +32,7 @@ RECORDS = "#sparse"
 # The job's defaults when it sets no sparse_* key (hypha_diloco::codec's).
 DENSITY = 0.01
 DEFAULT_BITS = 2
-DECAY = 0.8
+DECAY = 0.9
 
 
 def kept_count(density: float, n: int) -> int:

@@ -109,6 +109,7 @@ impl Part {
         let Scratch {
             main: buffer,
             companion: paired_buffer,
+            ..
         } = scratch;
         main.chunks(source, unit, buffer, |at, bytes| {
             let units = bytes.len().div_ceil(unit);
@@ -144,7 +145,9 @@ impl Part {
         targets: &mut [f32],
         op: impl Fn(&mut f32, f32),
     ) -> Result<(), Error> {
-        let Scratch { main, companion } = scratch;
+        let Scratch {
+            main, companion, ..
+        } = scratch;
         let at =
             |entry: &Entry, values: usize, width: usize| entry.offset + (values * width) as u64;
         match self {
@@ -841,6 +844,8 @@ pub struct Accumulator {
     held_bytes: u64,
     /// Σ nᵢΔᵢ of the updates folded so far, by parameter; empty until they are.
     folded: BTreeMap<String, Vec<f32>>,
+    /// Who sent each value of the updates folded so far, by parameter ([`Senders`]).
+    folded_senders: BTreeMap<String, Senders>,
     /// A fold could not read an update whole: the round's sum is lost.
     damaged: Option<std::sync::Arc<Error>>,
     weight: f64,
@@ -852,6 +857,9 @@ pub struct Accumulator {
 struct Held {
     source: Box<dyn Source + Send + Sync>,
     parts: BTreeMap<String, Part>,
+    /// What it was added with (its samples): its say in how many sent a value.
+    samples: f32,
+    /// `samples` times what judging the round left of it ([`Accumulator::clip`]).
     weight: f32,
     /// The share of each tensor that counts, for tensors clipped on their own.
     tensor_shares: BTreeMap<String, f32>,
@@ -861,6 +869,24 @@ impl Held {
     /// The weight of its tensor `name` in the sum.
     fn weight_of(&self, name: &str) -> f32 {
         self.weight * self.tensor_shares.get(name).copied().unwrap_or(1.0)
+    }
+}
+
+/// The samples of the updates that sent the values of one parameter: every value of a
+/// dense part, the kept ones of a `sparse` part.
+#[derive(Debug, Default)]
+struct Senders {
+    /// Of those that sent every value.
+    every: f32,
+    /// Of those that sent some, by value; empty until a `sparse` part is folded.
+    each: Vec<f32>,
+}
+
+impl Part {
+    /// Whether it sends some of the parameter's values, not all: the mean of such a value
+    /// is over the updates that sent it ([`Accumulator::sum_into`]).
+    fn sends_some(&self) -> bool {
+        matches!(self, Part::Sparse { .. })
     }
 }
 
@@ -951,6 +977,7 @@ impl Accumulator {
         self.held.push(Held {
             source: Box::new(source),
             parts: parts.into_iter().collect(),
+            samples: weight as f32,
             weight: weight as f32,
             tensor_shares: BTreeMap::new(),
         });
@@ -1011,8 +1038,20 @@ impl Accumulator {
                     continue;
                 };
                 let w = held.weight_of(name);
-                if let Err(error) = part.apply(&*held.source, &mut scratch, sum, |s, v| *s += w * v)
-                {
+                let mut folded = part.apply(&*held.source, &mut scratch, sum, |s, v| *s += w * v);
+                let senders = self.folded_senders.entry(name.clone()).or_default();
+                if !part.sends_some() {
+                    senders.every += held.samples;
+                } else if folded.is_ok() {
+                    if senders.each.is_empty() {
+                        senders.each = vec![0.0; sum.len()];
+                    }
+                    let n = held.samples;
+                    folded = part.apply(&*held.source, &mut scratch, &mut senders.each, |s, _| {
+                        *s += n;
+                    });
+                }
+                if let Err(error) = folded {
                     self.damaged = Some(std::sync::Arc::new(error));
                 }
             }
@@ -1112,6 +1151,18 @@ impl Accumulator {
     /// Σ nᵢΔᵢ of parameter `name` at `start..start + sum.len()`, into `sum`, the updates
     /// added in the order they came (the same f32 arithmetic whatever the ranges). `start`
     /// is a multiple of `int8`'s block.
+    ///
+    /// Where `sparse` updates sent some values and not others, each value's sum is scaled
+    /// to be over the updates that sent it (SparseLoCo's mean of what was sent, Templar's
+    /// `scatter_reduce(mean)`): Σ nᵢΔᵢ · Σ nᵢ / Σ_{i sent it} nᵢ, so that the [`scale`]
+    /// (1 / Σ nᵢ) makes it their mean. A value only one trainer kept would otherwise move
+    /// by a quarter of it with four trainers, and most values of a 1 % update are kept by
+    /// one. The senders count with the samples they were added with, not with what judging
+    /// left of them: a clipped update's values stay clipped where it alone sent them, and
+    /// one judged to count for nothing still counts among the senders, as it does in the
+    /// mean of dense updates.
+    ///
+    /// [`scale`]: Self::scale
     pub(crate) fn sum_into(
         &self,
         name: &str,
@@ -1129,7 +1180,45 @@ impl Accumulator {
                 part.apply_range(&*held.source, scratch, start, sum, |s, v| *s += w * v)?;
             }
         }
-        Ok(())
+        let folded = self.folded_senders.get(name);
+        let some_sent_some = folded.is_some_and(|f| !f.each.is_empty())
+            || (self.held.iter()).any(|held| held.parts.get(name).is_some_and(Part::sends_some));
+        if !some_sent_some {
+            return Ok(());
+        }
+        let mut senders = std::mem::take(&mut scratch.senders);
+        senders.clear();
+        match folded {
+            Some(f) if !f.each.is_empty() => {
+                senders.extend(f.each[start..start + sum.len()].iter().map(|n| n + f.every));
+            }
+            f => senders.resize(sum.len(), f.map_or(0.0, |f| f.every)),
+        }
+        let mut counted = Ok(());
+        for held in &self.held {
+            let Some(part) = held.parts.get(name) else {
+                continue;
+            };
+            let n = held.samples;
+            if part.sends_some() {
+                counted = part.apply_range(&*held.source, scratch, start, &mut senders, |s, _| {
+                    *s += n;
+                });
+                if counted.is_err() {
+                    break;
+                }
+            } else {
+                senders.iter_mut().for_each(|s| *s += n);
+            }
+        }
+        let all = self.weight as f32;
+        for (value, sent) in sum.iter_mut().zip(&senders) {
+            if *sent > 0.0 {
+                *value *= all / sent;
+            }
+        }
+        scratch.senders = senders;
+        counted
     }
 
     /// Drops every update, keeping the shapes, for the next round.
@@ -1137,6 +1226,7 @@ impl Accumulator {
         self.held.clear();
         self.held_bytes = 0;
         self.folded.clear();
+        self.folded_senders.clear();
         self.damaged = None;
         self.weight = 0.0;
     }
@@ -1148,8 +1238,10 @@ impl Accumulator {
         let mut scratch = Scratch::default();
         let mut mean = BTreeMap::new();
         for (name, shape) in std::mem::take(&mut self.shapes) {
-            // A folded sum (nothing is held beside it) becomes the mean in place.
-            let values = match self.folded.remove(&name) {
+            // A folded sum of dense updates (nothing is held beside it) becomes the mean in
+            // place.
+            let sent_some = (self.folded_senders.get(&name)).is_some_and(|f| !f.each.is_empty());
+            let values = match (!sent_some).then(|| self.folded.remove(&name)).flatten() {
                 Some(mut values) => {
                     values.iter_mut().for_each(|value| *value *= scale);
                     values

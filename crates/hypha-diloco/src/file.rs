@@ -32,6 +32,10 @@ pub const CHUNK: usize = 1 << 20;
 pub struct Scratch {
     pub main: Vec<u8>,
     pub companion: Vec<u8>,
+    /// The samples that sent each value of a range ([`Accumulator::sum_into`]).
+    ///
+    /// [`Accumulator::sum_into`]: crate::Accumulator
+    pub(crate) senders: Vec<f32>,
 }
 
 /// Random access to the bytes of a SafeTensors file.

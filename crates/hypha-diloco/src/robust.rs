@@ -39,6 +39,13 @@
 //! sample-weighted mean. (A vote costs a claim either way: an update of no samples is
 //! refused, and one claiming the median or more had a whole vote under the cap too.)
 //!
+//! `sparse` updates are averaged value by value over the updates that sent each value
+//! ([`Accumulator`](crate::Accumulator)): a value a liar alone sent moves the model by all of
+//! its clipped value, not by its share of the round, which is what an honest trainer's
+//! clipped update could do. The senders count with the samples they claimed, not with what
+//! judging left of them, so a liar judged to count for nothing dilutes the values it shares
+//! (as in the mean of dense updates) and never undoes its own clip.
+//!
 //! The norm history and the agreements go into the checkpoint, so a restart, a failover or
 //! a takeover goes on with them ([`Limits::to_text`], [`Agreement::to_text`]).
 //!

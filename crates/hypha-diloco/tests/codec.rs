@@ -6,6 +6,7 @@
 use hypha_diloco::{
     Accumulator, Codec, ErrorFeedback, Metadata, Tensor, Tensors, Update,
     codec::{self, INT8_BLOCK, sparse},
+    robust::Clip,
 };
 use hypha_messages::diloco::Compression;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -297,6 +298,8 @@ fn distance(a: &Tensors, b: &Tensors) -> f64 {
         .sqrt()
 }
 
+/// Dense updates (and `topk`'s, which the mean takes as dense) are averaged over every
+/// update; `sparse` ones over those that sent each value (the next test).
 #[test]
 fn the_accumulator_adds_compressed_updates_as_their_decoded_values() {
     let codecs = [
@@ -304,7 +307,6 @@ fn the_accumulator_adds_compressed_updates_as_their_decoded_values() {
         Codec::Bf16,
         Codec::Int8,
         Codec::TopK { density: 0.2 },
-        sparse(0.2, 2),
     ];
     let files: Vec<Vec<u8>> = codecs
         .iter()
@@ -329,6 +331,92 @@ fn the_accumulator_adds_compressed_updates_as_their_decoded_values() {
             "{norm} vs {expected}"
         );
     }
+}
+
+/// The mean of a `sparse` value is over the updates that sent it (SparseLoCo's): a value
+/// only one trainer kept moves the model by all of it, not by its share of the round; a
+/// dense update sends every value; a clipped update stays clipped where it alone sent; and
+/// updates folded into the sum early count as those held to the end.
+#[test]
+fn a_sparse_value_is_the_mean_of_the_updates_that_sent_it() {
+    let model = update(1);
+    let files = [
+        (
+            codec::encode(&update(20), sparse(0.05, 2), &Metadata::new()).unwrap(),
+            10.0,
+        ),
+        (
+            codec::encode(&update(21), Codec::None, &Metadata::new()).unwrap(),
+            30.0,
+        ),
+        (
+            codec::encode(&update(22), sparse(0.05, 4), &Metadata::new()).unwrap(),
+            20.0,
+        ),
+    ];
+    let share = 0.25f32;
+    let sent: Vec<Tensors> = files.iter().map(|(file, _)| decoded(file)).collect();
+    let expected = |clipped: Option<usize>| -> Tensors {
+        let mut mean = zeros_like(&model);
+        for (name, tensor) in &mut mean.0 {
+            for (j, value) in tensor.values.iter_mut().enumerate() {
+                let (mut sum, mut senders) = (0.0f64, 0.0f64);
+                for (i, (sent, (_, samples))) in sent.iter().zip(&files).enumerate() {
+                    let sent = f64::from(sent.0[name].values[j]);
+                    let counts = if clipped == Some(i) {
+                        f64::from(share)
+                    } else {
+                        1.0
+                    };
+                    sum += samples * counts * sent;
+                    if sent != 0.0 {
+                        senders += samples;
+                    }
+                }
+                *value = if senders > 0.0 {
+                    (sum / senders) as f32
+                } else {
+                    0.0
+                };
+            }
+        }
+        mean
+    };
+    let accumulated = |keep_every_update: bool, clipped: Option<usize>| -> Tensors {
+        let mut sum = Accumulator::shaped_like(&model);
+        sum.keep_every_update(keep_every_update);
+        for (file, samples) in &files {
+            sum.add_safetensors(file, *samples).unwrap();
+        }
+        if let Some(i) = clipped {
+            let clips: Vec<Clip> = (0..files.len())
+                .map(|j| Clip {
+                    whole: if j == i { share } else { 1.0 },
+                    tensors: Default::default(),
+                    ratio: None,
+                })
+                .collect();
+            sum.clip(&clips).unwrap();
+        }
+        sum.mean().unwrap()
+    };
+    // The dense update is as large as the model: the first two are folded when it comes.
+    let (held, folded) = (accumulated(true, None), accumulated(false, None));
+    assert!(distance(&held, &expected(None)) < 1e-5);
+    assert!(distance(&folded, &held) < 1e-5);
+    let clipped = accumulated(true, Some(0));
+    assert!(distance(&clipped, &expected(Some(0))) < 1e-5);
+    // A value only the first update sent (none of the dense update's is exactly zero, so
+    // take one the third did not send either) is all of it, or the clipped share of it.
+    let name = "l1.weight";
+    let [first, dense, third] = [0, 1, 2].map(|i| &sent[i].0[name].values);
+    let j = (0..first.len())
+        .find(|&j| first[j] != 0.0 && third[j] == 0.0)
+        .unwrap();
+    let alone = (10.0 * first[j] + 30.0 * dense[j]) / 40.0;
+    assert!((held.0[name].values[j] - alone).abs() < 1e-6);
+    let alone_clipped = (10.0 * share * first[j] + 30.0 * dense[j]) / 40.0;
+    assert!((clipped.0[name].values[j] - alone_clipped).abs() < 1e-6);
 }
 
 /// A file a peer made up: each mistake is refused with what is wrong, never a panic.
