@@ -1956,7 +1956,8 @@ fn a_trainer_whose_updates_are_refused_holds_up_no_round() {
         events: events_path,
         lines,
         mut honest,
-    } = run_beside_a_python_trainer("lies", 2, "tests/lying_trainer.py", &[]);
+        ..
+    } = run_beside_a_python_trainer("lies", 2, "tests/lying_trainer.py", &[], fixed_rounds());
 
     assert_eq!(of_kind(&events(&events_path), "round").len(), ROUNDS);
     let metrics = lines_of(&cluster.path("lies-job.metrics.jsonl"));
@@ -2080,7 +2081,7 @@ fn a_trainer_that_scales_its_updates_up_is_clipped_and_the_run_keeps_its_trainer
         events: events_path,
         mut honest,
         ..
-    } = run_beside_a_python_trainer("scaled", 2, "tests/scaling_trainer.py", &[]);
+    } = run_beside_a_python_trainer("scaled", 2, "tests/scaling_trainer.py", &[], fixed_rounds());
 
     let events = events(&events_path);
     assert!(
@@ -2149,7 +2150,13 @@ fn a_trainer_that_flips_its_updates_counts_for_nothing_and_the_run_keeps_it() {
         events: events_path,
         mut honest,
         ..
-    } = run_beside_a_python_trainer("flipped", 3, "tests/scaling_trainer.py", &env);
+    } = run_beside_a_python_trainer(
+        "flipped",
+        3,
+        "tests/scaling_trainer.py",
+        &env,
+        fixed_rounds(),
+    );
 
     let events = events(&events_path);
     assert!(
@@ -2233,17 +2240,27 @@ struct Beside {
     lines: Vec<String>,
     /// The reference trainers' workers, still running.
     honest: Vec<Proc>,
+    /// The Python trainer's worker, still running.
+    python: Proc,
 }
 
-/// Runs job `name` of [`ROUNDS`] rounds (120 s each at most; more data than they use, so the
-/// run ends after its rounds) by `honest` reference trainers and one Python trainer, `script`
-/// with `env`, and checks that it succeeded. Each worker prefetches one byte ahead: the Python
-/// trainer starts a second later and would otherwise find every slice taken.
+/// The epochs and `[diloco]` keys of a run of [`ROUNDS`] rounds (120 s each at most) whose
+/// data outlasts them, so that it ends after its rounds.
+fn fixed_rounds() -> (u32, String) {
+    (6, format!("rounds = {ROUNDS}\nround_seconds = 120\n"))
+}
+
+/// Runs job `name` of `epochs` and `diloco` keys by `honest` reference trainers and one Python
+/// trainer, `script` with `env`, and checks that it succeeded. Each worker prefetches one byte
+/// ahead: the dataset is tiny (24 slices of 4 KiB), and the Python trainer, a second slower to
+/// start, would otherwise find every slice prefetched (a real dataset's thousands of slices of
+/// megabytes leave the default budget a few ahead of each).
 fn run_beside_a_python_trainer(
     name: &str,
     honest: usize,
     script: &str,
     env: &[(&str, String)],
+    (epochs, diloco): (u32, String),
 ) -> Beside {
     let (mut cluster, _data, mut server) = cluster();
     cluster.worker_prefetch_bytes = Some(1);
@@ -2253,12 +2270,7 @@ fn run_beside_a_python_trainer(
     let (peer, mut python) = cluster.peer_id_after("python", |cluster| {
         cluster.python_worker("python", "train", "diloco", script, env)
     });
-    let job = cluster.diloco_job(
-        name,
-        honest + 1,
-        6,
-        &format!("rounds = {ROUNDS}\nround_seconds = 120\n"),
-    );
+    let job = cluster.diloco_job(name, honest + 1, epochs, &diloco);
     let (mut scheduler, events) = cluster.scheduler("scheduler", &job);
     let (ok, lines) = scheduler.wait(Duration::from_secs(180));
     let mut procs: Vec<&mut Proc> = rust.iter_mut().collect();
@@ -2271,6 +2283,7 @@ fn run_beside_a_python_trainer(
         events,
         lines,
         honest: rust,
+        python,
     }
 }
 
@@ -2280,25 +2293,14 @@ fn run_beside_a_python_trainer(
 /// updates sent with it), the model learned.
 fn train_with_python_trainer(script: &str, rust_trainers: usize, extra: &str) {
     const EPOCHS: u32 = 2;
-    let (mut cluster, _data, mut server) = cluster();
-    // The dataset is tiny (24 slices of 4 KiB): with the default budget, the reference
-    // trainers' workers would prefetch all of them before a Python trainer, a second slower to
-    // start, asks for its first (a real dataset's thousands of slices of megabytes leave the
-    // same budget a few ahead of each).
-    cluster.worker_prefetch_bytes = Some(1);
-    let mut rust: Vec<Proc> = (0..rust_trainers)
-        .map(|i| cluster.trainer_worker(&format!("rust{i}"), ""))
-        .collect();
-    let (python_peer, mut python) = cluster.peer_id_after("python", |cluster| {
-        cluster.python_worker("python", "train", "diloco", script, &[])
-    });
-    let job = cluster.diloco_job("mixed", rust_trainers + 1, EPOCHS, extra);
-    let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
-    let (ok, lines) = scheduler.wait(Duration::from_secs(180));
-    let mut procs: Vec<&mut Proc> = rust.iter_mut().collect();
-    procs.push(&mut python);
-    procs.push(&mut server);
-    assert_succeeded(&cluster, ok, &lines, &mut procs);
+    let Beside {
+        cluster,
+        peer: python_peer,
+        events: events_path,
+        honest: mut rust,
+        mut python,
+        ..
+    } = run_beside_a_python_trainer("mixed", rust_trainers, script, &[], (EPOCHS, extra.into()));
 
     // The Python trainer reported, and its pseudo-gradients went into rounds.
     let python_dir = job_dir(&cluster.path("python-work"));
