@@ -236,6 +236,14 @@ class Trainer:
     ) -> None:
         import numpy  # noqa: F401  (fail now, not in the middle of a round)
 
+        if not safetensors.can_fingerprint():
+            # Fail closed: a global model whose fingerprint cannot be checked is not trained on.
+            raise RuntimeError(
+                "the DiLoCo loop checks every global model against the parameter server's "
+                "BLAKE3 fingerprint and needs the blake3 package: pip install blake3 (the "
+                "hypha-sdk extras numpy and torch bring it)"
+            )
+
         self.job = job
         self.bridge: Bridge = job.bridge
         self.model = model
@@ -257,7 +265,6 @@ class Trainer:
         # The fingerprint of the global model it holds, once checked against the server's:
         # reported, so that the run's record shows which model each trainer trained from.
         self.global_hash: Optional[str] = None
-        self._unchecked_said = False
         self.stats = _RoundStats()
         self.reader = _Reader(self)
         self.rounds_trained = 0
@@ -269,8 +276,8 @@ class Trainer:
         if settings.overlap:
             self.log("the job asks for overlap; this SDK trains without it, a round at a time")
         # Such a trainer takes the server's sparse changes of the model instead of whole models,
-        # where it can check the model they lead to against the server's fingerprint.
-        self.takes_changes = self.feedback is not None and safetensors.can_fingerprint()
+        # checking the model they lead to against the server's fingerprint.
+        self.takes_changes = self.feedback is not None
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -489,14 +496,7 @@ class Trainer:
                     continue
                 expected = metadata.get(MODEL_HASH)
                 matches = None if expected is None else safetensors.fingerprint_matches(tensors, expected)
-                if matches is None and expected is not None and not self._unchecked_said:
-                    # The transfer's own SHA-256 still vouches for the bytes on the way.
-                    self._unchecked_said = True
-                    self.log(
-                        f"cannot check the global model's fingerprint ({expected.split(':', 1)[0]}): "
-                        "pip install blake3 to check every model end to end"
-                    )
-                if matches is False:
+                if expected is not None and not matches:
                     # Damaged on the way, or not the server's model: never trained on. As the
                     # Rust trainer does, ask for the whole model again.
                     self.log(

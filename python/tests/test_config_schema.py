@@ -116,3 +116,30 @@ class TrainerConfigSchema(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipIf(numpy is None, "needs numpy")
+class FailsClosed(unittest.TestCase):
+    def test_the_loop_refuses_to_start_where_it_cannot_check_a_models_fingerprint(self):
+        """Without the blake3 package the loop would train on global models it cannot check
+        (issue 58): it stops before its first request, saying what to install."""
+
+        class Job:
+            bridge = None
+            config = {"diloco": {"batch_size": 4}, "data": {}}
+
+        class Model:
+            def parameters(self):
+                return {"w": numpy.zeros(2, dtype=numpy.float32)}
+
+        from hypha_sdk import safetensors
+
+        saved = safetensors._blake3
+        safetensors._blake3 = lambda: None
+        try:
+            with self.assertRaisesRegex(RuntimeError, "pip install blake3"):
+                diloco.Trainer(Job(), Model())
+        finally:
+            safetensors._blake3 = saved
+        if safetensors.can_fingerprint():
+            diloco.Trainer(Job(), Model())

@@ -804,6 +804,7 @@ fn the_python_sdk_and_the_upstream_client_work_against_real_bridges() {
             "test_config_schema.TrainerConfigSchema.test_every_key_the_sdk_reads_is_described",
             "test_config_schema.TrainerConfigSchema.test_sparse_keys_mean_what_the_schema_says_and_other_codecs_send_float32",
             "test_config_schema.TrainerConfigSchema.test_the_sdk_defaults_are_the_described_ones_and_it_refuses_what_is_out_of_range",
+            "test_config_schema.FailsClosed.test_the_loop_refuses_to_start_where_it_cannot_check_a_models_fingerprint",
         ]).into_iter().flatten())
         {
             assert!(
