@@ -43,6 +43,12 @@ pub enum Reference {
     /// its metadata; `[]` when the iteration is done.
     #[serde(alias = "scheduler")]
     Scheduler(SchedulerReference),
+    /// Every slice of a dataset held out of training, to score models on: fetched from the
+    /// data nodes that announce it (verified against their manifest's BLAKE3), in slice
+    /// order, as `{out_dir}/heldout-{slice}.safetensors` (plain SafeTensors) with `slice` and
+    /// `samples` in their metadata. No ledger hears of them: they are not an iteration.
+    #[serde(alias = "held_out", alias = "heldout")]
+    HeldOut { dataset: String },
     /// An object (or, with `kind = "prefix"`, every object under a prefix) of one of the
     /// worker's artifact origins, fetched peer to peer with the other workers that need it,
     /// placed at `out_dir/{last segment of uri}`; `unpack` also unpacks an archive into

@@ -734,10 +734,16 @@ pub async fn progress(schema: &hypha_config::Schema, args: &ProgressArgs) -> Res
 /// parameter server or lost workers, and how long before `now_ms` the latest of these
 /// happened.
 fn run_lines(run: &hypha_messages::iterate::RunProgress, now_ms: u64) -> Vec<String> {
-    let round = run.round.map_or_else(
+    let mut round = run.round.map_or_else(
         || "no round applied yet".to_string(),
         |r| format!("last round applied {r}"),
     );
+    if let Some(eval) = &run.held_out {
+        round += &format!(
+            "; held-out loss {:.4} of the model of round {}",
+            eval.loss, eval.round
+        );
+    }
     let mut lines = vec![format!(
         "run {}: restarts {}, leases taken over {}, parameter-server failovers {}, workers lost {}, trainers benched {}, updates refused {}, clipped {}; {round}",
         run.task,
@@ -774,6 +780,12 @@ mod tests {
             refused: 5,
             clipped: 6,
             round: Some(7),
+            held_out: Some(hypha_messages::diloco::Evaluation {
+                round: 6,
+                loss: 1.25,
+                scored: 100,
+                accuracy: None,
+            }),
             recent: vec![RunNote {
                 time_ms: 10_000,
                 kind: "failover".into(),
@@ -784,7 +796,7 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "run t1: restarts 1, leases taken over 3, parameter-server failovers 2, workers lost 4, trainers benched 1, updates refused 5, clipped 6; last round applied 7",
+                "run t1: restarts 1, leases taken over 3, parameter-server failovers 2, workers lost 4, trainers benched 1, updates refused 5, clipped 6; last round applied 7; held-out loss 1.2500 of the model of round 6",
                 "      42 s ago  failover   parameter server p lost",
             ]
         );

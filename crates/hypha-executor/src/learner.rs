@@ -23,6 +23,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::{
     contract::Batch,
+    local::{Score, Tally},
     model::{Model, ModelSpec, initial_values},
     train::TrainError,
 };
@@ -69,6 +70,18 @@ pub trait Learner {
 
     /// Forgets what compression dropped: it was measured against a server that is gone.
     fn forget_dropped(&mut self);
+
+    /// Scores the global model it holds on `batches` (held-out data); `None` for a learner
+    /// that cannot, which then never says it evaluates.
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<Option<Score>, TrainError> {
+        let _ = batches;
+        Ok(None)
+    }
+
+    /// Whether [`evaluate`](Self::evaluate) scores.
+    fn evaluates(&self) -> bool {
+        false
+    }
 }
 
 /// A reference model trained with AdamW on candle's CPU backend.
@@ -84,6 +97,8 @@ pub struct Trained {
     feedback: ErrorFeedback,
     /// Its own model at the last sync, while it trains ahead.
     synced: Option<Tensors>,
+    /// The model global models are scored in, made at the first evaluation.
+    scorer: Option<Model>,
 }
 
 impl Trained {
@@ -114,6 +129,7 @@ impl Trained {
             codec,
             feedback: ErrorFeedback::for_codec(codec),
             synced: None,
+            scorer: None,
         })
     }
 
@@ -216,6 +232,25 @@ impl Learner for Trained {
 
     fn forget_dropped(&mut self) {
         self.feedback.reset();
+    }
+
+    /// Scores the global model in a model of its own: the one training may already hold
+    /// batches trained ahead of it.
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<Option<Score>, TrainError> {
+        let scorer = match &mut self.scorer {
+            Some(scorer) => scorer,
+            empty => empty.insert(Model::new(self.model.spec(), 0)?),
+        };
+        scorer.load(&self.global)?;
+        let mut tally = Tally::default();
+        for batch in batches {
+            tally.add(scorer, batch)?;
+        }
+        Ok(Some(tally.score()))
+    }
+
+    fn evaluates(&self) -> bool {
+        true
     }
 }
 

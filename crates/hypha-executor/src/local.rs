@@ -24,6 +24,8 @@ pub struct Score {
     /// Of the labels, or of the next tokens.
     pub accuracy: f64,
     pub samples: u64,
+    /// Targets scored: the samples' labels, or the sequences' real next tokens.
+    pub targets: u64,
 }
 
 /// Why a dataset could not be scored.
@@ -83,7 +85,7 @@ pub fn evaluate_dataset(
             count,
         });
     }
-    let (mut loss, mut accuracy, mut counted, mut samples) = (0.0, 0.0, 0.0, 0u64);
+    let mut tally = Tally::default();
     for entry in &manifest.slices[range] {
         let read_error = |error: SliceReadError| EvaluateError::Read {
             file: dataset.root().join(&entry.file).display().to_string(),
@@ -96,25 +98,47 @@ pub fn evaluate_dataset(
             DataError::Contract(e) => EvaluateError::Contract(e),
             other => read_error(other.into()),
         })?;
+        tally.add(model, &batch)?;
+    }
+    Ok(tally.score())
+}
+
+/// A score summed over batches, each target (a sample's label, a real next token) counting
+/// once: what [`evaluate_dataset`] and a trainer scoring held-out slices both report.
+#[derive(Debug, Default)]
+pub struct Tally {
+    loss: f64,
+    accuracy: f64,
+    targets: f64,
+    samples: u64,
+}
+
+impl Tally {
+    /// Scores `model` on `batch`, [`CHUNK_ROWS`] rows at a time.
+    pub fn add(&mut self, model: &Model, batch: &Batch) -> Result<(), ModelError> {
         let rows = batch.rows();
         for start in (0..rows).step_by(CHUNK_ROWS) {
             let take = CHUNK_ROWS.min(rows - start);
-            let chunk = batch
-                .narrow(start, take)
-                .map_err(|e| EvaluateError::Model(e.into()))?;
-            let (chunk_loss, chunk_accuracy, targets) = model.evaluate_counted(&chunk)?;
-            loss += chunk_loss * targets;
-            accuracy += chunk_accuracy * targets;
-            counted += targets;
-            samples += take as u64;
+            let chunk = batch.narrow(start, take).map_err(ModelError::from)?;
+            let (loss, accuracy, targets) = model.evaluate_counted(&chunk)?;
+            self.loss += loss * targets;
+            self.accuracy += accuracy * targets;
+            self.targets += targets;
+            self.samples += take as u64;
+        }
+        Ok(())
+    }
+
+    /// The means over every target scored.
+    pub fn score(&self) -> Score {
+        let total = self.targets.max(1.0);
+        Score {
+            loss: self.loss / total,
+            accuracy: self.accuracy / total,
+            samples: self.samples,
+            targets: self.targets as u64,
         }
     }
-    let total = counted.max(1.0);
-    Ok(Score {
-        loss: loss / total,
-        accuracy: accuracy / total,
-        samples,
-    })
 }
 
 /// The model a dataset suggests, with the hidden sizes of the quickstart:

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use hypha_executor::{
     contract::TensorNames,
     learner::SyntheticUpdates,
-    local::{Score, evaluate_dataset},
+    local::{Tally, evaluate_dataset},
     model::{Model, ModelSpec},
     synthetic::Synthetic,
     train::{JobConfig, Trainer},
@@ -175,12 +175,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 None => {
                     let batch = Synthetic::for_model(&spec).batch(samples, seed)?;
-                    let (loss, accuracy) = trained.evaluate(&batch)?;
-                    Score {
-                        loss,
-                        accuracy,
-                        samples: samples as u64,
-                    }
+                    let mut tally = Tally::default();
+                    tally.add(&trained, &batch)?;
+                    tally.score()
                 }
             };
             println!("{}", serde_json::to_string(&score)?);

@@ -54,7 +54,7 @@ use std::{
 
 use hypha_diloco::{Codec, Metadata};
 use hypha_messages::{
-    diloco::{Status, TrainerConfig, TrainerOrder, TrainerStatus, meta},
+    diloco::{Evaluation, Status, TrainerConfig, TrainerOrder, TrainerStatus, meta},
     iterate::SliceRef,
 };
 use serde::Deserialize;
@@ -105,6 +105,10 @@ pub struct JobConfig {
     pub tensors: TensorNames,
     /// Where slices come from: handed to `/resources/fetch` as it is.
     pub data: Reference,
+    /// The held-out slices global models are scored on when an order says `evaluate`
+    /// (`{"type": "HeldOut", "dataset": …}`, from the job's `[data] eval`).
+    #[serde(default)]
+    pub eval: Option<Reference>,
     pub diloco: TrainerConfig,
 }
 
@@ -196,6 +200,12 @@ pub struct Trainer<L = Trained> {
     leaving: bool,
     /// Set by SIGTERM (see [`Trainer::run`]).
     stop: Arc<AtomicBool>,
+    /// An order of this round said to score the next global model on the held-out data.
+    evaluate_next: bool,
+    /// The held-out data, fetched at the first evaluation.
+    held_out: Option<Vec<Batch>>,
+    /// The last score, until a report told it.
+    eval: Option<Evaluation>,
 }
 
 /// How long a trainer told to stop goes on training its part of the round before it sends
@@ -299,6 +309,9 @@ impl<L: Learner> Trainer<L> {
             model_bytes,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
+            evaluate_next: false,
+            held_out: None,
+            eval: None,
         }
     }
 
@@ -392,10 +405,12 @@ impl<L: Learner> Trainer<L> {
                 round,
                 batches,
                 parameter_server,
+                evaluate,
             } => {
                 if self.round != Some(*round) {
                     return Ok(None);
                 }
+                self.evaluate_next |= *evaluate;
                 if self.server.as_ref() != Some(parameter_server) {
                     eprintln!(
                         "round {round}: going on with the parameter server {parameter_server}, which holds the model this round trains from"
@@ -477,10 +492,14 @@ impl<L: Learner> Trainer<L> {
             data_done: self.data.out_of_data() && ahead.is_none_or(|a| a.samples == 0),
             model_hash: self.round.map(|_| self.learner.global_hash().to_string()),
             deltas_applied: self.deltas_applied,
-            eval: None,
+            eval: self.eval,
+            evaluates: self.config.eval.is_some() && self.learner.evaluates(),
             syncing: Some(stats.syncing || self.sending.is_some() || ahead.is_some()),
         });
-        Ok(self.bridge.status(&status)?)
+        let order = self.bridge.status(&status)?;
+        // Heard: told once, not in every report after.
+        self.eval = None;
+        Ok(order)
     }
 
     /// One AdamW step on the next batch, counted for this round or, `ahead`, for the next;
@@ -894,7 +913,53 @@ impl<L: Learner> Trainer<L> {
         }
         let how = if changed { "as a change" } else { "whole" };
         eprintln!("round {round}: global model received ({how})");
+        if std::mem::take(&mut self.evaluate_next) {
+            self.score(round);
+        }
         Ok(true)
+    }
+
+    /// Scores the global model of round `round` on the held-out data, fetched the first
+    /// time, for the next status to report. A score that fails is said and skipped: the
+    /// training goes on.
+    fn score(&mut self, round: u64) {
+        let started = Instant::now();
+        match self.held_out_score() {
+            Ok(Some(score)) => {
+                eprintln!(
+                    "round {round}: held-out loss {:.4} over {} targets ({} ms)",
+                    score.loss,
+                    score.targets,
+                    started.elapsed().as_millis()
+                );
+                self.eval = Some(Evaluation {
+                    round,
+                    loss: score.loss,
+                    scored: score.targets,
+                    accuracy: Some(score.accuracy),
+                });
+            }
+            Ok(None) => {}
+            Err(error) => {
+                eprintln!("round {round}: the held-out data could not be scored: {error}")
+            }
+        }
+    }
+
+    fn held_out_score(&mut self) -> Result<Option<crate::local::Score>, TrainError> {
+        let Some(reference) = self.config.eval.clone() else {
+            return Ok(None);
+        };
+        let batches = match &mut self.held_out {
+            Some(batches) => batches,
+            empty => empty.insert(read_held_out(
+                &self.bridge,
+                &self.dir,
+                reference,
+                &self.config,
+            )?),
+        };
+        self.learner.evaluate(batches)
     }
 
     /// The server's answer to this trainer's offer by fingerprint: it holds the model of
@@ -1037,6 +1102,43 @@ fn outbox(dir: &Path, name: &str) -> Result<PathBuf, TrainError> {
         error,
     })?;
     Ok(outbox.join(name))
+}
+
+/// The held-out slices `reference` names, fetched through the job's bridge into `dir` and
+/// read as the model reads its batches; the files go once read.
+fn read_held_out(
+    bridge: &Client,
+    dir: &Path,
+    reference: Reference,
+    config: &JobConfig,
+) -> Result<Vec<Batch>, TrainError> {
+    let entries = bridge.fetch(&FetchRequest {
+        fetch: reference,
+        out_dir: "heldout".to_string(),
+        wait_ms: None,
+    })?;
+    let mut batches = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let path = dir.join(&entry.path);
+        let bytes = std::fs::read(&path).map_err(|error| TrainError::File {
+            path: path.clone(),
+            error,
+        });
+        let _ = std::fs::remove_file(&path);
+        let slice = entry
+            .metadata
+            .get("slice")
+            .and_then(serde_json::Value::as_u64);
+        let batch = Batch::read(&bytes?, &config.model, &config.tensors).map_err(|error| {
+            TrainError::Data {
+                epoch: 0,
+                slice: slice.unwrap_or(u64::MAX),
+                error,
+            }
+        })?;
+        batches.push(batch);
+    }
+    Ok(batches)
 }
 
 /// Sends the file `outbox/{name}` of the job's directory `dir` to `peer` through the job's

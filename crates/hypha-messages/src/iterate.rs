@@ -115,7 +115,7 @@ pub struct IterationProgress {
 }
 
 /// How a scheduler's run has fared, over every process that ran it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunProgress {
     pub task: String,
     /// Times a scheduler resumed the run its earlier process left.
@@ -137,6 +137,9 @@ pub struct RunProgress {
     pub clipped: u32,
     /// The last DiLoCo round applied.
     pub round: Option<u64>,
+    /// The latest score of a global model on the job's held-out data (`[data] eval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_out: Option<crate::diloco::Evaluation>,
     /// The latest restarts, re-adoptions, failovers and losses, oldest first.
     pub recent: Vec<RunNote>,
 }

@@ -106,17 +106,38 @@ pub fn line_chart(chart: &Chart<'_>) -> Result<String, PlotError> {
     Ok(svg)
 }
 
-/// Training loss by DiLoCo round, one marker per applied round.
-pub fn loss_by_round(losses: &[(u64, f64)]) -> Result<String, PlotError> {
-    let points: Vec<(f64, f64)> = losses.iter().map(|&(r, l)| (r as f64, l)).collect();
+/// Training loss by DiLoCo round, one marker per applied round (round, loss), and beside it
+/// the held-out loss of global models (the model's round, loss): the model of round r is
+/// what round r − 1 led to, and is drawn there, beside that round's training loss. Without
+/// held-out losses, the training loss alone.
+pub fn loss_by_round(
+    training: &[(u64, f64)],
+    held_out: &[(u64, f64)],
+) -> Result<String, PlotError> {
+    let points = |losses: &[(u64, f64)], shift: u64| -> Vec<(f64, f64)> {
+        (losses.iter())
+            .map(|&(r, l)| (r.saturating_sub(shift) as f64, l))
+            .collect()
+    };
+    let (training, held_out) = (points(training, 0), points(held_out, 1));
+    let mut series = vec![Series {
+        name: "training loss",
+        points: &training,
+    }];
+    let (title, y_label) = if held_out.is_empty() {
+        ("Training loss by round", "training loss")
+    } else {
+        series.push(Series {
+            name: "held-out loss",
+            points: &held_out,
+        });
+        ("Training and held-out loss by round", "loss")
+    };
     line_chart(&Chart {
-        title: "Training loss by round",
+        title,
         x_label: "round",
-        y_label: "training loss",
-        series: vec![Series {
-            name: "training loss",
-            points: &points,
-        }],
+        y_label,
+        series,
         size: (720, 400),
     })
 }
@@ -193,7 +214,7 @@ mod tests {
     #[test]
     fn a_loss_plot_is_svg_with_a_marker_per_round_and_labelled_axes() {
         let losses: Vec<(u64, f64)> = (0..10).map(|r| (r, 2.0 / (r as f64 + 1.0))).collect();
-        let svg = loss_by_round(&losses).unwrap();
+        let svg = loss_by_round(&losses, &[]).unwrap();
         let markers = markers(&svg);
         assert_eq!(markers.len(), 10);
         // Later rounds are further right, and lower losses lower on the page (larger y).
@@ -212,12 +233,38 @@ mod tests {
 
     #[test]
     fn points_that_are_not_finite_are_left_out_and_no_points_still_draw_axes() {
-        let svg = loss_by_round(&[(0, 1.0), (1, f64::NAN), (2, f64::INFINITY), (3, 0.5)]).unwrap();
+        let svg = loss_by_round(
+            &[(0, 1.0), (1, f64::NAN), (2, f64::INFINITY), (3, 0.5)],
+            &[],
+        )
+        .unwrap();
         assert_eq!(markers(&svg).len(), 2);
-        let svg = loss_by_round(&[]).unwrap();
+        let svg = loss_by_round(&[], &[]).unwrap();
         assert!(markers(&svg).is_empty());
         assert!(texts(&svg).iter().any(|t| t == "round"));
-        let svg = loss_by_round(&[(4, 0.3)]).unwrap();
+        let svg = loss_by_round(&[(4, 0.3)], &[]).unwrap();
         assert_eq!(markers(&svg).len(), 1);
+    }
+
+    /// Held-out losses are a second line, named in a legend, each drawn beside the training
+    /// loss of the round that led to its model.
+    #[test]
+    fn held_out_losses_are_a_second_line_beside_the_rounds_that_led_to_their_models() {
+        let training: Vec<(u64, f64)> = (0..10).map(|r| (r, 2.0 / (r as f64 + 1.0))).collect();
+        let svg = loss_by_round(&training, &[(5, 1.0), (10, 0.5)]).unwrap();
+        let markers = markers(&svg);
+        assert_eq!(markers.len(), 12);
+        let x_of = |round: usize| markers[round].0;
+        // The model of round 5 is what round 4 led to; that of round 10, round 9.
+        assert!((markers[10].0 - x_of(4)).abs() < 0.5, "{markers:?}");
+        assert!((markers[11].0 - x_of(9)).abs() < 0.5, "{markers:?}");
+        let texts = texts(&svg);
+        for label in [
+            "training loss",
+            "held-out loss",
+            "Training and held-out loss by round",
+        ] {
+            assert!(texts.iter().any(|t| t == label), "{label} in {texts:?}");
+        }
     }
 }

@@ -12,8 +12,9 @@
 //! | `/api/workers`    | per slot: role, peer, job, lease, state, pace                       |
 //! | `/api/iteration`  | per epoch: available, assigned, consumed, used (`null`: no data)   |
 //! | `/api/rounds`     | the DiLoCo rounds applied: trainers, samples, training loss         |
+//! | `/api/held_out`   | the global models scored on the held-out data (`[data] eval`)      |
 //! | `/api/events`     | the latest events, oldest first                                     |
-//! | `/api/loss.svg`   | training loss by round (the plot `hypha quickstart` writes)        |
+//! | `/api/loss.svg`   | training and held-out loss by round (the plot the quickstart writes) |
 //!
 //! The dashboard has no login: it listens on loopback unless given another address, and
 //! says so in the log when it is not. It answers only requests whose `Host` is an IP address
@@ -62,6 +63,7 @@ pub struct Board {
     task: String,
     workers: BTreeMap<usize, WorkerView>,
     rounds: Vec<RoundView>,
+    held_out: Vec<HeldOutView>,
     events: VecDeque<Stamped>,
     next_event: u64,
     done: Option<Outcome>,
@@ -122,6 +124,16 @@ pub struct RoundView {
     pub trainers: usize,
     pub samples: u64,
     pub loss: Option<f64>,
+    pub time_ms: u64,
+}
+
+/// A global model scored on the job's held-out data.
+#[derive(Debug, Clone, Serialize)]
+pub struct HeldOutView {
+    /// The model's round: the one round `round − 1` led to.
+    pub round: u64,
+    pub loss: f64,
+    pub accuracy: Option<f64>,
     pub time_ms: u64,
 }
 
@@ -266,6 +278,17 @@ impl Board {
                 loss: *loss,
                 time_ms,
             }),
+            Event::Evaluated {
+                round,
+                loss,
+                accuracy,
+                ..
+            } => self.held_out.push(HeldOutView {
+                round: *round,
+                loss: *loss,
+                accuracy: *accuracy,
+                time_ms,
+            }),
             Event::Done { ok, message } => {
                 self.done = Some(Outcome {
                     ok: *ok,
@@ -330,12 +353,13 @@ impl Board {
         worker
     }
 
-    /// The rounds' training losses, for the plot.
-    fn losses(&self) -> Vec<(u64, f64)> {
-        self.rounds
-            .iter()
+    /// The rounds' training losses and the held-out losses, plotted.
+    fn loss_plot(&self) -> Result<String, hypha_plot::PlotError> {
+        let training: Vec<(u64, f64)> = (self.rounds.iter())
             .filter_map(|r| Some((r.round, r.loss?)))
-            .collect()
+            .collect();
+        let held_out: Vec<(u64, f64)> = self.held_out.iter().map(|h| (h.round, h.loss)).collect();
+        hypha_plot::loss_by_round(&training, &held_out)
     }
 }
 
@@ -347,6 +371,8 @@ pub struct Snapshot {
     pub workers: Vec<WorkerView>,
     pub iteration: Option<IterationProgress>,
     pub rounds: Vec<RoundView>,
+    /// The global models scored on the job's held-out data (`[data] eval`).
+    pub held_out: Vec<HeldOutView>,
     pub events: Vec<Stamped>,
 }
 
@@ -412,6 +438,7 @@ impl Sources {
             workers: board.workers.into_values().collect(),
             iteration,
             rounds: board.rounds,
+            held_out: board.held_out,
             events: board.events.into(),
         }
     }
@@ -445,6 +472,7 @@ pub async fn serve(listener: tokio::net::TcpListener, mut sources: Sources) -> s
         .route("/api/workers", get(workers))
         .route("/api/iteration", get(iteration))
         .route("/api/rounds", get(rounds))
+        .route("/api/held_out", get(held_out))
         .route("/api/events", get(events))
         .route("/api/loss.svg", get(loss_plot))
         .layer(axum::middleware::from_fn(literal_hosts_only))
@@ -502,13 +530,17 @@ async fn rounds(State(sources): State<Sources>) -> Json<Vec<RoundView>> {
     Json(sources.board.borrow().rounds.clone())
 }
 
+async fn held_out(State(sources): State<Sources>) -> Json<Vec<HeldOutView>> {
+    Json(sources.board.borrow().held_out.clone())
+}
+
 async fn events(State(sources): State<Sources>) -> Json<Vec<Stamped>> {
     Json(sources.board.borrow().events.iter().cloned().collect())
 }
 
 async fn loss_plot(State(sources): State<Sources>) -> Response {
-    let losses = sources.board.borrow().losses();
-    match hypha_plot::loss_by_round(&losses) {
+    let plot = sources.board.borrow().loss_plot();
+    match plot {
         Ok(svg) => (
             [
                 (header::CONTENT_TYPE, "image/svg+xml"),

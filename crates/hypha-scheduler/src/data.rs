@@ -77,40 +77,22 @@ impl JobData {
         ledger: &Path,
         task: &str,
         carried: &CarriedOver,
-        fits: impl FnOnce(&Manifest) -> Result<(), String>,
+        fits: impl Fn(&Manifest) -> Result<(), String>,
     ) -> Result<Self, DataError> {
         let client = DataClient::new(network.clone());
-        // A resumed run asks the data nodes it used first: a restarted node's DHT may take
-        // seconds to answer a provider lookup (10 s at times in `hypha-bench recovery`), while
-        // the nodes are reached through the gateway at once.
-        let mut manifests = manifests_of(&client, &spec.dataset, &carried.data_nodes).await;
-        let mut providers = carried.data_nodes.clone();
-        if manifests.is_empty() {
-            let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
-            providers = loop {
-                match client.providers(&spec.dataset).await {
-                    Ok(providers) => break providers,
-                    Err(error) if tokio::time::Instant::now() >= deadline => {
-                        return Err(DataError::NoProviders {
-                            dataset: spec.dataset.clone(),
-                            detail: Box::new(error),
-                        });
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-                }
-            };
-            manifests = manifests_of(&client, &spec.dataset, &providers).await;
-        }
-        let Some((sources, manifest)) = merge(&spec.dataset, &manifests) else {
-            return Err(DataError::NoManifest {
-                dataset: spec.dataset.clone(),
-                count: providers.len(),
-            });
-        };
-        fits(&manifest).map_err(|message| DataError::Misfit {
-            dataset: spec.dataset.clone(),
+        let (manifests, sources, manifest) =
+            find(&client, &spec.dataset, &carried.data_nodes).await?;
+        let misfit = |dataset: &str, message| DataError::Misfit {
+            dataset: dataset.to_string(),
             message,
-        })?;
+        };
+        fits(&manifest).map_err(|message| misfit(&spec.dataset, message))?;
+        if let Some(eval) = &spec.eval {
+            // Trainers fetch the held-out slices themselves; the run starts only once it
+            // knows they are there and fit the model, rather than fail its first scoring.
+            let (_, _, held_out) = find(&client, eval, &carried.data_nodes).await?;
+            fits(&held_out).map_err(|message| misfit(eval, message))?;
+        }
         let iteration = spec_of(&manifest, spec.epochs, spec.seed);
         let path = ledger.to_path_buf();
         let open_from = carried.open_from;
@@ -274,6 +256,42 @@ impl JobData {
 /// with every slice) and shards (nodes with some) both work, since slices are matched by file
 /// name, not by the number each node gives them. A node whose copy of a file has another hash
 /// than the first node's that listed it is not used for that slice.
+/// The manifests of `dataset` from the data nodes that hold it, merged. A resumed run asks
+/// the data nodes it used (`known`) first: a restarted node's DHT may take seconds to answer
+/// a provider lookup (10 s at times in `hypha-bench recovery`), while the nodes are reached
+/// through the gateway at once.
+async fn find(
+    client: &DataClient,
+    dataset: &str,
+    known: &[PeerId],
+) -> Result<(Vec<(PeerId, Manifest)>, Vec<SliceSource>, Manifest), DataError> {
+    let mut manifests = manifests_of(client, dataset, known).await;
+    let mut providers = known.to_vec();
+    if manifests.is_empty() {
+        let deadline = tokio::time::Instant::now() + PROVIDER_WAIT;
+        providers = loop {
+            match client.providers(dataset).await {
+                Ok(providers) => break providers,
+                Err(error) if tokio::time::Instant::now() >= deadline => {
+                    return Err(DataError::NoProviders {
+                        dataset: dataset.to_string(),
+                        detail: Box::new(error),
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        };
+        manifests = manifests_of(client, dataset, &providers).await;
+    }
+    let Some((sources, manifest)) = merge(dataset, &manifests) else {
+        return Err(DataError::NoManifest {
+            dataset: dataset.to_string(),
+            count: providers.len(),
+        });
+    };
+    Ok((manifests, sources, manifest))
+}
+
 /// The manifests of `dataset` that `peers` send; a node that sends none is left out, with a
 /// warning.
 async fn manifests_of(

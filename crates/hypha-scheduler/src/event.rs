@@ -107,6 +107,16 @@ pub enum Event {
         #[serde(skip_serializing_if = "std::ops::Not::not")]
         away: bool,
     },
+    /// `peer` scored the global model of `round` (the one after round `round − 1`) on the
+    /// job's held-out data: mean `loss` over `scored` targets.
+    Evaluated {
+        round: u64,
+        peer: String,
+        loss: f64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        accuracy: Option<f64>,
+        scored: u64,
+    },
     /// The first trainers hold the model: the run's first round waits for the other leased
     /// trainers to load, `grace_s` at most (`[diloco] start_grace_seconds`).
     WaitingForTrainers {

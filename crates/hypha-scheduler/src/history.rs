@@ -123,6 +123,21 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
             progress.round = Some(*round);
             return;
         }
+        Event::Evaluated {
+            round,
+            loss,
+            accuracy,
+            scored,
+            ..
+        } => {
+            progress.held_out = Some(hypha_messages::diloco::Evaluation {
+                round: *round,
+                loss: *loss,
+                scored: *scored,
+                accuracy: *accuracy,
+            });
+            return;
+        }
         _ => return,
     };
     if progress.recent.len() >= RECENT {

@@ -25,7 +25,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use hypha_messages::diloco::{Applied, ServerOrder, ServerStatus, TrainerOrder, TrainerStatus};
+use hypha_messages::diloco::{
+    Applied, Evaluation, ServerOrder, ServerStatus, TrainerOrder, TrainerStatus,
+};
 
 /// How a round is planned and closed.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,7 +46,14 @@ pub struct RoundPlan {
     /// How long the first round waits for the leased trainers that are not ready yet, from
     /// when the first one was (see [`Start`]).
     pub start_grace_ms: u64,
+    /// Score the global model on the job's held-out data every this many rounds, and the
+    /// last planned one; `None`: the job names none.
+    pub eval_every: Option<u64>,
 }
+
+/// How long the trainer asked to score the run's last model may take to report it before it
+/// is told the training is over anyway.
+pub const FINAL_EVAL_WAIT_MS: u64 = 60_000;
 
 /// Whether the run's first round may begin. Trainers that hold the model wait until every
 /// leased trainer holds it, or until `start_grace_ms` after the first did. A trainer that
@@ -93,6 +102,8 @@ pub enum News {
         peer: String,
         reason: String,
     },
+    /// `peer` scored a global model on the held-out data.
+    Evaluated { peer: String, eval: Evaluation },
 }
 
 /// A trainer benched as a round ended, and why.
@@ -275,6 +286,23 @@ pub struct Rounds {
     /// The ledger, when last asked, still had slices to hand out or handed out and not yet
     /// consumed: trainers out of data wait for them rather than end the training.
     data_left: bool,
+    /// The held-out scoring ([`RoundPlan::eval_every`]).
+    eval: Scoring,
+}
+
+/// Who scores the global models on the held-out data, and how far it got. One trainer does,
+/// as each model to score reaches it (before it trains on it): the first that said it can,
+/// another once it is gone or out of data. A Python trainer of the SDK does not say it can.
+#[derive(Debug, Default)]
+struct Scoring {
+    /// The evaluating trainer's job.
+    by: Option<String>,
+    /// The latest model round it was asked to score.
+    asked: Option<u64>,
+    /// The latest score it reported, with the peer it came from.
+    scored: Option<(String, Evaluation)>,
+    /// When the training was over for it: it may still report the last model's score.
+    done_ms: Option<u64>,
 }
 
 impl Rounds {
@@ -304,7 +332,83 @@ impl Rounds {
             },
             news: Vec::new(),
             data_left: false,
+            eval: Scoring::default(),
         }
+    }
+
+    /// The latest score of a global model on the held-out data, and the peer that scored it.
+    pub fn evaluation(&self) -> Option<&(String, Evaluation)> {
+        self.eval.scored.as_ref()
+    }
+
+    /// Whether the global model of round `model` is to be scored: every
+    /// [`eval_every`](RoundPlan::eval_every) rounds, and the last planned one.
+    fn scores(&self, model: u64) -> bool {
+        let due = self
+            .plan
+            .eval_every
+            .is_some_and(|every| model.is_multiple_of(every.max(1)) || self.planned_through(model));
+        due && self
+            .eval
+            .scored
+            .as_ref()
+            .is_none_or(|(_, e)| e.round < model)
+    }
+
+    /// Takes trainer `job`'s score and its offer to score: the evaluator is the first
+    /// trainer that can, until it is gone.
+    fn take_score(&mut self, job: &str, peer: &str, status: &TrainerStatus) {
+        if let Some(eval) = status.eval
+            && self
+                .eval
+                .scored
+                .as_ref()
+                .is_none_or(|(_, e)| e.round < eval.round)
+        {
+            self.eval.scored = Some((peer.to_string(), eval));
+            self.news.push(News::Evaluated {
+                peer: peer.to_string(),
+                eval,
+            });
+        }
+        // A trainer out of data is in no round, and gets no model after the last one.
+        let idle = status.data_done && status.samples == 0;
+        if idle && self.eval.by.as_deref() == Some(job) {
+            self.eval.by = None;
+        }
+        let present = |by: &String| self.trainers.contains_key(by);
+        if status.evaluates && !idle && !self.eval.by.as_ref().is_some_and(present) {
+            self.eval.by = Some(job.to_string());
+        }
+    }
+
+    /// Whether trainer `job`, told the training is over at `now_ms`, is to wait instead: it
+    /// was asked to score the last model, is to get it (its update is in the last round:
+    /// a trainer left out of it, out of data, gets no model after it), and has not reported
+    /// the score, for at most [`FINAL_EVAL_WAIT_MS`].
+    fn awaits_last_score(&mut self, job: &str, now_ms: u64) -> bool {
+        let Some(peer) = (self.eval.by.as_deref() == Some(job))
+            .then(|| self.trainers.get(job))
+            .flatten()
+            .map(|t| t.peer.as_str())
+        else {
+            return false;
+        };
+        let last = self.round.checked_sub(1);
+        let gets_last_model = last
+            .and_then(|last| self.included.get(&last))
+            .is_some_and(|included| included.contains(peer));
+        if !gets_last_model {
+            return false;
+        }
+        let since = *self.eval.done_ms.get_or_insert(now_ms);
+        let missing = self.eval.asked.is_some_and(|asked| {
+            self.eval
+                .scored
+                .as_ref()
+                .is_none_or(|(_, e)| e.round < asked)
+        });
+        missing && now_ms < since.saturating_add(FINAL_EVAL_WAIT_MS)
     }
 
     /// Whether the ledger still has slices to hand out or handed out and not yet consumed:
@@ -590,11 +694,15 @@ impl Rounds {
         now_ms: u64,
     ) -> (TrainerOrder, Vec<Settle>) {
         let mut settle = Vec::new();
-        if !self.trainers.contains_key(job) {
+        let Some(peer) = self.trainers.get(job).map(|t| t.peer.clone()) else {
             // Not (or no longer) one of this job's trainers.
             return (TrainerOrder::Done, settle);
-        }
+        };
+        self.take_score(job, &peer, &status);
         if self.done {
+            if self.awaits_last_score(job, now_ms) {
+                return (TrainerOrder::Wait { retry_ms: WAIT_MS }, settle);
+            }
             return (TrainerOrder::Done, settle);
         }
         let Some(server) = self.server.clone() else {
@@ -704,10 +812,16 @@ impl Rounds {
                 });
             }
         }
+        let evaluate =
+            round == self.round && self.eval.by.as_deref() == Some(job) && self.scores(round + 1);
+        if evaluate {
+            self.eval.asked = Some(round + 1);
+        }
         let order = TrainerOrder::Train {
             round,
             batches,
             parameter_server: server,
+            evaluate,
         };
         (order, settle)
     }

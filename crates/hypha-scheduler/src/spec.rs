@@ -36,6 +36,8 @@
 //! seed = 7             # fixes each epoch's order
 //! cluster_sync = true  # the scheduler's ledger hands out every slice (the default)
 //! ledger = "digits.ledger"  # default: next to the job file, named after it
+//! eval = "digits-heldout"   # DiLoCo: score the global model on this held-out dataset
+//!                           # (another name on the data nodes) every `eval_every` rounds
 //! ```
 //!
 //! A DiLoCo job adds a parameter server and rounds (see [`rounds`](crate::rounds)); the
@@ -55,6 +57,7 @@
 //! max_update_norm_ratio = 3   # an update whose L2 norm is above 3× the round's reference
 //!                             # (its lower median, at least the last rounds' typical norm)
 //!                             # counts as one of 3× (clipped; the default; 0: off)
+//! eval_every = 10          # with [data] eval: score every this many rounds, and the last
 //! metrics = "job.metrics.jsonl"  # default: next to the job file, named after it
 //! forward = "http://127.0.0.1:8080/metrics"  # also POST each metrics line there (optional)
 //! inner = { learning_rate = 0.001, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }
@@ -228,6 +231,10 @@ pub struct DilocoSpec {
     /// update's) are refused. Default [`DEFAULT_NORM_RATIO`]; 0 turns the check off.
     #[serde(default = "default_norm_ratio")]
     pub max_update_norm_ratio: f64,
+    /// With `[data] eval`: the global model is scored on the held-out data every this many
+    /// rounds (and the last one at the end), by one trainer as the model reaches it.
+    #[serde(default = "default_eval_every")]
+    pub eval_every: u64,
     /// Where trainers' reports and closed rounds are written as JSON lines.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
@@ -327,6 +334,13 @@ fn default_norm_ratio() -> f64 {
     DEFAULT_NORM_RATIO
 }
 
+/// Scoring a held-out set as large as a tenth of what a round trains costs a third of a
+/// round's compute (a forward pass of a third of a step's); every tenth round, a few percent
+/// of one trainer's time.
+fn default_eval_every() -> u64 {
+    10
+}
+
 fn default_bench_after_refusals() -> u32 {
     3
 }
@@ -354,6 +368,11 @@ pub struct DataSpec {
     /// Where the ledger is kept; a scheduler restarted with the same job file resumes it.
     #[serde(default)]
     pub ledger: Option<PathBuf>,
+    /// A dataset held out of training (another name on the data nodes: its slices never
+    /// train), on which one trainer scores the global model every `diloco.eval_every`
+    /// rounds and at the end.
+    #[serde(default)]
+    pub eval: Option<String>,
 }
 
 fn default_epochs() -> u32 {
@@ -476,6 +495,22 @@ impl JobFile {
                     "data.cluster_sync = false: this scheduler runs iterations itself; drop the key, or have executors iterate a data node with `hypha-data iterate`".into(),
                 ));
             }
+            match &data.eval {
+                Some(eval) if eval == &data.dataset => {
+                    return Err(invalid(format!(
+                        "data.eval = {eval:?} is the dataset trained on: name a dataset held out of it (e.g. its last slices, prepared apart as \"{eval}-heldout\")"
+                    )));
+                }
+                Some(eval) if eval.is_empty() => {
+                    return Err(invalid(
+                        "data.eval names no dataset: name the held-out one, or drop the key".into(),
+                    ));
+                }
+                Some(_) if spec.diloco.is_none() => {
+                    return Err(invalid("data.eval scores the global models of DiLoCo training: add a [diloco] section, or drop the key".into()));
+                }
+                _ => {}
+            }
         }
         if let Some(diloco) = &spec.diloco {
             diloco.check().map_err(invalid)?;
@@ -521,8 +556,24 @@ impl JobFile {
                 "diloco".into(),
                 serde_json::to_value(diloco.trainer_config()).unwrap_or_default(),
             );
+            if let Some(eval) = self.data.as_ref().and_then(|d| d.eval.as_ref()) {
+                object.insert(
+                    "eval".into(),
+                    serde_json::json!({"type": "HeldOut", "dataset": eval}),
+                );
+            }
         }
         config.to_string()
+    }
+
+    /// How rounds are planned and closed, the held-out scoring included.
+    pub fn plan(&self) -> Option<crate::rounds::RoundPlan> {
+        let diloco = self.diloco.as_ref()?;
+        let evaluates = self.data.as_ref().is_some_and(|d| d.eval.is_some());
+        Some(crate::rounds::RoundPlan {
+            eval_every: evaluates.then_some(diloco.eval_every),
+            ..diloco.plan()
+        })
     }
 
     /// The executor's settings as JSON, with `data` (the reference to fetch slices with)
@@ -597,6 +648,7 @@ impl DilocoSpec {
             ("diloco.samples_per_round", self.samples_per_round as f64),
             ("diloco.batch_size", self.batch_size as f64),
             ("diloco.round_seconds", self.round_seconds),
+            ("diloco.eval_every", self.eval_every as f64),
             ("diloco.inner.learning_rate", self.inner.learning_rate),
             ("diloco.outer.learning_rate", self.outer().learning_rate),
             ("diloco.parameter_server.bid", self.parameter_server.bid),
@@ -718,6 +770,7 @@ impl DilocoSpec {
             quorum: self.quorum,
             bench_after_refusals: self.bench_after_refusals,
             start_grace_ms: (self.start_grace_seconds * 1000.0) as u64,
+            eval_every: None,
         }
     }
 
@@ -881,5 +934,32 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("add a [data] section"), "{err}");
+
+        // Issue 56: a held-out dataset to score the global model on.
+        let with_eval = |eval: &str| {
+            let text = format!("{base}{eval}\n{diloco}");
+            JobFile::parse("job.toml", &text).map_err(|e| e.to_string())
+        };
+        let spec = with_eval("eval = \"blobs-heldout\"").unwrap();
+        let trainer: serde_json::Value = serde_json::from_str(&spec.trainer_config(None)).unwrap();
+        assert_eq!(
+            trainer["eval"],
+            serde_json::json!({"type": "HeldOut", "dataset": "blobs-heldout"})
+        );
+        assert_eq!(spec.plan().unwrap().eval_every, Some(10));
+        assert_eq!(
+            JobFile::parse("job.toml", &format!("{base}{diloco}"))
+                .unwrap()
+                .plan()
+                .unwrap()
+                .eval_every,
+            None
+        );
+        let err = with_eval("eval = \"blobs\"").unwrap_err();
+        assert!(
+            err.contains("data.eval = \"blobs\" is the dataset trained on"),
+            "{err}"
+        );
+        assert!(bad("eval_every = 0").contains("diloco.eval_every = 0"));
     }
 }

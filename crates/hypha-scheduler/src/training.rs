@@ -10,7 +10,9 @@
 //! `{"kind": "round", …}` for every round the parameter server applied (with how long it took
 //! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`, and what
 //! it sent its standby, `standby_bytes`), and
-//! `{"kind": "checkpoint", "round", "bytes"}` for every checkpoint stored. Each line is written
+//! `{"kind": "checkpoint", "round", "bytes"}` for every checkpoint stored, and
+//! `{"kind": "eval", "round", "peer", "loss", "accuracy", "scored"}` for every score of a
+//! global model on the job's held-out data (`[data] eval`). Each line is written
 //! whole and flushed, so it can be followed while the job runs. With `forward`, each line is
 //! also POSTed to that URL as JSON by a background task; when the URL cannot keep up (more
 //! than [`FORWARD_QUEUE`] lines waiting), lines are dropped for it, never for the file, and
@@ -163,7 +165,18 @@ impl Training {
 
     /// What happened to the trainers since the last call (see [`News`]).
     pub fn take_news(&mut self) -> Vec<News> {
-        self.rounds.take_news()
+        let news = self.rounds.take_news();
+        for item in &news {
+            if let News::Evaluated { peer, eval } = item {
+                self.record(&EvalLine {
+                    kind: "eval",
+                    time_ms: unix_ms(),
+                    peer,
+                    eval,
+                });
+            }
+        }
+        news
     }
 
     pub fn trainer_started(&mut self, job: &str, peer: PeerId) {
@@ -701,6 +714,15 @@ struct TrainerLine<'a> {
     job: &'a str,
     #[serde(flatten)]
     status: &'a hypha_messages::diloco::TrainerStatus,
+}
+
+#[derive(Serialize)]
+struct EvalLine<'a> {
+    kind: &'static str,
+    time_ms: u64,
+    peer: &'a str,
+    #[serde(flatten)]
+    eval: &'a hypha_messages::diloco::Evaluation,
 }
 
 #[derive(Serialize)]

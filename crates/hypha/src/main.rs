@@ -193,6 +193,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 100.0 * summary.accuracy_before,
                 100.0 * summary.accuracy_after,
             );
+            if let Some((round, loss)) = summary.held_out {
+                println!(
+                    "held-out loss scored by the job as it trained: {loss:.4} (the model of round {round})"
+                );
+            }
             if let Some(held) = finished.held {
                 println!(
                     "the network stays up: the dashboard is at {}; press Ctrl-C to stop it",

@@ -149,6 +149,9 @@ pub struct Summary {
     pub clipped: u64,
     /// What the model was evaluated on.
     pub evaluated_on: String,
+    /// The job's last score of the global model on the held-out data, as it trained:
+    /// (the model's round, loss).
+    pub held_out: Option<(u64, f64)>,
     /// The model trained.
     pub model: ModelSpec,
 }
@@ -294,12 +297,22 @@ pub fn run(
                 settings.samples_per_slice,
                 0,
             )?;
+            let held_out = dir.join("data/blobs-heldout");
+            let (slices, samples) = SYNTHETIC_HELD_OUT;
+            Synthetic::for_model(&MODEL).write(&held_out, slices, samples, 1 << 40)?;
             Training {
                 model: MODEL,
                 tensors: TensorNames::default(),
                 dataset: "blobs".into(),
                 samples: (settings.slices * settings.samples_per_slice) as u64,
-                evaluation: Evaluation::Synthetic { samples: 4096 },
+                held_out: HeldOut {
+                    dataset: "blobs-heldout".into(),
+                    dir: held_out,
+                    described: format!(
+                        "{} fresh samples of the synthetic dataset",
+                        slices * samples
+                    ),
+                },
             }
         }
     };
@@ -441,9 +454,11 @@ pub fn run(
         path: metrics_path,
         error,
     })?;
-    let plot = hypha_plot::loss_by_round(&watch.losses).map_err(|e| QuickstartError::Write {
-        path: dir.join("loss.svg"),
-        error: std::io::Error::other(e.to_string()),
+    let plot = hypha_plot::loss_by_round(&watch.losses, &watch.held_out).map_err(|e| {
+        QuickstartError::Write {
+            path: dir.join("loss.svg"),
+            error: std::io::Error::other(e.to_string()),
+        }
     })?;
     write(&dir.join("loss.svg"), &plot)?;
 
@@ -462,7 +477,8 @@ pub fn run(
         outcome: watch.outcome.clone(),
         refused: watch.refused,
         clipped: watch.clipped,
-        evaluated_on: training.evaluation.to_string(),
+        evaluated_on: training.held_out.described.clone(),
+        held_out: watch.held_out.last().copied(),
         model: training.model,
     };
     Ok(Finished { summary, held })
@@ -476,61 +492,37 @@ struct Training {
     dataset: String,
     /// Samples the data node serves.
     samples: u64,
-    evaluation: Evaluation,
+    held_out: HeldOut,
 }
 
-enum Evaluation {
-    /// Fresh samples of the synthetic dataset, drawn from a seed no slice used.
-    Synthetic { samples: usize },
-    /// The slices of the user's dataset held out of training.
-    HeldOut {
-        dir: PathBuf,
-        slices: std::ops::Range<usize>,
-        samples: u64,
-    },
-}
-
-impl std::fmt::Display for Evaluation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Synthetic { samples } => {
-                write!(f, "{samples} fresh samples of the synthetic dataset")
-            }
-            Self::HeldOut {
-                dir,
-                slices,
-                samples,
-            } => write!(
-                f,
-                "{samples} samples of held-out slice(s) {}..{} of {}",
-                slices.start,
-                slices.end,
-                dir.display()
-            ),
-        }
-    }
+/// The data held out of training, served by the data node as a dataset of its own: the job
+/// scores the global model on it as it trains (`[data] eval`), and the quickstart scores the
+/// first and the final model on it, the same way.
+struct HeldOut {
+    /// Its name, as the data node announces it.
+    dataset: String,
+    /// Where the data node serves it from.
+    dir: PathBuf,
+    /// What it is, in words.
+    described: String,
 }
 
 impl Training {
-    /// Loss and accuracy of `model` on the evaluation data.
+    /// Loss and accuracy of `model` on the held-out data.
     fn score(&self, model: &Model) -> Result<(f64, f64), QuickstartError> {
-        match &self.evaluation {
-            Evaluation::Synthetic { samples } => {
-                let held_out = Synthetic::for_model(&self.model).batch(*samples, 1 << 40)?;
-                Ok(model.evaluate(&held_out)?)
+        let dir = &self.held_out.dir;
+        let score = local::evaluate_dataset(model, dir, &self.tensors, None).map_err(|error| {
+            QuickstartError::OwnData {
+                dir: dir.clone(),
+                error,
             }
-            Evaluation::HeldOut { dir, slices, .. } => {
-                let score =
-                    local::evaluate_dataset(model, dir, &self.tensors, Some(slices.clone()))
-                        .map_err(|error| QuickstartError::OwnData {
-                            dir: dir.clone(),
-                            error,
-                        })?;
-                Ok((score.loss, score.accuracy))
-            }
-        }
+        })?;
+        Ok((score.loss, score.accuracy))
     }
 }
+
+/// Fresh samples of the synthetic dataset, drawn from seeds no training slice used, held out.
+const SYNTHETIC_HELD_OUT: (usize, usize) = (4, 1024);
 
 /// The user's dataset, opened, with the model decided and checked against it.
 struct CheckedData {
@@ -583,35 +575,52 @@ fn lay_out_own_data(checked: CheckedData, dir: &Path) -> Result<Training, Quicks
     let manifest = dataset.manifest();
     let count = manifest.slices.len();
     let train = count - (count / 10).max(1);
-    let served = dir.join("data").join(dataset.name());
-    std::fs::create_dir_all(&served).map_err(|error| QuickstartError::Write {
-        path: served.clone(),
-        error,
-    })?;
-    for entry in &manifest.slices[..train] {
-        let (from, to) = (dataset.root().join(&entry.file), served.join(&entry.file));
-        std::fs::hard_link(&from, &to)
-            .or_else(|_| std::fs::copy(&from, &to).map(drop))
-            .map_err(|error| QuickstartError::Write { path: to, error })?;
+    let (trained, held) = manifest.slices.split_at(train);
+    let held_out = format!("{}-heldout", dataset.name());
+    let mut served = Vec::new();
+    for (name, slices) in [(dataset.name(), trained), (&held_out, held)] {
+        let to_dir = dir.join("data").join(name);
+        std::fs::create_dir_all(&to_dir).map_err(|error| QuickstartError::Write {
+            path: to_dir.clone(),
+            error,
+        })?;
+        for entry in slices {
+            let (from, to) = (dataset.root().join(&entry.file), to_dir.join(&entry.file));
+            std::fs::hard_link(&from, &to)
+                .or_else(|_| std::fs::copy(&from, &to).map(drop))
+                .map_err(|error| QuickstartError::Write { path: to, error })?;
+        }
+        // A dataset's slices are numbered from 0, whichever files they are.
+        let numbered = (slices.iter().zip(0..))
+            .map(|(entry, index)| hypha_dataset::SliceEntry {
+                index,
+                ..entry.clone()
+            })
+            .collect();
+        let part = hypha_dataset::Manifest {
+            slices: numbered,
+            name: name.to_string(),
+            ..manifest.clone()
+        };
+        let json = serde_json::to_string_pretty(&part).unwrap_or_default();
+        write(&to_dir.join(hypha_dataset::MANIFEST_FILE), &json)?;
+        served.push(to_dir);
     }
-    let training_manifest = hypha_dataset::Manifest {
-        slices: manifest.slices[..train].to_vec(),
-        name: dataset.name().to_string(),
-        ..manifest.clone()
-    };
-    let json = serde_json::to_string_pretty(&training_manifest).unwrap_or_default();
-    write(&served.join(hypha_dataset::MANIFEST_FILE), &json)?;
     let samples =
         |range: &[hypha_dataset::SliceEntry]| range.iter().filter_map(|s| s.samples).sum::<u64>();
     Ok(Training {
         model,
         tensors: own.tensors.clone(),
         dataset: dataset.name().to_string(),
-        samples: samples(&manifest.slices[..train]),
-        evaluation: Evaluation::HeldOut {
-            dir: own.dir.clone(),
-            slices: train..count,
-            samples: samples(&manifest.slices[train..]),
+        samples: samples(trained),
+        held_out: HeldOut {
+            described: format!(
+                "{} samples of held-out slice(s) {train}..{count} of {}",
+                samples(held),
+                own.dir.display()
+            ),
+            dataset: held_out,
+            dir: served.pop().unwrap_or_default(),
         },
     })
 }
@@ -650,13 +659,16 @@ fn job_file(settings: &Settings, training: &Training) -> String {
          [executor]\nclass = \"train\"\nname = \"diloco\"\n\
          [resources]\ncpu = 1\n\
          [config]\n{config}\
-         [data]\ndataset = {dataset:?}\nepochs = {epochs}\nseed = 7\n\
-         [diloco]\nrounds = {rounds}\nsamples_per_round = {samples}\nbatch_size = {batch_size}\nround_seconds = {round_seconds:?}\n\
+         [data]\ndataset = {dataset:?}\neval = {held_out:?}\nepochs = {epochs}\nseed = 7\n\
+         [diloco]\nrounds = {rounds}\neval_every = {eval_every}\nsamples_per_round = {samples}\nbatch_size = {batch_size}\nround_seconds = {round_seconds:?}\n\
          compression = {compression:?}\noverlap = {overlap}\n\
          inner = {{ learning_rate = {learning_rate:?}, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
          [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
         trainers = settings.all_trainers(),
         dataset = training.dataset,
+        held_out = training.held_out.dataset,
+        // About twenty scores of the held-out data in a run, and the last model's.
+        eval_every = (settings.rounds / 20).max(1),
         rounds = settings.rounds,
         samples = settings.samples_per_round,
         batch_size = settings.batch_size,
@@ -914,6 +926,8 @@ struct RunWatch {
     metrics: Follow,
     events: Follow,
     losses: Vec<(u64, f64)>,
+    /// The global models scored on the held-out data as the job trained: (round, loss).
+    held_out: Vec<(u64, f64)>,
     /// The job ended: whether it succeeded.
     done: Option<bool>,
     /// What the scheduler said as the job ended.
@@ -995,6 +1009,14 @@ impl RunWatch {
                     "round {round} applied, training loss {loss:.4}"
                 )));
                 self.losses.push((round, loss));
+            }
+            if line["kind"] == "eval"
+                && let (Some(round), Some(loss)) = (line["round"].as_u64(), line["loss"].as_f64())
+            {
+                progress(Progress::Step(&format!(
+                    "held-out loss {loss:.4} (the model of round {round})"
+                )));
+                self.held_out.push((round, loss));
             }
         }
     }

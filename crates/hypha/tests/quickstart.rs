@@ -104,8 +104,17 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
         .map(|e| e["used"].as_u64().unwrap())
         .sum();
     assert!(used > 0, "{state:#}");
+    // Issue 56: the global model scored on the held-out data as it trained, here every
+    // round (the quickstart scores about twenty times a run): the models of rounds 1 to 4.
+    let held_out: Vec<u64> = state["held_out"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["round"].as_u64().unwrap())
+        .collect();
+    assert_eq!(held_out, [1, 2, 3, 4], "{state:#}");
     let plot = http_get(&dashboard, "/api/loss.svg");
-    assert_eq!(markers(&plot), 4);
+    assert_eq!(markers(&plot), 4 + 4);
 
     match &browser {
         Some(browser) => {
@@ -131,6 +140,10 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
             );
             // The loss plot arrived and has its size.
             assert!(page.contains(r#"data-loaded="720""#), "{page}");
+            assert!(
+                page.contains("· held-out loss ") && page.contains("(model of round 4)"),
+                "{page}"
+            );
         }
         None => eprintln!(
             "SKIPPED the browser check: no headless Chromium found (apt-get install chromium-headless-shell); the dashboard's JSON and plot were checked"
@@ -153,16 +166,22 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
             "{file} missing; it printed:\n{stdout}"
         );
     }
-    let rounds = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let rounds = metrics
         .lines()
         .filter(|l| l.contains("\"kind\":\"round\""))
         .count();
     assert_eq!(rounds, 4);
+    let scores = metrics
+        .lines()
+        .filter(|l| l.contains("\"kind\":\"eval\""))
+        .count();
+    assert_eq!(scores, 4, "{metrics}");
     assert_eq!(
         markers(&std::fs::read_to_string(dir.join("loss.svg")).unwrap()),
-        4
+        4 + 4
     );
+    same_held_out_loss_as_offline(&stdout);
 
     // "evaluation loss A → B": B < A.
     let line = stdout
@@ -180,6 +199,40 @@ fn quickstart_trains_a_model_shows_it_on_the_dashboard_and_leaves_its_files() {
         "{stdout}"
     );
     no_errors_logged(&dir);
+}
+
+/// The job's own score of its last model on the held-out data, as it trained, is the
+/// quickstart's offline score of the saved model on the same data (issue 56), but for the
+/// order of a sum: the trainer's matrix products run on other threads than the quickstart's.
+fn same_held_out_loss_as_offline(stdout: &str) {
+    let offline = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("evaluation loss ")?.split(" → ").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let in_run = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("held-out loss scored by the job as it trained: "))
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let (in_run, offline): (f64, f64) = (in_run.parse().unwrap(), offline.parse().unwrap());
+    assert!(
+        (in_run - offline).abs() <= 1e-3 * offline.max(0.1),
+        "{stdout}"
+    );
+    let last = stdout
+        .lines()
+        .find(|l| l.starts_with("held-out loss scored by the job as it trained: "))
+        .unwrap();
+    let rounds = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("trained ")?.split(" for ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap();
+    assert!(
+        last.ends_with(&format!("(the model of round {rounds})")),
+        "the last model is scored: {stdout}"
+    );
 }
 
 /// Sends each line of `stream` to `lines` (prefixed) and returns them all at its end.
@@ -424,6 +477,29 @@ fn the_seed_recipes_dataset_trains_an_mlp_and_a_cnn_from_a_deep_directory() {
     assert!(loss_after < 0.5 * loss_before, "{stdout}");
     assert!(accuracy > 70.0, "chance is 10 %: {stdout}");
     no_errors_logged(&deep.join("cnn"));
+    // The held-out slice is a dataset of its own on the data node, which the run scores
+    // models on and never trains on: the ledger iterates the nine others.
+    same_held_out_loss_as_offline(&stdout);
+    let served = |name: &str| {
+        let mut files: Vec<String> = std::fs::read_dir(deep.join("cnn/data").join(name))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| f.ends_with(".safetensors"))
+            .collect();
+        files.sort();
+        files
+    };
+    assert_eq!(served("digits-heldout"), ["slice-0009.safetensors"]);
+    assert_eq!(served("digits").len(), 9);
+    assert!(!served("digits").contains(&"slice-0009.safetensors".to_string()));
+    let hypha = Path::new(env!("CARGO_BIN_EXE_hypha"));
+    let audit = Command::new(hypha.parent().unwrap().join("hypha-scheduler"))
+        .arg("audit")
+        .arg(deep.join("cnn/job.ledger"))
+        .output()
+        .unwrap();
+    let audit = String::from_utf8_lossy(&audit.stdout);
+    assert!(audit.contains("epoch(s) of 9 slices"), "{audit}");
 
     // `hypha-executor evaluate --dataset` scores the model file as the quickstart did.
     let model = stdout

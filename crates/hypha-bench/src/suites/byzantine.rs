@@ -249,6 +249,7 @@ fn simulate(
         quorum: 0.5,
         bench_after_refusals: 3,
         start_grace_ms: 0,
+        eval_every: None,
     });
     plan.server_started("server".into());
     let mut now = 0u64;

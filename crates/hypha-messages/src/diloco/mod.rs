@@ -134,9 +134,14 @@ pub struct TrainerStatus {
     /// Global models it built from broadcast changes rather than took whole, so far.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub deltas_applied: u64,
-    /// Evaluation loss and accuracy of the global model it holds, when it measured them.
+    /// Its score of a global model on the job's held-out data, once it measured it (an
+    /// order said `evaluate`), in the next status it sends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<Evaluation>,
+    /// It can score global models on the job's held-out data (`[data] eval`): the scheduler
+    /// asks only such trainers to.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub evaluates: bool,
     /// Whether it has begun to send the round's pseudo-gradient (it trains no more batches
     /// of the round). `Some(false)` lets a trainer whose parameter server was replaced by one
     /// holding the model it trains from go on with its round; a trainer that does not say
@@ -145,10 +150,15 @@ pub struct TrainerStatus {
     pub syncing: Option<bool>,
 }
 
-/// An evaluation of a model on held-out data.
+/// An evaluation of a global model on the job's held-out data.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Evaluation {
+    /// The round the model is the starting point of (the model after round `round − 1`).
+    pub round: u64,
+    /// Mean loss per scored target (a sample, or a token of a sequence), in nats.
     pub loss: f64,
+    /// Targets scored.
+    pub scored: u64,
     /// For classifiers: the fraction of correct predictions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
@@ -166,6 +176,10 @@ pub enum TrainerOrder {
         round: u64,
         batches: u64,
         parameter_server: String,
+        /// Score the global model of round `round + 1` on the job's held-out data as soon as
+        /// it arrives, and report it (`eval`) before training on it.
+        #[serde(default, skip_serializing_if = "is_false")]
+        evaluate: bool,
     },
     /// Nothing to do yet (the parameter server is not there); ask again after `retry_ms`.
     Wait { retry_ms: u64 },
@@ -316,6 +330,10 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// The scheduler's answer to the parameter server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "action", rename_all = "snake_case")]
@@ -390,12 +408,24 @@ mod tests {
             round: 2,
             batches: 9,
             parameter_server: "ps".into(),
+            evaluate: false,
         })
         .unwrap();
         assert_eq!(
             order,
             serde_json::json!({"action": "train", "round": 2, "batches": 9, "parameter_server": "ps"})
         );
+        // Asked to score the next model on the held-out data; an older scheduler's order
+        // (without the key) asks nothing.
+        let order = TrainerOrder::Train {
+            round: 9,
+            batches: 1,
+            parameter_server: "ps".into(),
+            evaluate: true,
+        };
+        let text = serde_json::to_string(&order).unwrap();
+        assert!(text.contains(r#""evaluate":true"#), "{text}");
+        assert_eq!(serde_json::from_str::<TrainerOrder>(&text).unwrap(), order);
         let order: ServerOrder =
             serde_json::from_str(r#"{"action": "close", "round": 0, "send_to": ["a"]}"#).unwrap();
         assert_eq!(

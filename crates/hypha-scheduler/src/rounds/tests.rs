@@ -16,6 +16,7 @@ fn plan() -> RoundPlan {
         quorum: 0.5,
         bench_after_refusals: 3,
         start_grace_ms: 0,
+        eval_every: None,
     }
 }
 
@@ -1324,4 +1325,128 @@ fn a_trainer_still_to_join_joins_the_server_that_went_on() {
     assert!(matches!(order, TrainerOrder::Join { .. }), "{order:?}");
     rounds.trainer_taken_over("b".into(), "pb".into(), false);
     assert!(!rounds.must_rejoin("b"));
+}
+
+/// Issue 56: one trainer scores the global model on the held-out data every `eval_every`
+/// rounds and the last, asked in the round that leads to the model: the first that says it
+/// can (a Python trainer of the SDK does not), another once it is out of data. Told the
+/// training is over, it waits until it reported the last model's score.
+#[test]
+fn one_trainer_scores_the_models_due_and_the_last_one_before_the_end() {
+    let mut rounds = Rounds::new(RoundPlan {
+        rounds: Some(4),
+        eval_every: Some(2),
+        ..plan()
+    });
+    rounds.server_started("ps".into());
+    for job in ["a", "b", "c"] {
+        rounds.trainer_started(job.to_string(), format!("peer-{job}"));
+    }
+    let can = |status: TrainerStatus| TrainerStatus {
+        evaluates: true,
+        ..status
+    };
+    let evaluate =
+        |order: &TrainerOrder| matches!(order, TrainerOrder::Train { evaluate: true, .. });
+    let mut asked = Vec::new();
+    let mut now = 0;
+    for round in 0..4 {
+        for job in ["a", "b", "c"] {
+            let mut status = status(round, 1, Some(10.0));
+            if job != "a" {
+                status = can(status);
+            }
+            if job == "b" && round == 3 {
+                // Out of data: it hands the scoring on.
+                status.data_done = true;
+                status.samples = 0;
+                status.batches = 0;
+            }
+            if job == "b" && round == 2 {
+                status.eval = Some(Evaluation {
+                    round: 2,
+                    loss: 0.5,
+                    scored: 100,
+                    accuracy: None,
+                });
+            }
+            let (order, _) = rounds.trainer_status(job, status, now);
+            if evaluate(&order) {
+                asked.push((round, job));
+            }
+        }
+        now += 1000;
+        let included: &[&str] = if round == 3 {
+            &["peer-a", "peer-c"]
+        } else {
+            &["peer-a", "peer-b", "peer-c"]
+        };
+        report(&mut rounds, server(round, included, None), now);
+        report(
+            &mut rounds,
+            server(round + 1, &[], Some((round, included))),
+            now,
+        );
+    }
+    // The model of round 2 by b, asked in round 1; that of round 4, the last, by c, b being
+    // out of data.
+    assert_eq!(asked, [(1, "b"), (3, "c")], "{asked:?}");
+    assert!(rounds.done());
+    let scored = rounds.evaluation().unwrap();
+    assert_eq!((scored.0.as_str(), scored.1.round), ("peer-b", 2));
+    assert!(rounds.take_news().iter().any(
+        |n| matches!(n, News::Evaluated { peer, eval } if peer == "peer-b" && eval.round == 2)
+    ));
+
+    // The end: everyone else is done; c waits until it reported the last model's score.
+    let (order, _) = rounds.trainer_status("a", status(4, 0, None), now);
+    assert_eq!(order, TrainerOrder::Done);
+    let (order, _) = rounds.trainer_status("c", can(status(4, 0, None)), now);
+    assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
+    let last = Evaluation {
+        round: 4,
+        loss: 0.25,
+        scored: 100,
+        accuracy: Some(0.9),
+    };
+    let with_score = TrainerStatus {
+        eval: Some(last),
+        ..can(status(4, 0, None))
+    };
+    let (order, _) = rounds.trainer_status("c", with_score, now + 500);
+    assert_eq!(order, TrainerOrder::Done);
+    assert_eq!(rounds.evaluation().unwrap().1, last);
+}
+
+/// A trainer that never reports the last score holds the end for [`FINAL_EVAL_WAIT_MS`] at
+/// most.
+#[test]
+fn the_end_waits_for_the_last_score_a_minute_at_most() {
+    let mut rounds = Rounds::new(RoundPlan {
+        rounds: Some(1),
+        eval_every: Some(10),
+        ..plan()
+    });
+    rounds.server_started("ps".into());
+    rounds.trainer_started("a".into(), "peer-a".into());
+    let can = TrainerStatus {
+        evaluates: true,
+        ..status(0, 1, Some(10.0))
+    };
+    let (order, _) = rounds.trainer_status("a", can.clone(), 0);
+    assert!(
+        matches!(order, TrainerOrder::Train { evaluate: true, .. }),
+        "{order:?}"
+    );
+    report(&mut rounds, server(0, &["peer-a"], None), 10);
+    report(&mut rounds, server(1, &[], Some((0, &["peer-a"]))), 10);
+    assert!(rounds.done());
+    let after = TrainerStatus {
+        evaluates: true,
+        ..status(1, 0, None)
+    };
+    let (order, _) = rounds.trainer_status("a", after.clone(), 100);
+    assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
+    let (order, _) = rounds.trainer_status("a", after, 100 + FINAL_EVAL_WAIT_MS);
+    assert_eq!(order, TrainerOrder::Done);
 }

@@ -188,6 +188,13 @@ impl JobRun<'_> {
                     peer,
                     reason,
                 },
+                News::Evaluated { peer, eval } => Event::Evaluated {
+                    round: eval.round,
+                    peer,
+                    loss: eval.loss,
+                    accuracy: eval.accuracy,
+                    scored: eval.scored,
+                },
                 News::Joined { job, peer, round } => {
                     let Some(slot) = self.jobs.get(&job).map(|d| d.slot) else {
                         continue;

@@ -184,6 +184,9 @@ impl EventLog {
                 reason = %reason.escape_debug(),
                 "a trainer's update counted for a share of itself (clipped)"
             ),
+            Event::Evaluated {
+                round, peer, loss, ..
+            } => tracing::info!(round, %peer, loss, "held-out loss of the global model"),
             Event::Resumed { task, round, jobs } => {
                 tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
             }

@@ -116,34 +116,36 @@ pub async fn run_job(
         },
         _ => None,
     };
-    let training = match (&spec.diloco, &data) {
-        (Some(diloco), Some(data)) => {
-            let path = diloco
-                .metrics
-                .clone()
-                .unwrap_or_else(|| "metrics.jsonl".into());
-            let forward = diloco.forward.as_deref();
-            let resumed = earlier.is_some();
-            let mut started = Training::new(diloco.plan(), data.clone(), &path, forward, resumed)
-                .map_err(|error| RunError::Metrics {
-                path: path.display().to_string(),
-                error,
-            })?;
-            if let (Some(round), Some(earlier)) = (resumed_round, &earlier) {
-                // The earlier server may have applied the recorded rounds past the
-                // checkpoint, and one more before the scheduler heard.
-                let reached = earlier
-                    .uncommitted
-                    .iter()
-                    .map(|u| u.round + 1)
-                    .fold(round, u64::max)
-                    + 1;
-                started.resume_from(round, reached, earlier);
+    let training =
+        match (&spec.diloco, &data) {
+            (Some(diloco), Some(data)) => {
+                let path = diloco
+                    .metrics
+                    .clone()
+                    .unwrap_or_else(|| "metrics.jsonl".into());
+                let forward = diloco.forward.as_deref();
+                let resumed = earlier.is_some();
+                let plan = spec.plan().unwrap_or_else(|| diloco.plan());
+                let mut started = Training::new(plan, data.clone(), &path, forward, resumed)
+                    .map_err(|error| RunError::Metrics {
+                        path: path.display().to_string(),
+                        error,
+                    })?;
+                if let (Some(round), Some(earlier)) = (resumed_round, &earlier) {
+                    // The earlier server may have applied the recorded rounds past the
+                    // checkpoint, and one more before the scheduler heard.
+                    let reached = earlier
+                        .uncommitted
+                        .iter()
+                        .map(|u| u.round + 1)
+                        .fold(round, u64::max)
+                        + 1;
+                    started.resume_from(round, reached, earlier);
+                }
+                Some(started)
             }
-            Some(started)
-        }
-        _ => None,
-    };
+            _ => None,
+        };
     let checkpoints = match (&training, spec.ledger_path()) {
         (Some(_), Some(ledger)) => {
             let path = checkpoint::path_beside(&ledger);

@@ -13,6 +13,12 @@
 //!   reached the model (for jobs without a parameter server). The answer lists `refused`
 //!   slices, which the job held too long: another job has them now.
 //!
+//! - `POST /resources/fetch` with `{"type": "HeldOut", "dataset": …}` fetches every slice of
+//!   a dataset held out of training (the job's `[data] eval`), straight from the data nodes
+//!   that announce it, verified and decompressed as above, into
+//!   `{out_dir}/heldout-{slice}.safetensors` with `slice` and `samples` in their metadata. A
+//!   trainer scores global models on them; no ledger hears of them.
+//!
 //! Slices come through the job's [`Prefetcher`], which keeps the next ones verified, decoded
 //! and fsynced in its staging directory under the worker's slice cache (outside every job's
 //! directory, so an executor cannot redirect the worker's writes); handing one over is a
@@ -26,7 +32,9 @@ use hypha_data::iteration::AskError;
 use hypha_messages::iterate::IterateRequest;
 use hypha_network::PeerId;
 
-use super::{Bridge, BridgeError, FileEntry, timestamp};
+use sha2::Digest;
+
+use super::{Bridge, BridgeError, FileEntry, paths, timestamp};
 use crate::slices::{Next, Prefetcher, Ready, Source};
 
 /// The scheduler `reference` names.
@@ -182,6 +190,97 @@ fn deliver(
         .map(|(k, v)| (k.to_string(), v))
         .collect(),
     }])
+}
+
+/// The most bytes a held-out dataset may hold: every slice is fetched whenever a job asks, and
+/// a trainer keeps them in memory to score each model on. A tenth of a large dataset belongs
+/// in a held-out dataset of its own first slices, not whole.
+pub const HELD_OUT_MAX_BYTES: u64 = 1 << 30;
+
+/// Every slice of the held-out `dataset` into `out_dir`, in slice order, from the data nodes
+/// that announce it: nothing is asked of the scheduler and no ledger records them.
+pub(super) async fn held_out(
+    bridge: &Bridge,
+    dataset: &str,
+    out_dir: &Path,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    let unavailable =
+        |message: String| BridgeError::new(StatusCode::BAD_GATEWAY, "data_unavailable", message);
+    let client = hypha_data::DataClient::new(bridge.shared.network.clone());
+    let providers = client.providers(dataset).await.map_err(|e| {
+        unavailable(format!(
+            "no data node announces the held-out dataset {dataset:?}: {e}"
+        ))
+    })?;
+    let mut manifest = None;
+    for peer in &providers {
+        match client.manifest(*peer, dataset).await {
+            Ok(found) => {
+                manifest = Some(found);
+                break;
+            }
+            Err(error) => {
+                tracing::warn!(%peer, %error, dataset, "no held-out manifest from a data node")
+            }
+        }
+    }
+    let Some(manifest) = manifest else {
+        return Err(unavailable(format!(
+            "none of the {} data nodes announcing {dataset:?} sent its manifest",
+            providers.len()
+        )));
+    };
+    let bytes: u64 = manifest.slices.iter().map(|entry| entry.size).sum();
+    if bytes > HELD_OUT_MAX_BYTES {
+        return Err(BridgeError::bad_request(format!(
+            "the held-out dataset {dataset:?} holds {bytes} bytes, more than the {HELD_OUT_MAX_BYTES} a job scores models on: hold out fewer slices"
+        )));
+    }
+    let parent = if out_dir.as_os_str().is_empty() {
+        bridge.dir.create_dir_all(Path::new("."))?
+    } else {
+        bridge.dir.create_dir_all(out_dir)?
+    };
+    let mut entries = Vec::with_capacity(manifest.slices.len());
+    let mut buffer = Vec::new();
+    for (slice, entry) in manifest.slices.iter().enumerate() {
+        client
+            .fetch_slice_to_vec(dataset, entry, &providers, &mut buffer)
+            .await
+            .map_err(|e| unavailable(format!("held-out slice {slice} of {dataset:?}: {e}")))?;
+        let (_, plain) = hypha_dataset::slice::decode(&buffer).map_err(|e| {
+            unavailable(format!(
+                "held-out slice {slice} of {dataset:?} is not a slice: {e}"
+            ))
+        })?;
+        let name = format!("heldout-{slice}.safetensors");
+        let relative = out_dir.join(&name);
+        let (mut file, temp) = paths::JobDir::create_temp(&parent, OsStr::new(&name))
+            .map_err(|e| io_error(&relative, e))?;
+        let written = std::io::Write::write_all(&mut file, &plain)
+            .and_then(|()| file.sync_all())
+            .and_then(|()| paths::JobDir::publish(&parent, &temp, OsStr::new(&name)));
+        if let Err(e) = written {
+            paths::JobDir::discard(&parent, &temp);
+            return Err(io_error(&relative, e));
+        }
+        entries.push(FileEntry {
+            path: relative.display().to_string(),
+            size: plain.len() as u64,
+            checksum: format!("sha256:{}", hex::encode(sha2::Sha256::digest(&plain))),
+            metadata: [
+                ("source", serde_json::Value::from("held_out")),
+                ("dataset", dataset.into()),
+                ("slice", slice.into()),
+                ("samples", entry.samples.into()),
+                ("timestamp", timestamp().into()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        });
+    }
+    Ok(entries)
 }
 
 /// `POST /data/consumed`.

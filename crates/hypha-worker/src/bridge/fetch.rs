@@ -23,6 +23,8 @@
 //! - `{"type": "Scheduler", "peer": "…", "dataset": "…"}`: the next slice of the job's
 //!   dataset (see [`data`](super::data)); with `"wait_ms"` beside `fetch`, the request waits
 //!   at most that long while no slice is free, then answers 503 `data_wait`.
+//! - `{"type": "HeldOut", "dataset": "…"}`: every slice of a dataset held out of training, to
+//!   score models on (see [`data`](super::data)).
 //!
 //! Downloads stream to a temporary file in the destination directory while their SHA-256 is
 //! computed, are fsynced and renamed into place: an interrupted download never leaves a
@@ -187,6 +189,7 @@ pub(super) async fn fetch(
             let wait = request.wait_ms.map(std::time::Duration::from_millis);
             super::data::fetch(bridge, reference, &out_dir, wait).await
         }
+        Reference::HeldOut { dataset } => super::data::held_out(bridge, &dataset, &out_dir).await,
     }
 }
 
