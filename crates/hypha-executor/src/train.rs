@@ -206,6 +206,8 @@ pub struct Trainer<L = Trained> {
     held_out: Option<Vec<Batch>>,
     /// The last score, until a report told it.
     eval: Option<Evaluation>,
+    /// The round of the last global model it scored (or tried to).
+    scored: Option<u64>,
 }
 
 /// How long a trainer told to stop goes on training its part of the round before it sends
@@ -312,6 +314,7 @@ impl<L: Learner> Trainer<L> {
             evaluate_next: false,
             held_out: None,
             eval: None,
+            scored: None,
         }
     }
 
@@ -396,7 +399,10 @@ impl<L: Learner> Trainer<L> {
         };
         match &order {
             TrainerOrder::Done => Ok(Some(order)),
-            TrainerOrder::Wait { retry_ms } => {
+            TrainerOrder::Wait { retry_ms, evaluate } => {
+                if *evaluate && self.score_held_model() {
+                    return Ok(None);
+                }
                 std::thread::sleep(Duration::from_millis((*retry_ms).clamp(10, 5000)));
                 Ok(None)
             }
@@ -837,7 +843,12 @@ impl<L: Learner> Trainer<L> {
                     }
                 }
                 order @ TrainerOrder::Join { .. } => return Ok(Some(order)),
-                TrainerOrder::Wait { .. } | TrainerOrder::Train { .. } => {}
+                TrainerOrder::Wait { evaluate, .. } => {
+                    if evaluate {
+                        self.score_held_model();
+                    }
+                }
+                TrainerOrder::Train { .. } => {}
             }
         }
     }
@@ -919,10 +930,22 @@ impl<L: Learner> Trainer<L> {
         Ok(true)
     }
 
+    /// Scores the global model it holds, unless it did: true when it scored it now.
+    fn score_held_model(&mut self) -> bool {
+        match self.round {
+            Some(round) if self.scored != Some(round) => {
+                self.score(round);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Scores the global model of round `round` on the held-out data, fetched the first
     /// time, for the next status to report. A score that fails is said and skipped: the
     /// training goes on.
     fn score(&mut self, round: u64) {
+        self.scored = Some(round);
         let started = Instant::now();
         match self.held_out_score() {
             Ok(Some(score)) => {

@@ -297,8 +297,6 @@ pub struct Rounds {
 struct Scoring {
     /// The evaluating trainer's job.
     by: Option<String>,
-    /// The latest model round it was asked to score.
-    asked: Option<u64>,
     /// The latest score it reported, with the peer it came from.
     scored: Option<(String, Evaluation)>,
     /// When the training was over for it: it may still report the last model's score.
@@ -382,33 +380,51 @@ impl Rounds {
         }
     }
 
-    /// Whether trainer `job`, told the training is over at `now_ms`, is to wait instead: it
-    /// was asked to score the last model, is to get it (its update is in the last round:
-    /// a trainer left out of it, out of data, gets no model after it), and has not reported
-    /// the score, for at most [`FINAL_EVAL_WAIT_MS`].
-    fn awaits_last_score(&mut self, job: &str, now_ms: u64) -> bool {
-        let Some(peer) = (self.eval.by.as_deref() == Some(job))
-            .then(|| self.trainers.get(job))
-            .flatten()
-            .map(|t| t.peer.as_str())
-        else {
-            return false;
-        };
-        let last = self.round.checked_sub(1);
-        let gets_last_model = last
-            .and_then(|last| self.included.get(&last))
-            .is_some_and(|included| included.contains(peer));
-        if !gets_last_model {
-            return false;
+    /// What trainer `job` (with `status`), told the training is over at `now_ms`, is to do
+    /// first, if anything: score the last model. That model is scored when it is due
+    /// ([`scores`](Self::scores)), by a trainer that holds it or is to (its update is in the
+    /// last round: the server sends it the last model) and can: the evaluator if it is one,
+    /// else the first such to ask. It waits, and scores the model once it holds it, until its
+    /// score arrives, [`FINAL_EVAL_WAIT_MS`] at most.
+    fn last_score_order(
+        &mut self,
+        job: &str,
+        status: &TrainerStatus,
+        now_ms: u64,
+    ) -> Option<TrainerOrder> {
+        let last = self.round;
+        if !self.scores(last) {
+            return None;
         }
         let since = *self.eval.done_ms.get_or_insert(now_ms);
-        let missing = self.eval.asked.is_some_and(|asked| {
-            self.eval
-                .scored
-                .as_ref()
-                .is_none_or(|(_, e)| e.round < asked)
-        });
-        missing && now_ms < since.saturating_add(FINAL_EVAL_WAIT_MS)
+        if now_ms >= since.saturating_add(FINAL_EVAL_WAIT_MS) {
+            return None;
+        }
+        let in_last = |peer: &str| {
+            last.checked_sub(1)
+                .and_then(|round| self.included.get(&round))
+                .is_some_and(|included| included.contains(peer))
+        };
+        let can = |job: &str, evaluates: bool| {
+            evaluates && self.trainers.get(job).is_some_and(|t| in_last(&t.peer))
+        };
+        let other = self.eval.by.as_deref().filter(|by| *by != job);
+        if other.is_some_and(|by| {
+            can(
+                by,
+                self.trainers.get(by).is_some_and(|t| t.status.evaluates),
+            )
+        }) {
+            return None;
+        }
+        if !can(job, status.evaluates) {
+            return None;
+        }
+        self.eval.by = Some(job.to_string());
+        Some(TrainerOrder::Wait {
+            retry_ms: WAIT_MS,
+            evaluate: status.round == Some(last),
+        })
     }
 
     /// Whether the ledger still has slices to hand out or handed out and not yet consumed:
@@ -700,13 +716,11 @@ impl Rounds {
         };
         self.take_score(job, &peer, &status);
         if self.done {
-            if self.awaits_last_score(job, now_ms) {
-                return (TrainerOrder::Wait { retry_ms: WAIT_MS }, settle);
-            }
-            return (TrainerOrder::Done, settle);
+            let order = self.last_score_order(job, &status, now_ms);
+            return (order.unwrap_or(TrainerOrder::Done), settle);
         }
         let Some(server) = self.server.clone() else {
-            return (TrainerOrder::Wait { retry_ms: RETRY_MS }, settle);
+            return (TrainerOrder::wait(RETRY_MS), settle);
         };
         let generation = self.generation;
         let restart = self.round;
@@ -725,12 +739,7 @@ impl Rounds {
             .generation
             .is_some_and(|joined| joined != generation);
         if stale && goes_on && !self.server_knows_trainers {
-            return (
-                TrainerOrder::Wait {
-                    retry_ms: RETRY_MS / 5,
-                },
-                settle,
-            );
+            return (TrainerOrder::wait(RETRY_MS / 5), settle);
         }
         let stale = stale && !goes_on;
         // A trainer joins the current server once it holds no model of an earlier one: until
@@ -760,12 +769,7 @@ impl Rounds {
         };
         if round > self.round {
             // The server sent the next model before its status said it applied the round.
-            return (
-                TrainerOrder::Wait {
-                    retry_ms: RETRY_MS / 5,
-                },
-                settle,
-            );
+            return (TrainerOrder::wait(RETRY_MS / 5), settle);
         }
         if let Some(trainer) = self.trainers.get_mut(job) {
             let closed = trainer.settled_below..round.min(self.round);
@@ -779,7 +783,7 @@ impl Rounds {
             trainer.awaited = false;
         }
         if round == self.round && !self.may_begin(now_ms) {
-            return (TrainerOrder::Wait { retry_ms: WAIT_MS }, settle);
+            return (TrainerOrder::wait(WAIT_MS), settle);
         }
         if round == self.round && self.started_ms.is_none() {
             self.started_ms = Some(now_ms);
@@ -814,9 +818,6 @@ impl Rounds {
         }
         let evaluate =
             round == self.round && self.eval.by.as_deref() == Some(job) && self.scores(round + 1);
-        if evaluate {
-            self.eval.asked = Some(round + 1);
-        }
         let order = TrainerOrder::Train {
             round,
             batches,

@@ -187,7 +187,7 @@ impl Training {
 
     /// What a trainer is told when the scheduler cannot say more yet: ask again soon.
     pub fn wait_order() -> Order {
-        Order::Trainer(TrainerOrder::Wait { retry_ms: WAIT_MS })
+        Order::Trainer(TrainerOrder::wait(WAIT_MS))
     }
 
     /// What the parameter server is told when the scheduler cannot say more yet: go on

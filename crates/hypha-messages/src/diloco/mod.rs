@@ -182,9 +182,25 @@ pub enum TrainerOrder {
         evaluate: bool,
     },
     /// Nothing to do yet (the parameter server is not there); ask again after `retry_ms`.
-    Wait { retry_ms: u64 },
+    /// With `evaluate`: first score the global model you hold on the job's held-out data,
+    /// unless you did, and report it (the run's last model, once training is over).
+    Wait {
+        retry_ms: u64,
+        #[serde(default, skip_serializing_if = "is_false")]
+        evaluate: bool,
+    },
     /// Training is over: exit successfully.
     Done,
+}
+
+impl TrainerOrder {
+    /// Ask again after `retry_ms`, nothing else to do.
+    pub fn wait(retry_ms: u64) -> Self {
+        Self::Wait {
+            retry_ms,
+            evaluate: false,
+        }
+    }
 }
 
 /// What the parameter server holds.

@@ -112,7 +112,7 @@ fn the_first_round_waits_for_slow_trainers_for_the_start_grace() {
     for (job, peer) in [("job-a", "pa"), ("job-b", "pb"), ("job-c", "pc")] {
         rounds.trainer_started(job.into(), peer.into());
     }
-    let wait = TrainerOrder::Wait { retry_ms: WAIT_MS };
+    let wait = TrainerOrder::wait(WAIT_MS);
     let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 1_000);
     assert_eq!(order, wait);
     assert_eq!(
@@ -174,7 +174,7 @@ fn the_first_round_begins_as_the_last_trainer_is_ready() {
     rounds.trainer_started("job-a".into(), "pa".into());
     rounds.trainer_started("job-b".into(), "pb".into());
     let (order, _) = rounds.trainer_status("job-a", status(0, 0, None), 0);
-    assert_eq!(order, TrainerOrder::Wait { retry_ms: WAIT_MS });
+    assert_eq!(order, TrainerOrder::wait(WAIT_MS));
     let (order, _) = rounds.trainer_status("job-b", status(0, 0, None), 700);
     assert!(target(order) > 0);
     let news = rounds.take_news();
@@ -923,7 +923,7 @@ fn trainers_taken_over_after_a_restart_rejoin_and_give_back_rounds_past_the_chec
     // Before the restored server runs, a trainer taken over waits.
     assert_eq!(
         rounds.trainer_status("a", status(4, 2, Some(100.0)), 0).0,
-        TrainerOrder::Wait { retry_ms: RETRY_MS }
+        TrainerOrder::wait(RETRY_MS)
     );
     rounds.server_started("ps".into());
     let (order, settle) = rounds.trainer_status("a", status(4, 2, Some(100.0)), 10);
@@ -1059,7 +1059,7 @@ fn a_replaced_server_restores_its_round_and_trainers_rejoin_giving_lost_rounds_b
         rounds
             .trainer_status("a", status(2, 2, Some(100.0)), 13_300)
             .0,
-        TrainerOrder::Wait { retry_ms: RETRY_MS }
+        TrainerOrder::wait(RETRY_MS)
     );
     rounds.restored(1);
     rounds.server_started("ps2".into());
@@ -1398,11 +1398,20 @@ fn one_trainer_scores_the_models_due_and_the_last_one_before_the_end() {
         |n| matches!(n, News::Evaluated { peer, eval } if peer == "peer-b" && eval.round == 2)
     ));
 
-    // The end: everyone else is done; c waits until it reported the last model's score.
+    // The end: everyone else is done (b gets no last model: it was out of the last round);
+    // c, which holds the last model, scores it first.
     let (order, _) = rounds.trainer_status("a", status(4, 0, None), now);
     assert_eq!(order, TrainerOrder::Done);
+    let (order, _) = rounds.trainer_status("b", can(status(3, 0, None)), now);
+    assert_eq!(order, TrainerOrder::Done);
     let (order, _) = rounds.trainer_status("c", can(status(4, 0, None)), now);
-    assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
+    assert_eq!(
+        order,
+        TrainerOrder::Wait {
+            retry_ms: WAIT_MS,
+            evaluate: true
+        }
+    );
     let last = Evaluation {
         round: 4,
         loss: 0.25,
@@ -1418,8 +1427,10 @@ fn one_trainer_scores_the_models_due_and_the_last_one_before_the_end() {
     assert_eq!(rounds.evaluation().unwrap().1, last);
 }
 
-/// A trainer that never reports the last score holds the end for [`FINAL_EVAL_WAIT_MS`] at
-/// most.
+/// The last model is scored by a trainer that holds it, even one that was not asked to
+/// score it as it arrived (here nobody was: no trainer said it could until the end); one
+/// still waiting for it is told to wait, and scores it once it holds it. A trainer that
+/// never reports the score holds the end for [`FINAL_EVAL_WAIT_MS`] at most.
 #[test]
 fn the_end_waits_for_the_last_score_a_minute_at_most() {
     let mut rounds = Rounds::new(RoundPlan {
@@ -1429,24 +1440,35 @@ fn the_end_waits_for_the_last_score_a_minute_at_most() {
     });
     rounds.server_started("ps".into());
     rounds.trainer_started("a".into(), "peer-a".into());
-    let can = TrainerStatus {
-        evaluates: true,
-        ..status(0, 1, Some(10.0))
-    };
-    let (order, _) = rounds.trainer_status("a", can.clone(), 0);
+    let (order, _) = rounds.trainer_status("a", status(0, 1, Some(10.0)), 0);
     assert!(
-        matches!(order, TrainerOrder::Train { evaluate: true, .. }),
+        matches!(
+            order,
+            TrainerOrder::Train {
+                evaluate: false,
+                ..
+            }
+        ),
         "{order:?}"
     );
     report(&mut rounds, server(0, &["peer-a"], None), 10);
     report(&mut rounds, server(1, &[], Some((0, &["peer-a"]))), 10);
     assert!(rounds.done());
-    let after = TrainerStatus {
+    let can = |round| TrainerStatus {
         evaluates: true,
-        ..status(1, 0, None)
+        ..status(round, 0, None)
     };
-    let (order, _) = rounds.trainer_status("a", after.clone(), 100);
-    assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
-    let (order, _) = rounds.trainer_status("a", after, 100 + FINAL_EVAL_WAIT_MS);
+    let (order, _) = rounds.trainer_status("a", can(0), 100);
+    assert_eq!(
+        order,
+        TrainerOrder::wait(WAIT_MS),
+        "still waiting for the model"
+    );
+    let (order, _) = rounds.trainer_status("a", can(1), 200);
+    assert!(
+        matches!(order, TrainerOrder::Wait { evaluate: true, .. }),
+        "{order:?}"
+    );
+    let (order, _) = rounds.trainer_status("a", can(1), 100 + FINAL_EVAL_WAIT_MS);
     assert_eq!(order, TrainerOrder::Done);
 }

@@ -281,7 +281,7 @@ mod tests {
         assert!(
             matches!(ExecutorReport::of(other.clone()), ExecutorReport::Other(v) if v == other)
         );
-        let wait = ExecutorAnswer::from(Order::Trainer(TrainerOrder::Wait { retry_ms: 200 }));
+        let wait = ExecutorAnswer::from(Order::Trainer(TrainerOrder::wait(200)));
         assert_eq!(wait.to_json(), r#"{"action":"wait","retry_ms":200}"#);
         let close = ExecutorAnswer::from(Order::ParameterServer(ServerOrder::Close {
             round: 4,

@@ -439,7 +439,7 @@ mod tests {
     fn a_job_being_taken_over_is_told_to_wait() {
         assert!(matches!(
             taking_over_order(Role::Trainer),
-            Order::Trainer(TrainerOrder::Wait { retry_ms }) if retry_ms > 0
+            Order::Trainer(TrainerOrder::Wait { retry_ms, .. }) if retry_ms > 0
         ));
         assert!(matches!(
             taking_over_order(Role::ParameterServer),
