@@ -46,7 +46,7 @@ pub use codec::{Codec, ErrorFeedback};
 pub use optimizer::OuterOptimizer;
 pub use tensors::{
     Fingerprint, MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata,
-    with_metadata,
+    read_metadata_within, with_metadata,
 };
 
 #[derive(Debug, thiserror::Error)]

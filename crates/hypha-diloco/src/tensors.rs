@@ -244,13 +244,23 @@ pub fn metadata(bytes: &[u8]) -> Result<Metadata, Error> {
 /// The `__metadata__` of the SafeTensors file `reader` is at the start of, read from its
 /// header alone (at most [`MAX_HEADER`] bytes), however large the tensors behind it.
 pub fn read_metadata(reader: &mut impl std::io::Read) -> Result<Metadata, Error> {
+    read_metadata_within(reader, MAX_HEADER)
+}
+
+/// [`read_metadata`] of a header of at most `limit` bytes: a longer one is refused before
+/// a byte of it is read.
+pub fn read_metadata_within(
+    reader: &mut impl std::io::Read,
+    limit: u64,
+) -> Result<Metadata, Error> {
     let mut length = [0u8; 8];
     let io = Error::HeaderRead;
     reader.read_exact(&mut length).map_err(io)?;
     let length = u64::from_le_bytes(length);
-    if length > MAX_HEADER {
+    let limit = limit.min(MAX_HEADER);
+    if length > limit {
         return Err(Error::Format(format!(
-            "a header of {length} bytes (at most {MAX_HEADER})"
+            "a header of {length} bytes (at most {limit})"
         )));
     }
     let mut header = vec![0u8; length as usize];

@@ -19,7 +19,7 @@ use hypha_network::Network;
 use hypha_testing::network::connected_serving;
 use hypha_worker::{
     bridge::transfer::{self, Header},
-    parameter_server::{ModelPublisher, ServerJob},
+    parameter_server::{self, ModelPublisher, ServerJob},
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -285,4 +285,36 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         reason.contains("more than an update of this model can take"),
         "{reason}"
     );
+
+    // Issue 58, item 5: a peer the scheduler has not named may offer a model (a trainer it
+    // names a moment later does), but has the server read a header of 1 MiB at most, not
+    // 100: an offer by fingerprint padded to 2 MiB goes unread and unanswered, the same
+    // offer unpadded is answered with the model. (Checked by reading every header up to
+    // 100 MiB: the padded offer is answered.)
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    arrivals(&helper_inbox, Duration::from_millis(500)).await;
+    let offer = |padding: usize| {
+        let pad = "x".repeat(padding);
+        file(
+            &[],
+            &[
+                (meta::KIND, meta::KIND_MODEL_HELD),
+                (meta::ROUND, "0"),
+                (meta::MODEL_HASH, "blake3:00"),
+                ("padding", &pad),
+            ],
+        )
+    };
+    assert!(offer(2 << 20).len() as u64 > parameter_server::UNNAMED_HEADER);
+    send(
+        helper,
+        server,
+        "held.safetensors",
+        &offer(2 << 20),
+        outbox.path(),
+    )
+    .await;
+    assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 0);
+    send(helper, server, "held.safetensors", &offer(0), outbox.path()).await;
+    assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 1);
 }

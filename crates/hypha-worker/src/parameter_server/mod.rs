@@ -60,7 +60,7 @@ use std::{
 
 use hypha_artifacts::Published;
 use hypha_diloco::{
-    Codec, Metadata, OuterOptimizer,
+    Codec, MAX_HEADER, Metadata, OuterOptimizer,
     file::FileSource,
     server::{ParameterServer, Taken, round_of, samples_of},
 };
@@ -105,6 +105,10 @@ const WHOLE_MODEL_EVERY: Duration = Duration::from_secs(4);
 /// How often a peer's offer by fingerprint is answered, at most (a trainer offers again
 /// every second until it is).
 const ANSWER_EVERY: Duration = Duration::from_millis(500);
+/// The longest header the server reads of a file from a peer the scheduler has not named a
+/// trainer or the standby: a model offer's tensor entries and metadata (about 100 bytes a
+/// tensor: ten thousand tensors), not the [`MAX_HEADER`] of 100 MiB a named peer may send.
+pub const UNNAMED_HEADER: u64 = 1 << 20;
 /// How long the trainers' copies of a round's model wait for the standby's to arrive first.
 /// A server lost right after a round then leaves that round's model on the standby, and no
 /// trainer holds a newer model than the standby that takes over (it would be sent the whole
@@ -410,9 +414,13 @@ impl ServerJob {
             }
         };
         let received = std::fs::metadata(&path).map_or(0, |m| m.len());
+        // Any peer of the task may offer a model (a trainer the scheduler names a moment
+        // later); only those it named may make the server read a header of 100 MiB.
+        let named = peers.trainers.contains(&from) || peers.standby.as_ref() == Some(&from);
+        let limit = if named { MAX_HEADER } else { UNNAMED_HEADER };
         let metadata = std::fs::File::open(&path)
             .ok()
-            .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())
+            .and_then(|mut file| hypha_diloco::read_metadata_within(&mut file, limit).ok())
             .unwrap_or_default();
         match metadata.get(meta::KIND).map(String::as_str) {
             Some(meta::KIND_MODEL) if server.round().is_none() => {

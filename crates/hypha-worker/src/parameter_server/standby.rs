@@ -209,6 +209,13 @@ impl ServerJob {
                 return Received::Done(Taken::Not);
             }
         };
+        // Only the scheduler's checkpoints and the server's models are taken: anyone else's
+        // file goes unread, however large its header.
+        if from != self.scheduler && Some(from) != following.server {
+            tracing::debug!(%from, "a file from a peer that is neither the scheduler nor the server: not read");
+            let _ = std::fs::remove_file(&path);
+            return Received::Done(Taken::Not);
+        }
         let metadata = std::fs::File::open(&path)
             .ok()
             .and_then(|mut file| hypha_diloco::read_metadata(&mut file).ok())
