@@ -119,11 +119,15 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     tokio::spawn(job.run(cancelled));
 
     // The scheduler: the trainers are a and b; a's initial model is the one to adopt.
-    let mut trainers: Vec<String> = [a, b]
-        .iter()
-        .map(|n| n.local_peer_id().to_string())
-        .collect();
-    trainers.sort();
+    let named = |peers: &[&Network]| {
+        let mut named: Vec<String> = (peers.iter())
+            .map(|n| n.local_peer_id().to_string())
+            .collect();
+        named.sort();
+        named
+    };
+    let trainers = std::sync::Arc::new(std::sync::Mutex::new(named(&[a, b])));
+    let scheduler_names = trainers.clone();
     let chosen = a.local_peer_id().to_string();
     // Statuses come every 250 ms and the test reads them as they come; were it ever 1024
     // behind, further ones would be dropped (and a wait would time out, failing loudly).
@@ -139,10 +143,9 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
             };
             let mut named = status.trainers.clone();
             named.sort();
+            let trainers = scheduler_names.lock().unwrap().clone();
             let order = if named != trainers {
-                ServerOrder::Trainers {
-                    peers: trainers.clone(),
-                }
+                ServerOrder::Trainers { peers: trainers }
             } else if status.round.is_none() && status.offered.contains(&chosen) {
                 ServerOrder::Adopt {
                     from: chosen.clone(),
@@ -222,7 +225,8 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         }
         count
     };
-    // What adoption sent (the global model, to whoever offered one) comes first.
+    // What adoption sent (the global model, to the named trainers that offered one) comes
+    // first.
     arrivals(&b_inbox, Duration::from_secs(2)).await;
     arrivals(&helper_inbox, Duration::from_millis(500)).await;
     let request = file(&[], &[(meta::KIND, meta::KIND_MODEL_REQUEST)]);
@@ -286,13 +290,25 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         "{reason}"
     );
 
-    // Issue 58, item 5: a peer the scheduler has not named may offer a model (a trainer it
-    // names a moment later does), but has the server read a header of 1 MiB at most, not
-    // 100: an offer by fingerprint padded to 2 MiB goes unread and unanswered, the same
-    // offer unpadded is answered with the model. (Checked by reading every header up to
-    // 100 MiB: the padded offer is answered.)
+    // Issue 58, items 5 and 10: a peer the scheduler has not named may offer a model (a
+    // trainer it names a moment later does), but has the server read a header of 1 MiB at
+    // most, not 100, and gets the model only once the scheduler names it. An offer by
+    // fingerprint padded to 2 MiB goes unread: naming its peer sends nothing. The same offer
+    // unpadded waits: naming its peer sends the model. (Checked by reading every header up
+    // to 100 MiB: the padded offer is answered once named; and by answering unnamed peers:
+    // the helper gets the model at once.)
     tokio::time::sleep(Duration::from_secs(5)).await;
     arrivals(&helper_inbox, Duration::from_millis(500)).await;
+    let mut rename = async |peers: &[&Network]| {
+        let names = named(peers);
+        *trainers.lock().unwrap() = names.clone();
+        wait_for("the trainers named", &|s| {
+            let mut named = s.trainers.clone();
+            named.sort();
+            named == names
+        })
+        .await;
+    };
     let offer = |padding: usize| {
         let pad = "x".repeat(padding);
         file(
@@ -306,6 +322,11 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         )
     };
     assert!(offer(2 << 20).len() as u64 > parameter_server::UNNAMED_HEADER);
+    // The helper's initial model, offered before the scheduler named it, was not answered
+    // at adoption: naming it now is.
+    rename(&[a, b, helper]).await;
+    assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 1);
+    rename(&[a, b]).await;
     send(
         helper,
         server,
@@ -314,7 +335,12 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
         outbox.path(),
     )
     .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    rename(&[a, b, helper]).await;
     assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 0);
+    rename(&[a, b]).await;
     send(helper, server, "held.safetensors", &offer(0), outbox.path()).await;
+    assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 0);
+    rename(&[a, b, helper]).await;
     assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 1);
 }

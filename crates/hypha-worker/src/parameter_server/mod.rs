@@ -346,6 +346,14 @@ impl ServerJob {
                 }
                 Some(ServerOrder::Trainers { peers: named }) => {
                     peers.trainers = named.into_iter().collect();
+                    for (peer, offered) in peers.named_since_they_offered() {
+                        let offered = offered
+                            .as_ref()
+                            .map(|(round, hash)| (*round, hash.as_str()));
+                        let moved = self.send_model(&server, &peer, offered, &mut peers);
+                        cadence.moved(moved);
+                        round_traffic += moved;
+                    }
                 }
                 Some(ServerOrder::Adopt { from }) => {
                     self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
@@ -416,7 +424,7 @@ impl ServerJob {
         let received = std::fs::metadata(&path).map_or(0, |m| m.len());
         // Any peer of the task may offer a model (a trainer the scheduler names a moment
         // later); only those it named may make the server read a header of 100 MiB.
-        let named = peers.trainers.contains(&from) || peers.standby.as_ref() == Some(&from);
+        let named = peers.named(&from);
         let limit = if named { MAX_HEADER } else { UNNAMED_HEADER };
         let metadata = std::fs::File::open(&path)
             .ok()
@@ -453,16 +461,21 @@ impl ServerJob {
                             tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
                             self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
                         }
-                        Some(_) => self.send_model(server, &from, offered, peers),
+                        Some(_) if named => self.send_model(server, &from, offered, peers),
+                        Some(_) => {
+                            peers.defer(&from, offered);
+                            0
+                        }
                     };
             }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
                 let _ = std::fs::remove_file(&path);
-                if kind == meta::KIND_MODEL_REQUEST
-                    && !peers.trainers.contains(&from)
-                    && peers.standby.as_ref() != Some(&from)
-                {
-                    tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
+                if !named {
+                    if kind == meta::KIND_MODEL_REQUEST {
+                        tracing::warn!(%from, "a request for the model from a peer the scheduler did not name a trainer of the job: refused");
+                    } else {
+                        peers.defer(&from, None);
+                    }
                     return received;
                 }
                 return received + self.send_model(server, &from, None, peers);
@@ -668,9 +681,14 @@ impl ServerJob {
                     }
                     Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
                 }
-                let offered: Vec<String> = peers.offers.keys().cloned().collect();
+                let (named, unnamed): (Vec<String>, Vec<String>) = (peers.offers.keys())
+                    .cloned()
+                    .partition(|peer| peers.named(peer));
                 peers.clear_offers(&self.dir);
-                if let Err(error) = self.send_models(server, None, &[], &offered, None) {
+                for peer in unnamed {
+                    peers.defer(&peer, None);
+                }
+                if let Err(error) = self.send_models(server, None, &[], &named, None) {
                     tracing::warn!(%error, "could not send the global model");
                 }
             }
@@ -1092,6 +1110,9 @@ struct Peers {
     standby: Option<String>,
     /// When each peer's offer by fingerprint was last answered.
     answered: std::collections::HashMap<String, std::time::Instant>,
+    /// Peers the scheduler had not named a trainer when they offered their model (by
+    /// fingerprint: the round and fingerprint they hold), answered once it names them.
+    deferred: std::collections::BTreeMap<String, Option<(u64, String)>>,
 }
 
 impl Peers {
@@ -1116,6 +1137,36 @@ impl Peers {
                 let _ = std::fs::remove_file(path);
             }
         }
+    }
+
+    /// Answers `from`'s offer with the global model once the scheduler names it a trainer:
+    /// the model goes to the job's trainers and its standby only, and a trainer the
+    /// scheduler names a moment after it is told to join offers before the server hears.
+    /// At most [`MAX_OFFERS`] wait; more are dropped (the peer offers again).
+    fn defer(&mut self, from: &str, offered: Option<(u64, &str)>) {
+        if self.deferred.len() >= MAX_OFFERS && !self.deferred.contains_key(from) {
+            tracing::debug!(%from, "{MAX_OFFERS} offers wait for their peers to be named already: dropped");
+            return;
+        }
+        tracing::debug!(%from, "an offer from a peer the scheduler has not named a trainer: answered once it does");
+        let offered = offered.map(|(round, hash)| (round, hash.to_string()));
+        self.deferred.insert(from.to_string(), offered);
+    }
+
+    /// Whether the scheduler named `peer` a trainer of the job or its standby.
+    fn named(&self, peer: &str) -> bool {
+        self.trainers.contains(peer) || self.standby.as_deref() == Some(peer)
+    }
+
+    /// The deferred offers of peers the scheduler has named since: no longer deferred.
+    fn named_since_they_offered(&mut self) -> Vec<(String, Option<(u64, String)>)> {
+        let named: Vec<String> = (self.deferred.keys())
+            .filter(|peer| self.named(peer))
+            .cloned()
+            .collect();
+        (named.into_iter())
+            .filter_map(|peer| self.deferred.remove_entry(&peer))
+            .collect()
     }
 
     fn clear_offers(&mut self, dir: &Path) {
