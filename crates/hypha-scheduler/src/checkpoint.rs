@@ -8,7 +8,9 @@
 //! server now, and only when it is newer than the one it holds; it writes it through a temp
 //! file, fsync and rename, so a scheduler killed mid-transfer keeps the previous one whole.
 //! What arrived of a checkpoint whose transfer broke off is kept (one at a time) until the
-//! server's next try of it, which sends only the rest.
+//! server's next try of it, which sends only the rest. A checkpoint is refused before a byte
+//! of it is read when it is larger than the run's checkpoints can be (four times its first,
+//! and 16 MiB) or than the disk has room for with [`DISK_RESERVE`] left free.
 //! Then it tells the run, which marks a round's slices used only once the round is in a
 //! checkpoint here ([`training`](crate::training)), and restores a replacement parameter
 //! server from it, or keeps a standby's copy current ([`send`]).
@@ -53,6 +55,24 @@ struct State {
     /// What arrived of the last checkpoint whose transfer broke off: the server's next try of
     /// it sends only the rest.
     broken: Option<Broken>,
+    /// The size of the run's first checkpoint (of a resumed run: of the one it went on
+    /// from): the model's measure, by which later ones are bounded ([`largest`]).
+    first_bytes: Option<u64>,
+}
+
+/// The disk a scheduler keeps free of checkpoints: a parameter server cannot fill it (the
+/// ledger and the run's record are written there too).
+pub const DISK_RESERVE: u64 = 1024 * 1024 * 1024;
+
+/// The largest checkpoint taken after one of `first` bytes, the run's first: a checkpoint
+/// holds the model and the outer momentum, and with `sparse` the server's residual, three
+/// times the model the first held, with the norm history and the trainers' agreements
+/// (kilobytes) in its metadata. Four times and 16 MiB leave room; a server that sends more
+/// is not sending checkpoints. Before the first: what a transfer may be.
+fn largest(first: Option<u64>) -> u64 {
+    first.map_or(hypha_transfer::MAX_TRANSFER_BYTES, |first| {
+        first.saturating_mul(4).saturating_add(16 << 20)
+    })
 }
 
 /// A checkpoint transfer that broke off, kept for the sender's next try.
@@ -81,6 +101,7 @@ impl Checkpoints {
     /// The checkpoints at `path`, going on from the one there (a resumed run's).
     pub fn resumed(path: PathBuf) -> Self {
         let round = checkpoint_round(&path).ok();
+        let first_bytes = round.and(std::fs::metadata(&path).ok()).map(|m| m.len());
         Self {
             path,
             state: Arc::new(Mutex::new(State {
@@ -88,6 +109,7 @@ impl Checkpoints {
                 round,
                 limit: round.unwrap_or(0),
                 broken: None,
+                first_bytes,
             })),
         }
     }
@@ -177,6 +199,29 @@ impl Checkpoints {
                 && broken.size == header.size
                 && Some(&broken.sha256) == sha256.as_ref()
         });
+        let largest = largest(self.lock().first_bytes);
+        if header.size > largest {
+            return Err(Refusal::new(
+                RefusalCode::TooLarge,
+                format!(
+                    "a checkpoint of {} bytes: this run's checkpoints are at most {largest} (four times its first, and 16 MiB)",
+                    header.size
+                ),
+            ));
+        }
+        let held = broken.as_ref().map_or(0, |b| b.received.bytes());
+        let free = rustix::fs::statvfs(&dir)
+            .map(|stat| stat.f_bavail.saturating_mul(stat.f_frsize))
+            .map_err(|e| io(&e))?;
+        if (header.size - held.min(header.size)).saturating_add(DISK_RESERVE) > free {
+            return Err(Refusal::new(
+                RefusalCode::TooLarge,
+                format!(
+                    "a checkpoint of {} bytes does not fit: the scheduler's disk has {free} bytes free and keeps {DISK_RESERVE}",
+                    header.size
+                ),
+            ));
+        }
         let (temp, mut received) = match broken {
             Some(broken) => (broken.temp, broken.received),
             None => {
@@ -241,6 +286,7 @@ impl Checkpoints {
                 dir.sync_all().map_err(|e| io(&e))?;
             }
             state.round = Some(round);
+            state.first_bytes.get_or_insert(header.size);
         }
         tracing::debug!(round, path = %self.path.display(), "checkpoint stored");
         // Told before the server hears it arrived: a server that then exits finds its last
@@ -385,5 +431,68 @@ mod tests {
         assert_eq!(stored.recv().await, Some((3, size)));
         assert!(std::fs::read(checkpoints.path()).unwrap() == bytes);
         assert_eq!(checkpoints.round(), Some(3));
+    }
+
+    /// Issue 58, item 4: a parameter server cannot fill the scheduler's disk with
+    /// checkpoints. Once the run's first is stored, one more than four times its size and
+    /// 16 MiB is refused before a byte of it is read, and nothing is written. (Checked
+    /// without the bound: the scheduler answers `ready`.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_larger_than_the_runs_can_be_is_refused_unread() {
+        let networks = connected(&["server", "scheduler"]).await;
+        let (server, scheduler) = (&networks[0], &networks[1]);
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoints = Checkpoints::new(dir.path().join("job.checkpoint.safetensors"));
+        checkpoints.accept_from(Some(server.local_peer_id()));
+        checkpoints.accept_up_to(5);
+        let (stored_tx, mut stored) = mpsc::channel(4);
+        tokio::spawn(
+            checkpoints
+                .clone()
+                .serve(scheduler.clone(), "task-1".into(), stored_tx),
+        );
+        let to = scheduler.local_peer_id();
+        let first = checkpoint_bytes(1, 1000);
+        let source = dir.path().join("first.safetensors");
+        std::fs::write(&source, &first).unwrap();
+        let header = |size: u64| Header {
+            task: "task-1".into(),
+            name: TRANSFER_NAME.into(),
+            size,
+            published: None,
+            sha256: None,
+        };
+        hypha_transfer::send(
+            server,
+            to,
+            &header(first.len() as u64),
+            std::fs::File::open(&source).unwrap(),
+            hypha_transfer::SEND_PATIENCE,
+        )
+        .await
+        .unwrap();
+        assert_eq!(stored.recv().await, Some((1, first.len() as u64)));
+
+        let huge = 4 * first.len() as u64 + (16 << 20) + 1;
+        let mut stream = server.open_stream(to, PROTOCOL).await.unwrap();
+        write_frame(&mut stream, &header(huge)).await.unwrap();
+        let Answer::Refused(refusal) = read_frame::<Answer>(&mut stream).await.unwrap() else {
+            panic!("a checkpoint of {huge} bytes was taken");
+        };
+        assert_eq!(refusal.code, RefusalCode::TooLarge, "{refusal:?}");
+        assert!(refusal.message.contains("at most"), "{refusal:?}");
+        assert_eq!(checkpoints.round(), Some(1));
+        assert!(std::fs::read(checkpoints.path()).unwrap() == first);
+        let partial = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".partial")
+            })
+            .count();
+        assert_eq!(partial, 0, "nothing of it written");
     }
 }
