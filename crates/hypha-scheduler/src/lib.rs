@@ -36,6 +36,7 @@ pub mod rounds;
 pub mod run;
 pub mod slots;
 pub mod spec;
+mod throttle;
 pub mod training;
 
 pub(crate) use hypha_messages::unix_ms;

@@ -334,6 +334,11 @@ impl Rounds {
         }
     }
 
+    /// Whether job `job` is one of the job's trainers.
+    pub fn is_trainer(&self, job: &str) -> bool {
+        self.trainers.contains_key(job)
+    }
+
     /// The latest score of a global model on the held-out data, and the peer that scored it.
     pub fn evaluation(&self) -> Option<&(String, Evaluation)> {
         self.eval.scored.as_ref()

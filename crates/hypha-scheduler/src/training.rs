@@ -5,8 +5,10 @@
 //! ([`checkpoint`](crate::checkpoint)): an applied round waits for it, and so do the slices of
 //! a trainer that ended meanwhile. Rounds that a lost parameter server took with it go back.
 //!
-//! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for every
-//! trainer's report (round, batches, samples, batch time, loss, evaluation) and
+//! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for a trainer's
+//! report (round, batches, samples, batch time, loss; one a tenth of a second per trainer at
+//! most, [`throttle`](crate::throttle); a status that does not read, a fingerprint of a
+//! megabyte or a loss that is no number, is refused and never written) and
 //! `{"kind": "round", …}` for every round the parameter server applied (with how long it took
 //! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`, and what
 //! it sent its standby, `standby_bytes`), and
@@ -60,6 +62,8 @@ pub struct Training {
     peers: HashMap<String, PeerId>,
     server: Option<String>,
     round_started_ms: u64,
+    /// How often each trainer's status is written to the metrics file.
+    throttle: crate::throttle::Throttle,
     /// The round of the newest checkpoint the scheduler holds: the rounds before it are in the
     /// model the run continues from.
     checkpointed: Option<u64>,
@@ -147,6 +151,7 @@ impl Training {
             peers: HashMap::new(),
             server: None,
             round_started_ms: unix_ms(),
+            throttle: crate::throttle::Throttle::default(),
             checkpointed: None,
             uncommitted: Vec::new(),
             deferred: Vec::new(),
@@ -524,12 +529,27 @@ impl Training {
         let mut rejoined = false;
         let (answer, settle, applied) = match status {
             Status::Trainer(status) => {
-                self.record(&TrainerLine {
-                    kind: "trainer",
-                    time_ms: now,
-                    job,
-                    status: &status,
-                });
+                if let Some(problem) = status.problem() {
+                    if self.throttle.records(job, now, false) {
+                        tracing::warn!(%job, "a trainer's status refused: {problem}");
+                    }
+                    return Answered {
+                        order: Order::Trainer(TrainerOrder::wait(WAIT_MS)),
+                        applied: None,
+                        resumed: None,
+                        rejoined: false,
+                    };
+                }
+                if self.rounds.is_trainer(job)
+                    && self.throttle.records(job, now, status.eval.is_some())
+                {
+                    self.record(&TrainerLine {
+                        kind: "trainer",
+                        time_ms: now,
+                        job,
+                        status: &status,
+                    });
+                }
                 if status.data_done {
                     // Out of data may be only for now: slices still on their way to workers.
                     self.rounds.data_left(!self.data.drained().await);

@@ -1935,6 +1935,44 @@ fn synthetic_trainers_apply_the_servers_changes_to_the_model_they_keep_on_disk()
     }
 }
 
+/// Issue 58, item 3: a trainer that sends 40 statuses of 64 KiB before each of its reports
+/// (its own with a fingerprint that long, and other JSON) fills neither the metrics file
+/// nor the events file: a status that does not read is refused unwritten, and a job's
+/// statuses are written a tenth of a second apart at most, each other one of more than
+/// 4 KiB as its size. The run trains with its honest trainers. (Checked by writing every
+/// status as it came: the metrics file grew past 10 MB.)
+#[test]
+fn a_trainer_that_floods_its_scheduler_with_statuses_fills_no_disk() {
+    if !python_with(&["numpy"], true) {
+        return;
+    }
+    let Beside {
+        cluster,
+        events: events_path,
+        ..
+    } = run_beside_a_python_trainer("flood", 2, "tests/flooding_trainer.py", &[], fixed_rounds());
+    let metrics_path = cluster.path("flood-job.metrics.jsonl");
+    let metrics = lines_of(&metrics_path);
+    let rounds = metrics.iter().filter(|m| m["kind"] == "round").count();
+    assert_eq!(rounds, ROUNDS, "the run trained every round");
+    let flooded = metrics
+        .iter()
+        .filter(|m| m["model_hash"].as_str().is_some_and(|h| h.len() > 128))
+        .count();
+    assert_eq!(flooded, 0, "a fingerprint of 64 KiB was written");
+    let size = |path: &std::path::Path| std::fs::metadata(path).unwrap().len();
+    assert!(
+        size(&metrics_path) < 1 << 20,
+        "metrics: {} bytes",
+        size(&metrics_path)
+    );
+    assert!(
+        size(&events_path) < 1 << 20,
+        "events: {} bytes",
+        size(&events_path)
+    );
+}
+
 /// A trainer of the run that lies (`python/tests/lying_trainer.py`: the numpy trainer, its
 /// every pseudo-gradient claiming a trillion samples) beside two honest reference trainers.
 /// The parameter server refuses its updates and the rounds go on without waiting for it: the

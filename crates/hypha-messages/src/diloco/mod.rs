@@ -150,6 +150,35 @@ pub struct TrainerStatus {
     pub syncing: Option<bool>,
 }
 
+/// The longest `model_hash` a status may carry: `blake3:` and 64 hex digits, with room.
+pub const MAX_HASH_LEN: usize = 128;
+
+impl TrainerStatus {
+    /// Why a scheduler cannot take this status (a hostile or broken trainer's: a fingerprint
+    /// of a megabyte, a loss that is not a number); `None` when it can.
+    pub fn problem(&self) -> Option<String> {
+        if let Some(hash) = &self.model_hash
+            && hash.len() > MAX_HASH_LEN
+        {
+            return Some(format!(
+                "a model_hash of {} bytes (at most {MAX_HASH_LEN})",
+                hash.len()
+            ));
+        }
+        let numbers = [
+            ("loss", self.loss),
+            ("batch_ms", self.batch_ms),
+            ("send_ms", self.send_ms),
+            ("eval.loss", self.eval.map(|e| e.loss)),
+            ("eval.accuracy", self.eval.and_then(|e| e.accuracy)),
+        ];
+        numbers
+            .into_iter()
+            .find(|(_, value)| value.is_some_and(|v| !v.is_finite()))
+            .map(|(key, value)| format!("{key} = {value:?} is not a finite number"))
+    }
+}
+
 /// An evaluation of a global model on the job's held-out data.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Evaluation {
@@ -441,6 +470,18 @@ mod tests {
         };
         let text = serde_json::to_string(&order).unwrap();
         assert!(text.contains(r#""evaluate":true"#), "{text}");
+        // A status with a fingerprint of 64 KiB says what is wrong with it.
+        let flooded = TrainerStatus {
+            model_hash: Some("x".repeat(65536)),
+            ..trainer.clone()
+        };
+        assert_eq!(trainer.problem(), None);
+        assert!(
+            flooded
+                .problem()
+                .unwrap()
+                .contains("a model_hash of 65536 bytes")
+        );
         assert_eq!(serde_json::from_str::<TrainerOrder>(&text).unwrap(), order);
         let order: ServerOrder =
             serde_json::from_str(r#"{"action": "close", "round": 0, "send_to": ["a"]}"#).unwrap();

@@ -14,6 +14,7 @@ use crate::{
     record::BenchedTrainer,
     rounds::News,
     slots::Role,
+    throttle::RECORDED_STATUS_BYTES,
     training::{Answered, Promotion, Training},
 };
 
@@ -72,10 +73,14 @@ impl JobRun<'_> {
             (Some(training), ExecutorReport::Diloco(status)) => (training, status),
             (_, report) => {
                 let _ = answer.send(ExecutorAnswer::Received);
-                self.events.record(Event::ExecutorStatus {
-                    job,
-                    payload: report.into_json(),
-                });
+                if self.throttle.records(&job, crate::unix_ms(), false) {
+                    let mut payload = report.into_json();
+                    let bytes = payload.to_string().len();
+                    if bytes > RECORDED_STATUS_BYTES {
+                        payload = serde_json::json!({ "too_large_bytes": bytes });
+                    }
+                    self.events.record(Event::ExecutorStatus { job, payload });
+                }
                 return Ok(());
             }
         };

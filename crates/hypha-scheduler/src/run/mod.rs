@@ -299,6 +299,8 @@ struct JobRun<'a> {
     lost: mpsc::Sender<Lost>,
     /// Trainers benched (see [`Event::Benched`]): never leased again for the task.
     benched: Vec<BenchedTrainer>,
+    /// How often each job's other statuses are written to the events file.
+    throttle: crate::throttle::Throttle,
     /// An elastic run advertises for more trainers not before this: an advertisement that
     /// found nobody is followed by a pause ([`JOINERS_PAUSE`]), not another at once.
     joiners_after: tokio::time::Instant,
@@ -413,6 +415,7 @@ impl<'a> JobRun<'a> {
             telling: JoinSet::new(),
             lost: lost_tx,
             benched: Vec::new(),
+            throttle: crate::throttle::Throttle::default(),
             joiners_after: tokio::time::Instant::now(),
             joiners_timer: false,
             forwarding: Forwarding::default(),
