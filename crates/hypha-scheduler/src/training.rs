@@ -6,8 +6,8 @@
 //! a trainer that ended meanwhile. Rounds that a lost parameter server took with it go back.
 //!
 //! The metrics file gets one JSON object per line: `{"kind": "trainer", …}` for a trainer's
-//! report (round, batches, samples, batch time, loss; one a tenth of a second per trainer at
-//! most, [`throttle`](crate::throttle); a status that does not read, a fingerprint of a
+//! report (round, batches, samples, batch time, loss; twenty a second per trainer at most,
+//! [`throttle`](crate::throttle); a status that does not read, a fingerprint of a
 //! megabyte or a loss that is no number, is refused and never written) and
 //! `{"kind": "round", …}` for every round the parameter server applied (with how long it took
 //! the server to close and the DiLoCo bytes it moved, `close_ms` and `traffic_bytes`, and what

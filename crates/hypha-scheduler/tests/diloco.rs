@@ -1938,7 +1938,7 @@ fn synthetic_trainers_apply_the_servers_changes_to_the_model_they_keep_on_disk()
 /// Issue 58, item 3: a trainer that sends 40 statuses of 64 KiB before each of its reports
 /// (its own with a fingerprint that long, and other JSON) fills neither the metrics file
 /// nor the events file: a status that does not read is refused unwritten, and a job's
-/// statuses are written a tenth of a second apart at most, each other one of more than
+/// statuses are written twenty a second at most, each other one of more than
 /// 4 KiB as its size. The run trains with its honest trainers. (Checked by writing every
 /// status as it came: the metrics file grew past 10 MB.)
 #[test]
