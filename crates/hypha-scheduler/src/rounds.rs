@@ -386,8 +386,8 @@ impl Rounds {
     }
 
     /// What trainer `job` (with `status`), told the training is over at `now_ms`, is to do
-    /// first, if anything: score the last model. That model is scored when it is due
-    /// ([`scores`](Self::scores)), by a trainer that holds it or is to (its update is in the
+    /// first, if anything: score the last model. That model is scored whenever the job scores
+    /// held-out data, by a trainer that holds it or is to (its update is in the
     /// last round: the server sends it the last model) and can: the evaluator if it is one,
     /// else the first such to ask. It waits, and scores the model once it holds it, until its
     /// score arrives, [`FINAL_EVAL_WAIT_MS`] at most.
@@ -398,7 +398,10 @@ impl Rounds {
         now_ms: u64,
     ) -> Option<TrainerOrder> {
         let last = self.round;
-        if !self.scores(last) {
+        // The last model is due whatever its round: a run that ends when its data does
+        // ends at a round nobody planned.
+        let scored = (self.eval.scored.as_ref()).is_some_and(|(_, e)| e.round >= last);
+        if self.plan.eval_every.is_none() || scored {
             return None;
         }
         let since = *self.eval.done_ms.get_or_insert(now_ms);
