@@ -501,7 +501,7 @@ impl ParameterServer {
             })
             .map(|(((peer, _), clip), (centred, trust))| ClippedUpdate {
                 peer: peer.clone(),
-                share: (clip.whole * centred).min(1.0),
+                share: robust::counted(clip, *centred).min(1.0),
                 ratio: clip.ratio,
                 tensors: (clip.tensors.keys())
                     .take(CLIPPED_TENSORS_NAMED)
@@ -511,7 +511,7 @@ impl ParameterServer {
             })
             .collect();
         for (clip, centred) in clips.iter_mut().zip(&centred) {
-            clip.whole *= centred;
+            clip.whole = robust::counted(clip, *centred);
         }
         self.sum.clip(&clips)?;
         Ok((clipped, largest))
