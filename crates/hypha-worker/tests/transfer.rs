@@ -207,11 +207,12 @@ async fn sent_files_arrive_whole_and_bad_transfers_are_refused() {
     let arrived = registration.inbox().next(&HashSet::new()).await;
     assert_eq!((arrived.sequence, arrived.name.as_str()), (1, "ok.txt"));
 
-    // Once the job's inbox closes, its task is unknown here.
+    // Once the job's inbox closes, its task is unknown here, and the sender a peer of none:
+    // it is refused at once.
     drop(registration);
     assert_eq!(
         refusal(raw_send(&sender, to, &header("task-1", "late", 1), b"x", "").await),
-        RefusalCode::NoJob
+        RefusalCode::NotInTask
     );
 }
 
@@ -364,31 +365,73 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
     drop(held);
 }
 
-/// Peers of no task hold no transfer slot: four of them, each with its share of transfers
-/// asked for and never finishing their header, leave every slot free, and a task peer's file
-/// gets in. (Checked by taking the slot before the task check, as before: the task peer is
-/// refused `busy`.)
+/// A handshake flood leaves the task's peers room (issue 58, item 1). Eight strangers, each
+/// asking for eight transfers and never finishing a header, are refused `not_in_task` at once
+/// and hold nothing; a peer of the task that does the same holds its share of handshakes and
+/// is told `busy` beyond it; and a task peer's file still gets in. (Checked by reading every
+/// header first, as before: the strangers are not answered, their 64 streams holding every
+/// handshake.)
 #[tokio::test]
-async fn strangers_waiting_in_the_handshake_hold_no_transfer_slot() {
-    let networks = connected(&["s1", "s2", "s3", "s4", "member", "receiver"]).await;
-    let [strangers @ .., member, receiver] = &networks[..] else {
+async fn a_handshake_flood_leaves_the_tasks_peers_room() {
+    let names = ["s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8"];
+    let networks = connected(&[&names[..], &["flooder", "member", "receiver"]].concat()).await;
+    let [strangers @ .., flooder, member, receiver] = &networks[..] else {
         unreachable!()
     };
-    let _inbox = job_inbox(receiver, member, &peers(1, &[member]));
+    let _inbox = job_inbox(receiver, member, &peers(1, &[member, flooder]));
     let to = receiver.local_peer_id();
-    let mut held = Vec::new();
-    for stranger in strangers {
-        for _ in 0..transfer::MAX_PER_PEER {
-            let mut stream = stranger.open_stream(to, transfer::PROTOCOL).await.unwrap();
-            // Half a frame: the receiver waits for the rest of the header.
+    // Half a frame: a receiver that reads headers waits for the rest.
+    let half_header = |from: &Network| {
+        let from = from.clone();
+        async move {
+            let mut stream = from.open_stream(to, transfer::PROTOCOL).await.unwrap();
             stream.write_all(&[0, 0]).await.unwrap();
             stream.flush().await.unwrap();
-            held.push(stream);
+            stream
+        }
+    };
+    let mut refused = 0;
+    for stranger in strangers {
+        for _ in 0..transfer::MAX_HANDSHAKES / strangers.len() {
+            let mut stream = half_header(stranger).await;
+            let answer = tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                read_frame::<Answer>(&mut stream),
+            )
+            .await
+            .expect("a stranger is answered at once, not after its header");
+            if refusal(answer.unwrap()) == RefusalCode::NotInTask {
+                refused += 1;
+            }
         }
     }
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(refused, transfer::MAX_HANDSHAKES);
+
+    let mut held = Vec::new();
+    let mut busy = 0;
+    for _ in 0..transfer::MAX_HANDSHAKES {
+        let mut stream = half_header(flooder).await;
+        // The flooder's streams beyond its share are answered at once; the others wait.
+        match tokio::time::timeout(
+            std::time::Duration::from_millis(300),
+            read_frame::<Answer>(&mut stream),
+        )
+        .await
+        {
+            Ok(answer) => {
+                assert_eq!(refusal(answer.unwrap()), RefusalCode::Busy);
+                busy += 1;
+            }
+            Err(_) => held.push(stream),
+        }
+    }
+    assert_eq!(held.len(), transfer::MAX_HANDSHAKES_PER_PEER);
     assert_eq!(
-        send_small(member, to, "slow").await,
+        busy,
+        transfer::MAX_HANDSHAKES - transfer::MAX_HANDSHAKES_PER_PEER
+    );
+    assert_eq!(
+        send_small(member, to, "update").await,
         Answer::Received { jobs: 1 }
     );
     drop(held);

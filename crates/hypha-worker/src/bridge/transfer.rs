@@ -26,8 +26,11 @@
 //! `out_dir` as `{sequence}-{name}`: the sequence number makes names from several peers, or
 //! several rounds, distinct.
 //!
-//! Limits, and what happens at them: at most [`MAX_HANDSHAKES`] transfers are being asked
-//! for at once (their headers read and their task checked; more are refused `busy`); only a
+//! Limits, and what happens at them: a peer that is neither the scheduler nor a named peer of
+//! any task here is refused `not_in_task` at once, before its header is read, so that it holds
+//! nothing; at most [`MAX_HANDSHAKES`] transfers are being asked for at once (their headers
+//! read and their task checked; more are refused `busy`), at most
+//! [`MAX_HANDSHAKES_PER_PEER`] of them by one peer (more are refused `busy`); only a
 //! transfer a task's job takes then gets one of the [`MAX_CONCURRENT`] slots, at most
 //! [`MAX_PER_PEER`] of them from one peer (more are refused `busy`, so one peer never takes
 //! every slot, and a peer of no task takes none); at most [`MAX_WAITING`] files wait in one
@@ -64,6 +67,9 @@ pub const STAGING_DIR: &str = ".hypha/inbox";
 /// Transfers whose header is being read and task checked at the same time; more are refused
 /// `busy`. Each takes at most the protocol's header timeout.
 pub const MAX_HANDSHAKES: usize = 64;
+/// Transfers one peer may be asking for at the same time (headers being read); more are refused
+/// `busy`, so that a task peer that opens streams and sends no header leaves the others room.
+pub const MAX_HANDSHAKES_PER_PEER: usize = 8;
 /// Transfers received at the same time; more are refused `busy`.
 pub const MAX_CONCURRENT: usize = 32;
 /// Transfers received from one peer at the same time; more are refused `busy`.
@@ -336,6 +342,14 @@ impl Inboxes {
         }
     }
 
+    /// Whether `peer` may send to some task here: it is a task's scheduler or one of the
+    /// workers its scheduler named. Anyone else is refused before its header is read.
+    fn knows(&self, peer: &PeerId) -> bool {
+        self.lock()
+            .values()
+            .any(|task| task.scheduler == *peer || task.peers.contains(peer))
+    }
+
     /// The inboxes of `task`'s jobs, if `sender` may send to them.
     fn of_task(&self, task: &str, sender: &PeerId) -> Result<Vec<Arc<Inbox>>, Refusal> {
         match self.lock().get(task) {
@@ -389,7 +403,10 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
             return;
         }
     };
-    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let handshakes = Handshakes {
+        slots: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
+        shares: PeerShares::new(MAX_HANDSHAKES_PER_PEER),
+    };
     let limits = Arc::new(Limits {
         slots: Arc::new(Semaphore::new(MAX_CONCURRENT)),
         shares: PeerShares::new(MAX_PER_PEER),
@@ -400,7 +417,7 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
         let inboxes = inboxes.clone();
         let limits = limits.clone();
         let artifacts = artifacts.clone();
-        let handshake = handshakes.clone().try_acquire_owned();
+        let handshake = handshakes.admit(peer, &inboxes);
         tokio::spawn(async move {
             let answer = match handshake {
                 Ok(handshake) => {
@@ -413,13 +430,44 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
                         }
                     }
                 }
-                Err(_) => Answer::Refused(busy(format!(
-                    "this worker is asked for {MAX_HANDSHAKES} transfers at once"
-                ))),
+                Err(refusal) => Answer::Refused(refusal),
             };
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
         });
+    }
+}
+
+/// The transfers being asked for: their headers read and their task checked.
+struct Handshakes {
+    slots: Arc<Semaphore>,
+    shares: PeerShares,
+}
+
+/// A transfer's place while its header is read; given back when dropped.
+type Handshake = (OwnedSemaphorePermit, Share);
+
+impl Handshakes {
+    /// A place for `peer`'s transfer: refused at once to a peer of no task here, and when
+    /// the peer or everyone together asks for too many at once.
+    fn admit(&self, peer: PeerId, inboxes: &Inboxes) -> Result<Handshake, Refusal> {
+        if !inboxes.knows(&peer) {
+            return Err(Refusal::new(
+                RefusalCode::NotInTask,
+                format!("{peer} is no scheduler or named worker of any task on this worker"),
+            ));
+        }
+        let share = self.shares.try_take(peer).ok_or_else(|| {
+            busy(format!(
+                "this worker reads {MAX_HANDSHAKES_PER_PEER} transfer headers at most at once from one peer"
+            ))
+        })?;
+        let slot = self.slots.clone().try_acquire_owned().map_err(|_| {
+            busy(format!(
+                "this worker is asked for {MAX_HANDSHAKES} transfers at once"
+            ))
+        })?;
+        Ok((slot, share))
     }
 }
 
@@ -443,7 +491,7 @@ async fn receive(
     peer: PeerId,
     stream: &mut hypha_network::Stream,
     inboxes: &Arc<Inboxes>,
-    handshake: tokio::sync::OwnedSemaphorePermit,
+    handshake: Handshake,
     limits: &Arc<Limits>,
     artifacts: &Arc<ArtifactStore>,
 ) -> Result<usize, Refusal> {
