@@ -12,7 +12,7 @@
 //!   peer's presented chain (signatures, validity dates, revocation, key usage) down to a
 //!   [`PeerId`](libp2p::PeerId).
 //! - [`roles`]: what a node may do (scheduler, worker, data, gateway), written into its
-//!   certificate by the CA.
+//!   certificate by the CA; [`organisation_of_certificate`]: whose it is, the CA that signed it.
 //! - [`inspect`] describes certificates and CRLs for humans.
 //!
 //! Reading certificate files names the file in every error; writing them is the caller's, with
@@ -71,6 +71,16 @@ pub(crate) fn parse_certificates(
 pub fn peer_id_of_certificate(cert_der: &[u8]) -> Result<PeerId, Rejection> {
     let key = ed25519_public_key(cert_der).map_err(Rejection::Unusable)?;
     peer_id_of(&key).map_err(Rejection::Unusable)
+}
+
+/// The organisation a DER certificate belongs to: the distinguished name of the CA that signed
+/// it (`CN=Example Org`). A node signed by an organisation CA belongs to that organisation; one
+/// signed by the root directly (a small set-up) to the root's. Shares that one organisation may
+/// hold of a node's places (a data node's iterations) count by it.
+pub fn organisation_of_certificate(cert_der: &[u8]) -> Result<String, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert_der)
+        .map_err(|e| format!("not a valid X.509 certificate: {e}"))?;
+    Ok(cert.issuer().to_string())
 }
 
 /// The raw 32-byte Ed25519 public key of a DER certificate, or why there is none.

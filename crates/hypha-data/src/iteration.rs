@@ -9,7 +9,10 @@
 //!
 //! A data node's own iterations belong to the peer that started them: only it, and the peers
 //! it names (`share_with`), consume from them. One peer runs at most
-//! [`MAX_ITERATIONS_PER_PEER`] on a node, and an iteration nobody asked about for the node's
+//! [`MAX_ITERATIONS_PER_PEER`] on a node and one organisation (the CA that signed its peers'
+//! certificates) at most [`MAX_ITERATIONS_PER_ORGANISATION`], so that many certificates of one
+//! organisation cannot keep every place; asking needs the worker role (the network checks it).
+//! An iteration nobody asked about for the node's
 //! `iteration_idle_ms` is over: its ledger is removed and its place freed, also when that
 //! time passed while the node was down.
 
@@ -48,6 +51,9 @@ pub use hypha_ledger::MAX_EPOCHS;
 pub const MAX_NODE_ITERATIONS: usize = 64;
 /// The most iterations one peer runs at once on a data node.
 pub const MAX_ITERATIONS_PER_PEER: usize = 4;
+/// The most iterations the peers of one organisation run at once on a data node: a quarter of
+/// its places, so that four organisations' worth of certificates are needed to fill them.
+pub const MAX_ITERATIONS_PER_ORGANISATION: usize = MAX_NODE_ITERATIONS / 4;
 /// How long a data node keeps an iteration nobody asks about, unless configured otherwise.
 pub const DEFAULT_IDLE: Duration = Duration::from_secs(24 * 3600);
 /// How often the time an iteration was last asked about is written down.
@@ -350,6 +356,20 @@ struct Owner {
     share_with: Vec<String>,
     /// When a request for it last came (ms since the epoch; written at most once a minute).
     last_used_ms: u64,
+    /// The owner's organisation ([`Asker::organisation`]); `None` in a file written before
+    /// organisations were counted, until the owner asks again.
+    #[serde(default)]
+    organisation: Option<String>,
+}
+
+/// Who asks a data node about an iteration.
+#[derive(Debug, Clone)]
+pub struct Asker {
+    pub peer: PeerId,
+    /// The organisation its certificate belongs to
+    /// ([`hypha_certs::organisation_of_certificate`]); `None` when the network no longer
+    /// knows (it asked and left): then only the peer's own share applies.
+    pub organisation: Option<String>,
 }
 
 impl Owner {
@@ -374,14 +394,16 @@ impl NodeIterations {
         self.dir.join(dataset).join(format!("{iteration}.ledger"))
     }
 
-    /// The service for `peer`'s request, opened or started from `manifest`: refused when the
-    /// iteration belongs to a peer that does not share it with `peer`.
+    /// The service for `asker`'s request, opened or started from `manifest`: refused when the
+    /// iteration belongs to a peer that does not share it with the asker, and a new one when
+    /// the asker or its organisation runs its share of the node's places already.
     pub async fn service(
         &self,
-        peer: &PeerId,
+        asker: &Asker,
         request: &IterateRequest,
         manifest: &Manifest,
     ) -> Result<IterationService, RemoteError> {
+        let peer = &asker.peer;
         check_name("iteration", &request.iteration)?;
         let key = (request.dataset.clone(), request.iteration.clone());
         let path = self.ledger_path(&request.dataset, &request.iteration);
@@ -416,12 +438,21 @@ impl NodeIterations {
         let owner = match kept {
             Some(kept) => {
                 check_admitted(&kept, peer, &request.iteration)?;
-                kept
+                let organisation = match kept.organisation {
+                    Some(organisation) => Some(organisation),
+                    None if kept.owner == peer.to_string() => asker.organisation.clone(),
+                    None => None,
+                };
+                Owner {
+                    organisation,
+                    ..kept
+                }
             }
             None => Owner {
                 owner: peer.to_string(),
                 share_with: request.share_with.clone(),
                 last_used_ms: now,
+                organisation: asker.organisation.clone(),
             },
         };
         if open.len() >= MAX_NODE_ITERATIONS {
@@ -445,6 +476,21 @@ impl NodeIterations {
                     self.idle.as_secs()
                 ),
             ));
+        }
+        if let Some(organisation) = &owner.organisation {
+            let of_organisation = open
+                .values()
+                .filter(|r| r.owner.organisation.as_ref() == Some(organisation))
+                .count();
+            if of_organisation >= MAX_ITERATIONS_PER_ORGANISATION {
+                return Err(RemoteError::new(
+                    ErrorCode::Busy,
+                    format!(
+                        "the peers of {organisation} run {MAX_ITERATIONS_PER_ORGANISATION} iterations on this node already, the most one organisation may; finish one, or let one go idle for {} s",
+                        self.idle.as_secs()
+                    ),
+                ));
+            }
         }
         let spec = spec_of(manifest, request.epochs, request.seed);
         let ledger = open_ledger(&path, spec).await.map_err(|e| {

@@ -14,7 +14,12 @@ use serde::Deserialize;
 
 use hypha_dataset::Manifest;
 
-use crate::{Catalog, iteration::NodeIterations, protocol::provider_key, server};
+use crate::{
+    Catalog,
+    iteration::{Asker, NodeIterations},
+    protocol::provider_key,
+    server,
+};
 
 /// Requests (manifests, iterations) a data node answers at the same time.
 const ANSWERING: usize = 256;
@@ -228,8 +233,10 @@ pub async fn serve(
                 // concurrently, at most ANSWERING at once (the inbound queue fills behind).
                 let Ok(permit) = answering.clone().acquire_owned().await else { break };
                 let (catalog, iterations) = (catalog.clone(), iterations.clone());
+                // Whose the asker is: known while it is connected, as it is when it asks.
+                let organisation = network.organisation(&request.peer);
                 tokio::spawn(async move {
-                    answer(request, &catalog, &iterations).await;
+                    answer(request, organisation, &catalog, &iterations).await;
                     drop(permit);
                 });
             }
@@ -277,7 +284,12 @@ async fn follow_disk(network: &Network, catalog: &RwLock<Catalog>) {
     }
 }
 
-async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>, iterations: &NodeIterations) {
+async fn answer(
+    request: InboundRequest,
+    organisation: Option<String>,
+    catalog: &RwLock<Catalog>,
+    iterations: &NodeIterations,
+) {
     let manifest = |dataset: &str| -> Result<Manifest, hypha_messages::Error> {
         catalog
             .read()
@@ -294,7 +306,13 @@ async fn answer(request: InboundRequest, catalog: &RwLock<Catalog>, iterations: 
         Request::Manifest { dataset } => manifest(dataset).map(Response::Manifest),
         Request::Iterate(iterate) => {
             let service = match manifest(&iterate.dataset) {
-                Ok(manifest) => iterations.service(&request.peer, iterate, &manifest).await,
+                Ok(manifest) => {
+                    let asker = Asker {
+                        peer: request.peer,
+                        organisation,
+                    };
+                    iterations.service(&asker, iterate, &manifest).await
+                }
                 Err(e) => Err(e),
             };
             match service {

@@ -7,7 +7,10 @@ use std::{
 };
 
 use futures::{AsyncWriteExt, StreamExt};
-use hypha_network::{Network, PeerId};
+use hypha_network::{
+    Network, PeerId,
+    rate::{MIN_BYTES_PER_SECOND, RateFloor},
+};
 use tokio::sync::Semaphore;
 
 use crate::{
@@ -32,6 +35,11 @@ pub struct Limits {
     /// How long a send may make no progress (the client stopped reading) before the server
     /// gives up on the stream and frees its slot. Default: 30 s.
     pub stall_timeout: Duration,
+    /// The slowest a client may read, in bytes a second, measured over every `stall_timeout`:
+    /// a client that reads a little now and then, never stalling, would otherwise hold its
+    /// slots for as long as it likes (eight such peers would hold all 64). Default:
+    /// [`MIN_BYTES_PER_SECOND`], the floor a receiver holds its senders to.
+    pub min_send_rate: u64,
 }
 
 impl Default for Limits {
@@ -42,6 +50,7 @@ impl Default for Limits {
             queued_per_peer: 64,
             request_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(30),
+            min_send_rate: MIN_BYTES_PER_SECOND,
         }
     }
 }
@@ -237,6 +246,7 @@ async fn serve_one(
         return;
     }
     let mut reader = SliceReader::new(file, request.offset, entry.size);
+    let mut rate = RateFloor::new(limits.stall_timeout, limits.min_send_rate);
     let mut sent = 0u64;
     // A read error or a file that shrank ends the stream early: the client's hash and size
     // checks catch it and it goes to another provider.
@@ -253,6 +263,16 @@ async fn serve_one(
             }
         }
         sent += chunk.len() as u64;
+        // Measured chunk by chunk: a chunk takes at most `stall_timeout`, so a client that
+        // reads too slowly is let go within two of them.
+        if !rate.add(chunk.len() as u64, tokio::time::Instant::now()) {
+            tracing::debug!(
+                %peer,
+                "the client reads slower than {} KiB/s; abandoning the transfer",
+                limits.min_send_rate / 1024
+            );
+            break;
+        }
     }
     hypha_telemetry::metrics::record_bytes(
         protocol::PROTOCOL_NAME,

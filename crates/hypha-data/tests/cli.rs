@@ -32,10 +32,11 @@ fn certificates(dir: &Path) {
     let root = authority::create_root("CLI Root", Validity::days(2)).unwrap();
     let org = authority::create_org(&root, "CLI Org", Validity::days(2)).unwrap();
     std::fs::write(dir.join("root.pem"), root.cert_pem()).unwrap();
-    // A client that reads a data node's slices needs no role.
+    // A client that reads a data node's slices needs no role; one that iterates, the worker's.
     for (name, roles) in [
         ("data", Roles::NONE.with(Role::Data)),
         ("fetcher", Roles::NONE),
+        ("consumer", Roles::NONE.with(Role::Worker)),
     ] {
         let node = authority::create_node(&org, name, &[], roles, Validity::days(1)).unwrap();
         std::fs::write(dir.join(format!("{name}-cert.pem")), node.chain_pem()).unwrap();
@@ -358,9 +359,9 @@ fn clients_of_one_iteration_get_disjoint_slices_covering_the_node_each_epoch() {
             &node_address,
             "--cert-pem",
         ])
-        .arg(dir.join("fetcher-cert.pem"))
+        .arg(dir.join("consumer-cert.pem"))
         .arg("--key-pem")
-        .arg(dir.join("fetcher-key.pem"))
+        .arg(dir.join("consumer-key.pem"))
         .arg("--trust-pem")
         .arg(dir.join("root.pem"))
         .arg("--output")
@@ -420,9 +421,9 @@ fn clients_of_one_iteration_get_disjoint_slices_covering_the_node_each_epoch() {
             &node_address,
             "--cert-pem",
         ])
-        .arg(dir.join("fetcher-cert.pem"))
+        .arg(dir.join("consumer-cert.pem"))
         .arg("--key-pem")
-        .arg(dir.join("fetcher-key.pem"))
+        .arg(dir.join("consumer-key.pem"))
         .arg("--trust-pem")
         .arg(dir.join("root.pem"));
     let out = wrong.output().unwrap();

@@ -43,8 +43,21 @@ impl Pki {
         Network,
         tokio::sync::mpsc::Receiver<hypha_network::InboundRequest>,
     ) {
-        let node =
-            authority::create_node(&self.org, name, &[], Roles::ALL, Validity::days(1)).unwrap();
+        self.start_as(name, &self.org, Roles::ALL, gateway).await
+    }
+
+    /// A node of `org` (signed by it) with `roles`.
+    async fn start_as(
+        &self,
+        name: &str,
+        org: &Authority,
+        roles: Roles,
+        gateway: Option<&libp2p::Multiaddr>,
+    ) -> (
+        Network,
+        tokio::sync::mpsc::Receiver<hypha_network::InboundRequest>,
+    ) {
+        let node = authority::create_node(org, name, &[], roles, Validity::days(1)).unwrap();
         let identity =
             NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes()).unwrap();
         let trust = Arc::new(TrustStore::from_pem(self.root.cert_pem().as_bytes(), &[]).unwrap());
@@ -488,6 +501,103 @@ async fn a_peer_over_its_limit_is_told_busy() {
     assert!(rest.is_empty());
 }
 
+/// Reads slice 0 of `dataset` from `node` as a slow client does: `block` bytes every
+/// `every`, never silent long enough to stall. Returns the bytes it got before the stream ended.
+async fn read_slowly(
+    client: &Network,
+    node: PeerId,
+    dataset: &str,
+    block: usize,
+    every: Duration,
+    started: oneshot::Sender<()>,
+) -> usize {
+    let mut stream = client.open_stream(node, PROTOCOL).await.unwrap();
+    let request = SliceRequest {
+        dataset: dataset.into(),
+        slice: 0,
+        offset: 0,
+        file: None,
+    };
+    protocol::write_frame(&mut stream, &request).await.unwrap();
+    let header: SliceHeader = protocol::read_frame(&mut stream).await.unwrap();
+    assert!(matches!(header, SliceHeader::Ok { .. }), "{header:?}");
+    let _ = started.send(());
+    let mut buffer = vec![0; block];
+    let mut got = 0;
+    loop {
+        match stream.read(&mut buffer).await {
+            Ok(0) | Err(_) => return got,
+            Ok(n) => got += n,
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Clients that read slowly, never stalling, are let go so that the others are served
+/// (issue 58, item 2): two of them hold both of a node's slots reading 640 KiB/s, below the
+/// node's floor of 4 MiB/s; they are cut off before the end of their slices, and a third
+/// client gets its slice within seconds. (Checked without the floor on sends: the slow
+/// readers keep both slots for the 25 s their slices take, and the third client waits.)
+#[tokio::test]
+async fn clients_that_read_too_slowly_are_let_go_and_the_others_served() {
+    let pki = Pki::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let slice_len = 16 * 1024 * 1024;
+    let data = dataset(tmp.path(), "big", 2, slice_len);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let limits = Limits {
+        concurrent: 2,
+        per_peer: 1,
+        stall_timeout: Duration::from_secs(1),
+        min_send_rate: 4 * 1024 * 1024,
+        ..Limits::default()
+    };
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, limits).await;
+    let peer = node.local_peer_id();
+    let mut slow = Vec::new();
+    for name in ["slow-1", "slow-2"] {
+        let (client, _) = pki.start(name, Some(&gw_addr)).await;
+        dial_directly(&client, &node).await;
+        let (started, reading) = oneshot::channel();
+        slow.push(tokio::spawn(async move {
+            read_slowly(
+                &client,
+                peer,
+                "big",
+                64 * 1024,
+                Duration::from_millis(100),
+                started,
+            )
+            .await
+        }));
+        reading.await.unwrap();
+    }
+
+    let (honest_net, _) = pki.start("honest", Some(&gw_addr)).await;
+    dial_directly(&honest_net, &node).await;
+    let honest = DataClient::new(honest_net);
+    let manifest = honest.manifest(peer, "big").await.unwrap();
+    let dest = tmp.path().join("honest.safetensors");
+    tokio::time::timeout(
+        Duration::from_secs(15),
+        honest.fetch_slice("big", &manifest.slices[1], &[peer], &dest),
+    )
+    .await
+    .expect("the slow readers were let go and the honest client served")
+    .unwrap();
+    assert_eq!(
+        std::fs::read(&dest).unwrap(),
+        std::fs::read(data.join("slice-0001.safetensors")).unwrap()
+    );
+    for reader in slow {
+        let got = reader.await.unwrap();
+        assert!(
+            got < slice_len / 2,
+            "a slow reader got {got} bytes of {slice_len} before it was let go"
+        );
+    }
+}
+
 #[tokio::test]
 async fn datasets_added_or_changed_on_disk_are_served_without_restart() {
     let pki = Pki::new();
@@ -928,4 +1038,81 @@ async fn fetch_first_from(
     .expect("the first provider held the fetch for 20 s")
     .unwrap();
     (report, started.elapsed())
+}
+
+/// A data node's iteration places cannot all be taken by many certificates (issue 58, item
+/// 8): asking needs the worker role, and one organisation's peers together run at most a
+/// quarter of the places. Five peers of one organisation get 16 iterations, their 17th is
+/// refused `busy`, a peer of another organisation still starts one, and a certificate of no
+/// role is refused `forbidden`. (Checked against the node as it was: the role-less peer is
+/// granted, and so are all 20 of the one organisation's iterations.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_places() {
+    use hypha_certs::Role;
+    use hypha_data::iteration::{MAX_ITERATIONS_PER_ORGANISATION, MAX_ITERATIONS_PER_PEER};
+    use hypha_messages::{ErrorCode, Request, Response, iterate::IterateRequest};
+    let pki = Pki::new();
+    let other_org = authority::create_org(&pki.root, "Other Org", Validity::days(2)).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = dataset(tmp.path(), "d", 4, 64);
+    let (_gw, gw_addr) = gateway(&pki).await;
+    let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
+    let worker = Roles::NONE.with(Role::Worker);
+    let request = |iteration: String| {
+        Request::Iterate(IterateRequest {
+            iteration,
+            dataset: "d".into(),
+            consumer: "c".into(),
+            epochs: 1,
+            seed: 1,
+            want: 1,
+            cached: Vec::new(),
+            consumed: Vec::new(),
+            round: 0,
+            completed_round: None,
+            holding: None,
+            share_with: Vec::new(),
+        })
+    };
+    let ask = async |from: &Network, iteration: String| {
+        dial_directly(from, &node).await;
+        match from.request(node.local_peer_id(), request(iteration)).await {
+            Ok(Response::Iterate(_)) => Ok(()),
+            Ok(Response::Error(error)) | Err(hypha_network::NetworkError::Remote { error, .. }) => {
+                Err(error)
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+
+    let (roleless, _) = pki
+        .start_as("no-role", &pki.org, Roles::NONE, Some(&gw_addr))
+        .await;
+    let refused = ask(&roleless, "mine".into()).await.unwrap_err();
+    assert_eq!(refused.code, ErrorCode::Forbidden, "{refused:?}");
+
+    let mut granted = 0;
+    let mut busy = Vec::new();
+    for p in 0..5 {
+        let (peer, _) = pki
+            .start_as(&format!("many-{p}"), &pki.org, worker, Some(&gw_addr))
+            .await;
+        for i in 0..MAX_ITERATIONS_PER_PEER {
+            match ask(&peer, format!("it-{p}-{i}")).await {
+                Ok(()) => granted += 1,
+                Err(error) => busy.push(error),
+            }
+        }
+    }
+    assert_eq!(granted, MAX_ITERATIONS_PER_ORGANISATION);
+    assert_eq!(busy.len(), 5 * MAX_ITERATIONS_PER_PEER - granted);
+    assert!(
+        busy.iter()
+            .all(|e| e.code == ErrorCode::Busy && e.message.contains("one organisation")),
+        "{busy:?}"
+    );
+    let (other, _) = pki
+        .start_as("other", &other_org, worker, Some(&gw_addr))
+        .await;
+    assert_eq!(ask(&other, "theirs".into()).await, Ok(()));
 }

@@ -22,6 +22,8 @@ use rustls::pki_types::CertificateDer;
 #[derive(Debug, Clone)]
 pub(crate) struct Certificate {
     pub(crate) roles: Roles,
+    /// The CA that signed it ([`hypha_certs::organisation_of_certificate`]).
+    pub(crate) organisation: Option<String>,
     /// As presented: the peer's certificate first.
     pub(crate) chain: Vec<CertificateDer<'static>>,
 }
@@ -48,10 +50,20 @@ impl CertifiedPeers {
             .and_then(|leaf| Roles::of_certificate(leaf).ok())
             .flatten();
         let roles = Roles::effective(stated, self.allow_roleless);
+        let organisation = chain
+            .first()
+            .and_then(|leaf| hypha_certs::organisation_of_certificate(leaf).ok());
         self.peers
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(peer, Certificate { roles, chain });
+            .insert(
+                peer,
+                Certificate {
+                    roles,
+                    organisation,
+                    chain,
+                },
+            );
     }
 
     pub(crate) fn remove(&self, peer: &PeerId) {
@@ -70,6 +82,15 @@ impl CertifiedPeers {
             .map(|c| c.roles)
     }
 
+    /// The organisation `peer`'s certificate belongs to; `None` if it is not connected.
+    pub(crate) fn organisation(&self, peer: &PeerId) -> Option<String> {
+        self.peers
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(peer)
+            .and_then(|c| c.organisation.clone())
+    }
+
     /// Every connected peer's certificate.
     pub(crate) fn snapshot(&self) -> Vec<(PeerId, Certificate)> {
         self.peers
@@ -83,22 +104,22 @@ impl CertifiedPeers {
 
 /// The role a peer must hold to send `request`, if any.
 ///
-/// Only schedulers lease workers and dispatch or cancel jobs; only workers offer to take tasks
-/// and report on jobs. Everything else any certified peer may ask (health, a manifest, progress,
-/// slices of a data node's own iteration); a scheduler's iteration checks that the asker runs a
-/// job of its task, which is more than a role.
+/// Only schedulers lease workers and dispatch or cancel jobs; only workers offer to take tasks,
+/// report on jobs and iterate a dataset (the consumers of slices: a trainer, or a person's
+/// `hypha-data iterate` under a worker certificate), so that a certificate of no role cannot
+/// take a data node's iteration places. Everything else any certified peer may ask (health, a
+/// manifest, progress); a scheduler's iteration also checks that the asker runs a job of its
+/// task, which is more than a role.
 pub fn required_role(request: &Request) -> Option<Role> {
     match request {
         Request::Lease(_)
         | Request::Dispatch(_)
         | Request::Cancel { .. }
         | Request::TaskPeers { .. } => Some(Role::Scheduler),
-        Request::Offer(_) | Request::JobStatus(_) | Request::ExecutorStatus { .. } => {
-            Some(Role::Worker)
-        }
-        Request::Health
-        | Request::Manifest { .. }
-        | Request::Iterate(_)
-        | Request::Progress { .. } => None,
+        Request::Offer(_)
+        | Request::JobStatus(_)
+        | Request::ExecutorStatus { .. }
+        | Request::Iterate(_) => Some(Role::Worker),
+        Request::Health | Request::Manifest { .. } | Request::Progress { .. } => None,
     }
 }

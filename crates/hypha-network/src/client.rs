@@ -335,6 +335,12 @@ impl Network {
         self.peers.roles(peer)
     }
 
+    /// The organisation `peer`'s certificate belongs to (the CA that signed it); `None` when it
+    /// has not been connected in the last few seconds.
+    pub fn organisation(&self, peer: &PeerId) -> Option<String> {
+        self.peers.organisation(peer)
+    }
+
     /// [`connect`](Self::connect)s to `peer` and checks that its certificate grants `role`:
     /// for peers learnt from gossip or the DHT, before trusting them with what the role is for.
     pub async fn connect_as(&self, peer: PeerId, role: Role) -> Result<(), NetworkError> {

@@ -294,8 +294,9 @@ fn a_scheduler_killed_mid_epoch_resumes_its_ledger_with_nothing_used_twice_or_lo
     let progress = cluster.progress("first", &listening);
     assert_eq!(progress["dataset"], "tokens");
     assert_eq!(progress["run"]["restarts"], 0, "{progress}");
-    // Any other certified peer is not told: the answer names the run's task.
-    cluster.config("outsider", hypha_certs::Roles::NONE, "");
+    // Any other certified peer is not told, a worker of no job of the run included: the
+    // answer names the run's task.
+    cluster.config("outsider", hypha_certs::Role::Worker, "");
     let refused = cluster
         .progress_as("first", &listening, "outsider")
         .unwrap_err();
