@@ -22,7 +22,10 @@ use std::{
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::manifest::{ArtifactId, Manifest};
+use crate::{
+    contents::Entry,
+    manifest::{ArtifactId, Manifest},
+};
 
 /// Completed artifacts by destination path: JSON [`Record`]s.
 const COMPLETED: TableDefinition<&str, &[u8]> = TableDefinition::new("completed");
@@ -67,6 +70,11 @@ pub struct Record {
     /// Every file and link of the unpacked tree, by its path in the tree, when it was unpacked.
     #[serde(default)]
     pub unpacked_stamps: BTreeMap<String, Stamp>,
+    /// What every file and link of the unpacked tree held when it was unpacked, for copies of
+    /// it to be checked against (`Contents`). Absent in older records: their trees are
+    /// unpacked again once.
+    #[serde(default)]
+    pub unpacked_contents: BTreeMap<String, Entry>,
 }
 
 /// What a file looked like on disk: a write, a `chmod`, a new link, a rename onto it or a
@@ -154,6 +162,7 @@ impl Record {
     /// is as it was unpacked (blocking).
     pub fn tree_intact(&self, request: &Request) -> bool {
         self.unpacked_as(request)
+            && self.unpacked_contents.len() == self.unpacked_stamps.len()
             && request.unpack.as_ref().is_some_and(|unpack| {
                 Stamp::of_tree(&unpack.destination).is_ok_and(|now| now == self.unpacked_stamps)
             })

@@ -17,6 +17,7 @@ use crate::{
     Settings,
     assembly::{Assembly, part_path},
     cache::{Cache, CacheError, Record, Stamp, make_read_only},
+    contents::{Contents, Entry},
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
     protocol::{
@@ -141,6 +142,8 @@ pub struct Fetched {
     /// Served from this node's cache without a transfer.
     pub from_cache: bool,
     pub progress: Progress,
+    /// What the files and the unpacked tree hold, for a copy of them to be checked against.
+    pub contents: Contents,
 }
 
 /// A node's artifact distribution. Cheap to clone.
@@ -367,6 +370,7 @@ impl Distributor {
                 self.admit(id, &options.admission);
             }
             let unpacked = self.unpack_if_asked(request, record).await?;
+            let contents = self.contents(request, unpacked.as_deref()).await?;
             let progress = self
                 .inner
                 .swarms()
@@ -381,6 +385,7 @@ impl Distributor {
                 unpacked,
                 from_cache: true,
                 progress,
+                contents,
             });
         }
 
@@ -432,8 +437,10 @@ impl Distributor {
             unpacked: false,
             stamps: Vec::new(),
             unpacked_stamps: Default::default(),
+            unpacked_contents: Default::default(),
         };
         let unpacked = self.unpack_if_asked(request, record).await?;
+        let contents = self.contents(request, unpacked.as_deref()).await?;
         Ok(Fetched {
             artifact: id,
             files: (0..manifest.files.len())
@@ -442,7 +449,23 @@ impl Distributor {
             unpacked,
             from_cache: false,
             progress: current,
+            contents,
         })
+    }
+
+    /// What `request`'s files and its tree unpacked at `unpacked` hold, as the cache recorded
+    /// them when they were verified.
+    async fn contents(
+        &self,
+        request: &Request,
+        unpacked: Option<&Path>,
+    ) -> Result<Contents, FetchError> {
+        let cache = self.inner.cache.clone();
+        let lookup = request.clone();
+        let record = blocking(move || cache.completed(&lookup)).await?;
+        Ok(record
+            .map(|record| Contents::of(&record, unpacked))
+            .unwrap_or_default())
     }
 
     /// Joins (or finds) the swarm of `manifest`, resuming from chunks recorded in the cache.
@@ -642,12 +665,14 @@ impl Distributor {
             unpack(&archive, &options, &limits)?;
             make_read_only(&options.destination)?;
             let unpacked_stamps = Stamp::of_tree(&options.destination)?;
+            let unpacked_contents = Entry::of_tree(&options.destination)?;
             if let Some(done) = cache.completed(&request)? {
                 record = done;
             }
             record.request = request;
             record.unpacked = true;
             record.unpacked_stamps = unpacked_stamps;
+            record.unpacked_contents = unpacked_contents;
             cache.record_completed(&record)?;
             Ok::<_, FetchError>(())
         })

@@ -21,6 +21,7 @@
 
 pub mod assembly;
 pub mod cache;
+pub mod contents;
 mod distributor;
 pub mod manifest;
 pub mod origin;
@@ -31,6 +32,7 @@ pub mod unpack;
 
 use std::time::Duration;
 
+pub use contents::{ContentError, Contents};
 pub use distributor::{Admission, Distributor, FetchError, FetchOptions, Fetched};
 pub use hypha_messages::artifact::{
     self as request, Kind, Published, Request, Unpack, UnpackMethod,

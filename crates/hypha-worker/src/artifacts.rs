@@ -15,9 +15,12 @@
 //! for 1 GiB on this project's ext4 test machine (BENCHMARKS.md, "Artifacts into jobs"). The store itself is read-only and
 //! stamped (`hypha_artifacts::cache`): what a process of the worker's user changes there
 //! anyway is found on the next cache hit, and fetched again, and is never served to a peer.
+//! What it changes between that check and the copy is found in the copy: every copy is hashed
+//! and compared with what the fetch verified (`hypha_artifacts::Contents`) before the job
+//! gets it; a copy that differs is thrown away and the artifact fetched again, once.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::OsStr,
     fs::File,
     os::{fd::OwnedFd, unix::fs::PermissionsExt},
@@ -26,8 +29,8 @@ use std::{
 };
 
 use hypha_artifacts::{
-    Admission, Distributor, FetchError, FetchOptions, Fetched, Origins, Progress, Published,
-    Request,
+    Admission, ContentError, Contents, Distributor, FetchError, FetchOptions, Fetched, Origins,
+    Progress, Published, Request,
 };
 use hypha_network::Network;
 use tokio::sync::watch;
@@ -67,6 +70,8 @@ pub enum ProvideError {
         #[source]
         error: std::io::Error,
     },
+    #[error("copying into the job's directory: {0}")]
+    Content(#[from] ContentError),
 }
 
 /// What a request put into a job's directory.
@@ -147,7 +152,9 @@ impl ArtifactStore {
     }
 
     /// Fetches `request` (destinations relative to the job's directory, already checked),
-    /// sharing it with the peers `admission` lets in, and copies it into `job`.
+    /// sharing it with the peers `admission` lets in, and copies it into `job`. A copy that
+    /// does not hold what the fetch verified (the store changed in between) is fetched and
+    /// copied again, once.
     pub async fn provide(
         &self,
         request: &Request,
@@ -155,21 +162,33 @@ impl ArtifactStore {
         expect: usize,
         admission: Admission,
     ) -> Result<Provided, ProvideError> {
-        let (in_store, fetched) = self.fetch(request, expect, admission, None).await?;
-        let mut pairs = vec![(in_store.destination.clone(), request.destination.clone())];
-        if let (Some(from), Some(to)) = (&in_store.unpack, &request.unpack) {
-            pairs.push((from.destination.clone(), to.destination.clone()));
-        }
-        let files = tokio::task::spawn_blocking(move || {
-            let mut files = Vec::new();
-            for (from, to) in pairs {
-                copy_tree(&job, &from, &to, &mut files)?;
+        let mut attempt = 1;
+        loop {
+            let (in_store, fetched) = self.fetch(request, expect, admission.clone(), None).await?;
+            let mut pairs = vec![(in_store.destination.clone(), request.destination.clone())];
+            if let (Some(from), Some(to)) = (&in_store.unpack, &request.unpack) {
+                pairs.push((from.destination.clone(), to.destination.clone()));
             }
-            Ok::<_, ProvideError>(files)
-        })
-        .await
-        .map_err(|e| FetchError::Io(std::io::Error::other(e)))??;
-        Ok(Provided { fetched, files })
+            let contents = fetched.contents.clone();
+            let job = job.clone();
+            let copied = tokio::task::spawn_blocking(move || {
+                let mut files = Vec::new();
+                for (from, to) in pairs {
+                    copy_checked(&job, &contents, &from, &to, &mut files)?;
+                }
+                Ok::<_, ProvideError>(files)
+            })
+            .await
+            .map_err(|e| FetchError::Io(std::io::Error::other(e)))?;
+            match copied {
+                Ok(files) => return Ok(Provided { fetched, files }),
+                Err(ProvideError::Content(error)) if attempt == 1 => {
+                    tracing::warn!(%error, "the artifact store changed under a copy; fetching it again");
+                    attempt += 1;
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// Fetches a file a peer published (`hypha_artifacts::published`) into the store's
@@ -256,13 +275,41 @@ impl ArtifactStore {
     }
 }
 
-/// Copies the file or tree at `from` (in the store) to `to` (relative to the job's
-/// directory), replacing what is there; records `(to, from)` for every file.
-fn copy_tree(
+/// Copies the file or tree at `from` (in the store) to `to` (relative to the job's directory)
+/// as [`copy_tree`] does, and checks that every file and link the fetch verified under `from`
+/// was copied, each as verified.
+fn copy_checked(
     job: &JobDir,
+    contents: &Contents,
     from: &Path,
     to: &Path,
     files: &mut Vec<(PathBuf, PathBuf)>,
+) -> Result<(), ProvideError> {
+    let mut copied = HashSet::new();
+    copy_tree(job, contents, from, to, files, &mut copied)?;
+    match contents
+        .paths()
+        .find(|path| path.starts_with(from) && !copied.contains(*path))
+    {
+        Some(missing) => Err(ContentError::Changed {
+            path: missing.to_path_buf(),
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+/// Copies the file or tree at `from` (in the store) to `to` (relative to the job's
+/// directory), replacing what is there; records `(to, from)` for every file in `files` and
+/// every store path copied in `copied`. Each copy is checked against `contents`; a file or link
+/// the fetch never had is left out.
+fn copy_tree(
+    job: &JobDir,
+    contents: &Contents,
+    from: &Path,
+    to: &Path,
+    files: &mut Vec<(PathBuf, PathBuf)>,
+    copied: &mut HashSet<PathBuf>,
 ) -> Result<(), ProvideError> {
     let copy_error = |error: std::io::Error| ProvideError::Copy {
         path: to.to_path_buf(),
@@ -279,29 +326,51 @@ fn copy_tree(
         job.create_dir_all(to)?;
         for entry in std::fs::read_dir(from).map_err(copy_error)? {
             let entry = entry.map_err(copy_error)?;
-            copy_tree(job, &entry.path(), &to.join(entry.file_name()), files)?;
+            copy_tree(
+                job,
+                contents,
+                &entry.path(),
+                &to.join(entry.file_name()),
+                files,
+                copied,
+            )?;
         }
+        return Ok(());
+    }
+    if let Err(error) = contents.check_known(from) {
+        tracing::warn!(%error, "left out of the job's copy");
         return Ok(());
     }
     let parent_fd = job.create_dir_all(parent)?;
     if metadata.is_symlink() {
         // Unpacking kept only links that stay inside the archive's tree.
         let target = std::fs::read_link(from).map_err(copy_error)?;
+        contents.check_link(from, &target)?;
         let _ = rustix::fs::unlinkat(&parent_fd, name, rustix::fs::AtFlags::empty());
         rustix::fs::symlinkat(&target, &parent_fd, name).map_err(|e| copy_error(e.into()))?;
+        copied.insert(from.to_path_buf());
         return Ok(());
     }
-    place_file(&parent_fd, from, name).map_err(copy_error)?;
+    let temp = copy_to_temp(&parent_fd, from, name).map_err(copy_error)?;
+    let checked = match JobDir::open_own_file(&parent_fd, &temp) {
+        Some(copy) => {
+            let mut copy = std::io::BufReader::with_capacity(1 << 20, copy);
+            contents
+                .check_file(from, &mut copy)
+                .map_err(ProvideError::from)
+        }
+        None => Err(copy_error(std::io::Error::other(
+            "the copy vanished before it was checked",
+        ))),
+    };
+    if let Err(error) = checked {
+        JobDir::discard(&parent_fd, &temp);
+        return Err(error);
+    }
+    JobDir::publish(&parent_fd, &temp, name).map_err(copy_error)?;
+    copied.insert(from.to_path_buf());
     files.push((to.to_path_buf(), from.to_path_buf()));
     Ok(())
-}
-
-/// Puts a copy of `from` at `name` in `parent`, atomically replacing what is there, writable
-/// by its owner (it is the job's own): a copy-on-write clone where the file system makes one,
-/// else a kernel-side copy. Never a link (see the module's documentation).
-fn place_file(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Result<()> {
-    let temp = copy_to_temp(parent, from, name)?;
-    JobDir::publish(parent, &temp, name)
 }
 
 /// A copy of `from` in a new temporary file for `name` in `parent` (see
@@ -323,5 +392,147 @@ pub fn copy_to_temp(parent: &OwnedFd, from: &Path, name: &OsStr) -> std::io::Res
             JobDir::discard(parent, &temp);
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+    use std::collections::BTreeMap;
+
+    use hypha_artifacts::{Kind, Unpack};
+
+    use super::*;
+
+    /// Writes into a store file in place, as a process of the worker's user can.
+    fn scribble(path: &Path) {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mut file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        std::io::Write::write_all(&mut file, b"EVIL").unwrap();
+    }
+
+    /// The store changed after the fetch checked it and before the copy (issue 58, item 6): a
+    /// process of the worker's user wrote into a fetched file and into a file of the unpacked
+    /// tree, and put a file of its own into the tree. Neither copy reaches the job; `provide`
+    /// fetches and unpacks again and the job gets the origin's bytes, without the planted file.
+    /// (Checked by copying without the check, as before: the job gets `EVIL`.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_changed_between_the_check_and_the_copy_never_reaches_the_job() {
+        let origin = tempfile::tempdir().unwrap();
+        let s3 = hypha_testing::s3::S3Server::start(origin.path(), None)
+            .await
+            .unwrap();
+        let model = hypha_testing::s3::pattern(3 << 20, 7);
+        let script = b"#!/bin/sh\necho hello\n".to_vec();
+        let env = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(env.path().join("env/bin")).unwrap();
+        std::fs::write(env.path().join("env/bin/run.sh"), &script).unwrap();
+        let tar = std::process::Command::new("tar")
+            .args(["czf", "env.tar.gz", "-C", "env", "."])
+            .current_dir(env.path())
+            .status()
+            .unwrap();
+        assert!(tar.success());
+        s3.put("model.bin", model.clone()).await.unwrap();
+        s3.put(
+            "env.tar.gz",
+            std::fs::read(env.path().join("env.tar.gz")).unwrap(),
+        )
+        .await
+        .unwrap();
+
+        let network = hypha_testing::network::connected(&["worker"])
+            .await
+            .remove(0);
+        let dir = tempfile::tempdir().unwrap();
+        let config = ArtifactsConfig {
+            dir: dir.path().join("artifacts"),
+            settings: hypha_artifacts::Settings::default(),
+            profiles: BTreeMap::from([("default".to_string(), s3.profile())]),
+        };
+        let store = ArtifactStore::start(network, &config).unwrap();
+        std::fs::create_dir(dir.path().join("job")).unwrap();
+        let job = Arc::new(JobDir::open(&dir.path().join("job")).unwrap());
+        let in_job = |path: &str| dir.path().join("job").join(path);
+        let model_request = Request {
+            profile: "default".into(),
+            uri: "model.bin".into(),
+            kind: Kind::Object,
+            destination: "model.bin".into(),
+            unpack: None,
+        };
+        let env_request = Request {
+            profile: "default".into(),
+            uri: "env.tar.gz".into(),
+            kind: Kind::Object,
+            destination: "env.tar.gz".into(),
+            unpack: Some(Unpack {
+                destination: "env".into(),
+                method: Default::default(),
+            }),
+        };
+        let nobody = || Admission::new(|_| false);
+
+        // The checks pass: the store holds what the origin does.
+        let (model_in_store, model_fetched) = store
+            .fetch(&model_request, 0, nobody(), None)
+            .await
+            .unwrap();
+        let (env_in_store, env_fetched) =
+            store.fetch(&env_request, 0, nobody(), None).await.unwrap();
+        // Then the store changes.
+        scribble(&model_in_store.destination);
+        let tree = env_in_store.unpack.as_ref().unwrap().destination.clone();
+        scribble(&tree.join("bin/run.sh"));
+        std::fs::write(tree.join("bin/planted.sh"), "#!/bin/sh\nevil\n").unwrap();
+
+        let mut files = Vec::new();
+        let error = copy_checked(
+            &job,
+            &model_fetched.contents,
+            &model_in_store.destination,
+            Path::new("model.bin"),
+            &mut files,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, ProvideError::Content(ContentError::Changed { .. })),
+            "{error}"
+        );
+        assert!(!in_job("model.bin").exists(), "the changed copy was kept");
+        let error = copy_checked(
+            &job,
+            &env_fetched.contents,
+            &tree,
+            Path::new("env"),
+            &mut files,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, ProvideError::Content(ContentError::Changed { .. })),
+            "{error}"
+        );
+        assert!(
+            !in_job("env/bin/run.sh").exists(),
+            "the changed copy was kept"
+        );
+        assert!(
+            !in_job("env/bin/planted.sh").exists(),
+            "the planted file was copied"
+        );
+
+        // Provided, the artifacts are fetched and unpacked again: the job gets the origin's.
+        store
+            .provide(&model_request, job.clone(), 0, nobody())
+            .await
+            .unwrap();
+        store
+            .provide(&env_request, job.clone(), 0, nobody())
+            .await
+            .unwrap();
+        assert!(std::fs::read(in_job("model.bin")).unwrap() == model);
+        assert_eq!(std::fs::read(in_job("env/bin/run.sh")).unwrap(), script);
+        assert!(!in_job("env/bin/planted.sh").exists());
     }
 }

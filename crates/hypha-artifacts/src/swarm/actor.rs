@@ -290,6 +290,7 @@ impl Actor {
                         unpacked: false,
                         stamps,
                         unpacked_stamps: Default::default(),
+                        unpacked_contents: Default::default(),
                     })
                     .map_err(|e| e.to_string())
             })
