@@ -167,8 +167,6 @@ pub fn revoke(
     reason: Reason,
     next_update_days: u32,
 ) -> Result<String, Error> {
-    use x509_parser::prelude::FromDer;
-
     let certs = crate::parse_certificates(cert_pem)
         .map_err(|reason| Error::malformed("certificate to revoke", reason))?;
     let cert_der = certs
@@ -188,7 +186,39 @@ pub fn revoke(
             ),
         ));
     }
+    let serial = SerialNumber::from_slice(cert.raw_serial());
+    issue_crl(
+        issuer,
+        existing_crl_pem,
+        Some((serial, reason)),
+        next_update_days,
+    )
+}
 
+/// The CRL of `issuer` with the entries of `existing_crl_pem` (none for a new, empty list)
+/// and a next update `next_update_days` from now, as PEM: how a network starts with a list
+/// every node reads (so that revoking later needs no change of config), and how the list is
+/// renewed before its next update, when nodes would refuse the peers it covers as stale.
+pub fn renew_crl(
+    issuer: &Authority,
+    existing_crl_pem: Option<&[u8]>,
+    next_update_days: u32,
+) -> Result<String, Error> {
+    issue_crl(issuer, existing_crl_pem, None, next_update_days)
+}
+
+/// Signs `issuer`'s CRL: the entries of `existing_crl_pem` (its CRL number incremented), and
+/// `revoke`'s serial if it is not among them.
+fn issue_crl(
+    issuer: &Authority,
+    existing_crl_pem: Option<&[u8]>,
+    revoke: Option<(SerialNumber, Reason)>,
+    next_update_days: u32,
+) -> Result<String, Error> {
+    use x509_parser::prelude::FromDer;
+
+    let (_, issuer_cert) = x509_parser::parse_x509_certificate(&issuer.cert)
+        .map_err(|e| Error::malformed("issuer certificate", e.to_string()))?;
     let now = OffsetDateTime::now_utc();
     let mut revoked = Vec::new();
     let mut crl_number = 1u64;
@@ -222,8 +252,9 @@ pub fn revoke(
             });
         }
     }
-    let serial = SerialNumber::from_slice(cert.raw_serial());
-    if !revoked.iter().any(|r| r.serial_number == serial) {
+    if let Some((serial, reason)) = revoke
+        && !revoked.iter().any(|r| r.serial_number == serial)
+    {
         revoked.push(RevokedCertParams {
             serial_number: serial,
             revocation_time: now,

@@ -21,7 +21,7 @@ pub enum Rejection {
     #[error("the certificate has been revoked")]
     Revoked,
     #[error(
-        "the revocation list of the certificate's issuer is past its next update: renew it with `hypha-certutil revoke` and put it in crls_pem (or set stale_crl = \"warn\" to accept peers meanwhile)"
+        "the revocation list of the certificate's issuer is past its next update: renew it with `hypha-certutil crl` and put it in crls_pem (or set stale_crl = \"warn\" to accept peers meanwhile)"
     )]
     StaleCrl,
     #[error("the certificate was not issued by a trusted CA")]
@@ -207,7 +207,7 @@ impl TrustStore {
         if crls.is_empty() {
             return Err(Error::malformed(
                 name,
-                "no X509 CRL block found; point crls_pem at a CRL made by `hypha-certutil revoke`",
+                "no X509 CRL block found; point crls_pem at a CRL made by `hypha-certutil crl` or `revoke`",
             ));
         }
         Ok((crls, next_updates))

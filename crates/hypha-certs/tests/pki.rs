@@ -183,6 +183,42 @@ fn revoked_certificate_is_rejected_and_others_stay_accepted() {
     );
 }
 
+/// A network starts with an empty list (every node reads it from the first day, so that
+/// revoking later needs no change of config); revoking adds to it; renewing keeps what it
+/// revoked, with a later CRL number.
+#[test]
+fn an_empty_crl_admits_everyone_and_renewing_keeps_what_was_revoked() {
+    let (root, org) = hierarchy();
+    let node = authority::create_node(&org, "n", &[], Roles::NONE, Validity::days(1)).unwrap();
+    let empty = authority::renew_crl(&org, None, 30).unwrap();
+    let described = hypha_certs::inspect::describe(empty.as_bytes(), "crl").unwrap();
+    assert!(described.contains("revoked:     0"), "{described}");
+    let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[empty.as_bytes()]).unwrap();
+    assert!(
+        trust
+            .verify_peer(identity(&node).chain(), hypha_certs::now())
+            .is_ok()
+    );
+
+    let revoked = authority::revoke(
+        &org,
+        Some(empty.as_bytes()),
+        node.cert_pem().as_bytes(),
+        Reason::KeyCompromise,
+        30,
+    )
+    .unwrap();
+    let renewed = authority::renew_crl(&org, Some(revoked.as_bytes()), 60).unwrap();
+    let described = hypha_certs::inspect::describe(renewed.as_bytes(), "crl").unwrap();
+    assert!(described.contains("revoked:     1"), "{described}");
+    assert!(described.contains("number:      3"), "{described}");
+    let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[renewed.as_bytes()]).unwrap();
+    let err = trust
+        .verify_peer(identity(&node).chain(), hypha_certs::now())
+        .unwrap_err();
+    assert!(err.to_string().contains("revoked"), "{err}");
+}
+
 #[test]
 fn revoking_needs_the_certificates_own_issuer() {
     let (root, org) = hierarchy();
@@ -301,7 +337,7 @@ fn a_stale_crl_refuses_the_peers_it_covers_or_only_warns() {
         .verify_peer(identity(&good).chain(), later)
         .unwrap_err();
     assert_eq!(err, Rejection::StaleCrl);
-    assert!(err.to_string().contains("hypha-certutil revoke"), "{err}");
+    assert!(err.to_string().contains("hypha-certutil crl"), "{err}");
 
     let warning = trust().with_stale_crl(StaleCrl::Warn);
     assert!(warning.verify_peer(identity(&good).chain(), later).is_ok());

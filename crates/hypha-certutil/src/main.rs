@@ -70,6 +70,20 @@ enum Command {
         #[arg(long = "role", value_parser = role_parser())]
         roles: Vec<Role>,
     },
+    /// Create a CA's revocation list, empty, or renew an existing one (the same entries, a new
+    /// next-update date). Give every node the list from the start (`crls_pem`), so that
+    /// revoking later is one `revoke` and a copy to each node, which reads it again within
+    /// seconds; renew it before its next update, after which nodes refuse the peers it covers.
+    Crl {
+        #[command(flatten)]
+        ca: CaArgs,
+        /// The CRL file to create or renew; nodes list it in `crls_pem`.
+        #[arg(long)]
+        crl: PathBuf,
+        /// Days until the CRL's "next update" date.
+        #[arg(long, default_value_t = 365)]
+        next_update_days: u32,
+    },
     /// Add a certificate to its issuer's revocation list (created if absent, else updated).
     Revoke {
         #[command(flatten)]
@@ -199,6 +213,18 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 println!("roles: {roles}");
             }
         }
+        Command::Crl {
+            ca,
+            crl,
+            next_update_days,
+        } => {
+            let issuer = load_ca(&ca)?;
+            let existing = read_existing(&crl)?;
+            let pem = authority::renew_crl(&issuer, existing.as_deref(), next_update_days)
+                .with_context(|| format!("issuing {}", crl.display()))?;
+            files::write_atomic(&crl, pem.as_bytes(), Mode::Public, true)?;
+            println!("wrote {}", crl.display());
+        }
         Command::Revoke {
             ca,
             cert,
@@ -207,11 +233,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             next_update_days,
         } => {
             let issuer = load_ca(&ca)?;
-            let existing = match std::fs::read(&crl) {
-                Ok(bytes) => Some(bytes),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => return Err(e).with_context(|| format!("cannot read {}", crl.display())),
-            };
+            let existing = read_existing(&crl)?;
             let reason = match reason {
                 ReasonArg::Unspecified => Reason::Unspecified,
                 ReasonArg::KeyCompromise => Reason::KeyCompromise,
@@ -288,6 +310,15 @@ fn report(
 
 fn validity(new: &NewCert, default_days: u32) -> Validity {
     Validity::days(new.days.unwrap_or(default_days))
+}
+
+/// The bytes of an existing CRL file; `None` when there is none yet.
+fn read_existing(crl: &Path) -> anyhow::Result<Option<Vec<u8>>> {
+    match std::fs::read(crl) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", crl.display())),
+    }
 }
 
 fn load_ca(ca: &CaArgs) -> anyhow::Result<Authority> {

@@ -47,13 +47,13 @@ pub fn keys_with_listen_default(listen_default: &'static str) -> Vec<Key> {
             default: DefaultValue::Unset {
                 example: r#""certs/crl.pem""#,
             },
-            doc: "Certificate revocation lists (PEM) to honour, made by `hypha-certutil revoke`.",
+            doc: "Certificate revocation lists (PEM) to honour, made by `hypha-certutil crl` (an empty one to start with) or `revoke`.",
         },
         Key {
             name: "stale_crl",
             kind: Kind::String,
             default: DefaultValue::Value(r#""refuse""#),
-            doc: "What to do with a CRL in crls_pem past its next update (the issuer has not said whether it revoked more since): \"refuse\" the peers whose chains it covers until it is renewed with `hypha-certutil revoke`, or \"warn\" and accept them on the stale list.",
+            doc: "What to do with a CRL in crls_pem past its next update (the issuer has not said whether it revoked more since): \"refuse\" the peers whose chains it covers until it is renewed with `hypha-certutil crl`, or \"warn\" and accept them on the stale list.",
         },
         Key {
             name: "allow_roleless",

@@ -8,6 +8,7 @@ use crate::Error;
 /// (`#[command(flatten)] Node(NodeCommand)`); `Run` is its `run`'s flags. A program says what
 /// its `run` does with `#[command(mut_subcommand("run", |run| run.about("…")))]`.
 #[derive(Debug, Clone, clap::Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once, when the program starts
 pub enum NodeCommand<Run: clap::Args = RunArgs> {
     /// Write a commented config file holding every key with its default.
     Init(InitArgs),
@@ -82,6 +83,10 @@ pub struct Overrides {
     /// The trusted CA certificate(s) (trust_pem).
     #[arg(long, value_name = "FILE")]
     pub trust_pem: Option<String>,
+    /// The certificate revocation list(s) to honour (crls_pem; `hypha-certutil crl` makes
+    /// an empty one to start with).
+    #[arg(long, value_name = "FILE")]
+    pub crls_pem: Option<String>,
     /// Set any key: `--set resources.cpu=8` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -108,6 +113,7 @@ impl Overrides {
             ("cert_pem", &self.cert_pem, "--cert-pem"),
             ("key_pem", &self.key_pem, "--key-pem"),
             ("trust_pem", &self.trust_pem, "--trust-pem"),
+            ("crls_pem", &self.crls_pem, "--crls-pem"),
         ] {
             if let Some(value) = value {
                 layers = layers.flag(key, value, flag)?;

@@ -152,7 +152,7 @@ pub(crate) fn load_identity(
         config.error(
             key,
             e.to_string(),
-            "point trust_pem at the root CA certificate (and crls_pem at CRLs made by `hypha-certutil revoke`)",
+            "point trust_pem at the root CA certificate (and crls_pem at CRLs made by `hypha-certutil crl` or `revoke`)",
         )
     })?;
     Ok((identity, Arc::new(trust)))

@@ -101,7 +101,7 @@ impl TrustFiles {
         for crl in stale.iter().filter(|crl| !self.stale.contains(crl)) {
             match self.stale_crl {
                 StaleCrl::Refuse => tracing::warn!(
-                    "{crl}: peers whose certificates it covers are refused until it is renewed (`hypha-certutil revoke`, then put it in crls_pem); stale_crl = \"warn\" accepts them meanwhile"
+                    "{crl}: peers whose certificates it covers are refused until it is renewed (`hypha-certutil crl`, then put it in crls_pem); stale_crl = \"warn\" accepts them meanwhile"
                 ),
                 StaleCrl::Warn => tracing::warn!(
                     "{crl}: peers are checked against it and accepted (stale_crl = \"warn\"); renew it with `hypha-certutil revoke`"

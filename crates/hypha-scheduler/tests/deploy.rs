@@ -67,7 +67,7 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
     let sites = [
         Site {
             nat: Nat::Cone,
-            nodes: 2,
+            nodes: 3,
         },
         Site {
             nat: Nat::Cone,
@@ -90,6 +90,7 @@ fn every_command_of_the_deploy_guide_runs_across_sites_behind_nats() {
         ("gateway.example.org", sites.gateway().netns),
         ("data.site-a", sites.node(0, 0).netns),
         ("scheduler.site-a", sites.node(0, 1).netns),
+        ("laptop.site-a", sites.node(0, 2).netns),
         ("worker-1.site-b", sites.node(1, 0).netns),
         ("worker-2.site-b", sites.node(1, 1).netns),
         ("ps.site-c", sites.node(2, 0).netns),
