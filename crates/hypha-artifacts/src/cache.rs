@@ -22,10 +22,7 @@ use std::{
 use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    contents::Entry,
-    manifest::{ArtifactId, Manifest},
-};
+use crate::manifest::{ArtifactId, Manifest};
 
 /// Completed artifacts by destination path: JSON [`Record`]s.
 const COMPLETED: TableDefinition<&str, &[u8]> = TableDefinition::new("completed");
@@ -103,23 +100,53 @@ impl Stamp {
 
     /// Stamps of every file and link under `dir`, by path relative to it.
     pub fn of_tree(dir: &Path) -> io::Result<BTreeMap<String, Stamp>> {
-        let mut stamps = BTreeMap::new();
-        let mut pending = vec![PathBuf::new()];
-        while let Some(relative) = pending.pop() {
-            for entry in std::fs::read_dir(dir.join(&relative))? {
-                let entry = entry?;
-                let path = relative.join(entry.file_name());
-                if entry.file_type()?.is_dir() {
-                    pending.push(path);
-                } else {
-                    stamps.insert(
-                        path.to_string_lossy().into_owned(),
-                        Stamp::of(&dir.join(&path))?,
-                    );
-                }
+        map_tree(dir, Stamp::of)
+    }
+}
+
+/// `of` every file and link under `dir` (links not followed), by path relative to `dir`.
+fn map_tree<T>(dir: &Path, of: impl Fn(&Path) -> io::Result<T>) -> io::Result<BTreeMap<String, T>> {
+    let mut found = BTreeMap::new();
+    let mut pending = vec![PathBuf::new()];
+    while let Some(relative) = pending.pop() {
+        for entry in std::fs::read_dir(dir.join(&relative))? {
+            let entry = entry?;
+            let path = relative.join(entry.file_name());
+            if entry.file_type()?.is_dir() {
+                pending.push(path);
+            } else {
+                found.insert(path.to_string_lossy().into_owned(), of(&dir.join(&path))?);
             }
         }
-        Ok(stamps)
+    }
+    Ok(found)
+}
+
+/// What one file or link of an unpacked tree holds, as recorded when it was unpacked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Entry {
+    /// A regular file: BLAKE3 of its bytes, hex.
+    File(String),
+    /// A symbolic link, to this target.
+    Link(PathBuf),
+}
+
+impl Entry {
+    /// What `path` holds now (not following a link; blocking).
+    pub fn of(path: &Path) -> io::Result<Entry> {
+        let metadata = std::fs::symlink_metadata(path)?;
+        if metadata.is_symlink() {
+            return Ok(Entry::Link(std::fs::read_link(path)?));
+        }
+        let mut hasher = blake3::Hasher::new();
+        hasher.update_reader(std::fs::File::open(path)?)?;
+        Ok(Entry::File(hasher.finalize().to_hex().to_string()))
+    }
+
+    /// What every file and link under `dir` holds, by its path relative to `dir` (blocking).
+    pub fn of_tree(dir: &Path) -> io::Result<BTreeMap<String, Entry>> {
+        map_tree(dir, Entry::of)
     }
 }
 

@@ -8,58 +8,15 @@
 //! refused and never handed to the job.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     io::{self, Read},
     path::{Path, PathBuf},
 };
 
-use serde::{Deserialize, Serialize};
-
-use crate::{cache::Record, manifest::Manifest};
-
-/// What one file or link of an unpacked tree holds, as recorded when it was unpacked.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Entry {
-    /// A regular file: BLAKE3 of its bytes, hex.
-    File(String),
-    /// A symbolic link, to this target.
-    Link(PathBuf),
-}
-
-impl Entry {
-    /// What `path` holds now (not following a link; blocking).
-    pub fn of(path: &Path) -> io::Result<Entry> {
-        let metadata = std::fs::symlink_metadata(path)?;
-        if metadata.is_symlink() {
-            return Ok(Entry::Link(std::fs::read_link(path)?));
-        }
-        let mut hasher = blake3::Hasher::new();
-        hasher.update_reader(std::fs::File::open(path)?)?;
-        Ok(Entry::File(hasher.finalize().to_hex().to_string()))
-    }
-
-    /// What every file and link under `dir` holds, by its path relative to `dir` (blocking).
-    pub fn of_tree(dir: &Path) -> io::Result<BTreeMap<String, Entry>> {
-        let mut entries = BTreeMap::new();
-        let mut pending = vec![PathBuf::new()];
-        while let Some(relative) = pending.pop() {
-            for entry in std::fs::read_dir(dir.join(&relative))? {
-                let entry = entry?;
-                let path = relative.join(entry.file_name());
-                if entry.file_type()?.is_dir() {
-                    pending.push(path);
-                } else {
-                    entries.insert(
-                        path.to_string_lossy().into_owned(),
-                        Entry::of(&dir.join(&path))?,
-                    );
-                }
-            }
-        }
-        Ok(entries)
-    }
-}
+use crate::{
+    cache::{Entry, Record},
+    manifest::Manifest,
+};
 
 /// A copy that does not hold what the fetch verified.
 #[derive(Debug, thiserror::Error)]

@@ -16,8 +16,8 @@ use tokio::sync::{mpsc, watch};
 use crate::{
     Settings,
     assembly::{Assembly, part_path},
-    cache::{Cache, CacheError, Record, Stamp, make_read_only},
-    contents::{Contents, Entry},
+    cache::{Cache, CacheError, Entry, Record, Stamp, make_read_only},
+    contents::Contents,
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
     protocol::{

@@ -656,6 +656,30 @@ async fn datasets_added_or_changed_on_disk_are_served_without_restart() {
     );
 }
 
+/// A request of `consumer` for one slice of iteration `iteration` over dataset `d` (seed 1),
+/// shared with `share_with`.
+fn iterate_request(
+    iteration: &str,
+    consumer: &str,
+    epochs: u32,
+    share_with: Vec<String>,
+) -> hypha_messages::Request {
+    hypha_messages::Request::Iterate(hypha_messages::iterate::IterateRequest {
+        iteration: iteration.into(),
+        dataset: "d".into(),
+        consumer: consumer.into(),
+        epochs,
+        seed: 1,
+        want: 1,
+        cached: Vec::new(),
+        consumed: Vec::new(),
+        round: 0,
+        completed_round: None,
+        holding: None,
+        share_with,
+    })
+}
+
 #[tokio::test]
 async fn an_iteration_of_too_many_epochs_is_refused_and_the_node_serves_on() {
     let pki = Pki::new();
@@ -666,22 +690,7 @@ async fn an_iteration_of_too_many_epochs_is_refused_and_the_node_serves_on() {
     let (client, _) = pki.start("client", Some(&gw_addr)).await;
     let peer = node.local_peer_id();
     dial_directly(&client, &node).await;
-    let iterate = |epochs: u32| {
-        hypha_messages::Request::Iterate(hypha_messages::iterate::IterateRequest {
-            iteration: format!("it-{epochs}"),
-            dataset: "d".into(),
-            consumer: "c".into(),
-            epochs,
-            seed: 1,
-            want: 1,
-            cached: Vec::new(),
-            consumed: Vec::new(),
-            round: 0,
-            completed_round: None,
-            holding: None,
-            share_with: Vec::new(),
-        })
-    };
+    let iterate = |epochs: u32| iterate_request(&format!("it-{epochs}"), "c", epochs, Vec::new());
     // u32::MAX epochs would build a ledger and a progress of billions of entries.
     let started = std::time::Instant::now();
     let error = client.request(peer, iterate(u32::MAX)).await.unwrap_err();
@@ -783,7 +792,7 @@ async fn a_provider_that_trickles_is_left_at_the_rate_floor() {
 /// the stranger drains the owner's iteration, and its fifth iteration is taken.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nodes_iteration_belongs_to_its_owner_and_ends_when_idle() {
-    use hypha_messages::{ErrorCode, Request, Response, iterate::IterateRequest};
+    use hypha_messages::{ErrorCode, Request, Response};
     let pki = Pki::new();
     let tmp = tempfile::tempdir().unwrap();
     let data = dataset(tmp.path(), "d", 4, 64);
@@ -806,20 +815,7 @@ async fn a_nodes_iteration_belongs_to_its_owner_and_ends_when_idle() {
     let (stranger, _) = pki.start("stranger", Some(&gw_addr)).await;
     let (friend, _) = pki.start("friend", Some(&gw_addr)).await;
     let request = |iteration: &str, consumer: &str, share_with: Vec<String>| {
-        Request::Iterate(IterateRequest {
-            iteration: iteration.into(),
-            dataset: "d".into(),
-            consumer: consumer.into(),
-            epochs: 1,
-            seed: 1,
-            want: 1,
-            cached: Vec::new(),
-            consumed: Vec::new(),
-            round: 0,
-            completed_round: None,
-            holding: None,
-            share_with,
-        })
+        iterate_request(iteration, consumer, 1, share_with)
     };
     let ask = async |from: &Network, to: &Network, request: Request| {
         dial_directly(from, to).await;
@@ -1050,7 +1046,7 @@ async fn fetch_first_from(
 async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_places() {
     use hypha_certs::Role;
     use hypha_data::iteration::{MAX_ITERATIONS_PER_ORGANISATION, MAX_ITERATIONS_PER_PEER};
-    use hypha_messages::{ErrorCode, Request, Response, iterate::IterateRequest};
+    use hypha_messages::{ErrorCode, Response};
     let pki = Pki::new();
     let other_org = authority::create_org(&pki.root, "Other Org", Validity::days(2)).unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -1058,25 +1054,15 @@ async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_p
     let (_gw, gw_addr) = gateway(&pki).await;
     let (node, _stop) = data_node(&pki, "data", &gw_addr, &data, Limits::default()).await;
     let worker = Roles::NONE.with(Role::Worker);
-    let request = |iteration: String| {
-        Request::Iterate(IterateRequest {
-            iteration,
-            dataset: "d".into(),
-            consumer: "c".into(),
-            epochs: 1,
-            seed: 1,
-            want: 1,
-            cached: Vec::new(),
-            consumed: Vec::new(),
-            round: 0,
-            completed_round: None,
-            holding: None,
-            share_with: Vec::new(),
-        })
-    };
     let ask = async |from: &Network, iteration: String| {
         dial_directly(from, &node).await;
-        match from.request(node.local_peer_id(), request(iteration)).await {
+        match from
+            .request(
+                node.local_peer_id(),
+                iterate_request(&iteration, "c", 1, Vec::new()),
+            )
+            .await
+        {
             Ok(Response::Iterate(_)) => Ok(()),
             Ok(Response::Error(error)) | Err(hypha_network::NetworkError::Remote { error, .. }) => {
                 Err(error)

@@ -147,16 +147,7 @@ fn a_job_cannot_change_what_later_jobs_get_from_the_artifact_store() {
         .unwrap();
     let model = hypha_testing::s3::pattern(3 << 20, 7);
     let script = b"#!/bin/sh\necho hello\n".to_vec();
-    let env = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(env.path().join("env/bin")).unwrap();
-    std::fs::write(env.path().join("env/bin/run.sh"), &script).unwrap();
-    let tar = std::process::Command::new("tar")
-        .args(["czf", "env.tar.gz", "-C", "env", "."])
-        .current_dir(env.path())
-        .status()
-        .unwrap();
-    assert!(tar.success());
-    let archive = std::fs::read(env.path().join("env.tar.gz")).unwrap();
+    let archive = hypha_testing::s3::tar_gz(&[("bin/run.sh", &script)]).unwrap();
     runtime.block_on(async {
         s3.put("model.bin", model.clone()).await.unwrap();
         s3.put("env.tar.gz", archive).await.unwrap();

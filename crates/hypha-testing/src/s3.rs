@@ -370,3 +370,25 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
         })
         .collect()
 }
+
+/// A gzipped tar archive of `files` (`(path, bytes)`, paths relative to the archive's root),
+/// made by the system's `tar` as a user's would be.
+pub fn tar_gz(files: &[(&str, &[u8])]) -> std::io::Result<Vec<u8>> {
+    let dir = tempfile::tempdir()?;
+    let tree = dir.path().join("tree");
+    for (path, bytes) in files {
+        let path = tree.join(path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(path, bytes)?;
+    }
+    let status = std::process::Command::new("tar")
+        .args(["czf", "archive.tar.gz", "-C", "tree", "."])
+        .current_dir(dir.path())
+        .status()?;
+    if !status.success() {
+        return Err(std::io::Error::other(format!("tar failed: {status}")));
+    }
+    std::fs::read(dir.path().join("archive.tar.gz"))
+}
