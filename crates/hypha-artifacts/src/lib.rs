@@ -13,6 +13,7 @@
 //! - [`assembly`]: files written in place from chunks, fsynced and renamed atomically.
 //! - [`cache`]: completed artifacts reused while the origin still describes them the same way;
 //!   partial ones resumed chunk by chunk.
+//! - [`contents`]: what a fetch verified, for the copies handed on to be checked against.
 //! - [`unpack`]: tar, tar.gz and zip, refusing entries that would escape the destination.
 //! - [`Distributor`]: the handle a node uses: fetch, seed, settle.
 //!
@@ -23,6 +24,7 @@ pub mod assembly;
 pub mod cache;
 pub mod contents;
 mod distributor;
+mod error;
 pub mod manifest;
 pub mod origin;
 pub mod protocol;

@@ -27,6 +27,7 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 
+pub use crate::error::OriginError;
 use crate::{manifest::FileEntry, published::Publisher};
 
 /// A named store and how to reach it.
@@ -50,35 +51,6 @@ impl fmt::Debug for Profile {
             .field("options", &self.options.keys().collect::<Vec<_>>())
             .finish()
     }
-}
-
-/// An origin could not be used.
-#[derive(Debug, thiserror::Error)]
-pub enum OriginError {
-    #[error("no origin profile named {name:?}; known profiles: {known}")]
-    UnknownProfile { name: String, known: String },
-    /// What of the profile's settings is wrong, found by our checks, for the person who
-    /// wrote them.
-    #[error("profile {profile:?}: {reason}")]
-    BadProfile { profile: String, reason: String },
-    #[error("{uri}: not found at the origin")]
-    NotFound { uri: String },
-    #[error(
-        "{uri} changed at the origin while it was being fetched (expected {expected}, found {found})"
-    )]
-    Changed {
-        uri: String,
-        expected: String,
-        found: String,
-    },
-    #[error("{uri}: the origin has a path that cannot be written safely: {path:?}")]
-    UnsafePath { uri: String, path: String },
-    #[error("{uri}: {source}")]
-    Store {
-        uri: String,
-        #[source]
-        source: object_store::Error,
-    },
 }
 
 /// The named origins a node may fetch from. Stores are built on first use and then shared.

@@ -40,8 +40,8 @@ use tokio::{
 
 use crate::{
     Admission,
+    error::OriginError,
     manifest::FileEntry,
-    origin::OriginError,
     protocol::{read_frame, write_frame},
 };
 

@@ -20,9 +20,9 @@
 //! - [`Tensors`]: named f32 tensors read from and written to SafeTensors (F32, F64 and BF16
 //!   in; each tensor written back in the dtype it came in).
 //!
-//! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`, chunked `sparse`), their
-//!   wire format, and error feedback; [`Update`] reads every codec and the [`Accumulator`]
-//!   sums them without decoding a copy.
+//! - [`codec`]: compressed updates (`bf16`, blockwise `int8`, `topk`, chunked `sparse`) and
+//!   their wire format; [`ErrorFeedback`] carries what a codec dropped into the next update;
+//!   [`Update`] reads every codec and the [`Accumulator`] sums them without decoding a copy.
 //! - [`server`]: the parameter server's state: global model, round, what arrived, checkpoint;
 //!   a round closes in place, a chunk at a time, each chunk's updates summed as it steps.
 //! - [`file`]: SafeTensors read ([`file::Source`], [`file::Layout`]) and written
@@ -35,6 +35,7 @@
 
 mod accumulate;
 pub mod codec;
+mod feedback;
 pub mod file;
 mod optimizer;
 pub mod robust;
@@ -42,7 +43,8 @@ pub mod server;
 mod tensors;
 
 pub use accumulate::{Accumulator, Update};
-pub use codec::{Codec, ErrorFeedback};
+pub use codec::Codec;
+pub use feedback::ErrorFeedback;
 pub use optimizer::OuterOptimizer;
 pub use tensors::{
     Fingerprint, MAX_HEADER, MAX_UPDATE_VALUE, Metadata, Tensor, Tensors, metadata, read_metadata,

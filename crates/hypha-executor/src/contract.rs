@@ -34,7 +34,7 @@ use hypha_dataset::TensorSpec;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::model::ModelSpec;
+use crate::model::{Batch, ModelSpec};
 
 /// Input tensors tried, in this order, when the job names none.
 pub const DEFAULT_INPUTS: [&str; 4] = ["inputs", "images", "input_ids", "tokens"];
@@ -423,18 +423,6 @@ pub enum DataError {
     Contract(#[from] ContractError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-}
-
-/// Samples in the form a model reads them (see the module's table).
-#[derive(Debug, Clone)]
-pub struct Batch {
-    /// f32 features (`[N, features]` for the mlp, `[N, C, H, W]` for the cnn), or u32 token
-    /// ids `[N, L]` for the transformer.
-    pub input: Tensor,
-    /// u32 class labels `[N]`.
-    pub target: Option<Tensor>,
-    /// f32 `[N, L]`: 1 for a real token, 0 for padding.
-    pub mask: Option<Tensor>,
 }
 
 impl Batch {

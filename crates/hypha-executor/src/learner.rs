@@ -22,9 +22,8 @@ use hypha_messages::diloco::InnerOptimizer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::{
-    contract::Batch,
     local::{Score, Tally},
-    model::{Model, ModelSpec, initial_values},
+    model::{Batch, Model, ModelSpec, initial_values},
     train::TrainError,
 };
 

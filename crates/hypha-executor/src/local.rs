@@ -6,8 +6,8 @@ use std::{ops::Range, path::Path};
 use hypha_dataset::{Dataset, slice};
 
 use crate::{
-    contract::{self, Batch, ContractError, DataError, TensorNames},
-    model::{Model, ModelError, ModelSpec},
+    contract::{self, ContractError, DataError, TensorNames},
+    model::{Batch, Model, ModelError, ModelSpec},
 };
 
 /// The most classes (or vocabulary entries) a suggested model gets: one stray label of a

@@ -24,7 +24,18 @@ use hypha_diloco::Metadata;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
-pub use crate::contract::Batch;
+/// Samples in the form a model reads them; the data contract ([`crate::contract`]) reads them
+/// from a slice.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// f32 features (`[N, features]` for the mlp, `[N, C, H, W]` for the cnn), or u32 token
+    /// ids `[N, L]` for the transformer.
+    pub input: Tensor,
+    /// u32 class labels `[N]`.
+    pub target: Option<Tensor>,
+    /// f32 `[N, L]`: 1 for a real token, 0 for padding.
+    pub mask: Option<Tensor>,
+}
 
 /// A model family and its sizes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

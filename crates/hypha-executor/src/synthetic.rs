@@ -19,8 +19,8 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    contract::{Batch, DataError, TensorNames},
-    model::ModelSpec,
+    contract::{DataError, TensorNames},
+    model::{Batch, ModelSpec},
 };
 
 /// A synthetic dataset for one model.

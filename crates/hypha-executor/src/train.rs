@@ -65,9 +65,9 @@ use hypha_bridge::{
 };
 
 use crate::{
-    contract::{Batch, DataError, TensorNames},
+    contract::{DataError, TensorNames},
     learner::{Learner, Trained},
-    model::{ModelError, ModelSpec},
+    model::{Batch, ModelError, ModelSpec},
 };
 
 /// How often a trainer reports while it trains.

@@ -9,8 +9,8 @@ use hypha_dataset::{
     slice::{self, Dtype, Encoding},
 };
 use hypha_executor::{
-    contract::{Batch, TensorNames, check_manifest, plan},
-    model::{Model, ModelSpec},
+    contract::{TensorNames, check_manifest, plan},
+    model::{Batch, Model, ModelSpec},
 };
 
 fn spec(name: &str, dtype: &str, shape: &[u64]) -> TensorSpec {

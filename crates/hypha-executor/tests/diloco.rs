@@ -63,7 +63,7 @@ fn three_trainers_with_diloco_come_within_ten_percent_of_one_on_the_same_samples
             let batches: Vec<_> = (0..TRAINERS)
                 .map(|t| data.batch(BATCH, step_seed(round, t, inner)).unwrap())
                 .collect();
-            let joined = hypha_executor::contract::Batch::concat(&batches).unwrap();
+            let joined = hypha_executor::model::Batch::concat(&batches).unwrap();
             optimizer
                 .backward_step(&single.loss(&joined).unwrap())
                 .unwrap();

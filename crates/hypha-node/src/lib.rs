@@ -13,12 +13,14 @@
 //! This crate knows the shape of a node program, not what any particular node does.
 
 mod args;
+mod command;
 mod error;
 mod node;
 mod probe;
 pub mod trust_reload;
 
-pub use args::{InitArgs, NodeCommand, Overrides, ProbeArgs, RunArgs};
+pub use args::{InitArgs, Overrides, ProbeArgs, RunArgs};
+pub use command::NodeCommand;
 pub use error::{Error, report};
 pub use node::{Node, init, load_run_config, shutdown_signal};
 pub use probe::{probe, start_client};

@@ -6,7 +6,11 @@ use hypha_files::{Mode, write_atomic};
 use hypha_network::{InboundRequest, Network, Settings};
 use tokio::sync::mpsc;
 
-use crate::{Error, InitArgs, RunArgs, args::Overrides, trust_reload::TrustFiles};
+use crate::{
+    Error,
+    args::{InitArgs, Overrides, RunArgs},
+    trust_reload::TrustFiles,
+};
 
 /// A started node: its settings, network handle and inbound requests.
 #[derive(Debug)]

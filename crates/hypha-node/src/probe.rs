@@ -4,7 +4,7 @@ use hypha_config::{Schema, network::NetworkConfig};
 use hypha_network::Settings;
 use libp2p::Multiaddr;
 
-use crate::{Error, ProbeArgs, node};
+use crate::{Error, args::ProbeArgs, node};
 
 /// Starts a short-lived client on the network with the certificate from a config file and/or
 /// flags: no listeners, no relay; with `join`, it connects to the configured gateways (to use

@@ -1738,7 +1738,7 @@ fn the_pytorch_transformer_scores_a_batch_as_the_reference_executor_does() {
     model.load(&tensors).unwrap();
     let weights = cluster.path("weights.safetensors");
     std::fs::write(&weights, model.to_bytes(&Default::default()).unwrap()).unwrap();
-    let batch = hypha_executor::contract::Batch::read(
+    let batch = hypha_executor::model::Batch::read(
         &std::fs::read(&last).unwrap(),
         &spec,
         &Default::default(),

@@ -51,9 +51,9 @@ use anyhow::{Context, bail};
 use candle_core::{Device, Tensor};
 use hypha_diloco::{Codec, Metadata, Tensors, file::FileSource, server::ParameterServer};
 use hypha_executor::{
-    contract::{Batch, TensorNames},
+    contract::TensorNames,
     learner::{Learner, Trained},
-    model::{Model, ModelSpec},
+    model::{Batch, Model, ModelSpec},
 };
 use hypha_messages::diloco::{Compression, InnerOptimizer};
 use hypha_scheduler::spec::{DEFAULT_NORM_RATIO, default_outer};
