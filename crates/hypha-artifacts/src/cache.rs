@@ -133,21 +133,41 @@ pub enum Entry {
 }
 
 impl Entry {
-    /// What `path` holds now (not following a link; blocking).
+    /// What `path` holds now (not following a link; blocking). Anything but a regular file or
+    /// a link is refused, and opened without waiting (a FIFO planted there blocks nothing).
     pub fn of(path: &Path) -> io::Result<Entry> {
+        use rustix::fs::{Mode, OFlags};
         let metadata = std::fs::symlink_metadata(path)?;
         if metadata.is_symlink() {
             return Ok(Entry::Link(std::fs::read_link(path)?));
         }
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let file = std::fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
+        if !file.metadata()?.is_file() {
+            return Err(io::Error::other(format!(
+                "{}: neither a regular file nor a link",
+                path.display()
+            )));
+        }
         let mut hasher = blake3::Hasher::new();
-        hasher.update_reader(std::fs::File::open(path)?)?;
+        hasher.update_reader(file)?;
         Ok(Entry::File(hasher.finalize().to_hex().to_string()))
     }
+}
 
-    /// What every file and link under `dir` holds, by its path relative to `dir` (blocking).
-    pub fn of_tree(dir: &Path) -> io::Result<BTreeMap<String, Entry>> {
-        map_tree(dir, Entry::of)
+/// The stamp and the contents of every file and link under `dir`, by path relative to it,
+/// in one walk (blocking): what an unpacked tree is recorded with.
+pub fn stamp_and_read_tree(
+    dir: &Path,
+) -> io::Result<(BTreeMap<String, Stamp>, BTreeMap<String, Entry>)> {
+    let both = map_tree(dir, |path| Ok((Stamp::of(path)?, Entry::of(path)?)))?;
+    let mut stamps = BTreeMap::new();
+    let mut contents = BTreeMap::new();
+    for (relative, (stamp, entry)) in both {
+        stamps.insert(relative.clone(), stamp);
+        contents.insert(relative, entry);
     }
+    Ok((stamps, contents))
 }
 
 /// Takes every write permission off the files (not the directories) under `path`, a file or a

@@ -50,6 +50,8 @@ enum Content {
 #[derive(Debug, Clone, Default)]
 pub struct Contents {
     by_path: HashMap<PathBuf, Content>,
+    /// Where the archive was unpacked, if it was.
+    unpacked: Option<PathBuf>,
 }
 
 impl Contents {
@@ -79,7 +81,10 @@ impl Contents {
                 by_path.insert(dir.join(relative), Content::Unpacked(entry.clone()));
             }
         }
-        Contents { by_path }
+        Contents {
+            by_path,
+            unpacked: unpacked.map(Path::to_path_buf),
+        }
     }
 
     /// Checks that `copy`, a copy of the store's file at `path` read from its start, holds what
@@ -140,6 +145,15 @@ impl Contents {
     /// Whether the fetch verified a file or link at the store's `path`.
     pub fn check_known(&self, path: &Path) -> Result<(), ContentError> {
         self.content(path).map(|_| ())
+    }
+
+    /// Whether `path` lies in the unpacked tree, where a file the archive never had may be
+    /// left out of a copy (the tree is unpacked afresh when its stamps change); anywhere else
+    /// a file the fetch did not verify fails the copy.
+    pub fn in_unpacked_tree(&self, path: &Path) -> bool {
+        self.unpacked
+            .as_ref()
+            .is_some_and(|dir| path.starts_with(dir))
     }
 
     fn content(&self, path: &Path) -> Result<&Content, ContentError> {

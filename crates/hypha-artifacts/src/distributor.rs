@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 use crate::{
     Settings,
     assembly::{Assembly, part_path},
-    cache::{Cache, CacheError, Entry, Record, Stamp, make_read_only},
+    cache::{Cache, CacheError, Record, Stamp, make_read_only, stamp_and_read_tree},
     contents::Contents,
     manifest::{ArtifactId, Manifest, auto_chunk_size},
     origin::{Origin, OriginError, Origins},
@@ -664,8 +664,7 @@ impl Distributor {
             }
             unpack(&archive, &options, &limits)?;
             make_read_only(&options.destination)?;
-            let unpacked_stamps = Stamp::of_tree(&options.destination)?;
-            let unpacked_contents = Entry::of_tree(&options.destination)?;
+            let (unpacked_stamps, unpacked_contents) = stamp_and_read_tree(&options.destination)?;
             if let Some(done) = cache.completed(&request)? {
                 record = done;
             }
@@ -678,6 +677,25 @@ impl Distributor {
         })
         .await?;
         Ok(Some(destination))
+    }
+
+    /// Trusts nothing of `request`'s cached files on the next fetch: their stamps are
+    /// forgotten, so that every chunk is hashed again (the damaged ones fetched again) and the
+    /// tree unpacked again. For a copy that differed from what the fetch verified while the
+    /// stamps said nothing changed (a disk, a file system with coarse times).
+    pub async fn distrust(&self, request: &Request) -> Result<(), FetchError> {
+        let cache = self.inner.cache.clone();
+        let request = request.clone();
+        blocking(move || {
+            if let Some(mut record) = cache.completed(&request)? {
+                record.stamps.clear();
+                record.unpacked_stamps.clear();
+                record.unpacked_contents.clear();
+                cache.record_completed(&record)?;
+            }
+            Ok::<_, FetchError>(())
+        })
+        .await
     }
 
     /// Stops serving artifact `id` and leaves its swarm.

@@ -238,6 +238,22 @@ fn issue_crl(
                 ),
             ));
         }
+        // Re-signed entries must be the issuer's own: a list changed since it was signed (an
+        // entry dropped to un-revoke a certificate) is refused, never laundered.
+        let key = crate::ed25519_public_key(&issuer.cert)
+            .map_err(|reason| Error::malformed("issuer certificate", reason))?;
+        rustls::pki_types::SignatureVerificationAlgorithm::verify_signature(
+            webpki::ring::ED25519,
+            &key,
+            crl.tbs_cert_list.as_ref(),
+            &crl.signature_value.data,
+        )
+        .map_err(|_| {
+            Error::malformed(
+                "existing CRL",
+                "its signature is not its issuer's: it was changed since it was signed, or signed by another key",
+            )
+        })?;
         crl_number = crl
             .crl_number()
             .and_then(|n| u64::try_from(n).ok())

@@ -84,6 +84,22 @@ impl CrlDeadlines {
             })
             .collect()
     }
+
+    /// The CRLs not past their next update at `now` but within `within` of it: a line for
+    /// each, naming its issuer, for the operator to renew them before peers are refused.
+    pub fn due_within(&self, now: UnixTime, within: std::time::Duration) -> Vec<String> {
+        let now = now.as_secs();
+        self.0
+            .iter()
+            .filter_map(|(issuer, next)| {
+                let next = next.filter(|next| *next > now && next - now <= within.as_secs())?;
+                let days = (next - now) / 86_400;
+                Some(format!(
+                    "the CRL of {issuer} reaches its next update in {days} days"
+                ))
+            })
+            .collect()
+    }
 }
 
 /// A peer whose chain verified: who it is and what its certificate lets it do.

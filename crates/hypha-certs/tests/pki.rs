@@ -194,6 +194,12 @@ fn an_empty_crl_admits_everyone_and_renewing_keeps_what_was_revoked() {
     let described = hypha_certs::inspect::describe(empty.as_bytes(), "crl").unwrap();
     assert!(described.contains("revoked:     0"), "{described}");
     let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[empty.as_bytes()]).unwrap();
+    // Due for renewal within a month, not yet stale: nodes warn ahead of the day.
+    let month = std::time::Duration::from_secs(31 * 24 * 3600);
+    let due = trust.crl_deadlines().due_within(hypha_certs::now(), month);
+    assert_eq!(due.len(), 1, "{due:?}");
+    assert!(due[0].contains("reaches its next update in"), "{due:?}");
+    assert!(trust.crl_deadlines().stale(hypha_certs::now()).is_empty());
     assert!(
         trust
             .verify_peer(identity(&node).chain(), hypha_certs::now())
@@ -208,7 +214,23 @@ fn an_empty_crl_admits_everyone_and_renewing_keeps_what_was_revoked() {
         30,
     )
     .unwrap();
+    // A list changed since it was signed is not renewed into a valid one.
+    let der = pem::parse(revoked.as_bytes()).unwrap().into_contents();
+    let mut tampered = der.clone();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 1;
+    let tampered = pem::encode(&pem::Pem::new("X509 CRL", tampered));
+    let refused = authority::renew_crl(&org, Some(tampered.as_bytes()), 60).unwrap_err();
+    assert!(refused.to_string().contains("signature"), "{refused}");
     let renewed = authority::renew_crl(&org, Some(revoked.as_bytes()), 60).unwrap();
+    let renewed_trust =
+        TrustStore::from_pem(root.cert_pem().as_bytes(), &[renewed.as_bytes()]).unwrap();
+    assert!(
+        renewed_trust
+            .crl_deadlines()
+            .due_within(hypha_certs::now(), month)
+            .is_empty()
+    );
     let described = hypha_certs::inspect::describe(renewed.as_bytes(), "crl").unwrap();
     assert!(described.contains("revoked:     1"), "{described}");
     assert!(described.contains("number:      3"), "{described}");

@@ -51,9 +51,10 @@ pub use hypha_ledger::MAX_EPOCHS;
 pub const MAX_NODE_ITERATIONS: usize = 64;
 /// The most iterations one peer runs at once on a data node.
 pub const MAX_ITERATIONS_PER_PEER: usize = 4;
-/// The most iterations the peers of one organisation run at once on a data node: a quarter of
-/// its places, so that four organisations' worth of certificates are needed to fill them.
-pub const MAX_ITERATIONS_PER_ORGANISATION: usize = MAX_NODE_ITERATIONS / 4;
+/// The most iterations the peers of one organisation run at once on a data node: half of its
+/// places, so that however many certificates one organisation holds, the others keep half (and
+/// a network of one organisation still runs 32).
+pub const MAX_ITERATIONS_PER_ORGANISATION: usize = MAX_NODE_ITERATIONS / 2;
 /// How long a data node keeps an iteration nobody asks about, unless configured otherwise.
 pub const DEFAULT_IDLE: Duration = Duration::from_secs(24 * 3600);
 /// How often the time an iteration was last asked about is written down.
@@ -357,7 +358,7 @@ struct Owner {
     /// When a request for it last came (ms since the epoch; written at most once a minute).
     last_used_ms: u64,
     /// The owner's organisation ([`Asker::organisation`]); `None` in a file written before
-    /// organisations were counted, until the owner asks again.
+    /// organisations were counted, until it is reopened (then charged to the asker's).
     #[serde(default)]
     organisation: Option<String>,
 }
@@ -368,7 +369,7 @@ pub struct Asker {
     pub peer: PeerId,
     /// The organisation its certificate belongs to
     /// ([`hypha_certs::organisation_of_certificate`]); `None` when the network no longer
-    /// knows (it asked and left): then only the peer's own share applies.
+    /// knows (it asked and left): it may use iterations running already, and starts none.
     pub organisation: Option<String>,
 }
 
@@ -438,11 +439,8 @@ impl NodeIterations {
         let owner = match kept {
             Some(kept) => {
                 check_admitted(&kept, peer, &request.iteration)?;
-                let organisation = match kept.organisation {
-                    Some(organisation) => Some(organisation),
-                    None if kept.owner == peer.to_string() => asker.organisation.clone(),
-                    None => None,
-                };
+                // Written before organisations were counted: charged to the asker's.
+                let organisation = kept.organisation.or_else(|| asker.organisation.clone());
                 Owner {
                     organisation,
                     ..kept
@@ -477,20 +475,25 @@ impl NodeIterations {
                 ),
             ));
         }
-        if let Some(organisation) = &owner.organisation {
-            let of_organisation = open
-                .values()
-                .filter(|r| r.owner.organisation.as_ref() == Some(organisation))
-                .count();
-            if of_organisation >= MAX_ITERATIONS_PER_ORGANISATION {
-                return Err(RemoteError::new(
-                    ErrorCode::Busy,
-                    format!(
-                        "the peers of {organisation} run {MAX_ITERATIONS_PER_ORGANISATION} iterations on this node already, the most one organisation may; finish one, or let one go idle for {} s",
-                        self.idle.as_secs()
-                    ),
-                ));
-            }
+        // Fails closed: an iteration counted against no organisation would escape its share.
+        let Some(organisation) = &owner.organisation else {
+            return Err(RemoteError::new(
+                ErrorCode::Busy,
+                "this node no longer knows whose certificate asked (the connection closed); ask again",
+            ));
+        };
+        let of_organisation = open
+            .values()
+            .filter(|r| r.owner.organisation.as_ref() == Some(organisation))
+            .count();
+        if of_organisation >= MAX_ITERATIONS_PER_ORGANISATION {
+            return Err(RemoteError::new(
+                ErrorCode::Busy,
+                format!(
+                    "the peers of {organisation} run {MAX_ITERATIONS_PER_ORGANISATION} iterations on this node already, the most one organisation may; finish one, or let one go idle for {} s",
+                    self.idle.as_secs()
+                ),
+            ));
         }
         let spec = spec_of(manifest, request.epochs, request.seed);
         let ledger = open_ledger(&path, spec).await.map_err(|e| {

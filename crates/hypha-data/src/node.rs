@@ -229,12 +229,13 @@ pub async fn serve(
         tokio::select! {
             _ = &mut shutdown => break,
             Some(request) = inbound.recv() => {
+                // Whose the asker is: known while it is connected, as it is when it asks
+                // (looked up before waiting below, which may outlast its connection).
+                let organisation = network.organisation(&request.peer);
                 // Iterations wait for their ledger's commits: requests are answered
                 // concurrently, at most ANSWERING at once (the inbound queue fills behind).
                 let Ok(permit) = answering.clone().acquire_owned().await else { break };
                 let (catalog, iterations) = (catalog.clone(), iterations.clone());
-                // Whose the asker is: known while it is connected, as it is when it asks.
-                let organisation = network.organisation(&request.peer);
                 tokio::spawn(async move {
                     answer(request, organisation, &catalog, &iterations).await;
                     drop(permit);

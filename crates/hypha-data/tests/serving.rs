@@ -1037,13 +1037,13 @@ async fn fetch_first_from(
 }
 
 /// A data node's iteration places cannot all be taken by many certificates (issue 58, item
-/// 8): asking needs the worker role, and one organisation's peers together run at most a
-/// quarter of the places. Five peers of one organisation get 16 iterations, their 17th is
-/// refused `busy`, a peer of another organisation still starts one, and a certificate of no
-/// role is refused `forbidden`. (Checked against the node as it was: the role-less peer is
-/// granted, and so are all 20 of the one organisation's iterations.)
+/// 8): asking needs the worker role, and one organisation's peers together run at most half
+/// of the places. Nine peers of one organisation get 32 iterations, their 33rd is refused
+/// `busy`, a peer of another organisation still starts one, and a certificate of no role is
+/// refused `forbidden`. (Checked against the node as it was: the role-less peer is granted,
+/// and so are all 36 of the one organisation's iterations.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_places() {
+async fn many_certificates_of_one_organisation_fill_half_the_iteration_places() {
     use hypha_certs::Role;
     use hypha_data::iteration::{MAX_ITERATIONS_PER_ORGANISATION, MAX_ITERATIONS_PER_PEER};
     use hypha_messages::{ErrorCode, Response};
@@ -1079,7 +1079,8 @@ async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_p
 
     let mut granted = 0;
     let mut busy = Vec::new();
-    for p in 0..5 {
+    let peers = MAX_ITERATIONS_PER_ORGANISATION / MAX_ITERATIONS_PER_PEER + 1;
+    for p in 0..peers {
         let (peer, _) = pki
             .start_as(&format!("many-{p}"), &pki.org, worker, Some(&gw_addr))
             .await;
@@ -1091,7 +1092,7 @@ async fn many_certificates_of_one_organisation_fill_a_quarter_of_the_iteration_p
         }
     }
     assert_eq!(granted, MAX_ITERATIONS_PER_ORGANISATION);
-    assert_eq!(busy.len(), 5 * MAX_ITERATIONS_PER_PEER - granted);
+    assert_eq!(busy.len(), peers * MAX_ITERATIONS_PER_PEER - granted);
     assert!(
         busy.iter()
             .all(|e| e.code == ErrorCode::Busy && e.message.contains("one organisation")),

@@ -7,11 +7,12 @@ use std::time::Duration;
 /// The slowest bytes may come, on average over each period a [`RateFloor`] measures.
 pub const MIN_BYTES_PER_SECOND: u64 = 32 * 1024;
 
-/// Checks that bytes keep coming at a rate: each `period`, at least `period × per_second`.
+/// Checks that bytes keep coming at a rate: over each `period` (or the longer time until bytes
+/// came after it), at least `per_second` on average.
 #[derive(Debug)]
 pub struct RateFloor {
     period: Duration,
-    floor: u64,
+    per_second: u64,
     since: tokio::time::Instant,
     bytes: u64,
 }
@@ -20,7 +21,7 @@ impl RateFloor {
     pub fn new(period: Duration, per_second: u64) -> Self {
         RateFloor {
             period,
-            floor: per_second.saturating_mul(period.as_secs().max(1)),
+            per_second,
             since: tokio::time::Instant::now(),
             bytes: 0,
         }
@@ -30,10 +31,12 @@ impl RateFloor {
     /// floor.
     pub fn add(&mut self, bytes: u64, now: tokio::time::Instant) -> bool {
         self.bytes += bytes;
-        if now.duration_since(self.since) < self.period {
+        let elapsed = now.duration_since(self.since);
+        if elapsed < self.period {
             return true;
         }
-        let enough = self.bytes >= self.floor;
+        let enough =
+            u128::from(self.bytes) * 1000 >= u128::from(self.per_second) * elapsed.as_millis();
         self.since = now;
         self.bytes = 0;
         enough

@@ -1,7 +1,7 @@
 //! Revocation that takes effect while a node runs.
 //!
 //! The trust store (`trust_pem` and `crls_pem`) is read again when either file changes on disk
-//! (checked every [`CHECK_EVERY`]; a CRL written by `hypha-certutil revoke` is replaced by a
+//! (checked every [`CHECK_EVERY`]; a CRL written by `hypha-certutil crl` or `revoke` is replaced by a
 //! rename, which this sees) and when the process gets SIGHUP. The new store is put in force for
 //! every later handshake, and connected peers it refuses are disconnected
 //! ([`Network::replace_trust`]). A file that does not load (half copied, malformed) is named in
@@ -21,6 +21,8 @@ use hypha_network::Network;
 
 /// How often the files are looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How long before a CRL's next update the node starts warning that it is due.
+pub const RENEW_WITHIN: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// What identifies one version of a file: a rewrite in place changes the time or length, a
 /// replacement by rename the inode.
@@ -52,6 +54,8 @@ pub(crate) struct TrustFiles {
     in_force: CrlDeadlines,
     /// Those of them already warned about.
     stale: Vec<String>,
+    /// Those due for renewal already warned about.
+    due: Vec<String>,
 }
 
 impl TrustFiles {
@@ -64,6 +68,7 @@ impl TrustFiles {
             loaded: Vec::new(),
             in_force: CrlDeadlines::default(),
             stale: Vec::new(),
+            due: Vec::new(),
         };
         files.loaded = files.stamps();
         files
@@ -91,12 +96,20 @@ impl TrustFiles {
     pub(crate) fn in_force(&mut self, store: &TrustStore) {
         self.in_force = store.crl_deadlines().clone();
         self.stale.clear();
+        self.due.clear();
         self.warn_if_stale();
     }
 
-    /// Warns about the CRLs in force that are past their next update now and were not warned
-    /// about yet.
+    /// Warns about the CRLs in force that are past their next update now, or will be within
+    /// [`RENEW_WITHIN`], and were not warned about yet.
     fn warn_if_stale(&mut self) {
+        let due = self.in_force.due_within(hypha_certs::now(), RENEW_WITHIN);
+        for crl in due.iter().filter(|crl| !self.due.contains(crl)) {
+            tracing::warn!(
+                "{crl}: renew it before then (`hypha-certutil crl`) and copy it to every node, or peers it covers are refused from that day"
+            );
+        }
+        self.due = due;
         let stale = self.in_force.stale(hypha_certs::now());
         for crl in stale.iter().filter(|crl| !self.stale.contains(crl)) {
             match self.stale_crl {
@@ -104,7 +117,7 @@ impl TrustFiles {
                     "{crl}: peers whose certificates it covers are refused until it is renewed (`hypha-certutil crl`, then put it in crls_pem); stale_crl = \"warn\" accepts them meanwhile"
                 ),
                 StaleCrl::Warn => tracing::warn!(
-                    "{crl}: peers are checked against it and accepted (stale_crl = \"warn\"); renew it with `hypha-certutil revoke`"
+                    "{crl}: peers are checked against it and accepted (stale_crl = \"warn\"); renew it with `hypha-certutil crl`"
                 ),
             }
         }

@@ -88,8 +88,9 @@ pub struct ArtifactStore {
     distributor: Distributor,
     store: PathBuf,
     /// One fetch per store directory at a time: jobs asking for the same artifact together
-    /// wait for the first, then copy what it fetched.
-    busy: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// wait for the first, then copy what it fetched together, and no fetch (which may repair
+    /// the files or unpack the tree again) changes the directory under a copy.
+    busy: Mutex<HashMap<PathBuf, Arc<tokio::sync::RwLock<()>>>>,
 }
 
 impl ArtifactStore {
@@ -129,32 +130,49 @@ impl ArtifactStore {
         progress: Option<watch::Sender<Progress>>,
     ) -> Result<(Request, Fetched), FetchError> {
         let in_store = self.in_store(request);
-        let gate = self
-            .busy
+        let gate = self.gate(&in_store);
+        let _alone = gate.write().await;
+        let fetched = self
+            .fetch_in_store(&in_store, expect, admission, progress)
+            .await?;
+        Ok((in_store, fetched))
+    }
+
+    /// The store directory's gate: a fetch (which may repair or unpack again) holds it alone,
+    /// copies into jobs hold it together.
+    fn gate(&self, in_store: &Request) -> Arc<tokio::sync::RwLock<()>> {
+        self.busy
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(in_store.destination.clone())
             .or_default()
-            .clone();
-        let _alone = gate.lock().await;
-        let fetched = self
-            .distributor
+            .clone()
+    }
+
+    async fn fetch_in_store(
+        &self,
+        in_store: &Request,
+        expect: usize,
+        admission: Admission,
+        progress: Option<watch::Sender<Progress>>,
+    ) -> Result<Fetched, FetchError> {
+        self.distributor
             .fetch(
-                &in_store,
+                in_store,
                 &FetchOptions {
                     expect,
                     progress,
                     admission: Some(admission),
                 },
             )
-            .await?;
-        Ok((in_store, fetched))
+            .await
     }
 
     /// Fetches `request` (destinations relative to the job's directory, already checked),
     /// sharing it with the peers `admission` lets in, and copies it into `job`. A copy that
-    /// does not hold what the fetch verified (the store changed in between) is fetched and
-    /// copied again, once.
+    /// does not hold what the fetch verified (the store changed in between, or a disk) is
+    /// thrown away, the store's files are checked whole (every chunk hashed, the tree unpacked
+    /// again) and repaired, and the copy made again, once.
     pub async fn provide(
         &self,
         request: &Request,
@@ -162,9 +180,16 @@ impl ArtifactStore {
         expect: usize,
         admission: Admission,
     ) -> Result<Provided, ProvideError> {
-        let mut attempt = 1;
+        let in_store = self.in_store(request);
+        let gate = self.gate(&in_store);
+        let mut distrusted = false;
         loop {
-            let (in_store, fetched) = self.fetch(request, expect, admission.clone(), None).await?;
+            let alone = gate.clone().write_owned().await;
+            let fetched = self
+                .fetch_in_store(&in_store, expect, admission.clone(), None)
+                .await?;
+            // Copies of the same artifact go on together; no fetch changes the store meanwhile.
+            let copying = alone.downgrade();
             let mut pairs = vec![(in_store.destination.clone(), request.destination.clone())];
             if let (Some(from), Some(to)) = (&in_store.unpack, &request.unpack) {
                 pairs.push((from.destination.clone(), to.destination.clone()));
@@ -172,6 +197,7 @@ impl ArtifactStore {
             let contents = fetched.contents.clone();
             let job = job.clone();
             let copied = tokio::task::spawn_blocking(move || {
+                let _copying = copying;
                 let mut files = Vec::new();
                 for (from, to) in pairs {
                     copy_checked(&job, &contents, &from, &to, &mut files)?;
@@ -182,9 +208,11 @@ impl ArtifactStore {
             .map_err(|e| FetchError::Io(std::io::Error::other(e)))?;
             match copied {
                 Ok(files) => return Ok(Provided { fetched, files }),
-                Err(ProvideError::Content(error)) if attempt == 1 => {
-                    tracing::warn!(%error, "the artifact store changed under a copy; fetching it again");
-                    attempt += 1;
+                Err(ProvideError::Content(error)) if !distrusted => {
+                    tracing::warn!(%error, "a copy into a job differs from what was fetched; checking the whole store entry and copying again");
+                    let _alone = gate.write().await;
+                    self.distributor.distrust(&in_store).await?;
+                    distrusted = true;
                 }
                 Err(error) => return Err(error),
             }
@@ -302,7 +330,7 @@ fn copy_checked(
 /// Copies the file or tree at `from` (in the store) to `to` (relative to the job's
 /// directory), replacing what is there; records `(to, from)` for every file in `files` and
 /// every store path copied in `copied`. Each copy is checked against `contents`; a file or link
-/// the fetch never had is left out.
+/// the unpacked tree never had is left out, one anywhere else fails the copy.
 fn copy_tree(
     job: &JobDir,
     contents: &Contents,
@@ -338,6 +366,9 @@ fn copy_tree(
         return Ok(());
     }
     if let Err(error) = contents.check_known(from) {
+        if !contents.in_unpacked_tree(from) {
+            return Err(error.into());
+        }
         tracing::warn!(%error, "left out of the job's copy");
         return Ok(());
     }
@@ -468,6 +499,21 @@ mod tests {
             .unwrap();
         let (env_in_store, env_fetched) =
             store.fetch(&env_request, 0, nobody(), None).await.unwrap();
+        // A copy checked against nothing the fetch verified fails; it does not leave the
+        // file out.
+        let error = copy_checked(
+            &job,
+            &Contents::default(),
+            &model_in_store.destination,
+            Path::new("model.bin"),
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, ProvideError::Content(ContentError::Unknown { .. })),
+            "{error}"
+        );
+
         // Then the store changes.
         scribble(&model_in_store.destination);
         let tree = env_in_store.unpack.as_ref().unwrap().destination.clone();

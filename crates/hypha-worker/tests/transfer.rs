@@ -437,6 +437,68 @@ async fn a_handshake_flood_leaves_the_tasks_peers_room() {
     drop(held);
 }
 
+/// A scheduler and the peers it names hold half the handshakes at most (issue 58, item 1): a
+/// hostile scheduler with a task on the worker names eight certificates, and each opens its
+/// share of transfers and never finishes a header. They hold 32 of the 64 handshakes, the
+/// rest are told `busy`, and a file of another scheduler's task still gets in. (Checked with
+/// shares per peer only: the eight hold all 64, and the file is refused `busy`.)
+#[tokio::test]
+async fn a_scheduler_and_the_peers_it_names_hold_half_the_handshakes() {
+    let names = ["f1", "f2", "f3", "f4", "f5", "f6", "f7", "f8"];
+    let all = [&names[..], &["hostile", "scheduler", "member", "receiver"]].concat();
+    let networks = connected(&all).await;
+    let [flooders @ .., hostile, scheduler, member, receiver] = &networks[..] else {
+        unreachable!()
+    };
+    let honest = job_inbox(receiver, scheduler, &peers(1, &[member]));
+    let flood_dir = tempfile::tempdir().unwrap();
+    let flooder_refs: Vec<&Network> = flooders.iter().collect();
+    let _hostile_task = honest
+        .inboxes
+        .open(
+            "task-2",
+            "job-2",
+            std::sync::Arc::new(
+                hypha_worker::bridge::paths::JobDir::open(flood_dir.path()).unwrap(),
+            ),
+            hostile.local_peer_id(),
+            &peers(1, &flooder_refs),
+        )
+        .unwrap();
+    let to = receiver.local_peer_id();
+    let mut held = Vec::new();
+    let mut busy = 0;
+    for flooder in flooders {
+        for _ in 0..transfer::MAX_HANDSHAKES_PER_PEER {
+            let mut stream = flooder.open_stream(to, transfer::PROTOCOL).await.unwrap();
+            stream.write_all(&[0, 0]).await.unwrap();
+            stream.flush().await.unwrap();
+            match tokio::time::timeout(
+                std::time::Duration::from_millis(300),
+                read_frame::<Answer>(&mut stream),
+            )
+            .await
+            {
+                Ok(answer) => {
+                    assert_eq!(refusal(answer.unwrap()), RefusalCode::Busy);
+                    busy += 1;
+                }
+                Err(_) => held.push(stream),
+            }
+        }
+    }
+    assert_eq!(held.len(), transfer::MAX_HANDSHAKES_PER_SCHEDULER);
+    assert_eq!(
+        busy,
+        names.len() * transfer::MAX_HANDSHAKES_PER_PEER - transfer::MAX_HANDSHAKES_PER_SCHEDULER
+    );
+    assert_eq!(
+        send_small(member, to, "update").await,
+        Answer::Received { jobs: 1 }
+    );
+    drop(held);
+}
+
 /// Sends the four bytes `abcd` as file `name` of task `task-1`; the receiver's last answer.
 async fn send_small(from: &Network, to: hypha_network::PeerId, name: &str) -> Answer {
     let sum = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"abcd"));

@@ -281,7 +281,7 @@ impl EventLoop {
             if !held.contains(role) {
                 tracing::info!(%role, %held, "refused a request its sender's certificate does not allow");
                 let message = format!(
-                    "a {} request needs the {role} role, and your certificate holds {held}; have it issued with `hypha-certutil node --role {role}`",
+                    "{} requests need the {role} role, and your certificate holds {held}; have it issued with `hypha-certutil node --role {role}`",
                     request.body.kind()
                 );
                 answer(

@@ -9,8 +9,8 @@
 //! **Only the task's peers are heard.** Knowing a task's id is not enough to send into it: a
 //! transfer is taken only from the task's scheduler and the workers that run the task's jobs,
 //! as the scheduler said with the dispatch and says again whenever they change
-//! ([`Inboxes::set_peers`]). Anyone else is refused `not_in_task` after the header, before a
-//! byte of the file is read.
+//! ([`Inboxes::set_peers`]). A peer of no task here is refused `not_in_task` before its header
+//! is read; one of another task than the header names, after it, before a byte of the file.
 //!
 //! **A task belongs to its scheduler.** Task ids are not secret (a run record names one, and
 //! every job of the task carries it), so the task's entry here is owned by the scheduler that
@@ -30,7 +30,9 @@
 //! any task here is refused `not_in_task` at once, before its header is read, so that it holds
 //! nothing; at most [`MAX_HANDSHAKES`] transfers are being asked for at once (their headers
 //! read and their task checked; more are refused `busy`), at most
-//! [`MAX_HANDSHAKES_PER_PEER`] of them by one peer (more are refused `busy`); only a
+//! [`MAX_HANDSHAKES_PER_PEER`] of them by one peer and [`MAX_HANDSHAKES_PER_SCHEDULER`] by a
+//! scheduler and the peers it named together (more are refused `busy`: a hostile scheduler
+//! that names many certificates leaves the other schedulers' tasks half); only a
 //! transfer a task's job takes then gets one of the [`MAX_CONCURRENT`] slots, at most
 //! [`MAX_PER_PEER`] of them from one peer (more are refused `busy`, so one peer never takes
 //! every slot, and a peer of no task takes none); at most [`MAX_WAITING`] files wait in one
@@ -45,22 +47,26 @@ use std::{
     os::unix::ffi::{OsStrExt, OsStringExt},
     path::Path,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use futures::{AsyncWriteExt, StreamExt};
 use hypha_artifacts::Admission;
 use hypha_messages::job::TaskPeers;
-use hypha_network::{Network, PeerId, frame::write_frame, shares::PeerShares};
-use hypha_transfer::{Answer, Received, Refusal, RefusalCode, read_header, receive_bytes};
-use tokio::sync::{Notify, Semaphore};
+use hypha_network::{
+    Network, PeerId,
+    frame::write_frame,
+    shares::{PeerShares, Share},
+};
+use hypha_transfer::{
+    Answer, MIN_BYTES_PER_SECOND, Received, Refusal, RefusalCode, STALL_TIMEOUT, read_header,
+    receive_bytes,
+};
+use sha2::{Digest, Sha256};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use super::paths::{JobDir, PathError};
 use crate::{artifacts::ArtifactStore, metrics};
-use hypha_network::shares::Share;
-use hypha_transfer::{MIN_BYTES_PER_SECOND, STALL_TIMEOUT};
-use sha2::{Digest, Sha256};
-use std::time::Duration;
-use tokio::sync::OwnedSemaphorePermit;
 
 /// Where received files wait, relative to the job's directory.
 pub const STAGING_DIR: &str = ".hypha/inbox";
@@ -70,6 +76,9 @@ pub const MAX_HANDSHAKES: usize = 64;
 /// Transfers one peer may be asking for at the same time (headers being read); more are refused
 /// `busy`, so that a task peer that opens streams and sends no header leaves the others room.
 pub const MAX_HANDSHAKES_PER_PEER: usize = 8;
+/// Transfers a scheduler and the peers its tasks here name may be asking for at the same time,
+/// all together; more are refused `busy`.
+pub const MAX_HANDSHAKES_PER_SCHEDULER: usize = MAX_HANDSHAKES / 2;
 /// Transfers received at the same time; more are refused `busy`.
 pub const MAX_CONCURRENT: usize = 32;
 /// Transfers received from one peer at the same time; more are refused `busy`.
@@ -342,12 +351,18 @@ impl Inboxes {
         }
     }
 
-    /// Whether `peer` may send to some task here: it is a task's scheduler or one of the
-    /// workers its scheduler named. Anyone else is refused before its header is read.
-    fn knows(&self, peer: &PeerId) -> bool {
-        self.lock()
+    /// The schedulers whose tasks here `peer` may send to: as their scheduler, or as one of the
+    /// workers it named. Nobody's for a peer that is refused before its header is read.
+    fn vouchers(&self, peer: &PeerId) -> Vec<PeerId> {
+        let mut vouchers: Vec<PeerId> = self
+            .lock()
             .values()
-            .any(|task| task.scheduler == *peer || task.peers.contains(peer))
+            .filter(|task| task.scheduler == *peer || task.peers.contains(peer))
+            .map(|task| task.scheduler)
+            .collect();
+        vouchers.sort_unstable();
+        vouchers.dedup();
+        vouchers
     }
 
     /// The inboxes of `task`'s jobs, if `sender` may send to them.
@@ -403,10 +418,7 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
             return;
         }
     };
-    let handshakes = Handshakes {
-        slots: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
-        shares: PeerShares::new(MAX_HANDSHAKES_PER_PEER),
-    };
+    let handshakes = Handshakes::new();
     let limits = Arc::new(Limits {
         slots: Arc::new(Semaphore::new(MAX_CONCURRENT)),
         shares: PeerShares::new(MAX_PER_PEER),
@@ -441,23 +453,46 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
 /// The transfers being asked for: their headers read and their task checked.
 struct Handshakes {
     slots: Arc<Semaphore>,
-    shares: PeerShares,
+    by_peer: PeerShares,
+    /// Keyed by the scheduler that vouches for the asking peer.
+    by_scheduler: PeerShares,
 }
 
 /// A transfer's place while its header is read; given back when dropped.
-type Handshake = (OwnedSemaphorePermit, Share);
+struct Handshake {
+    _slot: OwnedSemaphorePermit,
+    _peer: Share,
+    _scheduler: Share,
+}
 
 impl Handshakes {
+    fn new() -> Self {
+        Handshakes {
+            slots: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
+            by_peer: PeerShares::new(MAX_HANDSHAKES_PER_PEER),
+            by_scheduler: PeerShares::new(MAX_HANDSHAKES_PER_SCHEDULER),
+        }
+    }
+
     /// A place for `peer`'s transfer: refused at once to a peer of no task here, and when
-    /// the peer or everyone together asks for too many at once.
+    /// the peer, the schedulers that vouch for it, or everyone together ask for too many.
     fn admit(&self, peer: PeerId, inboxes: &Inboxes) -> Result<Handshake, Refusal> {
-        if !inboxes.knows(&peer) {
+        let vouchers = inboxes.vouchers(&peer);
+        if vouchers.is_empty() {
             return Err(Refusal::new(
                 RefusalCode::NotInTask,
                 format!("{peer} is no scheduler or named worker of any task on this worker"),
             ));
         }
-        let share = self.shares.try_take(peer).ok_or_else(|| {
+        let scheduler = vouchers
+            .into_iter()
+            .find_map(|voucher| self.by_scheduler.try_take(voucher))
+            .ok_or_else(|| {
+                busy(format!(
+                    "this worker reads {MAX_HANDSHAKES_PER_SCHEDULER} transfer headers at most at once for the tasks of one scheduler"
+                ))
+            })?;
+        let peer_share = self.by_peer.try_take(peer).ok_or_else(|| {
             busy(format!(
                 "this worker reads {MAX_HANDSHAKES_PER_PEER} transfer headers at most at once from one peer"
             ))
@@ -467,7 +502,11 @@ impl Handshakes {
                 "this worker is asked for {MAX_HANDSHAKES} transfers at once"
             ))
         })?;
-        Ok((slot, share))
+        Ok(Handshake {
+            _slot: slot,
+            _peer: peer_share,
+            _scheduler: scheduler,
+        })
     }
 }
 
