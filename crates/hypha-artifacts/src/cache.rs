@@ -104,6 +104,26 @@ impl Stamp {
     }
 }
 
+/// A path as a record keeps it: the path itself where it is UTF-8, else a NUL and the hex of
+/// its bytes (which no UTF-8 path begins with), so that every name an archive may hold
+/// survives a record written as JSON.
+pub fn key_of(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    match path.to_str() {
+        Some(text) if !text.starts_with('\0') => text.to_string(),
+        _ => format!("\0{}", hex::encode(path.as_os_str().as_bytes())),
+    }
+}
+
+/// The path a [`key_of`] stands for.
+pub fn path_of_key(key: &str) -> PathBuf {
+    use std::os::unix::ffi::OsStringExt;
+    match key.strip_prefix('\0').and_then(|hex| hex::decode(hex).ok()) {
+        Some(bytes) => PathBuf::from(std::ffi::OsString::from_vec(bytes)),
+        None => PathBuf::from(key),
+    }
+}
+
 /// `of` every file and link under `dir` (links not followed), by path relative to `dir`.
 fn map_tree<T>(dir: &Path, of: impl Fn(&Path) -> io::Result<T>) -> io::Result<BTreeMap<String, T>> {
     let mut found = BTreeMap::new();
@@ -115,7 +135,7 @@ fn map_tree<T>(dir: &Path, of: impl Fn(&Path) -> io::Result<T>) -> io::Result<BT
             if entry.file_type()?.is_dir() {
                 pending.push(path);
             } else {
-                found.insert(path.to_string_lossy().into_owned(), of(&dir.join(&path))?);
+                found.insert(key_of(&path), of(&dir.join(&path))?);
             }
         }
     }
@@ -128,8 +148,8 @@ fn map_tree<T>(dir: &Path, of: impl Fn(&Path) -> io::Result<T>) -> io::Result<BT
 pub enum Entry {
     /// A regular file: BLAKE3 of its bytes, hex.
     File(String),
-    /// A symbolic link, to this target.
-    Link(PathBuf),
+    /// A symbolic link, to this target ([`key_of`]).
+    Link(String),
 }
 
 impl Entry {
@@ -139,7 +159,7 @@ impl Entry {
         use rustix::fs::{Mode, OFlags};
         let metadata = std::fs::symlink_metadata(path)?;
         if metadata.is_symlink() {
-            return Ok(Entry::Link(std::fs::read_link(path)?));
+            return Ok(Entry::Link(key_of(&std::fs::read_link(path)?)));
         }
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let file = std::fs::File::from(rustix::fs::open(path, flags, Mode::empty())?);
@@ -371,5 +391,29 @@ impl Cache {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{ffi::OsStr, os::unix::ffi::OsStrExt};
+
+    use super::*;
+
+    /// Every name an archive may hold comes back from a record as it was: UTF-8 as text, any
+    /// other bytes through their hex.
+    #[test]
+    fn every_path_survives_a_record() {
+        for path in [
+            Path::new("bin/run.sh"),
+            Path::new("données/é.txt"),
+            Path::new(OsStr::from_bytes(b"bad/\xff\xfe.bin")),
+        ] {
+            let key = key_of(path);
+            let json = serde_json::to_string(&key).unwrap();
+            let back: String = serde_json::from_str(&json).unwrap();
+            assert_eq!(path_of_key(&back), path);
+        }
+        assert_eq!(key_of(Path::new("bin/run.sh")), "bin/run.sh");
     }
 }

@@ -14,7 +14,7 @@ use std::{
 };
 
 use crate::{
-    cache::{Entry, Record},
+    cache::{Entry, Record, key_of, path_of_key},
     manifest::Manifest,
 };
 
@@ -78,7 +78,10 @@ impl Contents {
         }
         if let Some(dir) = unpacked {
             for (relative, entry) in &record.unpacked_contents {
-                by_path.insert(dir.join(relative), Content::Unpacked(entry.clone()));
+                by_path.insert(
+                    dir.join(path_of_key(relative)),
+                    Content::Unpacked(entry.clone()),
+                );
             }
         }
         Contents {
@@ -135,7 +138,7 @@ impl Contents {
     /// unpacked tree to that target.
     pub fn check_link(&self, path: &Path, target: &Path) -> Result<(), ContentError> {
         match self.content(path)? {
-            Content::Unpacked(Entry::Link(expected)) if expected == target => Ok(()),
+            Content::Unpacked(Entry::Link(expected)) if *expected == key_of(target) => Ok(()),
             _ => Err(ContentError::Changed {
                 path: path.to_path_buf(),
             }),
