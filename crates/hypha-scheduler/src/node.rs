@@ -33,7 +33,7 @@ pub fn schema() -> Schema {
 pub struct RunJobArgs {
     #[command(flatten)]
     pub node: RunArgs,
-    /// The job file: workers, bid, executor, resources, config (see the README).
+    /// The job file: workers, bid, executor, resources, config (see docs/jobs.md).
     #[arg(long, value_name = "FILE")]
     pub job: PathBuf,
     /// Also write every event (leases, dispatches, statuses, losses, resumptions) as JSON

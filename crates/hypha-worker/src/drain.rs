@@ -9,7 +9,7 @@
 //! Draining is what SIGTERM does to a worker (what a service manager sends): it answers no
 //! more advertisements and tells each job's executor to stop. A trainer then sends its
 //! update if it is ready within the round, or hands its slices back, and the run goes on
-//! without it (README, "Leaving a run"). `drain` sends that signal and waits for the worker
+//! without it (docs/jobs.md, "Leaving"). `drain` sends that signal and waits for the worker
 //! to exit.
 
 use std::{

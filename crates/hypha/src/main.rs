@@ -76,10 +76,10 @@ enum Command {
         #[arg(long, value_name = "SCRIPT")]
         python_trainer: Option<PathBuf>,
         /// How the trainers compress their pseudo-gradients and the server the model's
-        /// changes: none, bf16, int8 or sparse (README, "Choosing a codec and overlap").
+        /// changes: none, bf16, int8 or sparse (docs/diloco.md, "Choosing a codec and overlap").
         #[arg(long, default_value = "none", value_parser = ["none", "bf16", "int8", "sparse"])]
         compression: String,
-        /// Trainers train on while their update travels (README, "DiLoCo training").
+        /// Trainers train on while their update travels (docs/diloco.md).
         #[arg(long)]
         overlap: bool,
         /// The interpreter that runs --python-trainer (a virtual environment's python, …).

@@ -654,7 +654,7 @@ fn job_file(settings: &Settings, training: &Training) -> String {
     let wanted = settings.rounds * settings.samples_per_round;
     let epochs = (wanted / training.samples.max(1) + 2).min(1000);
     format!(
-        "# The quickstart's DiLoCo job (see the README's \"DiLoCo training\").\n\
+        "# The quickstart's DiLoCo job (see docs/diloco.md).\n\
          workers = {trainers}\nbid = 10\n\
          [executor]\nclass = \"train\"\nname = \"diloco\"\n\
          [resources]\ncpu = 1\n\

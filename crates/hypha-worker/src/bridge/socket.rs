@@ -6,7 +6,7 @@
 //! job sockets. Such a worker binds its sockets in a short private directory it makes at start
 //! (mode 0700, under `$TMPDIR`, else `/tmp`; removed when the worker stops) as
 //! `{uuid}.sock` (mode 0600), and points `{SOCKET_PATH}` there; the job directory keeps a
-//! `bridge.sock` symlink to it, so the socket is found where the README says (connecting
+//! `bridge.sock` symlink to it, so the socket is found where docs/jobs.md says (connecting
 //! through a relative `bridge.sock` from the job's directory works). A worker whose sockets
 //! can go nowhere says so when it starts, with the fix.
 
