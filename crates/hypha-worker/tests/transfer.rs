@@ -365,6 +365,43 @@ async fn one_peer_gets_its_share_of_the_slots_and_no_more() {
     drop(held);
 }
 
+/// Opens a transfer to `to` that sends half a frame and never finishes its header. Returns
+/// the receiver's answer if it comes within `patience`, else the stream, which holds its place.
+async fn ask_without_header(
+    from: &Network,
+    to: hypha_network::PeerId,
+    patience: std::time::Duration,
+) -> Result<Answer, hypha_network::Stream> {
+    let mut stream = from.open_stream(to, transfer::PROTOCOL).await.unwrap();
+    stream.write_all(&[0, 0]).await.unwrap();
+    stream.flush().await.unwrap();
+    match tokio::time::timeout(patience, read_frame::<Answer>(&mut stream)).await {
+        Ok(answer) => Ok(answer.unwrap()),
+        Err(_) => Err(stream),
+    }
+}
+
+/// Floods `to` with `count` transfers from `from` that never finish their header: the
+/// streams that hold a place, and how many were told `busy` at once.
+async fn flood(
+    from: &Network,
+    to: hypha_network::PeerId,
+    count: usize,
+) -> (Vec<hypha_network::Stream>, usize) {
+    let mut held = Vec::new();
+    let mut busy = 0;
+    for _ in 0..count {
+        match ask_without_header(from, to, std::time::Duration::from_millis(300)).await {
+            Ok(answer) => {
+                assert_eq!(refusal(answer), RefusalCode::Busy);
+                busy += 1;
+            }
+            Err(stream) => held.push(stream),
+        }
+    }
+    (held, busy)
+}
+
 /// A handshake flood leaves the task's peers room (issue 58, item 1). Eight strangers, each
 /// asking for eight transfers and never finishing a header, are refused `not_in_task` at once
 /// and hold nothing; a peer of the task that does the same holds its share of handshakes and
@@ -380,51 +417,21 @@ async fn a_handshake_flood_leaves_the_tasks_peers_room() {
     };
     let _inbox = job_inbox(receiver, member, &peers(1, &[member, flooder]));
     let to = receiver.local_peer_id();
-    // Half a frame: a receiver that reads headers waits for the rest.
-    let half_header = |from: &Network| {
-        let from = from.clone();
-        async move {
-            let mut stream = from.open_stream(to, transfer::PROTOCOL).await.unwrap();
-            stream.write_all(&[0, 0]).await.unwrap();
-            stream.flush().await.unwrap();
-            stream
-        }
-    };
     let mut refused = 0;
     for stranger in strangers {
         for _ in 0..transfer::MAX_HANDSHAKES / strangers.len() {
-            let mut stream = half_header(stranger).await;
-            let answer = tokio::time::timeout(
-                std::time::Duration::from_secs(2),
-                read_frame::<Answer>(&mut stream),
-            )
-            .await
-            .expect("a stranger is answered at once, not after its header");
-            if refusal(answer.unwrap()) == RefusalCode::NotInTask {
+            let answer = ask_without_header(stranger, to, std::time::Duration::from_secs(2))
+                .await
+                .expect("a stranger is answered at once, not after its header");
+            if refusal(answer) == RefusalCode::NotInTask {
                 refused += 1;
             }
         }
     }
     assert_eq!(refused, transfer::MAX_HANDSHAKES);
 
-    let mut held = Vec::new();
-    let mut busy = 0;
-    for _ in 0..transfer::MAX_HANDSHAKES {
-        let mut stream = half_header(flooder).await;
-        // The flooder's streams beyond its share are answered at once; the others wait.
-        match tokio::time::timeout(
-            std::time::Duration::from_millis(300),
-            read_frame::<Answer>(&mut stream),
-        )
-        .await
-        {
-            Ok(answer) => {
-                assert_eq!(refusal(answer.unwrap()), RefusalCode::Busy);
-                busy += 1;
-            }
-            Err(_) => held.push(stream),
-        }
-    }
+    // The flooder's streams beyond its share are answered at once; the others wait.
+    let (held, busy) = flood(flooder, to, transfer::MAX_HANDSHAKES).await;
     assert_eq!(held.len(), transfer::MAX_HANDSHAKES_PER_PEER);
     assert_eq!(
         busy,
@@ -469,23 +476,9 @@ async fn a_scheduler_and_the_peers_it_names_hold_half_the_handshakes() {
     let mut held = Vec::new();
     let mut busy = 0;
     for flooder in flooders {
-        for _ in 0..transfer::MAX_HANDSHAKES_PER_PEER {
-            let mut stream = flooder.open_stream(to, transfer::PROTOCOL).await.unwrap();
-            stream.write_all(&[0, 0]).await.unwrap();
-            stream.flush().await.unwrap();
-            match tokio::time::timeout(
-                std::time::Duration::from_millis(300),
-                read_frame::<Answer>(&mut stream),
-            )
-            .await
-            {
-                Ok(answer) => {
-                    assert_eq!(refusal(answer.unwrap()), RefusalCode::Busy);
-                    busy += 1;
-                }
-                Err(_) => held.push(stream),
-            }
-        }
+        let (streams, refused) = flood(flooder, to, transfer::MAX_HANDSHAKES_PER_PEER).await;
+        held.extend(streams);
+        busy += refused;
     }
     assert_eq!(held.len(), transfer::MAX_HANDSHAKES_PER_SCHEDULER);
     assert_eq!(
