@@ -8,6 +8,10 @@
 //!
 //! - **loopback** only in a network that lives on one machine: every gateway this node joins,
 //!   and every address it listens on, is a loopback address (the quickstart, the tests);
+//! - a **configured gateway's** address always, whatever its scope: the operator named it
+//!   (a node that listens on every interface and joins a gateway on `127.0.0.1`, as the
+//!   README's tour does, must reach that gateway even though other peers' loopback addresses
+//!   lead nowhere from it);
 //! - **private** ranges (RFC 1918, shared 100.64.0.0/10, unique-local fc00::/7) where this
 //!   node is on the same network: a network of one of its interfaces holds the address, the
 //!   network was seen to route (a direct connection came from or went to an address of the
@@ -112,6 +116,14 @@ pub fn first_ip(address: &Multiaddr) -> Option<IpAddr> {
     })
 }
 
+/// `address` without its `/p2p/…` components: the transport address a dial connects to.
+fn without_peer_id(address: &Multiaddr) -> Multiaddr {
+    address
+        .iter()
+        .filter(|p| !matches!(p, Protocol::P2p(_)))
+        .collect()
+}
+
 /// The private range (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7) holding `ip`.
 fn private_range_of(ip: IpAddr) -> Option<IpNet> {
     let ranges = [
@@ -141,6 +153,8 @@ pub struct Reach(Arc<Inner>);
 struct Inner {
     excluded: ExcludedRanges,
     one_machine: bool,
+    /// The configured gateways' addresses, without their `/p2p/…`.
+    gateways: HashSet<Multiaddr>,
     /// Private ranges that route here: learnt from direct connections, and those of private
     /// gateways.
     routed: Mutex<HashSet<IpNet>>,
@@ -161,6 +175,7 @@ impl Reach {
         Reach(Arc::new(Inner {
             excluded,
             one_machine,
+            gateways: gateways.iter().map(without_peer_id).collect(),
             routed: Mutex::new(routed),
             interfaces: Mutex::new(None),
         }))
@@ -175,6 +190,9 @@ impl Reach {
     pub fn check(&self, address: &Multiaddr) -> Result<(), Unreachable> {
         if self.0.excluded.excludes(address) {
             return Err(Unreachable::Excluded);
+        }
+        if self.0.gateways.contains(&without_peer_id(address)) {
+            return Ok(());
         }
         let Some(ip) = first_ip(address) else {
             return Ok(());
@@ -324,7 +342,8 @@ mod tests {
         assert!(local.one_machine());
         assert_eq!(local.check(&addr("/ip4/127.0.0.1/tcp/9")), Ok(()));
 
-        // The README's nodes listen on every interface: their network is not one machine.
+        // The README's nodes listen on every interface: their network is not one machine,
+        // but the gateway they were told to join is dialled.
         let behind_nat = Reach::new(
             ExcludedRanges::default(),
             &[addr("/ip4/127.0.0.1/tcp/4001")],
@@ -334,6 +353,14 @@ mod tests {
             behind_nat.check(&addr("/ip4/127.0.0.1/tcp/9")),
             Err(Unreachable::Loopback)
         );
+        assert_eq!(behind_nat.check(&addr("/ip4/127.0.0.1/tcp/4001")), Ok(()));
+        assert_eq!(
+            behind_nat.check(&addr(
+                "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+            )),
+            Ok(())
+        );
+        assert!(behind_nat.worth_keeping(&addr("/ip4/127.0.0.1/tcp/4001")));
         let public_gateway = Reach::new(
             ExcludedRanges::default(),
             &[addr("/ip4/198.51.100.2/tcp/4001")],
