@@ -1,11 +1,12 @@
 """The ``sparse`` codec of DiLoCo pseudo-gradients, as the Rust trainers write it.
 
 Of every chunk of 4,096 values (a parameter's values in row-major order) the k of largest
-magnitude are sent, each as a 12-bit offset in its chunk and a code of 2 or 4 bits between
-the chunk's smallest and largest kept magnitude. The wire format is written down in the Rust
+magnitude are sent, each as its offset in the chunk (Elias-Fano coded: the low
+l = floor(log2(L / k)) bits of every offset packed, then the high parts in unary) and a code
+of 2 or 4 bits between the chunk's smallest and largest kept magnitude. The wire format is written down in the Rust
 crate (``hypha_diloco::codec::sparse``): a parameter ``name`` becomes one U8 tensor
 ``name#sparse`` of its chunks' records, its shape goes in the metadata as ``hypha.shape.name``,
-and the file says ``hypha.codec = sparse``, ``hypha.codec_version = 1``, ``hypha.sparse.kept``
+and the file says ``hypha.codec = sparse``, ``hypha.codec_version = 2``, ``hypha.sparse.kept``
 (k of a whole chunk) and ``hypha.sparse.bits``.
 
 :class:`ErrorFeedback` carries what was not sent into the next update, decayed by the job's
@@ -25,12 +26,15 @@ __all__ = ["CHUNK", "SparseFormat", "ErrorFeedback", "kept_count", "from_config"
 CHUNK = 4096
 CODEC = "hypha.codec"
 CODEC_VERSION = "hypha.codec_version"
+# The wire format's version (hypha_diloco::codec::VERSION); version 1's 12-bit offsets are
+# refused.
+VERSION = "2"
 SHAPE = "hypha.shape."
 KEPT = "hypha.sparse.kept"
 BITS = "hypha.sparse.bits"
 RECORDS = "#sparse"
 # The job's defaults when it sets no sparse_* key (hypha_diloco::codec's).
-DENSITY = 0.01
+DENSITY = 0.015625
 DEFAULT_BITS = 2
 DECAY = 0.9
 
@@ -61,13 +65,12 @@ class SparseFormat:
             raise ValueError(f"codes of {self.bits} bits: 2 or 4")
 
     def kept_in(self, length: int) -> int:
-        if length == CHUNK:
-            return self.kept
-        return min(max(-(-self.kept * length // CHUNK), 1), length)
+        """k of a whole chunk; every value of a shorter one."""
+        return self.kept if length == CHUNK else length
 
     def record_bytes(self, length: int) -> int:
         k = self.kept_in(length)
-        return 8 + -(-12 * k // 8) + -(-self.bits * k // 8)
+        return 8 + _offsets_bytes(length, k) + -(-self.bits * k // 8)
 
     def encode(self, values: Any) -> Tuple[bytes, Any]:
         """The records of ``values`` (flat float32), and the values a reader decodes from
@@ -125,7 +128,7 @@ class SparseFormat:
         np.put_along_axis(decoded, kept, decoded_kept, axis=1)
         bounds = np.stack([low, high], axis=1).astype("<f4").view(np.uint8)
         records = np.concatenate(
-            [bounds, _pack(kept.astype(np.uint32), 12), _pack(codes, self.bits)], axis=1
+            [bounds, _pack_offsets(kept, length), _pack(codes, self.bits)], axis=1
         )
         return records, decoded
 
@@ -161,8 +164,8 @@ class SparseFormat:
             low, high = np.frombuffer(record[:8].tobytes(), dtype="<f4")
             if not (0.0 <= low <= high <= 1e9):
                 raise ValueError("a chunk's magnitudes are not finite, negative, beyond ±1e9 or out of order")
-            offsets_len = -(-12 * k // 8)
-            offsets = _unpack(record[8 : 8 + offsets_len], 12, k)
+            offsets_len = _offsets_bytes(length, k)
+            offsets = _unpack_offsets(record[8 : 8 + offsets_len], length, k)
             codes = _unpack(record[8 + offsets_len :], self.bits, k)
             if (offsets >= length).any() or (np.diff(offsets.astype(np.int64)) <= 0).any():
                 raise ValueError("offsets outside the chunk or not increasing")
@@ -175,6 +178,54 @@ class SparseFormat:
         if not kept_positions:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         return np.concatenate(kept_positions), np.concatenate(kept_values)
+
+
+def _offset_bits(length: int, k: int) -> Tuple[int, int]:
+    """The Elias-Fano code of ``k`` offsets below ``length``: the low bits of each offset
+    and the bits of the high parts' field; no bits at all where every value is kept."""
+    if k >= length:
+        return 0, 0
+    low = max(length // k, 1).bit_length() - 1
+    return low, k + ((length - 1) >> low) + 1
+
+
+def _offsets_bytes(length: int, k: int) -> int:
+    low, high = _offset_bits(length, k)
+    return -(-low * k // 8) + -(-high // 8)
+
+
+def _pack_offsets(offsets: Any, length: int) -> Any:
+    """Rows of strictly increasing ``offsets`` below ``length``, Elias-Fano coded as the Rust
+    nodes write them: the low bits packed, then a field where bit (o_i >> low) + i is set."""
+    import numpy as np
+
+    rows, k = offsets.shape
+    low, high_bits = _offset_bits(length, k)
+    if not high_bits:
+        return np.zeros((rows, 0), dtype=np.uint8)
+    offsets = offsets.astype(np.uint32)
+    lows = _pack(offsets & np.uint32((1 << low) - 1), low)
+    field = np.zeros((rows, high_bits), dtype=np.uint8)
+    np.put_along_axis(field, (offsets >> np.uint32(low)).astype(np.int64) + np.arange(k), 1, axis=1)
+    return np.concatenate([lows, np.packbits(field, axis=1, bitorder="little")], axis=1)
+
+
+def _unpack_offsets(packed: Any, length: int, k: int) -> Any:
+    """The ``k`` offsets of one record's Elias-Fano code, checked: a ``ValueError`` if its
+    high parts set other than ``k`` bits or a padding bit is set."""
+    import numpy as np
+
+    low, high_bits = _offset_bits(length, k)
+    if not high_bits:
+        return np.arange(k, dtype=np.int64)
+    low_bytes = -(-low * k // 8)
+    lows = _unpack(packed[:low_bytes], low, k)
+    field = np.unpackbits(np.asarray(packed[low_bytes:], dtype=np.uint8), bitorder="little")
+    ones = np.flatnonzero(field)
+    if ones.size != k or (ones.size and ones[-1] >= high_bits):
+        raise ValueError("a record's high parts set other than one bit per kept value")
+    highs = ones.astype(np.int64) - np.arange(k)
+    return ((highs << low) | lows.astype(np.int64)).astype(np.int64)
 
 
 def _pack(values: Any, bits: int) -> Any:
@@ -219,7 +270,7 @@ class ErrorFeedback:
 
         tensors: Dict[str, Any] = {}
         meta = dict(metadata)
-        meta.update({CODEC: "sparse", CODEC_VERSION: "1", KEPT: str(self.format.kept), BITS: str(self.format.bits)})
+        meta.update({CODEC: "sparse", CODEC_VERSION: VERSION, KEPT: str(self.format.kept), BITS: str(self.format.bits)})
         residual = {}
         for name, value in update.items():
             value = np.asarray(value, dtype=np.float32)
@@ -248,8 +299,8 @@ def apply_change(
     is the server's model bit for bit. A ``ValueError`` says what does not fit."""
     import numpy as np
 
-    if metadata.get(CODEC) != "sparse" or metadata.get(CODEC_VERSION) != "1":
-        raise ValueError(f"a change of codec {metadata.get(CODEC)!r} version {metadata.get(CODEC_VERSION)!r}; this loop reads sparse version 1")
+    if metadata.get(CODEC) != "sparse" or metadata.get(CODEC_VERSION) != VERSION:
+        raise ValueError(f"a change of codec {metadata.get(CODEC)!r} version {metadata.get(CODEC_VERSION)!r}; this loop reads sparse version {VERSION}")
     try:
         format = SparseFormat(int(metadata[KEPT]), int(metadata[BITS]))
     except (KeyError, ValueError) as error:

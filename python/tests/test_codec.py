@@ -21,11 +21,12 @@ class Sparse(unittest.TestCase):
         rng = np.random.default_rng(7)
         # Two whole chunks and a short one.
         self.values = (rng.standard_normal(2 * codec.CHUNK + 100) ** 3).astype(np.float32)
-        self.format = codec.SparseFormat(codec.kept_count(0.01, codec.CHUNK), 2)
+        self.format = codec.SparseFormat(codec.kept_count(codec.DENSITY, codec.CHUNK), 2)
 
     def test_it_keeps_the_largest_of_each_chunk_and_decodes_what_it_says_it_sent(self):
         records, sent = self.format.encode(self.values)
-        self.assertEqual(len(records), 2 * 81 + self.format.record_bytes(100))
+        # 64 kept of a whole chunk: bounds 8, low offset bits 48, high parts 16, codes 16.
+        self.assertEqual(len(records), 2 * 88 + self.format.record_bytes(100))
         decoded = self.format.decode(records, self.values.size)
         np.testing.assert_array_equal(decoded, sent)
         for start in range(0, self.values.size, codec.CHUNK):
@@ -45,7 +46,7 @@ class Sparse(unittest.TestCase):
         for _ in range(30):
             tensors, metadata = feedback.compress(update, {"hypha.kind": "pseudo_gradient"})
             self.assertEqual(metadata["hypha.shape.w"], f"[{self.values.size // 4},4]")
-            self.assertEqual(metadata["hypha.sparse.kept"], "41")
+            self.assertEqual(metadata["hypha.sparse.kept"], "64")
             records = tensors["w#sparse"].tobytes()
             total += self.format.decode(records, self.values.size)
             truth += self.values
@@ -54,31 +55,48 @@ class Sparse(unittest.TestCase):
 
     def test_a_change_moves_only_the_values_it_keeps_and_refuses_another_models(self):
         model = {"w": self.values.reshape(-1, 4).copy(), "b": np.array([-0.0, 1.0], dtype=np.float32)}
+        # The first chunk's change is even: its first 64 values are kept, its last is not.
+        model["w"].reshape(-1)[codec.CHUNK - 1] = -0.0
         change = {"w": np.ones_like(model["w"]) * 1e-3, "b": np.array([0.0, 0.5], dtype=np.float32)}
-        feedback = codec.ErrorFeedback(codec.SparseFormat(41, 2))
+        feedback = codec.ErrorFeedback(codec.SparseFormat(64, 2))
         tensors, metadata = feedback.compress(change, {})
         moved = codec.apply_change(model, tensors, metadata)
         kept_w = np.nonzero(self.format.decode(tensors["w#sparse"].tobytes(), self.values.size))[0]
-        self.assertEqual(len(kept_w), 2 * 41 + self.format.kept_in(100))
+        self.assertEqual(len(kept_w), 2 * 64 + self.format.kept_in(100))
         np.testing.assert_array_equal(
             np.delete(moved["w"].reshape(-1), kept_w), np.delete(model["w"].reshape(-1), kept_w)
         )
-        # The value a change does not keep is left as it is, to the bit (-0.0 stays -0.0).
-        self.assertEqual(np.signbit(moved["b"][0]), True)
-        self.assertEqual(moved["b"][1], np.float32(1.5))
+        # A value a change does not keep is left as it is, to the bit (-0.0 stays -0.0).
+        self.assertNotIn(codec.CHUNK - 1, kept_w)
+        self.assertEqual(np.signbit(moved["w"].reshape(-1)[codec.CHUNK - 1]), True)
+        # A parameter shorter than a chunk is sent whole.
+        np.testing.assert_array_equal(moved["b"], np.array([0.0, 1.5], dtype=np.float32))
         with self.assertRaisesRegex(ValueError, "shape"):
             codec.apply_change({"w": model["w"].reshape(4, -1), "b": model["b"]}, tensors, metadata)
         with self.assertRaisesRegex(ValueError, "other parameters"):
             codec.apply_change({"w": model["w"]}, tensors, metadata)
 
     def test_hostile_records_are_refused(self):
+        # A chunk of 4,096 keeping 2: 11 low bits each (3 bytes), 4 bits of high parts (1 byte).
+        two = codec.SparseFormat(2, 2)
+        self.assertEqual(two.record_bytes(codec.CHUNK), 8 + 3 + 1 + 1)
+        records, _ = two.encode(self.values[: codec.CHUNK])
+        record = bytearray(records)
+        # Two offsets the same (5, 5; high parts 0 and 0, bits 0 and 1): not increasing.
+        bad = bytearray(record)
+        bad[8:12] = bytes([5, 5 << 3, 0, 0b11])
+        with self.assertRaisesRegex(ValueError, "not increasing"):
+            two.decode(bytes(bad), codec.CHUNK)
+        # Three high bits for two offsets, or one.
+        for field in (0b111, 0b1):
+            bad = bytearray(record)
+            bad[11] = field
+            with self.assertRaisesRegex(ValueError, "high parts"):
+                two.decode(bytes(bad), codec.CHUNK)
+        # A short chunk keeps every value and has no offsets: 100 codes of 2 bits.
+        self.assertEqual(self.format.record_bytes(100), 8 + 25)
         records, _ = self.format.encode(self.values[:100])
         record = bytearray(records)
-        # Two offsets the same: not increasing.
-        bad = bytearray(record)
-        bad[8:11] = bytes([5, 0x50, 0x00])
-        with self.assertRaisesRegex(ValueError, "not increasing"):
-            self.format.decode(bytes(bad), 100)
         bad = bytearray(record)
         bad[0:4] = np.array([2.0], dtype="<f4").tobytes()
         bad[4:8] = np.array([1.0], dtype="<f4").tobytes()

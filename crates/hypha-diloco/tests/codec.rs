@@ -28,11 +28,12 @@ fn update(seed: u64) -> Tensors {
             .map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.0f32..1.0).powi(3))
             .collect()
     };
-    let weight = values(64 * 33);
+    // A whole chunk of 4,096 and a short one, which `sparse` sends whole.
+    let weight = values(64 * 65);
     let bias = values(33);
     Tensors(
         [
-            ("l1.weight".to_string(), tensor(&[33, 64], weight)),
+            ("l1.weight".to_string(), tensor(&[65, 64], weight)),
             ("l1.bias".to_string(), tensor(&[33], bias)),
         ]
         .into(),
@@ -111,10 +112,10 @@ fn bf16_is_half_int8_a_quarter_and_topk_twice_its_density() {
         (Codec::Bf16, 0.5),
         (Codec::Int8, 0.25 + 1.0 / 256.0),
         (Codec::TopK { density: 0.01 }, 0.02),
-        // 41 of 4,096 kept: 8 bytes of bounds, 62 of offsets and 11 (2 bits) or 21 (4 bits)
-        // of codes a chunk of 16,384 bytes.
-        (sparse(0.01, 2), 81.0 / 16384.0),
-        (sparse(0.01, 4), 91.0 / 16384.0),
+        // 64 of 4,096 kept: 8 bytes of bounds, 64 of offsets (6 low bits each, 128 bits of
+        // high parts) and 16 (2 bits) or 32 (4 bits) of codes a chunk of 16,384 bytes.
+        (sparse(0.015625, 2), 88.0 / 16384.0),
+        (sparse(0.015625, 4), 104.0 / 16384.0),
     ];
     for (codec, expected) in ratios {
         let ratio = size(codec) / f32_size;
@@ -152,11 +153,11 @@ fn sparse_keeps_the_largest_values_of_each_chunk_within_half_a_level() {
                 .zip(back.0[name].values.chunks(sparse::CHUNK))
                 .enumerate()
             {
-                let whole = codec::kept_count(density, sparse::CHUNK);
+                // A shorter chunk keeps every value.
                 let k = if xs.len() == sparse::CHUNK {
-                    whole
+                    codec::kept_count(density, sparse::CHUNK)
                 } else {
-                    (whole * xs.len()).div_ceil(sparse::CHUNK).max(1)
+                    xs.len()
                 };
                 let kept: Vec<usize> = (0..xs.len()).filter(|&i| ys[i] != 0.0).collect();
                 assert_eq!(kept.len(), k, "{name} chunk {chunk}");
@@ -434,10 +435,10 @@ fn hostile_compressed_files_are_refused() {
             .collect();
         safetensors::serialize(views, Some(metadata)).unwrap()
     };
-    let int8 = [("hypha.codec", "int8"), ("hypha.codec_version", "1")];
+    let int8 = [("hypha.codec", "int8"), ("hypha.codec_version", "2")];
     let topk = [
         ("hypha.codec", "topk"),
-        ("hypha.codec_version", "1"),
+        ("hypha.codec_version", "2"),
         ("hypha.shape.w", "[4]"),
     ];
     let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -495,7 +496,7 @@ fn hostile_compressed_files_are_refused() {
                 ],
                 &[
                     ("hypha.codec", "topk"),
-                    ("hypha.codec_version", "1"),
+                    ("hypha.codec_version", "2"),
                     ("hypha.shape.w", "[99999999999, 99999999999]"),
                 ],
             ),
@@ -511,7 +512,7 @@ fn hostile_compressed_files_are_refused() {
         (
             serialize(
                 vec![("w", Dtype::F32, vec![1], f32s(&[1.0]))],
-                &[("hypha.codec", "zip"), ("hypha.codec_version", "1")],
+                &[("hypha.codec", "zip"), ("hypha.codec_version", "2")],
             ),
             "codec \"zip\"",
         ),
@@ -552,7 +553,7 @@ fn hostile_compressed_files_are_refused() {
         ],
         &[
             ("hypha.codec", "topk"),
-            ("hypha.codec_version", "1"),
+            ("hypha.codec_version", "2"),
             ("hypha.shape.w", "[1099511627776]"),
         ],
     );
@@ -568,15 +569,15 @@ fn hostile_compressed_files_are_refused() {
     assert!(error.to_string().contains("shape"), "{error}");
 }
 
-/// A made-up `sparse` file of one parameter `w` of 10 values (one short chunk keeping 2 of
-/// them at 2 bits: a record of 12 bytes), with `records` and the metadata `changes` set
-/// (an empty value removes the key).
+/// A made-up `sparse` file of one parameter `w` of one chunk of 4,096 values keeping 2 at 2
+/// bits (a record of 13 bytes), with `records` and the metadata `changes` set (an empty value
+/// removes the key).
 fn sparse_file(records: &[u8], changes: &[(&str, &str)]) -> Vec<u8> {
     let mut metadata: std::collections::HashMap<String, String> = [
         ("hypha.codec", "sparse"),
-        ("hypha.codec_version", "1"),
-        ("hypha.shape.w", "[10]"),
-        ("hypha.sparse.kept", "410"),
+        ("hypha.codec_version", "2"),
+        ("hypha.shape.w", "[4096]"),
+        ("hypha.sparse.kept", "2"),
         ("hypha.sparse.bits", "2"),
     ]
     .into_iter()
@@ -589,14 +590,16 @@ fn sparse_file(records: &[u8], changes: &[(&str, &str)]) -> Vec<u8> {
     safetensors::serialize([("w#sparse".to_string(), view)], Some(metadata)).unwrap()
 }
 
-/// A record of a chunk of 10 values keeping 2: `low`, `high`, two 12-bit offsets and two
-/// 2-bit codes.
-fn record(low: f32, high: f32, offsets: [u32; 2], codes: [u8; 2]) -> Vec<u8> {
+/// A record of a chunk of 4,096 values keeping 2: `low`, `high`, the two offsets Elias-Fano
+/// coded (l = ⌊log₂(4096 / 2)⌋ = 11 low bits each, in 3 bytes; the high parts, bit
+/// (o >> 11) + i for the i-th, in a byte of 4 bits) and two 2-bit codes.
+fn record(low: f32, high: f32, offsets: [u16; 2], codes: [u8; 2]) -> Vec<u8> {
     let mut bytes = Vec::new();
     bytes.extend(low.to_le_bytes());
     bytes.extend(high.to_le_bytes());
-    let packed = offsets[0] | offsets[1] << 12;
-    bytes.extend(&packed.to_le_bytes()[..3]);
+    let lows = u32::from(offsets[0] & 0x7ff) | u32::from(offsets[1] & 0x7ff) << 11;
+    bytes.extend(&lows.to_le_bytes()[..3]);
+    bytes.push(1 << (offsets[0] >> 11) | 1 << ((offsets[1] >> 11) + 1));
     bytes.push(codes[0] | codes[1] << 2);
     bytes
 }
@@ -606,7 +609,7 @@ fn a_sparse_file_made_by_hand_reads_as_its_format_says_and_hostile_ones_are_refu
     // Level 0 is `low`, level 1 `high`; a code's top bit is the sign.
     let honest = sparse_file(&record(0.5, 1.0, [1, 5], [0, 3]), &[]);
     let values = &decoded(&honest).0["w"].values;
-    let mut expected = vec![0.0; 10];
+    let mut expected = vec![0.0; 4096];
     expected[1] = 0.5;
     expected[5] = -1.0;
     assert_eq!(values, &expected);
@@ -617,11 +620,26 @@ fn a_sparse_file_made_by_hand_reads_as_its_format_says_and_hostile_ones_are_refu
             "not increasing",
         ),
         (
-            sparse_file(&record(0.5, 1.0, [5, 3], [0, 0]), &[]),
+            sparse_file(&record(0.5, 1.0, [6, 5], [0, 0]), &[]),
             "not increasing",
         ),
+        // Offsets 1 and 5 (high bits 0 and 1) with a third high bit set, and with one cleared.
         (
-            sparse_file(&record(0.5, 1.0, [1, 10], [0, 0]), &[]),
+            sparse_file(
+                &[&record(0.5, 1.0, [1, 5], [0, 0])[..11], &[0b1011, 0]].concat(),
+                &[],
+            ),
+            "bits set after",
+        ),
+        (
+            sparse_file(
+                &[&record(0.5, 1.0, [1, 5], [0, 0])[..11], &[0b0001, 0]].concat(),
+                &[],
+            ),
+            "high parts set fewer bits",
+        ),
+        (
+            sparse_file(&record(0.5, 1.0, [1, 4096], [0, 0]), &[]),
             "outside the chunk",
         ),
         (
@@ -645,15 +663,15 @@ fn a_sparse_file_made_by_hand_reads_as_its_format_says_and_hostile_ones_are_refu
             "bits set after",
         ),
         (
-            sparse_file(&record(0.5, 1.0, [1, 5], [0, 0])[..11], &[]),
-            "12 expected",
+            sparse_file(&record(0.5, 1.0, [1, 5], [0, 0])[..12], &[]),
+            "13 expected",
         ),
         (
             sparse_file(
                 &record(0.5, 1.0, [1, 5], [0, 0]),
                 &[("hypha.shape.w", "[30]")],
             ),
-            "records for 30 values; 15 expected",
+            "records for 30 values; 16 expected",
         ),
         (
             sparse_file(
@@ -714,13 +732,13 @@ fn a_sparse_file_made_by_hand_reads_as_its_format_says_and_hostile_ones_are_refu
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("update.safetensors");
     std::fs::write(&path, &honest).unwrap();
-    let model = Tensors([("w".to_string(), tensor(&[10], vec![0.0; 10]))].into());
+    let model = Tensors([("w".to_string(), tensor(&[4096], vec![0.0; 4096]))].into());
     let mut sum = Accumulator::shaped_like(&model);
     sum.add_source(hypha_diloco::file::FileSource::open(&path).unwrap(), 1.0)
         .unwrap();
     let mut changed = honest.clone();
-    let at = changed.len() - 12;
-    changed[at..].copy_from_slice(&record(0.5, 1.0, [5, 1], [0, 0]));
+    let at = changed.len() - 13;
+    changed[at..].copy_from_slice(&record(0.5, 1.0, [6, 5], [0, 0]));
     std::fs::write(&path, &changed).unwrap();
     let error = sum.mean().unwrap_err().to_string();
     assert!(error.contains("not increasing"), "{error}");

@@ -240,10 +240,12 @@ fn sgd() -> OuterOptimizer {
     OuterOptimizer::new(rate, momentum)
 }
 
-/// `sparse` as a job gets it by default (1 % of each chunk of 4,096 at 2 bits up, 3 % back,
-/// the trainers' residuals decaying by 0.8 as their momentum, plain SGD at 1.0 on the server)
-/// comes within 2 % of uncompressed DiLoCo with Nesterov momentum on the same samples, with
-/// and without overlap; with Nesterov momentum it diverges, which is why it goes without.
+/// `sparse` as a job gets it by default (64 of each chunk of 4,096 at 2 bits up, three times as
+/// many back, a parameter under a chunk whole, the trainers' residuals decaying by 0.9 as
+/// their momentum, plain SGD at 1.0 on the server) comes within 2 % of uncompressed DiLoCo
+/// with Nesterov momentum on the same samples, with and without overlap; with Nesterov
+/// momentum on the server as well it ends behind (0.2126 against 0.1848 here; at 1 % of each
+/// chunk and small parameters sparse too it diverged), which is why it goes without.
 #[test]
 fn sparse_with_decaying_error_feedback_and_plain_sgd_comes_within_two_percent_of_uncompressed_diloco()
  {
@@ -263,17 +265,18 @@ fn sparse_with_decaying_error_feedback_and_plain_sgd_comes_within_two_percent_of
         "sparse with overlap {overlapped} against none {plain}"
     );
     assert!(
-        nesterov > 2.0 * plain,
-        "sparse with Nesterov momentum {nesterov} against none {plain}: if it no longer \
-         diverges, SPARSE_OUTER's reason is gone"
+        nesterov > 1.05 * loss,
+        "sparse with Nesterov momentum {nesterov} against plain SGD {loss}: if it no longer \
+         ends behind, SPARSE_OUTER's reason is gone"
     );
 }
 
 /// The same comparison on a small transformer learning the `sequences` text (each row counts
 /// up by its own step; the next token follows once the step is seen): int8 comes within 2 %
 /// of uncompressed DiLoCo on the same samples. `sparse` at its defaults learns, but in 30
-/// rounds it stays far behind (2.62 against 1.01 from 3.61; BENCHMARKS.md, "Sparse on a
-/// transformer"): a round moves about 1 % of each tensor, and this model needs most of them
+/// rounds it stays far behind (1.44 against 1.01 from 3.61, 2.62 at 1 % of each chunk with
+/// small parameters sparse too; BENCHMARKS.md, "Sparse on a transformer"): a round moves
+/// 1.56 % of each chunk of a larger tensor, and this model needs most of them
 /// moved. Its bound is that it learns at all, so that it cannot stop unseen.
 #[test]
 fn on_a_small_transformer_int8_comes_within_two_percent_of_uncompressed_diloco() {

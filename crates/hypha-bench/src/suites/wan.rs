@@ -9,9 +9,9 @@
 //!   both sides) and `int8 + overlap`. Long rounds are what int8 needs to be far below data
 //!   parallelism (its traffic against it is about 0.2 / inner steps).
 //! - **short rounds** (12 rounds of 48 inner steps; 12 of 16 with `--quick`): `none_short`
-//!   (f32), `sparse` (the job's defaults: 1 % of each chunk at 2 bits up, 3 % back, plain SGD
-//!   outer steps) and `sparse + overlap`. A round of `sparse` moves only the largest 1 % of
-//!   each chunk, the rest waiting in the residual: in 3 or 4 rounds it is far behind (loss
+//!   (f32), `sparse` (the job's defaults: 64 of each chunk of 4,096 at 2 bits up, three times
+//!   as many back, plain SGD outer steps) and `sparse + overlap`. A round of `sparse` moves
+//!   only the largest 1.6 % of each chunk, the rest waiting in the residual (measured at 1 %): in 3 or 4 rounds it is far behind (loss
 //!   2.0× uncompressed in the quick size's 3 rounds), in 12 ahead (`--quick`: 0.186 against
 //!   0.222). 48 steps keep its traffic below 0.0002 of data parallelism.
 //!
@@ -202,7 +202,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
                 count: 4,
                 samples_per_round: 11_520,
             },
-            // 48 steps: sparse's traffic (about 0.01 of f32 a round) below 0.0002 of data
+            // 48 steps: sparse's traffic (about 0.02 of f32 a round) below 0.0002 of data
             // parallelism.
             short: Rounds {
                 count: 12,

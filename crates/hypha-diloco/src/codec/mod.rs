@@ -1,11 +1,12 @@
 //! Compressed updates: the codecs a DiLoCo job chooses (`[diloco] compression`), their wire
 //! format, and the error feedback that carries what they drop into the next round.
 //!
-//! # Wire format, version 1
+//! # Wire format, version 2
 //!
 //! A compressed update is a SafeTensors file like every other file of a DiLoCo job. Its
 //! `__metadata__` says how to read it: [`CODEC`] (`none` when absent) and [`CODEC_VERSION`]
-//! (`1`); a reader refuses a codec or a version it does not know. For each parameter `name`
+//! (`2`); a reader refuses a codec or a version it does not know (version 1 wrote `sparse`
+//! offsets in 12 bits each; every node of a network runs one release). For each parameter `name`
 //! (its n values in row-major order):
 //!
 //! | codec | tensors | value i |
@@ -22,10 +23,11 @@
 //! the k = ⌈density · n⌉ values of largest magnitude ([`kept_count`]; at least one of a
 //! non-empty tensor; a tensor of more than 2³² values cannot be sent top-k). A reader refuses
 //! values (and scales × 127) beyond [`MAX_UPDATE_VALUE`](crate::MAX_UPDATE_VALUE).
-//! `sparse` keeps the top k of every chunk of 4,096 values with 12-bit offsets and 2- or
-//! 4-bit codes between the chunk's smallest and largest kept magnitude ([`sparse`] has its
-//! records). Sizes against f32: `bf16` ½, `int8` ¼ + 1/256 for the scales, `topk` 2 ×
-//! density, `sparse` at 1 % and 2 bits 0.0049 (81 bytes a chunk), at 4 bits 0.0056.
+//! `sparse` keeps the top k of every chunk of 4,096 values with Elias-Fano coded offsets and
+//! 2- or 4-bit codes between the chunk's smallest and largest kept magnitude ([`sparse`] has
+//! its records). Sizes against f32: `bf16` ½, `int8` ¼ + 1/256 for the scales, `topk` 2 ×
+//! density, `sparse` at 1.5625 % (64 of a chunk) and 2 bits 0.0054 (88 bytes a chunk), at 4
+//! bits 0.0063.
 //!
 //! # Error feedback
 //!
@@ -54,7 +56,7 @@ pub const CODEC: &str = "hypha.codec";
 /// Metadata key: the version of the wire format, [`VERSION`].
 pub const CODEC_VERSION: &str = "hypha.codec_version";
 /// The version of the wire format this module writes and reads.
-pub const VERSION: &str = "1";
+pub const VERSION: &str = "2";
 /// Metadata key prefix of a `topk` or `sparse` parameter's shape.
 pub const SHAPE: &str = "hypha.shape.";
 /// Values per `int8` block, each with its own scale.

@@ -1,48 +1,62 @@
 //! The `sparse` codec's records: of every chunk of [`CHUNK`] values, the k of largest
-//! magnitude, each as a 12-bit offset in its chunk and a code of 2 or 4 bits, with the chunk's
-//! smallest and largest kept magnitude.
+//! magnitude, each as its offset in the chunk (Elias-Fano coded: about 2 + log₂(L/k) bits) and
+//! a code of 2 or 4 bits, with the chunk's smallest and largest kept magnitude.
 //!
-//! # Records, wire format version 1
+//! # Records, wire format version 2
 //!
 //! A parameter of n values (row-major, whatever its shape) is ⌈n / 4096⌉ chunks; chunk j holds
 //! the values 4096·j .. min(4096·(j + 1), n), L of them, and keeps k_L: k (metadata
-//! [`KEPT`], 1 ..= 4096) in a whole chunk, ⌈k·L / 4096⌉ (at least 1) in a shorter last one.
+//! [`KEPT`], 1 ..= 4096) in a whole chunk, every value (k_L = L) in a shorter one.
 //! The parameter's tensor `name#sparse` (U8) is the chunks' records one after the other, each:
 //!
 //! | bytes | what |
 //! |---|---|
 //! | 4 | `low`: f32 LE, the smallest magnitude kept |
 //! | 4 | `high`: f32 LE, the largest |
-//! | ⌈12·k_L / 8⌉ | k_L offsets in the chunk, 12 bits each, strictly increasing |
+//! | ⌈l·k_L / 8⌉ | the low l bits of each offset, l = ⌊log₂(L / k_L)⌋, in order |
+//! | ⌈(k_L + ((L − 1) >> l) + 1) / 8⌉ | the high parts: for the i-th offset o_i (from 0), bit (o_i >> l) + i is set, every other bit is clear |
 //! | ⌈b·k_L / 8⌉ | k_L codes of b bits (metadata [`BITS`]: 2 or 4), the i-th for the i-th offset |
 //!
-//! Offsets and codes are packed from the least significant bit of their first byte on; the
-//! bits after the last are zero. A code's top bit is the sign (1: negative), its other b − 1
-//! bits a level q of M = 2^(b−1): the value is ±(low + (high − low) · (q / (M − 1))), in f32.
-//! Every other value of the chunk is 0. The record's size follows from L, k and b alone, so a
-//! file is laid out before a value is compressed, and chunk j's record begins at j times a
-//! whole chunk's: a range of values is read without reading what comes before it.
+//! Where k_L = L the offsets are 0 .. L and both offset fields are empty. Offsets are strictly
+//! increasing. Every field is packed from the least significant bit of
+//! its first byte on; the bits after its last are zero. A code's top bit is the sign (1:
+//! negative), its other b − 1 bits a level q of M = 2^(b−1): the value is ±(low + (high −
+//! low) · (q / (M − 1))), in f32. Every other value of the chunk is 0. The record's size
+//! follows from L, k and b alone, so a file is laid out before a value is compressed, and
+//! chunk j's record begins at j times a whole chunk's: a range of values is read without
+//! reading what comes before it.
 //!
 //! A reader refuses a record whose `low` or `high` is not finite, negative, beyond
-//! [`MAX_UPDATE_VALUE`], or `low` > `high`; whose offsets are not increasing or not inside the
-//! chunk; whose padding bits are set.
+//! [`MAX_UPDATE_VALUE`], or `low` > `high`; whose high parts do not set exactly k_L bits;
+//! whose offsets are not increasing or not inside the chunk; whose padding bits are set.
+//!
+//! Version 1 wrote each offset in 12 bits; its files are refused (every node of a network
+//! runs one release).
 //!
 //! # Why these choices
 //!
 //! Chunks of 4,096 values, not 64 × 64 tiles: every tensor (biases, 1-D norms, a 3-D
 //! convolution) splits the same way, and a chunk of a row-major matrix is a band of its rows,
-//! which keeps the locality a tile has along one axis. 12-bit offsets in the chunk, where
-//! `topk` sends 32-bit positions in the tensor; `low` and `high` rather than one scale, because
-//! the kept magnitudes crowd just above the chunk's threshold and a grid from 0 would spend a
-//! level on values that were never kept. At k = 41 (1 %) and b = 2 a chunk is 81 bytes against
-//! 16,384 in f32: 0.0049 of it.
+//! which keeps the locality a tile has along one axis. Elias-Fano offsets, where `topk` sends
+//! 32-bit positions in the tensor and version 1 sent 12 bits: k increasing offsets below L
+//! take at most k·(2 + ⌈log₂(L/k)⌉) bits, within a bit or two a value of the least any code
+//! can take (log₂ of the ways to choose k of L), and the size is fixed, which a gap code's is
+//! not. At 64 of 4,096 (1.56 %, Covenant's setting) an offset costs 8 bits (6 low, 2 high)
+//! instead of 12: the positions are most of a record, so 88 bytes carry 64 values where
+//! version 1's 81 carried 41 (what a round moves of each chunk is what sparse training waits for;
+//! BENCHMARKS.md, "outcome"). `low` and `high` rather than one scale, because the kept
+//! magnitudes crowd just above the chunk's threshold and a grid from 0 would spend a level on
+//! values that were never kept. At k = 64 and b = 2 a chunk is 88 bytes against 16,384 in
+//! f32: 0.0054 of it. A chunk shorter than 4,096 values (a parameter that small: a bias, a
+//! norm's scale; or a larger one's last) goes whole at 2 bits a value: such values are few,
+//! a norm's are among the model's most sensitive, and at 1.56 % a 128-value norm would move
+//! 2 values a round (on `hypha-bench outcome`'s text, keeping them whole ended 0.5 % nearer
+//! f32).
 
 use crate::{MAX_UPDATE_VALUE, codec::kept_count};
 
 /// Values per chunk.
 pub const CHUNK: usize = 4096;
-/// Bits of an offset in a chunk.
-const OFFSET_BITS: u32 = 12;
 /// Metadata key: the values kept of a whole chunk.
 pub const KEPT: &str = "hypha.sparse.kept";
 /// Metadata key: the bits of a kept value's code.
@@ -97,19 +111,17 @@ impl Format {
         self.bits
     }
 
-    /// The values kept of a chunk of `len` values (1 ..= [`CHUNK`]).
+    /// The values kept of a chunk of `len` values (1 ..= [`CHUNK`]): k of a whole chunk,
+    /// every value of a shorter one.
     fn kept_in(&self, len: usize) -> usize {
-        if len == CHUNK {
-            self.kept
-        } else {
-            (self.kept * len).div_ceil(CHUNK).clamp(1, len.max(1))
-        }
+        if len == CHUNK { self.kept } else { len }
     }
 
     /// The bytes of the record of a chunk of `len` values.
     fn record_bytes(&self, len: usize) -> usize {
         let k = self.kept_in(len);
-        BOUNDS + (OFFSET_BITS as usize * k).div_ceil(8) + (self.bits as usize * k).div_ceil(8)
+        let offsets = Offsets::new(len, k);
+        BOUNDS + offsets.low_bytes() + offsets.high_bytes() + (self.bits as usize * k).div_ceil(8)
     }
 
     /// The bytes of the records of a parameter of `values` values (saturating: a claimed
@@ -174,7 +186,7 @@ impl Format {
             });
         out.extend(low.to_le_bytes());
         out.extend(high.to_le_bytes());
-        pack(out, OFFSET_BITS, kept.iter().map(|&o| u32::from(o)));
+        Offsets::new(chunk.len(), k).encode(kept, out);
         let steps = (self.levels() - 1) as f32;
         let span = high - low;
         let sign = 1 << (self.bits - 1);
@@ -207,14 +219,14 @@ impl Format {
         let first = start / CHUNK;
         let last = end.div_ceil(CHUNK).min(values.div_ceil(CHUNK));
         let bytes = (self.record_at(last) - self.record_at(first)) as usize;
-        // The last chunk may be short: the bytes of a whole one less the difference.
-        let short = match values % CHUNK {
+        // The last chunk may be short: its record instead of a whole one's.
+        let bytes = match values % CHUNK {
             rest if rest > 0 && last == values.div_ceil(CHUNK) && last > first => {
-                self.record_bytes(CHUNK) - self.record_bytes(rest)
+                bytes - self.record_bytes(CHUNK) + self.record_bytes(rest)
             }
-            _ => 0,
+            _ => bytes,
         };
-        (first, self.record_at(first), bytes - short)
+        (first, self.record_at(first), bytes)
     }
 
     /// Calls `each` with the position and value of every kept value of the records `bytes`
@@ -261,16 +273,18 @@ impl Format {
                 "a chunk's magnitudes are not finite, negative, beyond ±1e9 or out of order",
             );
         }
-        let offsets_len = (OFFSET_BITS as usize * k).div_ceil(8);
-        let (offsets, codes) = record[BOUNDS..].split_at(offsets_len);
-        let mut offsets = Unpacker::new(offsets, OFFSET_BITS);
+        let positions = Offsets::new(len, k);
+        let (offsets, codes) = record[BOUNDS..].split_at(positions.bytes());
+        let mut offsets = positions.decoder(offsets);
         let mut codes = Unpacker::new(codes, self.bits);
         let steps = (self.levels() - 1) as f32;
         let span = high - low;
         let sign = 1 << (self.bits - 1);
         let mut previous = None;
         for _ in 0..k {
-            let offset = offsets.next() as usize;
+            let offset = offsets
+                .next()
+                .ok_or("a record's high parts set fewer bits than it keeps")?;
             if offset >= len || previous.is_some_and(|p| offset <= p) {
                 return Err("offsets outside the chunk or not increasing");
             }
@@ -290,6 +304,131 @@ impl Format {
             return Err("bits set after a record's last offset or code");
         }
         Ok(())
+    }
+}
+
+/// The Elias-Fano code of k strictly increasing offsets below L: each offset's low l bits
+/// packed, then its high part in unary (bit `(o >> l) + i` of a field of k + ((L − 1) >> l) + 1
+/// bits set for the i-th offset). Where every value is kept (k = L) the offsets are 0 .. L and
+/// the code is empty.
+#[derive(Debug, Clone, Copy)]
+struct Offsets {
+    kept: usize,
+    low_bits: u32,
+    high_bits: usize,
+}
+
+impl Offsets {
+    /// The code of `kept` offsets (1 ..= `len`) in a chunk of `len` values.
+    fn new(len: usize, kept: usize) -> Self {
+        let kept = kept.max(1);
+        if kept >= len {
+            return Self {
+                kept,
+                low_bits: 0,
+                high_bits: 0,
+            };
+        }
+        let low_bits = (len / kept).max(1).ilog2();
+        Self {
+            kept,
+            low_bits,
+            high_bits: kept + (len.saturating_sub(1) >> low_bits) + 1,
+        }
+    }
+
+    /// Whether every value is kept: no code.
+    fn every(&self) -> bool {
+        self.high_bits == 0
+    }
+
+    fn low_bytes(&self) -> usize {
+        (self.low_bits as usize * self.kept).div_ceil(8)
+    }
+
+    fn high_bytes(&self) -> usize {
+        self.high_bits.div_ceil(8)
+    }
+
+    /// The bytes of the code.
+    fn bytes(&self) -> usize {
+        self.low_bytes() + self.high_bytes()
+    }
+
+    /// Appends the code of `offsets` (`kept` of them, strictly increasing, below the chunk's
+    /// length) to `out`.
+    fn encode(&self, offsets: &[u16], out: &mut Vec<u8>) {
+        if self.every() {
+            return;
+        }
+        let mask = (1u32 << self.low_bits) - 1;
+        pack(
+            out,
+            self.low_bits,
+            offsets.iter().map(|&o| u32::from(o) & mask),
+        );
+        let start = out.len();
+        out.resize(start + self.high_bytes(), 0);
+        for (i, &offset) in offsets.iter().enumerate() {
+            let bit = (usize::from(offset) >> self.low_bits) + i;
+            out[start + bit / 8] |= 1 << (bit % 8);
+        }
+    }
+
+    /// Reads offsets back from `bytes` (the code's [`bytes`](Self::bytes) bytes).
+    fn decoder<'a>(&self, bytes: &'a [u8]) -> OffsetDecoder<'a> {
+        let (low, high) = bytes.split_at(self.low_bytes().min(bytes.len()));
+        OffsetDecoder {
+            every: self.every().then_some(self.kept),
+            low: Unpacker::new(low, self.low_bits),
+            low_bits: self.low_bits,
+            high,
+            high_bits: self.high_bits,
+            bit: 0,
+            read: 0,
+        }
+    }
+}
+
+/// The offsets of one record, in order.
+struct OffsetDecoder<'a> {
+    /// Every value is kept, of a chunk this long.
+    every: Option<usize>,
+    low: Unpacker<'a>,
+    low_bits: u32,
+    high: &'a [u8],
+    high_bits: usize,
+    /// The next bit of the high parts to look at.
+    bit: usize,
+    /// Offsets read so far.
+    read: usize,
+}
+
+impl OffsetDecoder<'_> {
+    /// The next offset; `None` when the high parts set no further bit.
+    fn next(&mut self) -> Option<usize> {
+        if let Some(len) = self.every {
+            self.read += 1;
+            return (self.read <= len).then_some(self.read - 1);
+        }
+        while self.bit < self.high_bits {
+            let bit = self.bit;
+            self.bit += 1;
+            if self.high[bit / 8] & (1 << (bit % 8)) != 0 {
+                let high = bit - self.read;
+                self.read += 1;
+                return Some((high << self.low_bits) | self.low.next() as usize);
+            }
+        }
+        None
+    }
+
+    /// Whether the bits not read are all zero: the low bits' padding, and every high bit
+    /// after the last offset's (its padding included).
+    fn rest_is_zero(&self) -> bool {
+        let high_rest =
+            (self.bit..self.high.len() * 8).all(|bit| self.high[bit / 8] & (1 << (bit % 8)) == 0);
+        self.low.rest_is_zero() && high_rest
     }
 }
 
@@ -358,13 +497,68 @@ mod tests {
 
     #[test]
     fn a_record_is_its_bounds_offsets_and_codes() {
-        let format = Format::new(41, 2).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(format.record_bytes(CHUNK), 8 + 62 + 11);
-        // The last chunk of 100 values keeps ⌈41 · 100 / 4096⌉ = 2.
-        assert_eq!(format.bytes(CHUNK + 100), 81 + 8 + 3 + 1);
-        assert_eq!(format.span(CHUNK + 100, 0, CHUNK + 100), (0, 0, 93));
-        assert_eq!(format.span(CHUNK + 100, CHUNK, CHUNK + 100), (1, 81, 12));
-        assert_eq!(format.span(3 * CHUNK, CHUNK, 2 * CHUNK), (1, 81, 81));
+        let format = Format::new(68, 2).unwrap_or_else(|e| panic!("{e}"));
+        // l = ⌊log₂(4096 / 68)⌋ = 5: 68 · 5 low bits, 68 + 128 high bits, 68 · 2 code bits.
+        assert_eq!(format.record_bytes(CHUNK), 8 + 43 + 25 + 17);
+        // The last chunk of 100 values keeps every one: no offsets, 100 codes of 2 bits.
+        assert_eq!(format.bytes(CHUNK + 100), 93 + 8 + 25);
+        assert_eq!(format.span(CHUNK + 100, 0, CHUNK + 100), (0, 0, 126));
+        assert_eq!(format.span(CHUNK + 100, CHUNK, CHUNK + 100), (1, 93, 33));
+        assert_eq!(format.span(3 * CHUNK, CHUNK, 2 * CHUNK), (1, 93, 93));
+    }
+
+    #[test]
+    fn offsets_come_back_from_their_elias_fano_code_at_every_density() {
+        for (len, every) in [
+            (CHUNK, 60),
+            (CHUNK, 1),
+            (CHUNK, 4096),
+            (100, 7),
+            (1, 1),
+            (CHUNK, 3),
+        ] {
+            let kept: Vec<u16> = (0..len as u16).filter(|o| o % every == every / 2).collect();
+            let kept = if kept.is_empty() { vec![0] } else { kept };
+            let code = Offsets::new(len, kept.len());
+            let mut out = Vec::new();
+            code.encode(&kept, &mut out);
+            assert_eq!(out.len(), code.bytes(), "{len} / {every}");
+            let mut decoder = code.decoder(&out);
+            let got: Vec<usize> = std::iter::from_fn(|| decoder.next()).collect();
+            assert_eq!(
+                got,
+                kept.iter().map(|&o| usize::from(o)).collect::<Vec<_>>()
+            );
+            assert!(decoder.rest_is_zero());
+        }
+        // Every value of a chunk: no code.
+        assert_eq!(Offsets::new(CHUNK, CHUNK).bytes(), 0);
+        // One value: its 12 bits low, a single high bit.
+        assert_eq!(Offsets::new(CHUNK, 1).bytes(), 2 + 1);
+        // Every value of a chunk: no code at all.
+        assert_eq!(Offsets::new(100, 100).bytes(), 0);
+    }
+
+    #[test]
+    fn a_record_whose_high_parts_set_too_many_or_too_few_bits_is_refused() {
+        let format = Format::new(68, 2).unwrap_or_else(|e| panic!("{e}"));
+        let chunk: Vec<f32> = (0..CHUNK)
+            .map(|i| ((i * 7919) % 4096) as f32 / 4096.0)
+            .collect();
+        let mut record = Vec::new();
+        format.encode(&chunk, &mut record);
+        assert!(format.decode(CHUNK, 0, &record, |_, _| {}).is_ok());
+        let high = BOUNDS + Offsets::new(CHUNK, 68).low_bytes();
+        // The first set bit of the high parts cleared: an offset fewer.
+        let mut fewer = record.clone();
+        let byte = (high..).find(|at| fewer[*at] != 0).unwrap_or(high);
+        fewer[byte] &= fewer[byte] - 1;
+        assert!(format.decode(CHUNK, 0, &fewer, |_, _| {}).is_err());
+        // The last bit of the high parts set: one more.
+        let mut more = record.clone();
+        let last = high + Offsets::new(CHUNK, 68).high_bytes() - 1;
+        more[last] |= 0x80;
+        assert!(format.decode(CHUNK, 0, &more, |_, _| {}).is_err());
     }
 
     #[test]
