@@ -104,10 +104,16 @@ class SparseFormat:
         rows, length = chunks.shape
         magnitude = np.abs(chunks)
         if k < length:
-            kept = np.argpartition(magnitude, length - k, axis=1)[:, length - k :]
+            # As the Rust nodes choose: every value above the k-th largest magnitude, then
+            # the earliest of those equal to it (argpartition's choice among equals depends
+            # on the CPU numpy runs on).
+            threshold = np.partition(magnitude, length - k, axis=1)[:, length - k, None]
+            above = magnitude > threshold
+            at = magnitude == threshold
+            ties = k - above.sum(axis=1, keepdims=True)
+            kept = np.nonzero(above | (at & (np.cumsum(at, axis=1) <= ties)))[1].reshape(rows, k)
         else:
             kept = np.broadcast_to(np.arange(length), (rows, length))
-        kept = np.sort(kept, axis=1)
         values = np.take_along_axis(chunks, kept, axis=1)
         magnitudes = np.abs(values)
         low = magnitudes.min(axis=1).astype(np.float32)
@@ -117,7 +123,8 @@ class SparseFormat:
         safe = np.where(span > 0, span, np.float32(1))
         levels = np.where(
             span[:, None] > 0,
-            np.clip(np.rint((magnitudes - low[:, None]) / safe[:, None] * steps), 0, steps),
+            # Halves away from zero, as Rust's f32::round (np.rint would take the even one).
+            np.clip(np.floor(((magnitudes - low[:, None]) / safe[:, None] * steps).astype(np.float64) + 0.5), 0, steps),
             0,
         ).astype(np.uint32)
         negative = values < 0

@@ -76,6 +76,15 @@ class Sparse(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "other parameters"):
             codec.apply_change({"w": model["w"]}, tensors, metadata)
 
+    def test_equal_magnitudes_and_halfway_levels_are_chosen_as_the_rust_nodes_choose(self):
+        # Of equal magnitudes the earliest offsets are kept.
+        even = np.full(codec.CHUNK, 0.5, dtype=np.float32)
+        positions, _ = self.format.decode_kept(self.format.encode(even)[0], codec.CHUNK)
+        np.testing.assert_array_equal(positions, np.arange(64))
+        # 2 lies halfway between 1 and 3: rounded away from zero, to 3 (as f32::round does).
+        _, sent = codec.SparseFormat(4096, 2).encode(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+        np.testing.assert_array_equal(sent, np.array([1.0, 3.0, 3.0], dtype=np.float32))
+
     def test_hostile_records_are_refused(self):
         # A chunk of 4,096 keeping 2: 11 low bits each (3 bytes), 4 bits of high parts (1 byte).
         two = codec.SparseFormat(2, 2)

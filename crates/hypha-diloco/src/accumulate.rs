@@ -728,8 +728,8 @@ fn claimed_shape(name: &str, metadata: &Metadata) -> Result<(Vec<usize>, usize),
 /// times a trillion-parameter model, and far from where the sizes computed from it overflow.
 const MAX_CLAIMED_VALUES: usize = 1 << 48;
 
-/// The values whose `sparse` records are read at once: 256 chunks (20 KiB of records at 1 %
-/// and 2 bits).
+/// The values whose `sparse` records are read at once: 256 chunks (22 KiB of records at the
+/// default 64 of a chunk and 2 bits).
 const SPARSE_READ_VALUES: usize = 256 * sparse::CHUNK;
 
 /// Calls `each` with the position and value of every value kept by the records of `records`

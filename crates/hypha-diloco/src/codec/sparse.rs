@@ -18,7 +18,9 @@
 //! | ⌈b·k_L / 8⌉ | k_L codes of b bits (metadata [`BITS`]: 2 or 4), the i-th for the i-th offset |
 //!
 //! Where k_L = L the offsets are 0 .. L and both offset fields are empty. Offsets are strictly
-//! increasing. Every field is packed from the least significant bit of
+//! increasing. A writer keeps every value whose magnitude is above the k_L-th largest, then the
+//! earliest of those equal to it; a level is the nearest, halves away from zero (the Python
+//! SDK writes the same bytes). Every field is packed from the least significant bit of
 //! its first byte on; the bits after its last are zero. A code's top bit is the sign (1:
 //! negative), its other b − 1 bits a level q of M = 2^(b−1): the value is ±(low + (high −
 //! low) · (q / (M − 1))), in f32. Every other value of the chunk is 0. The record's size
@@ -48,7 +50,7 @@
 //! magnitudes crowd just above the chunk's threshold and a grid from 0 would spend a level on
 //! values that were never kept. At k = 64 and b = 2 a chunk is 88 bytes against 16,384 in
 //! f32: 0.0054 of it. A chunk shorter than 4,096 values (a parameter that small: a bias, a
-//! norm's scale; or a larger one's last) goes whole at 2 bits a value: such values are few,
+//! norm's scale; or a larger one's last) goes whole, b bits a value: such values are few,
 //! a norm's are among the model's most sensitive, and at 1.56 % a 128-value norm would move
 //! 2 values a round (on `hypha-bench outcome`'s text, keeping them whole ended 0.5 % nearer
 //! f32).
@@ -533,7 +535,7 @@ mod tests {
         }
         // Every value of a chunk: no code.
         assert_eq!(Offsets::new(CHUNK, CHUNK).bytes(), 0);
-        // One value: its 12 bits low, a single high bit.
+        // One value: its 12 bits low, a field of 2 high bits.
         assert_eq!(Offsets::new(CHUNK, 1).bytes(), 2 + 1);
         // Every value of a chunk: no code at all.
         assert_eq!(Offsets::new(100, 100).bytes(), 0);
