@@ -70,6 +70,23 @@ impl Reason {
     }
 }
 
+/// The reason of a CRL entry's code (RFC 5280, 5.3.1), to sign it again as it was.
+fn reason_from_code(code: u8) -> Option<RevocationReason> {
+    Some(match code {
+        0 => RevocationReason::Unspecified,
+        1 => RevocationReason::KeyCompromise,
+        2 => RevocationReason::CaCompromise,
+        3 => RevocationReason::AffiliationChanged,
+        4 => RevocationReason::Superseded,
+        5 => RevocationReason::CessationOfOperation,
+        6 => RevocationReason::CertificateHold,
+        8 => RevocationReason::RemoveFromCrl,
+        9 => RevocationReason::PrivilegeWithdrawn,
+        10 => RevocationReason::AaCompromise,
+        _ => return None,
+    })
+}
+
 /// Creates a self-signed root CA.
 pub fn create_root(name: &str, validity: Validity) -> Result<Authority, Error> {
     let key = new_key()?;
@@ -224,9 +241,25 @@ fn issue_crl(
     let mut crl_number = 1u64;
     if let Some(pem) = existing_crl_pem {
         use rustls::pki_types::{CertificateRevocationListDer, pem::PemObject};
-        let der = CertificateRevocationListDer::from_pem_slice(pem)
+        // One list per file, as nodes read them (`crls_pem` takes several files): the file is
+        // written back whole, and another issuer's list in it would be lost.
+        let ders = CertificateRevocationListDer::pem_slice_iter(pem)
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Error::malformed("existing CRL", format!("not a PEM CRL: {e}")))?;
-        let (_, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(&der)
+        let der = match &ders[..] {
+            [der] => der,
+            [] => return Err(Error::malformed("existing CRL", "no X509 CRL block found")),
+            more => {
+                return Err(Error::malformed(
+                    "existing CRL",
+                    format!(
+                        "the file holds {} lists; keep each issuer's list in a file of its own (nodes take several files in crls_pem)",
+                        more.len()
+                    ),
+                ));
+            }
+        };
+        let (_, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(der)
             .map_err(|e| Error::malformed("existing CRL", e.to_string()))?;
         if crl.issuer() != issuer_cert.subject() {
             return Err(Error::malformed(
@@ -263,8 +296,10 @@ fn issue_crl(
             revoked.push(RevokedCertParams {
                 serial_number: SerialNumber::from_slice(entry.raw_serial()),
                 revocation_time: entry.revocation_date.to_datetime(),
-                reason_code: None,
-                invalidity_date: None,
+                reason_code: entry
+                    .reason_code()
+                    .and_then(|(_, code)| reason_from_code(code.0)),
+                invalidity_date: entry.invalidity_date().map(|(_, date)| date.to_datetime()),
             });
         }
     }

@@ -234,6 +234,20 @@ fn an_empty_crl_admits_everyone_and_renewing_keeps_what_was_revoked() {
     let described = hypha_certs::inspect::describe(renewed.as_bytes(), "crl").unwrap();
     assert!(described.contains("revoked:     1"), "{described}");
     assert!(described.contains("number:      3"), "{described}");
+    // The entry keeps its reason (a relying party treats a key compromise differently).
+    let der = pem::parse(renewed.as_bytes()).unwrap().into_contents();
+    let (_, crl) = <x509_parser::revocation_list::CertificateRevocationList as x509_parser::prelude::FromDer<_>>::from_der(&der).unwrap();
+    let entry = crl.iter_revoked_certificates().next().unwrap();
+    assert_eq!(
+        entry.reason_code().map(|(_, code)| code.0),
+        Some(1),
+        "key compromise"
+    );
+    // A file of two issuers' lists is not renewed into one: the other list would be lost.
+    let roots = authority::renew_crl(&root, None, 30).unwrap();
+    let both = format!("{roots}{renewed}");
+    let refused = authority::renew_crl(&org, Some(both.as_bytes()), 60).unwrap_err();
+    assert!(refused.to_string().contains("holds 2 lists"), "{refused}");
     let trust = TrustStore::from_pem(root.cert_pem().as_bytes(), &[renewed.as_bytes()]).unwrap();
     let err = trust
         .verify_peer(identity(&node).chain(), hypha_certs::now())
