@@ -73,6 +73,65 @@ async fn an_object_and_a_prefix_arrive_byte_exact_and_the_origin_serves_each_byt
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
+/// An empty object (a marker file, an empty `__init__.py` uploaded on its own) is an artifact
+/// of no chunks: it arrives as an empty file, and again from the cache; a prefix holding one
+/// beside others brings it too. (Its fetch used to end before the file was placed: a swarm
+/// that held every chunk from the start counted as complete.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_object_arrives_as_an_empty_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = S3Server::start(&dir.path().join("s3"), None).await.unwrap();
+    s3.put("marks/empty", Vec::new()).await.unwrap();
+    s3.put("pkg/__init__.py", Vec::new()).await.unwrap();
+    s3.put("pkg/module.py", pattern(3000, 4)).await.unwrap();
+
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = pki.gateway().await;
+    let node = node(
+        &pki,
+        "a",
+        &gateway_addr,
+        &s3,
+        dir.path(),
+        settings(64 * 1024),
+    )
+    .await;
+
+    let target = dir.path().join("out/empty");
+    let fetched = tokio::time::timeout(
+        Duration::from_secs(30),
+        fetch(&node, &object("marks/empty", &target), 1),
+    )
+    .await
+    .expect("an empty object's fetch never ended");
+    assert_eq!(std::fs::read(&target).unwrap(), Vec::<u8>::new());
+    assert_eq!(fetched.progress.chunks, 0);
+    let cached = tokio::time::timeout(
+        Duration::from_secs(30),
+        fetch(&node, &object("marks/empty", &target), 1),
+    )
+    .await
+    .expect("an empty object's second fetch never ended");
+    assert!(cached.from_cache);
+    assert_eq!(std::fs::read(&target).unwrap(), Vec::<u8>::new());
+
+    let tree = dir.path().join("out/pkg");
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        fetch(&node, &prefix("pkg/", &tree), 1),
+    )
+    .await
+    .expect("a prefix holding an empty file never ended");
+    assert_eq!(
+        std::fs::read(tree.join("__init__.py")).unwrap(),
+        Vec::<u8>::new()
+    );
+    assert_eq!(
+        std::fs::read(tree.join("module.py")).unwrap(),
+        pattern(3000, 4)
+    );
+}
+
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {

@@ -225,7 +225,10 @@ pub(crate) fn spawn(
         chunks: count,
         held: holding.held_count(),
         resumed_chunks,
-        complete: holding.complete(),
+        // Complete once the files are final, even where every chunk is held already (an
+        // empty artifact; a fetch resumed after its last chunk, before the rename): the
+        // state finishes them first.
+        complete: false,
         ..Progress::default()
     };
     let (progress_tx, progress_rx) = watch::channel(progress);
