@@ -14,6 +14,10 @@
 //! - [`SMALLER`] lists the few replacements that make a long run short (a model of GPT-2's
 //!   shape takes minutes a round on two cores); each must match the text, so the list cannot
 //!   go stale.
+//!
+//! `docs/config-reference.md` is generated: every node program's `init` output, which the
+//! program makes from its keys (name, type, default, what it does). A test fails when it
+//! differs; `HYPHA_UPDATE_DOCS=1 cargo test -p hypha-testing --test docs` writes it again.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -32,6 +36,14 @@ const SMALLER: &[(&str, &str, &str, &str)] = &[(
     r#""dim": 64, "heads": 4, "layers": 2"#,
     "GPT-2-small's shape trains at 2.6 s a batch in a release build",
 )];
+
+/// The node programs whose keys the configuration reference lists, in its order.
+const NODE_PROGRAMS: &[&str] = &[
+    "hypha-gateway",
+    "hypha-data",
+    "hypha-worker",
+    "hypha-scheduler",
+];
 
 /// The longest one block may take.
 const BLOCK_LIMIT: Duration = Duration::from_secs(300);
@@ -278,4 +290,50 @@ fn every_shell_block_of_the_readme_and_the_docs_runs() {
         );
     }
     assert!(ran >= 5, "{ran} blocks ran");
+}
+
+/// The configuration reference as the programs make it now.
+fn config_reference() -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let mut out = String::from(
+        "# Configuration reference\n\n\
+         Back to [configuration](configuration.md), which says how settings are layered.\n\n\
+         Generated: each section is what the program's `init` writes, every key with its \
+         default and what it does (a key commented out is unset by default). Do not edit: \
+         `HYPHA_UPDATE_DOCS=1 cargo test -p hypha-testing --test docs` writes it again, and a \
+         test fails while it differs from what the programs write.\n",
+    );
+    for program in NODE_PROGRAMS {
+        let path = dir.path().join(format!("{program}.toml"));
+        let status = Command::new(bin(program))
+            .arg("init")
+            .arg("-o")
+            .arg(&path)
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "{program} init");
+        let template = std::fs::read_to_string(&path).unwrap();
+        out.push_str(&format!(
+            "\n## {program}\n\n`{program} init -o {program}.toml`:\n\n```toml\n{}\n```\n",
+            template.trim_end()
+        ));
+    }
+    out
+}
+
+#[test]
+fn the_configuration_reference_is_what_the_programs_write() {
+    let path = repository().join("docs/config-reference.md");
+    let now = config_reference();
+    if std::env::var_os("HYPHA_UPDATE_DOCS").is_some() {
+        std::fs::write(&path, &now).unwrap();
+        return;
+    }
+    let written = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        written == now,
+        "docs/config-reference.md is stale: a key, its default or its text changed. Write it \
+         again with `HYPHA_UPDATE_DOCS=1 cargo test -p hypha-testing --test docs`"
+    );
 }
