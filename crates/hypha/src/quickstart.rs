@@ -138,7 +138,7 @@ pub struct Summary {
     pub accuracy_before: f64,
     pub loss_after: f64,
     pub accuracy_after: f64,
-    pub rounds: usize,
+    pub rounds: u64,
     pub seconds: f64,
     /// How the scheduler said the job ended: the trainers that finished, and each one
     /// benched, when and why.
@@ -428,6 +428,9 @@ pub fn run(
     if !settings.hold && !scheduler.child.wait().is_ok_and(|s| s.success()) {
         return Err(failed(&scheduler));
     }
+    // The metrics are another file than the events: the last round's line may follow the
+    // `done` event (a CI run counted 9 of 10 rounds); an exited scheduler wrote everything.
+    watch.follow(files, &mut report);
     nodes.push(scheduler);
     let held = if settings.hold {
         Some(Held {
@@ -472,7 +475,7 @@ pub fn run(
         accuracy_before,
         loss_after,
         accuracy_after,
-        rounds: watch.losses.len(),
+        rounds: watch.rounds,
         seconds: started.elapsed().as_secs_f64(),
         outcome: watch.outcome.clone(),
         refused: watch.refused,
@@ -925,6 +928,10 @@ impl Follow {
 struct RunWatch {
     metrics: Follow,
     events: Follow,
+    /// Rounds applied (the highest applied round + 1).
+    rounds: u64,
+    /// The training loss of each applied round the trainers' reports came in time for (a
+    /// round applied before a trainer's report of it has none).
     losses: Vec<(u64, f64)>,
     /// The global models scored on the held-out data as the job trained: (round, loss).
     held_out: Vec<(u64, f64)>,
@@ -1003,12 +1010,18 @@ impl RunWatch {
         }
         for line in self.metrics.new_lines(metrics) {
             if line["kind"] == "round"
-                && let (Some(round), Some(loss)) = (line["round"].as_u64(), line["loss"].as_f64())
+                && let Some(round) = line["round"].as_u64()
             {
-                progress(Progress::Step(&format!(
-                    "round {round} applied, training loss {loss:.4}"
-                )));
-                self.losses.push((round, loss));
+                self.rounds = self.rounds.max(round + 1);
+                match line["loss"].as_f64() {
+                    Some(loss) => {
+                        progress(Progress::Step(&format!(
+                            "round {round} applied, training loss {loss:.4}"
+                        )));
+                        self.losses.push((round, loss));
+                    }
+                    None => progress(Progress::Step(&format!("round {round} applied"))),
+                }
             }
             if line["kind"] == "eval"
                 && let (Some(round), Some(loss)) = (line["round"].as_u64(), line["loss"].as_f64())
