@@ -9,9 +9,11 @@ use std::{
     time::Duration,
 };
 
-use futures::StreamExt;
 use hypha_network::{Network, NetworkError, PeerId};
-use tokio::sync::{mpsc, watch};
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinSet,
+};
 
 use crate::{
     Settings,
@@ -150,6 +152,9 @@ pub struct Fetched {
 #[derive(Debug, Clone)]
 pub struct Distributor {
     inner: Arc<Inner>,
+    /// The loops serving the artifact protocols' streams, and the streams they serve: they
+    /// end when the last handle is dropped.
+    _accepting: Arc<JoinSet<()>>,
 }
 
 #[derive(Debug)]
@@ -222,13 +227,17 @@ impl Distributor {
             swarms: Mutex::default(),
             publications: publications.clone(),
         });
-        tokio::spawn(accept_swarm_streams(swarm_streams, Arc::downgrade(&inner)));
-        tokio::spawn(accept_chunk_streams(chunk_streams, Arc::downgrade(&inner)));
-        tokio::spawn(published::accept(
+        let mut accepting = JoinSet::new();
+        accepting.spawn(accept_swarm_streams(swarm_streams, Arc::downgrade(&inner)));
+        accepting.spawn(accept_chunk_streams(chunk_streams, Arc::downgrade(&inner)));
+        accepting.spawn(published::accept(
             published_streams,
             Arc::downgrade(&publications),
         ));
-        Ok(Distributor { inner })
+        Ok(Distributor {
+            inner,
+            _accepting: Arc::new(accepting),
+        })
     }
 
     pub fn settings(&self) -> &Settings {
@@ -817,10 +826,10 @@ fn check_cached(
     Ok(None)
 }
 
-async fn accept_swarm_streams(mut incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
-    while let Some((peer, mut stream)) = incoming.next().await {
+async fn accept_swarm_streams(incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+    hypha_network::frame::serve_each(incoming, |peer, mut stream| {
         let inner = inner.clone();
-        tokio::spawn(async move {
+        Some(async move {
             let hello =
                 tokio::time::timeout(HELLO_TIMEOUT, read_frame::<SwarmMessage>(&mut stream)).await;
             let Ok(Ok(SwarmMessage::Hello { artifact })) = hello else {
@@ -842,14 +851,15 @@ async fn accept_swarm_streams(mut incoming: libp2p_stream::IncomingStreams, inne
             if write_frame(&mut stream, &HelloReply::Welcome).await.is_ok() {
                 let _ = events.send(Event::Joined { peer, stream }).await;
             }
-        });
-    }
+        })
+    })
+    .await;
 }
 
-async fn accept_chunk_streams(mut incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
-    while let Some((peer, stream)) = incoming.next().await {
+async fn accept_chunk_streams(incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+    hypha_network::frame::serve_each(incoming, |peer, stream| {
         let inner = inner.clone();
-        tokio::spawn(swarm::serve_chunk(stream, peer, move |id| {
+        Some(swarm::serve_chunk(stream, peer, move |id| {
             let inner = inner.upgrade().ok_or(ChunkErrorCode::UnknownArtifact)?;
             let swarms = inner.swarms();
             let member = swarms.get(&id).ok_or(ChunkErrorCode::UnknownArtifact)?;
@@ -857,6 +867,7 @@ async fn accept_chunk_streams(mut incoming: libp2p_stream::IncomingStreams, inne
                 return Err(ChunkErrorCode::NotAdmitted);
             }
             Ok(member.holding.clone())
-        }));
-    }
+        }))
+    })
+    .await;
 }

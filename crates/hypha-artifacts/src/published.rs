@@ -183,15 +183,13 @@ impl Publications {
 
 /// Serves reads of published files until `incoming` ends or the publications are dropped.
 pub(crate) async fn accept(
-    mut incoming: libp2p_stream::IncomingStreams,
+    incoming: libp2p_stream::IncomingStreams,
     publications: Weak<Publications>,
 ) {
-    while let Some((peer, stream)) = incoming.next().await {
-        let Some(publications) = publications.upgrade() else {
-            return;
-        };
-        tokio::spawn(serve(stream, peer, publications));
-    }
+    hypha_network::frame::serve_each(incoming, |peer, stream| {
+        Some(serve(stream, peer, publications.upgrade()?))
+    })
+    .await;
 }
 
 async fn serve(mut stream: Stream, peer: PeerId, publications: Arc<Publications>) {

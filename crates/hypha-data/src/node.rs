@@ -222,6 +222,9 @@ pub async fn serve(
     ));
     iterations.expire().await;
     let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
+    // Answers under way; those still running at shutdown are dropped with the node (their
+    // askers see the request fail, as they would for a node that died).
+    let mut answers = tokio::task::JoinSet::new();
     let mut refresh = tokio::time::interval(refresh);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -236,7 +239,8 @@ pub async fn serve(
                 // concurrently, at most ANSWERING at once (the inbound queue fills behind).
                 let Ok(permit) = answering.clone().acquire_owned().await else { break };
                 let (catalog, iterations) = (catalog.clone(), iterations.clone());
-                tokio::spawn(async move {
+                while answers.try_join_next().is_some() {}
+                answers.spawn(async move {
                     answer(request, organisation, &catalog, &iterations).await;
                     drop(permit);
                 });

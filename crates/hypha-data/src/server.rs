@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use futures::{AsyncWriteExt, StreamExt};
+use futures::AsyncWriteExt;
 use hypha_network::{
     Network, PeerId,
     rate::{MIN_BYTES_PER_SECOND, RateFloor},
@@ -61,7 +61,7 @@ const CHUNK: usize = 256 * 1024;
 
 /// Serves slices of the datasets in `catalog` until the network stops accepting streams.
 pub async fn serve(network: Network, catalog: Arc<RwLock<Catalog>>, limits: Limits) {
-    let mut incoming = match network.accept_streams(PROTOCOL) {
+    let incoming = match network.accept_streams(PROTOCOL) {
         Ok(incoming) => incoming,
         Err(e) => {
             tracing::error!(error = %e, "cannot serve slices");
@@ -70,15 +70,16 @@ pub async fn serve(network: Network, catalog: Arc<RwLock<Catalog>>, limits: Limi
     };
     let global = Arc::new(Semaphore::new(limits.concurrent.max(1)));
     let peers: Arc<Mutex<HashMap<PeerId, Arc<PeerQueue>>>> = Arc::default();
-    while let Some((peer, stream)) = incoming.next().await {
+    hypha_network::frame::serve_each(incoming, |peer, stream| {
         let catalog = catalog.clone();
         let global = global.clone();
         let limits = limits.clone();
         let admission = Admission::new(peers.clone(), peer, &limits);
-        tokio::spawn(async move {
+        Some(async move {
             serve_one(stream, peer, &catalog, &global, admission, &limits).await;
-        });
-    }
+        })
+    })
+    .await;
 }
 
 /// One peer's requests: at most `per_peer` being sent, the rest waiting in arrival order.

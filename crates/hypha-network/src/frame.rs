@@ -116,3 +116,24 @@ pub async fn ask<Q: Serialize, A: DeserializeOwned>(
         }
     }
 }
+
+/// Serves each stream `incoming` accepts with `serve`, each in a task of its own that this
+/// loop owns: finished ones are reaped as new streams come, and the rest are aborted when the
+/// loop ends (`incoming` ends, `serve` answers `None` because what it serves is gone, or the
+/// loop's own task is aborted or dropped).
+pub async fn serve_each<Serve, Served>(
+    mut incoming: libp2p_stream::IncomingStreams,
+    mut serve: Serve,
+) where
+    Serve: FnMut(PeerId, Stream) -> Option<Served>,
+    Served: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut serving = tokio::task::JoinSet::new();
+    while let Some((peer, stream)) = futures::StreamExt::next(&mut incoming).await {
+        while serving.try_join_next().is_some() {}
+        let Some(served) = serve(peer, stream) else {
+            return;
+        };
+        serving.spawn(served);
+    }
+}

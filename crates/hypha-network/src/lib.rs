@@ -177,6 +177,8 @@ pub async fn start(
         listening_tx,
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
+    // Owned through the handle: the loop ends on `Network::shutdown` or when every `Network`
+    // (the sender of its commands) is dropped.
     tokio::spawn(event_loop.run(joined_tx));
     // Being connected to a gateway is what makes a node part of the network; give the first
     // dials a bounded time, then carry on (the loop keeps retrying).

@@ -21,6 +21,8 @@ pub struct Node {
     pub config: Loaded,
     pub network_config: NetworkConfig,
     _telemetry: hypha_telemetry::Guard,
+    /// Reloads the trust store when its files change (or on SIGHUP), while the node lives.
+    _trust_reload: tokio::task::JoinSet<()>,
 }
 
 impl Node {
@@ -77,13 +79,15 @@ impl Node {
             .await
             .map_err(|e| Error::Failed(e.to_string()))?;
         tracing::info!(peer_id = %network.local_peer_id(), kind, "node started");
-        tokio::spawn(trust_files.watch(network.clone()));
+        let mut trust_reload = tokio::task::JoinSet::new();
+        trust_reload.spawn(trust_files.watch(network.clone()));
         Ok(Node {
             network,
             inbound,
             config,
             network_config,
             _telemetry: guard,
+            _trust_reload: trust_reload,
         })
     }
 }

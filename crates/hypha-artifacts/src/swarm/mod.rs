@@ -240,6 +240,9 @@ pub(crate) fn spawn(
         events_tx.clone(),
         progress_tx,
     );
+    // Owned through its progress: the actor leaves the swarm and ends (its own tasks with it)
+    // at the first event after every receiver of `progress_rx` was dropped, and its tick
+    // brings one every [`TICK`].
     tokio::spawn(actor.run(events));
     (events_tx, progress_rx)
 }
