@@ -296,6 +296,10 @@ impl JobManager {
         };
         let span = tracing::info_span!("job", job = %supervisor.job, executor = %spec.executor);
         let sockets = self.sockets.clone();
+        // Never aborted from outside: the supervisor owns the executor's process, which it
+        // must stop (SIGTERM, SIGKILL after the grace) and clean up after. It is reached
+        // through `Running::cancel`, and it ends by sending its `Ended`, which the worker's
+        // shutdown waits for.
         tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let status = match supervisor.provide(artifacts, &mut cancel_rx).await {

@@ -22,7 +22,7 @@ use hypha_messages::{
 use hypha_network::{GossipMessage, InboundRequest, Network, Role};
 use hypha_node::{Error, Node, RunArgs};
 use libp2p::PeerId;
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, task::JoinSet};
 use tracing::Instrument;
 
 use crate::{
@@ -130,7 +130,9 @@ pub async fn serve(
         config.prefetch_bytes,
         artifacts,
     ));
-    tokio::spawn({
+    // Peers' transfers to this worker's jobs are received until the worker stops.
+    let mut receiving = JoinSet::new();
+    receiving.spawn({
         let shared = shared.clone();
         async move { shared.receive_transfers().await }
     });
@@ -170,11 +172,13 @@ pub async fn serve(
         window_closes: None,
         network: network.clone(),
         internal: internal_tx,
+        telling: JoinSet::new(),
         config,
     };
     worker
         .run(adverts, inbound, ended, internal, shutdown)
         .await;
+    receiving.abort_all();
     network.shutdown().await;
     Ok(())
 }
@@ -196,6 +200,9 @@ struct Worker {
     window_closes: Option<tokio::time::Instant>,
     network: Network,
     internal: mpsc::Sender<Internal>,
+    /// Offers and job statuses on their way to schedulers; each ends when it is delivered or
+    /// given up on (shutdown waits for them as long as the executors' grace allows).
+    telling: JoinSet<()>,
     config: WorkerConfig,
 }
 
@@ -222,6 +229,7 @@ impl Worker {
                 _ = sleep_until(expiry) => self.expire(),
                 Some(request) = inbound.recv() => self.answer(request).await,
                 Some(ended) = ended.recv() => self.job_ended(ended),
+                Some(_) = self.telling.join_next() => {}
                 Some(Internal::OfferFailed(lease)) = internal.recv() => {
                     if self.leases.release(lease).is_some() {
                         metrics::leases_changed(-1);
@@ -241,6 +249,8 @@ impl Worker {
                 _ => break,
             }
         }
+        let telling = async { while self.telling.join_next().await.is_some() {} };
+        let _ = tokio::time::timeout_at(deadline, telling).await;
     }
 
     fn buffer(&mut self, message: GossipMessage) {
@@ -307,7 +317,7 @@ impl Worker {
             tracing::info!(scheduler = %source, advertisement = %ad.id, price = quote.price, lease, "offering");
             let network = self.network.clone();
             let internal = self.internal.clone();
-            tokio::spawn(
+            self.telling.spawn(
                 async move {
                     // Anyone can publish an advertisement; only a scheduler can lease, so
                     // the resources are held for schedulers only.
@@ -465,7 +475,7 @@ impl Worker {
             status: ended.status,
         };
         let scheduler = ended.scheduler;
-        tokio::spawn(async move {
+        self.telling.spawn(async move {
             for attempt in 1..=STATUS_ATTEMPTS {
                 match network
                     .request(scheduler, Request::JobStatus(report.clone()))

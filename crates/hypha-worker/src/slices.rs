@@ -347,6 +347,7 @@ impl Prefetcher {
             staging,
             holding,
         };
+        // Owned by the `Prefetcher`: dropping it cancels `stop`, which ends the task.
         tokio::spawn({
             let stop = stop.clone();
             async move {

@@ -50,7 +50,7 @@ use std::{
     time::Duration,
 };
 
-use futures::{AsyncWriteExt, StreamExt};
+use futures::AsyncWriteExt;
 use hypha_artifacts::Admission;
 use hypha_messages::job::TaskPeers;
 use hypha_network::{
@@ -411,7 +411,7 @@ impl Drop for Registration {
 
 /// Receives transfers for this worker's jobs until the network stops accepting streams.
 pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<ArtifactStore>) {
-    let mut incoming = match network.accept_streams(PROTOCOL) {
+    let incoming = match network.accept_streams(PROTOCOL) {
         Ok(incoming) => incoming,
         Err(e) => {
             tracing::warn!(error = %e, "peers cannot send resources to this worker's jobs");
@@ -425,17 +425,19 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
         promised: Mutex::new(0),
         kept: Mutex::default(),
     });
-    while let Some((peer, mut stream)) = incoming.next().await {
-        let inboxes = inboxes.clone();
-        let limits = limits.clone();
-        let artifacts = artifacts.clone();
+    hypha_network::frame::serve_each(incoming, |peer, mut stream| {
+        let (inboxes, limits, artifacts) = (inboxes.clone(), limits.clone(), artifacts.clone());
         let handshake = handshakes.admit(peer, &inboxes);
-        tokio::spawn(async move {
+        Some(async move {
+            let mut fetching = None;
             let answer = match handshake {
                 Ok(handshake) => {
                     match receive(peer, &mut stream, &inboxes, handshake, &limits, &artifacts).await
                     {
-                        Ok(jobs) => Answer::Received { jobs },
+                        Ok(taken) => {
+                            fetching = taken.fetching;
+                            Answer::Received { jobs: taken.jobs }
+                        }
                         Err(refusal) => {
                             tracing::debug!(%peer, %refusal, "resource transfer refused");
                             Answer::Refused(refusal)
@@ -446,8 +448,12 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
             };
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
-        });
-    }
+            if let Some(fetching) = fetching {
+                fetching.await;
+            }
+        })
+    })
+    .await;
 }
 
 /// The transfers being asked for: their headers read and their task checked.
@@ -524,6 +530,15 @@ fn busy(message: String) -> Refusal {
     Refusal::new(RefusalCode::Busy, message)
 }
 
+/// What [`receive`] made of a transfer.
+struct Taken {
+    /// The jobs that take the file.
+    jobs: usize,
+    /// A file published in the swarm is fetched from there once the sender has its answer,
+    /// in the stream's task: it holds the transfer's slot, share and disk room until then.
+    fetching: Option<futures::future::BoxFuture<'static, ()>>,
+}
+
 /// Receives one transfer into the inboxes of its task's jobs; returns how many took it. The
 /// header is read and the task checked under `handshake`, before a transfer slot is taken.
 async fn receive(
@@ -533,7 +548,7 @@ async fn receive(
     handshake: Handshake,
     limits: &Arc<Limits>,
     artifacts: &Arc<ArtifactStore>,
-) -> Result<usize, Refusal> {
+) -> Result<Taken, Refusal> {
     let header = read_header(stream).await?;
     check_name(&header.name)?;
     let targets = inboxes.of_task(&header.task, &peer)?;
@@ -600,7 +615,7 @@ async fn receive(
     };
     if let Some(published) = header.published.clone() {
         let jobs = targets.len();
-        tokio::spawn(fetch_published(
+        let fetching = fetch_published(
             peer,
             header,
             published,
@@ -608,8 +623,11 @@ async fn receive(
             targets,
             artifacts.clone(),
             (promise, slot, share),
-        ));
-        return Ok(jobs);
+        );
+        return Ok(Taken {
+            jobs,
+            fetching: Some(Box::pin(fetching)),
+        });
     }
     let answer = match from {
         0 => Answer::Ready,
@@ -682,7 +700,10 @@ async fn receive(
         inbox.push(peer, &header.name, header.size, &checksum, name);
     }
     tracing::debug!(%peer, task = header.task, name = header.name, size = header.size, jobs = delivered, "resource received");
-    Ok(delivered)
+    Ok(Taken {
+        jobs: delivered,
+        fetching: None,
+    })
 }
 
 /// Fetches a file `from` published (the header said so instead of sending it) and hands it

@@ -1014,6 +1014,9 @@ impl ServerJob {
                 sha256: sha256.clone(),
             };
             let (ends, after) = (ends.clone(), after.cloned());
+            // Not owned by the job: each send ends by itself (delivered, or given up after
+            // `SEND_PATIENCE`) and reports through `ended`. It may outlive the job, so that
+            // a model already on its way when the job finishes still reaches its trainer.
             tokio::spawn(async move {
                 let _ends = ends;
                 if let Some(mut first) = after {
