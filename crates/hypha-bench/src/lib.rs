@@ -104,10 +104,21 @@ pub struct Report {
     pub suite: String,
     pub metrics: BTreeMap<String, f64>,
     pub ratios: BTreeMap<String, f64>,
+    /// The settings a study changed (`--set`), none for a suite as it stands.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub settings: BTreeMap<String, String>,
 }
 
-/// Runs a suite, prints its table and writes its JSON; returns the JSON's path.
-pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
+/// Runs a suite, prints its table and writes its JSON; returns the JSON's path. `settings`
+/// (KEY, VALUE) change the suite's runs for a study; only `outcome` takes any.
+pub fn run(suite: Suite, quick: bool, settings: &[(String, String)]) -> anyhow::Result<PathBuf> {
+    if suite != Suite::Outcome && !settings.is_empty() {
+        anyhow::bail!(
+            "--set is for the outcome suite; {} takes no settings",
+            suite.name()
+        );
+    }
+    let study = suites::outcome::Study::parse(settings)?;
     // Logs go to stderr (RUST_LOG), so the table on stdout stays clean.
     let _telemetry =
         hypha_telemetry::init(&hypha_telemetry::Settings::console_only("hypha-bench"))?;
@@ -132,12 +143,13 @@ pub fn run(suite: Suite, quick: bool) -> anyhow::Result<PathBuf> {
                 Suite::Sites => suites::sites::run(quick).await,
                 Suite::Scale => suites::scale::run(quick).await,
                 Suite::Byzantine => suites::byzantine::run(quick).await,
-                Suite::Outcome => suites::outcome::run(quick).await,
+                Suite::Outcome => suites::outcome::run(quick, study).await,
             }
         })
         .await
     })??;
     report.suite = suite.name().to_string();
+    report.settings = settings.iter().cloned().collect();
     print_table(&report);
     let dir = target_dir().join("bench");
     std::fs::create_dir_all(&dir)?;

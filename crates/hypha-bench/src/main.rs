@@ -17,6 +17,19 @@ struct Cli {
     /// Smaller sizes and fewer repetitions: finishes in under a minute.
     #[arg(long)]
     quick: bool,
+    /// A setting of the suite changed for a study, KEY=VALUE (repeatable; `outcome` only:
+    /// `runs=f32,sparse`, `sparse_density=0.02`, `sparse_bits=4`, `sparse_decay=0.95`,
+    /// `sparse_outer=0.7/0.9` (learning rate/momentum), `sparse_back=exact` or `sparse_back=4`
+    /// (times the trainers' density), `sparse_back_bits=4`). The report
+    /// lists the settings it ran with.
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = setting)]
+    settings: Vec<(String, String)>,
+}
+
+fn setting(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(key, value)| (key.trim().to_string(), value.trim().to_string()))
+        .ok_or_else(|| format!("`{text}` is not KEY=VALUE, e.g. sparse_decay=0.95"))
 }
 
 fn main() -> ExitCode {
@@ -31,7 +44,7 @@ fn main() -> ExitCode {
         };
     }
     let cli = Cli::parse();
-    match hypha_bench::run(cli.suite, cli.quick) {
+    match hypha_bench::run(cli.suite, cli.quick, &cli.settings) {
         Ok(path) => {
             println!("wrote {}", path.display());
             ExitCode::SUCCESS

@@ -41,6 +41,9 @@
 //! `tokens`, `seconds_<run>`, `clipped_<run>` (updates the norm limits or the centre clipped:
 //! an honest run should clip next to none). `--quick` runs a small model on a small corpus
 //! in under a minute and records the ratios without holding them to the targets.
+//!
+//! A study changes the runs with `--set KEY=VALUE` ([`Study`]): a ratio is recorded where
+//! both its runs ran.
 
 use std::{
     path::{Path, PathBuf},
@@ -49,13 +52,15 @@ use std::{
 
 use anyhow::{Context, bail};
 use candle_core::{Device, Tensor};
-use hypha_diloco::{Codec, Metadata, Tensors, file::FileSource, server::ParameterServer};
+use hypha_diloco::{
+    Codec, Metadata, Tensors, codec::sparse, file::FileSource, server::ParameterServer,
+};
 use hypha_executor::{
     contract::TensorNames,
     learner::{Learner, Trained},
     model::{Batch, Model, ModelSpec},
 };
-use hypha_messages::diloco::{Compression, InnerOptimizer};
+use hypha_messages::diloco::{Compression, InnerOptimizer, OuterOptimizer};
 use hypha_scheduler::spec::{DEFAULT_NORM_RATIO, default_outer};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 
@@ -182,11 +187,134 @@ impl Curve {
     }
 }
 
-pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
-    tokio::task::spawn_blocking(move || measure(if quick { QUICK } else { FULL }, quick)).await?
+/// What a study changes of the runs (`hypha-bench outcome --set KEY=VALUE`); a job's
+/// defaults for the rest.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Study {
+    /// The runs made (`runs=f32,sparse`); all where `None`.
+    runs: Option<Vec<String>>,
+    /// The sparse runs' codec keys (`sparse_density`, `sparse_bits`, `sparse_decay`), as a
+    /// job's `[diloco]` would set them.
+    sparse_keys: serde_json::Map<String, serde_json::Value>,
+    /// The sparse runs' outer step, learning rate and momentum (`sparse_outer=0.7/0.9`).
+    sparse_outer: Option<(f64, f64)>,
+    /// How the sparse runs' global model reaches the trainers: exactly (`sparse_back=exact`),
+    /// or as the server's sparse change at this many times the trainers' density
+    /// (`sparse_back=4`); [`Codec::for_broadcast`]'s where `None`.
+    back: Option<Back>,
+    /// The bits of the server's sparse change's codes (`sparse_back_bits=4`); the trainers'
+    /// where `None`.
+    back_bits: Option<u32>,
 }
 
-fn measure(size: Size, quick: bool) -> anyhow::Result<Report> {
+#[derive(Debug, Clone, Copy)]
+enum Back {
+    Exact,
+    Denser(usize),
+}
+
+impl Study {
+    pub(crate) fn parse(settings: &[(String, String)]) -> anyhow::Result<Self> {
+        let mut study = Self::default();
+        let names: Vec<&str> = std::iter::once("baseline")
+            .chain(MODES.iter().map(|m| m.name))
+            .collect();
+        for (key, value) in settings {
+            let number = || -> anyhow::Result<serde_json::Value> {
+                serde_json::from_str::<serde_json::Number>(value)
+                    .map(serde_json::Value::Number)
+                    .with_context(|| format!("{key}={value}: not a number"))
+            };
+            match key.as_str() {
+                "runs" => {
+                    let runs: Vec<String> = value.split(',').map(|r| r.trim().to_string()).collect();
+                    if let Some(unknown) = runs.iter().find(|r| !names.contains(&r.as_str())) {
+                        bail!("runs: no run is called `{unknown}`; the runs are {}", names.join(", "));
+                    }
+                    study.runs = Some(runs);
+                }
+                "sparse_density" | "sparse_bits" | "sparse_decay" => {
+                    study.sparse_keys.insert(key.clone(), number()?);
+                }
+                "sparse_back_bits" => {
+                    study.back_bits = Some(
+                        value
+                            .parse()
+                            .ok()
+                            .filter(|bits| [2, 4].contains(bits))
+                            .with_context(|| format!("sparse_back_bits={value}: write 2 or 4"))?,
+                    );
+                }
+                "sparse_outer" => {
+                    let parsed = value
+                        .split_once('/')
+                        .and_then(|(lr, mu)| Some((lr.parse().ok()?, mu.parse().ok()?)));
+                    study.sparse_outer = Some(parsed.with_context(|| {
+                        format!("sparse_outer={value}: write LEARNING_RATE/MOMENTUM, e.g. 0.7/0.9")
+                    })?);
+                }
+                "sparse_back" => {
+                    study.back = Some(match value.as_str() {
+                        "exact" => Back::Exact,
+                        times => Back::Denser(times.parse().ok().filter(|&t| t > 0).with_context(
+                            || format!("sparse_back={value}: write exact, or how many times the trainers' density the server's change keeps, e.g. 4"),
+                        )?),
+                    })
+                }
+                _ => bail!(
+                    "the outcome suite has no setting `{key}`; it takes runs, sparse_density, sparse_bits, sparse_decay, sparse_outer, sparse_back and sparse_back_bits"
+                ),
+            }
+        }
+        // Keys out of range are named now, not after the runs before the sparse ones.
+        study.back(study.codec("sparse")?)?;
+        Ok(study)
+    }
+
+    /// The trainers' codec of a run with `compression`: the job's, with the study's sparse
+    /// keys.
+    fn codec(&self, compression: &str) -> anyhow::Result<Codec> {
+        let mut keys = serde_json::Map::new();
+        keys.insert("compression".into(), compression.into());
+        if compression == "sparse" {
+            keys.extend(self.sparse_keys.clone());
+        }
+        let compression: Compression = serde_json::from_value(keys.into())?;
+        Codec::try_from(compression).map_err(anyhow::Error::msg)
+    }
+
+    /// The codec of the server's changes when trainers send with `codec`.
+    fn back(&self, codec: Codec) -> anyhow::Result<Codec> {
+        let back = match (self.back, codec) {
+            (Some(Back::Exact), Codec::Sparse { .. }) => Codec::None,
+            (Some(Back::Denser(times)), Codec::Sparse { format, .. }) => Codec::Sparse {
+                format: format.denser(times),
+                decay: 1.0,
+            },
+            _ => codec.for_broadcast(),
+        };
+        Ok(match (back, self.back_bits) {
+            (Codec::Sparse { format, decay }, Some(bits)) => Codec::Sparse {
+                format: sparse::Format::new(format.kept(), bits).map_err(anyhow::Error::msg)?,
+                decay,
+            },
+            (back, _) => back,
+        })
+    }
+
+    fn runs(&self, name: &str) -> bool {
+        self.runs
+            .as_ref()
+            .is_none_or(|runs| runs.iter().any(|r| r == name))
+    }
+}
+
+pub(crate) async fn run(quick: bool, study: Study) -> anyhow::Result<Report> {
+    tokio::task::spawn_blocking(move || measure(if quick { QUICK } else { FULL }, quick, &study))
+        .await?
+}
+
+fn measure(size: Size, quick: bool, study: &Study) -> anyhow::Result<Report> {
     let dir = tempfile::tempdir()?;
     let corpus = Corpus::prepare(dir.path(), &size)?;
     let spec = size.spec();
@@ -211,11 +339,14 @@ fn measure(size: Size, quick: bool) -> anyhow::Result<Report> {
     let mut report = Report::default();
     report.metrics.insert("parameters".into(), parameters);
     report.metrics.insert("tokens".into(), tokens);
-    let baseline = baseline(&spec, &size, &corpus)?;
-    println!("baseline: {:.4} bits per byte", baseline.last());
-    let mut curves = vec![("baseline", baseline)];
-    for mode in MODES {
-        let curve = diloco(&spec, &size, &corpus, mode)?;
+    let mut curves = Vec::new();
+    if study.runs("baseline") {
+        let baseline = baseline(&spec, &size, &corpus)?;
+        println!("baseline: {:.4} bits per byte", baseline.last());
+        curves.push(("baseline", baseline));
+    }
+    for mode in MODES.into_iter().filter(|mode| study.runs(mode.name)) {
+        let curve = diloco(&spec, &size, &corpus, mode, study)?;
         println!(
             "{}: {:.4} bits per byte, {} updates clipped",
             mode.name,
@@ -247,7 +378,10 @@ fn measure(size: Size, quick: bool) -> anyhow::Result<Report> {
         ("loss_sparse_vs_f32", "sparse", "f32"),
         ("loss_sparse_overlap_vs_f32", "sparse_overlap", "f32"),
     ] {
-        report.ratios.insert(key.into(), bpb(over) / bpb(under));
+        let ratio = bpb(over) / bpb(under);
+        if !ratio.is_nan() {
+            report.ratios.insert(key.into(), ratio);
+        }
     }
     let title = format!(
         "held-out bits per byte, {:.1} M parameters{}",
@@ -480,16 +614,29 @@ fn baseline(spec: &ModelSpec, size: &Size, corpus: &Corpus) -> anyhow::Result<Cu
 }
 
 /// R trainers and a parameter server, `mode`'s codec and overlap.
-fn diloco(spec: &ModelSpec, size: &Size, corpus: &Corpus, mode: Mode) -> anyhow::Result<Curve> {
+fn diloco(
+    spec: &ModelSpec,
+    size: &Size,
+    corpus: &Corpus,
+    mode: Mode,
+    study: &Study,
+) -> anyhow::Result<Curve> {
     let started = Instant::now();
     let dir = tempfile::tempdir()?;
-    let compression: Compression =
-        serde_json::from_value(serde_json::json!({ "compression": mode.compression }))?;
-    let codec = Codec::try_from(compression).map_err(anyhow::Error::msg)?;
+    let sparse = mode.compression == "sparse";
+    let codec = study.codec(mode.compression)?;
+    let mut outer = default_outer(mode.compression);
+    if let Some((learning_rate, momentum)) = study.sparse_outer.filter(|_| sparse) {
+        outer = OuterOptimizer {
+            learning_rate,
+            momentum,
+        };
+    }
+    let back = study.back(codec)?;
     let samples = (size.inner_steps * size.batch) as u64;
     let per_round = samples * TRAINERS as u64;
-    let mut server = ParameterServer::new(default_outer(mode.compression).into())
-        .broadcast_changes(codec.for_broadcast())
+    let mut server = ParameterServer::new(outer.into())
+        .broadcast_changes(back)
         .limit_norm(DEFAULT_NORM_RATIO)
         .plan_samples(per_round)
         .limit_samples(2 * per_round + samples);
@@ -549,4 +696,73 @@ fn diloco(spec: &ModelSpec, size: &Size, corpus: &Corpus, mode: Mode) -> anyhow:
     }
     curve.seconds = started.elapsed().as_secs_f64();
     Ok(curve)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn study(settings: &[(&str, &str)]) -> anyhow::Result<Study> {
+        let owned: Vec<(String, String)> = settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Study::parse(&owned)
+    }
+
+    fn sparse(study: &Study) -> Codec {
+        study.codec("sparse").unwrap()
+    }
+
+    #[test]
+    fn a_study_changes_only_what_it_names() {
+        let none = study(&[]).unwrap();
+        assert!(none.runs("baseline") && none.runs("sparse_overlap"));
+        assert_eq!(
+            none.back(sparse(&none)).unwrap(),
+            sparse(&none).for_broadcast()
+        );
+
+        let changed = study(&[
+            ("runs", "f32,sparse"),
+            ("sparse_decay", "0.95"),
+            ("sparse_bits", "4"),
+            ("sparse_back", "exact"),
+            ("sparse_outer", "1.5/0"),
+        ])
+        .unwrap();
+        assert!(changed.runs("f32") && changed.runs("sparse") && !changed.runs("baseline"));
+        let Codec::Sparse { format, decay } = sparse(&changed) else {
+            panic!("not sparse");
+        };
+        assert_eq!((decay, format.bits()), (0.95, 4));
+        assert_eq!(changed.back(sparse(&changed)).unwrap(), Codec::None);
+        assert_eq!(changed.back(Codec::Int8).unwrap(), Codec::Int8);
+        assert_eq!(changed.sparse_outer, Some((1.5, 0.0)));
+
+        let denser = study(&[("sparse_back", "4"), ("sparse_back_bits", "4")]).unwrap();
+        let Codec::Sparse { format: back, .. } = denser.back(sparse(&denser)).unwrap() else {
+            panic!("not sparse back");
+        };
+        let Codec::Sparse { format: up, .. } = sparse(&denser) else {
+            panic!("not sparse");
+        };
+        assert_eq!((back.kept(), back.bits(), up.bits()), (4 * up.kept(), 4, 2));
+    }
+
+    #[test]
+    fn a_setting_it_cannot_take_is_named_with_what_to_write() {
+        for (setting, says) in [
+            (("runs", "f32,sparce"), "no run is called `sparce`"),
+            (("sparse_back", "twice"), "write exact"),
+            (("sparse_back_bits", "3"), "write 2 or 4"),
+            (("sparse_outer", "0.7"), "LEARNING_RATE/MOMENTUM"),
+            (("sparse_decay", "most"), "not a number"),
+            (("inner_steps", "10"), "no setting `inner_steps`"),
+            (("sparse_decay", "2"), "not in (0, 1]"),
+        ] {
+            let error = study(&[setting]).unwrap_err().to_string();
+            assert!(error.contains(says), "{setting:?}: {error}");
+        }
+    }
 }
