@@ -18,7 +18,7 @@ struct Cli {
     #[arg(long)]
     quick: bool,
     /// A setting of the suite changed for a study, KEY=VALUE (repeatable; `outcome` only:
-    /// `runs=f32,sparse`, `sparse_density=0.02`, `sparse_bits=4`, `sparse_decay=0.95`,
+    /// `runs=f32,sparse`, `seed=2`, `sparse_density=0.02`, `sparse_bits=4`, `sparse_decay=0.95`,
     /// `sparse_outer=0.7/0.9` (learning rate/momentum), `sparse_back=exact` or `sparse_back=4`
     /// (times the trainers' density), `sparse_back_bits=4`). The report
     /// lists the settings it ran with.

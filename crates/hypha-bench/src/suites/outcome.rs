@@ -72,8 +72,9 @@ const TRAINERS: usize = 4;
 const HOLD_OUT_EVERY: usize = 20;
 /// The byte-level vocabulary of `hypha-data prepare`: 256 bytes, end of document, padding.
 const VOCABULARY: usize = 258;
+/// The initial weights' seed; the rows are shuffled with this plus [`SHUFFLE_SEED_AFTER`].
 const MODEL_SEED: u64 = 1;
-const SHUFFLE_SEED: u64 = 7;
+const SHUFFLE_SEED_AFTER: u64 = 6;
 
 /// A run's size.
 #[derive(Debug, Clone, Copy)]
@@ -189,10 +190,13 @@ impl Curve {
 
 /// What a study changes of the runs (`hypha-bench outcome --set KEY=VALUE`); a job's
 /// defaults for the rest.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Study {
     /// The runs made (`runs=f32,sparse`); all where `None`.
     runs: Option<Vec<String>>,
+    /// The seed of the initial weights and of the rows' order (`seed=2`): how far seeds
+    /// alone move the ratios.
+    seed: u64,
     /// The sparse runs' codec keys (`sparse_density`, `sparse_bits`, `sparse_decay`), as a
     /// job's `[diloco]` would set them.
     sparse_keys: serde_json::Map<String, serde_json::Value>,
@@ -215,7 +219,14 @@ enum Back {
 
 impl Study {
     pub(crate) fn parse(settings: &[(String, String)]) -> anyhow::Result<Self> {
-        let mut study = Self::default();
+        let mut study = Self {
+            runs: None,
+            seed: MODEL_SEED,
+            sparse_keys: serde_json::Map::new(),
+            sparse_outer: None,
+            back: None,
+            back_bits: None,
+        };
         let names: Vec<&str> = std::iter::once("baseline")
             .chain(MODES.iter().map(|m| m.name))
             .collect();
@@ -232,6 +243,11 @@ impl Study {
                         bail!("runs: no run is called `{unknown}`; the runs are {}", names.join(", "));
                     }
                     study.runs = Some(runs);
+                }
+                "seed" => {
+                    study.seed = value
+                        .parse()
+                        .with_context(|| format!("seed={value}: a whole number, e.g. 2"))?;
                 }
                 "sparse_density" | "sparse_bits" | "sparse_decay" => {
                     study.sparse_keys.insert(key.clone(), number()?);
@@ -262,7 +278,7 @@ impl Study {
                     })
                 }
                 _ => bail!(
-                    "the outcome suite has no setting `{key}`; it takes runs, sparse_density, sparse_bits, sparse_decay, sparse_outer, sparse_back and sparse_back_bits"
+                    "the outcome suite has no setting `{key}`; it takes runs, seed, sparse_density, sparse_bits, sparse_decay, sparse_outer, sparse_back and sparse_back_bits"
                 ),
             }
         }
@@ -316,9 +332,9 @@ pub(crate) async fn run(quick: bool, study: Study) -> anyhow::Result<Report> {
 
 fn measure(size: Size, quick: bool, study: &Study) -> anyhow::Result<Report> {
     let dir = tempfile::tempdir()?;
-    let corpus = Corpus::prepare(dir.path(), &size)?;
+    let corpus = Corpus::prepare(dir.path(), &size, study.seed.wrapping_add(SHUFFLE_SEED_AFTER))?;
     let spec = size.spec();
-    let parameters = (Model::new(&spec, MODEL_SEED)?.tensors()?.0.values())
+    let parameters = (Model::new(&spec, study.seed)?.tensors()?.0.values())
         .map(|t| t.values.len())
         .sum::<usize>() as f64;
     let tokens = (size.rounds * size.inner_steps * size.block() * size.context) as f64;
@@ -341,7 +357,7 @@ fn measure(size: Size, quick: bool, study: &Study) -> anyhow::Result<Report> {
     report.metrics.insert("tokens".into(), tokens);
     let mut curves = Vec::new();
     if study.runs("baseline") {
-        let baseline = baseline(&spec, &size, &corpus)?;
+        let baseline = baseline(&spec, &size, &corpus, study.seed)?;
         println!("baseline: {:.4} bits per byte", baseline.last());
         curves.push(("baseline", baseline));
     }
@@ -418,7 +434,7 @@ struct Corpus {
 impl Corpus {
     /// Copies the standard library's sources into `dir` (training and held-out files apart),
     /// prepares both as `hypha-data prepare` does, and reads them.
-    fn prepare(dir: &Path, size: &Size) -> anyhow::Result<Self> {
+    fn prepare(dir: &Path, size: &Size, shuffle_seed: u64) -> anyhow::Result<Self> {
         let files = stdlib_sources()?;
         let (mut kept, mut bytes) = (Vec::new(), 0u64);
         for (path, relative) in files {
@@ -455,7 +471,7 @@ impl Corpus {
         let eval = read_dataset(&prepared(dir, "eval", size)?, &spec)?;
         // Shuffled once, as a data loader would: consecutive rows are one file's.
         let mut order: Vec<u32> = (0..train.rows() as u32).collect();
-        order.shuffle(&mut StdRng::seed_from_u64(SHUFFLE_SEED));
+        order.shuffle(&mut StdRng::seed_from_u64(shuffle_seed));
         let train = select(&train, &order)?;
         // Rows evenly spaced over the held-out text.
         let stride = (eval.rows() / size.eval_rows.max(1)).max(1);
@@ -590,9 +606,9 @@ fn tokens_after(size: &Size, steps: usize) -> f64 {
 }
 
 /// One learner, each block one batch.
-fn baseline(spec: &ModelSpec, size: &Size, corpus: &Corpus) -> anyhow::Result<Curve> {
+fn baseline(spec: &ModelSpec, size: &Size, corpus: &Corpus, seed: u64) -> anyhow::Result<Curve> {
     let started = Instant::now();
-    let mut learner = Trained::new(spec, MODEL_SEED, InnerOptimizer::default(), Codec::None)?;
+    let mut learner = Trained::new(spec, seed, InnerOptimizer::default(), Codec::None)?;
     let mut curve = Curve::default();
     curve
         .points
@@ -641,12 +657,12 @@ fn diloco(
         .plan_samples(per_round)
         .limit_samples(2 * per_round + samples);
     let mut trainers = (0..TRAINERS)
-        .map(|_| Trained::new(spec, MODEL_SEED, InnerOptimizer::default(), codec))
+        .map(|_| Trained::new(spec, study.seed, InnerOptimizer::default(), codec))
         .collect::<Result<Vec<_>, _>>()?;
     let offer = dir.path().join("offer.safetensors");
     trainers[0].write_global(&offer, &Metadata::new())?;
     server.offer_from(&FileSource::open(&offer)?)?;
-    let scorer = Model::new(spec, MODEL_SEED)?;
+    let scorer = Model::new(spec, study.seed)?;
     let mut curve = Curve::default();
     curve.points.push((0.0, bits_per_byte(&scorer, corpus)?));
     // With overlap, the global model of the round before, on its way to the trainers.
@@ -718,6 +734,7 @@ mod tests {
     fn a_study_changes_only_what_it_names() {
         let none = study(&[]).unwrap();
         assert!(none.runs("baseline") && none.runs("sparse_overlap"));
+        assert_eq!(none.seed, MODEL_SEED);
         assert_eq!(
             none.back(sparse(&none)).unwrap(),
             sparse(&none).for_broadcast()
@@ -760,6 +777,7 @@ mod tests {
             (("sparse_decay", "most"), "not a number"),
             (("inner_steps", "10"), "no setting `inner_steps`"),
             (("sparse_decay", "2"), "not in (0, 1]"),
+            (("seed", "-1"), "a whole number"),
         ] {
             let error = study(&[setting]).unwrap_err().to_string();
             assert!(error.contains(says), "{setting:?}: {error}");
