@@ -41,9 +41,13 @@ impl Collector {
         let port = listener.local_addr()?.port();
         let received = Arc::new(Mutex::new(Vec::new()));
         let sink = received.clone();
+        // Serves until the runtime it was started on stops: the collector is cloned freely,
+        // so no one handle owns it; its connections are the loop's.
         tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
             while let Ok((socket, _)) = listener.accept().await {
-                tokio::spawn(serve(socket, sink.clone()));
+                while connections.try_join_next().is_some() {}
+                connections.spawn(serve(socket, sink.clone()));
             }
         });
         Ok(Self { port, received })

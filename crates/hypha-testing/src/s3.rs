@@ -67,11 +67,14 @@ impl S3Server {
         let endpoint = format!("http://{}", listener.local_addr()?);
         let task = tokio::spawn(async move {
             let http = ConnBuilder::new(TokioExecutor::new());
+            // The connections end with the server (its task aborted or dropped).
+            let mut connections = tokio::task::JoinSet::new();
             while let Ok((socket, _)) = listener.accept().await {
+                while connections.try_join_next().is_some() {}
                 let connection = http
                     .serve_connection(TokioIo::new(socket), service.clone())
                     .into_owned();
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     let _ = connection.await;
                 });
             }
