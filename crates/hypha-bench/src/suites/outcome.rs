@@ -332,7 +332,11 @@ pub(crate) async fn run(quick: bool, study: Study) -> anyhow::Result<Report> {
 
 fn measure(size: Size, quick: bool, study: &Study) -> anyhow::Result<Report> {
     let dir = tempfile::tempdir()?;
-    let corpus = Corpus::prepare(dir.path(), &size, study.seed.wrapping_add(SHUFFLE_SEED_AFTER))?;
+    let corpus = Corpus::prepare(
+        dir.path(),
+        &size,
+        study.seed.wrapping_add(SHUFFLE_SEED_AFTER),
+    )?;
     let spec = size.spec();
     let parameters = (Model::new(&spec, study.seed)?.tensors()?.0.values())
         .map(|t| t.values.len())

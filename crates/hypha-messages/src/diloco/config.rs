@@ -82,14 +82,11 @@ pub const SPARSE_DENSITY: f32 = 0.015625;
 pub const SPARSE_BITS: u8 = 2;
 /// `sparse`'s share of a trainer's residual carried on unless the job says otherwise. With
 /// it the residual is the trainer's outer momentum, as in SparseLoCo, and the parameter
-/// server steps without one (`hypha_diloco::codec::SPARSE_OUTER`). Measured with the server's
-/// mean of each value over the trainers that sent it: in the seeded runs of
-/// `hypha-executor/tests/diloco.rs` the MLP ended at an evaluation loss of 0.1905 carrying
-/// 0.8, 0.1906 carrying 0.9 and 0.2176 carrying 0.95 (uncompressed 0.1977), the small
-/// transformer at 2.01, 1.81 and 1.75 (uncompressed 1.01); on `hypha-bench outcome`'s real
-/// text (32 rounds) 0.9 ended at 4.289 bits per byte, 0.95 at 4.277 (f32 4.050). 0.9 is near
-/// the best of each.
-pub const SPARSE_DECAY: f32 = 0.9;
+/// server steps without one (`hypha_diloco::codec::SPARSE_OUTER`). On `hypha-bench
+/// outcome`'s real text (64 rounds; BENCHMARKS.md, "outcome"), with the outer step 1.5 and
+/// the changes sent back at 4×, 0.95 ended at 1.026 of f32's held-out loss and 0.97 at 1.031
+/// (the old 0.9, with a step of 1.0 and 3× back: 1.041). SparseLoCo's value too.
+pub const SPARSE_DECAY: f32 = 0.95;
 
 /// A job's codec with its parameters, as `compression = "…"` and the codec's own keys.
 /// Unset parameters take the codec's defaults (`hypha_diloco::codec`).
