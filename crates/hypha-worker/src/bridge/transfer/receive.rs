@@ -1,48 +1,10 @@
-//! Resources sent between the jobs of one task on different workers: the receiving end of
-//! the resource protocol ([`hypha_transfer`]) on a worker, and each job's inbox.
-//!
-//! A transfer is addressed to a **task**, never to a job or a path: the sending job's task
-//! comes from its job spec, not from the executor, so a job can only ever reach the jobs of
-//! its own task, and the receiving worker delivers into the inboxes of exactly those jobs.
-//! Other jobs on the worker never see the file.
-//!
-//! **Only the task's peers are heard.** Knowing a task's id is not enough to send into it: a
-//! transfer is taken only from the task's scheduler and the workers that run the task's jobs,
-//! as the scheduler said with the dispatch and says again whenever they change
-//! ([`Inboxes::set_peers`]). A peer of no task here is refused `not_in_task` before its header
-//! is read; one of another task than the header names, after it, before a byte of the file.
-//!
-//! **A task belongs to its scheduler.** Task ids are not secret (a run record names one, and
-//! every job of the task carries it), so the task's entry here is owned by the scheduler that
-//! dispatched its first job on this worker, for as long as a job of the task runs here: a job
-//! of the same task id from any other scheduler is refused ([`ForeignTask`]) before anything
-//! changes, and only the owner names the task's peers. A scheduler restarted with its
-//! certificate's key is the same peer, so it adopts its jobs as before.
-//!
-//! The bytes are staged in the job's directory under [`STAGING_DIR`] (opened beneath the job
-//! directory like every other path, so an executor cannot redirect them), checked against the
-//! sender's SHA-256, fsynced, and only then queued. The executor takes them with
-//! `/resources/receive` or `/resources/fetch` (type `Peers`), which rename them into its
-//! `out_dir` as `{sequence}-{name}`: the sequence number makes names from several peers, or
-//! several rounds, distinct.
-//!
-//! Limits, and what happens at them: a peer that is neither the scheduler nor a named peer of
-//! any task here is refused `not_in_task` at once, before its header is read, so that it holds
-//! nothing; at most [`MAX_HANDSHAKES`] transfers are being asked for at once (their headers
-//! read and their task checked; more are refused `busy`), at most
-//! [`MAX_HANDSHAKES_PER_PEER`] of them by one peer and [`MAX_HANDSHAKES_PER_SCHEDULER`] by a
-//! scheduler and the peers it named together (more are refused `busy`: a hostile scheduler
-//! that names many certificates leaves the other schedulers' tasks half); only a
-//! transfer a task's job takes then gets one of the [`MAX_CONCURRENT`] slots, at most
-//! [`MAX_PER_PEER`] of them from one peer (more are refused `busy`, so one peer never takes
-//! every slot, and a peer of no task takes none); at most [`MAX_WAITING`] files wait in one
-//! inbox (more are refused `inbox_full`); a file must fit the disk beside every transfer
-//! under way, with [`DISK_RESERVE`] to spare (else `too_large`; files waiting in inboxes are
-//! on the disk already); the protocol's own limits (size, deadlines, the slowest rate) are
-//! [`hypha_transfer`]'s.
+//! The receiving end of the resource protocol on a worker: each stream's handshake (its
+//! header read and its task checked under the handshake limits), then the transfer under a
+//! slot and the disk room promised to it, staged, checked and handed to the inboxes of the
+//! task's jobs; a transfer broken off is kept to be resumed.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, HashSet},
     ffi::{OsStr, OsString},
     os::unix::ffi::{OsStrExt, OsStringExt},
     path::Path,
@@ -51,8 +13,6 @@ use std::{
 };
 
 use futures::AsyncWriteExt;
-use hypha_artifacts::Admission;
-use hypha_messages::job::TaskPeers;
 use hypha_network::{
     Network, PeerId,
     frame::write_frame,
@@ -63,351 +23,18 @@ use hypha_transfer::{
     receive_bytes,
 };
 use sha2::{Digest, Sha256};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::paths::{JobDir, PathError};
-use crate::{artifacts::ArtifactStore, metrics};
-
-/// Where received files wait, relative to the job's directory.
-pub const STAGING_DIR: &str = ".hypha/inbox";
-/// Transfers whose header is being read and task checked at the same time; more are refused
-/// `busy`. Each takes at most the protocol's header timeout.
-pub const MAX_HANDSHAKES: usize = 64;
-/// Transfers one peer may be asking for at the same time (headers being read); more are refused
-/// `busy`, so that a task peer that opens streams and sends no header leaves the others room.
-pub const MAX_HANDSHAKES_PER_PEER: usize = 8;
-/// Transfers a scheduler and the peers its tasks here name may be asking for at the same time,
-/// all together; more are refused `busy`.
-pub const MAX_HANDSHAKES_PER_SCHEDULER: usize = MAX_HANDSHAKES / 2;
-/// Transfers received at the same time; more are refused `busy`.
-pub const MAX_CONCURRENT: usize = 32;
-/// Transfers received from one peer at the same time; more are refused `busy`.
-pub const MAX_PER_PEER: usize = 8;
-/// Disk space a received file must leave free.
-pub const DISK_RESERVE: u64 = 1024 * 1024 * 1024;
-/// Files waiting in one job's inbox; more are refused `inbox_full` until the job takes some.
-pub const MAX_WAITING: usize = 256;
-pub use hypha_transfer::{Header, PROTOCOL, SEND_PATIENCE, SendError};
-
-/// A file that arrived for a job and waits for it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Arrived {
-    /// Per job, from 0, in order of arrival.
-    pub sequence: u64,
-    pub from: PeerId,
-    pub name: String,
-    pub size: u64,
-    /// `sha256:<hex>`.
-    pub checksum: String,
-    /// The file's name in [`STAGING_DIR`].
-    staged: OsString,
-}
-
-/// One job's inbox.
-#[derive(Debug)]
-pub struct Inbox {
-    job: String,
-    dir: Arc<JobDir>,
-    state: Mutex<InboxState>,
-    arrived: Notify,
-}
-
-#[derive(Debug, Default)]
-struct InboxState {
-    next_sequence: u64,
-    waiting: VecDeque<Arrived>,
-}
-
-impl Inbox {
-    fn has_room(&self) -> bool {
-        self.lock().waiting.len() < MAX_WAITING
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, InboxState> {
-        // A panic while holding the lock leaves a consistent queue behind: take it anyway.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn push(&self, from: PeerId, name: &str, size: u64, checksum: &str, staged: OsString) {
-        let mut state = self.lock();
-        let sequence = state.next_sequence;
-        state.next_sequence += 1;
-        state.waiting.push_back(Arrived {
-            sequence,
-            from,
-            name: name.to_string(),
-            size,
-            checksum: checksum.to_string(),
-            staged,
-        });
-        drop(state);
-        self.arrived.notify_waiters();
-    }
-
-    /// Waits for the oldest file sent by one of `from` (by anyone when `from` is empty) and
-    /// takes it out of the queue.
-    pub async fn next(&self, from: &HashSet<PeerId>) -> Arrived {
-        loop {
-            let notified = self.arrived.notified();
-            tokio::pin!(notified);
-            // Register before looking, so a push between the look and the wait is not missed.
-            notified.as_mut().enable();
-            {
-                let mut state = self.lock();
-                let position = state
-                    .waiting
-                    .iter()
-                    .position(|a| from.is_empty() || from.contains(&a.from));
-                if let Some(arrived) = position.and_then(|i| state.waiting.remove(i)) {
-                    return arrived;
-                }
-            }
-            notified.await;
-        }
-    }
-
-    /// Moves a taken file into `out_dir` (relative to the job's directory) as
-    /// `{sequence}-{name}` and returns that path.
-    pub fn deliver(&self, arrived: &Arrived, out_dir: &Path) -> Result<String, PathError> {
-        let staging = self.dir.create_dir_all(Path::new(STAGING_DIR))?;
-        let target_dir = self.dir.create_dir_all(out_dir)?;
-        let name = format!("{}-{}", arrived.sequence, arrived.name);
-        let target = out_dir.join(&name);
-        let io = |error: rustix::io::Errno| PathError::Io {
-            path: target.display().to_string(),
-            error: error.into(),
-        };
-        rustix::fs::renameat(&staging, &arrived.staged, &target_dir, name.as_str()).map_err(io)?;
-        rustix::fs::fsync(&target_dir).map_err(io)?;
-        Ok(target.display().to_string())
-    }
-
-    /// The job this inbox belongs to.
-    pub fn job(&self) -> &str {
-        &self.job
-    }
-}
-
-/// The inboxes of every job on this worker, by task.
-#[derive(Debug, Default)]
-pub struct Inboxes {
-    by_task: Mutex<HashMap<String, Task>>,
-}
-
-/// A job for a task that another scheduler owns on this worker.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "task {task} belongs to scheduler {owner} on this worker; a job of it from {claimant} is refused"
-)]
-pub struct ForeignTask {
-    pub task: String,
-    pub owner: PeerId,
-    pub claimant: PeerId,
-}
-
-/// One task's jobs on this worker, and who may send to them.
-#[derive(Debug)]
-struct Task {
-    inboxes: Vec<Arc<Inbox>>,
-    /// The scheduler that dispatched the task's first job here; it alone dispatches further
-    /// jobs of the task, may send to them, and tells who else may. Never changes.
-    scheduler: PeerId,
-    /// The workers that run the task's jobs, as the scheduler last said.
-    peers: HashSet<PeerId>,
-    /// The version of `peers`; an older list is not taken.
-    version: u64,
-}
-
-/// A task's entry among the inboxes, while its scheduler is the one named.
-struct TaskOf {
-    inboxes: std::sync::Weak<Inboxes>,
-    scheduler: PeerId,
-    task: String,
-}
-
-impl TaskOf {
-    /// `f` of the task's peers as its scheduler last said; `None` when no job of the task
-    /// runs here or it belongs to another scheduler.
-    fn peers<T>(&self, f: impl FnOnce(&HashSet<PeerId>) -> T) -> Option<T> {
-        let inboxes = self.inboxes.upgrade()?;
-        let by_task = inboxes.lock();
-        let task = by_task.get(&self.task)?;
-        (task.scheduler == self.scheduler).then(|| f(&task.peers))
-    }
-}
-
-impl Task {
-    /// Takes `peers` if they are newer than the list held.
-    fn update(&mut self, peers: &TaskPeers) -> bool {
-        if peers.version < self.version {
-            return false;
-        }
-        // Peer ids as a scheduler sends them; anything unreadable names nobody.
-        self.peers = peers.peers.iter().filter_map(|p| p.parse().ok()).collect();
-        self.version = peers.version;
-        true
-    }
-}
-
-impl Inboxes {
-    /// Whether `scheduler` may run a job of `task` here: nobody else owns the task.
-    pub fn check_owner(&self, task: &str, scheduler: PeerId) -> Result<(), Box<ForeignTask>> {
-        match self.lock().get(task) {
-            Some(entry) if entry.scheduler != scheduler => Err(Box::new(ForeignTask {
-                task: task.to_string(),
-                owner: entry.scheduler,
-                claimant: scheduler,
-            })),
-            _ => Ok(()),
-        }
-    }
-
-    /// Opens the inbox of `job`, dispatched by `scheduler` with the task's `peers`; it
-    /// receives what those send to `task` until the returned registration is dropped. The
-    /// first job of a task makes `scheduler` its owner; a job of a task another scheduler
-    /// owns is refused and changes nothing.
-    pub fn open(
-        self: &Arc<Self>,
-        task: &str,
-        job: &str,
-        dir: Arc<JobDir>,
-        scheduler: PeerId,
-        peers: &TaskPeers,
-    ) -> Result<Registration, Box<ForeignTask>> {
-        let mut by_task = self.lock();
-        let entry = by_task.entry(task.to_string()).or_insert_with(|| Task {
-            inboxes: Vec::new(),
-            scheduler,
-            peers: HashSet::new(),
-            version: 0,
-        });
-        if entry.scheduler != scheduler {
-            return Err(Box::new(ForeignTask {
-                task: task.to_string(),
-                owner: entry.scheduler,
-                claimant: scheduler,
-            }));
-        }
-        entry.update(peers);
-        let inbox = Arc::new(Inbox {
-            job: job.to_string(),
-            dir,
-            state: Mutex::default(),
-            arrived: Notify::new(),
-        });
-        entry.inboxes.push(inbox.clone());
-        drop(by_task);
-        Ok(Registration {
-            inboxes: self.clone(),
-            task: task.to_string(),
-            inbox,
-        })
-    }
-
-    /// `from` says which workers run `task`'s jobs now. Taken only from the scheduler that
-    /// dispatched them, and only if newer than the list held (an older one is ignored, and
-    /// still `true`); `false` when no job of the task runs here or `from` is not its
-    /// scheduler.
-    pub fn set_peers(&self, from: PeerId, task: &str, peers: &TaskPeers) -> bool {
-        match self.lock().get_mut(task) {
-            Some(entry) if entry.scheduler == from => {
-                entry.update(peers);
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Who may share the artifacts of `scheduler`'s `task` with this worker: the workers of
-    /// the task's jobs, as its scheduler last said (while an artifact is shared, the list may
-    /// change), named to the swarm so that it dials them. Nobody, should the task here
-    /// belong to another scheduler.
-    pub fn artifact_admission(self: &Arc<Self>, scheduler: PeerId, task: &str) -> Admission {
-        let task = Arc::new(TaskOf {
-            inboxes: Arc::downgrade(self),
-            scheduler,
-            task: task.to_string(),
-        });
-        let named = task.clone();
-        Admission::new(move |peer| task.peers(|peers| peers.contains(peer)).unwrap_or(false))
-            .naming(move || {
-                named
-                    .peers(|peers| peers.iter().copied().collect())
-                    .unwrap_or_default()
-            })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Task>> {
-        self.by_task.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Who may share artifacts with this worker for `task`: see
-    /// [`artifact_admission`](Self::artifact_admission), with the task's scheduler here.
-    fn admission_of(self: &Arc<Self>, task: &str) -> Admission {
-        let scheduler = self.lock().get(task).map(|t| t.scheduler);
-        match scheduler {
-            Some(scheduler) => self.artifact_admission(scheduler, task),
-            None => Admission::new(|_| false),
-        }
-    }
-
-    /// The schedulers whose tasks here `peer` may send to: as their scheduler, or as one of the
-    /// workers it named. Nobody's for a peer that is refused before its header is read.
-    fn vouchers(&self, peer: &PeerId) -> Vec<PeerId> {
-        let mut vouchers: Vec<PeerId> = self
-            .lock()
-            .values()
-            .filter(|task| task.scheduler == *peer || task.peers.contains(peer))
-            .map(|task| task.scheduler)
-            .collect();
-        vouchers.sort_unstable();
-        vouchers.dedup();
-        vouchers
-    }
-
-    /// The inboxes of `task`'s jobs, if `sender` may send to them.
-    fn of_task(&self, task: &str, sender: &PeerId) -> Result<Vec<Arc<Inbox>>, Refusal> {
-        match self.lock().get(task) {
-            None => Err(Refusal::new(
-                RefusalCode::NoJob,
-                format!("no job of task {task} runs on this worker"),
-            )),
-            Some(entry) if entry.scheduler == *sender || entry.peers.contains(sender) => {
-                Ok(entry.inboxes.clone())
-            }
-            Some(_) => Err(Refusal::new(
-                RefusalCode::NotInTask,
-                format!("{sender} runs no job of task {task}, as its scheduler told this worker"),
-            )),
-        }
-    }
-}
-
-/// A job's place among the [`Inboxes`]; dropping it closes the inbox.
-#[derive(Debug)]
-pub struct Registration {
-    inboxes: Arc<Inboxes>,
-    task: String,
-    inbox: Arc<Inbox>,
-}
-
-impl Registration {
-    pub fn inbox(&self) -> &Arc<Inbox> {
-        &self.inbox
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let mut by_task = self.inboxes.lock();
-        if let Some(entry) = by_task.get_mut(&self.task) {
-            entry.inboxes.retain(|i| !Arc::ptr_eq(i, &self.inbox));
-            if entry.inboxes.is_empty() {
-                by_task.remove(&self.task);
-            }
-        }
-    }
-}
+use super::{
+    DISK_RESERVE, Header, MAX_CONCURRENT, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_PEER,
+    MAX_HANDSHAKES_PER_SCHEDULER, MAX_PER_PEER, MAX_WAITING, PROTOCOL, STAGING_DIR, inbox::Inbox,
+    registry::Inboxes,
+};
+use crate::{
+    artifacts::ArtifactStore,
+    bridge::paths::{JobDir, PathError},
+    metrics,
+};
 
 /// Receives transfers for this worker's jobs until the network stops accepting streams.
 pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<ArtifactStore>) {
@@ -1031,7 +658,7 @@ fn link_into(
 /// A name must be one plain path component, so that it can only ever name a file in the
 /// directory it is delivered to.
 fn check_name(name: &str) -> Result<(), Refusal> {
-    let single = super::paths::check(name)
+    let single = crate::bridge::paths::check(name)
         .map(|p| p.components().count() == 1)
         .unwrap_or(false);
     if single && name.len() <= 255 {
@@ -1042,17 +669,4 @@ fn check_name(name: &str) -> Result<(), Refusal> {
             format!("{name:?} is not a plain file name"),
         ))
     }
-}
-
-/// [`hypha_transfer::send`], counted in the worker's metrics.
-pub async fn send(
-    network: &Network,
-    peer: PeerId,
-    header: &Header,
-    file: std::fs::File,
-    patience: std::time::Duration,
-) -> Result<String, SendError> {
-    let sent = hypha_transfer::send(network, peer, header, file, patience).await?;
-    metrics::resource_bytes("sent", header.size);
-    Ok(sent)
 }
