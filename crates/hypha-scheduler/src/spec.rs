@@ -68,7 +68,7 @@
 //! sparse_density = 0.015625  # sparse: the share of each chunk of 4,096 values sent (default: 64)
 //! sparse_bits = 2          # sparse: bits a value sent, 2 (default) or 4
 //! sparse_decay = 0.95      # sparse: share of the residual carried on (default); with sparse
-//!                          # the outer step defaults to plain SGD, { learning_rate = 1.5,
+//!                          # the outer step defaults to plain SGD, { learning_rate = 1.25,
 //!                          # momentum = 0.0 }, the residual being the momentum
 //! overlap = true           # train on while the update travels (default false)
 //! checkpoint_every = 5     # the parameter server checkpoints every 5 rounds (default: when
@@ -287,7 +287,7 @@ pub struct DilocoSpec {
 }
 
 /// The outer step of a job that names none, for its `compression`: the DiLoCo paper's
-/// Nesterov (learning rate 0.7, momentum 0.9), or with `sparse` plain SGD at 1.5
+/// Nesterov (learning rate 0.7, momentum 0.9), or with `sparse` plain SGD at 1.25
 /// ([`hypha_diloco::codec::SPARSE_OUTER`]).
 pub fn default_outer(compression: &str) -> OuterOptimizer {
     match compression {
