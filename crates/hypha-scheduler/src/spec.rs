@@ -907,7 +907,7 @@ mod tests {
         assert_eq!(server["sparse_bits"], 4);
         assert_eq!(
             server["outer"],
-            serde_json::json!({"learning_rate": 1.0, "momentum": 0.0}),
+            serde_json::json!({"learning_rate": 1.25, "momentum": 0.0}),
             "sparse steps with plain SGD unless the job says otherwise"
         );
         let compressed = format!("{base}{diloco}").replace(
