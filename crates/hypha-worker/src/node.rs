@@ -172,6 +172,7 @@ pub async fn serve(
         window_closes: None,
         network: network.clone(),
         internal: internal_tx,
+        offering: JoinSet::new(),
         telling: JoinSet::new(),
         config,
     };
@@ -200,8 +201,11 @@ struct Worker {
     window_closes: Option<tokio::time::Instant>,
     network: Network,
     internal: mpsc::Sender<Internal>,
-    /// Offers and job statuses on their way to schedulers; each ends when it is delivered or
-    /// given up on (shutdown waits for them as long as the executors' grace allows).
+    /// Offers on their way to schedulers, each until delivered or given up on; a stopping
+    /// worker withdraws them (it would grant no lease).
+    offering: JoinSet<()>,
+    /// Job statuses on their way to schedulers; shutdown waits for them as long as the
+    /// executors' grace allows.
     telling: JoinSet<()>,
     config: WorkerConfig,
 }
@@ -229,6 +233,7 @@ impl Worker {
                 _ = sleep_until(expiry) => self.expire(),
                 Some(request) = inbound.recv() => self.answer(request).await,
                 Some(ended) = ended.recv() => self.job_ended(ended),
+                Some(_) = self.offering.join_next() => {}
                 Some(_) = self.telling.join_next() => {}
                 Some(Internal::OfferFailed(lease)) = internal.recv() => {
                     if self.leases.release(lease).is_some() {
@@ -239,6 +244,7 @@ impl Worker {
             }
         }
         tracing::info!(jobs = self.jobs.len(), "shutting down");
+        self.offering.abort_all();
         self.jobs.cancel_all("the worker is shutting down");
         // Give executors their grace period to stop and the statuses a moment to go out.
         let deadline =
@@ -317,7 +323,7 @@ impl Worker {
             tracing::info!(scheduler = %source, advertisement = %ad.id, price = quote.price, lease, "offering");
             let network = self.network.clone();
             let internal = self.internal.clone();
-            self.telling.spawn(
+            self.offering.spawn(
                 async move {
                     // Anyone can publish an advertisement; only a scheduler can lease, so
                     // the resources are held for schedulers only.

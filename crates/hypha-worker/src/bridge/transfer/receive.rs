@@ -75,6 +75,8 @@ pub async fn serve(network: Network, inboxes: Arc<Inboxes>, artifacts: Arc<Artif
             };
             let _ = write_frame(&mut stream, &answer).await;
             let _ = stream.close().await;
+            // The sender has its answer: the stream is not kept open through the fetch.
+            drop(stream);
             if let Some(fetching) = fetching {
                 fetching.await;
             }
