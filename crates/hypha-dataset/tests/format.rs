@@ -252,11 +252,17 @@ fn a_derived_manifest_once_stored_catches_later_damage() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = dataset_dir(tmp.path(), "digits");
     for i in 0..3 {
-        std::fs::write(
-            dir.join(format!("slice-{i}.safetensors")),
-            seed_recipe(&[i as f32 + 0.5; 64], &[i; 16]),
-        )
-        .unwrap();
+        let path = dir.join(format!("slice-{i}.safetensors"));
+        std::fs::write(&path, seed_recipe(&[i as f32 + 0.5; 64], &[i; 16])).unwrap();
+        // Written a while ago, as a dataset is: file times come from the kernel's coarse
+        // clock (a few ms), and a manifest written in the same tick as its slices ties with
+        // them, which counts as changed (a CI run failed so).
+        let earlier = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(earlier))
+            .unwrap();
     }
     let external = hypha_dataset::external_manifest_path(&tmp.path().join("state"), &dir);
     let derived = Dataset::open_with(&dir, Some(&external)).unwrap();
