@@ -77,6 +77,51 @@ async fn send(from: &Network, to: &Network, name: &str, bytes: &[u8], dir: &Path
     .unwrap();
 }
 
+/// Starts the parameter server's job on `server`, dispatched by `scheduler`, to which
+/// `senders` may send files: its directory, and what stops it when dropped.
+fn start_server(
+    server: &Network,
+    scheduler: &Network,
+    senders: &[&Network],
+) -> (tempfile::TempDir, oneshot::Sender<String>) {
+    let JobInbox {
+        dir,
+        registration,
+        inboxes,
+        artifacts,
+        artifacts_dir,
+    } = job_inbox(server, scheduler, &peers(1, senders));
+    let job = ServerJob {
+        network: server.clone(),
+        scheduler: scheduler.local_peer_id(),
+        job: "job-1".into(),
+        task: "task-1".into(),
+        dir: dir.path().to_path_buf(),
+        inbox: registration.inbox().clone(),
+        config: serde_json::json!({"outer": {"learning_rate": 1.0, "momentum": 0.0}}),
+        publisher: ModelPublisher::new(
+            artifacts,
+            inboxes.artifact_admission(scheduler.local_peer_id(), "task-1"),
+        ),
+    };
+    let (cancel, cancelled) = oneshot::channel();
+    tokio::spawn(async move {
+        // The registration and the artifact store live as long as the job.
+        let _held = (registration, artifacts_dir);
+        job.run(cancelled).await
+    });
+    (dir, cancel)
+}
+
+/// The sorted peer ids of `peers`, as the scheduler names trainers.
+fn named(peers: &[&Network]) -> Vec<String> {
+    let mut named: Vec<String> = (peers.iter())
+        .map(|n| n.local_peer_id().to_string())
+        .collect();
+    named.sort();
+    named
+}
+
 /// A trainer's update larger than any update of the model can be is refused before it is
 /// read.
 ///
@@ -95,37 +140,9 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     let helper_inbox = job_inbox(helper, scheduler, &peers(1, &[server]));
     // Every one of them runs a job of the task, as far as the transfer layer knows: the
     // helper may send files; only the scheduler says who trains.
-    let JobInbox {
-        dir: job_dir,
-        registration,
-        inboxes,
-        artifacts,
-        artifacts_dir: _artifacts_dir,
-    } = job_inbox(server, scheduler, &peers(1, &[a, b, helper]));
-    let job = ServerJob {
-        network: server.clone(),
-        scheduler: scheduler.local_peer_id(),
-        job: "job-1".into(),
-        task: "task-1".into(),
-        dir: job_dir.path().to_path_buf(),
-        inbox: registration.inbox().clone(),
-        config: serde_json::json!({"outer": {"learning_rate": 1.0, "momentum": 0.0}}),
-        publisher: ModelPublisher::new(
-            artifacts,
-            inboxes.artifact_admission(scheduler.local_peer_id(), "task-1"),
-        ),
-    };
-    let (_cancel, cancelled) = oneshot::channel();
-    tokio::spawn(job.run(cancelled));
+    let (job_dir, _cancel) = start_server(server, scheduler, &[a, b, helper]);
 
     // The scheduler: the trainers are a and b; a's initial model is the one to adopt.
-    let named = |peers: &[&Network]| {
-        let mut named: Vec<String> = (peers.iter())
-            .map(|n| n.local_peer_id().to_string())
-            .collect();
-        named.sort();
-        named
-    };
     let trainers = std::sync::Arc::new(std::sync::Mutex::new(named(&[a, b])));
     let scheduler_names = trainers.clone();
     let chosen = a.local_peer_id().to_string();
@@ -343,4 +360,106 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 0);
     rename(&[a, b, helper]).await;
     assert_eq!(arrivals(&helper_inbox, Duration::from_secs(2)).await, 1);
+}
+
+/// An update that reaches the server while it waits for the scheduler's answer is in the
+/// round the answer closes: the server takes it first and asks again. (A trainer told to
+/// stop sends its update and ends; the scheduler may hear of the end, stop waiting for it
+/// and say close, before a status of the server names the update.) Checked without taking
+/// it first: the round closes with a's update alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_closes() {
+    let names = ["scheduler", "trainer-a", "trainer-b", "server"];
+    let (networks, mut inbound) = connected_serving(&names).await;
+    let [scheduler, a, b, server] = &networks[..] else {
+        unreachable!()
+    };
+    let outbox = tempfile::tempdir().unwrap();
+    let _b_inbox = job_inbox(b, scheduler, &peers(1, &[server]));
+    let _a_inbox = job_inbox(a, scheduler, &peers(1, &[server]));
+    let (_job_dir, _cancel) = start_server(server, scheduler, &[a, b]);
+    let (a_id, b_id) = (a.local_peer_id().to_string(), b.local_peer_id().to_string());
+
+    // The scheduler: a's model is adopted; once a's update is in, it holds its answer until
+    // b's update is at the server, then says close (and says so again after).
+    let (b_sent_tx, b_sent) = oneshot::channel::<()>();
+    let (holding_tx, holding) = oneshot::channel::<()>();
+    let (statuses_tx, mut statuses) = mpsc::channel::<ServerStatus>(1024);
+    let mut requests = inbound.remove(0);
+    let trainers = named(&[a, b]);
+    let chosen = a_id.clone();
+    tokio::spawn(async move {
+        let mut waits = Some((holding_tx, b_sent));
+        while let Some(request) = requests.recv().await {
+            let Request::ExecutorStatus { payload, .. } = request.request else {
+                continue;
+            };
+            let Ok(Status::ParameterServer(status)) = serde_json::from_str(&payload) else {
+                continue;
+            };
+            let mut named = status.trainers.clone();
+            named.sort();
+            let close = status.round == Some(0) && status.arrived.iter().any(|x| x.peer == chosen);
+            let order = if named != trainers {
+                ServerOrder::Trainers {
+                    peers: trainers.clone(),
+                }
+            } else if status.round.is_none() && status.offered.contains(&chosen) {
+                ServerOrder::Adopt {
+                    from: chosen.clone(),
+                }
+            } else if close {
+                if let Some((holding, b_sent)) = waits.take() {
+                    let _ = holding.send(());
+                    let _ = b_sent.await;
+                }
+                ServerOrder::Close {
+                    round: 0,
+                    send_to: trainers.clone(),
+                }
+            } else {
+                ServerOrder::Wait
+            };
+            let _ = statuses_tx.try_send(status);
+            let payload = serde_json::to_string(&order).unwrap();
+            let _ = request
+                .responder
+                .respond(Response::ExecutorStatus { payload })
+                .await;
+        }
+    });
+
+    send(
+        a,
+        server,
+        "init.safetensors",
+        &model(&[1.0, 1.0]),
+        outbox.path(),
+    )
+    .await;
+    let gradient = pseudo_gradient(&[0.5, 0.5], 0);
+    send(a, server, "pg.safetensors", &gradient, outbox.path()).await;
+    tokio::time::timeout(Duration::from_secs(20), holding)
+        .await
+        .expect("the server never reported a's update")
+        .unwrap();
+    send(b, server, "pg.safetensors", &gradient, outbox.path()).await;
+    b_sent_tx.send(()).unwrap();
+    let applied = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Some(applied) = statuses.recv().await.unwrap().applied {
+                return applied;
+            }
+        }
+    })
+    .await
+    .expect("the server never applied the round");
+    let mut included = applied.included.clone();
+    included.sort();
+    let mut both = vec![a_id, b_id];
+    both.sort();
+    assert_eq!(
+        included, both,
+        "b's update, at the server when told to close"
+    );
 }

@@ -291,18 +291,24 @@ impl ServerJob {
         report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let anyone = HashSet::new();
         let mut peers = Peers::default();
+        // Files were taken after the last order came: the scheduler is asked again at once.
+        let mut ask_again = false;
+        let mut asked_again = None;
         loop {
-            tokio::select! {
-                arrived = self.inbox.next(&anyone) => {
-                    let moved = self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
-                    cadence.moved(moved);
-                    round_traffic += moved;
-                }
-                _ = report.tick() => {}
-                () = Announcing::held(&mut announcing) => {
-                    if let Some(held) = announcing.take() {
-                        applied = Some(held.applied);
-                        announce |= held.checkpointed;
+            if !std::mem::take(&mut ask_again) {
+                tokio::select! {
+                    arrived = self.inbox.next(&anyone) => {
+                        let moved =
+                            self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
+                        cadence.moved(moved);
+                        round_traffic += moved;
+                    }
+                    _ = report.tick() => {}
+                    () = Announcing::held(&mut announcing) => {
+                        if let Some(held) = announcing.take() {
+                            applied = Some(held.applied);
+                            announce |= held.checkpointed;
+                        }
                     }
                 }
             }
@@ -325,7 +331,28 @@ impl ServerJob {
             match order {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
+                    // A file that came in while the scheduler answered is taken first, and
+                    // the scheduler asked again with it: a round closes with every update
+                    // at the server when it is told to close. A trainer told to stop sends
+                    // its update and ends, and the scheduler may hear of its end before a
+                    // status of the server names the update. Once a round: a peer that
+                    // keeps sending holds no close up.
                     if server.round() == Some(round) {
+                        let mut took = false;
+                        while asked_again != Some(round)
+                            && let Some(arrived) = self.inbox.try_next(&anyone)
+                        {
+                            let moved =
+                                self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
+                            cadence.moved(moved);
+                            round_traffic += moved;
+                            took = true;
+                        }
+                        if took {
+                            asked_again = Some(round);
+                            ask_again = true;
+                            continue;
+                        }
                         ended = Some(self.close(
                             &mut server,
                             &send_to,

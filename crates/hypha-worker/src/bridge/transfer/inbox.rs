@@ -93,18 +93,22 @@ impl Inbox {
             tokio::pin!(notified);
             // Register before looking, so a push between the look and the wait is not missed.
             notified.as_mut().enable();
-            {
-                let mut state = self.lock();
-                let position = state
-                    .waiting
-                    .iter()
-                    .position(|a| from.is_empty() || from.contains(&a.from));
-                if let Some(arrived) = position.and_then(|i| state.waiting.remove(i)) {
-                    return arrived;
-                }
+            if let Some(arrived) = self.try_next(from) {
+                return arrived;
             }
             notified.await;
         }
+    }
+
+    /// The oldest file waiting that one of `from` sent (anyone's when `from` is empty),
+    /// taken out of the queue; `None` at once when there is none.
+    pub fn try_next(&self, from: &HashSet<PeerId>) -> Option<Arrived> {
+        let mut state = self.lock();
+        let position = state
+            .waiting
+            .iter()
+            .position(|a| from.is_empty() || from.contains(&a.from))?;
+        state.waiting.remove(position)
     }
 
     /// Moves a taken file into `out_dir` (relative to the job's directory) as
