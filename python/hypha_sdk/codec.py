@@ -3,7 +3,7 @@
 Of every chunk of 4,096 values (a parameter's values in row-major order) the k of largest
 magnitude are sent, each as its offset in the chunk (Elias-Fano coded: the low
 l = floor(log2(L / k)) bits of every offset packed, then the high parts in unary) and a code
-of 2 or 4 bits between the chunk's smallest and largest kept magnitude. The wire format is written down in the Rust
+of 2 or 4 bits on a grid of levels fitted to the chunk's kept magnitudes. The wire format is written down in the Rust
 crate (``hypha_diloco::codec::sparse``): a parameter ``name`` becomes one U8 tensor
 ``name#sparse`` of its chunks' records, its shape goes in the metadata as ``hypha.shape.name``,
 and the file says ``hypha.codec = sparse``, ``hypha.codec_version = 2``, ``hypha.sparse.kept``
@@ -116,20 +116,13 @@ class SparseFormat:
             kept = np.broadcast_to(np.arange(length), (rows, length))
         values = np.take_along_axis(chunks, kept, axis=1)
         magnitudes = np.abs(values)
-        low = magnitudes.min(axis=1).astype(np.float32)
-        high = magnitudes.max(axis=1).astype(np.float32)
-        steps = np.float32((1 << (self.bits - 1)) - 1)
+        steps = (1 << (self.bits - 1)) - 1
+        low, high = _fitted_levels(magnitudes, steps)
         span = (high - low).astype(np.float32)
-        safe = np.where(span > 0, span, np.float32(1))
-        levels = np.where(
-            span[:, None] > 0,
-            # Halves away from zero, as Rust's f32::round (np.rint would take the even one).
-            np.clip(np.floor(((magnitudes - low[:, None]) / safe[:, None] * steps).astype(np.float64) + 0.5), 0, steps),
-            0,
-        ).astype(np.uint32)
+        levels = _levels_of(magnitudes, low, high, steps)
         negative = values < 0
         codes = levels | (negative.astype(np.uint32) << (self.bits - 1))
-        decoded_magnitude = low[:, None] + span[:, None] * (levels.astype(np.float32) / steps)
+        decoded_magnitude = low[:, None] + span[:, None] * (levels.astype(np.float32) / np.float32(steps))
         decoded_kept = np.where(negative, -decoded_magnitude, decoded_magnitude).astype(np.float32)
         decoded = np.zeros_like(chunks, dtype=np.float32)
         np.put_along_axis(decoded, kept, decoded_kept, axis=1)
@@ -185,6 +178,55 @@ class SparseFormat:
         if not kept_positions:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         return np.concatenate(kept_positions), np.concatenate(kept_values)
+
+
+# Rounds of fitting a chunk's levels (hypha_diloco::codec::sparse's FITTING_ROUNDS).
+FITTING_ROUNDS = 4
+
+
+def _levels_of(magnitudes: Any, low: Any, high: Any, steps: int) -> Any:
+    """The level (0 ..= steps) nearest to each magnitude (rows of float32) on its row's grid
+    from ``low`` to ``high``, computed in float32 as the Rust nodes do."""
+    import numpy as np
+
+    span = (high - low).astype(np.float32)
+    safe = np.where(span > 0, span, np.float32(1))
+    scaled = (magnitudes - low[:, None]) / safe[:, None] * np.float32(steps)
+    return np.where(
+        span[:, None] > 0,
+        # Halves away from zero, as Rust's f32::round (np.rint would take the even one).
+        np.clip(np.floor(scaled.astype(np.float64) + 0.5), 0, steps),
+        0,
+    ).astype(np.uint32)
+
+
+def _fitted_levels(magnitudes: Any, steps: int) -> Tuple[Any, Any]:
+    """Each row's grid ends (low, high) that carry its magnitudes with the least squared error,
+    by Lloyd's algorithm from the smallest and the largest magnitude: the same bits as the
+    Rust nodes (hypha_diloco::codec::sparse::fitted_levels), whose sums are float64 in the
+    order of the offsets (np.cumsum adds in order; np.sum would not) and exact but for the
+    magnitudes'."""
+    import numpy as np
+
+    smallest = magnitudes.min(axis=1).astype(np.float32)
+    largest = magnitudes.max(axis=1).astype(np.float32)
+    low, high = smallest, largest
+    m_each = magnitudes.astype(np.float64)
+    n = np.float64(magnitudes.shape[1])
+    for _ in range(FITTING_ROUNDS):
+        level = _levels_of(magnitudes, low, high, steps).astype(np.float64)
+        q = level.sum(axis=1)
+        qq = (level * level).sum(axis=1)
+        m = np.cumsum(m_each, axis=1)[:, -1]
+        mq = np.cumsum(m_each * level, axis=1)[:, -1]
+        spread = n * qq - q * q
+        fits = spread > 0
+        d = (n * mq - q * m) / np.where(fits, spread, 1.0)
+        a = np.where(fits, (m - d * q) / n, m / n)
+        b = np.where(fits, a + d * np.float64(steps), m / n)
+        low = np.clip(a.astype(np.float32), smallest, largest)
+        high = np.clip(b.astype(np.float32), low, largest)
+    return low, high
 
 
 def _offset_bits(length: int, k: int) -> Tuple[int, int]:

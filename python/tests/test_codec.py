@@ -81,9 +81,11 @@ class Sparse(unittest.TestCase):
         even = np.full(codec.CHUNK, 0.5, dtype=np.float32)
         positions, _ = self.format.decode_kept(self.format.encode(even)[0], codec.CHUNK)
         np.testing.assert_array_equal(positions, np.arange(64))
-        # 2 lies halfway between 1 and 3: rounded away from zero, to 3 (as f32::round does).
+        # 2 lies halfway between 1 and 3, the first grid: rounded away from zero (as
+        # f32::round does) it joins 3, and the levels become the means 1 and 2.5 (rounded to
+        # even it would have joined 1: 1.5 and 3).
         _, sent = codec.SparseFormat(4096, 2).encode(np.array([1.0, 2.0, 3.0], dtype=np.float32))
-        np.testing.assert_array_equal(sent, np.array([1.0, 3.0, 3.0], dtype=np.float32))
+        np.testing.assert_array_equal(sent, np.array([1.0, 2.5, 2.5], dtype=np.float32))
 
     def test_hostile_records_are_refused(self):
         # A chunk of 4,096 keeping 2: 11 low bits each (3 bytes), 4 bits of high parts (1 byte).
