@@ -21,6 +21,7 @@ pub mod address_filter;
 pub mod behaviour;
 pub mod certified;
 mod client;
+pub mod dial_budget;
 mod event_loop;
 pub mod frame;
 pub mod muxer;
@@ -137,6 +138,7 @@ pub async fn start(
         .multiplex(muxer::Config::default())
         .timeout(UPGRADE_TIMEOUT)
         .boxed();
+    let transport = dial_budget::Transport::new(transport, &settings.gateway_addresses).boxed();
 
     let behaviour = behaviour::Behaviour::new(identity.keypair(), &settings, relay_client)?;
     let mut swarm = Swarm::new(

@@ -1022,3 +1022,51 @@ async fn a_new_revocation_list_disconnects_the_revoked_peer_without_a_restart() 
         "others stay: {connected:?}"
     );
 }
+
+/// A peer may announce a third party's address (issue 57, item 5): dials to an address that
+/// never led to a certified peer stop after three failures in a row, here a plain TCP server
+/// that accepts and hangs up, as a web server answers a TLS hello it does not expect. The
+/// dial after them fails at once and says why; an address that led to a peer is dialled
+/// whenever asked. (Checked without the budget: the fourth dial reaches the server.)
+#[tokio::test]
+async fn an_address_that_never_led_to_a_peer_is_not_dialled_again_and_again() {
+    let pki = Pki::new();
+    let third_party = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = third_party.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    let serving = tokio::spawn(async move {
+        while let Ok((socket, _)) = third_party.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    let client = worker_client(&pki).await;
+    let victim: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}/p2p/{}", pki.node("x").peer_id())
+        .parse()
+        .unwrap();
+    for _ in 0..hypha_network::dial_budget::FREE_FAILURES {
+        client.dial(victim.clone()).await.unwrap_err();
+    }
+    let refused = client.dial(victim.clone()).await.unwrap_err().to_string();
+    assert!(refused.contains("never led to a peer"), "{refused}");
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        hypha_network::dial_budget::FREE_FAILURES as usize
+    );
+    serving.abort();
+
+    // A node's address, proven by a connection, is dialled as often as asked after it went
+    // away (a scheduler being restarted).
+    let (gateway, address) = gateway(&pki).await;
+    client.dial(address.clone()).await.unwrap();
+    gateway.shutdown().await;
+    for _ in 0..2 * hypha_network::dial_budget::FREE_FAILURES {
+        let failed = eventually("the gateway gone", || async {
+            client.dial(address.clone()).await.err()
+        })
+        .await
+        .to_string();
+        assert!(!failed.contains("never led to a peer"), "{failed}");
+    }
+}
