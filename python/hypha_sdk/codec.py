@@ -36,7 +36,7 @@ RECORDS = "#sparse"
 # The job's defaults when it sets no sparse_* key (hypha_diloco::codec's).
 DENSITY = 0.015625
 DEFAULT_BITS = 2
-DECAY = 0.95
+DECAY = 0.97
 
 
 def kept_count(density: float, n: int) -> int:

@@ -67,7 +67,7 @@
 //! topk_density = 0.01      # topk: the share of each tensor's values sent (no default)
 //! sparse_density = 0.015625  # sparse: the share of each chunk of 4,096 values sent (default: 64)
 //! sparse_bits = 2          # sparse: bits a value sent, 2 (default) or 4
-//! sparse_decay = 0.95      # sparse: share of the residual carried on (default); with sparse
+//! sparse_decay = 0.97      # sparse: share of the residual carried on (default); with sparse
 //!                          # the outer step defaults to plain SGD, { learning_rate = 1.25,
 //!                          # momentum = 0.0 }, the residual being the momentum
 //! overlap = true           # train on while the update travels (default false)

@@ -88,15 +88,17 @@ pub enum Codec {
 pub use hypha_messages::diloco::config::{SPARSE_BITS, SPARSE_DECAY, SPARSE_DENSITY};
 /// The outer step (learning rate, momentum) that goes with `sparse` unless the job sets
 /// one: plain SGD, the trainers' decaying residuals being the momentum. On `hypha-bench
-/// outcome`'s text (decay 0.95, the changes sent back at 4×) 1.25 ended at 1.025 of f32's
-/// held-out loss and 1.027 with overlap, 1.5 at 1.026 and 1.031; sent back exactly, 2.0
-/// ended at 1.027 and 1.0 (with decay 0.9) at 1.035. Nesterov momentum on top diverged at
-/// 0.9 and lagged at 0.5 (1.050).
+/// outcome`'s text (the changes sent back at 4×, each chunk's levels fitted) 1.25 ended at
+/// 1.019 of f32's held-out loss with decay 0.97, 1.5 at 1.022; with decay 0.95, 1.25 and
+/// 1.5 ended alike (1.023) but with overlap 1.5 lagged (1.031 against 1.027, the levels not
+/// yet fitted). Nesterov momentum on top diverged at 0.9 and lagged at 0.5 (1.050).
 pub const SPARSE_OUTER: (f32, f32) = (1.25, 0.0);
 /// The parameter server's changes go back at this many times the trainers' density: the
-/// kept values of four trainers that share none. On `hypha-bench outcome`'s text 3× ended
-/// at 1.028 of f32, 4× at 1.026 (1.025 with another seed), exact at 1.022; 4× is 0.016 of
-/// f32's bytes, inside `wan`'s 0.02 down, where 4× at 4 bits (1.023) is not.
+/// kept values of four trainers that share none. On `hypha-bench outcome`'s text, with
+/// each chunk's levels fitted, 4× ends within 0.0006 bits per byte of sending the changes
+/// back exactly (decay 0.95: 4.0583 against 4.0577); before the fitting 3× ended at 1.028
+/// of f32, 4× at 1.026 and exact at 1.022. 4× is 0.016 of f32's bytes, inside `wan`'s 0.02
+/// down, where 4× at 4 bits is not.
 pub const SPARSE_BACK_DENSER: usize = 4;
 
 impl TryFrom<Compression> for Codec {
