@@ -7,7 +7,15 @@
 
 mod common;
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use common::{JobInbox, job_inbox, peers};
 use hypha_diloco::{Tensor, Tensors};
@@ -388,6 +396,8 @@ async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_c
     let mut requests = inbound.remove(0);
     let trainers = named(&[a, b]);
     let chosen = a_id.clone();
+    let closes = Arc::new(AtomicUsize::new(0));
+    let closes_said = closes.clone();
     tokio::spawn(async move {
         let mut waits = Some((holding_tx, b_sent));
         while let Some(request) = requests.recv().await {
@@ -413,6 +423,7 @@ async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_c
                     let _ = holding.send(());
                     let _ = b_sent.await;
                 }
+                closes_said.fetch_add(1, Ordering::SeqCst);
                 ServerOrder::Close {
                     round: 0,
                     send_to: trainers.clone(),
@@ -461,5 +472,10 @@ async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_c
     assert_eq!(
         included, both,
         "b's update, at the server when told to close"
+    );
+    assert_eq!(
+        closes.load(Ordering::SeqCst),
+        2,
+        "told to close, it took b's update and asked once more"
     );
 }

@@ -331,27 +331,24 @@ impl ServerJob {
             match order {
                 Some(ServerOrder::Wait) | None => {}
                 Some(ServerOrder::Close { round, send_to }) => {
-                    // A file that came in while the scheduler answered is taken first, and
-                    // the scheduler asked again with it: a round closes with every update
+                    // Updates that came in while the scheduler answered are taken first, and
+                    // the scheduler asked again with them: a round closes with every update
                     // at the server when it is told to close. A trainer told to stop sends
-                    // its update and ends, and the scheduler may hear of its end before a
-                    // status of the server names the update. Once a round: a peer that
-                    // keeps sending holds no close up.
+                    // its update and then ends, so the update is here before the scheduler
+                    // can hear of the end and stop waiting for it. Only the trainers' files,
+                    // those waiting now, and once a round: no other peer spends the extra
+                    // ask, and a peer that keeps sending holds no close up.
                     if server.round() == Some(round) {
-                        let mut took = false;
-                        while asked_again != Some(round)
-                            && let Some(arrived) = self.inbox.try_next(&anyone)
-                        {
-                            let moved =
-                                self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
-                            cadence.moved(moved);
-                            round_traffic += moved;
-                            took = true;
-                        }
-                        if took {
+                        if asked_again != Some(round) {
                             asked_again = Some(round);
-                            ask_again = true;
-                            continue;
+                            let moved =
+                                self.take_waiting(&mut server, codec, &mut dropped, &mut peers);
+                            if let Some(moved) = moved {
+                                cadence.moved(moved);
+                                round_traffic += moved;
+                                ask_again = true;
+                                continue;
+                            }
                         }
                         ended = Some(self.close(
                             &mut server,
@@ -427,6 +424,35 @@ impl ServerJob {
                 });
             }
         }
+    }
+
+    /// Takes the files of the trainers that wait in the inbox now (not those that come
+    /// while it takes them): the bytes they moved, `None` when there were none.
+    fn take_waiting(
+        &self,
+        server: &mut ParameterServer,
+        codec: Codec,
+        dropped: &mut Vec<Late>,
+        peers: &mut Peers,
+    ) -> Option<u64> {
+        let trainers: HashSet<PeerId> = peers
+            .trainers
+            .iter()
+            .filter_map(|peer| peer.parse().ok())
+            .collect();
+        if trainers.is_empty() {
+            // An empty set would take anyone's.
+            return None;
+        }
+        let waiting = self.inbox.waiting();
+        let mut moved = None;
+        for _ in 0..waiting {
+            let Some(arrived) = self.inbox.try_next(&trainers) else {
+                break;
+            };
+            *moved.get_or_insert(0) += self.take(server, codec, &arrived, dropped, peers);
+        }
+        moved
     }
 
     /// Takes one file from the inbox: a model offered by a trainer that joins, or a

@@ -100,6 +100,11 @@ impl Inbox {
         }
     }
 
+    /// The files waiting.
+    pub fn waiting(&self) -> usize {
+        self.lock().waiting.len()
+    }
+
     /// The oldest file waiting that one of `from` sent (anyone's when `from` is empty),
     /// taken out of the queue; `None` at once when there is none.
     pub fn try_next(&self, from: &HashSet<PeerId>) -> Option<Arrived> {
