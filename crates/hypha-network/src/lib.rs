@@ -138,7 +138,8 @@ pub async fn start(
         .multiplex(muxer::Config::default())
         .timeout(UPGRADE_TIMEOUT)
         .boxed();
-    let transport = dial_budget::Transport::new(transport, &settings.gateway_addresses).boxed();
+    let transport =
+        dial_budget::Transport::new(transport, &settings.gateway_addresses, reach.clone()).boxed();
 
     let behaviour = behaviour::Behaviour::new(identity.keypair(), &settings, relay_client)?;
     let mut swarm = Swarm::new(
