@@ -23,7 +23,7 @@ use hypha_messages::{
     Request, Response,
     diloco::{ServerOrder, ServerStatus, Status, meta},
 };
-use hypha_network::Network;
+use hypha_network::{InboundRequest, Network};
 use hypha_testing::network::connected_serving;
 use hypha_worker::{
     bridge::transfer::{self, Header},
@@ -121,6 +121,49 @@ fn start_server(
     (dir, cancel)
 }
 
+/// Answers the server's statuses as a scheduler would whose trainers are `trainers()` and whose
+/// initial model is `chosen`'s: it names the trainers, has the model adopted, and otherwise
+/// answers what `answer` says. Every status then goes to `statuses`.
+fn scripted_scheduler<F, Fut>(
+    mut requests: mpsc::Receiver<InboundRequest>,
+    statuses: mpsc::Sender<ServerStatus>,
+    trainers: impl Fn() -> Vec<String> + Send + 'static,
+    chosen: String,
+    mut answer: F,
+) where
+    F: FnMut(&ServerStatus) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ServerOrder> + Send,
+{
+    tokio::spawn(async move {
+        while let Some(request) = requests.recv().await {
+            let Request::ExecutorStatus { payload, .. } = request.request else {
+                continue;
+            };
+            let Ok(Status::ParameterServer(status)) = serde_json::from_str(&payload) else {
+                continue;
+            };
+            let mut named = status.trainers.clone();
+            named.sort();
+            let trainers = trainers();
+            let order = if named != trainers {
+                ServerOrder::Trainers { peers: trainers }
+            } else if status.round.is_none() && status.offered.contains(&chosen) {
+                ServerOrder::Adopt {
+                    from: chosen.clone(),
+                }
+            } else {
+                answer(&status).await
+            };
+            let _ = statuses.try_send(status);
+            let payload = serde_json::to_string(&order).unwrap();
+            let _ = request
+                .responder
+                .respond(Response::ExecutorStatus { payload })
+                .await;
+        }
+    });
+}
+
 /// The sorted peer ids of `peers`, as the scheduler names trainers.
 fn named(peers: &[&Network]) -> Vec<String> {
     let mut named: Vec<String> = (peers.iter())
@@ -157,35 +200,13 @@ async fn the_server_adopts_the_model_the_scheduler_names_and_takes_only_its_trai
     // Statuses come every 250 ms and the test reads them as they come; were it ever 1024
     // behind, further ones would be dropped (and a wait would time out, failing loudly).
     let (statuses_tx, mut statuses) = mpsc::channel::<ServerStatus>(1024);
-    let mut requests = inbound.remove(0);
-    tokio::spawn(async move {
-        while let Some(request) = requests.recv().await {
-            let Request::ExecutorStatus { payload, .. } = request.request else {
-                continue;
-            };
-            let Ok(Status::ParameterServer(status)) = serde_json::from_str(&payload) else {
-                continue;
-            };
-            let mut named = status.trainers.clone();
-            named.sort();
-            let trainers = scheduler_names.lock().unwrap().clone();
-            let order = if named != trainers {
-                ServerOrder::Trainers { peers: trainers }
-            } else if status.round.is_none() && status.offered.contains(&chosen) {
-                ServerOrder::Adopt {
-                    from: chosen.clone(),
-                }
-            } else {
-                ServerOrder::Wait
-            };
-            let _ = statuses_tx.try_send(status);
-            let payload = serde_json::to_string(&order).unwrap();
-            let _ = request
-                .responder
-                .respond(Response::ExecutorStatus { payload })
-                .await;
-        }
-    });
+    scripted_scheduler(
+        inbound.remove(0),
+        statuses_tx,
+        move || scheduler_names.lock().unwrap().clone(),
+        chosen,
+        |_| async { ServerOrder::Wait },
+    );
     let mut wait_for = async |what: &str, done: &dyn Fn(&ServerStatus) -> bool| {
         tokio::time::timeout(Duration::from_secs(20), async {
             loop {
@@ -393,52 +414,34 @@ async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_c
     let (b_sent_tx, b_sent) = oneshot::channel::<()>();
     let (holding_tx, holding) = oneshot::channel::<()>();
     let (statuses_tx, mut statuses) = mpsc::channel::<ServerStatus>(1024);
-    let mut requests = inbound.remove(0);
     let trainers = named(&[a, b]);
-    let chosen = a_id.clone();
     let closes = Arc::new(AtomicUsize::new(0));
     let closes_said = closes.clone();
-    tokio::spawn(async move {
-        let mut waits = Some((holding_tx, b_sent));
-        while let Some(request) = requests.recv().await {
-            let Request::ExecutorStatus { payload, .. } = request.request else {
-                continue;
-            };
-            let Ok(Status::ParameterServer(status)) = serde_json::from_str(&payload) else {
-                continue;
-            };
-            let mut named = status.trainers.clone();
-            named.sort();
-            let close = status.round == Some(0) && status.arrived.iter().any(|x| x.peer == chosen);
-            let order = if named != trainers {
-                ServerOrder::Trainers {
-                    peers: trainers.clone(),
+    let mut waits = Some((holding_tx, b_sent));
+    let named_trainers = trainers.clone();
+    let a_named = a_id.clone();
+    scripted_scheduler(
+        inbound.remove(0),
+        statuses_tx,
+        move || named_trainers.clone(),
+        a_id.clone(),
+        move |status| {
+            let close = status.round == Some(0) && status.arrived.iter().any(|x| x.peer == a_named);
+            let waits = waits.take().filter(|_| close);
+            let (closes, send_to) = (closes_said.clone(), trainers.clone());
+            async move {
+                if !close {
+                    return ServerOrder::Wait;
                 }
-            } else if status.round.is_none() && status.offered.contains(&chosen) {
-                ServerOrder::Adopt {
-                    from: chosen.clone(),
-                }
-            } else if close {
-                if let Some((holding, b_sent)) = waits.take() {
+                if let Some((holding, b_sent)) = waits {
                     let _ = holding.send(());
                     let _ = b_sent.await;
                 }
-                closes_said.fetch_add(1, Ordering::SeqCst);
-                ServerOrder::Close {
-                    round: 0,
-                    send_to: trainers.clone(),
-                }
-            } else {
-                ServerOrder::Wait
-            };
-            let _ = statuses_tx.try_send(status);
-            let payload = serde_json::to_string(&order).unwrap();
-            let _ = request
-                .responder
-                .respond(Response::ExecutorStatus { payload })
-                .await;
-        }
-    });
+                closes.fetch_add(1, Ordering::SeqCst);
+                ServerOrder::Close { round: 0, send_to }
+            }
+        },
+    );
 
     send(
         a,
