@@ -69,6 +69,9 @@ pub async fn serve(
     // Workers usually reach the network only through gateways, so a gateway joins the market
     // topic to relay advertisements between schedulers and workers; it reads none of them.
     let mut market = network.subscribe(WORKER_TOPIC, 16).await?;
+    network
+        .set_health(true, "relaying, serving the DHT and the market topic")
+        .await?;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

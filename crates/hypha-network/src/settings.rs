@@ -30,6 +30,11 @@ pub struct Settings {
     /// before roles existed). Default: off, so a role-less peer may only do what needs no
     /// role.
     pub allow_roleless: bool,
+    /// Whether the node answers health checks healthy from the start. A node whose service
+    /// comes up after its network (a worker subscribing to advertisements, a data node
+    /// announcing its datasets) sets it off and says `set_health(true, …)` once it can do its
+    /// job, so that `probe` and the quickstart tell "started" from "ready". Default: on.
+    pub healthy_at_start: bool,
 }
 
 impl Settings {
@@ -46,6 +51,7 @@ impl Settings {
             idle_connection_timeout: Duration::from_secs(300),
             inbound_request_queue: 256,
             allow_roleless: false,
+            healthy_at_start: true,
         }
     }
 }

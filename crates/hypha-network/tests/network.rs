@@ -1070,3 +1070,25 @@ async fn an_address_that_never_led_to_a_peer_is_not_dialled_again_and_again() {
         assert!(!failed.contains("never led to a peer"), "{failed}");
     }
 }
+
+/// A node whose service comes up after its network answers health checks "starting" until
+/// it says it is ready (issue 59, item 7: readiness told by the node, not read from its log).
+#[tokio::test]
+async fn a_node_not_healthy_at_start_says_starting_until_it_is_ready() {
+    let pki = Pki::new();
+    let mut s = settings("worker", true, &[]);
+    s.healthy_at_start = false;
+    let (node, _inbound) = start(&pki.node("worker"), pki.trust(), s).await;
+    let address = address_of(&node).await;
+    let client = worker_client(&pki).await;
+    let peer = client.dial(address).await.unwrap();
+    let status = client.health(peer).await.unwrap();
+    assert!(!status.healthy, "{status:?}");
+    assert!(status.detail.starts_with("starting"), "{}", status.detail);
+    node.set_health(true, "ready for advertisements")
+        .await
+        .unwrap();
+    let status = client.health(peer).await.unwrap();
+    assert!(status.healthy);
+    assert_eq!(status.detail, "ready for advertisements");
+}

@@ -73,6 +73,8 @@ impl Node {
         settings.exclude_cidr = network_config.exclude_cidr.clone();
         settings.relay_circuit = network_config.relay_circuit;
         settings.allow_roleless = network_config.allow_roleless;
+        // Each kind of node says when it is ready (`Network::set_health`).
+        settings.healthy_at_start = false;
         adjust(&mut settings);
 
         let (network, inbound) = hypha_network::start(settings, &identity, trust)

@@ -99,6 +99,10 @@ pub async fn run(args: &RunJobArgs) -> Result<(), Error> {
         None => None,
     };
     let node = Node::start_with("scheduler", loaded, |_| {}).await?;
+    let _ = node
+        .network
+        .set_health(true, format!("running the job of {}", args.job.display()))
+        .await;
     let paths = dashboard
         .is_some()
         .then(|| tokio::spawn(events.watch_paths(node.network.clone())));

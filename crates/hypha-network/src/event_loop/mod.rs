@@ -136,7 +136,10 @@ impl EventLoop {
             started: Instant::now(),
             peers,
             listening,
-            health: (true, "running".into()),
+            health: match settings.healthy_at_start {
+                true => (true, "running".into()),
+                false => (false, "starting: not ready for its work yet".into()),
+            },
             gateway_peers: HashMap::new(),
             relay_listeners: HashMap::new(),
             pending_dials: HashMap::new(),
