@@ -5,6 +5,8 @@
 //!   command from nothing to a trained model.
 //!
 //! This crate drives the other programs from outside, as a user would; it knows their
-//! configuration files and log lines, not their insides.
+//! configuration files, what they print for their user, and their health answers over the
+//! network ([`readiness`]), not their insides.
 
 pub mod quickstart;
+pub mod readiness;

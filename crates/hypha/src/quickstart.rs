@@ -19,7 +19,7 @@ use std::{
 };
 
 use hypha_certs::{
-    Role,
+    NodeIdentity, Role, Roles, TrustStore,
     authority::{self, Validity},
 };
 use hypha_dataset::Dataset;
@@ -29,6 +29,9 @@ use hypha_executor::{
     model::{Model, ModelSpec},
     synthetic::Synthetic,
 };
+use hypha_network::PeerId;
+
+use crate::readiness::{Prober, ProberError};
 
 /// What the quickstart trains.
 #[derive(Debug, Clone)]
@@ -212,6 +215,8 @@ pub enum QuickstartError {
     Evaluate(#[from] candle_core::Error),
     #[error("cannot wait for Ctrl-C: {0}")]
     Signal(nix::Error),
+    #[error(transparent)]
+    Prober(#[from] ProberError),
 }
 
 /// The model the quickstart trains.
@@ -320,23 +325,23 @@ pub fn run(
     let certs = Certs::new(&dir)?;
 
     progress("starting the gateway");
-    let gateway_config = certs.config("gateway", Role::Gateway, "")?;
+    let port = free_port(&dir)?;
+    let (gateway_config, gateway_peer) = certs.config("gateway", Role::Gateway, port, "")?;
     let mut nodes = Vec::new();
     let mut gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
-    let line = wait_for(&mut gateway, "nodes can join with gateway_addresses")?;
-    let gateway_address = line
-        .split("[\"")
-        .nth(1)
-        .and_then(|rest| rest.split('"').next())
-        .unwrap_or_default()
-        .to_string();
+    let gateway_address = format!("/ip4/127.0.0.1/tcp/{port}/p2p/{gateway_peer}");
+    wait_listening(&mut gateway, port)?;
+    let (identity, trust) = certs.prober()?;
+    let prober = Prober::start(&identity, trust, &gateway_address)?;
+    wait_ready(&mut gateway, gateway_peer, &prober)?;
     nodes.push(gateway);
     let join = format!("gateway_addresses = [\"{gateway_address}\"]\n");
 
     progress("starting the data node, the parameter server and the trainers");
-    let data_config = certs.config(
+    let (data_config, data_peer) = certs.config(
         "data",
         Role::Data,
+        0,
         &format!("{join}dataset_path = {:?}\n", dir.join("data")),
     )?;
     let mut data = start(settings, &dir, "data", "hypha-data", &data_config)?;
@@ -363,26 +368,28 @@ pub fn run(
     let mut started_workers = Vec::new();
     for (name, executors) in &workers {
         let work = dir.join("work").join(name);
-        let config = certs.config(
+        let (config, peer) = certs.config(
             name,
             Role::Worker,
+            0,
             &format!(
                 "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
                 work
             ),
         )?;
-        started_workers.push(start(settings, &dir, name, "hypha-worker", &config)?);
+        started_workers.push((start(settings, &dir, name, "hypha-worker", &config)?, peer));
     }
-    wait_for(&mut data, "announced")?;
+    wait_ready(&mut data, data_peer, &prober)?;
     nodes.push(data);
-    for mut worker in started_workers {
-        wait_for(&mut worker, "worker ready for advertisements")?;
+    for (mut worker, peer) in started_workers {
+        wait_ready(&mut worker, peer, &prober)?;
         nodes.push(worker);
     }
+    drop(prober);
 
     let job = dir.join("job.toml");
     write(&job, &job_file(settings, &training))?;
-    let scheduler_config = certs.config("scheduler", Role::Scheduler, &join)?;
+    let (scheduler_config, _) = certs.config("scheduler", Role::Scheduler, 0, &join)?;
     let events = dir.join("logs/scheduler-events.jsonl");
     let metrics = dir.join("job.metrics.jsonl");
     let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job, &events)?;
@@ -743,6 +750,7 @@ fn inline_table(value: &serde_json::Value) -> String {
 struct Certs {
     dir: PathBuf,
     org: authority::Authority,
+    root_pem: String,
 }
 
 impl Certs {
@@ -753,12 +761,33 @@ impl Certs {
         Ok(Self {
             dir: dir.to_path_buf(),
             org,
+            root_pem: root.cert_pem(),
         })
     }
 
-    /// A certificate for `name` and its config with `extra`; the config's path.
-    fn config(&self, name: &str, role: Role, extra: &str) -> Result<PathBuf, QuickstartError> {
+    /// The quickstart's own identity on its network, of no role (it only asks how the nodes
+    /// are), and the trust of the network.
+    fn prober(&self) -> Result<(NodeIdentity, TrustStore), QuickstartError> {
+        let node =
+            authority::create_node(&self.org, "quickstart", &[], Roles::NONE, Validity::days(2))?;
+        let identity =
+            NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes())?;
+        let trust = TrustStore::from_pem(self.root_pem.as_bytes(), &[])?;
+        Ok((identity, trust))
+    }
+
+    /// A certificate for `name` and its config, listening on `port` of 127.0.0.1 (0: any)
+    /// with `extra`: the config's path and the node's peer id.
+    fn config(
+        &self,
+        name: &str,
+        role: Role,
+        port: u16,
+        extra: &str,
+    ) -> Result<(PathBuf, PeerId), QuickstartError> {
         let node = authority::create_node(&self.org, name, &[], role.into(), Validity::days(2))?;
+        let peer = NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes())?
+            .peer_id();
         let certs = self.dir.join("certs");
         write(&certs.join(format!("{name}-cert.pem")), &node.chain_pem())?;
         write(&certs.join(format!("{name}-key.pem")), &node.key_pem())?;
@@ -766,10 +795,10 @@ impl Certs {
         write(
             &path,
             &format!(
-                "cert_pem = \"certs/{name}-cert.pem\"\nkey_pem = \"certs/{name}-key.pem\"\ntrust_pem = \"certs/root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/0\"]\n{extra}"
+                "cert_pem = \"certs/{name}-cert.pem\"\nkey_pem = \"certs/{name}-key.pem\"\ntrust_pem = \"certs/root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/{port}\"]\n{extra}"
             ),
         )?;
-        Ok(path)
+        Ok((path, peer))
     }
 }
 
@@ -858,28 +887,45 @@ fn start_scheduler(
     spawn(settings, dir, "scheduler", "hypha-scheduler", &args)
 }
 
-/// Lines of a node's log shown when it exits while starting.
-const EXITED_TAIL_LINES: usize = 10;
+/// A port of 127.0.0.1 free now, for the gateway: the nodes join it at an address known
+/// before it starts. (Another program may take it in between; the gateway then exits saying
+/// so, and the quickstart with it.)
+fn free_port(dir: &Path) -> Result<u16, QuickstartError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .map_err(|error| QuickstartError::Write {
+            path: dir.to_path_buf(),
+            error,
+        })
+}
 
-/// Waits until `node`'s log has a line containing `needle`; that line. A node that exits
-/// first is reported at once, with the end of its log.
-fn wait_for(node: &mut Node, needle: &str) -> Result<String, QuickstartError> {
+/// Waits until `node` accepts connections on `port` of 127.0.0.1.
+fn wait_listening(node: &mut Node, port: u16) -> Result<(), QuickstartError> {
+    wait_until(node, || {
+        std::net::TcpStream::connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+            Duration::from_millis(200),
+        )
+        .is_ok()
+    })
+}
+
+/// Waits until `node` (peer `peer`) answers healthy: it can do its work.
+fn wait_ready(node: &mut Node, peer: PeerId, prober: &Prober) -> Result<(), QuickstartError> {
+    wait_until(node, || prober.ready(peer))
+}
+
+/// Waits until `ready` says so, at most [`READY`]; a node that exits first is reported at
+/// once, with the end of its log.
+fn wait_until(node: &mut Node, mut ready: impl FnMut() -> bool) -> Result<(), QuickstartError> {
     let deadline = Instant::now() + READY;
     while Instant::now() < deadline {
-        let lines: Vec<String> = std::fs::File::open(&node.log)
-            .map(|file| BufReader::new(file).lines().map_while(Result::ok).collect())
-            .unwrap_or_default();
-        if let Some(line) = lines.iter().find(|l| l.contains(needle)) {
-            return Ok(line.clone());
+        if ready() {
+            return Ok(());
         }
         if let Ok(Some(status)) = node.child.try_wait() {
-            let tail = lines[lines.len().saturating_sub(EXITED_TAIL_LINES)..].join("\n");
-            return Err(QuickstartError::Exited {
-                name: node.name.clone(),
-                status,
-                log: node.log.clone(),
-                tail,
-            });
+            return Err(exited(node, status));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -888,6 +934,40 @@ fn wait_for(node: &mut Node, needle: &str) -> Result<String, QuickstartError> {
         seconds: READY.as_secs(),
         log: node.log.clone(),
     })
+}
+
+/// `node` exited with `status`: the error, with the end of its log.
+fn exited(node: &Node, status: std::process::ExitStatus) -> QuickstartError {
+    let lines: Vec<String> = std::fs::File::open(&node.log)
+        .map(|file| BufReader::new(file).lines().map_while(Result::ok).collect())
+        .unwrap_or_default();
+    let tail = lines[lines.len().saturating_sub(EXITED_TAIL_LINES)..].join("\n");
+    QuickstartError::Exited {
+        name: node.name.clone(),
+        status,
+        log: node.log.clone(),
+        tail,
+    }
+}
+
+/// Lines of a node's log shown when it exits while starting.
+const EXITED_TAIL_LINES: usize = 10;
+
+/// Waits until `node`'s output has a line containing `needle` (what a program prints for its
+/// user, as the scheduler prints its dashboard's address); that line.
+fn wait_for(node: &mut Node, needle: &str) -> Result<String, QuickstartError> {
+    let log = node.log.clone();
+    let mut found = None;
+    wait_until(node, || {
+        found = std::fs::File::open(&log).ok().and_then(|file| {
+            BufReader::new(file)
+                .lines()
+                .map_while(Result::ok)
+                .find(|l| l.contains(needle))
+        });
+        found.is_some()
+    })?;
+    Ok(found.unwrap_or_default())
 }
 
 /// Reads a JSON-lines file as it grows.
