@@ -305,6 +305,7 @@ impl Board {
                 worker.since_ms = time_ms;
             }
             Event::ExecutorStatus { .. }
+            | Event::DataReady { .. }
             | Event::Resumed { .. }
             | Event::Failover { .. }
             | Event::WaitingForTrainers { .. }

@@ -16,7 +16,7 @@ use hypha_dataset::{Manifest, SliceEntry, slice_order};
 use hypha_ledger::{Ledger, LedgerHandle};
 use hypha_network::{Network, PeerId};
 
-use crate::{spec::DataSpec, unix_ms};
+use crate::{event::Event, spec::DataSpec, unix_ms};
 
 /// How long a scheduler looks for the dataset's providers before giving up.
 const PROVIDER_WAIT: Duration = Duration::from_secs(30);
@@ -64,6 +64,8 @@ pub struct JobData {
     data_nodes: Vec<PeerId>,
     /// What executors hand `/resources/fetch` for their next slice.
     reference: serde_json::Value,
+    /// The [`Event::DataReady`] the run starts with.
+    ready: Event,
 }
 
 impl JobData {
@@ -132,14 +134,13 @@ impl JobData {
             error,
         })?;
         let progress = opened.progress(unix_ms());
-        tracing::info!(
-            dataset = %spec.dataset,
-            slices = manifest.slices.len(),
-            data_nodes = manifests.len(),
-            used = progress.epochs.iter().map(|e| e.used).sum::<u64>(),
-            ledger = %ledger.display(),
-            "iteration ready"
-        );
+        let ready = Event::DataReady {
+            dataset: spec.dataset.clone(),
+            slices: manifest.slices.len(),
+            data_nodes: manifests.len(),
+            used: progress.epochs.iter().map(|e| e.used).sum::<u64>(),
+            ledger: ledger.display().to_string(),
+        };
         let (handle, _task) = LedgerHandle::spawn(opened);
         let reference = serde_json::json!({
             "type": "Scheduler",
@@ -152,7 +153,13 @@ impl JobData {
             service: IterationService::new(task.to_string(), handle, sources, false),
             data_nodes: manifests.iter().map(|(peer, _)| *peer).collect(),
             reference,
+            ready,
         })
+    }
+
+    /// The data found and the iteration opened, for the run's events.
+    pub fn ready(&self) -> &Event {
+        &self.ready
     }
 
     /// The data nodes the iteration takes its slices from, for the run's record.

@@ -10,6 +10,15 @@ use serde::Serialize;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Event {
+    /// The dataset's data nodes answered and the iteration is open: `slices` a epoch from
+    /// `data_nodes` nodes, `used` of them already (a resumed run), tracked in `ledger`.
+    DataReady {
+        dataset: String,
+        slices: usize,
+        data_nodes: usize,
+        used: u64,
+        ledger: String,
+    },
     Leased {
         slot: usize,
         peer: String,

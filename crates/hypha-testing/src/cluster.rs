@@ -87,6 +87,8 @@ pub struct Place {
     pub ip: String,
     pub netns: Option<String>,
     pub every_interface: bool,
+    /// The port a node here listens on; 0: a free one.
+    pub port: u16,
 }
 
 impl Place {
@@ -95,16 +97,18 @@ impl Place {
             ip: "127.0.0.1".into(),
             netns: None,
             every_interface: false,
+            port: 0,
         }
     }
 
-    /// The address a node here listens on (a free port).
+    /// The address a node here listens on.
     fn listen(&self) -> String {
-        if self.every_interface {
-            "/ip4/0.0.0.0/tcp/0".into()
+        let ip = if self.every_interface {
+            "0.0.0.0"
         } else {
-            format!("/ip4/{}/tcp/0", self.ip)
-        }
+            &self.ip
+        };
+        format!("/ip4/{ip}/tcp/{}", self.port)
     }
 }
 

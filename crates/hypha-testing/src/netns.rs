@@ -85,6 +85,7 @@ impl Wan {
             ip: self.ip(i),
             netns: Some(self.netns(i)),
             every_interface: false,
+            port: 0,
         }
     }
 
@@ -94,6 +95,7 @@ impl Wan {
             ip: BRIDGE_IP.into(),
             netns: None,
             every_interface: false,
+            port: 0,
         }
     }
 

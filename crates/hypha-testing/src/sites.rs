@@ -20,6 +20,14 @@
 //! routers do not hairpin (a node dialling its own router's public address gets nowhere):
 //! nodes of one site must find each other on their LAN.
 //!
+//! A site behind a carrier-grade NAT ([`Nat::CarrierGrade`]) has two NATs in a row: the ISP's
+//! host `{p}i{k}` holds the public address and the rate limits (`{p}r{k}w ═ {p}i{k}u`) and
+//! reaches the site's router over the shared range (`{p}i{k}d`, 100.64.k.1 ═ `{p}r{k}u`,
+//! 100.64.k.2); both MASQUERADE, both with the stateful firewall.
+//!
+//! [`Sites::with_port`] makes every node listen on one port, as deployments that open the same
+//! port on every machine do: two machines of a site then share their router's public ports.
+//!
 //! A site without NAT ([`Nat::None`]) is the same LAN on the same links, but public: its
 //! nodes have addresses from TEST-NET-3 (203.0.113.32k + 10 + j), its router only routes, and
 //! every other host has a route to it. Sites without NAT are what the links allow, the
@@ -56,6 +64,10 @@ pub enum Nat {
     /// MASQUERADE `--random-fully`: a random port for every connection, so what one peer
     /// observes says nothing about the port another will see.
     Symmetric,
+    /// Two NATs in a row, as a home router on an ISP that shares its public addresses: the
+    /// site's router (cone, its WAN in the shared range 100.64.0.0/10) behind the ISP's
+    /// carrier-grade NAT (cone, the public address), each with a stateful firewall.
+    CarrierGrade,
 }
 
 /// One site: its NAT and how many nodes sit on its LAN.
@@ -70,6 +82,8 @@ pub struct Site {
 pub struct Sites {
     prefix: String,
     sites: Vec<Site>,
+    /// The port every node listens on; 0: each a free one.
+    port: u16,
     _one_at_a_time: std::sync::MutexGuard<'static, ()>,
 }
 
@@ -84,6 +98,7 @@ impl Sites {
         let testbed = Sites {
             prefix: prefix.to_string(),
             sites: sites.to_vec(),
+            port: 0,
             _one_at_a_time: ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner()),
         };
         testbed.remove();
@@ -134,25 +149,37 @@ impl Sites {
         for (k, site) in self.sites.iter().enumerate() {
             let router = self.router_netns(k);
             let (wan_root, wan) = (format!("{p}r{k}w"), format!("{p}r{k}u"));
-            self.host_on(&internet, &router, &wan_root, &wan)?;
+            // Behind a carrier-grade NAT, the ISP's host is on the internet and reaches the
+            // router over the shared range.
+            let public_host = self.public_host(k);
+            let public_end = if site.nat == Nat::CarrierGrade {
+                format!("{p}i{k}u")
+            } else {
+                wan.clone()
+            };
+            self.host_on(&internet, &public_host, &wan_root, &public_end)?;
             run_in(
-                &router,
+                &public_host,
                 &[
                     "ip",
                     "addr",
                     "add",
                     &format!("{}/24", self.public_ip(k)),
                     "dev",
-                    &wan,
+                    &public_end,
                 ],
             )?;
-            run_in(&router, &["ip", "link", "set", &wan, "up"])?;
+            run_in(&public_host, &["ip", "link", "set", &public_end, "up"])?;
             let mut down = vec!["tc", "qdisc", "add", "dev", wan_root.as_str(), "root"];
             down.extend(limit);
             run(&down)?;
-            let mut up = vec!["tc", "qdisc", "add", "dev", wan.as_str(), "root"];
+            let mut up = vec!["tc", "qdisc", "add", "dev", public_end.as_str(), "root"];
             up.extend(limit);
-            run_in(&router, &up)?;
+            run_in(&public_host, &up)?;
+            if site.nat == Nat::CarrierGrade {
+                self.access_link(k, &public_host, &router, &wan)?;
+                masquerade(&public_host, &public_end, false)?;
+            }
 
             let lan = format!("{p}r{k}l");
             let lan_prefix = self
@@ -167,21 +194,7 @@ impl Sites {
             run_in(&router, &["ip", "link", "set", &lan, "up"])?;
             run_in(&router, &["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
             if site.nat != Nat::None {
-                let mut masquerade = vec!["iptables", "-w", "-t", "nat", "-A", "POSTROUTING"];
-                masquerade.extend(["-o", &wan, "-j", "MASQUERADE"]);
-                if site.nat == Nat::Symmetric {
-                    masquerade.push("--random-fully");
-                }
-                run_in(&router, &masquerade)?;
-                // A stateful firewall: from the WAN only replies come in.
-                for chain in ["FORWARD", "INPUT"] {
-                    let mut replies = vec!["iptables", "-w", "-A", chain, "-i", &wan];
-                    replies.extend(["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]);
-                    replies.extend(["-j", "ACCEPT"]);
-                    run_in(&router, &replies)?;
-                    let drop = ["iptables", "-w", "-A", chain, "-i", &wan, "-j", "DROP"];
-                    run_in(&router, &drop)?;
-                }
+                masquerade(&router, &wan, site.nat == Nat::Symmetric)?;
             }
 
             for j in 0..site.nodes {
@@ -243,12 +256,49 @@ impl Sites {
             run_in(&gateway, &["ip", "route", "add", &net, "via", &via])?;
             for other in (0..self.sites.len()).filter(|other| *other != k) {
                 run_in(
-                    &self.router_netns(other),
+                    &self.public_host(other),
                     &["ip", "route", "add", &net, "via", &via],
                 )?;
             }
         }
         Ok(())
+    }
+
+    /// Behind a carrier-grade NAT: the link from the ISP's host `isp` to the home router
+    /// `router` (made here), whose WAN end `wan` has an address of the shared range
+    /// 100.64.0.0/10 and its default route through the ISP.
+    fn access_link(&self, site: usize, isp: &str, router: &str, wan: &str) -> Result<(), String> {
+        let p = &self.prefix;
+        let isp_end = format!("{p}i{site}d");
+        let (isp_ip, router_ip) = (format!("100.64.{site}.1"), format!("100.64.{site}.2"));
+        run(&["ip", "netns", "add", router])?;
+        run_in(router, &["ip", "link", "set", "lo", "up"])?;
+        run_in(
+            isp,
+            &[
+                "ip", "link", "add", &isp_end, "type", "veth", "peer", "name", wan,
+            ],
+        )?;
+        run_in(isp, &["ip", "link", "set", wan, "netns", router])?;
+        run_in(
+            isp,
+            &[
+                "ip",
+                "addr",
+                "add",
+                &format!("{isp_ip}/24"),
+                "dev",
+                &isp_end,
+            ],
+        )?;
+        run_in(isp, &["ip", "link", "set", &isp_end, "up"])?;
+        run_in(isp, &["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        run_in(
+            router,
+            &["ip", "addr", "add", &format!("{router_ip}/24"), "dev", wan],
+        )?;
+        run_in(router, &["ip", "link", "set", wan, "up"])?;
+        run_in(router, &["ip", "route", "add", "default", "via", &isp_ip])
     }
 
     /// Makes namespace `netns` with a veth whose end `root_end` is on the internet bridge and
@@ -277,7 +327,15 @@ impl Sites {
             ip: GATEWAY_IP.into(),
             netns: Some(self.gateway_netns()),
             every_interface: true,
+            port: 0,
         }
+    }
+
+    /// Every node listens on `port`, as deployments that open one port on every machine
+    /// do: machines behind one NAT then share the router's public ports.
+    pub fn with_port(mut self, port: u16) -> Self {
+        self.port = port;
+        self
     }
 
     /// Where node `node` of site `site` runs, listening on every interface as `init` writes.
@@ -286,12 +344,18 @@ impl Sites {
             ip: self.lan_ip(site, Some(node)),
             netns: Some(self.node_netns(site, node)),
             every_interface: true,
+            port: self.port,
         }
     }
 
     /// Site `site`'s public address: its router's on the internet.
     pub fn public_ip(&self, site: usize) -> String {
         format!("198.51.100.{}", 10 + site)
+    }
+
+    /// How many sites the testbed has.
+    pub fn count(&self) -> usize {
+        self.sites.len()
     }
 
     /// The bytes the gateway's host has sent and received so far.
@@ -315,6 +379,16 @@ impl Sites {
         format!("{}r{site}", self.prefix)
     }
 
+    /// Site `site`'s host on the internet: its router, or behind a carrier-grade NAT the
+    /// ISP's.
+    fn public_host(&self, site: usize) -> String {
+        if self.sites[site].nat == Nat::CarrierGrade {
+            format!("{}i{site}", self.prefix)
+        } else {
+            self.router_netns(site)
+        }
+    }
+
     fn node_netns(&self, site: usize, node: usize) -> String {
         format!("{}s{site}n{node}", self.prefix)
     }
@@ -324,7 +398,7 @@ impl Sites {
         let host = node.map_or(1, |n| 10 + n);
         match self.sites[site].nat {
             Nat::None => format!("203.0.113.{}", 32 * site + host),
-            Nat::Cone | Nat::Symmetric => format!("10.{}.0.{host}", 60 + site),
+            Nat::Cone | Nat::Symmetric | Nat::CarrierGrade => format!("10.{}.0.{host}", 60 + site),
         }
     }
 
@@ -332,7 +406,7 @@ impl Sites {
     fn lan_net(&self, site: usize) -> String {
         match self.sites[site].nat {
             Nat::None => format!("203.0.113.{}/27", 32 * site),
-            Nat::Cone | Nat::Symmetric => format!("10.{}.0.0/24", 60 + site),
+            Nat::Cone | Nat::Symmetric | Nat::CarrierGrade => format!("10.{}.0.0/24", 60 + site),
         }
     }
 
@@ -346,7 +420,7 @@ impl Sites {
                 let ours = name == self.gateway_netns()
                     || name
                         .strip_prefix(p.as_str())
-                        .is_some_and(|rest| rest.starts_with('r') || rest.starts_with('s'));
+                        .is_some_and(|rest| rest.starts_with(['r', 's', 'i']));
                 if ours {
                     let _ = run(&["ip", "netns", "del", name]);
                 }
@@ -369,6 +443,28 @@ impl Drop for Sites {
     }
 }
 
+/// NAT out of interface `wan` of namespace `router` (MASQUERADE; `--random-fully` if
+/// `symmetric`), with a stateful firewall: from the WAN only replies come in.
+fn masquerade(router: &str, wan: &str, symmetric: bool) -> Result<(), String> {
+    let mut masquerade = vec!["iptables", "-w", "-t", "nat", "-A", "POSTROUTING"];
+    masquerade.extend(["-o", wan, "-j", "MASQUERADE"]);
+    if symmetric {
+        masquerade.push("--random-fully");
+    }
+    run_in(router, &masquerade)?;
+    for chain in ["FORWARD", "INPUT"] {
+        let mut replies = vec!["iptables", "-w", "-A", chain, "-i", wan];
+        replies.extend(["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]);
+        replies.extend(["-j", "ACCEPT"]);
+        run_in(router, &replies)?;
+        run_in(
+            router,
+            &["iptables", "-w", "-A", chain, "-i", wan, "-j", "DROP"],
+        )?;
+    }
+    Ok(())
+}
+
 /// Runs `command` in namespace `netns`.
 fn run_in(netns: &str, command: &[&str]) -> Result<(), String> {
     let mut full = vec!["ip", "netns", "exec", netns];
@@ -389,9 +485,18 @@ fn counter(interface: &str, name: &str) -> u64 {
 /// parameter server (`ps`) and a trainer (`trainer2`). Starts all but the scheduler, whose
 /// place `cluster.place` is left at; returns the nodes with where each runs.
 pub fn start_three_site_nodes(cluster: &mut Cluster, sites: &Sites) -> Vec<(Proc, Place)> {
+    start_three_site_layout(cluster, &|site, node| sites.node(site, node))
+}
+
+/// The nodes of [`start_three_site_nodes`], node `j` of site `k` at `place(k, j)` (the same
+/// layout on loopback, say).
+pub fn start_three_site_layout(
+    cluster: &mut Cluster,
+    place: &dyn Fn(usize, usize) -> Place,
+) -> Vec<(Proc, Place)> {
     let mut nodes = Vec::new();
     let mut at = |cluster: &mut Cluster, site, node, start: &dyn Fn(&Cluster) -> Proc| {
-        cluster.place = sites.node(site, node);
+        cluster.place = place(site, node);
         nodes.push((start(cluster), cluster.place.clone()));
     };
     at(cluster, 0, 0, &|c| c.blobs_data_node("data"));
@@ -399,7 +504,7 @@ pub fn start_three_site_nodes(cluster: &mut Cluster, sites: &Sites) -> Vec<(Proc
     at(cluster, 1, 1, &|c| c.trainer_worker("trainer1", ""));
     at(cluster, 2, 0, &|c| c.server_worker("ps"));
     at(cluster, 2, 1, &|c| c.trainer_worker("trainer2", ""));
-    cluster.place = sites.node(0, 1);
+    cluster.place = place(0, 1);
     nodes
 }
 

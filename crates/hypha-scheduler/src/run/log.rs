@@ -118,6 +118,15 @@ impl EventLog {
 
     pub(super) fn record(&mut self, event: Event) {
         match &event {
+            Event::DataReady {
+                dataset,
+                slices,
+                data_nodes,
+                used,
+                ledger,
+            } => {
+                tracing::info!(%dataset, slices, data_nodes, used, %ledger, "iteration ready")
+            }
             Event::Leased {
                 slot, peer, price, ..
             } => {

@@ -325,6 +325,9 @@ impl<'a> JobRun<'a> {
     ) -> (Self, Channels) {
         events.describe(spec.view(), data.as_ref().map(|d| d.service().clone()));
         events.begin(&task, RunProgress::default());
+        if let Some(data) = &data {
+            events.record(data.ready().clone());
+        }
         let (status_tx, statuses) = mpsc::channel(256);
         let (executor_tx, executor_statuses) = mpsc::channel(256);
         let (lost_tx, lost) = mpsc::channel(64);
