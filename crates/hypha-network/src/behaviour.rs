@@ -3,10 +3,15 @@
 use std::{num::NonZeroU32, time::Duration};
 
 use libp2p::{
-    PeerId, StreamProtocol, dcutr, gossipsub, identify,
+    PeerId, StreamProtocol,
+    core::{Endpoint, transport::PortUse},
+    dcutr, gossipsub, identify,
     identity::Keypair,
     kad, ping, relay, request_response,
-    swarm::{NetworkBehaviour, behaviour::toggle::Toggle},
+    swarm::{
+        ConnectionDenied, ConnectionId, FromSwarm, NetworkBehaviour, NewExternalAddrCandidate,
+        THandler, THandlerInEvent, THandlerOutEvent, ToSwarm, behaviour::toggle::Toggle,
+    },
 };
 
 use crate::{Settings, rpc};
@@ -31,7 +36,7 @@ pub(crate) struct Behaviour {
     pub(crate) streams: libp2p_stream::Behaviour,
     pub(crate) relay_server: Toggle<relay::Behaviour>,
     pub(crate) relay_client: relay::client::Behaviour,
-    pub(crate) dcutr: dcutr::Behaviour,
+    pub(crate) dcutr: HolePunch,
 }
 
 /// A protocol could not be configured (only invalid built-in settings can cause this).
@@ -116,7 +121,9 @@ impl Behaviour {
             streams: libp2p_stream::Behaviour::new(),
             relay_server: relay_server.into(),
             relay_client,
-            dcutr: dcutr::Behaviour::new(peer_id),
+            dcutr: HolePunch {
+                inner: dcutr::Behaviour::new(peer_id),
+            },
         })
     }
 }
@@ -143,6 +150,114 @@ fn relay_server_config() -> relay::Config {
     }
     .reservation_rate_per_peer(per_minute, Duration::from_secs(60))
     .circuit_src_per_peer(per_minute, Duration::from_secs(60))
+}
+
+/// DCUtR, told this node's public addresses by the event loop alone: those a gateway saw a
+/// dial of this node leave its NAT from, on a listen port ([`nat`](crate::nat)).
+///
+/// Identify offers every behaviour a guess for each observation on another port: the observed
+/// address with the listen port in place of the observed one. Behind a NAT shared with a
+/// machine on the same listen port that guess is the other machine's address, and a hole punch
+/// aimed at it reaches the wrong machine; a node that moves to a fresh port
+/// ([`port_move`](crate::port_move)) would keep offering it. So candidates from the swarm are
+/// dropped, and [`HolePunch::observed_at`] hands DCUtR those that hold.
+pub(crate) struct HolePunch {
+    inner: dcutr::Behaviour,
+}
+
+impl HolePunch {
+    /// A gateway saw this node at `address`, leaving from a listen port: peers may punch to it.
+    pub(crate) fn observed_at(&mut self, address: &libp2p::Multiaddr) {
+        self.inner
+            .on_swarm_event(FromSwarm::NewExternalAddrCandidate(
+                NewExternalAddrCandidate { addr: address },
+            ));
+    }
+}
+
+impl NetworkBehaviour for HolePunch {
+    type ConnectionHandler = <dcutr::Behaviour as NetworkBehaviour>::ConnectionHandler;
+    type ToSwarm = dcutr::Event;
+
+    fn handle_pending_inbound_connection(
+        &mut self,
+        connection_id: ConnectionId,
+        local_addr: &libp2p::Multiaddr,
+        remote_addr: &libp2p::Multiaddr,
+    ) -> Result<(), ConnectionDenied> {
+        self.inner
+            .handle_pending_inbound_connection(connection_id, local_addr, remote_addr)
+    }
+
+    fn handle_established_inbound_connection(
+        &mut self,
+        connection_id: ConnectionId,
+        peer: PeerId,
+        local_addr: &libp2p::Multiaddr,
+        remote_addr: &libp2p::Multiaddr,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        self.inner.handle_established_inbound_connection(
+            connection_id,
+            peer,
+            local_addr,
+            remote_addr,
+        )
+    }
+
+    fn handle_pending_outbound_connection(
+        &mut self,
+        connection_id: ConnectionId,
+        maybe_peer: Option<PeerId>,
+        addresses: &[libp2p::Multiaddr],
+        effective_role: Endpoint,
+    ) -> Result<Vec<libp2p::Multiaddr>, ConnectionDenied> {
+        self.inner.handle_pending_outbound_connection(
+            connection_id,
+            maybe_peer,
+            addresses,
+            effective_role,
+        )
+    }
+
+    fn handle_established_outbound_connection(
+        &mut self,
+        connection_id: ConnectionId,
+        peer: PeerId,
+        addr: &libp2p::Multiaddr,
+        role_override: Endpoint,
+        port_use: PortUse,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        self.inner.handle_established_outbound_connection(
+            connection_id,
+            peer,
+            addr,
+            role_override,
+            port_use,
+        )
+    }
+
+    fn on_swarm_event(&mut self, event: FromSwarm) {
+        if !matches!(event, FromSwarm::NewExternalAddrCandidate(_)) {
+            self.inner.on_swarm_event(event);
+        }
+    }
+
+    fn on_connection_handler_event(
+        &mut self,
+        peer_id: PeerId,
+        connection_id: ConnectionId,
+        event: THandlerOutEvent<Self>,
+    ) {
+        self.inner
+            .on_connection_handler_event(peer_id, connection_id, event);
+    }
+
+    fn poll(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
+        self.inner.poll(cx)
+    }
 }
 
 /// The peer id in a multiaddr's trailing `/p2p/…`, if any.

@@ -27,6 +27,7 @@ pub mod frame;
 pub mod muxer;
 pub mod nat;
 pub mod paths;
+pub mod port_move;
 pub mod rate;
 pub mod reach;
 pub mod rpc;
@@ -154,17 +155,17 @@ pub async fn start(
     for address in &settings.external_addresses {
         swarm.add_external_address(address.clone());
     }
-    let mut pending = 0usize;
+    let mut configured = Vec::new();
     for address in &settings.listen_addresses {
-        swarm
+        let id = swarm
             .listen_on(address.clone())
             .map_err(|e| StartError::Listen {
                 address: address.clone(),
                 reason: e.to_string(),
             })?;
-        pending += 1;
+        configured.push((id, address.clone()));
     }
-    wait_for_listeners(&mut swarm, pending, &reach).await?;
+    wait_for_listeners(&mut swarm, configured.len(), &reach).await?;
 
     let (listening_tx, listening) =
         tokio::sync::watch::channel(swarm.listeners().cloned().collect());
@@ -177,7 +178,7 @@ pub async fn start(
         settings,
         peers.clone(),
         reach,
-        listening_tx,
+        (listening_tx, configured),
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     // Owned through the handle: the loop ends on `Network::shutdown` or when every `Network`

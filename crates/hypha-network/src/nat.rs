@@ -4,11 +4,16 @@
 //! A node on a public address (an interface's, or `external_addresses` it was given) is not
 //! behind a NAT. Otherwise the gateways it dials tell it (identify) the address they saw the
 //! connection come from (the event loop takes the word of certified gateways only, on its own
-//! dials of them, which leave from its listen port): on a NAT that keeps ports (a cone NAT, as Linux MASQUERADE and most
-//! home routers) that is the router's address with this node's own listen port, because dials
-//! reuse the listen port; a NAT that gives every connection a port of its own (symmetric, or
-//! `--random-fully`) shows other ports, and different ones to different peers. Hole punching
-//! works through the first kind and not through the second.
+//! dials of them, which leave from its listen port): on a NAT that keeps ports (a cone NAT, as
+//! Linux MASQUERADE and most home routers) that is the router's address with this node's own
+//! listen port, because dials reuse the listen port; a NAT that gives every connection a port
+//! of its own (symmetric, or `--random-fully`) shows other ports, and different ones to
+//! different peers. Hole punching works through the first kind and not through the second.
+//!
+//! One observation of its own port is enough to call a NAT one that keeps ports: a NAT that
+//! keeps ports still gives another port where its own is taken, by a second connection to the
+//! same gateway address (which cannot leave from the listen port) or by another machine behind
+//! the same NAT listening on the same port (see [`port_move`](crate::port_move)).
 
 use std::collections::{HashMap, HashSet};
 
@@ -48,10 +53,22 @@ impl std::fmt::Display for Nat {
 #[derive(Debug, Default)]
 pub struct NatBelief {
     public_address: bool,
-    listen_ports: HashSet<u16>,
-    /// The address each public peer last observed on a connection this node dialled.
-    observed: HashMap<PeerId, (std::net::IpAddr, u16)>,
+    /// The addresses this node listens on (not relay circuits).
+    listening: HashSet<Multiaddr>,
+    /// The address and the ports each public peer observed on connections this node dialled.
+    observed: HashMap<PeerId, Observed>,
 }
+
+/// What one peer observed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Observed {
+    ip: std::net::IpAddr,
+    /// The latest ports, at most [`PORTS_KEPT`].
+    ports: Vec<u16>,
+}
+
+/// How many observed ports are kept per observer.
+const PORTS_KEPT: usize = 8;
 
 impl NatBelief {
     /// This node listens at or was given `address` to announce.
@@ -59,12 +76,17 @@ impl NatBelief {
         if is_relayed(address) {
             return;
         }
-        if let Some(port) = tcp_port(address) {
-            self.listen_ports.insert(port);
+        if tcp_port(address).is_some() {
+            self.listening.insert(address.clone());
         }
         if Scope::of_address(address) == Some(Scope::Public) {
             self.public_address = true;
         }
+    }
+
+    /// This node no longer listens at `address`.
+    pub fn forget_address(&mut self, address: &Multiaddr) {
+        self.listening.remove(address);
     }
 
     /// `observer` saw a connection this node dialled come from `observed`. Returns the new
@@ -78,7 +100,21 @@ impl NatBelief {
             return None;
         }
         let before = self.belief();
-        self.observed.insert(observer, (ip, port));
+        let seen = self.observed.entry(observer).or_insert(Observed {
+            ip,
+            ports: Vec::new(),
+        });
+        if seen.ip != ip {
+            *seen = Observed {
+                ip,
+                ports: Vec::new(),
+            };
+        }
+        seen.ports.retain(|p| *p != port);
+        seen.ports.push(port);
+        if seen.ports.len() > PORTS_KEPT {
+            seen.ports.remove(0);
+        }
         let after = self.belief();
         (after != before).then_some(after)
     }
@@ -86,6 +122,25 @@ impl NatBelief {
     /// A peer left: what it observed no longer counts.
     pub fn forget(&mut self, observer: &PeerId) {
         self.observed.remove(observer);
+    }
+
+    /// Whether some peer saw a dial of this node leave its NAT from `port`.
+    pub fn kept(&self, port: u16) -> bool {
+        self.observed.values().any(|o| o.ports.contains(&port))
+    }
+
+    /// Whether `observed` (as a peer saw this node) is an address of another machine's on one
+    /// of this node's listen ports: where its NAT keeps the port, an address peers can punch
+    /// to (a private one where the NAT sits inside a private network).
+    pub fn on_listen_port(&self, observed: &Multiaddr) -> bool {
+        first_ip(observed).is_some_and(|ip| matches!(Scope::of(ip), Scope::Public | Scope::Private))
+            && !is_relayed(observed)
+            && tcp_port(observed).is_some_and(|port| self.listen_ports().contains(&port))
+    }
+
+    /// The ports this node listens on.
+    pub fn listen_ports(&self) -> HashSet<u16> {
+        self.listening.iter().filter_map(tcp_port).collect()
     }
 
     pub fn belief(&self) -> Nat {
@@ -96,8 +151,8 @@ impl NatBelief {
         let Some(first) = seen.next() else {
             return Nat::Unknown;
         };
-        let consistent = seen.all(|other| other == first);
-        if consistent && self.listen_ports.contains(&first.1) {
+        let one_address = seen.all(|other| other.ip == first.ip);
+        if one_address && self.listen_ports().iter().any(|port| self.kept(*port)) {
             Nat::KeepsPorts
         } else {
             Nat::ChangesPorts
@@ -149,7 +204,7 @@ mod tests {
     }
 
     #[test]
-    fn other_ports_or_disagreeing_observers_mean_a_nat_that_changes_ports() {
+    fn only_other_ports_or_other_addresses_mean_a_nat_that_changes_ports() {
         let mut nat = NatBelief::default();
         nat.own_address(&addr("/ip4/10.61.0.10/tcp/40123"));
         assert_eq!(
@@ -157,15 +212,54 @@ mod tests {
             Some(Nat::ChangesPorts)
         );
 
+        // Two public addresses: several NATs, or one that changes its address.
         let mut nat = NatBelief::default();
         nat.own_address(&addr("/ip4/10.61.0.10/tcp/40123"));
         let (gateway, other) = (PeerId::random(), PeerId::random());
         nat.observed(gateway, &addr("/ip4/198.51.100.11/tcp/40123"));
         assert_eq!(
-            nat.observed(other, &addr("/ip4/198.51.100.11/tcp/52000")),
+            nat.observed(other, &addr("/ip4/198.51.100.99/tcp/40123")),
             Some(Nat::ChangesPorts)
         );
         nat.forget(&other);
         assert_eq!(nat.belief(), Nat::KeepsPorts);
+    }
+
+    #[test]
+    fn a_second_connection_from_another_port_leaves_a_nat_that_keeps_ports() {
+        // The second dial of one gateway cannot leave from the listen port (the first holds
+        // that pair of addresses): the NAT keeps its port all the same.
+        let mut nat = NatBelief::default();
+        nat.own_address(&addr("/ip4/10.60.0.11/tcp/43425"));
+        let gateway = PeerId::random();
+        assert_eq!(
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425")),
+            Some(Nat::KeepsPorts)
+        );
+        assert_eq!(
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948")),
+            None
+        );
+        // Seen the other way round, too.
+        let mut nat = NatBelief::default();
+        nat.own_address(&addr("/ip4/10.60.0.11/tcp/43425"));
+        nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948"));
+        assert_eq!(
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425")),
+            Some(Nat::KeepsPorts)
+        );
+    }
+
+    #[test]
+    fn a_port_given_up_no_longer_counts() {
+        let mut nat = NatBelief::default();
+        let configured = addr("/ip4/10.60.0.11/tcp/4001");
+        nat.own_address(&configured);
+        nat.observed(PeerId::random(), &addr("/ip4/198.51.100.10/tcp/4001"));
+        assert_eq!(nat.belief(), Nat::KeepsPorts);
+        nat.forget_address(&configured);
+        nat.own_address(&addr("/ip4/10.60.0.11/tcp/40500"));
+        assert_eq!(nat.belief(), Nat::ChangesPorts);
+        assert_eq!(nat.listen_ports(), HashSet::from([40500]));
     }
 }

@@ -15,6 +15,11 @@ use hypha_testing::sites::{Nat, Probed, Site, Sites, probe, start_three_site_nod
 /// Site A: the data node and the scheduler; site B: two trainers; site C: the parameter
 /// server and a trainer (the layout of issue 35).
 fn three_sites(prefix: &str, nat_of_b: Nat) -> Option<Sites> {
+    three_sites_on(prefix, nat_of_b, 0)
+}
+
+/// [`three_sites`] with every node listening on `port` (0: each a free one).
+fn three_sites_on(prefix: &str, nat_of_b: Nat, port: u16) -> Option<Sites> {
     let sites = [
         Site {
             nat: Nat::Cone,
@@ -30,7 +35,7 @@ fn three_sites(prefix: &str, nat_of_b: Nat) -> Option<Sites> {
         },
     ];
     match Sites::new(prefix, &sites, 50) {
-        Ok(sites) => Some(sites),
+        Ok(sites) => Some(sites.with_port(port)),
         Err(e) => {
             eprintln!("skipped: cannot make the sites testbed ({e})");
             None
@@ -140,6 +145,67 @@ fn behind_a_symmetric_nat_the_job_trains_through_the_relay() {
     let text = &trainer.text;
     assert!(
         trainer.nat.starts_with("behind a NAT that changes ports"),
+        "{text}"
+    );
+}
+
+/// Every node listens on port 4001, so the two machines of each site share their router's
+/// public ports: each still learns its own observed address, and every cross-site pair ends
+/// up direct (hole punches reach the machine they are meant for).
+#[test]
+fn machines_that_share_a_nat_and_a_port_punch_to_the_right_machine() {
+    let Some(sites) = three_sites_on("hsp", Nat::Cone, 4001) else {
+        return;
+    };
+    let (cluster, mut nodes) = train_and_audit(&sites);
+    let site_of = |name: &str| match name {
+        "data" | "scheduler" => 0,
+        "trainer0" | "trainer1" => 1,
+        _ => 2,
+    };
+    let names: Vec<String> = nodes.iter().map(|(p, _)| p.name.clone()).collect();
+    let mut relayed = Vec::new();
+    for name in &names {
+        let neighbour = if site_of(name) == 1 {
+            sites.node(1, usize::from(name == "trainer0"))
+        } else if site_of(name) == 2 {
+            sites.node(2, usize::from(name == "ps"))
+        } else {
+            sites.node(0, 1)
+        };
+        let probed = probe_node(&cluster, &mut nodes, name, &neighbour);
+        assert!(
+            probed.nat.starts_with("behind a NAT that keeps ports"),
+            "{name}: {}",
+            probed.text
+        );
+        for other in names.iter().filter(|o| site_of(o) != site_of(name)) {
+            if probed.path_to(&cluster, other) == Some("relayed") {
+                relayed.push(format!("{name} → {other}"));
+            }
+        }
+    }
+    assert!(relayed.is_empty(), "relayed cross-site pairs: {relayed:?}");
+}
+
+/// Site B behind two NATs in a row (its router behind the ISP's carrier-grade NAT): the job
+/// trains every slice once, and its trainers reach the parameter server by hole punching.
+#[test]
+fn behind_a_carrier_grade_nat_the_job_trains() {
+    let Some(sites) = three_sites("hcg", Nat::CarrierGrade) else {
+        return;
+    };
+    let (cluster, mut nodes) = train_and_audit(&sites);
+    let ps = probe_node(&cluster, &mut nodes, "ps", &sites.node(2, 1));
+    let text = &ps.text;
+    assert_eq!(
+        ps.path_to(&cluster, "trainer0"),
+        Some("hole-punched"),
+        "{text}"
+    );
+    assert_eq!(
+        ps.path_to(&cluster, "trainer1"),
+        Some("hole-punched"),
         "{text}"
     );
 }

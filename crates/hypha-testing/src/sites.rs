@@ -533,9 +533,13 @@ pub fn probe(cluster: &Cluster, node: &mut Proc, place: &Place, from: &Place) ->
         node.seen.push(line);
     }
     let prefix = format!("listening address=/ip4/{}/tcp/", place.ip);
+    // The latest: a node behind a NAT that gave its port to another machine moves to a
+    // fresh one.
     let port = node
         .seen
         .iter()
+        .rev()
+        .filter(|l| !l.contains("no longer listening"))
         .find_map(|l| l.split(&prefix).nth(1))
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("{} never listened on {}", node.name, place.ip))

@@ -7,9 +7,11 @@
 //!
 //! The actor and its commands are here; `connect` reaches peers (known addresses, the DHT, a
 //! gateway's relay) and follows each connection's path, `protocols` handles what the
-//! behaviour's protocols report.
+//! behaviour's protocols report, `listeners` moves this node's port where its NAT needs it
+//! ([`port_move`](crate::port_move)).
 
 mod connect;
+mod listeners;
 mod protocols;
 
 use std::{
@@ -34,7 +36,10 @@ use libp2p::{
 };
 use tokio::sync::{mpsc, watch};
 
-use self::connect::{ConnectStage, PendingConnect};
+use self::{
+    connect::{ConnectStage, PendingConnect},
+    listeners::Listeners,
+};
 use crate::{
     Settings,
     behaviour::{Behaviour, BehaviourEvent, peer_id_of},
@@ -95,6 +100,10 @@ pub(crate) struct EventLoop {
     /// listen port, so the address a gateway observes on one tells of the NAT.
     nat: NatBelief,
     gateway_dials: HashSet<ConnectionId>,
+    /// Dials of configured gateway addresses not yet connected or failed: an address is not
+    /// dialled twice at once (the second dial could not leave from the listen port, and what
+    /// the gateway observes of it would say nothing of the NAT).
+    dialling_gateways: HashMap<ConnectionId, Multiaddr>,
     /// Peers whose last connection closed, and when: forgotten after [`DEPARTED_GRACE`]
     /// unless they are back.
     departed: HashMap<PeerId, Instant>,
@@ -106,11 +115,14 @@ pub(crate) struct EventLoop {
     dialled_at: HashMap<ConnectionId, (PeerId, Multiaddr)>,
     /// Pings in a row each connection left unanswered.
     ping_timeouts: HashMap<ConnectionId, u32>,
+    /// This node's TCP listeners, and moving off a port its NAT gave another machine.
+    listeners: Listeners,
 }
 
 impl EventLoop {
     /// The loop for `swarm`, taking commands from `commands` (whose sender it lends to
-    /// responders) and handing requests to `inbound`.
+    /// responders) and handing requests to `inbound`; it publishes its listen addresses on
+    /// `listening`, and `configured` are the listeners the node started with.
     pub(crate) fn new(
         swarm: Swarm<Behaviour>,
         commands: (mpsc::WeakSender<Command>, mpsc::Receiver<Command>),
@@ -118,7 +130,10 @@ impl EventLoop {
         settings: Settings,
         peers: CertifiedPeers,
         reach: Reach,
-        listening: watch::Sender<Vec<Multiaddr>>,
+        (listening, configured): (
+            watch::Sender<Vec<Multiaddr>>,
+            Vec<(libp2p::core::transport::ListenerId, Multiaddr)>,
+        ),
     ) -> Self {
         let mut nat = NatBelief::default();
         for address in swarm.listeners().chain(swarm.external_addresses()) {
@@ -156,10 +171,12 @@ impl EventLoop {
             paths: Paths::default(),
             nat,
             gateway_dials: HashSet::new(),
+            dialling_gateways: HashMap::new(),
             departed: HashMap::new(),
             nat_mappings: HashMap::new(),
             dialled_at: HashMap::new(),
             ping_timeouts: HashMap::new(),
+            listeners: Listeners::new(configured),
         }
     }
 
@@ -199,6 +216,7 @@ impl EventLoop {
                 _ = punch_windows.tick() => {
                     self.end_punch_windows();
                     self.forget_departed();
+                    self.move_port_when_due();
                 }
                 _ = bootstrap.tick() => {
                     let kad = &mut self.swarm.behaviour_mut().kad;
@@ -222,6 +240,9 @@ impl EventLoop {
     fn dial_gateways(&mut self) -> Vec<ConnectionId> {
         let mut started = Vec::new();
         for address in self.gateways.clone() {
+            if self.dialling_gateways.values().any(|a| *a == address) {
+                continue;
+            }
             let opts = match peer_id_of(&address) {
                 Some(peer) if self.swarm.is_connected(&peer) => continue,
                 Some(peer) => DialOpts::peer_id(peer)
@@ -243,6 +264,7 @@ impl EventLoop {
             match self.swarm.dial(opts) {
                 Ok(()) => {
                     self.gateway_dials.insert(id);
+                    self.dialling_gateways.insert(id, address);
                     started.push(id);
                 }
                 Err(e) => tracing::debug!(%address, error = %e, "cannot dial gateway"),
@@ -253,6 +275,7 @@ impl EventLoop {
 
     /// Notes that a dial ended; completes start-up when it was the last first gateway dial.
     fn dial_ended(&mut self, id: ConnectionId) {
+        self.dialling_gateways.remove(&id);
         if let Some((pending, _)) = &mut self.startup {
             pending.remove(&id);
             if pending.is_empty()
@@ -459,15 +482,20 @@ impl EventLoop {
 
     fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
-            SwarmEvent::NewListenAddr { address, .. } => {
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
                 tracing::info!(%address, "listening");
                 self.nat.own_address(&address);
-                crate::announce_listen_address(&mut self.swarm, &self.reach, address);
+                crate::announce_listen_address(&mut self.swarm, &self.reach, address.clone());
                 self.publish_listeners();
+                self.on_listener_up(listener_id, &address);
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 tracing::info!(%address, "no longer listening");
                 self.swarm.remove_external_address(&address);
+                self.nat.forget_address(&address);
                 self.publish_listeners();
             }
             SwarmEvent::ConnectionEstablished {
@@ -563,7 +591,13 @@ impl EventLoop {
                 } else {
                     tracing::debug!(?addresses, ?reason, "listener closed");
                 }
+                // Its addresses are announced no more (the swarm reports no expiry for them).
+                for address in &addresses {
+                    self.swarm.remove_external_address(address);
+                    self.nat.forget_address(address);
+                }
                 self.publish_listeners();
+                self.on_listener_closed(listener_id);
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             _ => {}

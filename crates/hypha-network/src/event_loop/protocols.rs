@@ -27,11 +27,18 @@ impl EventLoop {
                     .peers
                     .roles(&peer_id)
                     .is_some_and(|roles| roles.contains(Role::Gateway));
-                if by_gateway
-                    && self.gateway_dials.contains(&connection_id)
-                    && let Some(belief) = self.nat.observed(peer_id, &info.observed_addr)
-                {
-                    tracing::info!(nat = %belief, observer = %peer_id, observed = %info.observed_addr, "what this node believes of its NAT changed");
+                if by_gateway && self.gateway_dials.contains(&connection_id) {
+                    if let Some(belief) = self.nat.observed(peer_id, &info.observed_addr) {
+                        tracing::info!(nat = %belief, observer = %peer_id, observed = %info.observed_addr, "what this node believes of its NAT changed");
+                    }
+                    if self.nat.on_listen_port(&info.observed_addr) {
+                        self.swarm
+                            .behaviour_mut()
+                            .dcutr
+                            .observed_at(&info.observed_addr);
+                    }
+                    self.observed_by_gateway(connection_id, &info.observed_addr);
+                    self.move_port_when_due();
                 }
                 if !info.protocols.contains(&KAD_PROTOCOL) {
                     return;
