@@ -1,11 +1,12 @@
 //! A DiLoCo trainer: the loop of a training job, driven by its scheduler's orders
 //! ([`hypha_messages::diloco`]).
 //!
-//! 1. Ask the scheduler (`/status/send`). `join`: send the model it holds to the parameter
-//!    server, then take the global model it answers with. A trainer told to join while it
-//!    holds a round (its parameter server was replaced) abandons the round first, and offers
-//!    the global model it holds by its fingerprint ([`meta::KIND_MODEL_HELD`]): a server
-//!    holding the same starts it from its own copy, one a round ahead sends the change. A
+//! 1. Ask the scheduler (`/status/send`). `join`: offer the model it holds to the parameter
+//!    server by its fingerprint ([`meta::KIND_MODEL_HELD`]; its initial model, or the global
+//!    model of an earlier server), then take what it answers: a server holding the same
+//!    starts it from its own copy, one a round ahead sends the change, one with no model asks
+//!    the trainer the scheduler named for it whole. A trainer told to join while it holds a
+//!    round (its parameter server was replaced) abandons the round first. A
 //!    trainer told to train its round with another server (one that took over holding the
 //!    model it trains from) goes on with the round and sends its update there.
 //! 2. `train`: run AdamW steps on batches of the job's slices (`/resources/fetch` with the
@@ -188,8 +189,9 @@ pub struct Trainer<L = Trained> {
     asked_whole: Option<Instant>,
     /// The parameter server it was last told to train with or to join.
     server: Option<String>,
-    /// Joining a parameter server with the global model of an earlier one: offered by its
-    /// fingerprint ([`meta::KIND_MODEL_HELD`]) until the server answers.
+    /// Joining a parameter server with the model it holds (the global model of an earlier
+    /// one, or its initial model, round 0): offered by its fingerprint
+    /// ([`meta::KIND_MODEL_HELD`]) until the server answers.
     rejoining: Option<Rejoining>,
     /// When it last offered its model, and how long it waits before it offers again (zero:
     /// no offer yet in this join).
@@ -555,12 +557,13 @@ impl<L: Learner> Trainer<L> {
         }
         self.server = Some(parameter_server.to_string());
         self.offered.1 = Duration::ZERO;
-        if let Some(round) = self.last_model {
-            self.rejoining = Some(Rejoining {
-                round,
-                offer: format!("{:016x}", rand::random::<u64>()),
-            });
-        }
+        // Named by its fingerprint: the global model of an earlier server, or the initial
+        // model drawn from the job's seed (round 0), which every trainer of the job draws
+        // alike and the server asks of one of them only.
+        self.rejoining = Some(Rejoining {
+            round: self.last_model.unwrap_or(0),
+            offer: format!("{:016x}", rand::random::<u64>()),
+        });
         if let Some(round) = self.round.take() {
             eprintln!(
                 "round {round}: abandoned; joining the parameter server {parameter_server} with the global model of round {:?}",
@@ -589,44 +592,52 @@ impl<L: Learner> Trainer<L> {
     }
 
     /// Offers the model this trainer holds to `parameter_server`, which answers with its
-    /// global model: by its fingerprint when it is a global model of an earlier server
-    /// ([`rejoining`](Self::rejoining)), whole otherwise.
+    /// global model: by its fingerprint ([`rejoining`](Self::rejoining)), or whole.
     fn offer(&mut self, parameter_server: &str) -> Result<(), TrainError> {
-        let name = match &self.rejoining {
-            Some(Rejoining { round, offer }) => {
-                let metadata = Metadata::from([
-                    (meta::KIND.to_string(), meta::KIND_MODEL_HELD.to_string()),
-                    (meta::ROUND.to_string(), round.to_string()),
-                    (
-                        meta::MODEL_HASH.to_string(),
-                        self.learner.global_hash().to_string(),
-                    ),
-                    (meta::OFFER.to_string(), offer.clone()),
-                ]);
-                let name = "held-model.safetensors";
-                hypha_diloco::Tensors::default().save(&outbox(&self.dir, name)?, &metadata)?;
-                name
-            }
-            None => {
-                let metadata = Metadata::from([
-                    (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
-                    (meta::ROUND.to_string(), "0".to_string()),
-                ]);
-                let name = "initial-model.safetensors";
-                self.learner
-                    .write_global(&outbox(&self.dir, name)?, &metadata)?;
-                name
-            }
+        let Some(Rejoining { round, offer }) = &self.rejoining else {
+            return self.offer_whole(parameter_server);
         };
+        let metadata = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_MODEL_HELD.to_string()),
+            (meta::ROUND.to_string(), round.to_string()),
+            (
+                meta::MODEL_HASH.to_string(),
+                self.learner.global_hash().to_string(),
+            ),
+            (meta::OFFER.to_string(), offer.clone()),
+        ]);
+        let name = "held-model.safetensors";
+        hypha_diloco::Tensors::default().save(&outbox(&self.dir, name)?, &metadata)?;
         send_file(&self.bridge, &self.dir, parameter_server, name)?;
-        let again = match &self.rejoining {
-            Some(_) => MODEL_WAIT,
-            // The first whole offer of a join waits OFFER_AGAIN, each one after a large
-            // model's twice as long as the last.
-            None if self.model_bytes < BACK_OFF_FROM_BYTES || self.offered.1.is_zero() => {
-                OFFER_AGAIN
-            }
-            None => (self.offered.1 * 2).min(OFFER_AGAIN_MAX),
+        self.offered = (Instant::now(), MODEL_WAIT);
+        Ok(())
+    }
+
+    /// Offers the model this trainer holds to `parameter_server` whole, as the initial model
+    /// of a server that holds none; with the fingerprint and name of the offer it answers
+    /// (the server then says it holds that model: nothing comes back).
+    fn offer_whole(&mut self, parameter_server: &str) -> Result<(), TrainError> {
+        let mut metadata = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
+            (meta::ROUND.to_string(), "0".to_string()),
+        ]);
+        if let Some(Rejoining { offer, .. }) = &self.rejoining {
+            metadata.insert(
+                meta::MODEL_HASH.to_string(),
+                self.learner.global_hash().to_string(),
+            );
+            metadata.insert(meta::OFFER.to_string(), offer.clone());
+        }
+        let name = "initial-model.safetensors";
+        self.learner
+            .write_global(&outbox(&self.dir, name)?, &metadata)?;
+        send_file(&self.bridge, &self.dir, parameter_server, name)?;
+        // The first whole offer of a join waits OFFER_AGAIN, each one after a large model's
+        // twice as long as the last.
+        let again = if self.model_bytes < BACK_OFF_FROM_BYTES || self.offered.1.is_zero() {
+            OFFER_AGAIN
+        } else {
+            (self.offered.1 * 2).min(OFFER_AGAIN_MAX)
         };
         self.offered = (Instant::now(), again);
         Ok(())
@@ -867,13 +878,14 @@ impl<L: Learner> Trainer<L> {
         match metadata.get(meta::KIND).map(String::as_str) {
             Some(meta::KIND_MODEL_HELD) => return self.take_held(peer, &metadata),
             Some(meta::KIND_MODEL_REQUEST) => {
-                // A server with no model yet: it adopts one of those offered whole.
-                if self.rejoining.take().is_some() {
+                // A server with no model yet, adopting this trainer's: sent whole, still
+                // named by its fingerprint, so that the server's answer is "held".
+                if self.rejoining.is_some() {
                     self.offered.1 = Duration::ZERO;
                     eprintln!(
-                        "the parameter server {peer} holds no model yet: offering this trainer's whole"
+                        "the parameter server {peer} holds no model yet and adopts this trainer's: sending it whole"
                     );
-                    self.offer(peer)?;
+                    self.offer_whole(peer)?;
                 }
                 return Ok(false);
             }

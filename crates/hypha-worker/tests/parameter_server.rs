@@ -482,3 +482,133 @@ async fn an_update_that_arrives_while_the_scheduler_answers_is_in_the_round_it_c
         "told to close, it took b's update and asked once more"
     );
 }
+
+/// Trainers that drew the same initial model (the job's seed) offer it by its fingerprint:
+/// only the one the scheduler names is asked for it whole, and once it is adopted every
+/// trainer holding it is told so and sent nothing; a trainer whose model differs gets the
+/// global model whole. (Checked with the server asking every fingerprint offer for the model
+/// whole, as before: b is asked too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trainers_holding_the_same_initial_model_send_it_once_and_get_nothing_back() {
+    let names = ["scheduler", "trainer-a", "trainer-b", "trainer-c", "server"];
+    let (networks, mut inbound) = connected_serving(&names).await;
+    let [scheduler, a, b, c, server] = &networks[..] else {
+        unreachable!()
+    };
+    let outbox = tempfile::tempdir().unwrap();
+    let inbox_of = |trainer: &Network| job_inbox(trainer, scheduler, &peers(1, &[server]));
+    let (a_inbox, b_inbox, c_inbox) = (inbox_of(a), inbox_of(b), inbox_of(c));
+    let (_job_dir, _cancel) = start_server(server, scheduler, &[a, b, c]);
+    let (statuses_tx, mut statuses) = mpsc::channel::<ServerStatus>(1024);
+    let trainers = named(&[a, b, c]);
+    scripted_scheduler(
+        inbound.remove(0),
+        statuses_tx,
+        move || trainers.clone(),
+        a.local_peer_id().to_string(),
+        |_| async { ServerOrder::Wait },
+    );
+
+    let initial = model(&[1.0, 1.0]);
+    let hash = Tensors::from_bytes(&initial).unwrap().digest();
+    let held = |hash: &str, offer: &str| {
+        file(
+            &[],
+            &[
+                (meta::KIND, meta::KIND_MODEL_HELD),
+                (meta::ROUND, "0"),
+                (meta::MODEL_HASH, hash),
+                (meta::OFFER, offer),
+            ],
+        )
+    };
+    send(
+        a,
+        server,
+        "held.safetensors",
+        &held(&hash, "a1"),
+        outbox.path(),
+    )
+    .await;
+    send(
+        b,
+        server,
+        "held.safetensors",
+        &held(&hash, "b1"),
+        outbox.path(),
+    )
+    .await;
+    send(
+        c,
+        server,
+        "held.safetensors",
+        &held("blake3:ff", "c1"),
+        outbox.path(),
+    )
+    .await;
+
+    // The metadata of the next file `inbox` gets from the server (within 5 s).
+    let next = async |inbox: &JobInbox| {
+        let anyone = std::collections::HashSet::new();
+        let arrived = tokio::time::timeout(
+            Duration::from_secs(5),
+            inbox.registration.inbox().next(&anyone),
+        )
+        .await
+        .expect("a file from the server");
+        let path = inbox
+            .registration
+            .inbox()
+            .deliver(&arrived, Path::new("got"))
+            .unwrap();
+        let bytes = std::fs::read(inbox.dir.path().join(path)).unwrap();
+        let metadata = hypha_diloco::read_metadata(&mut bytes.as_slice()).unwrap();
+        (Tensors::from_bytes(&bytes).unwrap(), metadata)
+    };
+    // a, the trainer the scheduler names, is asked for its model; b is not.
+    let (_, asked) = next(&a_inbox).await;
+    assert_eq!(asked[meta::KIND], meta::KIND_MODEL_REQUEST);
+    assert_eq!(asked[meta::OFFER], "a1");
+    let whole = file(
+        &[1.0, 1.0],
+        &[
+            (meta::KIND, meta::KIND_MODEL),
+            (meta::ROUND, "0"),
+            (meta::MODEL_HASH, &hash),
+            (meta::OFFER, "a1"),
+        ],
+    );
+    send(a, server, "initial.safetensors", &whole, outbox.path()).await;
+
+    // Adopted: a and b hold it and are told so, with nothing else; c gets it whole.
+    for (inbox, offer) in [(&a_inbox, "a1"), (&b_inbox, "b1")] {
+        let (tensors, answer) = next(inbox).await;
+        assert_eq!(answer[meta::KIND], meta::KIND_MODEL_HELD, "{offer}");
+        assert_eq!(answer[meta::OFFER], offer);
+        assert_eq!(answer[meta::MODEL_HASH], hash);
+        assert!(tensors.0.is_empty(), "{offer}: a model sent along");
+    }
+    let (tensors, global) = next(&c_inbox).await;
+    assert_eq!(global[meta::KIND], meta::KIND_MODEL);
+    assert_eq!(tensors.0["w"].values, [1.0, 1.0]);
+    let adopted = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if statuses.recv().await.unwrap().round == Some(0) {
+                return;
+            }
+        }
+    });
+    adopted.await.expect("the server reports the adopted model");
+    let anyone = std::collections::HashSet::new();
+    for inbox in [&a_inbox, &b_inbox] {
+        assert!(
+            tokio::time::timeout(
+                Duration::from_secs(1),
+                inbox.registration.inbox().next(&anyone)
+            )
+            .await
+            .is_err(),
+            "a further file"
+        );
+    }
+}

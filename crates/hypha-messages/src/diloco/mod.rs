@@ -10,10 +10,12 @@
 //! trainer            scheduler                 parameter server
 //!   │ status (no round) ─▶│                            │
 //!   │◀─ Join{ps} ─────────│                            │
-//!   │ model (kind=model, its own initial θ) ──────────▶│ holds it
+//!   │ model_held (round 0, fingerprint of its initial θ) ▶│ holds the offer
 //!   │                    │◀─ status (offered) ───────────│
-//!   │                    │── Adopt{one trainer} ────────▶│ adopts that trainer's
-//!   │◀──────────────────────── global θ (kind=model, round r) ──│
+//!   │                    │── Adopt{one trainer} ────────▶│
+//!   │◀──────────────── model_request (to that trainer alone) ──│
+//!   │ model (kind=model, its initial θ, same fingerprint) ─▶│ adopts it
+//!   │◀──── model_held (to each trainer holding that θ), or global θ whole ──│
 //!   │ status (round r, batches, batch_ms, loss) ─▶│    │
 //!   │◀─ Train{round r, batches: target} ───────────│   │  … until batches ≥ target
 //!   │ POST /data/consumed (slices, round r)        │   │
@@ -58,14 +60,17 @@ pub mod meta {
     /// a file with no tensors.
     pub const KIND_MODEL_REQUEST: &str = "model_request";
     /// A file with no tensors that names a global model by its `ROUND` and `MODEL_HASH`. From
-    /// a trainer that joins a new parameter server holding a model of an earlier one: the
-    /// model it holds, instead of the model itself (which may be gigabytes). From the
-    /// server, the answer when it holds that very model: the trainer starts its round from
-    /// its own copy. A server with no model answers with a [`KIND_MODEL_REQUEST`]: the
-    /// trainer sends the model whole.
+    /// a trainer that joins a parameter server: the model it holds (its initial model drawn
+    /// from the job's seed, round 0, or a model of an earlier server), instead of the model
+    /// itself (which may be gigabytes). From the server, the answer when it holds that very
+    /// model: the trainer starts its round from its own copy. A server with no model holds
+    /// the offer until the scheduler names the one to adopt, and answers the named trainer
+    /// with a [`KIND_MODEL_REQUEST`]: it sends the model whole, naming the same `MODEL_HASH`
+    /// and `OFFER`, and is answered `model_held` too once it is adopted.
     pub const KIND_MODEL_HELD: &str = "model_held";
-    /// On a [`KIND_MODEL_HELD`] offer: the trainer's name for this offer, echoed in the
-    /// server's answer, so that an answer to an earlier offer is not taken for this one's.
+    /// On a [`KIND_MODEL_HELD`] offer (and the whole model sent on request after it): the
+    /// trainer's name for this offer, echoed in the server's answer, so that an answer to an
+    /// earlier offer is not taken for this one's.
     pub const OFFER: &str = "hypha.offer";
     /// The fingerprint of the global model a model or a change leads to
     /// (`hypha_diloco::Tensors::digest`).

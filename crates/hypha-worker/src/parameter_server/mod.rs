@@ -19,10 +19,13 @@
 //! so, [`meta::ACCEPTS`]): they hold the round's model. Everybody else, and a trainer that
 //! asks ([`meta::KIND_MODEL_REQUEST`]: its copy did not fit the change), gets the whole model.
 //! Both carry the fingerprint of the model they lead to ([`meta::MODEL_HASH`]). A trainer
-//! that joins holding a model of an earlier server names it by its fingerprint
-//! ([`meta::KIND_MODEL_HELD`]): it is told when the server holds the same, sent the change
-//! when it is one round behind, the whole model otherwise (and asked for its own whole when
-//! the server holds none yet).
+//! that joins names the model it holds by its fingerprint ([`meta::KIND_MODEL_HELD`]; its
+//! initial model drawn from the job's seed, or a model of an earlier server): it is told when
+//! the server holds the same, sent the change when it is one round behind, the whole model
+//! otherwise. While the server holds none, the offer waits with the whole ones until the
+//! scheduler names the one to adopt: only that trainer is asked for its model whole, and at
+//! adoption every offerer whose fingerprint is the adopted model's is told the server holds
+//! it. Trainers drawing the same initial model thus send it once, and get nothing back.
 //!
 //! Files in the job's directory: `parameter-server.safetensors` (the checkpoint: model,
 //! momentum, carried residual, round; written atomically when the model is adopted, then as
@@ -319,7 +322,7 @@ impl ServerJob {
                 refused: server.refusals(),
                 applied: applied.clone(),
                 trainers: peers.trainers.iter().cloned().collect(),
-                offered: peers.offers.keys().cloned().collect(),
+                offered: peers.offered(),
                 standby: peers.standby.clone(),
             };
             let order = self.ask(Status::ParameterServer(status)).await;
@@ -485,6 +488,13 @@ impl ServerJob {
             .unwrap_or_default();
         match metadata.get(meta::KIND).map(String::as_str) {
             Some(meta::KIND_MODEL) if server.round().is_none() => {
+                // A trainer that offered by fingerprint and was asked for its model names both
+                // again: answered "held" at adoption, it needs nothing back.
+                if let (Some(hash), Some(offer)) =
+                    (metadata.get(meta::MODEL_HASH), metadata.get(meta::OFFER))
+                {
+                    peers.hold_fingerprint(&from, (0, hash), Some(offer));
+                }
                 peers.hold_offer(&self.dir, &from, &path);
             }
             Some(meta::KIND_MODEL_HELD) => {
@@ -507,15 +517,21 @@ impl ServerJob {
                 let offer = metadata.get(meta::OFFER).map(String::as_str);
                 let held = server.round().zip(server.model_hash());
                 return received
-                    + match held {
-                        // A server with no model adopts one offered whole.
-                        None => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
-                        Some(held) if offered == Some(held) => {
+                    + match (held, offered) {
+                        // A server with no model adopts one the scheduler names: the offer
+                        // waits, and only the named offerer is asked for its model whole
+                        // (`adopt`); the others hold the same model, most often.
+                        (None, Some(offered)) => {
+                            peers.hold_fingerprint(&from, offered, offer);
+                            0
+                        }
+                        (None, None) => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
+                        (Some(held), _) if offered == Some(held) => {
                             tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
                             self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
                         }
-                        Some(_) if named => self.send_model(server, &from, offered, peers),
-                        Some(_) => {
+                        (Some(_), _) if named => self.send_model(server, &from, offered, peers),
+                        (Some(_), _) => {
                             peers.defer(&from, offered);
                             0
                         }
@@ -714,7 +730,26 @@ impl ServerJob {
             return;
         }
         let Some(path) = peers.offers.get(from) else {
-            tracing::warn!(%from, "the scheduler named an initial model this server does not hold");
+            match peers.fingerprints.get(from) {
+                // Offered by fingerprint: asked for it whole (again, while the scheduler
+                // names it and it does not come, every ANSWER_EVERY at most).
+                Some(offered) => {
+                    let now = std::time::Instant::now();
+                    let recently = peers
+                        .answered
+                        .get(from)
+                        .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY);
+                    if !recently {
+                        peers.answered.insert(from.to_string(), now);
+                        tracing::info!(%from, "asking the trainer the scheduler named for its initial model");
+                        let offer = offered.offer.clone();
+                        self.answer(from, meta::KIND_MODEL_REQUEST, None, offer.as_deref());
+                    }
+                }
+                None => {
+                    tracing::warn!(%from, "the scheduler named an initial model this server does not hold")
+                }
+            }
             return;
         };
         let adopted = FileSource::open(path)
@@ -734,20 +769,35 @@ impl ServerJob {
                     }
                     Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
                 }
-                let (named, unnamed): (Vec<String>, Vec<String>) = (peers.offers.keys())
-                    .cloned()
-                    .partition(|peer| peers.named(peer));
-                peers.clear_offers(&self.dir);
-                for peer in unnamed {
-                    peers.defer(&peer, None);
+                // Every offerer holding the adopted model (the same seed draws the same one)
+                // is told so; the others get it whole once named.
+                let held = server.round().zip(server.model_hash());
+                let mut whole = Vec::new();
+                for peer in peers.offered() {
+                    let fingerprint = peers.fingerprints.get(&peer);
+                    let holds = fingerprint.is_some_and(|f| {
+                        f.offer.is_some() && Some((f.round, f.hash.as_str())) == held
+                    });
+                    match fingerprint {
+                        Some(f) if holds => {
+                            self.answer(&peer, meta::KIND_MODEL_HELD, held, f.offer.as_deref());
+                        }
+                        _ if peers.named(&peer) => whole.push(peer),
+                        f => {
+                            let base = f.map(|f| (f.round, f.hash.clone()));
+                            peers.defer(&peer, base.as_ref().map(|(r, h)| (*r, h.as_str())));
+                        }
+                    }
                 }
-                if let Err(error) = self.send_models(server, None, &[], &named, None) {
+                peers.clear_offers(&self.dir);
+                if let Err(error) = self.send_models(server, None, &[], &whole, None) {
                     tracing::warn!(%error, "could not send the global model");
                 }
             }
             Err(error) => {
                 // Its next status no longer names it: the scheduler chooses another.
                 tracing::warn!(%from, %error, "refused the initial model the scheduler chose");
+                peers.fingerprints.remove(from);
                 if let Some(path) = peers.offers.remove(from) {
                     let _ = std::fs::remove_file(path);
                 }
@@ -1169,6 +1219,17 @@ struct Peers {
     /// Peers the scheduler had not named a trainer when they offered their model (by
     /// fingerprint: the round and fingerprint they hold), answered once it names them.
     deferred: std::collections::BTreeMap<String, Option<(u64, String)>>,
+    /// While the server has no model: the model each offerer holds, by fingerprint (offered
+    /// so, or named on its whole offer), with its name for the offer.
+    fingerprints: std::collections::BTreeMap<String, Fingerprint>,
+}
+
+/// A model an offerer holds, and the offer's name its answer echoes.
+#[derive(Debug, Clone)]
+struct Fingerprint {
+    round: u64,
+    hash: String,
+    offer: Option<String>,
 }
 
 impl Peers {
@@ -1225,8 +1286,37 @@ impl Peers {
             .collect()
     }
 
+    /// Keeps `from`'s offer of the model `offered` (round, fingerprint) named `offer` until
+    /// the scheduler names the one to adopt; at most [`MAX_OFFERS`] offerers.
+    fn hold_fingerprint(&mut self, from: &str, offered: (u64, &str), offer: Option<&str>) {
+        if self.fingerprints.len() >= MAX_OFFERS && !self.fingerprints.contains_key(from) {
+            tracing::warn!(%from, "{MAX_OFFERS} initial models are waiting already: refused");
+            return;
+        }
+        self.fingerprints.insert(
+            from.to_string(),
+            Fingerprint {
+                round: offered.0,
+                hash: offered.1.to_string(),
+                offer: offer.map(str::to_string),
+            },
+        );
+    }
+
+    /// The peers that offered an initial model, whole or by fingerprint.
+    fn offered(&self) -> Vec<String> {
+        let mut offered: Vec<String> = self.offers.keys().cloned().collect();
+        offered.extend(
+            (self.fingerprints.keys())
+                .filter(|peer| !self.offers.contains_key(*peer))
+                .cloned(),
+        );
+        offered
+    }
+
     fn clear_offers(&mut self, dir: &Path) {
         self.offers.clear();
+        self.fingerprints.clear();
         let _ = std::fs::remove_dir_all(dir.join(OFFERS_DIR));
     }
 }
