@@ -153,14 +153,17 @@ fn relay_server_config() -> relay::Config {
 }
 
 /// DCUtR, told this node's public addresses by the event loop alone: those a gateway saw a
-/// dial of this node leave its NAT from, on a listen port ([`nat`](crate::nat)).
+/// dial of this node leave its NAT from, on the listen port it left from
+/// ([`nat`](crate::nat)), while its listeners are settled.
 ///
 /// Identify offers every behaviour a guess for each observation on another port: the observed
 /// address with the listen port in place of the observed one. Behind a NAT shared with a
 /// machine on the same listen port that guess is the other machine's address, and a hole punch
 /// aimed at it reaches the wrong machine; a node that moves to a fresh port
 /// ([`port_move`](crate::port_move)) would keep offering it. So candidates from the swarm are
-/// dropped, and [`HolePunch::observed_at`] hands DCUtR those that hold.
+/// dropped, and [`HolePunch::observed_at`] hands DCUtR those that hold. DCUtR keeps its 20
+/// latest candidates and cannot forget one, and a relayed connection punches with the
+/// candidates it had when it was made: hence none while a move is under way.
 pub(crate) struct HolePunch {
     inner: dcutr::Behaviour,
 }

@@ -122,7 +122,19 @@ pub async fn start(
     );
 
     let (relay_transport, relay_client) = relay::client::new(local_peer_id);
-    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
+    // Which port each dial left from, to weigh what peers observe of it (`nat`).
+    let dialed_from = nat::DialedFrom::default();
+    let recorder = dialed_from.clone();
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)).map(
+        move |stream: tcp::tokio::TcpStream, endpoint| {
+            if endpoint.is_dialer()
+                && let (Ok(remote), Ok(local)) = (stream.0.peer_addr(), stream.0.local_addr())
+            {
+                recorder.record(remote, local);
+            }
+            stream
+        },
+    );
     let filtered =
         address_filter::Transport::new(OrTransport::new(relay_transport, tcp), reach.clone());
     let dns = match dns::tokio::Transport::system(filtered) {
@@ -178,7 +190,7 @@ pub async fn start(
         settings,
         peers.clone(),
         reach,
-        (listening_tx, configured),
+        (listening_tx, configured, dialed_from),
     );
     let (joined_tx, joined) = tokio::sync::oneshot::channel();
     // Owned through the handle: the loop ends on `Network::shutdown` or when every `Network`

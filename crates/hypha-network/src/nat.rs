@@ -15,7 +15,11 @@
 //! same gateway address (which cannot leave from the listen port) or by another machine behind
 //! the same NAT listening on the same port (see [`port_move`](crate::port_move)).
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+};
 
 use libp2p::{Multiaddr, PeerId, multiaddr::Protocol};
 
@@ -49,6 +53,35 @@ impl std::fmt::Display for Nat {
     }
 }
 
+/// The local port each TCP connection this node dialled left from, by the address it
+/// reached (the latest connection to each; at most [`DIALS_KEPT`]): what a peer observes of a
+/// connection is weighed against the port it really left from. A dial meant to leave from the
+/// listen port leaves from another where that pair of addresses is taken (a second connection
+/// to the same gateway, a socket of an earlier run in `TIME_WAIT`). Filled by the transport.
+#[derive(Debug, Clone, Default)]
+pub struct DialedFrom(Arc<Mutex<HashMap<SocketAddr, u16>>>);
+
+/// How many dials [`DialedFrom`] remembers.
+const DIALS_KEPT: usize = 4096;
+
+impl DialedFrom {
+    /// A dial reached `remote` from `local`.
+    pub fn record(&self, remote: SocketAddr, local: SocketAddr) {
+        let mut dials = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if dials.len() >= DIALS_KEPT && !dials.contains_key(&remote) {
+            dials.clear();
+        }
+        dials.insert(remote, local.port());
+    }
+
+    /// The local port of the latest dial to `remote` (an IP and TCP address), if known.
+    pub fn port_to(&self, remote: &Multiaddr) -> Option<u16> {
+        let remote = SocketAddr::new(first_ip(remote)?, tcp_port(remote)?);
+        let dials = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        dials.get(&remote).copied()
+    }
+}
+
 /// The evidence, and the belief it makes.
 #[derive(Debug, Default)]
 pub struct NatBelief {
@@ -63,8 +96,9 @@ pub struct NatBelief {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Observed {
     ip: std::net::IpAddr,
-    /// The latest ports, at most [`PORTS_KEPT`].
-    ports: Vec<u16>,
+    /// The latest ports, at most [`PORTS_KEPT`], each with whether the NAT kept it (it is the
+    /// port the connection left from).
+    ports: Vec<(u16, bool)>,
 }
 
 /// How many observed ports are kept per observer.
@@ -89,9 +123,15 @@ impl NatBelief {
         self.listening.remove(address);
     }
 
-    /// `observer` saw a connection this node dialled come from `observed`. Returns the new
+    /// `observer` saw a connection this node dialled, from local port `local_port` where
+    /// known (else a listen port, as dials reuse it), come from `observed`. Returns the new
     /// belief when it changed.
-    pub fn observed(&mut self, observer: PeerId, observed: &Multiaddr) -> Option<Nat> {
+    pub fn observed(
+        &mut self,
+        observer: PeerId,
+        observed: &Multiaddr,
+        local_port: Option<u16>,
+    ) -> Option<Nat> {
         let (Some(ip), Some(port)) = (first_ip(observed), tcp_port(observed)) else {
             return None;
         };
@@ -99,6 +139,10 @@ impl NatBelief {
         if is_relayed(observed) || Scope::of(ip) != Scope::Public {
             return None;
         }
+        let kept = match local_port {
+            Some(local) => local == port,
+            None => self.listen_ports().contains(&port),
+        };
         let before = self.belief();
         let seen = self.observed.entry(observer).or_insert(Observed {
             ip,
@@ -110,8 +154,8 @@ impl NatBelief {
                 ports: Vec::new(),
             };
         }
-        seen.ports.retain(|p| *p != port);
-        seen.ports.push(port);
+        seen.ports.retain(|(p, _)| *p != port);
+        seen.ports.push((port, kept));
         if seen.ports.len() > PORTS_KEPT {
             seen.ports.remove(0);
         }
@@ -124,18 +168,26 @@ impl NatBelief {
         self.observed.remove(observer);
     }
 
-    /// Whether some peer saw a dial of this node leave its NAT from `port`.
+    /// Whether some peer saw a dial of this node leave its NAT from `port`, the port it left
+    /// from.
     pub fn kept(&self, port: u16) -> bool {
-        self.observed.values().any(|o| o.ports.contains(&port))
+        self.observed
+            .values()
+            .any(|o| o.ports.contains(&(port, true)))
     }
 
-    /// Whether `observed` (as a peer saw this node) is an address of another machine's on one
-    /// of this node's listen ports: where its NAT keeps the port, an address peers can punch
-    /// to (a private one where the NAT sits inside a private network).
-    pub fn on_listen_port(&self, observed: &Multiaddr) -> bool {
+    /// Whether `observed` (as a peer saw a connection this node dialled from `local_port`,
+    /// where known) is an address peers can punch to: on one of this node's listen ports,
+    /// the port the connection left from (a private address where the NAT sits inside a
+    /// private network).
+    pub fn on_listen_port(&self, observed: &Multiaddr, local_port: Option<u16>) -> bool {
+        let Some(port) = tcp_port(observed) else {
+            return false;
+        };
         first_ip(observed).is_some_and(|ip| matches!(Scope::of(ip), Scope::Public | Scope::Private))
             && !is_relayed(observed)
-            && tcp_port(observed).is_some_and(|port| self.listen_ports().contains(&port))
+            && self.listen_ports().contains(&port)
+            && local_port.is_none_or(|local| local == port)
     }
 
     /// The ports this node listens on.
@@ -152,7 +204,11 @@ impl NatBelief {
             return Nat::Unknown;
         };
         let one_address = seen.all(|other| other.ip == first.ip);
-        if one_address && self.listen_ports().iter().any(|port| self.kept(*port)) {
+        let kept = self
+            .observed
+            .values()
+            .any(|o| o.ports.iter().any(|(_, kept)| *kept));
+        if one_address && kept {
             Nat::KeepsPorts
         } else {
             Nat::ChangesPorts
@@ -160,7 +216,7 @@ impl NatBelief {
     }
 }
 
-fn tcp_port(address: &Multiaddr) -> Option<u16> {
+pub(crate) fn tcp_port(address: &Multiaddr) -> Option<u16> {
     address.iter().find_map(|p| match p {
         Protocol::Tcp(port) => Some(port),
         _ => None,
@@ -190,15 +246,23 @@ mod tests {
         assert_eq!(nat.belief(), Nat::Unknown);
         // A peer on the LAN says nothing about the NAT.
         assert_eq!(
-            nat.observed(PeerId::random(), &addr("/ip4/10.60.0.11/tcp/40123")),
+            nat.observed(PeerId::random(), &addr("/ip4/10.60.0.11/tcp/40123"), None),
             None
         );
         assert_eq!(
-            nat.observed(PeerId::random(), &addr("/ip4/198.51.100.10/tcp/40123")),
+            nat.observed(
+                PeerId::random(),
+                &addr("/ip4/198.51.100.10/tcp/40123"),
+                None
+            ),
             Some(Nat::KeepsPorts)
         );
         assert_eq!(
-            nat.observed(PeerId::random(), &addr("/ip4/198.51.100.10/tcp/40123")),
+            nat.observed(
+                PeerId::random(),
+                &addr("/ip4/198.51.100.10/tcp/40123"),
+                None
+            ),
             None
         );
     }
@@ -208,7 +272,11 @@ mod tests {
         let mut nat = NatBelief::default();
         nat.own_address(&addr("/ip4/10.61.0.10/tcp/40123"));
         assert_eq!(
-            nat.observed(PeerId::random(), &addr("/ip4/198.51.100.11/tcp/61001")),
+            nat.observed(
+                PeerId::random(),
+                &addr("/ip4/198.51.100.11/tcp/61001"),
+                None
+            ),
             Some(Nat::ChangesPorts)
         );
 
@@ -216,9 +284,9 @@ mod tests {
         let mut nat = NatBelief::default();
         nat.own_address(&addr("/ip4/10.61.0.10/tcp/40123"));
         let (gateway, other) = (PeerId::random(), PeerId::random());
-        nat.observed(gateway, &addr("/ip4/198.51.100.11/tcp/40123"));
+        nat.observed(gateway, &addr("/ip4/198.51.100.11/tcp/40123"), None);
         assert_eq!(
-            nat.observed(other, &addr("/ip4/198.51.100.99/tcp/40123")),
+            nat.observed(other, &addr("/ip4/198.51.100.99/tcp/40123"), None),
             Some(Nat::ChangesPorts)
         );
         nat.forget(&other);
@@ -233,20 +301,59 @@ mod tests {
         nat.own_address(&addr("/ip4/10.60.0.11/tcp/43425"));
         let gateway = PeerId::random();
         assert_eq!(
-            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425")),
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425"), None),
             Some(Nat::KeepsPorts)
         );
         assert_eq!(
-            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948")),
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948"), None),
             None
         );
         // Seen the other way round, too.
         let mut nat = NatBelief::default();
         nat.own_address(&addr("/ip4/10.60.0.11/tcp/43425"));
-        nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948"));
+        nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/54948"), None);
         assert_eq!(
-            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425")),
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/43425"), None),
             Some(Nat::KeepsPorts)
+        );
+    }
+
+    #[test]
+    fn what_a_dial_left_from_decides_whether_the_nat_kept_it() {
+        let mut nat = NatBelief::default();
+        nat.own_address(&addr("/ip4/10.60.0.11/tcp/4001"));
+        let gateway = PeerId::random();
+        // Restarted within TIME_WAIT: the dial meant for the listen port left from 51234,
+        // which the NAT kept.
+        assert_eq!(
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/51234"), Some(51234)),
+            Some(Nat::KeepsPorts)
+        );
+        assert!(!nat.on_listen_port(&addr("/ip4/198.51.100.10/tcp/51234"), Some(51234)));
+        // From the listen port, seen on another: the NAT gave it another.
+        let mut nat = NatBelief::default();
+        nat.own_address(&addr("/ip4/10.60.0.11/tcp/4001"));
+        assert_eq!(
+            nat.observed(gateway, &addr("/ip4/198.51.100.10/tcp/23456"), Some(4001)),
+            Some(Nat::ChangesPorts)
+        );
+        assert!(!nat.on_listen_port(&addr("/ip4/198.51.100.10/tcp/4001"), Some(23456)));
+        assert!(nat.on_listen_port(&addr("/ip4/198.51.100.10/tcp/4001"), Some(4001)));
+    }
+
+    #[test]
+    fn dials_are_known_by_the_address_they_reached() {
+        let dials = DialedFrom::default();
+        let gateway: SocketAddr = "198.51.100.2:4001".parse().unwrap();
+        dials.record(gateway, "10.60.0.11:4001".parse().unwrap());
+        dials.record(gateway, "10.60.0.11:51234".parse().unwrap());
+        assert_eq!(
+            dials.port_to(&addr("/ip4/198.51.100.2/tcp/4001/p2p/12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE")),
+            Some(51234)
+        );
+        assert_eq!(
+            dials.port_to(&addr("/dns4/gateway.example.org/tcp/4001")),
+            None
         );
     }
 
@@ -255,11 +362,11 @@ mod tests {
         let mut nat = NatBelief::default();
         let configured = addr("/ip4/10.60.0.11/tcp/4001");
         nat.own_address(&configured);
-        nat.observed(PeerId::random(), &addr("/ip4/198.51.100.10/tcp/4001"));
-        assert_eq!(nat.belief(), Nat::KeepsPorts);
+        nat.observed(PeerId::random(), &addr("/ip4/198.51.100.10/tcp/4001"), None);
+        assert!(nat.on_listen_port(&addr("/ip4/198.51.100.10/tcp/4001"), None));
         nat.forget_address(&configured);
         nat.own_address(&addr("/ip4/10.60.0.11/tcp/40500"));
-        assert_eq!(nat.belief(), Nat::ChangesPorts);
+        assert!(!nat.on_listen_port(&addr("/ip4/198.51.100.10/tcp/4001"), None));
         assert_eq!(nat.listen_ports(), HashSet::from([40500]));
     }
 }

@@ -122,7 +122,8 @@ pub(crate) struct EventLoop {
 impl EventLoop {
     /// The loop for `swarm`, taking commands from `commands` (whose sender it lends to
     /// responders) and handing requests to `inbound`; it publishes its listen addresses on
-    /// `listening`, and `configured` are the listeners the node started with.
+    /// `listening`, `configured` are the listeners the node started with, and `dialed_from`
+    /// the ports its TCP dials left from, as the transport records them.
     pub(crate) fn new(
         swarm: Swarm<Behaviour>,
         commands: (mpsc::WeakSender<Command>, mpsc::Receiver<Command>),
@@ -130,9 +131,10 @@ impl EventLoop {
         settings: Settings,
         peers: CertifiedPeers,
         reach: Reach,
-        (listening, configured): (
+        (listening, configured, dialed_from): (
             watch::Sender<Vec<Multiaddr>>,
             Vec<(libp2p::core::transport::ListenerId, Multiaddr)>,
+            crate::nat::DialedFrom,
         ),
     ) -> Self {
         let mut nat = NatBelief::default();
@@ -176,7 +178,7 @@ impl EventLoop {
             nat_mappings: HashMap::new(),
             dialled_at: HashMap::new(),
             ping_timeouts: HashMap::new(),
-            listeners: Listeners::new(configured),
+            listeners: Listeners::new(configured, dialed_from),
         }
     }
 

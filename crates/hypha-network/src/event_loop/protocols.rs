@@ -28,16 +28,18 @@ impl EventLoop {
                     .roles(&peer_id)
                     .is_some_and(|roles| roles.contains(Role::Gateway));
                 if by_gateway && self.gateway_dials.contains(&connection_id) {
-                    if let Some(belief) = self.nat.observed(peer_id, &info.observed_addr) {
-                        tracing::info!(nat = %belief, observer = %peer_id, observed = %info.observed_addr, "what this node believes of its NAT changed");
+                    let observed = &info.observed_addr;
+                    let local_port = (self.dialled_at.get(&connection_id))
+                        .and_then(|(_, address)| self.listeners.dialed_from.port_to(address));
+                    if let Some(belief) = self.nat.observed(peer_id, observed, local_port) {
+                        tracing::info!(nat = %belief, observer = %peer_id, %observed, "what this node believes of its NAT changed");
                     }
-                    if self.nat.on_listen_port(&info.observed_addr) {
-                        self.swarm
-                            .behaviour_mut()
-                            .dcutr
-                            .observed_at(&info.observed_addr);
+                    self.observed_by_gateway(connection_id, observed, local_port);
+                    // Peers punch to it only while this node's listeners are settled: not to
+                    // a port it is about to leave, nor one it is trying.
+                    if self.listeners.settled() && self.nat.on_listen_port(observed, local_port) {
+                        self.swarm.behaviour_mut().dcutr.observed_at(observed);
                     }
-                    self.observed_by_gateway(connection_id, &info.observed_addr);
                     self.move_port_when_due();
                 }
                 if !info.protocols.contains(&KAD_PROTOCOL) {
