@@ -154,6 +154,11 @@ const MIN_BATCH_MS: f64 = 0.01;
 /// The most of a refusal's reason logged, in characters.
 const REASON_CHARS: usize = 200;
 
+/// How long after a trainer first offered its initial model the server is told which to
+/// adopt, where other trainers have not offered yet (one loading slowly holds the choice up
+/// no longer).
+const ADOPT_WAIT_MS: u64 = 2_000;
+
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
@@ -260,6 +265,10 @@ pub struct Rounds {
     /// named them all): a trainer that goes on sends it its update only then (a standby
     /// still taking over, or a server restored a moment ago, would drop it).
     server_knows_trainers: bool,
+    /// A server with no model: when its status first named an offer of a trainer's, and the
+    /// trainer whose model it is to adopt, once chosen (see [`initial_model_source`](Self::initial_model_source)).
+    first_offer_ms: Option<u64>,
+    adopt_from: Option<String>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// Peers whose pseudo-gradient of `round` the server refused, with why: they sent what
@@ -316,6 +325,8 @@ impl Rounds {
             continued_from: None,
             goes_on_from: None,
             server_knows_trainers: false,
+            first_offer_ms: None,
+            adopt_from: None,
             arrived: HashMap::new(),
             refused: HashMap::new(),
             departed: HashMap::new(),
@@ -478,6 +489,8 @@ impl Rounds {
         self.continued_from = None;
         self.goes_on_from = None;
         self.server_knows_trainers = false;
+        self.first_offer_ms = None;
+        self.adopt_from = None;
     }
 
     /// The server started last starts from the model of the current round whose
@@ -1100,7 +1113,7 @@ impl Rounds {
         }
         self.server_knows_trainers = status.round.is_some();
         if status.round.is_none()
-            && let Some(from) = self.initial_model_source(&status.offered)
+            && let Some(from) = self.initial_model_source(&status.offered, now_ms)
         {
             return (ServerOrder::Adopt { from }, settle, applied_round);
         }
@@ -1229,15 +1242,29 @@ impl Rounds {
             .collect()
     }
 
-    /// Whose initial model the server is to adopt, of those `offered`: the trainer of the
-    /// lowest job id among them, so that one trainer, chosen here, sets the start, never a
-    /// peer that merely sent first.
-    fn initial_model_source(&self, offered: &[String]) -> Option<String> {
-        self.trainers
-            .iter()
-            .filter(|(_, t)| offered.contains(&t.peer))
-            .min_by_key(|(job, _)| job.as_str())
-            .map(|(_, t)| t.peer.clone())
+    /// Whose initial model the server is to adopt, of those `offered` at `now_ms`: the trainer
+    /// of the lowest job id among them, so that one trainer, chosen here, sets the start,
+    /// never a peer that merely sent first. Chosen once every trainer offered, or
+    /// [`ADOPT_WAIT_MS`] after the first did, and kept while that trainer's offer stands:
+    /// the server asks the chosen trainer for its model (trainers offer by fingerprint), and
+    /// a choice that changed with each offer would have several send it.
+    fn initial_model_source(&mut self, offered: &[String], now_ms: u64) -> Option<String> {
+        let offering = |peer: &String| offered.contains(peer);
+        if let Some(chosen) = &self.adopt_from
+            && offering(chosen)
+            && self.trainers.values().any(|t| t.peer == *chosen)
+        {
+            return Some(chosen.clone());
+        }
+        let candidates = (self.trainers.iter()).filter(|(_, t)| offering(&t.peer));
+        let lowest = candidates.min_by_key(|(job, _)| job.as_str())?.1.peer.clone();
+        let since = *self.first_offer_ms.get_or_insert(now_ms);
+        let everyone = self.trainers.values().all(|t| offering(&t.peer));
+        if !everyone && now_ms < since.saturating_add(ADOPT_WAIT_MS) {
+            return None;
+        }
+        self.adopt_from = Some(lowest.clone());
+        Some(lowest)
     }
 
     /// Every trainer is in the current round with nothing trained and no data left, and

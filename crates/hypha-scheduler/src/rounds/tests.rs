@@ -204,7 +204,8 @@ fn the_first_round_begins_as_the_last_trainer_is_ready() {
 
 /// The server takes updates only from the trainers named to it, is told again when they
 /// change, and adopts the initial model of the trainer the scheduler picks, not of
-/// whoever offered first.
+/// whoever offered first: the lowest job id once every trainer offered (or a while after the
+/// first did), kept once chosen.
 #[test]
 fn the_server_is_told_its_trainers_and_whose_initial_model_to_adopt() {
     let mut rounds = rounds_with(&[("job-b", "pb"), ("job-a", "pa")]);
@@ -223,22 +224,31 @@ fn the_server_is_told_its_trainers_and_whose_initial_model_to_adopt() {
         trainers: vec!["pb".into(), "pa".into()],
         ..fresh
     };
-    // pb offered; pa (the lower job id) has not yet: pb's is the one.
-    let (order, _, _) = rounds.server_status(named.clone(), 10);
-    assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
-    let both = ServerStatus {
-        offered: vec!["pb".into(), "pa".into()],
-        ..named.clone()
-    };
-    let (order, _, _) = rounds.server_status(both, 20);
-    assert_eq!(order, ServerOrder::Adopt { from: "pa".into() });
     // Only an outsider offered: nothing to adopt.
     let outsider_only = ServerStatus {
         offered: vec!["outsider".into()],
         ..named.clone()
     };
-    let (order, _, _) = rounds.server_status(outsider_only, 30);
+    let (order, _, _) = rounds.server_status(outsider_only, 5);
     assert_eq!(order, ServerOrder::Wait);
+    // pb offered; pa (the lower job id) has not yet: the choice waits for it.
+    let (order, _, _) = rounds.server_status(named.clone(), 10);
+    assert_eq!(order, ServerOrder::Wait);
+    let both = ServerStatus {
+        offered: vec!["pb".into(), "pa".into()],
+        ..named.clone()
+    };
+    let (order, _, _) = rounds.server_status(both.clone(), 20);
+    assert_eq!(order, ServerOrder::Adopt { from: "pa".into() });
+
+    // pa loads slowly: after ADOPT_WAIT_MS pb's is the one, and stays it once pa offers.
+    let mut slow = rounds_with(&[("job-b", "pb"), ("job-a", "pa")]);
+    slow.server_status(named.clone(), 0);
+    assert_eq!(slow.server_status(named.clone(), 1).0, ServerOrder::Wait);
+    let (order, _, _) = slow.server_status(named.clone(), 1 + super::ADOPT_WAIT_MS);
+    assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
+    let (order, _, _) = slow.server_status(both, 2 + super::ADOPT_WAIT_MS);
+    assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
 
     rounds.trainer_started("job-c".into(), "pc".into());
     let (order, _, _) = rounds.server_status(named, 40);

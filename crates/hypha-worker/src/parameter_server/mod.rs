@@ -735,12 +735,11 @@ impl ServerJob {
                 // names it and it does not come, every ANSWER_EVERY at most).
                 Some(offered) => {
                     let now = std::time::Instant::now();
-                    let recently = peers
-                        .answered
-                        .get(from)
-                        .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY);
+                    let recently = (peers.requested.as_ref()).is_some_and(|(peer, at)| {
+                        peer == from && now.duration_since(*at) < ANSWER_EVERY
+                    });
                     if !recently {
-                        peers.answered.insert(from.to_string(), now);
+                        peers.requested = Some((from.to_string(), now));
                         tracing::info!(%from, "asking the trainer the scheduler named for its initial model");
                         let offer = offered.offer.clone();
                         self.answer(from, meta::KIND_MODEL_REQUEST, None, offer.as_deref());
@@ -1222,6 +1221,9 @@ struct Peers {
     /// While the server has no model: the model each offerer holds, by fingerprint (offered
     /// so, or named on its whole offer), with its name for the offer.
     fingerprints: std::collections::BTreeMap<String, Fingerprint>,
+    /// The offerer last asked for its model whole (the scheduler names it in every answer
+    /// until it is adopted), and when.
+    requested: Option<(String, std::time::Instant)>,
 }
 
 /// A model an offerer holds, and the offer's name its answer echoes.
