@@ -196,6 +196,9 @@ pub struct Trainer<L = Trained> {
     /// When it last offered its model, and how long it waits before it offers again (zero:
     /// no offer yet in this join).
     offered: (Instant, Duration),
+    /// When it last sent its model whole, and how long another request for it goes
+    /// unanswered: a server asks again while a large model is still on its way.
+    whole_offered: Option<(Instant, Duration)>,
     /// The model's size in f32: whole offers of a large one back off.
     model_bytes: u64,
     /// Told to stop: it finishes its part of the round and sends it, then ends.
@@ -310,6 +313,7 @@ impl<L: Learner> Trainer<L> {
             server: None,
             rejoining: None,
             offered: (Instant::now(), Duration::ZERO),
+            whole_offered: None,
             model_bytes,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
@@ -557,6 +561,7 @@ impl<L: Learner> Trainer<L> {
         }
         self.server = Some(parameter_server.to_string());
         self.offered.1 = Duration::ZERO;
+        self.whole_offered = None;
         // Named by its fingerprint: the global model of an earlier server, or the initial
         // model drawn from the job's seed (round 0), which every trainer of the job draws
         // alike and the server asks of one of them only.
@@ -634,12 +639,16 @@ impl<L: Learner> Trainer<L> {
         send_file(&self.bridge, &self.dir, parameter_server, name)?;
         // The first whole offer of a join waits OFFER_AGAIN, each one after a large model's
         // twice as long as the last.
-        let again = if self.model_bytes < BACK_OFF_FROM_BYTES || self.offered.1.is_zero() {
-            OFFER_AGAIN
-        } else {
-            (self.offered.1 * 2).min(OFFER_AGAIN_MAX)
+        let again = match self.whole_offered {
+            Some((_, last)) if self.model_bytes >= BACK_OFF_FROM_BYTES => {
+                (last * 2).min(OFFER_AGAIN_MAX)
+            }
+            _ => OFFER_AGAIN,
         };
-        self.offered = (Instant::now(), again);
+        self.whole_offered = Some((Instant::now(), again));
+        if self.rejoining.is_none() {
+            self.offered = (Instant::now(), again);
+        }
         Ok(())
     }
 
@@ -879,9 +888,11 @@ impl<L: Learner> Trainer<L> {
             Some(meta::KIND_MODEL_HELD) => return self.take_held(peer, &metadata),
             Some(meta::KIND_MODEL_REQUEST) => {
                 // A server with no model yet, adopting this trainer's: sent whole, still
-                // named by its fingerprint, so that the server's answer is "held".
-                if self.rejoining.is_some() {
-                    self.offered.1 = Duration::ZERO;
+                // named by its fingerprint, so that the server's answer is "held"; not again
+                // while the last one may still be on its way.
+                let sent_lately =
+                    (self.whole_offered).is_some_and(|(sent, again)| sent.elapsed() < again);
+                if self.rejoining.is_some() && !sent_lately {
                     eprintln!(
                         "the parameter server {peer} holds no model yet and adopts this trainer's: sending it whole"
                     );

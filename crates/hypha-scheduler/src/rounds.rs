@@ -1257,7 +1257,11 @@ impl Rounds {
             return Some(chosen.clone());
         }
         let candidates = (self.trainers.iter()).filter(|(_, t)| offering(&t.peer));
-        let lowest = candidates.min_by_key(|(job, _)| job.as_str())?.1.peer.clone();
+        let lowest = candidates
+            .min_by_key(|(job, _)| job.as_str())?
+            .1
+            .peer
+            .clone();
         let since = *self.first_offer_ms.get_or_insert(now_ms);
         let everyone = self.trainers.values().all(|t| offering(&t.peer));
         if !everyone && now_ms < since.saturating_add(ADOPT_WAIT_MS) {

@@ -100,6 +100,11 @@ const MODELS_DIR: &str = "models";
 /// Where initial models wait for the scheduler to name the one to adopt, in the job's
 /// directory (one file per peer, its last offer).
 const OFFERS_DIR: &str = "offers";
+/// How often the trainer whose initial model is to be adopted is asked for it while it does
+/// not come: a large model takes a while on its way, and its trainer answers no request
+/// while its last upload may be (`hypha-executor`'s `OFFER_AGAIN`).
+const REQUEST_AGAIN: Duration = Duration::from_secs(5);
+
 /// Initial models held at once; offers from further peers are refused until one is adopted.
 const MAX_OFFERS: usize = 64;
 /// How often a peer is sent the whole model on its own offer or request, at most: a trainer
@@ -736,7 +741,7 @@ impl ServerJob {
                 Some(offered) => {
                     let now = std::time::Instant::now();
                     let recently = (peers.requested.as_ref()).is_some_and(|(peer, at)| {
-                        peer == from && now.duration_since(*at) < ANSWER_EVERY
+                        peer == from && now.duration_since(*at) < REQUEST_AGAIN
                     });
                     if !recently {
                         peers.requested = Some((from.to_string(), now));
