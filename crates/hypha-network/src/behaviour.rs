@@ -98,9 +98,9 @@ impl Behaviour {
             request_response::Config::default().with_request_timeout(Duration::from_secs(30)),
         );
 
-        let relay_server = settings
-            .relay_server
-            .then(|| relay::Behaviour::new(peer_id, relay_server_config()));
+        let relay_server = settings.relay_server.then(|| {
+            relay::Behaviour::new(peer_id, relay_server_config(settings.peer_bytes_per_second))
+        });
 
         Ok(Behaviour {
             identify: identify::Behaviour::new(
@@ -128,15 +128,21 @@ impl Behaviour {
     }
 }
 
-/// Relay limits for gateways.
+/// How long a relay circuit lasts; its peers open another when they still need one.
+const CIRCUIT_DURATION: Duration = Duration::from_secs(60 * 60);
+
+/// Relay limits for gateways, each peer's connection carrying at most `peer_rate` bytes a
+/// second each way ([`link_share`](crate::link_share)).
 ///
 /// libp2p's defaults are meant for anonymous public relays (two minutes and 128 KiB per circuit,
 /// one reservation per IP a minute), which makes relayed data transfer impossible and breaks
 /// several nodes behind one address. Here every peer is authenticated by certificate, so limits
-/// are per peer and generous: circuits last an hour, carry unlimited bytes, and a peer may hold
-/// a few reservations and 16 circuits.
-fn relay_server_config() -> relay::Config {
+/// are per peer and generous: circuits last an hour and carry at most what the peer's share of
+/// the link passes in it (unbounded without one), and a peer may hold a few reservations and 16
+/// circuits.
+fn relay_server_config(peer_rate: Option<u64>) -> relay::Config {
     let per_minute = NonZeroU32::new(60).unwrap_or(NonZeroU32::MIN);
+    let circuit_bytes = peer_rate.map_or(0, |rate| rate.saturating_mul(CIRCUIT_DURATION.as_secs()));
     relay::Config {
         max_reservations: 1024,
         max_reservations_per_peer: 4,
@@ -144,8 +150,8 @@ fn relay_server_config() -> relay::Config {
         reservation_rate_limiters: Vec::new(),
         max_circuits: 1024,
         max_circuits_per_peer: 16,
-        max_circuit_duration: Duration::from_secs(60 * 60),
-        max_circuit_bytes: 0,
+        max_circuit_duration: CIRCUIT_DURATION,
+        max_circuit_bytes: circuit_bytes,
         circuit_src_rate_limiters: Vec::new(),
     }
     .reservation_rate_per_peer(per_minute, Duration::from_secs(60))

@@ -24,6 +24,7 @@ mod client;
 pub mod dial_budget;
 mod event_loop;
 pub mod frame;
+pub mod link_share;
 pub mod muxer;
 pub mod nat;
 pub mod paths;
@@ -125,6 +126,7 @@ pub async fn start(
     // Which port each dial left from, to weigh what peers observe of it (`nat`).
     let dialed_from = nat::DialedFrom::default();
     let recorder = dialed_from.clone();
+    let peer_rate = settings.peer_bytes_per_second;
     let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)).map(
         move |stream: tcp::tokio::TcpStream, endpoint| {
             if endpoint.is_dialer()
@@ -132,7 +134,7 @@ pub async fn start(
             {
                 recorder.record(remote, local);
             }
-            stream
+            link_share::Throttled::new(stream, peer_rate)
         },
     );
     let filtered =

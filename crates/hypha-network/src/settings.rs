@@ -21,6 +21,10 @@ pub struct Settings {
     pub relay_circuit: bool,
     /// Serve as a relay for others (gateways). Default: off.
     pub relay_server: bool,
+    /// Bytes a second each TCP connection may carry each way (a peer's share of a gateway's
+    /// link, [`link_share`](crate::link_share)); also bounds each relay circuit to as many as
+    /// it can carry in its hour. Default: none.
+    pub peer_bytes_per_second: Option<u64>,
     /// How long a connection with nothing to do stays open. Default: 5 minutes.
     pub idle_connection_timeout: Duration,
     /// Inbound requests queued for the application before new ones are answered `Busy`.
@@ -48,6 +52,7 @@ impl Settings {
             exclude_cidr: Vec::new(),
             relay_circuit: true,
             relay_server: false,
+            peer_bytes_per_second: None,
             idle_connection_timeout: Duration::from_secs(300),
             inbound_request_queue: 256,
             allow_roleless: false,

@@ -509,6 +509,59 @@ async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
     assert_eq!(echoed, payload);
 }
 
+/// A gateway bounds what one peer puts through its relay: 3 MB relayed at a share of 1 MB/s
+/// take about three seconds. (Without the bound: 70 ms here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_peer_gets_its_share_of_the_gateways_link_and_no_more() {
+    let pki = Pki::new();
+    let mut gateway_settings = settings("gateway", true, &[]);
+    gateway_settings.relay_server = true;
+    gateway_settings.peer_bytes_per_second = Some(1_000_000);
+    let (_gateway, _) = start(&pki.node("gateway"), pki.trust(), gateway_settings.clone()).await;
+    let gateway_addr = address_of(&_gateway).await;
+    let mut a_settings = settings("worker", false, std::slice::from_ref(&gateway_addr));
+    a_settings.relay_circuit = true;
+    let (a, _) = start(&pki.node("a"), pki.trust(), a_settings).await;
+    let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
+    b_settings.relay_circuit = true;
+    let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
+    eventually("a's relay reservation", || async {
+        a.listen_addresses()
+            .await
+            .unwrap()
+            .iter()
+            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
+            .then_some(())
+    })
+    .await;
+
+    let protocol = StreamProtocol::new("/test/sink/1");
+    let mut incoming = a.accept_streams(protocol.clone()).unwrap();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).await.unwrap();
+            stream
+                .write_all(&(buf.len() as u64).to_be_bytes())
+                .await
+                .unwrap();
+            stream.close().await.unwrap();
+        }
+    });
+    let mut stream = b.open_stream(a.local_peer_id(), protocol).await.unwrap();
+    let started = std::time::Instant::now();
+    stream.write_all(&vec![7u8; 3_000_000]).await.unwrap();
+    stream.close().await.unwrap();
+    let mut count = [0u8; 8];
+    stream.read_exact(&mut count).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(u64::from_be_bytes(count), 3_000_000);
+    assert!(
+        took >= Duration::from_millis(2_500),
+        "3 MB relayed in {took:?}"
+    );
+}
+
 async fn cluster(pki: &Pki, n: usize) -> (Network, Vec<Network>) {
     let (gw, gw_addr) = gateway(pki).await;
     let mut nodes = Vec::new();
