@@ -84,13 +84,10 @@ pub const MODEL_WAIT: Duration = Duration::from_secs(1);
 /// trainer blind for longer joins a replacement server that much later: with 2 s, the
 /// `recovery` suite's median was ~1 s slower.
 pub const SEND_PATIENCE: Duration = Duration::from_secs(1);
-/// How long a trainer that joins a parameter server waits for its answer before it offers
-/// its model again; a whole model of [`BACK_OFF_FROM_BYTES`] or more waits twice as long
-/// each time, up to [`OFFER_AGAIN_MAX`] (a model of gigabytes may still be on its way). An
-/// offer by fingerprint, a few bytes, goes again every [`MODEL_WAIT`].
+/// How long after sending its model whole a trainer answers no further request for it (those
+/// that queued while the upload ran), and how often one waiting for the whole global model asks
+/// for it again. An offer by fingerprint, a few bytes, goes again every [`MODEL_WAIT`].
 pub const OFFER_AGAIN: Duration = Duration::from_secs(5);
-pub const OFFER_AGAIN_MAX: Duration = Duration::from_secs(60);
-pub const BACK_OFF_FROM_BYTES: u64 = 64 * 1024 * 1024;
 /// How long a trainer waits before it asks again after a peer could not be reached.
 pub const RETRY: Duration = Duration::from_millis(500);
 
@@ -196,11 +193,8 @@ pub struct Trainer<L = Trained> {
     /// When it last offered its model, and how long it waits before it offers again (zero:
     /// no offer yet in this join).
     offered: (Instant, Duration),
-    /// When it last sent its model whole, and how long another request for it goes
-    /// unanswered: a server asks again while a large model is still on its way.
-    whole_offered: Option<(Instant, Duration)>,
-    /// The model's size in f32: whole offers of a large one back off.
-    model_bytes: u64,
+    /// When its last upload of the model whole ended ([`OFFER_AGAIN`]).
+    whole_offered: Option<Instant>,
     /// Told to stop: it finishes its part of the round and sends it, then ends.
     leaving: bool,
     /// Set by SIGTERM (see [`Trainer::run`]).
@@ -236,10 +230,11 @@ struct Ahead {
     starved: bool,
 }
 
-/// A join with a model of an earlier server, offered by its fingerprint.
+/// A join with the model it holds (its initial model, or a global model of an earlier
+/// server), offered by its fingerprint.
 #[derive(Debug)]
 struct Rejoining {
-    /// The round of the global model it holds.
+    /// The round of the model it holds (0: its initial model).
     round: u64,
     /// Its name for the offer, which the server's answer echoes.
     offer: String,
@@ -289,12 +284,6 @@ impl<L: Learner> Trainer<L> {
     /// and directory is `dir`.
     pub fn with_learner(socket: &Path, dir: &Path, config: JobConfig, learner: L) -> Self {
         let bridge = Client::new(socket);
-        let model_bytes = config.model.parameter_shapes().map_or(0, |shapes| {
-            shapes
-                .iter()
-                .map(|(_, shape)| 4 * shape.iter().product::<usize>() as u64)
-                .sum()
-        });
         Self {
             data: Reader::new(bridge.clone(), dir, &config),
             bridge,
@@ -314,7 +303,6 @@ impl<L: Learner> Trainer<L> {
             rejoining: None,
             offered: (Instant::now(), Duration::ZERO),
             whole_offered: None,
-            model_bytes,
             leaving: false,
             stop: Arc::new(AtomicBool::new(false)),
             evaluate_next: false,
@@ -596,12 +584,16 @@ impl<L: Learner> Trainer<L> {
         self.receive(parameter_server)
     }
 
-    /// Offers the model this trainer holds to `parameter_server`, which answers with its
-    /// global model: by its fingerprint ([`rejoining`](Self::rejoining)), or whole.
+    /// Offers the model this trainer holds to `parameter_server` by its fingerprint
+    /// ([`rejoining`](Self::rejoining)): the server answers that it holds the same, with its
+    /// global model (whole, or the change of this one), or asks for this one whole.
     fn offer(&mut self, parameter_server: &str) -> Result<(), TrainError> {
-        let Some(Rejoining { round, offer }) = &self.rejoining else {
-            return self.offer_whole(parameter_server);
-        };
+        let last_model = self.last_model;
+        let rejoining = self.rejoining.get_or_insert_with(|| Rejoining {
+            round: last_model.unwrap_or(0),
+            offer: format!("{:016x}", rand::random::<u64>()),
+        });
+        let (round, offer) = (rejoining.round, rejoining.offer.clone());
         let metadata = Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL_HELD.to_string()),
             (meta::ROUND.to_string(), round.to_string()),
@@ -609,7 +601,7 @@ impl<L: Learner> Trainer<L> {
                 meta::MODEL_HASH.to_string(),
                 self.learner.global_hash().to_string(),
             ),
-            (meta::OFFER.to_string(), offer.clone()),
+            (meta::OFFER.to_string(), offer),
         ]);
         let name = "held-model.safetensors";
         hypha_diloco::Tensors::default().save(&outbox(&self.dir, name)?, &metadata)?;
@@ -618,37 +610,25 @@ impl<L: Learner> Trainer<L> {
         Ok(())
     }
 
-    /// Offers the model this trainer holds to `parameter_server` whole, as the initial model
-    /// of a server that holds none; with the fingerprint and name of the offer it answers
-    /// (the server then says it holds that model: nothing comes back).
-    fn offer_whole(&mut self, parameter_server: &str) -> Result<(), TrainError> {
-        let mut metadata = Metadata::from([
+    /// Sends the model this trainer holds to `parameter_server` whole, as the initial model
+    /// of a server that holds none and asked for it; with the fingerprint and name of the
+    /// offer it answers (the server then says it holds that model: nothing comes back).
+    /// Returns once the server has it.
+    fn offer_whole(&mut self, parameter_server: &str, offer: &str) -> Result<(), TrainError> {
+        let metadata = Metadata::from([
             (meta::KIND.to_string(), meta::KIND_MODEL.to_string()),
             (meta::ROUND.to_string(), "0".to_string()),
-        ]);
-        if let Some(Rejoining { offer, .. }) = &self.rejoining {
-            metadata.insert(
+            (
                 meta::MODEL_HASH.to_string(),
                 self.learner.global_hash().to_string(),
-            );
-            metadata.insert(meta::OFFER.to_string(), offer.clone());
-        }
+            ),
+            (meta::OFFER.to_string(), offer.to_string()),
+        ]);
         let name = "initial-model.safetensors";
         self.learner
             .write_global(&outbox(&self.dir, name)?, &metadata)?;
         send_file(&self.bridge, &self.dir, parameter_server, name)?;
-        // The first whole offer of a join waits OFFER_AGAIN, each one after a large model's
-        // twice as long as the last.
-        let again = match self.whole_offered {
-            Some((_, last)) if self.model_bytes >= BACK_OFF_FROM_BYTES => {
-                (last * 2).min(OFFER_AGAIN_MAX)
-            }
-            _ => OFFER_AGAIN,
-        };
-        self.whole_offered = Some((Instant::now(), again));
-        if self.rejoining.is_none() {
-            self.offered = (Instant::now(), again);
-        }
+        self.whole_offered = Some(Instant::now());
         Ok(())
     }
 
@@ -888,15 +868,17 @@ impl<L: Learner> Trainer<L> {
             Some(meta::KIND_MODEL_HELD) => return self.take_held(peer, &metadata),
             Some(meta::KIND_MODEL_REQUEST) => {
                 // A server with no model yet, adopting this trainer's: sent whole, still
-                // named by its fingerprint, so that the server's answer is "held"; not again
-                // while the last one may still be on its way.
+                // named by its fingerprint, so that the server's answer is "held"; requests
+                // that queued while the last upload ran are not answered with another.
                 let sent_lately =
-                    (self.whole_offered).is_some_and(|(sent, again)| sent.elapsed() < again);
-                if self.rejoining.is_some() && !sent_lately {
+                    (self.whole_offered).is_some_and(|sent| sent.elapsed() < OFFER_AGAIN);
+                if let Some(offer) = self.rejoining.as_ref().map(|r| r.offer.clone())
+                    && !sent_lately
+                {
                     eprintln!(
                         "the parameter server {peer} holds no model yet and adopts this trainer's: sending it whole"
                     );
-                    self.offer_whole(peer)?;
+                    self.offer_whole(peer, &offer)?;
                 }
                 return Ok(false);
             }

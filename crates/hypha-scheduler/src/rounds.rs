@@ -159,6 +159,11 @@ const REASON_CHARS: usize = 200;
 /// no longer).
 const ADOPT_WAIT_MS: u64 = 2_000;
 
+/// How long the trainer whose initial model the server is to adopt has to send it before
+/// another is chosen: a model of gigabytes on a slow uplink takes minutes, a trainer that
+/// cannot send it must not hold the start for good.
+const ADOPT_UPLOAD_MS: u64 = 300_000;
+
 /// How long a trainer that finds no parameter server waits before asking again.
 const RETRY_MS: u64 = 500;
 
@@ -268,7 +273,9 @@ pub struct Rounds {
     /// A server with no model: when its status first named an offer of a trainer's, and the
     /// trainer whose model it is to adopt, once chosen (see [`initial_model_source`](Self::initial_model_source)).
     first_offer_ms: Option<u64>,
-    adopt_from: Option<String>,
+    adopt_from: Option<(String, u64)>,
+    /// Trainers chosen whose model never came within [`ADOPT_UPLOAD_MS`].
+    passed_over: BTreeSet<String>,
     /// Peers whose pseudo-gradients of `round` the server holds, with their samples.
     arrived: HashMap<String, u64>,
     /// Peers whose pseudo-gradient of `round` the server refused, with why: they sent what
@@ -327,6 +334,7 @@ impl Rounds {
             server_knows_trainers: false,
             first_offer_ms: None,
             adopt_from: None,
+            passed_over: BTreeSet::new(),
             arrived: HashMap::new(),
             refused: HashMap::new(),
             departed: HashMap::new(),
@@ -491,6 +499,7 @@ impl Rounds {
         self.server_knows_trainers = false;
         self.first_offer_ms = None;
         self.adopt_from = None;
+        self.passed_over.clear();
     }
 
     /// The server started last starts from the model of the current round whose
@@ -1245,29 +1254,35 @@ impl Rounds {
     /// Whose initial model the server is to adopt, of those `offered` at `now_ms`: the trainer
     /// of the lowest job id among them, so that one trainer, chosen here, sets the start,
     /// never a peer that merely sent first. Chosen once every trainer offered, or
-    /// [`ADOPT_WAIT_MS`] after the first did, and kept while that trainer's offer stands:
-    /// the server asks the chosen trainer for its model (trainers offer by fingerprint), and
-    /// a choice that changed with each offer would have several send it.
+    /// [`ADOPT_WAIT_MS`] after the first did, and kept while that trainer's offer stands: the
+    /// server asks the chosen trainer for its model (trainers offer by fingerprint), and a
+    /// choice that changed with each offer would have several send it. One whose model has not
+    /// come within [`ADOPT_UPLOAD_MS`] is passed over for the next.
     fn initial_model_source(&mut self, offered: &[String], now_ms: u64) -> Option<String> {
         let offering = |peer: &String| offered.contains(peer);
-        if let Some(chosen) = &self.adopt_from
+        if let Some((chosen, since)) = &self.adopt_from
             && offering(chosen)
             && self.trainers.values().any(|t| t.peer == *chosen)
         {
-            return Some(chosen.clone());
+            if now_ms < since.saturating_add(ADOPT_UPLOAD_MS) {
+                return Some(chosen.clone());
+            }
+            self.passed_over.insert(chosen.clone());
         }
-        let candidates = (self.trainers.iter()).filter(|(_, t)| offering(&t.peer));
-        let lowest = candidates
-            .min_by_key(|(job, _)| job.as_str())?
-            .1
-            .peer
-            .clone();
+        let candidates = (self.trainers.iter())
+            .filter(|(_, t)| offering(&t.peer) && !self.passed_over.contains(&t.peer));
+        let Some((_, lowest)) = candidates.min_by_key(|(job, _)| job.as_str()) else {
+            // Every one offering was passed over: each gets another turn.
+            self.passed_over.clear();
+            return None;
+        };
+        let lowest = lowest.peer.clone();
         let since = *self.first_offer_ms.get_or_insert(now_ms);
         let everyone = self.trainers.values().all(|t| offering(&t.peer));
         if !everyone && now_ms < since.saturating_add(ADOPT_WAIT_MS) {
             return None;
         }
-        self.adopt_from = Some(lowest.clone());
+        self.adopt_from = Some((lowest.clone(), now_ms));
         Some(lowest)
     }
 

@@ -25,8 +25,9 @@
 //! (`bytes_up_sparse_vs_f32`: the trainers' sent bytes, `bytes_down_sparse_vs_f32`: what they
 //! received); `traffic_sparse_vs_data_parallel` takes `sparse + overlap`'s bytes.
 //!
-//! Measured per mode over the rounds after the first (the first one holds the joining: every
-//! trainer's initial model to the server and the whole global model back):
+//! Measured per mode over the rounds after the first (the first one holds the joining: one
+//! trainer's initial model to the server, and the whole global model to any trainer that does
+//! not hold the same):
 //! - DiLoCo's bytes per round: what the trainers sent to the parameter server (up:
 //!   pseudo-gradients, model requests) and what they received of the global model (down:
 //!   models or changes from the server and, since a whole model of 16 MiB or more is

@@ -202,7 +202,8 @@ pub struct Evaluation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "action", rename_all = "snake_case")]
 pub enum TrainerOrder {
-    /// Send your initial model to the parameter server, then fetch the global model from it.
+    /// Offer the model you hold to the parameter server by its fingerprint (sending it whole
+    /// if the server asks), then take the global model it answers with.
     Join { parameter_server: String },
     /// Train round `round` until `batches` batches are done in it, then send the
     /// pseudo-gradient. A target at or below the batches already done means: sync now.
@@ -259,8 +260,8 @@ pub struct ServerStatus {
     /// The peers whose pseudo-gradients it takes, as the scheduler last named them.
     #[serde(default)]
     pub trainers: Vec<String>,
-    /// Peers that offered an initial model it holds, while it has no model: it adopts the
-    /// one the scheduler names.
+    /// Peers that offered an initial model (whole or by fingerprint), while it has no model:
+    /// it adopts the one the scheduler names.
     #[serde(default)]
     pub offered: Vec<String>,
     /// The standby it sends every round's model to, as the scheduler last named it.
@@ -399,8 +400,9 @@ pub enum ServerOrder {
     /// Take pseudo-gradients only from these peers (the job's trainers, and those that left
     /// during the round): sent whenever the status names others.
     Trainers { peers: Vec<String> },
-    /// Adopt the initial model `from` offered as the global model (and answer every offer
-    /// with it): the scheduler chooses the source, not whoever sends first.
+    /// Adopt the initial model `from` offered as the global model (asking `from` for it whole
+    /// if it offered it by fingerprint), and answer every offer ("held" where the offerer
+    /// holds the same model): the scheduler chooses the source, not whoever sends first.
     Adopt { from: String },
     /// Send every round's model (its change, or the whole model) to this standby from now
     /// on, starting with the whole current one; `None`: to nobody. Sent whenever the status

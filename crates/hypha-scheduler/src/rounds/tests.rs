@@ -205,7 +205,7 @@ fn the_first_round_begins_as_the_last_trainer_is_ready() {
 /// The server takes updates only from the trainers named to it, is told again when they
 /// change, and adopts the initial model of the trainer the scheduler picks, not of
 /// whoever offered first: the lowest job id once every trainer offered (or a while after the
-/// first did), kept once chosen.
+/// first did), kept once chosen, passed over when its model does not come.
 #[test]
 fn the_server_is_told_its_trainers_and_whose_initial_model_to_adopt() {
     let mut rounds = rounds_with(&[("job-b", "pb"), ("job-a", "pa")]);
@@ -247,8 +247,12 @@ fn the_server_is_told_its_trainers_and_whose_initial_model_to_adopt() {
     assert_eq!(slow.server_status(named.clone(), 1).0, ServerOrder::Wait);
     let (order, _, _) = slow.server_status(named.clone(), 1 + super::ADOPT_WAIT_MS);
     assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
-    let (order, _, _) = slow.server_status(both, 2 + super::ADOPT_WAIT_MS);
+    let (order, _, _) = slow.server_status(both.clone(), 2 + super::ADOPT_WAIT_MS);
     assert_eq!(order, ServerOrder::Adopt { from: "pb".into() });
+    // pb's model never comes: after ADOPT_UPLOAD_MS, pa is asked instead.
+    let late = 2 + super::ADOPT_WAIT_MS + super::ADOPT_UPLOAD_MS;
+    let (order, _, _) = slow.server_status(both, late);
+    assert_eq!(order, ServerOrder::Adopt { from: "pa".into() });
 
     rounds.trainer_started("job-c".into(), "pc".into());
     let (order, _, _) = rounds.server_status(named, 40);

@@ -2,9 +2,9 @@
 //! job.
 //!
 //! It takes files from the job's inbox (what the task's trainers send over the resource
-//! protocol, see [`transfer`](crate::bridge::transfer)): trainers' initial models (held
-//! while the server has none, until the scheduler names the one to adopt; answered with the
-//! global model) and pseudo-gradients (added to the round they were trained for, as they
+//! protocol, see [`transfer`](crate::bridge::transfer)): trainers' offers of their initial
+//! models (held while the server has none, until the scheduler names the one to adopt; see
+//! "What trainers get") and pseudo-gradients (added to the round they were trained for, as they
 //! arrive, or dropped when that round is closed; taken only from the trainers the scheduler
 //! named). It reports to the job's scheduler after every file and every [`REPORT_EVERY`],
 //! and does what the answer says: wait, take updates from these trainers, adopt this
@@ -101,9 +101,13 @@ const MODELS_DIR: &str = "models";
 /// directory (one file per peer, its last offer).
 const OFFERS_DIR: &str = "offers";
 /// How often the trainer whose initial model is to be adopted is asked for it while it does
-/// not come: a large model takes a while on its way, and its trainer answers no request
-/// while its last upload may be (`hypha-executor`'s `OFFER_AGAIN`).
+/// not come: the request or the upload may have been lost; a trainer answers no request that
+/// queued while its last upload ran (`hypha-executor`'s `OFFER_AGAIN`).
 const REQUEST_AGAIN: Duration = Duration::from_secs(5);
+
+/// Offers by fingerprint held at once (a hundred bytes each); further ones are refused until
+/// a model is adopted.
+const MAX_FINGERPRINTS: usize = 4096;
 
 /// Initial models held at once; offers from further peers are refused until one is adopted.
 const MAX_OFFERS: usize = 64;
@@ -721,8 +725,9 @@ impl ServerJob {
         .0
     }
 
-    /// Adopts the initial model `from` offered, as the scheduler said, and answers every
-    /// offer with it.
+    /// Adopts the initial model `from` offered, as the scheduler said (asking `from` for it
+    /// first when it offered it by fingerprint), and answers every offer: "held" to those
+    /// holding the same model, the model whole to the others.
     fn adopt(
         &self,
         server: &mut ParameterServer,
@@ -737,7 +742,7 @@ impl ServerJob {
         let Some(path) = peers.offers.get(from) else {
             match peers.fingerprints.get(from) {
                 // Offered by fingerprint: asked for it whole (again, while the scheduler
-                // names it and it does not come, every ANSWER_EVERY at most).
+                // names it and it does not come, every REQUEST_AGAIN).
                 Some(offered) => {
                     let now = std::time::Instant::now();
                     let recently = (peers.requested.as_ref()).is_some_and(|(peer, at)| {
@@ -802,6 +807,7 @@ impl ServerJob {
                 // Its next status no longer names it: the scheduler chooses another.
                 tracing::warn!(%from, %error, "refused the initial model the scheduler chose");
                 peers.fingerprints.remove(from);
+                peers.refused_initial.insert(from.to_string());
                 if let Some(path) = peers.offers.remove(from) {
                     let _ = std::fs::remove_file(path);
                 }
@@ -1229,6 +1235,9 @@ struct Peers {
     /// The offerer last asked for its model whole (the scheduler names it in every answer
     /// until it is adopted), and when.
     requested: Option<(String, std::time::Instant)>,
+    /// Offerers whose initial model was refused: their offers are not held again, so that the
+    /// scheduler names another.
+    refused_initial: std::collections::BTreeSet<String>,
 }
 
 /// A model an offerer holds, and the offer's name its answer echoes.
@@ -1242,6 +1251,10 @@ struct Fingerprint {
 impl Peers {
     /// Keeps `from`'s initial model (the file at `path`) until the scheduler names one.
     fn hold_offer(&mut self, dir: &Path, from: &str, path: &Path) {
+        if self.refused_initial.contains(from) {
+            let _ = std::fs::remove_file(path);
+            return;
+        }
         if self.offers.len() >= MAX_OFFERS && !self.offers.contains_key(from) {
             tracing::warn!(%from, "{MAX_OFFERS} initial models are waiting already: refused");
             let _ = std::fs::remove_file(path);
@@ -1294,10 +1307,14 @@ impl Peers {
     }
 
     /// Keeps `from`'s offer of the model `offered` (round, fingerprint) named `offer` until
-    /// the scheduler names the one to adopt; at most [`MAX_OFFERS`] offerers.
+    /// the scheduler names the one to adopt; at most [`MAX_FINGERPRINTS`] offerers, none whose
+    /// model was refused.
     fn hold_fingerprint(&mut self, from: &str, offered: (u64, &str), offer: Option<&str>) {
-        if self.fingerprints.len() >= MAX_OFFERS && !self.fingerprints.contains_key(from) {
-            tracing::warn!(%from, "{MAX_OFFERS} initial models are waiting already: refused");
+        if self.refused_initial.contains(from) {
+            return;
+        }
+        if self.fingerprints.len() >= MAX_FINGERPRINTS && !self.fingerprints.contains_key(from) {
+            tracing::warn!(%from, "{MAX_FINGERPRINTS} offers by fingerprint are waiting already: refused");
             return;
         }
         self.fingerprints.insert(
