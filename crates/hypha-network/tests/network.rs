@@ -458,18 +458,19 @@ async fn plain_libp2p_noise_peer_is_refused() {
     );
 }
 
-#[tokio::test]
-async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
-    let pki = Pki::new();
-    let (_gateway, gateway_addr) = gateway(&pki).await;
-    // Neither node listens on any address of its own: the relay circuit is the only way in.
-    let mut a_settings = settings("worker", false, std::slice::from_ref(&gateway_addr));
+/// A worker `a` and a scheduler `b` that listen on no address of their own, joined to the
+/// gateway at `gateway_addr`: the relay circuit is the only way in. Returned once `a` holds
+/// its reservation and `b` its gateway connection.
+async fn reachable_only_through_the_relay(
+    pki: &Pki,
+    gateway_addr: &Multiaddr,
+) -> (Network, Network) {
+    let mut a_settings = settings("worker", false, std::slice::from_ref(gateway_addr));
     a_settings.relay_circuit = true;
     let (a, _) = start(&pki.node("a"), pki.trust(), a_settings).await;
-    let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
+    let mut b_settings = settings("scheduler", false, std::slice::from_ref(gateway_addr));
     b_settings.relay_circuit = true;
     let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
-
     eventually("a's relay reservation", || async {
         a.listen_addresses()
             .await
@@ -483,6 +484,14 @@ async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
         (!b.connected_peers().await.unwrap().is_empty()).then_some(())
     })
     .await;
+    (a, b)
+}
+
+#[tokio::test]
+async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = gateway(&pki).await;
+    let (a, b) = reachable_only_through_the_relay(&pki, &gateway_addr).await;
 
     // No connect first: a request finds its way like a stream does (known addresses, the DHT,
     // then the relay), since b knows nothing of a but its ID.
@@ -517,23 +526,9 @@ async fn a_relayed_peer_gets_its_share_of_the_gateways_link_and_no_more() {
     let mut gateway_settings = settings("gateway", true, &[]);
     gateway_settings.relay_server = true;
     gateway_settings.peer_bytes_per_second = Some(1_000_000);
-    let (_gateway, _) = start(&pki.node("gateway"), pki.trust(), gateway_settings.clone()).await;
-    let gateway_addr = address_of(&_gateway).await;
-    let mut a_settings = settings("worker", false, std::slice::from_ref(&gateway_addr));
-    a_settings.relay_circuit = true;
-    let (a, _) = start(&pki.node("a"), pki.trust(), a_settings).await;
-    let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
-    b_settings.relay_circuit = true;
-    let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
-    eventually("a's relay reservation", || async {
-        a.listen_addresses()
-            .await
-            .unwrap()
-            .iter()
-            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
-            .then_some(())
-    })
-    .await;
+    let (gateway, _) = start(&pki.node("gateway"), pki.trust(), gateway_settings).await;
+    let gateway_addr = address_of(&gateway).await;
+    let (a, b) = reachable_only_through_the_relay(&pki, &gateway_addr).await;
 
     let protocol = StreamProtocol::new("/test/sink/1");
     let mut incoming = a.accept_streams(protocol.clone()).unwrap();

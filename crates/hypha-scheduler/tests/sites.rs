@@ -107,16 +107,7 @@ fn the_diloco_job_trains_across_three_sites_behind_nats() {
         ps.nat.starts_with("behind a NAT that keeps ports"),
         "{text}"
     );
-    assert_eq!(
-        ps.path_to(&cluster, "trainer0"),
-        Some("hole-punched"),
-        "{text}"
-    );
-    assert_eq!(
-        ps.path_to(&cluster, "trainer1"),
-        Some("hole-punched"),
-        "{text}"
-    );
+    assert_site_b_hole_punched(&cluster, &ps);
     assert_eq!(ps.path_to(&cluster, "trainer2"), Some("direct"), "{text}");
     assert!(!ps.paths.values().any(|p| p == "relayed"), "{text}");
 
@@ -197,15 +188,17 @@ fn behind_a_carrier_grade_nat_the_job_trains() {
     };
     let (cluster, mut nodes) = train_and_audit(&sites);
     let ps = probe_node(&cluster, &mut nodes, "ps", &sites.node(2, 1));
-    let text = &ps.text;
-    assert_eq!(
-        ps.path_to(&cluster, "trainer0"),
-        Some("hole-punched"),
-        "{text}"
-    );
-    assert_eq!(
-        ps.path_to(&cluster, "trainer1"),
-        Some("hole-punched"),
-        "{text}"
-    );
+    assert_site_b_hole_punched(&cluster, &ps);
+}
+
+/// The parameter server (`probed`) reaches both trainers of site B by hole punching.
+fn assert_site_b_hole_punched(cluster: &Cluster, probed: &Probed) {
+    for trainer in ["trainer0", "trainer1"] {
+        assert_eq!(
+            probed.path_to(cluster, trainer),
+            Some("hole-punched"),
+            "{}",
+            probed.text
+        );
+    }
 }
