@@ -826,7 +826,7 @@ fn check_cached(
     Ok(None)
 }
 
-async fn accept_swarm_streams(incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+async fn accept_swarm_streams(incoming: hypha_network::IncomingStreams, inner: Weak<Inner>) {
     hypha_network::frame::serve_each(incoming, |peer, mut stream| {
         let inner = inner.clone();
         Some(async move {
@@ -849,6 +849,8 @@ async fn accept_swarm_streams(incoming: libp2p_stream::IncomingStreams, inner: W
                 return;
             };
             if write_frame(&mut stream, &HelloReply::Welcome).await.is_ok() {
+                // Open while the peer is in the swarm; the peer opens it again when it is cut.
+                stream.set_long_lived();
                 let _ = events.send(Event::Joined { peer, stream }).await;
             }
         })
@@ -856,7 +858,7 @@ async fn accept_swarm_streams(incoming: libp2p_stream::IncomingStreams, inner: W
     .await;
 }
 
-async fn accept_chunk_streams(incoming: libp2p_stream::IncomingStreams, inner: Weak<Inner>) {
+async fn accept_chunk_streams(incoming: hypha_network::IncomingStreams, inner: Weak<Inner>) {
     hypha_network::frame::serve_each(incoming, |peer, stream| {
         let inner = inner.clone();
         Some(swarm::serve_chunk(stream, peer, move |id| {

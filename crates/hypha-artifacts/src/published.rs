@@ -183,7 +183,7 @@ impl Publications {
 
 /// Serves reads of published files until `incoming` ends or the publications are dropped.
 pub(crate) async fn accept(
-    incoming: libp2p_stream::IncomingStreams,
+    incoming: hypha_network::IncomingStreams,
     publications: Weak<Publications>,
 ) {
     hypha_network::frame::serve_each(incoming, |peer, stream| {

@@ -9,7 +9,7 @@ use libp2p::{
 };
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::{Trust, certified::CertifiedPeers};
+use crate::{IncomingStreams, Stream, Trust, certified::CertifiedPeers};
 
 /// Something the network could not do.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -276,6 +276,8 @@ pub struct Network {
     pub(crate) local_peer_id: PeerId,
     pub(crate) commands: mpsc::Sender<Command>,
     pub(crate) streams: libp2p_stream::Control,
+    /// What is under way with each peer; the streams opened and accepted here count in it.
+    pub(crate) in_flight: crate::in_flight::InFlight,
     pub(crate) peers: CertifiedPeers,
     pub(crate) trust: Trust,
     /// Every address the node listens on, kept current by the event loop.
@@ -503,27 +505,30 @@ impl Network {
         &self,
         peer: PeerId,
         protocol: StreamProtocol,
-    ) -> Result<libp2p::Stream, NetworkError> {
+    ) -> Result<Stream, NetworkError> {
         self.connect(peer).await?;
-        self.streams
+        let underway = self.in_flight.begin(peer);
+        let stream = self
+            .streams
             .clone()
             .open_stream(peer, protocol)
             .await
             .map_err(|e| NetworkError::Request {
                 peer,
                 failure: e.into(),
-            })
+            })?;
+        Ok(Stream::new(stream, underway))
     }
 
     /// Accepts inbound streams of `protocol`. Only one acceptor per protocol may exist.
     pub fn accept_streams(
         &self,
         protocol: StreamProtocol,
-    ) -> Result<libp2p_stream::IncomingStreams, NetworkError> {
-        self.streams
-            .clone()
+    ) -> Result<IncomingStreams, NetworkError> {
+        let incoming = (self.streams.clone())
             .accept(protocol.clone())
-            .map_err(|_| NetworkError::AcceptorTaken { protocol })
+            .map_err(|_| NetworkError::AcceptorTaken { protocol })?;
+        Ok(IncomingStreams::new(incoming, self.in_flight.clone()))
     }
 
     /// Closes every connection and stops the event loop.

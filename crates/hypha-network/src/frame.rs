@@ -7,10 +7,10 @@
 use std::time::Duration;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use libp2p::{PeerId, Stream, StreamProtocol};
+use libp2p::{PeerId, StreamProtocol};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
-use crate::{Network, NetworkError};
+use crate::{IncomingStreams, Network, NetworkError, Stream};
 
 /// Tries of [`ask`] whose stream was dropped before the answer, in all.
 pub const ASK_ATTEMPTS: u32 = 5;
@@ -121,10 +121,8 @@ pub async fn ask<Q: Serialize, A: DeserializeOwned>(
 /// loop owns: finished ones are reaped as new streams come, and the rest are aborted when the
 /// loop ends (`incoming` ends, `serve` answers `None` because what it serves is gone, or the
 /// loop's own task is aborted or dropped).
-pub async fn serve_each<Serve, Served>(
-    mut incoming: libp2p_stream::IncomingStreams,
-    mut serve: Serve,
-) where
+pub async fn serve_each<Serve, Served>(mut incoming: IncomingStreams, mut serve: Serve)
+where
     Serve: FnMut(PeerId, Stream) -> Option<Served>,
     Served: std::future::Future<Output = ()> + Send + 'static,
 {

@@ -24,6 +24,7 @@ mod client;
 pub mod dial_budget;
 mod event_loop;
 pub mod frame;
+mod in_flight;
 pub mod link_share;
 pub mod muxer;
 pub mod nat;
@@ -47,7 +48,8 @@ pub use client::{
 use futures::StreamExt;
 use hypha_certs::NodeIdentity;
 pub use hypha_certs::{Role, Roles};
-pub use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
+pub use in_flight::{IncomingStreams, Stream};
+pub use libp2p::{Multiaddr, PeerId, StreamProtocol};
 use libp2p::{
     Swarm, Transport as _,
     core::{transport::OrTransport, upgrade::Version},
@@ -185,12 +187,13 @@ pub async fn start(
         tokio::sync::watch::channel(swarm.listeners().cloned().collect());
     let (command_tx, command_rx) = mpsc::channel(COMMAND_QUEUE);
     let (inbound_tx, inbound_rx) = mpsc::channel(settings.inbound_request_queue.max(1));
+    let in_flight = in_flight::InFlight::default();
     let event_loop = event_loop::EventLoop::new(
         swarm,
         (command_tx.downgrade(), command_rx),
         inbound_tx,
         settings,
-        peers.clone(),
+        (peers.clone(), in_flight.clone()),
         reach,
         (listening_tx, configured, dialed_from),
     );
@@ -212,6 +215,7 @@ pub async fn start(
             local_peer_id,
             commands: command_tx,
             streams,
+            in_flight,
             peers,
             trust,
             listening,

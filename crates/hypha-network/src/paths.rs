@@ -8,11 +8,14 @@
 //! - A connect that ends on a relayed connection waits for a direct one for at most
 //!   [`PUNCH_WINDOW`] (a hole punch takes a few round trips), so that the application's first
 //!   requests and streams do not start on the relay.
-//! - Once a direct connection exists, the peer's relayed connections are closed: everything
-//!   goes direct. Inside the window nothing of the application's runs on the relay yet, so it
-//!   is closed at once; a direct connection that comes after the window (DCUtR tries three
-//!   times) leaves the relay [`DRAIN`] to finish what it carries. Lost, a direct connection
-//!   is replaced by the next connect like any other (known addresses, the DHT, a relay).
+//! - Once a direct connection exists, the peer's relayed connections are retired: each closes
+//!   as soon as nothing of the application's is under way with the peer (requests either way,
+//!   open streams; the caller says, see `in_flight`), so that no request, answer or transfer is
+//!   cut because a punch succeeded, and everything after goes direct. Inside the window nothing
+//!   is under way yet, so the relay closes at once; a direct connection that comes after the
+//!   window (DCUtR tries three times) lets the relay finish what it carries, for at most
+//!   [`RETIRE_AT_MOST`]. Lost, a direct connection is replaced by the next connect like any
+//!   other (known addresses, the DHT, a relay), and a relay still retiring is kept after all.
 //! - Two peers that reach for each other at the same moment make two relayed connections, one
 //!   each way, and DCUtR would run on both: each side then dials the other from its listen port
 //!   twice, once as TLS client and once as server, and the simultaneous opens can pair two
@@ -35,9 +38,10 @@ use serde::{Deserialize, Serialize};
 
 /// How long a connect that reached a peer only through a relay waits for a direct connection.
 pub const PUNCH_WINDOW: Duration = Duration::from_secs(4);
-/// How long a relayed connection that carried traffic stays open beside a new direct one, to
-/// finish what it carries (a transfer cut after it is sent again by its sender).
-pub const DRAIN: Duration = Duration::from_secs(30);
+/// How long a relayed connection stays open beside a direct one while its peer keeps something
+/// under way: a peer that is never quiet must not hold half of its traffic on the relay (a
+/// transfer cut then is sent again by its sender, over the direct connection).
+pub const RETIRE_AT_MOST: Duration = Duration::from_secs(300);
 
 /// How a peer is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,18 +65,16 @@ impl std::fmt::Display for Path {
     }
 }
 
-/// What the event loop does after a connection came up.
+/// What the event loop does after a connection came up. Relayed connections made needless
+/// (by a direct one, or a duplicate) are retired: [`Paths::retire`] says when to close them.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Established<W> {
-    /// Only relayed so far: the connects wait (the event loop parks them here); `close` are
-    /// relayed connections to the same peer that are not kept.
-    Wait { close: Vec<ConnectionId> },
-    /// The peer is reached directly: close `close` (relayed connections a direct one makes
-    /// needless; those that carried traffic come later from [`Paths::expire`]) and release
-    /// the waiting connects. `after_relay`: how long the peer was reached only through a relay
-    /// before this direct connection came inside the window.
+    /// Only relayed so far: the connects wait (the event loop parks them here).
+    Wait,
+    /// The peer is reached directly: release the waiting connects. `after_relay`: how long the
+    /// peer was reached only through a relay before this direct connection came inside the
+    /// window.
     Direct {
-        close: Vec<ConnectionId>,
         waiting: Vec<W>,
         after_relay: Option<Duration>,
     },
@@ -98,21 +100,13 @@ pub struct StaysRelayed<W> {
     pub failure: Option<String>,
 }
 
-/// What time did: windows that ended without a direct connection, and relayed connections
-/// whose [`DRAIN`] is over.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Expired<W> {
-    pub stay_relayed: Vec<StaysRelayed<W>>,
-    pub close: Vec<ConnectionId>,
-}
-
 /// Every connected peer's connections, and the connects waiting for a direct one; `W` is what
 /// a waiting connect is (a reply channel in the event loop).
 #[derive(Debug)]
 pub struct Paths<W> {
     peers: HashMap<PeerId, PeerState<W>>,
-    /// Relayed connections beside a direct one, and when they are closed.
-    draining: Vec<(ConnectionId, Instant)>,
+    /// Relayed connections that are not needed any more: their peer, and since when.
+    retiring: HashMap<ConnectionId, (PeerId, Instant)>,
 }
 
 #[derive(Debug)]
@@ -144,7 +138,7 @@ impl<W> Default for Paths<W> {
     fn default() -> Self {
         Paths {
             peers: HashMap::new(),
-            draining: Vec::new(),
+            retiring: HashMap::new(),
         }
     }
 }
@@ -168,53 +162,37 @@ impl<W> Paths<W> {
             if !state.direct.is_empty() {
                 // A direct connection is there already: this one is not needed.
                 waiting.append(&mut state.waiting);
+                self.retiring.insert(id, (peer, now));
                 return Established::Direct {
-                    close: vec![id],
                     waiting,
                     after_relay: None,
                 };
             }
             let kept_exists = state.relayed.values().any(|kept| *kept);
             let others_exist = state.relayed.values().any(|kept| !*kept);
-            let close = if dialled_by_smaller_id && others_exist {
-                let others: Vec<ConnectionId> = state
-                    .relayed
-                    .iter()
-                    .filter(|(_, kept)| !**kept)
-                    .map(|(id, _)| *id)
-                    .collect();
-                state.relayed.retain(|_, kept| *kept);
+            if dialled_by_smaller_id && others_exist {
+                for (other, _) in state.relayed.extract_if(|_, kept| !*kept) {
+                    self.retiring.insert(other, (peer, now));
+                }
                 state.relayed.insert(id, true);
-                others
             } else if !dialled_by_smaller_id && kept_exists {
-                vec![id]
+                self.retiring.insert(id, (peer, now));
             } else {
                 state.relayed.insert(id, dialled_by_smaller_id);
-                Vec::new()
-            };
+            }
             state.relayed_since.get_or_insert(now);
             state.waiting.append(&mut waiting);
-            return Established::Wait { close };
+            return Established::Wait;
         }
         state.direct.insert(id);
         waiting.append(&mut state.waiting);
-        let relayed: Vec<ConnectionId> = state.relayed.keys().copied().collect();
-        match state.relayed_since.take() {
-            // Inside the window: nothing of the application's is on the relay yet.
-            Some(since) => Established::Direct {
-                close: relayed,
-                waiting,
-                after_relay: Some(now.duration_since(since)),
-            },
-            None => {
-                self.draining
-                    .extend(relayed.iter().map(|relayed| (*relayed, now + DRAIN)));
-                Established::Direct {
-                    close: Vec::new(),
-                    waiting,
-                    after_relay: None,
-                }
-            }
+        for relayed in state.relayed.keys() {
+            self.retiring.entry(*relayed).or_insert((peer, now));
+        }
+        Established::Direct {
+            waiting,
+            // Inside the window: the connects waited for this.
+            after_relay: (state.relayed_since.take()).map(|since| now.duration_since(since)),
         }
     }
 
@@ -240,7 +218,7 @@ impl<W> Paths<W> {
 
     /// Connection `id` to `peer` closed.
     pub fn closed(&mut self, peer: PeerId, id: ConnectionId) {
-        self.draining.retain(|(draining, _)| *draining != id);
+        self.retiring.remove(&id);
         let Some(state) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -248,6 +226,9 @@ impl<W> Paths<W> {
         state.relayed.remove(&id);
         if state.direct.is_empty() {
             state.hole_punched = false;
+            // The direct connection is gone: the relay it replaced is the way to the peer again.
+            self.retiring
+                .retain(|relayed, _| !state.relayed.contains_key(relayed));
         }
         // The other side may close the relayed connection as soon as its own direct one is
         // up, a moment before this side's is: the window stays open for it.
@@ -274,18 +255,9 @@ impl<W> Paths<W> {
         }
     }
 
-    /// The peers whose window closed without a direct connection by `now` (their connects go
-    /// on through the relay), and the relayed connections whose drain is over.
-    pub fn expire(&mut self, now: Instant) -> Expired<W> {
-        let mut close = Vec::new();
-        self.draining.retain(|(id, due)| {
-            let over = *due <= now;
-            if over {
-                close.push(*id);
-            }
-            !over
-        });
-        let mut ended = Vec::new();
+    /// The peers whose window closed without a direct connection by `now`: their connects go
+    /// on through the relay.
+    pub fn expire(&mut self, now: Instant) -> Vec<StaysRelayed<W>> {
         self.peers.retain(|_, state| {
             !(state.direct.is_empty()
                 && state.relayed.is_empty()
@@ -294,6 +266,7 @@ impl<W> Paths<W> {
                     .relayed_since
                     .is_none_or(|since| now.duration_since(since) >= PUNCH_WINDOW))
         });
+        let mut ended = Vec::new();
         for (peer, state) in &mut self.peers {
             let Some(since) = state.relayed_since else {
                 continue;
@@ -307,10 +280,18 @@ impl<W> Paths<W> {
                 });
             }
         }
-        Expired {
-            stay_relayed: ended,
-            close,
-        }
+        ended
+    }
+
+    /// The retired relayed connections to close now: those whose peer is `quiet` (nothing of
+    /// the application's under way with it), and those retired [`RETIRE_AT_MOST`] ago.
+    pub fn retire(&mut self, now: Instant, quiet: impl Fn(&PeerId) -> bool) -> Vec<ConnectionId> {
+        self.retiring
+            .extract_if(|_, (peer, since)| {
+                quiet(peer) || now.duration_since(*since) >= RETIRE_AT_MOST
+            })
+            .map(|(id, _)| id)
+            .collect()
     }
 
     /// How `peer` is reached, if it is connected.
@@ -364,19 +345,17 @@ mod tests {
         paths.established(peer, mine, RELAYED, Vec::new(), t0);
         assert_eq!(
             paths.established(peer, theirs, theirs_kind, Vec::new(), t0),
-            Established::Wait {
-                close: vec![theirs]
-            }
+            Established::Wait
         );
+        assert_eq!(paths.retire(t0, |_| true), vec![theirs]);
         // Theirs first: it is closed when mine comes.
         let mut paths = Paths::<&str>::default();
         paths.established(peer, theirs, theirs_kind, Vec::new(), t0);
         assert_eq!(
             paths.established(peer, mine, RELAYED, Vec::new(), t0),
-            Established::Wait {
-                close: vec![theirs]
-            }
+            Established::Wait
         );
+        assert_eq!(paths.retire(t0, |_| true), vec![theirs]);
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
     }
 
@@ -395,7 +374,7 @@ mod tests {
         let t0 = Instant::now();
         assert_eq!(
             paths.established(peer, relayed, RELAYED, vec!["first"], t0),
-            Established::Wait { close: Vec::new() }
+            Established::Wait
         );
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
         // A second connect finds the peer connected, but only through the relay: it waits.
@@ -413,10 +392,14 @@ mod tests {
                 t0 + Duration::from_secs(1)
             ),
             Established::Direct {
-                close: vec![relayed],
                 waiting: vec!["first", "second"],
                 after_relay: Some(Duration::from_secs(1)),
             }
+        );
+        // Nothing is under way inside the window: the relay closes at once.
+        assert_eq!(
+            paths.retire(t0 + Duration::from_secs(1), |_| true),
+            vec![relayed]
         );
         paths.closed(peer, relayed);
         assert_eq!(paths.path(&peer), Some(Path::HolePunched));
@@ -425,12 +408,11 @@ mod tests {
             paths.connect(peer, "third", t0 + Duration::from_secs(2)),
             Some("third")
         );
-        assert_eq!(
-            paths.expire(t0 + Duration::from_secs(60)),
-            Expired {
-                stay_relayed: Vec::new(),
-                close: Vec::new()
-            }
+        assert!(paths.expire(t0 + Duration::from_secs(60)).is_empty());
+        assert!(
+            paths
+                .retire(t0 + Duration::from_secs(60), |_| true)
+                .is_empty()
         );
     }
 
@@ -441,9 +423,9 @@ mod tests {
         let (relayed, _) = ids();
         let t0 = Instant::now();
         paths.established(peer, relayed, RELAYED, vec!["first"], t0);
-        assert!(paths.expire(t0 + PUNCH_WINDOW / 2).stay_relayed.is_empty());
+        assert!(paths.expire(t0 + PUNCH_WINDOW / 2).is_empty());
         assert_eq!(
-            paths.expire(t0 + PUNCH_WINDOW).stay_relayed,
+            paths.expire(t0 + PUNCH_WINDOW),
             vec![StaysRelayed {
                 peer,
                 waiting: vec!["first"],
@@ -451,7 +433,7 @@ mod tests {
             }]
         );
         // Said once; later connects use the relay at once.
-        assert!(paths.expire(t0 + PUNCH_WINDOW * 2).stay_relayed.is_empty());
+        assert!(paths.expire(t0 + PUNCH_WINDOW * 2).is_empty());
         assert_eq!(
             paths.connect(peer, "later", t0 + PUNCH_WINDOW * 2),
             Some("later")
@@ -476,14 +458,14 @@ mod tests {
                 failure: Some("Giving up after 3 dial attempts".into()),
             })
         );
-        assert!(paths.expire(t0 + PUNCH_WINDOW).stay_relayed.is_empty());
+        assert!(paths.expire(t0 + PUNCH_WINDOW).is_empty());
         assert_eq!(paths.connect(peer, "later", t0), Some("later"));
     }
 
     /// A hole punch that succeeds after the window finds the relay carrying traffic: it is
-    /// closed only after the drain.
+    /// closed once its peer is quiet, or after [`RETIRE_AT_MOST`] whatever it carries.
     #[test]
-    fn a_relay_that_carried_traffic_drains_before_it_is_closed() {
+    fn a_relay_that_carries_traffic_is_closed_once_its_peer_is_quiet() {
         let mut paths = Paths::<&str>::default();
         let peer = PeerId::random();
         let (relayed, direct) = ids();
@@ -494,14 +476,42 @@ mod tests {
         assert_eq!(
             paths.established(peer, direct, Kind::Direct, Vec::new(), late),
             Established::Direct {
-                close: Vec::new(),
                 waiting: Vec::new(),
                 after_relay: None,
             }
         );
-        assert!(paths.expire(late + DRAIN / 2).close.is_empty());
-        assert_eq!(paths.expire(late + DRAIN).close, vec![relayed]);
-        assert!(paths.expire(late + DRAIN * 2).close.is_empty());
+        assert_eq!(paths.path(&peer), Some(Path::Direct));
+        let busy = |_: &PeerId| false;
+        assert!(paths.retire(late, busy).is_empty());
+        assert!(paths.retire(late + RETIRE_AT_MOST / 2, busy).is_empty());
+        assert_eq!(
+            paths.retire(late + RETIRE_AT_MOST / 2, |p| *p == peer),
+            vec![relayed]
+        );
+        assert!(paths.retire(late + RETIRE_AT_MOST * 2, |_| true).is_empty());
+
+        // Never quiet: closed all the same once its time is up.
+        let mut paths = Paths::<&str>::default();
+        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
+        paths.expire(t0 + PUNCH_WINDOW);
+        paths.established(peer, direct, Kind::Direct, Vec::new(), late);
+        assert_eq!(paths.retire(late + RETIRE_AT_MOST, busy), vec![relayed]);
+    }
+
+    /// The direct connection is lost while the relay it replaced still finishes its work: the
+    /// relay is the way to the peer again, and is kept.
+    #[test]
+    fn a_retiring_relay_is_kept_when_the_direct_connection_is_lost() {
+        let mut paths = Paths::<&str>::default();
+        let peer = PeerId::random();
+        let (relayed, direct) = ids();
+        let t0 = Instant::now();
+        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
+        paths.expire(t0 + PUNCH_WINDOW);
+        paths.established(peer, direct, Kind::Direct, Vec::new(), t0 + PUNCH_WINDOW);
+        paths.closed(peer, direct);
+        assert_eq!(paths.path(&peer), Some(Path::Relayed));
+        assert!(paths.retire(t0 + RETIRE_AT_MOST * 2, |_| true).is_empty());
     }
 
     /// Two relayed connections dialled by the same side (through two gateways) are both kept:
@@ -518,12 +528,13 @@ mod tests {
         paths.established(peer, one, theirs, Vec::new(), t0);
         assert_eq!(
             paths.established(peer, two, theirs, Vec::new(), t0),
-            Established::Wait { close: Vec::new() }
+            Established::Wait
         );
+        assert!(paths.retire(t0, |_| true).is_empty());
     }
 
     #[test]
-    fn a_relayed_connection_next_to_a_direct_one_is_closed_at_once() {
+    fn a_relayed_connection_next_to_a_direct_one_is_closed_once_quiet() {
         let mut paths = Paths::default();
         let peer = PeerId::random();
         let (relayed, direct) = ids();
@@ -531,7 +542,6 @@ mod tests {
         assert_eq!(
             paths.established(peer, direct, Kind::Direct, vec!["a"], t0),
             Established::Direct {
-                close: Vec::new(),
                 waiting: vec!["a"],
                 after_relay: None,
             }
@@ -539,11 +549,11 @@ mod tests {
         assert_eq!(
             paths.established(peer, relayed, RELAYED, vec!["b"], t0),
             Established::Direct {
-                close: vec![relayed],
                 waiting: vec!["b"],
                 after_relay: None,
             }
         );
+        assert_eq!(paths.retire(t0, |_| true), vec![relayed]);
         assert_eq!(paths.path(&peer), Some(Path::Direct));
         paths.closed(peer, direct);
         paths.closed(peer, relayed);
@@ -571,7 +581,6 @@ mod tests {
                 t0 + Duration::from_millis(5)
             ),
             Established::Direct {
-                close: Vec::new(),
                 waiting: vec!["first"],
                 after_relay: Some(Duration::from_millis(5)),
             }

@@ -10,7 +10,7 @@ use hypha_certs::{
     authority::{self, Authority, Reason, Validity},
 };
 use hypha_network::{
-    InboundRequest, Network, NetworkError, RequestFailure, Settings, StreamProtocol,
+    InboundRequest, Network, NetworkError, RequestFailure, Settings, StreamProtocol, paths::Path,
 };
 use libp2p::{Multiaddr, PeerId, multiaddr::Protocol};
 use tokio::sync::mpsc;
@@ -516,6 +516,121 @@ async fn nodes_without_direct_reachability_talk_through_the_gateway_relay() {
     let mut echoed = Vec::new();
     stream.read_to_end(&mut echoed).await.unwrap();
     assert_eq!(echoed, payload);
+}
+
+/// A direct connection that comes after the punch window finds a request and a stream under
+/// way on the relay: neither is cut. The relay stays until they are done (before, it was closed
+/// 30 s after the direct connection came, whatever it carried: the stream below broke then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_under_way_on_a_relay_outlives_the_direct_connection_that_replaces_it() {
+    let pki = Pki::new();
+    let (_gateway, gateway_addr) = gateway(&pki).await;
+    // a listens where b never dials (b excludes it), so b reaches a through the relay; the
+    // direct connection comes when the test opens a way: a forwarder to a's port that b dials.
+    let mut a_settings = settings("worker", false, std::slice::from_ref(&gateway_addr));
+    a_settings.listen_addresses = vec!["/ip4/127.0.0.2/tcp/0".parse().unwrap()];
+    a_settings.relay_circuit = true;
+    let (a, mut a_inbound) = start(&pki.node("a"), pki.trust(), a_settings).await;
+    let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
+    b_settings.exclude_cidr = vec!["127.0.0.2/32".parse().unwrap()];
+    let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
+    eventually("a's relay reservation", || async {
+        a.listen_addresses()
+            .await
+            .unwrap()
+            .iter()
+            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
+            .then_some(())
+    })
+    .await;
+    let protocol = StreamProtocol::new("/test/echo-lines/1");
+    let mut incoming = a.accept_streams(protocol.clone()).unwrap();
+    tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            let mut byte = [0u8; 1];
+            while stream.read_exact(&mut byte).await.is_ok() {
+                if stream.write_all(&byte).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let echo = async |stream: &mut hypha_network::Stream, byte: u8| {
+        stream.write_all(&[byte]).await?;
+        let mut back = [0u8; 1];
+        stream.read_exact(&mut back).await?;
+        assert_eq!(back, [byte]);
+        std::io::Result::Ok(())
+    };
+
+    // b reaches a only through the relay (a has no address of its own), past the window.
+    let mut stream = b.open_stream(a.local_peer_id(), protocol).await.unwrap();
+    echo(&mut stream, 1).await.unwrap();
+    let path_to_a = async || {
+        let paths = b.paths().await.unwrap();
+        paths
+            .into_iter()
+            .find(|(peer, _)| *peer == a.local_peer_id())
+            .map(|(_, path)| path)
+    };
+    assert_eq!(path_to_a().await, Some(Path::Relayed));
+    let request = {
+        let b = b.clone();
+        let a = a.local_peer_id();
+        tokio::spawn(async move { b.request(a, cancel()).await })
+    };
+    let asked = a_inbound.recv().await.unwrap();
+
+    // Now a direct connection: b dials a through the forwarder.
+    let a_port = a
+        .listen_addresses()
+        .await
+        .unwrap()
+        .into_iter()
+        .find_map(|address| {
+            address.iter().find_map(|p| match p {
+                Protocol::Tcp(port) if !address.iter().any(|p| p == Protocol::P2pCircuit) => {
+                    Some(port)
+                }
+                _ => None,
+            })
+        });
+    let forwarder = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let forwarded = forwarder.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = forwarder.accept().await {
+            let a_port = a_port.expect("a listens on a TCP port");
+            let mut to_a = tokio::net::TcpStream::connect(("127.0.0.2", a_port))
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut to_a).await;
+            });
+        }
+    });
+    let through_forwarder: Multiaddr =
+        format!("/ip4/127.0.0.1/tcp/{forwarded}/p2p/{}", a.local_peer_id())
+            .parse()
+            .unwrap();
+    b.dial(through_forwarder).await.unwrap();
+    eventually("b reaches a directly", || async {
+        (path_to_a().await == Some(Path::Direct)).then_some(())
+    })
+    .await;
+    asked
+        .responder
+        .respond(hypha_messages::Response::Ack)
+        .await
+        .unwrap();
+    let answer = request.await.unwrap();
+    assert!(
+        answer.is_ok(),
+        "the request under way is answered: {answer:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(32)).await;
+    echo(&mut stream, 2)
+        .await
+        .expect("the stream under way still runs");
 }
 
 /// A gateway bounds what one peer puts through its relay: 3 MB relayed at a share of 1 MB/s

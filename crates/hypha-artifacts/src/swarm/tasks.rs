@@ -219,6 +219,8 @@ pub(super) async fn write_to(
         if reply == HelloReply::NotMember {
             return Err("not a member".into());
         }
+        // Open while both are in the swarm; opened again (a new generation) when it is cut.
+        stream.set_long_lived();
         // A member that stops reading is left, not waited for.
         let mut send = async |message: &SwarmMessage| {
             tokio::time::timeout(PEER_TIMEOUT, write_frame(&mut stream, message))

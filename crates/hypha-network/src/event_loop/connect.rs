@@ -203,25 +203,22 @@ impl EventLoop {
         } else {
             Kind::Direct
         };
-        let (close, waiting, after_relay) = match self.paths.established(
+        let (waiting, after_relay) = match self.paths.established(
             peer,
             id,
             kind,
             waiting,
             Instant::now(),
         ) {
-            Established::Wait { close } => {
-                tracing::debug!(%peer, duplicates = close.len(), "reached through a relay; waiting for a direct connection");
-                for connection in close {
-                    self.swarm.close_connection(connection);
-                }
+            Established::Wait => {
+                tracing::debug!(%peer, "reached through a relay; waiting for a direct connection");
+                self.close_retired();
                 return;
             }
             Established::Direct {
-                close,
                 waiting,
                 after_relay,
-            } => (close, waiting, after_relay),
+            } => (waiting, after_relay),
         };
         if let Some(after) = after_relay {
             tracing::info!(%peer, after_ms = after.as_millis(), "a direct connection replaces the relayed one");
@@ -242,23 +239,27 @@ impl EventLoop {
                     .insert(address.clone());
             }
         }
-        for connection in close {
-            self.swarm.close_connection(connection);
-        }
+        self.close_retired();
         for reply in waiting {
             let _ = reply.send(Ok(()));
         }
     }
 
     /// Connects whose window for a direct connection closed go on through the relay, and
-    /// relayed connections whose drain is over close.
+    /// retired relayed connections close once done.
     pub(super) fn end_punch_windows(&mut self) {
-        let expired = self.paths.expire(Instant::now());
-        for connection in expired.close {
-            self.swarm.close_connection(connection);
-        }
-        for ended in expired.stay_relayed {
+        for ended in self.paths.expire(Instant::now()) {
             self.stays_relayed(ended);
+        }
+        self.close_retired();
+    }
+
+    /// Closes the retired relayed connections whose peer has nothing under way any more (or
+    /// that carried it for too long).
+    pub(super) fn close_retired(&mut self) {
+        let in_flight = &self.in_flight;
+        for connection in (self.paths).retire(Instant::now(), |peer| in_flight.is_quiet(peer)) {
+            self.swarm.close_connection(connection);
         }
     }
 

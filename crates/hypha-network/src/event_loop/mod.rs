@@ -45,6 +45,7 @@ use crate::{
     behaviour::{Behaviour, BehaviourEvent, peer_id_of},
     certified::CertifiedPeers,
     client::{Command, GossipFailure, GossipMessage, InboundRequest, NetworkError},
+    in_flight::{InFlight, Underway},
     nat::NatBelief,
     paths::Paths,
     reach::Reach,
@@ -85,7 +86,13 @@ pub(crate) struct EventLoop {
     pending_dials: HashMap<ConnectionId, Reply<PeerId>>,
     pending_connects: HashMap<PeerId, PendingConnect>,
     pending_lookups: HashMap<kad::QueryId, PeerId>,
-    pending_requests: HashMap<request_response::OutboundRequestId, (PeerId, Reply<Response>)>,
+    pending_requests:
+        HashMap<request_response::OutboundRequestId, (PeerId, Reply<Response>, Underway)>,
+    /// Requests from peers not answered yet (the answer is on its way until `ResponseSent`).
+    answering: HashMap<request_response::InboundRequestId, Underway>,
+    /// What the application has under way with each peer: a relayed connection a direct one
+    /// replaced is closed only once its peer is quiet.
+    in_flight: InFlight,
     pending_providers: HashMap<kad::QueryId, (HashSet<PeerId>, Reply<HashSet<PeerId>>)>,
     pending_start_providing: HashMap<kad::QueryId, Reply<()>>,
     pending_bootstrap: HashMap<kad::QueryId, Reply<()>>,
@@ -129,7 +136,7 @@ impl EventLoop {
         commands: (mpsc::WeakSender<Command>, mpsc::Receiver<Command>),
         inbound: mpsc::Sender<InboundRequest>,
         settings: Settings,
-        peers: CertifiedPeers,
+        (peers, in_flight): (CertifiedPeers, InFlight),
         reach: Reach,
         (listening, configured, dialed_from): (
             watch::Sender<Vec<Multiaddr>>,
@@ -163,6 +170,8 @@ impl EventLoop {
             pending_connects: HashMap::new(),
             pending_lookups: HashMap::new(),
             pending_requests: HashMap::new(),
+            answering: HashMap::new(),
+            in_flight,
             pending_providers: HashMap::new(),
             pending_start_providing: HashMap::new(),
             pending_bootstrap: HashMap::new(),
@@ -444,7 +453,8 @@ impl EventLoop {
                 reply,
             } => {
                 let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
-                self.pending_requests.insert(id, (peer, reply));
+                let underway = self.in_flight.begin(peer);
+                self.pending_requests.insert(id, (peer, reply, underway));
             }
             Command::Respond { channel, response } => {
                 // Fails only when the peer gave up waiting; nothing else to do then.

@@ -239,31 +239,49 @@ impl EventLoop {
         match event {
             request_response::Event::Message { peer, message, .. } => match message {
                 request_response::Message::Request {
-                    request, channel, ..
-                } => self.on_inbound_request(peer, request, channel),
+                    request_id,
+                    request,
+                    channel,
+                } => {
+                    self.answering
+                        .insert(request_id, self.in_flight.begin(peer));
+                    self.on_inbound_request(peer, request, channel);
+                }
                 request_response::Message::Response {
                     request_id,
                     response,
                 } => {
-                    if let Some((_, reply)) = self.pending_requests.remove(&request_id) {
+                    if let Some((_, reply, _)) = self.pending_requests.remove(&request_id) {
                         let _ = reply.send(Ok(response.body));
                     }
+                    self.close_retired();
                 }
             },
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
-                if let Some((peer, reply)) = self.pending_requests.remove(&request_id) {
+                if let Some((peer, reply, _)) = self.pending_requests.remove(&request_id) {
                     let _ = reply.send(Err(NetworkError::Request {
                         peer,
                         failure: error.into(),
                     }));
                 }
+                self.close_retired();
             }
-            request_response::Event::InboundFailure { peer, error, .. } => {
+            request_response::Event::InboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => {
                 tracing::debug!(%peer, %error, "an inbound request failed");
+                self.answering.remove(&request_id);
+                self.close_retired();
             }
-            request_response::Event::ResponseSent { .. } => {}
+            request_response::Event::ResponseSent { request_id, .. } => {
+                self.answering.remove(&request_id);
+                self.close_retired();
+            }
         }
     }
 
