@@ -77,6 +77,11 @@ pub enum Request {
     Iterate(iterate::IterateRequest),
     /// Where an iteration stands (anyone → the ledger's node; answered `Progress`).
     Progress { iteration: String },
+    /// The asker's public IPs, as gateways observe them: a peer behind the same NAT answers
+    /// with the private addresses it listens on, anyone else with none (any peer → any peer,
+    /// over a relayed connection; answered `Neighbour`). Private addresses are told only this
+    /// way, never announced.
+    Neighbour { public_ips: Vec<String> },
 }
 
 impl Request {
@@ -95,6 +100,7 @@ impl Request {
             Request::ExecutorStatus { .. } => "executor_status",
             Request::Iterate(_) => "iterate",
             Request::Progress { .. } => "progress",
+            Request::Neighbour { .. } => "neighbour",
         }
     }
 }
@@ -113,6 +119,10 @@ pub enum Response {
     },
     Iterate(iterate::IterateGrant),
     Progress(iterate::IterationProgress),
+    /// The private addresses a peer behind the asker's NAT listens on (empty from others).
+    Neighbour {
+        addresses: Vec<String>,
+    },
     Error(Error),
 }
 

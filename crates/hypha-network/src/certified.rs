@@ -120,6 +120,9 @@ pub fn required_role(request: &Request) -> Option<Role> {
         | Request::JobStatus(_)
         | Request::ExecutorStatus { .. }
         | Request::Iterate(_) => Some(Role::Worker),
-        Request::Health | Request::Manifest { .. } | Request::Progress { .. } => None,
+        Request::Health
+        | Request::Manifest { .. }
+        | Request::Progress { .. }
+        | Request::Neighbour { .. } => None,
     }
 }

@@ -508,15 +508,17 @@ impl Network {
     ) -> Result<Stream, NetworkError> {
         self.connect(peer).await?;
         let underway = self.in_flight.begin(peer);
-        let stream = self
-            .streams
-            .clone()
-            .open_stream(peer, protocol)
-            .await
-            .map_err(|e| NetworkError::Request {
-                peer,
-                failure: e.into(),
-            })?;
+        let mut control = self.streams.clone();
+        let mut opened = control.open_stream(peer, protocol.clone()).await;
+        if let Err(libp2p_stream::OpenStreamError::Io(_)) = &opened {
+            // The connection it took may be a relay closing as a direct one replaces it;
+            // nothing went over the stream yet, so opening it again is safe.
+            opened = control.open_stream(peer, protocol).await;
+        }
+        let stream = opened.map_err(|e| NetworkError::Request {
+            peer,
+            failure: e.into(),
+        })?;
         Ok(Stream::new(stream, underway))
     }
 

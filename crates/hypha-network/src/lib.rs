@@ -28,6 +28,7 @@ mod in_flight;
 pub mod link_share;
 pub mod muxer;
 pub mod nat;
+pub mod neighbours;
 pub mod paths;
 pub mod port_move;
 pub mod rate;
@@ -276,23 +277,7 @@ pub(crate) fn announce_listen_address(
     reach: &reach::Reach,
     address: Multiaddr,
 ) {
-    if address
-        .iter()
-        .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit))
-    {
-        return;
-    }
-    let announce = match reach::Scope::of_address(&address) {
-        Some(reach::Scope::Public) => true,
-        // Container and VM bridges carry the same addresses on every machine (docker0 is
-        // 172.17.0.1 everywhere): a peer dialling one reaches its own machine.
-        Some(reach::Scope::Private) => {
-            !reach::first_ip(&address).is_some_and(reach::on_virtual_bridge)
-        }
-        Some(reach::Scope::Loopback) => reach.one_machine(),
-        Some(reach::Scope::Unspecified) | None => false,
-    };
-    if announce && reach.check(&address) != Err(reach::Unreachable::Excluded) {
+    if reach.announces(&address) {
         swarm.add_external_address(address);
     }
 }

@@ -190,6 +190,15 @@ impl NatBelief {
             && local_port.is_none_or(|local| local == port)
     }
 
+    /// This node's public IPs: those it listens on, and those gateways observed its dials
+    /// come from (its NAT's).
+    pub fn public_ips(&self) -> HashSet<std::net::IpAddr> {
+        let listening = self.listening.iter().filter_map(first_ip);
+        (listening.filter(|ip| Scope::of(*ip) == Scope::Public))
+            .chain(self.observed.values().map(|o| o.ip))
+            .collect()
+    }
+
     /// The ports this node listens on.
     pub fn listen_ports(&self) -> HashSet<u16> {
         self.listening.iter().filter_map(tcp_port).collect()

@@ -80,6 +80,15 @@ pub enum Established<W> {
     },
 }
 
+/// Retired relayed connections to close: `quiet` ones carry nothing (a request on its way
+/// over one when it closes was not taken, and may be sent again), `overdue` ones carried
+/// something for too long.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Retired {
+    pub quiet: Vec<ConnectionId>,
+    pub overdue: Vec<ConnectionId>,
+}
+
 /// How a connection reaches its peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -285,13 +294,24 @@ impl<W> Paths<W> {
 
     /// The retired relayed connections to close now: those whose peer is `quiet` (nothing of
     /// the application's under way with it), and those retired [`RETIRE_AT_MOST`] ago.
-    pub fn retire(&mut self, now: Instant, quiet: impl Fn(&PeerId) -> bool) -> Vec<ConnectionId> {
-        self.retiring
-            .extract_if(|_, (peer, since)| {
-                quiet(peer) || now.duration_since(*since) >= RETIRE_AT_MOST
-            })
-            .map(|(id, _)| id)
-            .collect()
+    pub fn retire(&mut self, now: Instant, quiet: impl Fn(&PeerId) -> bool) -> Retired {
+        let mut retired = Retired::default();
+        self.retiring.retain(|id, (peer, since)| {
+            if quiet(peer) {
+                retired.quiet.push(*id);
+            } else if now.duration_since(*since) >= RETIRE_AT_MOST {
+                retired.overdue.push(*id);
+            } else {
+                return true;
+            }
+            false
+        });
+        retired
+    }
+
+    /// Whether connection `id` is a relayed one that is not needed any more.
+    pub fn is_retiring(&self, id: ConnectionId) -> bool {
+        self.retiring.contains_key(&id)
     }
 
     /// How `peer` is reached, if it is connected.
@@ -347,7 +367,7 @@ mod tests {
             paths.established(peer, theirs, theirs_kind, Vec::new(), t0),
             Established::Wait
         );
-        assert_eq!(paths.retire(t0, |_| true), vec![theirs]);
+        assert_eq!(paths.retire(t0, |_| true).quiet, vec![theirs]);
         // Theirs first: it is closed when mine comes.
         let mut paths = Paths::<&str>::default();
         paths.established(peer, theirs, theirs_kind, Vec::new(), t0);
@@ -355,7 +375,7 @@ mod tests {
             paths.established(peer, mine, RELAYED, Vec::new(), t0),
             Established::Wait
         );
-        assert_eq!(paths.retire(t0, |_| true), vec![theirs]);
+        assert_eq!(paths.retire(t0, |_| true).quiet, vec![theirs]);
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
     }
 
@@ -398,7 +418,7 @@ mod tests {
         );
         // Nothing is under way inside the window: the relay closes at once.
         assert_eq!(
-            paths.retire(t0 + Duration::from_secs(1), |_| true),
+            paths.retire(t0 + Duration::from_secs(1), |_| true).quiet,
             vec![relayed]
         );
         paths.closed(peer, relayed);
@@ -409,10 +429,9 @@ mod tests {
             Some("third")
         );
         assert!(paths.expire(t0 + Duration::from_secs(60)).is_empty());
-        assert!(
-            paths
-                .retire(t0 + Duration::from_secs(60), |_| true)
-                .is_empty()
+        assert_eq!(
+            paths.retire(t0 + Duration::from_secs(60), |_| true),
+            Retired::default()
         );
     }
 
@@ -482,20 +501,36 @@ mod tests {
         );
         assert_eq!(paths.path(&peer), Some(Path::Direct));
         let busy = |_: &PeerId| false;
-        assert!(paths.retire(late, busy).is_empty());
-        assert!(paths.retire(late + RETIRE_AT_MOST / 2, busy).is_empty());
+        assert!(paths.is_retiring(relayed));
+        assert_eq!(paths.retire(late, busy), Retired::default());
         assert_eq!(
-            paths.retire(late + RETIRE_AT_MOST / 2, |p| *p == peer),
+            paths.retire(late + RETIRE_AT_MOST / 2, busy),
+            Retired::default()
+        );
+        assert_eq!(
+            paths
+                .retire(late + RETIRE_AT_MOST / 2, |p| *p == peer)
+                .quiet,
             vec![relayed]
         );
-        assert!(paths.retire(late + RETIRE_AT_MOST * 2, |_| true).is_empty());
+        assert!(!paths.is_retiring(relayed));
+        assert_eq!(
+            paths.retire(late + RETIRE_AT_MOST * 2, |_| true),
+            Retired::default()
+        );
 
         // Never quiet: closed all the same once its time is up.
         let mut paths = Paths::<&str>::default();
         paths.established(peer, relayed, RELAYED, Vec::new(), t0);
         paths.expire(t0 + PUNCH_WINDOW);
         paths.established(peer, direct, Kind::Direct, Vec::new(), late);
-        assert_eq!(paths.retire(late + RETIRE_AT_MOST, busy), vec![relayed]);
+        assert_eq!(
+            paths.retire(late + RETIRE_AT_MOST, busy),
+            Retired {
+                quiet: Vec::new(),
+                overdue: vec![relayed]
+            }
+        );
     }
 
     /// The direct connection is lost while the relay it replaced still finishes its work: the
@@ -511,7 +546,10 @@ mod tests {
         paths.established(peer, direct, Kind::Direct, Vec::new(), t0 + PUNCH_WINDOW);
         paths.closed(peer, direct);
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
-        assert!(paths.retire(t0 + RETIRE_AT_MOST * 2, |_| true).is_empty());
+        assert_eq!(
+            paths.retire(t0 + RETIRE_AT_MOST * 2, |_| true),
+            Retired::default()
+        );
     }
 
     /// Two relayed connections dialled by the same side (through two gateways) are both kept:
@@ -530,7 +568,7 @@ mod tests {
             paths.established(peer, two, theirs, Vec::new(), t0),
             Established::Wait
         );
-        assert!(paths.retire(t0, |_| true).is_empty());
+        assert_eq!(paths.retire(t0, |_| true), Retired::default());
     }
 
     #[test]
@@ -553,7 +591,7 @@ mod tests {
                 after_relay: None,
             }
         );
-        assert_eq!(paths.retire(t0, |_| true), vec![relayed]);
+        assert_eq!(paths.retire(t0, |_| true).quiet, vec![relayed]);
         assert_eq!(paths.path(&peer), Some(Path::Direct));
         paths.closed(peer, direct);
         paths.closed(peer, relayed);

@@ -155,8 +155,10 @@ struct Inner {
     one_machine: bool,
     /// The configured gateways' addresses, without their `/p2p/…`.
     gateways: HashSet<Multiaddr>,
-    /// Private ranges that route here: learnt from direct connections, and those of private
-    /// gateways.
+    /// The private ranges of configured gateways: a deployment on one routed private network.
+    gateway_ranges: Vec<IpNet>,
+    /// Private ranges that route here: learnt from direct connections and neighbours, and
+    /// those of private gateways.
     routed: Mutex<HashSet<IpNet>>,
     interfaces: Mutex<Option<(Instant, Vec<IpNet>)>>,
 }
@@ -167,7 +169,7 @@ impl Reach {
     pub fn new(excluded: ExcludedRanges, gateways: &[Multiaddr], listen: &[Multiaddr]) -> Self {
         let is_loopback = |a: &Multiaddr| Scope::of_address(a) == Some(Scope::Loopback);
         let one_machine = gateways.iter().all(is_loopback) && listen.iter().all(is_loopback);
-        let routed = gateways
+        let gateway_ranges: Vec<IpNet> = gateways
             .iter()
             .filter_map(first_ip)
             .filter_map(private_range_of)
@@ -176,7 +178,8 @@ impl Reach {
             excluded,
             one_machine,
             gateways: gateways.iter().map(without_peer_id).collect(),
-            routed: Mutex::new(routed),
+            routed: Mutex::new(gateway_ranges.iter().copied().collect()),
+            gateway_ranges,
             interfaces: Mutex::new(None),
         }))
     }
@@ -207,6 +210,32 @@ impl Reach {
         }
     }
 
+    /// Whether this node announces `address`, one it listens on, to every peer: public
+    /// addresses, loopback in a network on one machine, and private addresses only where the
+    /// whole deployment is one private network (a gateway in the same private range); other
+    /// private addresses are told only to peers behind the same NAT ([`crate::neighbours`]).
+    /// Its circuits through gateways' relays too: how a node behind a NAT is reached from
+    /// outside, and the address its DHT records carry (a provider without one is never handed
+    /// out). Never wildcards, excluded ranges, or container and VM bridges (the same addresses
+    /// on every machine: docker0 is 172.17.0.1 everywhere).
+    pub fn announces(&self, address: &Multiaddr) -> bool {
+        if is_relayed(address) {
+            return true;
+        }
+        if self.0.excluded.excludes(address) {
+            return false;
+        }
+        let Some(ip) = first_ip(address) else {
+            return false;
+        };
+        match Scope::of(ip) {
+            Scope::Public => true,
+            Scope::Private => self.in_private_deployment(ip) && !on_virtual_bridge(ip),
+            Scope::Loopback => self.one_machine(),
+            Scope::Unspecified => false,
+        }
+    }
+
     /// Whether `address` is worth keeping for others (in the routing table, handed out to
     /// other peers): everything but excluded ranges and, outside a one-machine network,
     /// loopback. A private address may be reachable from the peer that asks.
@@ -232,6 +261,22 @@ impl Reach {
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(lan);
         }
+    }
+
+    /// A peer behind this node's NAT listens at `ip` (it said so, [`crate::neighbours`]):
+    /// that one address is dialled, nothing else of its network.
+    pub fn learn_neighbour(&self, ip: IpAddr) {
+        if Scope::of(ip) != Scope::Private {
+            return;
+        }
+        let host = IpNet::from(ip);
+        (self.0.routed.lock().unwrap_or_else(|p| p.into_inner())).insert(host);
+    }
+
+    /// Whether `ip` lies in the private range of a configured gateway: the deployment lives
+    /// on one routed private network, where private addresses are announced to every peer.
+    fn in_private_deployment(&self, ip: IpAddr) -> bool {
+        self.0.gateway_ranges.iter().any(|net| net.contains(&ip))
     }
 
     fn is_routed(&self, ip: IpAddr) -> bool {
@@ -307,6 +352,33 @@ mod tests {
 
     fn addr(text: &str) -> Multiaddr {
         text.parse().unwrap()
+    }
+
+    /// A private address names the inside of a site: announced only where the deployment is
+    /// one private network; told to peers behind the same NAT otherwise (`neighbours`).
+    #[test]
+    fn private_addresses_are_announced_only_in_a_private_deployment() {
+        let none = ExcludedRanges::default();
+        let listen = [addr("/ip4/0.0.0.0/tcp/4001")];
+        let behind_a_nat = Reach::new(none.clone(), &[addr("/ip4/198.51.100.1/tcp/4001")], &listen);
+        assert!(behind_a_nat.announces(&addr("/ip4/203.0.113.7/tcp/4001")));
+        assert!(!behind_a_nat.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+        assert!(!behind_a_nat.announces(&addr("/ip4/127.0.0.1/tcp/4001")));
+        assert!(!behind_a_nat.announces(&addr("/ip4/0.0.0.0/tcp/4001")));
+        assert!(behind_a_nat.announces(&addr(
+            "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWLaRKzpDpPg3aVQtprKVWsunLndN3Db3DsnoDqNQNxKrm/p2p-circuit"
+        )));
+
+        let private = Reach::new(none, &[addr("/ip4/10.0.0.1/tcp/4001")], &listen);
+        assert!(private.announces(&addr("/ip4/10.8.0.7/tcp/4001")));
+        assert!(!private.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+
+        let one_machine = Reach::new(
+            ExcludedRanges::default(),
+            &[addr("/ip4/127.0.0.1/tcp/4001")],
+            &[addr("/ip4/127.0.0.1/tcp/0")],
+        );
+        assert!(one_machine.announces(&addr("/ip4/127.0.0.1/tcp/4001")));
     }
 
     #[test]

@@ -110,6 +110,16 @@ fn the_diloco_job_trains_across_three_sites_behind_nats() {
     assert_site_b_hole_punched(&cluster, &ps);
     assert_eq!(ps.path_to(&cluster, "trainer2"), Some("direct"), "{text}");
     assert!(!ps.paths.values().any(|p| p == "relayed"), "{text}");
+    // No node announces its private address: the LAN neighbours found each other's by asking
+    // over the relay, the one that dialled it saying so.
+    let mut met = false;
+    for (proc, _) in nodes
+        .iter_mut()
+        .filter(|(p, _)| ["ps", "trainer2"].contains(&p.name.as_str()))
+    {
+        met |= (proc.logged().iter()).any(|l| l.contains("reached a peer behind the same NAT"));
+    }
+    assert!(met, "ps and trainer2 met some other way");
 
     let (gateway_sent, gateway_received) = sites.gateway_bytes();
     let sent: u64 = (0..3).map(|k| sites.site_bytes(k).0).sum();

@@ -14,7 +14,9 @@ use libp2p::{
     },
 };
 
-use super::{EventLoop, Reply, circuit_address, relay_of};
+use hypha_messages::{Envelope, Request, Response};
+
+use super::{EventLoop, QUIET_CLOSES_KEPT, Reply, circuit_address, relay_of};
 use crate::{
     client::NetworkError,
     paths::{Established, Kind, PUNCH_WINDOW, StaysRelayed},
@@ -258,8 +260,66 @@ impl EventLoop {
     /// that carried it for too long).
     pub(super) fn close_retired(&mut self) {
         let in_flight = &self.in_flight;
-        for connection in (self.paths).retire(Instant::now(), |peer| in_flight.is_quiet(peer)) {
+        let retired = (self.paths).retire(Instant::now(), |peer| in_flight.is_quiet(peer));
+        for connection in retired.quiet {
+            self.closed_quietly(connection);
             self.swarm.close_connection(connection);
+        }
+        // What they carry is cut; its senders see the failure (not sent again: the peer may
+        // have taken it).
+        for connection in retired.overdue {
+            self.swarm.close_connection(connection);
+        }
+    }
+
+    /// Over a relayed connection this node dialled, asks the peer whether it is behind the
+    /// same NAT (once per peer; see [`crate::neighbours`]).
+    pub(super) fn ask_if_neighbour(&mut self, peer: PeerId, endpoint: &ConnectedPoint) {
+        if !endpoint.is_relayed() || !endpoint.is_dialer() || self.asked_neighbours.contains(&peer)
+        {
+            return;
+        }
+        let Some(public_ips) = crate::neighbours::question(&self.nat.public_ips()) else {
+            return;
+        };
+        self.asked_neighbours.insert(peer);
+        let request = Envelope::new(Request::Neighbour { public_ips }, Default::default());
+        let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
+        self.neighbour_asks.insert(id, peer);
+    }
+
+    /// A peer answered whether it is behind this node's NAT: its private addresses are
+    /// dialled, and tried first by later connects.
+    pub(super) fn on_neighbour_answer(&mut self, peer: PeerId, answer: Response) {
+        let Response::Neighbour { addresses } = answer else {
+            return;
+        };
+        let addresses = crate::neighbours::to_dial(peer, &addresses);
+        if addresses.is_empty() {
+            return;
+        }
+        tracing::debug!(%peer, ?addresses, "a peer behind the same NAT; dialling its private addresses");
+        for ip in addresses.iter().filter_map(crate::reach::first_ip) {
+            self.reach.learn_neighbour(ip);
+        }
+        self.neighbours.insert(peer, addresses.clone());
+        let opts = DialOpts::peer_id(peer)
+            .addresses(addresses)
+            .condition(PeerCondition::Always)
+            .allocate_new_port()
+            .build();
+        let id = opts.connection_id();
+        if self.swarm.dial(opts).is_ok() {
+            self.neighbour_dials.insert(id);
+        }
+    }
+
+    /// Remembers that retired relayed connection `id` closed carrying nothing of the
+    /// application's, by this side's choice or the peer's.
+    pub(super) fn closed_quietly(&mut self, id: ConnectionId) {
+        self.quiet_closes.push_back(id);
+        if self.quiet_closes.len() > QUIET_CLOSES_KEPT {
+            self.quiet_closes.pop_front();
         }
     }
 

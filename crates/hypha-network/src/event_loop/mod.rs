@@ -15,14 +15,14 @@ mod listeners;
 mod protocols;
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use futures::StreamExt;
 use hypha_certs::Role;
-use hypha_messages::Response;
+use hypha_messages::{Envelope, Request, Response};
 use libp2p::{
     Multiaddr, PeerId, Swarm,
     core::ConnectedPoint,
@@ -59,10 +59,22 @@ const GATEWAY_RETRY: Duration = Duration::from_secs(5);
 const BOOTSTRAP_INTERVAL: Duration = Duration::from_secs(5 * 60);
 /// How often windows for a direct connection ([`PUNCH_WINDOW`]) are checked for their end.
 const PUNCH_WINDOW_CHECK: Duration = Duration::from_millis(250);
+/// How many quietly closed relayed connections are remembered (see `quiet_closes`).
+const QUIET_CLOSES_KEPT: usize = 64;
 /// Ping timeouts in a row after which a connection is closed as dead.
 const PING_TIMEOUTS_TO_CLOSE: u32 = 2;
 /// How long a peer's certificate is kept after its last connection closed.
 const DEPARTED_GRACE: Duration = Duration::from_secs(5);
+
+/// A request sent and not answered yet.
+pub(crate) struct PendingRequest {
+    peer: PeerId,
+    /// Kept to send it again once, where the connection it took closed before the peer took it.
+    request: Envelope<Request>,
+    reply: Reply<Response>,
+    _underway: Underway,
+    sent_again: bool,
+}
 
 pub(crate) struct EventLoop {
     pub(crate) swarm: Swarm<Behaviour>,
@@ -86,8 +98,11 @@ pub(crate) struct EventLoop {
     pending_dials: HashMap<ConnectionId, Reply<PeerId>>,
     pending_connects: HashMap<PeerId, PendingConnect>,
     pending_lookups: HashMap<kad::QueryId, PeerId>,
-    pending_requests:
-        HashMap<request_response::OutboundRequestId, (PeerId, Reply<Response>, Underway)>,
+    pending_requests: HashMap<request_response::OutboundRequestId, PendingRequest>,
+    /// Retired relayed connections that closed carrying nothing of the application's (by
+    /// this side's choice or the peer's), the latest [`QUIET_CLOSES_KEPT`]: a request that
+    /// fails because one closed was not taken by the peer, and is sent again.
+    quiet_closes: VecDeque<ConnectionId>,
     /// Requests from peers not answered yet (the answer is on its way until `ResponseSent`).
     answering: HashMap<request_response::InboundRequestId, Underway>,
     /// What the application has under way with each peer: a relayed connection a direct one
@@ -122,6 +137,13 @@ pub(crate) struct EventLoop {
     dialled_at: HashMap<ConnectionId, (PeerId, Multiaddr)>,
     /// Pings in a row each connection left unanswered.
     ping_timeouts: HashMap<ConnectionId, u32>,
+    /// Peers behind this node's NAT ([`crate::neighbours`]): the questions out, the peers
+    /// asked already, the private addresses each answered (dialled first by connects), and
+    /// the dials of them.
+    neighbour_asks: HashMap<request_response::OutboundRequestId, PeerId>,
+    asked_neighbours: HashSet<PeerId>,
+    neighbours: HashMap<PeerId, Vec<Multiaddr>>,
+    neighbour_dials: HashSet<ConnectionId>,
     /// This node's TCP listeners, and moving off a port its NAT gave another machine.
     listeners: Listeners,
 }
@@ -170,6 +192,7 @@ impl EventLoop {
             pending_connects: HashMap::new(),
             pending_lookups: HashMap::new(),
             pending_requests: HashMap::new(),
+            quiet_closes: VecDeque::new(),
             answering: HashMap::new(),
             in_flight,
             pending_providers: HashMap::new(),
@@ -187,6 +210,10 @@ impl EventLoop {
             nat_mappings: HashMap::new(),
             dialled_at: HashMap::new(),
             ping_timeouts: HashMap::new(),
+            neighbour_asks: HashMap::new(),
+            asked_neighbours: HashSet::new(),
+            neighbours: HashMap::new(),
+            neighbour_dials: HashSet::new(),
             listeners: Listeners::new(configured, dialed_from),
         }
     }
@@ -368,7 +395,11 @@ impl EventLoop {
                     .replies
                     .push(reply);
                 if first {
+                    // A neighbour's private addresses first; then what the behaviours know.
+                    let neighbour = self.neighbours.get(&peer).cloned().unwrap_or_default();
                     let opts = DialOpts::peer_id(peer)
+                        .addresses(neighbour)
+                        .extend_addresses_through_behaviour()
                         .condition(PeerCondition::DisconnectedAndNotDialing)
                         .allocate_new_port()
                         .build();
@@ -452,9 +483,15 @@ impl EventLoop {
                 request,
                 reply,
             } => {
-                let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
-                let underway = self.in_flight.begin(peer);
-                self.pending_requests.insert(id, (peer, reply, underway));
+                let id = (self.swarm.behaviour_mut().rpc).send_request(&peer, request.clone());
+                let pending = PendingRequest {
+                    peer,
+                    request,
+                    reply,
+                    _underway: self.in_flight.begin(peer),
+                    sent_again: false,
+                };
+                self.pending_requests.insert(id, pending);
             }
             Command::Respond { channel, response } => {
                 // Fails only when the peer gave up waiting; nothing else to do then.
@@ -488,6 +525,8 @@ impl EventLoop {
                 self.peers.remove(&peer);
                 self.nat.forget(&peer);
                 self.nat_mappings.remove(&peer);
+                self.asked_neighbours.remove(&peer);
+                self.neighbours.remove(&peer);
             }
         }
     }
@@ -501,6 +540,9 @@ impl EventLoop {
                 tracing::info!(%address, "listening");
                 self.nat.own_address(&address);
                 crate::announce_listen_address(&mut self.swarm, &self.reach, address.clone());
+                if crate::reach::is_relayed(&address) {
+                    self.provide_again();
+                }
                 self.publish_listeners();
                 self.on_listener_up(listener_id, &address);
             }
@@ -529,6 +571,10 @@ impl EventLoop {
                         .insert(connection_id, (peer_id, address.clone()));
                 }
                 self.on_connection_path(peer_id, connection_id, &endpoint);
+                if self.neighbour_dials.remove(&connection_id) {
+                    tracing::info!(peer = %peer_id, address = %endpoint.get_remote_address(), "reached a peer behind the same NAT on its private address");
+                }
+                self.ask_if_neighbour(peer_id, &endpoint);
                 if let ConnectedPoint::Dialer { address, .. } = &endpoint
                     && self.is_gateway_address(address)
                 {
@@ -542,6 +588,11 @@ impl EventLoop {
             } => {
                 self.dial_ended(connection_id);
                 self.gateway_dials.remove(&connection_id);
+                if self.neighbour_dials.remove(&connection_id) {
+                    // The relay or a hole punch still carries the peer; no connect waits on this.
+                    tracing::info!(peer = ?peer_id, %error, "a peer behind the same NAT is not reachable on its private addresses");
+                    return;
+                }
                 if let Some(reply) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(NetworkError::Dial {
                         target: peer_id.map(|p| p.to_string()).unwrap_or_default(),
@@ -573,6 +624,10 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
+                // Still retiring here: the peer closed it, quiet on its side.
+                if self.paths.is_retiring(connection_id) {
+                    self.closed_quietly(connection_id);
+                }
                 self.paths.closed(peer_id, connection_id);
                 self.gateway_dials.remove(&connection_id);
                 self.dialled_at.remove(&connection_id);
@@ -657,8 +712,15 @@ impl EventLoop {
         // A fresh gateway connection is the moment to fill the routing table, and to announce
         // again what this node provides: announcements made while no gateway was reachable
         // only reached the local store.
+        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+        self.provide_again();
+    }
+
+    /// Announces again every key this node provides: a record carries the addresses the
+    /// node announced when it was made, and one without any is never handed out (a node
+    /// behind a NAT has none until it listens through a relay).
+    fn provide_again(&mut self) {
         let kad = &mut self.swarm.behaviour_mut().kad;
-        let _ = kad.bootstrap();
         let provided: Vec<kad::RecordKey> = {
             use libp2p::kad::store::RecordStore;
             kad.store_mut().provided().map(|r| r.key.clone()).collect()

@@ -4,10 +4,12 @@ use std::time::{Duration, Instant};
 
 use hypha_certs::Role;
 use hypha_messages::{Envelope, ErrorCode, Request, Response, health};
-use libp2p::{PeerId, dcutr, gossipsub, identify, kad, ping, relay, request_response};
+use libp2p::{
+    PeerId, dcutr, gossipsub, identify, kad, ping, relay, request_response, swarm::ConnectionId,
+};
 use tokio::sync::mpsc;
 
-use super::{EventLoop, PING_TIMEOUTS_TO_CLOSE};
+use super::{EventLoop, PING_TIMEOUTS_TO_CLOSE, PendingRequest};
 use crate::{
     behaviour::{BehaviourEvent, KAD_PROTOCOL},
     certified::required_role,
@@ -251,20 +253,23 @@ impl EventLoop {
                     request_id,
                     response,
                 } => {
-                    if let Some((_, reply, _)) = self.pending_requests.remove(&request_id) {
-                        let _ = reply.send(Ok(response.body));
+                    if let Some(peer) = self.neighbour_asks.remove(&request_id) {
+                        self.on_neighbour_answer(peer, response.body);
+                    } else if let Some(pending) = self.pending_requests.remove(&request_id) {
+                        let _ = pending.reply.send(Ok(response.body));
                     }
                     self.close_retired();
                 }
             },
             request_response::Event::OutboundFailure {
-                request_id, error, ..
+                request_id,
+                error,
+                connection_id,
+                ..
             } => {
-                if let Some((peer, reply, _)) = self.pending_requests.remove(&request_id) {
-                    let _ = reply.send(Err(NetworkError::Request {
-                        peer,
-                        failure: error.into(),
-                    }));
+                self.neighbour_asks.remove(&request_id);
+                if let Some(pending) = self.pending_requests.remove(&request_id) {
+                    self.request_failed(pending, connection_id, error);
                 }
                 self.close_retired();
             }
@@ -283,6 +288,31 @@ impl EventLoop {
                 self.close_retired();
             }
         }
+    }
+
+    /// A request failed. One whose connection was a relay retired quietly (the peer had
+    /// nothing of ours under way when it closed, so it never took this one) is sent again
+    /// once, over the connection that replaced it; any other failure is the caller's.
+    fn request_failed(
+        &mut self,
+        mut pending: PendingRequest,
+        connection: ConnectionId,
+        error: request_response::OutboundFailure,
+    ) {
+        let cut_by_retiring = matches!(error, request_response::OutboundFailure::ConnectionClosed)
+            && self.quiet_closes.contains(&connection);
+        if cut_by_retiring && !pending.sent_again && self.swarm.is_connected(&pending.peer) {
+            tracing::debug!(peer = %pending.peer, "a request met a retired relay closing; sending it again");
+            pending.sent_again = true;
+            let rpc = &mut self.swarm.behaviour_mut().rpc;
+            let id = rpc.send_request(&pending.peer, pending.request.clone());
+            self.pending_requests.insert(id, pending);
+            return;
+        }
+        let _ = pending.reply.send(Err(NetworkError::Request {
+            peer: pending.peer,
+            failure: error.into(),
+        }));
     }
 
     pub(super) fn on_inbound_request(
@@ -342,6 +372,14 @@ impl EventLoop {
                         .collect(),
                 };
                 answer(self, channel, Response::Health(Box::new(status)));
+            }
+            Request::Neighbour { public_ips } => {
+                let addresses = crate::neighbours::answer(
+                    &public_ips,
+                    &self.nat.public_ips(),
+                    self.swarm.listeners(),
+                );
+                answer(self, channel, Response::Neighbour { addresses });
             }
             body => {
                 let Some(commands) = self.command_sender.upgrade() else {
