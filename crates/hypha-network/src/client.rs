@@ -11,6 +11,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{IncomingStreams, Stream, Trust, certified::CertifiedPeers};
 
+/// How long a stream whose opening failed waits before it is opened again.
+const STREAM_OPEN_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Something the network could not do.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum NetworkError {
@@ -512,7 +515,9 @@ impl Network {
         let mut opened = control.open_stream(peer, protocol.clone()).await;
         if let Err(libp2p_stream::OpenStreamError::Io(_)) = &opened {
             // The connection it took may be a relay closing as a direct one replaces it;
-            // nothing went over the stream yet, so opening it again is safe.
+            // nothing went over the stream yet, so opening it again is safe, once the close
+            // has had a moment to take the relay out of the choice.
+            tokio::time::sleep(STREAM_OPEN_AGAIN_AFTER).await;
             opened = control.open_stream(peer, protocol).await;
         }
         let stream = opened.map_err(|e| NetworkError::Request {

@@ -14,33 +14,52 @@ use std::{
     pin::Pin,
     sync::{Arc, Mutex, PoisonError},
     task::{Context, Poll},
+    time::{Duration, Instant},
 };
 
 use futures::{AsyncRead, AsyncWrite, StreamExt as _};
 use libp2p::PeerId;
 
-/// Per peer, how many requests and streams are under way. Shared by the network's handles
-/// (streams) and its event loop (requests); every count is an [`Underway`] that lowers it when
-/// dropped, so nothing that ends, however it ends, is counted for good.
+/// How long a peer must have had nothing under way before it counts as quiet: an answer
+/// written a moment ago may still be on its way to the peer, and a close now would cut it.
+pub(crate) const QUIET_FOR: Duration = Duration::from_secs(1);
+
+/// Per peer, how many requests and streams are under way, and when the last one ended.
+/// Shared by the network's handles (streams) and its event loop (requests); every count is an
+/// [`Underway`] that lowers it when dropped, so nothing that ends, however it ends, is counted
+/// for good.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct InFlight(Arc<Mutex<HashMap<PeerId, usize>>>);
+pub(crate) struct InFlight(Arc<Mutex<Counts>>);
+
+#[derive(Debug, Default)]
+struct Counts {
+    under_way: HashMap<PeerId, usize>,
+    /// When the peer's last request or stream ended; kept [`QUIET_FOR`] (pruned as it grows).
+    ended: HashMap<PeerId, Instant>,
+}
+
+/// Past this many, entries of `ended` older than [`QUIET_FOR`] are dropped.
+const ENDED_KEPT: usize = 256;
 
 impl InFlight {
     /// Counts one more thing under way with `peer`, until the returned value is dropped.
     pub(crate) fn begin(&self, peer: PeerId) -> Underway {
-        *self.counts().entry(peer).or_default() += 1;
+        *self.counts().under_way.entry(peer).or_default() += 1;
         Underway {
             in_flight: self.clone(),
             peer,
         }
     }
 
-    /// Whether nothing is under way with `peer`.
-    pub(crate) fn is_quiet(&self, peer: &PeerId) -> bool {
-        !self.counts().contains_key(peer)
+    /// Whether nothing has been under way with `peer` for [`QUIET_FOR`] by `now`.
+    pub(crate) fn is_quiet(&self, peer: &PeerId, now: Instant) -> bool {
+        let counts = self.counts();
+        !counts.under_way.contains_key(peer)
+            && (counts.ended.get(peer))
+                .is_none_or(|ended| now.saturating_duration_since(*ended) >= QUIET_FOR)
     }
 
-    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, usize>> {
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
         // A panic elsewhere while the lock was held cannot leave a count half-written.
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -56,11 +75,19 @@ pub(crate) struct Underway {
 impl Drop for Underway {
     fn drop(&mut self) {
         let mut counts = self.in_flight.counts();
-        if let Some(count) = counts.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.peer);
+        let Some(count) = counts.under_way.get_mut(&self.peer) else {
+            return;
+        };
+        *count -= 1;
+        if *count == 0 {
+            counts.under_way.remove(&self.peer);
+            let now = Instant::now();
+            if counts.ended.len() >= ENDED_KEPT {
+                counts
+                    .ended
+                    .retain(|_, ended| now.saturating_duration_since(*ended) < QUIET_FOR);
             }
+            counts.ended.insert(self.peer, now);
         }
     }
 }
@@ -167,20 +194,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_peer_is_quiet_once_everything_under_way_with_it_ended() {
+    fn a_peer_is_quiet_a_while_after_everything_under_way_with_it_ended() {
         let in_flight = InFlight::default();
         let (peer, other) = (PeerId::random(), PeerId::random());
-        assert!(in_flight.is_quiet(&peer));
+        let now = Instant::now;
+        assert!(in_flight.is_quiet(&peer, now()));
         let request = in_flight.begin(peer);
         let stream = in_flight.begin(peer);
         let elsewhere = in_flight.begin(other);
-        assert!(!in_flight.is_quiet(&peer));
+        assert!(!in_flight.is_quiet(&peer, now()));
         drop(request);
-        assert!(!in_flight.is_quiet(&peer));
+        assert!(!in_flight.is_quiet(&peer, now() + QUIET_FOR * 2));
         drop(stream);
-        assert!(in_flight.is_quiet(&peer));
-        assert!(!in_flight.is_quiet(&other));
+        assert!(
+            !in_flight.is_quiet(&peer, now()),
+            "an answer may be on its way"
+        );
+        assert!(in_flight.is_quiet(&peer, now() + QUIET_FOR));
+        assert!(!in_flight.is_quiet(&other, now() + QUIET_FOR));
         drop(elsewhere);
-        assert!(in_flight.is_quiet(&other));
+        assert!(in_flight.is_quiet(&other, now() + QUIET_FOR));
     }
 }

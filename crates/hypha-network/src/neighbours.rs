@@ -14,8 +14,9 @@
 //! This reaches across subnets behind one NAT (an office's two VLANs), which multicast
 //! discovery (mDNS) does not, and needs nothing a cloud network may block. A certified peer
 //! that claims the asker's IPs learns its private addresses (no use from outside) and can
-//! name at most [`MAX_ADDRESSES`] private addresses for it to dial once (judged like any other
-//! dial by the dial budget); public, loopback and unspecified addresses in an answer are
+//! name at most [`MAX_ADDRESSES`] private addresses for it to dial (judged like any other dial
+//! by the dial budget; only those exact addresses become dialable, the latest 64 of all
+//! neighbours'); public, loopback, link-local and unspecified addresses in an answer are
 //! ignored.
 //!
 //! Pure rules; the event loop sends, answers and dials.
@@ -82,10 +83,15 @@ pub fn to_dial(peer: PeerId, answer: &[String]) -> Vec<Multiaddr> {
         .collect()
 }
 
+/// A TCP address in a private range, link-local ones left out (they lead nowhere off-link).
 fn is_private_tcp(address: &Multiaddr) -> bool {
+    let link_local = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    };
     !is_relayed(address)
         && tcp_port(address).is_some()
-        && first_ip(address).is_some_and(|ip| Scope::of(ip) == Scope::Private)
+        && first_ip(address).is_some_and(|ip| Scope::of(ip) == Scope::Private && !link_local(ip))
 }
 
 #[cfg(test)]
@@ -107,6 +113,7 @@ mod tests {
             "/ip4/127.0.0.1/tcp/4001",
             "/ip4/203.0.113.9/tcp/4001",
             "/ip4/10.1.2.3/udp/4001/quic-v1",
+            "/ip4/169.254.3.4/tcp/4001",
         ]);
         let mine = ips(&["198.51.100.1"]);
         assert_eq!(

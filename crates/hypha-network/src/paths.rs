@@ -9,10 +9,10 @@
 //!   [`PUNCH_WINDOW`] (a hole punch takes a few round trips), so that the application's first
 //!   requests and streams do not start on the relay.
 //! - Once a direct connection exists, the peer's relayed connections are retired: each closes
-//!   as soon as nothing of the application's is under way with the peer (requests either way,
-//!   open streams; the caller says, see `in_flight`), so that no request, answer or transfer is
-//!   cut because a punch succeeded, and everything after goes direct. Inside the window nothing
-//!   is under way yet, so the relay closes at once; a direct connection that comes after the
+//!   once the peer is quiet, nothing of the application's under way with it (requests either
+//!   way, open streams; the caller says, see `in_flight`), so that no request, answer or
+//!   transfer is cut because a punch succeeded, and everything after goes direct. Inside the
+//!   window nothing is under way yet, so the relay closes at once; a direct connection that comes after the
 //!   window (DCUtR tries three times) lets the relay finish what it carries, for at most
 //!   [`RETIRE_AT_MOST`]. Lost, a direct connection is replaced by the next connect like any
 //!   other (known addresses, the DHT, a relay), and a relay still retiring is kept after all.
@@ -169,8 +169,10 @@ impl<W> Paths<W> {
         } = kind
         {
             if !state.direct.is_empty() {
-                // A direct connection is there already: this one is not needed.
+                // A direct connection is there already: this one is not needed (but is the way
+                // to the peer should the direct one be lost).
                 waiting.append(&mut state.waiting);
+                state.relayed.insert(id, dialled_by_smaller_id);
                 self.retiring.insert(id, (peer, now));
                 return Established::Direct {
                     waiting,
@@ -550,6 +552,15 @@ mod tests {
             paths.retire(t0 + RETIRE_AT_MOST * 2, |_| true),
             Retired::default()
         );
+
+        // The relay came after the direct connection: kept all the same.
+        let mut paths = Paths::<&str>::default();
+        paths.established(peer, direct, Kind::Direct, Vec::new(), t0);
+        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
+        assert!(paths.is_retiring(relayed));
+        paths.closed(peer, direct);
+        assert_eq!(paths.path(&peer), Some(Path::Relayed));
+        assert!(!paths.is_retiring(relayed));
     }
 
     /// Two relayed connections dialled by the same side (through two gateways) are both kept:

@@ -25,9 +25,12 @@
 //! range.
 
 use std::{
-    collections::HashSet,
+    collections::{HashSet, VecDeque},
     net::IpAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -35,6 +38,9 @@ use ipnet::IpNet;
 use libp2p::{Multiaddr, multiaddr::Protocol};
 
 use crate::ExcludedRanges;
+
+/// How many addresses told by neighbours are dialable at once.
+const NEIGHBOUR_ADDRESSES_KEPT: usize = 64;
 
 /// How long the list of this machine's interfaces is trusted before it is read again (a
 /// laptop moves between networks).
@@ -157,9 +163,14 @@ struct Inner {
     gateways: HashSet<Multiaddr>,
     /// The private ranges of configured gateways: a deployment on one routed private network.
     gateway_ranges: Vec<IpNet>,
-    /// Private ranges that route here: learnt from direct connections and neighbours, and
-    /// those of private gateways.
+    /// Private ranges that route here: learnt from direct connections, and those of private
+    /// gateways.
     routed: Mutex<HashSet<IpNet>>,
+    /// Addresses neighbours told this node, dialled though their range is not known to route.
+    neighbours: Mutex<VecDeque<Multiaddr>>,
+    /// A gateway saw this node at a private or loopback address: it is on the deployment's
+    /// own network, not behind a NAT to it.
+    inside: AtomicBool,
     interfaces: Mutex<Option<(Instant, Vec<IpNet>)>>,
 }
 
@@ -179,6 +190,8 @@ impl Reach {
             one_machine,
             gateways: gateways.iter().map(without_peer_id).collect(),
             routed: Mutex::new(gateway_ranges.iter().copied().collect()),
+            neighbours: Mutex::new(VecDeque::new()),
+            inside: AtomicBool::new(false),
             gateway_ranges,
             interfaces: Mutex::new(None),
         }))
@@ -205,32 +218,36 @@ impl Reach {
             Scope::Public => Ok(()),
             Scope::Loopback if self.0.one_machine => Ok(()),
             Scope::Loopback => Err(Unreachable::Loopback),
-            Scope::Private if self.is_routed(ip) => Ok(()),
+            Scope::Private if self.is_routed(ip) || self.is_neighbour(address) => Ok(()),
             Scope::Private => Err(Unreachable::ForeignPrivate),
         }
     }
 
     /// Whether this node announces `address`, one it listens on, to every peer: public
     /// addresses, loopback in a network on one machine, and private addresses only where the
-    /// whole deployment is one private network (a gateway in the same private range); other
+    /// whole deployment is one private network (a gateway in the same private range, or one
+    /// that saw this node at a private address: [`observed_by_gateway`](Self::observed_by_gateway)); other
     /// private addresses are told only to peers behind the same NAT ([`crate::neighbours`]).
     /// Its circuits through gateways' relays too: how a node behind a NAT is reached from
     /// outside, and the address its DHT records carry (a provider without one is never handed
     /// out). Never wildcards, excluded ranges, or container and VM bridges (the same addresses
     /// on every machine: docker0 is 172.17.0.1 everywhere).
     pub fn announces(&self, address: &Multiaddr) -> bool {
-        if is_relayed(address) {
-            return true;
-        }
         if self.0.excluded.excludes(address) {
             return false;
+        }
+        if is_relayed(address) {
+            return true;
         }
         let Some(ip) = first_ip(address) else {
             return false;
         };
         match Scope::of(ip) {
             Scope::Public => true,
-            Scope::Private => self.in_private_deployment(ip) && !on_virtual_bridge(ip),
+            Scope::Private => {
+                (self.in_private_deployment(ip) || self.0.inside.load(Ordering::Relaxed))
+                    && !on_virtual_bridge(ip)
+            }
             Scope::Loopback => self.one_machine(),
             Scope::Unspecified => false,
         }
@@ -263,14 +280,36 @@ impl Reach {
         }
     }
 
-    /// A peer behind this node's NAT listens at `ip` (it said so, [`crate::neighbours`]):
-    /// that one address is dialled, nothing else of its network.
-    pub fn learn_neighbour(&self, ip: IpAddr) {
-        if Scope::of(ip) != Scope::Private {
-            return;
+    /// A peer behind this node's NAT said it listens at `address` ([`crate::neighbours`]):
+    /// that one address is dialled, nothing else of its network until a connection there
+    /// shows the network routes ([`learn_direct`](Self::learn_direct)). The latest
+    /// [`NEIGHBOUR_ADDRESSES_KEPT`] are kept.
+    pub fn allow_neighbour(&self, address: &Multiaddr) {
+        let address = without_peer_id(address);
+        let mut allowed = (self.0.neighbours.lock()).unwrap_or_else(|p| p.into_inner());
+        if !allowed.contains(&address) {
+            allowed.push_back(address);
+            if allowed.len() > NEIGHBOUR_ADDRESSES_KEPT {
+                allowed.pop_front();
+            }
         }
-        let host = IpNet::from(ip);
-        (self.0.routed.lock().unwrap_or_else(|p| p.into_inner())).insert(host);
+    }
+
+    fn is_neighbour(&self, address: &Multiaddr) -> bool {
+        let allowed = (self.0.neighbours.lock()).unwrap_or_else(|p| p.into_inner());
+        allowed.contains(&without_peer_id(address))
+    }
+
+    /// A gateway observed this node at `observed`. At a private or loopback address, the node
+    /// and the gateway share a network (a private deployment, one machine with a gateway on
+    /// `127.0.0.1`, a gateway given by name): its private addresses are announced from now.
+    /// Returns whether that is new.
+    pub fn observed_by_gateway(&self, observed: &Multiaddr) -> bool {
+        let inside = matches!(
+            Scope::of_address(observed),
+            Some(Scope::Private | Scope::Loopback)
+        ) && !is_relayed(observed);
+        inside && !self.0.inside.swap(true, Ordering::Relaxed)
     }
 
     /// Whether `ip` lies in the private range of a configured gateway: the deployment lives
@@ -369,9 +408,18 @@ mod tests {
             "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWLaRKzpDpPg3aVQtprKVWsunLndN3Db3DsnoDqNQNxKrm/p2p-circuit"
         )));
 
-        let private = Reach::new(none, &[addr("/ip4/10.0.0.1/tcp/4001")], &listen);
+        let private = Reach::new(none.clone(), &[addr("/ip4/10.0.0.1/tcp/4001")], &listen);
         assert!(private.announces(&addr("/ip4/10.8.0.7/tcp/4001")));
         assert!(!private.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+
+        // A gateway on this machine, or given by name, that sees the node from inside.
+        let by_name = Reach::new(none, &[addr("/dns4/gateway.lab/tcp/4001")], &listen);
+        assert!(!by_name.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+        assert!(!by_name.observed_by_gateway(&addr("/ip4/198.51.100.9/tcp/4001")));
+        assert!(!by_name.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+        assert!(by_name.observed_by_gateway(&addr("/ip4/192.168.1.7/tcp/4001")));
+        assert!(by_name.announces(&addr("/ip4/192.168.1.7/tcp/4001")));
+        assert!(!by_name.observed_by_gateway(&addr("/ip4/192.168.1.7/tcp/4001")));
 
         let one_machine = Reach::new(
             ExcludedRanges::default(),

@@ -19,7 +19,7 @@ use hypha_messages::{Envelope, Request, Response};
 use super::{EventLoop, QUIET_CLOSES_KEPT, Reply, circuit_address, relay_of};
 use crate::{
     client::NetworkError,
-    paths::{Established, Kind, PUNCH_WINDOW, StaysRelayed},
+    paths::{Established, Kind, PUNCH_WINDOW, Path, StaysRelayed},
     reach::Unreachable,
 };
 
@@ -259,8 +259,8 @@ impl EventLoop {
     /// Closes the retired relayed connections whose peer has nothing under way any more (or
     /// that carried it for too long).
     pub(super) fn close_retired(&mut self) {
-        let in_flight = &self.in_flight;
-        let retired = (self.paths).retire(Instant::now(), |peer| in_flight.is_quiet(peer));
+        let (in_flight, now) = (&self.in_flight, Instant::now());
+        let retired = (self.paths).retire(now, |peer| in_flight.is_quiet(peer, now));
         for connection in retired.quiet {
             self.closed_quietly(connection);
             self.swarm.close_connection(connection);
@@ -273,23 +273,23 @@ impl EventLoop {
     }
 
     /// Over a relayed connection this node dialled, asks the peer whether it is behind the
-    /// same NAT (once per peer; see [`crate::neighbours`]).
+    /// same NAT (see [`crate::neighbours`]), unless this node reached it on its private
+    /// addresses before.
     pub(super) fn ask_if_neighbour(&mut self, peer: PeerId, endpoint: &ConnectedPoint) {
-        if !endpoint.is_relayed() || !endpoint.is_dialer() || self.asked_neighbours.contains(&peer)
-        {
+        if !endpoint.is_relayed() || !endpoint.is_dialer() || self.neighbours.contains_key(&peer) {
             return;
         }
         let Some(public_ips) = crate::neighbours::question(&self.nat.public_ips()) else {
             return;
         };
-        self.asked_neighbours.insert(peer);
         let request = Envelope::new(Request::Neighbour { public_ips }, Default::default());
         let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
         self.neighbour_asks.insert(id, peer);
     }
 
     /// A peer answered whether it is behind this node's NAT: its private addresses are
-    /// dialled, and tried first by later connects.
+    /// dialled, unless it is reached directly by now; once they lead to it, later connects try
+    /// them first.
     pub(super) fn on_neighbour_answer(&mut self, peer: PeerId, answer: Response) {
         let Response::Neighbour { addresses } = answer else {
             return;
@@ -298,19 +298,21 @@ impl EventLoop {
         if addresses.is_empty() {
             return;
         }
-        tracing::debug!(%peer, ?addresses, "a peer behind the same NAT; dialling its private addresses");
-        for ip in addresses.iter().filter_map(crate::reach::first_ip) {
-            self.reach.learn_neighbour(ip);
+        if self.paths.path(&peer) != Some(Path::Relayed) {
+            return;
         }
-        self.neighbours.insert(peer, addresses.clone());
+        for address in &addresses {
+            self.reach.allow_neighbour(address);
+        }
+        tracing::debug!(%peer, ?addresses, "a peer behind the same NAT; dialling its private addresses");
         let opts = DialOpts::peer_id(peer)
-            .addresses(addresses)
+            .addresses(addresses.clone())
             .condition(PeerCondition::Always)
             .allocate_new_port()
             .build();
         let id = opts.connection_id();
         if self.swarm.dial(opts).is_ok() {
-            self.neighbour_dials.insert(id);
+            self.neighbour_dials.insert(id, addresses);
         }
     }
 

@@ -99,9 +99,10 @@ pub(crate) struct EventLoop {
     pending_connects: HashMap<PeerId, PendingConnect>,
     pending_lookups: HashMap<kad::QueryId, PeerId>,
     pending_requests: HashMap<request_response::OutboundRequestId, PendingRequest>,
-    /// Retired relayed connections that closed carrying nothing of the application's (by
-    /// this side's choice or the peer's), the latest [`QUIET_CLOSES_KEPT`]: a request that
-    /// fails because one closed was not taken by the peer, and is sent again.
+    /// Retired relayed connections this node closed with nothing of the application's under
+    /// way, the latest [`QUIET_CLOSES_KEPT`]: a request that fails because one closed was sent
+    /// after the close and never reached the peer, and is sent again; a request that arrives
+    /// over one is not taken (its sender sees the connection close).
     quiet_closes: VecDeque<ConnectionId>,
     /// Requests from peers not answered yet (the answer is on its way until `ResponseSent`).
     answering: HashMap<request_response::InboundRequestId, Underway>,
@@ -137,13 +138,12 @@ pub(crate) struct EventLoop {
     dialled_at: HashMap<ConnectionId, (PeerId, Multiaddr)>,
     /// Pings in a row each connection left unanswered.
     ping_timeouts: HashMap<ConnectionId, u32>,
-    /// Peers behind this node's NAT ([`crate::neighbours`]): the questions out, the peers
-    /// asked already, the private addresses each answered (dialled first by connects), and
-    /// the dials of them.
+    /// Peers behind this node's NAT ([`crate::neighbours`]): the questions out, the dials of
+    /// the private addresses they answered, and those that led to them (dialled first by
+    /// connects).
     neighbour_asks: HashMap<request_response::OutboundRequestId, PeerId>,
-    asked_neighbours: HashSet<PeerId>,
+    neighbour_dials: HashMap<ConnectionId, Vec<Multiaddr>>,
     neighbours: HashMap<PeerId, Vec<Multiaddr>>,
-    neighbour_dials: HashSet<ConnectionId>,
     /// This node's TCP listeners, and moving off a port its NAT gave another machine.
     listeners: Listeners,
 }
@@ -211,9 +211,8 @@ impl EventLoop {
             dialled_at: HashMap::new(),
             ping_timeouts: HashMap::new(),
             neighbour_asks: HashMap::new(),
-            asked_neighbours: HashSet::new(),
+            neighbour_dials: HashMap::new(),
             neighbours: HashMap::new(),
-            neighbour_dials: HashSet::new(),
             listeners: Listeners::new(configured, dialed_from),
         }
     }
@@ -525,7 +524,6 @@ impl EventLoop {
                 self.peers.remove(&peer);
                 self.nat.forget(&peer);
                 self.nat_mappings.remove(&peer);
-                self.asked_neighbours.remove(&peer);
                 self.neighbours.remove(&peer);
             }
         }
@@ -540,9 +538,6 @@ impl EventLoop {
                 tracing::info!(%address, "listening");
                 self.nat.own_address(&address);
                 crate::announce_listen_address(&mut self.swarm, &self.reach, address.clone());
-                if crate::reach::is_relayed(&address) {
-                    self.provide_again();
-                }
                 self.publish_listeners();
                 self.on_listener_up(listener_id, &address);
             }
@@ -571,8 +566,9 @@ impl EventLoop {
                         .insert(connection_id, (peer_id, address.clone()));
                 }
                 self.on_connection_path(peer_id, connection_id, &endpoint);
-                if self.neighbour_dials.remove(&connection_id) {
+                if let Some(addresses) = self.neighbour_dials.remove(&connection_id) {
                     tracing::info!(peer = %peer_id, address = %endpoint.get_remote_address(), "reached a peer behind the same NAT on its private address");
+                    self.neighbours.insert(peer_id, addresses);
                 }
                 self.ask_if_neighbour(peer_id, &endpoint);
                 if let ConnectedPoint::Dialer { address, .. } = &endpoint
@@ -588,7 +584,7 @@ impl EventLoop {
             } => {
                 self.dial_ended(connection_id);
                 self.gateway_dials.remove(&connection_id);
-                if self.neighbour_dials.remove(&connection_id) {
+                if self.neighbour_dials.remove(&connection_id).is_some() {
                     // The relay or a hole punch still carries the peer; no connect waits on this.
                     tracing::info!(peer = ?peer_id, %error, "a peer behind the same NAT is not reachable on its private addresses");
                     return;
@@ -624,10 +620,6 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
-                // Still retiring here: the peer closed it, quiet on its side.
-                if self.paths.is_retiring(connection_id) {
-                    self.closed_quietly(connection_id);
-                }
                 self.paths.closed(peer_id, connection_id);
                 self.gateway_dials.remove(&connection_id);
                 self.dialled_at.remove(&connection_id);
@@ -665,6 +657,10 @@ impl EventLoop {
                 }
                 self.publish_listeners();
                 self.on_listener_closed(listener_id);
+            }
+            // The relay client confirms a circuit once per reservation (not at renewals).
+            SwarmEvent::ExternalAddrConfirmed { address } if crate::reach::is_relayed(&address) => {
+                self.provide_again();
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             _ => {}

@@ -37,6 +37,12 @@ impl EventLoop {
                         tracing::info!(nat = %belief, observer = %peer_id, %observed, "what this node believes of its NAT changed");
                     }
                     self.observed_by_gateway(connection_id, observed, local_port);
+                    if self.reach.observed_by_gateway(observed) {
+                        let listening: Vec<_> = self.swarm.listeners().cloned().collect();
+                        for address in listening {
+                            crate::announce_listen_address(&mut self.swarm, &self.reach, address);
+                        }
+                    }
                     // Peers punch to it only while this node's listeners are settled: not to
                     // a port it is about to leave, nor one it is trying.
                     if self.listeners.settled() && self.nat.on_listen_port(observed, local_port) {
@@ -239,12 +245,22 @@ impl EventLoop {
         event: request_response::Event<Envelope<Request>, Envelope<Response>>,
     ) {
         match event {
-            request_response::Event::Message { peer, message, .. } => match message {
+            request_response::Event::Message {
+                peer,
+                message,
+                connection_id,
+            } => match message {
                 request_response::Message::Request {
                     request_id,
                     request,
                     channel,
                 } => {
+                    if self.quiet_closes.contains(&connection_id) {
+                        // It came after this node closed the relay it came over: not taken,
+                        // so that its sender may send it again.
+                        tracing::debug!(%peer, "a request over a retired relay, after its close; not taken");
+                        return;
+                    }
                     self.answering
                         .insert(request_id, self.in_flight.begin(peer));
                     self.on_inbound_request(peer, request, channel);
@@ -290,9 +306,11 @@ impl EventLoop {
         }
     }
 
-    /// A request failed. One whose connection was a relay retired quietly (the peer had
-    /// nothing of ours under way when it closed, so it never took this one) is sent again
-    /// once, over the connection that replaced it; any other failure is the caller's.
+    /// A request failed. One whose connection was a relay this node retired quietly (nothing
+    /// was under way with the peer when it closed it, so the request went out after the close
+    /// and never reached the peer, which takes nothing over it any more) is sent again once,
+    /// over the connection that replaced it. Any other failure is the caller's: when the peer
+    /// closed the relay, it may have taken the request.
     fn request_failed(
         &mut self,
         mut pending: PendingRequest,
@@ -374,11 +392,12 @@ impl EventLoop {
                 answer(self, channel, Response::Health(Box::new(status)));
             }
             Request::Neighbour { public_ips } => {
-                let addresses = crate::neighbours::answer(
-                    &public_ips,
-                    &self.nat.public_ips(),
-                    self.swarm.listeners(),
-                );
+                // Not a container or VM bridge's: the same addresses on every machine.
+                let listening = (self.swarm.listeners()).filter(|address| {
+                    !crate::reach::first_ip(address).is_some_and(crate::reach::on_virtual_bridge)
+                });
+                let addresses =
+                    crate::neighbours::answer(&public_ips, &self.nat.public_ips(), listening);
                 answer(self, channel, Response::Neighbour { addresses });
             }
             body => {
