@@ -264,8 +264,28 @@ pub fn run(
     settings: &Settings,
     mut report: impl FnMut(Progress<'_>),
 ) -> Result<Finished, QuickstartError> {
-    let mut progress = |step: &str| report(Progress::Step(step));
     let started = Instant::now();
+    let (dir, training, python_trainer) = prepare(settings, &mut report)?;
+    report(Progress::Step("making certificates"));
+    let certs = Certs::new(&dir)?;
+    let network = start_network(settings, &dir, &certs, python_trainer.as_ref(), &mut report)?;
+    let trained = train(settings, &dir, &certs, &training, network, &mut report)?;
+    let held = trained.hold.then(|| Held {
+        nodes: trained.nodes,
+        dashboard: trained.dashboard,
+    });
+    let model_path = keep_outputs(&dir, &trained.watch, &trained.metrics)?;
+    let summary = score(&training, &model_path, &trained.watch, started)?;
+    Ok(Finished { summary, held })
+}
+
+/// Checks the user's data and Python trainer before anything is written or started, makes
+/// the quickstart's directory, and lays out the data: the directory, what is trained, and
+/// the Python trainer checked.
+fn prepare<'s>(
+    settings: &'s Settings,
+    report: &mut impl FnMut(Progress<'_>),
+) -> Result<(PathBuf, Training, Option<CheckedPythonTrainer<'s>>), QuickstartError> {
     let dir = &settings.dir;
     if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
         return Err(QuickstartError::NotEmpty(dir.clone()));
@@ -273,7 +293,7 @@ pub fn run(
     // The user's data is checked against the model before anything is written or started.
     let own = match &settings.dataset {
         Some(own) => {
-            progress("checking the dataset against the model");
+            report(Progress::Step("checking the dataset against the model"));
             Some(check_own_data(own)?)
         }
         None => None,
@@ -294,41 +314,57 @@ pub fn run(
     let training = match own {
         Some(own) => lay_out_own_data(own, &dir)?,
         None => {
-            progress("writing the dataset");
-            let dataset = dir.join("data/blobs");
-            Synthetic::for_model(&MODEL).write(
-                &dataset,
-                settings.slices,
-                settings.samples_per_slice,
-                0,
-            )?;
-            let held_out = dir.join("data/blobs-heldout");
-            let (slices, samples) = SYNTHETIC_HELD_OUT;
-            Synthetic::for_model(&MODEL).write(&held_out, slices, samples, 1 << 40)?;
-            Training {
-                model: MODEL,
-                tensors: TensorNames::default(),
-                dataset: "blobs".into(),
-                samples: (settings.slices * settings.samples_per_slice) as u64,
-                held_out: HeldOut {
-                    dataset: "blobs-heldout".into(),
-                    dir: held_out,
-                    described: format!(
-                        "{} fresh samples of the synthetic dataset",
-                        slices * samples
-                    ),
-                },
-            }
+            report(Progress::Step("writing the dataset"));
+            write_synthetic_data(settings, &dir)?
         }
     };
-    progress("making certificates");
-    let certs = Certs::new(&dir)?;
+    Ok((dir, training, python_trainer))
+}
 
-    progress("starting the gateway");
-    let port = free_port(&dir)?;
+/// Writes the learnable synthetic dataset (blobs for [`MODEL`]) and its held-out part.
+fn write_synthetic_data(settings: &Settings, dir: &Path) -> Result<Training, QuickstartError> {
+    let dataset = dir.join("data/blobs");
+    Synthetic::for_model(&MODEL).write(&dataset, settings.slices, settings.samples_per_slice, 0)?;
+    let held_out = dir.join("data/blobs-heldout");
+    let (slices, samples) = SYNTHETIC_HELD_OUT;
+    Synthetic::for_model(&MODEL).write(&held_out, slices, samples, 1 << 40)?;
+    Ok(Training {
+        model: MODEL,
+        tensors: TensorNames::default(),
+        dataset: "blobs".into(),
+        samples: (settings.slices * settings.samples_per_slice) as u64,
+        held_out: HeldOut {
+            dataset: "blobs-heldout".into(),
+            dir: held_out,
+            described: format!(
+                "{} fresh samples of the synthetic dataset",
+                slices * samples
+            ),
+        },
+    })
+}
+
+/// The nodes the job runs on, up and ready, and how a node joins them.
+struct Network {
+    nodes: Vec<Node>,
+    /// The config line that names the gateway.
+    join: String,
+}
+
+/// Starts the gateway, then the data node and the workers (the parameter server's and the
+/// trainers'), and waits until each says it is ready.
+fn start_network(
+    settings: &Settings,
+    dir: &Path,
+    certs: &Certs,
+    python_trainer: Option<&CheckedPythonTrainer<'_>>,
+    report: &mut impl FnMut(Progress<'_>),
+) -> Result<Network, QuickstartError> {
+    report(Progress::Step("starting the gateway"));
+    let port = free_port(dir)?;
     let (gateway_config, gateway_peer) = certs.config("gateway", Role::Gateway, port, "")?;
     let mut nodes = Vec::new();
-    let mut gateway = start(settings, &dir, "gateway", "hypha-gateway", &gateway_config)?;
+    let mut gateway = start(settings, dir, "gateway", "hypha-gateway", &gateway_config)?;
     let gateway_address = format!("/ip4/127.0.0.1/tcp/{port}/p2p/{gateway_peer}");
     wait_listening(&mut gateway, port)?;
     let (identity, trust) = certs.prober()?;
@@ -337,14 +373,45 @@ pub fn run(
     nodes.push(gateway);
     let join = format!("gateway_addresses = [\"{gateway_address}\"]\n");
 
-    progress("starting the data node, the parameter server and the trainers");
+    report(Progress::Step(
+        "starting the data node, the parameter server and the trainers",
+    ));
     let (data_config, data_peer) = certs.config(
         "data",
         Role::Data,
         0,
         &format!("{join}dataset_path = {:?}\n", dir.join("data")),
     )?;
-    let mut data = start(settings, &dir, "data", "hypha-data", &data_config)?;
+    let mut data = start(settings, dir, "data", "hypha-data", &data_config)?;
+    let mut started_workers = Vec::new();
+    for (name, executors) in worker_executors(settings, python_trainer) {
+        let work = dir.join("work").join(&name);
+        let (config, peer) = certs.config(
+            &name,
+            Role::Worker,
+            0,
+            &format!(
+                "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
+                work
+            ),
+        )?;
+        started_workers.push((start(settings, dir, &name, "hypha-worker", &config)?, peer));
+    }
+    wait_ready(&mut data, data_peer, &prober)?;
+    nodes.push(data);
+    for (mut worker, peer) in started_workers {
+        wait_ready(&mut worker, peer, &prober)?;
+        nodes.push(worker);
+    }
+    Ok(Network { nodes, join })
+}
+
+/// Each worker's name and its `[[executors]]`: the parameter server's, the reference
+/// trainers' (`hypha-executor`), and the Python trainer's.
+fn worker_executors(
+    settings: &Settings,
+    python_trainer: Option<&CheckedPythonTrainer<'_>>,
+) -> Vec<(String, String)> {
     let executor = settings.bin_dir.join("hypha-executor");
     let mut workers = vec![("parameter-server".to_string(), SERVER_EXECUTOR.to_string())];
     for i in 0..settings.trainers {
@@ -354,7 +421,7 @@ pub fn run(
         );
         workers.push((format!("trainer-{i}"), trainer));
     }
-    if let Some((python, script, python_path)) = &python_trainer {
+    if let Some((python, script, python_path)) = python_trainer {
         let env = python_path.as_ref().map_or(String::new(), |path| {
             format!("env = [{:?}]\n", format!("PYTHONPATH={path}"))
         });
@@ -365,34 +432,36 @@ pub fn run(
         );
         workers.push(("python-trainer".to_string(), trainer));
     }
-    let mut started_workers = Vec::new();
-    for (name, executors) in &workers {
-        let work = dir.join("work").join(name);
-        let (config, peer) = certs.config(
-            name,
-            Role::Worker,
-            0,
-            &format!(
-                "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
-                work
-            ),
-        )?;
-        started_workers.push((start(settings, &dir, name, "hypha-worker", &config)?, peer));
-    }
-    wait_ready(&mut data, data_peer, &prober)?;
-    nodes.push(data);
-    for (mut worker, peer) in started_workers {
-        wait_ready(&mut worker, peer, &prober)?;
-        nodes.push(worker);
-    }
-    drop(prober);
+    workers
+}
 
+/// What the training left: every node (the scheduler last), the run as watched, where its
+/// metrics are, and whether the network is to be held up.
+struct Trained {
+    nodes: Vec<Node>,
+    dashboard: String,
+    watch: RunWatch,
+    metrics: PathBuf,
+    hold: bool,
+}
+
+/// Writes the job, starts the scheduler on it and follows the run to its end, reporting each
+/// round; stops the network unless it is to be held.
+fn train(
+    settings: &Settings,
+    dir: &Path,
+    certs: &Certs,
+    training: &Training,
+    network: Network,
+    report: &mut impl FnMut(Progress<'_>),
+) -> Result<Trained, QuickstartError> {
+    let Network { mut nodes, join } = network;
     let job = dir.join("job.toml");
-    write(&job, &job_file(settings, &training))?;
+    write(&job, &job_file(settings, training))?;
     let (scheduler_config, _) = certs.config("scheduler", Role::Scheduler, 0, &join)?;
     let events = dir.join("logs/scheduler-events.jsonl");
     let metrics = dir.join("job.metrics.jsonl");
-    let mut scheduler = start_scheduler(settings, &dir, &scheduler_config, &job, &events)?;
+    let mut scheduler = start_scheduler(settings, dir, &scheduler_config, &job, &events)?;
     let dashboard = wait_for(&mut scheduler, DASHBOARD_LINE)?
         .split(DASHBOARD_LINE)
         .nth(1)
@@ -411,7 +480,7 @@ pub fn run(
     };
     // The job ends with its `done` event; a held scheduler goes on serving the dashboard.
     loop {
-        watch.follow(files, &mut report);
+        watch.follow(files, &mut *report);
         match watch.done {
             Some(true) => break,
             Some(false) => return Err(failed(&scheduler)),
@@ -421,7 +490,7 @@ pub fn run(
             Ok(None) => std::thread::sleep(Duration::from_millis(200)),
             Ok(Some(status)) if status.success() => {
                 // Stopped: its last events may have come after the look above.
-                watch.follow(files, &mut report);
+                watch.follow(files, &mut *report);
                 if watch.done == Some(true) {
                     break;
                 }
@@ -430,25 +499,30 @@ pub fn run(
             Ok(Some(_)) | Err(_) => return Err(failed(&scheduler)),
         }
     }
-    watch.follow(files, &mut report);
+    watch.follow(files, &mut *report);
     // Unless held, the scheduler ends by itself once its workers heard the job is over.
     if !settings.hold && !scheduler.child.wait().is_ok_and(|s| s.success()) {
         return Err(failed(&scheduler));
     }
     // The metrics are another file than the events: the last round's line may follow the
     // `done` event (a CI run counted 9 of 10 rounds); an exited scheduler wrote everything.
-    watch.follow(files, &mut report);
+    watch.follow(files, &mut *report);
     nodes.push(scheduler);
-    let held = if settings.hold {
-        Some(Held {
-            nodes,
-            dashboard: dashboard.clone(),
-        })
-    } else {
-        drop(nodes);
-        None
-    };
+    if !settings.hold {
+        nodes.clear();
+    }
+    Ok(Trained {
+        nodes,
+        dashboard,
+        watch,
+        metrics,
+        hold: settings.hold,
+    })
+}
 
+/// Keeps what the run made: `model.safetensors` (the final global model), `metrics.jsonl` and
+/// `loss.svg`; returns the model's path.
+fn keep_outputs(dir: &Path, watch: &RunWatch, metrics: &Path) -> Result<PathBuf, QuickstartError> {
     let final_model =
         find_final(&dir.join("work/parameter-server")).ok_or_else(|| QuickstartError::Job {
             reason: "the parameter server left no final model".into(),
@@ -460,7 +534,7 @@ pub fn run(
         error,
     })?;
     let metrics_path = dir.join("metrics.jsonl");
-    std::fs::rename(&metrics, &metrics_path).map_err(|error| QuickstartError::Write {
+    std::fs::rename(metrics, &metrics_path).map_err(|error| QuickstartError::Write {
         path: metrics_path,
         error,
     })?;
@@ -471,13 +545,22 @@ pub fn run(
         }
     })?;
     write(&dir.join("loss.svg"), &plot)?;
+    Ok(model_path)
+}
 
+/// Scores the first and the final model on the held-out data, the way the job did.
+fn score(
+    training: &Training,
+    model_path: &Path,
+    watch: &RunWatch,
+    started: Instant,
+) -> Result<Summary, QuickstartError> {
     let before = Model::new(&training.model, MODEL_SEED)?;
     let after = Model::new(&training.model, MODEL_SEED)?;
-    after.load(&hypha_diloco::Tensors::load(&model_path)?)?;
+    after.load(&hypha_diloco::Tensors::load(model_path)?)?;
     let ((loss_before, accuracy_before), (loss_after, accuracy_after)) =
         (training.score(&before)?, training.score(&after)?);
-    let summary = Summary {
+    Ok(Summary {
         loss_before,
         accuracy_before,
         loss_after,
@@ -489,9 +572,8 @@ pub fn run(
         clipped: watch.clipped,
         evaluated_on: training.held_out.described.clone(),
         held_out: watch.held_out.last().copied(),
-        model: training.model,
-    };
-    Ok(Finished { summary, held })
+        model: training.model.clone(),
+    })
 }
 
 /// What the quickstart trains, on which data, and how it is scored.
@@ -689,12 +771,15 @@ fn job_file(settings: &Settings, training: &Training) -> String {
     )
 }
 
+/// A Python trainer checked: its settings, its script and the `PYTHONPATH` its executor gets.
+type CheckedPythonTrainer<'a> = (&'a PythonTrainer, PathBuf, Option<String>);
+
 /// The Python trainer, its script and the `PYTHONPATH` its executor gets, as the worker will
 /// see them: absolute, since jobs run in their own directories. Checked first: the script is
 /// a file and its interpreter imports the SDK.
 fn check_python_trainer(
     python: &PythonTrainer,
-) -> Result<(&PythonTrainer, PathBuf, Option<String>), QuickstartError> {
+) -> Result<CheckedPythonTrainer<'_>, QuickstartError> {
     let problem = |problem: String| QuickstartError::PythonTrainer {
         script: python.script.clone(),
         problem,
