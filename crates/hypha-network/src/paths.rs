@@ -522,10 +522,7 @@ mod tests {
         );
 
         // Never quiet: closed all the same once its time is up.
-        let mut paths = Paths::<&str>::default();
-        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
-        paths.expire(t0 + PUNCH_WINDOW);
-        paths.established(peer, direct, Kind::Direct, Vec::new(), late);
+        let mut paths = replaced_after_the_window(peer, (relayed, direct), t0);
         assert_eq!(
             paths.retire(late + RETIRE_AT_MOST, busy),
             Retired {
@@ -535,17 +532,34 @@ mod tests {
         );
     }
 
+    /// `peer` reached through `relayed` at `t0`, its window over, then `direct` at twice the
+    /// window.
+    fn replaced_after_the_window(
+        peer: PeerId,
+        (relayed, direct): (ConnectionId, ConnectionId),
+        t0: Instant,
+    ) -> Paths<&'static str> {
+        let mut paths = Paths::default();
+        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
+        paths.expire(t0 + PUNCH_WINDOW);
+        paths.established(
+            peer,
+            direct,
+            Kind::Direct,
+            Vec::new(),
+            t0 + PUNCH_WINDOW * 2,
+        );
+        paths
+    }
+
     /// The direct connection is lost while the relay it replaced still finishes its work: the
     /// relay is the way to the peer again, and is kept.
     #[test]
     fn a_retiring_relay_is_kept_when_the_direct_connection_is_lost() {
-        let mut paths = Paths::<&str>::default();
         let peer = PeerId::random();
         let (relayed, direct) = ids();
         let t0 = Instant::now();
-        paths.established(peer, relayed, RELAYED, Vec::new(), t0);
-        paths.expire(t0 + PUNCH_WINDOW);
-        paths.established(peer, direct, Kind::Direct, Vec::new(), t0 + PUNCH_WINDOW);
+        let mut paths = replaced_after_the_window(peer, (relayed, direct), t0);
         paths.closed(peer, direct);
         assert_eq!(paths.path(&peer), Some(Path::Relayed));
         assert_eq!(

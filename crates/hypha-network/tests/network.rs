@@ -461,6 +461,19 @@ async fn plain_libp2p_noise_peer_is_refused() {
 /// A worker `a` and a scheduler `b` that listen on no address of their own, joined to the
 /// gateway at `gateway_addr`: the relay circuit is the only way in. Returned once `a` holds
 /// its reservation and `b` its gateway connection.
+/// Waits until `node` listens through a gateway's relay.
+async fn relay_reservation_of(node: &Network) {
+    eventually("a relay reservation", || async {
+        node.listen_addresses()
+            .await
+            .unwrap()
+            .iter()
+            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
+            .then_some(())
+    })
+    .await;
+}
+
 async fn reachable_only_through_the_relay(
     pki: &Pki,
     gateway_addr: &Multiaddr,
@@ -471,15 +484,7 @@ async fn reachable_only_through_the_relay(
     let mut b_settings = settings("scheduler", false, std::slice::from_ref(gateway_addr));
     b_settings.relay_circuit = true;
     let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
-    eventually("a's relay reservation", || async {
-        a.listen_addresses()
-            .await
-            .unwrap()
-            .iter()
-            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
-            .then_some(())
-    })
-    .await;
+    relay_reservation_of(&a).await;
     eventually("b's gateway connection", || async {
         (!b.connected_peers().await.unwrap().is_empty()).then_some(())
     })
@@ -534,15 +539,7 @@ async fn work_under_way_on_a_relay_outlives_the_direct_connection_that_replaces_
     let mut b_settings = settings("scheduler", false, std::slice::from_ref(&gateway_addr));
     b_settings.exclude_cidr = vec!["127.0.0.2/32".parse().unwrap()];
     let (b, _) = start(&pki.node("b"), pki.trust(), b_settings).await;
-    eventually("a's relay reservation", || async {
-        a.listen_addresses()
-            .await
-            .unwrap()
-            .iter()
-            .any(|addr| addr.iter().any(|p| p == Protocol::P2pCircuit))
-            .then_some(())
-    })
-    .await;
+    relay_reservation_of(&a).await;
     let protocol = StreamProtocol::new("/test/echo-lines/1");
     let mut incoming = a.accept_streams(protocol.clone()).unwrap();
     tokio::spawn(async move {
