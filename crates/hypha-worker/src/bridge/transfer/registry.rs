@@ -5,6 +5,7 @@
 use std::{
     collections::{HashMap, HashSet},
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use hypha_artifacts::Admission;
@@ -15,10 +16,40 @@ use hypha_transfer::{Refusal, RefusalCode};
 use super::inbox::Inbox;
 use crate::bridge::paths::JobDir;
 
+/// How long the workers of a task may still fetch its artifacts from this worker after its
+/// last job here ended. Jobs of one task start apart (a slower worker, an executor that
+/// ends in a moment): a worker whose job ended before another's began its fetch would
+/// refuse it every chunk, and the latecomer would wait out its stall patience and read
+/// from the origin what the others hold (CI, session 51). Nothing else of the task outlives
+/// its jobs: its inboxes close and its scheduler no longer owns it here.
+pub const ARTIFACTS_AFTER_THE_TASK: Duration = Duration::from_secs(120);
+
 /// The inboxes of every job on this worker, by task.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Inboxes {
     by_task: Mutex<HashMap<String, Task>>,
+    /// Tasks whose last job here ended, while their peers may still fetch their artifacts:
+    /// their scheduler, their peers, and until when.
+    ended: Mutex<HashMap<String, EndedTask>>,
+    /// [`ARTIFACTS_AFTER_THE_TASK`]; shorter in tests.
+    artifacts_after_the_task: Duration,
+}
+
+impl Default for Inboxes {
+    fn default() -> Self {
+        Inboxes {
+            by_task: Mutex::default(),
+            ended: Mutex::default(),
+            artifacts_after_the_task: ARTIFACTS_AFTER_THE_TASK,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct EndedTask {
+    scheduler: PeerId,
+    peers: HashSet<PeerId>,
+    until: Instant,
 }
 
 /// A job for a task that another scheduler owns on this worker.
@@ -55,11 +86,16 @@ struct TaskOf {
 impl TaskOf {
     /// `f` of the task's peers as its scheduler last said; `None` when no job of the task
     /// runs here or it belongs to another scheduler.
+    /// A task whose last job here ended a moment ago still has them, for its artifacts
+    /// ([`ARTIFACTS_AFTER_THE_TASK`]).
     fn peers<T>(&self, f: impl FnOnce(&HashSet<PeerId>) -> T) -> Option<T> {
         let inboxes = self.inboxes.upgrade()?;
-        let by_task = inboxes.lock();
-        let task = by_task.get(&self.task)?;
-        (task.scheduler == self.scheduler).then(|| f(&task.peers))
+        if let Some(task) = inboxes.lock().get(&self.task) {
+            return (task.scheduler == self.scheduler).then(|| f(&task.peers));
+        }
+        let ended = inboxes.lock_ended();
+        let task = ended.get(&self.task)?;
+        (task.scheduler == self.scheduler && Instant::now() < task.until).then(|| f(&task.peers))
     }
 }
 
@@ -163,6 +199,10 @@ impl Inboxes {
         self.by_task.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn lock_ended(&self) -> std::sync::MutexGuard<'_, HashMap<String, EndedTask>> {
+        self.ended.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Who may share artifacts with this worker for `task`: see
     /// [`artifact_admission`](Self::artifact_admission), with the task's scheduler here.
     pub(super) fn admission_of(self: &Arc<Self>, task: &str) -> Admission {
@@ -224,8 +264,20 @@ impl Drop for Registration {
         let mut by_task = self.inboxes.lock();
         if let Some(entry) = by_task.get_mut(&self.task) {
             entry.inboxes.retain(|i| !Arc::ptr_eq(i, &self.inbox));
-            if entry.inboxes.is_empty() {
-                by_task.remove(&self.task);
+            if entry.inboxes.is_empty()
+                && let Some(task) = by_task.remove(&self.task)
+            {
+                let now = Instant::now();
+                let mut ended = self.inboxes.lock_ended();
+                ended.retain(|_, task| now < task.until);
+                ended.insert(
+                    self.task.clone(),
+                    EndedTask {
+                        scheduler: task.scheduler,
+                        peers: task.peers,
+                        until: now + self.inboxes.artifacts_after_the_task,
+                    },
+                );
             }
         }
     }
@@ -358,7 +410,32 @@ mod tests {
         assert!(admission.admits(&b) && !admission.admits(&a));
         assert!(inboxes.admission_of("t").admits(&b));
         drop(job);
-        assert!(!admission.admits(&b), "no job of the task runs here");
-        assert!(!inboxes.admission_of("t").admits(&b));
+        assert!(
+            admission.admits(&b) && !claimed.admits(&b),
+            "a moment after its last job ended, the task's peers still fetch its artifacts here"
+        );
+        assert!(
+            !inboxes.admission_of("t").admits(&b),
+            "no job of the task runs here to fetch more"
+        );
+    }
+
+    /// Past [`ARTIFACTS_AFTER_THE_TASK`] (here none at all), a task that ended admits nobody.
+    #[test]
+    fn an_ended_task_admits_nobody_once_its_time_passed() {
+        let inboxes = Arc::new(Inboxes {
+            artifacts_after_the_task: Duration::ZERO,
+            ..Inboxes::default()
+        });
+        let (_, dir, _keep) = registry();
+        let (owner, a) = (PeerId::random(), PeerId::random());
+        let job = inboxes
+            .open("t", "job", dir, owner, &peers(1, &[a]))
+            .unwrap();
+        let admission = inboxes.artifact_admission(owner, "t");
+        assert!(admission.admits(&a));
+        drop(job);
+        assert!(!admission.admits(&a));
+        assert!(inboxes.check_owner("t", PeerId::random()).is_ok());
     }
 }
