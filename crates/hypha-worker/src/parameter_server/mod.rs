@@ -55,7 +55,7 @@
 //! otherwise, counted apart from the round's DiLoCo traffic (`Applied::standby_bytes`).
 
 use std::{
-    collections::HashSet,
+    collections::{HashSet, VecDeque},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -68,7 +68,7 @@ use hypha_diloco::{
     server::{ParameterServer, Taken, round_of, samples_of},
 };
 use hypha_messages::{
-    diloco::{Applied, Late, ServerConfig, ServerOrder, ServerStatus, Status, meta},
+    diloco::{Applied, Late, ServerConfig, ServerStatus, Status, meta},
     job::JobStatus,
 };
 use hypha_network::{Network, PeerId};
@@ -77,11 +77,15 @@ use tokio::sync::oneshot;
 pub use checkpoints::CHECKPOINT_TRAFFIC_RATIO;
 pub use publish::{ModelPublisher, PUBLISH_FROM_BYTES};
 
-use self::checkpoints::{Cadence, Uploads};
+use self::{
+    checkpoints::{Cadence, Uploads},
+    rules::{Effect, Event, Loop},
+};
 use crate::bridge::transfer::{self, Header, Inbox};
 
 mod checkpoints;
 mod publish;
+mod rules;
 mod standby;
 
 /// How often the server reports when nothing arrives.
@@ -150,32 +154,6 @@ pub struct ServerJob {
 /// Turns true once every transfer of one send has ended, arrived or given up.
 type Ended = tokio::sync::watch::Receiver<bool>;
 
-/// A round the server applied, not yet said to the scheduler: it waits until the standby
-/// holds the round's model (its transfer ended) or [`STANDBY_HEAD_START`] passed, as the
-/// trainers' copies do. A round the scheduler hears was applied is then on the standby too,
-/// and a failover right after it loses nothing.
-#[derive(Debug)]
-struct Announcing {
-    applied: Applied,
-    /// A checkpoint of the round was written: it goes to the scheduler after the round.
-    checkpointed: bool,
-    /// The standby's transfer; `None` without a standby.
-    standby: Option<Ended>,
-    until: tokio::time::Instant,
-}
-
-impl Announcing {
-    /// Resolves once the round `announcing` holds may be said; never without one.
-    async fn held(announcing: &mut Option<Announcing>) {
-        let Some(held) = announcing else {
-            return std::future::pending().await;
-        };
-        if let Some(standby) = held.standby.as_mut() {
-            let _ = tokio::time::timeout_at(held.until, standby.wait_for(|ended| *ended)).await;
-        }
-    }
-}
-
 /// Says so when the last transfer of a send lets go of it (each holds a clone).
 #[derive(Debug)]
 struct EndsOnDrop(tokio::sync::watch::Sender<bool>);
@@ -183,6 +161,54 @@ struct EndsOnDrop(tokio::sync::watch::Sender<bool>);
 impl Drop for EndsOnDrop {
     fn drop(&mut self) {
         self.0.send_replace(true);
+    }
+}
+
+/// What the actor holds while it serves: the server, the job's codec, who it hears from,
+/// the checkpoint's way to the scheduler, the loop's rules, and the standby's transfer of
+/// the round the rules wait to announce.
+struct Serving {
+    server: ParameterServer,
+    codec: Codec,
+    peers: Peers,
+    uploads: Uploads,
+    rules: Loop,
+    standby_ended: Option<Ended>,
+}
+
+/// What a round's end (a close or a skip) did.
+struct RoundEnd {
+    applied: Applied,
+    /// Bytes sent to the trainers.
+    sent: u64,
+    /// Bytes sent to the standby, and the end of that transfer (`None` without a standby).
+    to_standby: u64,
+    standby: Option<Ended>,
+}
+
+impl RoundEnd {
+    /// The event the rules hear; the standby's transfer goes to `standby_ended`, for
+    /// [`standby_holds`].
+    fn into_event(self, standby_ended: &mut Option<Ended>, has_standby: bool) -> Event {
+        *standby_ended = self.standby;
+        Event::Ended {
+            applied: self.applied,
+            sent: self.sent,
+            to_standby: self.to_standby,
+            has_standby,
+        }
+    }
+}
+
+/// Resolves once the round the rules wait to announce (`until`: its head start's end;
+/// `None`: none waits, and this never resolves) may be said: the standby's transfer
+/// ended, or `until` passed; at once without a standby.
+async fn standby_holds(until: Option<tokio::time::Instant>, standby: &mut Option<Ended>) {
+    let Some(until) = until else {
+        return std::future::pending().await;
+    };
+    if let Some(standby) = standby.as_mut() {
+        let _ = tokio::time::timeout_at(until, standby.wait_for(|ended| *ended)).await;
     }
 }
 
@@ -231,9 +257,58 @@ impl ServerJob {
         }
     }
 
+    /// Serves until the scheduler says training is over: the actor of [`rules::Loop`].
     async fn serve(&self) -> Result<(), ServerError> {
         let config: ServerConfig =
             serde_json::from_value(self.config.clone()).map_err(ServerError::Config)?;
+        let Some((server, codec, cadence)) = self.start(config).await? else {
+            return Ok(());
+        };
+        let mut serving = Serving {
+            server,
+            codec,
+            peers: Peers::default(),
+            uploads: Uploads::start(
+                self.network.clone(),
+                self.scheduler,
+                self.task.clone(),
+                self.dir.join(CHECKPOINT),
+            ),
+            rules: Loop::new(cadence),
+            standby_ended: None,
+        };
+        let mut report = tokio::time::interval(REPORT_EVERY);
+        report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let anyone = HashSet::new();
+        loop {
+            let until = serving.rules.announcing_until();
+            let event = tokio::select! {
+                arrived = self.inbox.next(&anyone) => {
+                    let (bytes, dropped) = self.take(
+                        &mut serving.server,
+                        codec,
+                        &arrived,
+                        &mut serving.peers,
+                    );
+                    Event::Took { bytes, dropped }
+                }
+                _ = report.tick() => Event::Tick,
+                () = standby_holds(until, &mut serving.standby_ended) => Event::Held,
+            };
+            if self.carry_out(&mut serving, event).await? {
+                serving.uploads.finish().await;
+                return Ok(());
+            }
+        }
+    }
+
+    /// The server this job serves with (restored from the scheduler's checkpoint, resumed
+    /// from its own, or taken over as the standby), the job's codec, and when it
+    /// checkpoints; `None` when a standby ends without taking over.
+    async fn start(
+        &self,
+        config: ServerConfig,
+    ) -> Result<Option<(ParameterServer, Codec, Cadence)>, ServerError> {
         let optimizer = OuterOptimizer::from(config.outer);
         let checkpoint = self.dir.join(CHECKPOINT);
         if let Some(restore) = config.restore {
@@ -241,7 +316,7 @@ impl ServerJob {
         }
         let mut server = if config.standby {
             let Some(model) = self.stand_by().await.map_err(ServerError::Standby)? else {
-                return Ok(());
+                return Ok(None);
             };
             let held = checkpoint.exists().then_some(checkpoint.as_path());
             let taken = tokio::task::block_in_place(|| {
@@ -281,209 +356,162 @@ impl ServerJob {
             // of its own holds them: at the latest when training is over.
             cadence.round_applied(0);
         }
-        let uploads = Uploads::start(
-            self.network.clone(),
-            self.scheduler,
-            self.task.clone(),
-            checkpoint,
-        );
-        let mut dropped = Vec::new();
-        let mut applied = None;
-        // Bytes sent to the standby since the last round applied, for the next `Applied`.
-        let mut standby_traffic = 0u64;
-        // A round's checkpoint goes to the scheduler once it has answered the status saying
-        // the round was applied: a scheduler that holds the checkpoint knows whose slices
-        // the round used, even if it was restarted in between.
-        let mut announce = false;
-        // The DiLoCo bytes of the round being collected, for its `Applied`.
-        let mut round_traffic = 0u64;
-        // The round just ended, until its standby holds it.
-        let mut announcing: Option<Announcing> = None;
-        let mut report = tokio::time::interval(REPORT_EVERY);
-        report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let anyone = HashSet::new();
-        let mut peers = Peers::default();
-        // Files were taken after the last order came: the scheduler is asked again at once.
-        let mut ask_again = false;
-        let mut asked_again = None;
-        loop {
-            if !std::mem::take(&mut ask_again) {
-                tokio::select! {
-                    arrived = self.inbox.next(&anyone) => {
-                        let moved =
-                            self.take(&mut server, codec, &arrived, &mut dropped, &mut peers);
-                        cadence.moved(moved);
-                        round_traffic += moved;
-                    }
-                    _ = report.tick() => {}
-                    () = Announcing::held(&mut announcing) => {
-                        if let Some(held) = announcing.take() {
-                            applied = Some(held.applied);
-                            announce |= held.checkpointed;
-                        }
-                    }
+        Ok(Some((server, codec, cadence)))
+    }
+
+    /// Applies `event` and what the effects it leads to report, each in turn; whether
+    /// training is over.
+    async fn carry_out(&self, serving: &mut Serving, event: Event) -> Result<bool, ServerError> {
+        let mut events = VecDeque::from([event]);
+        while let Some(event) = events.pop_front() {
+            for effect in serving.rules.apply(event, tokio::time::Instant::now()) {
+                match self.effect(serving, effect).await? {
+                    Some(reported) => events.extend(reported),
+                    None => return Ok(true),
                 }
-            }
-            let status = ServerStatus {
-                round: server.round(),
-                arrived: server.arrivals(),
-                dropped: std::mem::take(&mut dropped),
-                refused: server.refusals(),
-                applied: applied.clone(),
-                trainers: peers.trainers.iter().cloned().collect(),
-                offered: peers.offered(),
-                standby: peers.standby.clone(),
-            };
-            let order = self.ask(Status::ParameterServer(status)).await;
-            if order.is_some() && std::mem::take(&mut announce) {
-                uploads.checkpointed();
-            }
-            // The round closed or skipped now, with the bytes its ending sent.
-            let mut ended = None;
-            match order {
-                Some(ServerOrder::Wait) | None => {}
-                Some(ServerOrder::Close { round, send_to }) => {
-                    // Updates that came in while the scheduler answered are taken first, and
-                    // the scheduler asked again with them: a round closes with every update
-                    // at the server when it is told to close. A trainer told to stop sends
-                    // its update and then ends, so the update is here before the scheduler
-                    // can hear of the end and stop waiting for it. Only the trainers' files,
-                    // those waiting now, and once a round: no other peer spends the extra
-                    // ask, and a peer that keeps sending holds no close up.
-                    if server.round() == Some(round) {
-                        if asked_again != Some(round) {
-                            asked_again = Some(round);
-                            let moved =
-                                self.take_waiting(&mut server, codec, &mut dropped, &mut peers);
-                            if let Some(moved) = moved {
-                                cadence.moved(moved);
-                                round_traffic += moved;
-                                ask_again = true;
-                                continue;
-                            }
-                        }
-                        ended = Some(self.close(
-                            &mut server,
-                            &send_to,
-                            &mut peers,
-                            &mut standby_traffic,
-                        )?);
-                    }
-                }
-                Some(ServerOrder::Skip { round, send_to }) => {
-                    if server.round() == Some(round) {
-                        ended = Some(self.skip(
-                            &mut server,
-                            &send_to,
-                            &mut peers,
-                            &mut standby_traffic,
-                        )?);
-                    }
-                }
-                Some(ServerOrder::Trainers { peers: named }) => {
-                    peers.trainers = named.into_iter().collect();
-                    for (peer, offered) in peers.named_since_they_offered() {
-                        let offered = offered
-                            .as_ref()
-                            .map(|(round, hash)| (*round, hash.as_str()));
-                        let moved = self.send_model(&server, &peer, offered, &mut peers);
-                        cadence.moved(moved);
-                        round_traffic += moved;
-                    }
-                }
-                Some(ServerOrder::Adopt { from }) => {
-                    self.adopt(&mut server, &from, &mut peers, &uploads, &mut cadence);
-                    standby_traffic += self.send_standby(&server, None, &mut peers).0;
-                }
-                Some(ServerOrder::Standby { peer }) => {
-                    if peer != peers.standby {
-                        tracing::info!(standby = ?peer, "every round's model goes to the standby too");
-                        peers.standby = peer;
-                        standby_traffic += self.send_standby(&server, None, &mut peers).0;
-                    }
-                }
-                Some(ServerOrder::Done) => {
-                    // The last rounds' slices are used once a checkpoint holds them: it goes
-                    // on its way first (the round still announcing is in it).
-                    if cadence.behind() {
-                        let size = tokio::task::block_in_place(|| {
-                            server.checkpoint(&self.dir.join(CHECKPOINT))
-                        })?;
-                        cadence.written(size);
-                        uploads.checkpointed();
-                    }
-                    let path = self.dir.join(FINAL_MODEL);
-                    tokio::task::block_in_place(|| server.write_model(&path, true))?;
-                    tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
-                    uploads.finish().await;
-                    return Ok(());
-                }
-            }
-            if let Some((mut round, moved, standby)) = ended {
-                round.traffic_bytes = Some(std::mem::take(&mut round_traffic) + moved);
-                round.standby_bytes =
-                    Some(std::mem::take(&mut standby_traffic)).filter(|_| peers.standby.is_some());
-                cadence.round_applied(moved);
-                let checkpointed = self.checkpoint_if_due(&server, &mut cadence)?;
-                if let Some(earlier) = announcing.take() {
-                    announce |= earlier.checkpointed;
-                }
-                announcing = Some(Announcing {
-                    applied: round,
-                    checkpointed,
-                    standby,
-                    until: tokio::time::Instant::now() + STANDBY_HEAD_START,
-                });
             }
         }
+        Ok(false)
+    }
+
+    /// Carries out one effect: what it reports back, `None` once training is over (the
+    /// final model written; the last checkpoint's upload is the caller's to see through).
+    async fn effect(
+        &self,
+        serving: &mut Serving,
+        effect: Effect,
+    ) -> Result<Option<Vec<Event>>, ServerError> {
+        let Serving {
+            server,
+            codec,
+            peers,
+            uploads,
+            standby_ended,
+            ..
+        } = serving;
+        let reported = match effect {
+            Effect::Ask { dropped, applied } => {
+                let status = ServerStatus {
+                    round: server.round(),
+                    arrived: server.arrivals(),
+                    dropped,
+                    refused: server.refusals(),
+                    applied,
+                    trainers: peers.trainers.iter().cloned().collect(),
+                    offered: peers.offered(),
+                    standby: peers.standby.clone(),
+                };
+                let order = self.ask(Status::ParameterServer(status)).await;
+                vec![Event::Answered {
+                    order,
+                    round: server.round(),
+                }]
+            }
+            Effect::Upload => {
+                uploads.checkpointed();
+                vec![]
+            }
+            Effect::TakeWaiting => {
+                let (bytes, dropped) = self.take_waiting(server, *codec, peers);
+                vec![Event::TookWaiting { bytes, dropped }]
+            }
+            Effect::Close(send_to) => {
+                let ended = self.close(server, &send_to, peers)?;
+                vec![ended.into_event(standby_ended, peers.standby.is_some())]
+            }
+            Effect::Skip(send_to) => {
+                let ended = self.skip(server, &send_to, peers)?;
+                vec![ended.into_event(standby_ended, peers.standby.is_some())]
+            }
+            Effect::NameTrainers(named) => {
+                peers.trainers = named.into_iter().collect();
+                let mut sent = 0;
+                for (peer, offered) in peers.named_since_they_offered() {
+                    let offered = offered
+                        .as_ref()
+                        .map(|(round, hash)| (*round, hash.as_str()));
+                    sent += self.send_model(server, &peer, offered, peers);
+                }
+                vec![Event::SentToTrainers(sent)]
+            }
+            Effect::Adopt(from) => {
+                let checkpoint = self.adopt(server, &from, peers);
+                let to_standby = self.send_standby(server, None, peers).0;
+                vec![Event::Adopted(checkpoint), Event::SentToStandby(to_standby)]
+            }
+            Effect::Standby(peer) if peer != peers.standby => {
+                tracing::info!(standby = ?peer, "every round's model goes to the standby too");
+                peers.standby = peer;
+                vec![Event::SentToStandby(
+                    self.send_standby(server, None, peers).0,
+                )]
+            }
+            Effect::Standby(_) => vec![],
+            Effect::Checkpoint => {
+                let size =
+                    tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
+                tracing::debug!(round = ?server.round(), size, "checkpoint written");
+                vec![Event::Checkpointed(size)]
+            }
+            Effect::Finish => {
+                let path = self.dir.join(FINAL_MODEL);
+                tokio::task::block_in_place(|| server.write_model(&path, true))?;
+                tracing::info!(round = ?server.round(), path = %path.display(), "training over; final model written");
+                return Ok(None);
+            }
+        };
+        Ok(Some(reported))
     }
 
     /// Takes the files of the trainers that wait in the inbox now (not those that come
-    /// while it takes them): the bytes they moved, `None` when there were none.
+    /// while it takes them): the bytes they moved, `None` when there were none, and the
+    /// updates among them for rounds already closed.
     fn take_waiting(
         &self,
         server: &mut ParameterServer,
         codec: Codec,
-        dropped: &mut Vec<Late>,
         peers: &mut Peers,
-    ) -> Option<u64> {
+    ) -> (Option<u64>, Vec<Late>) {
         let trainers: HashSet<PeerId> = peers
             .trainers
             .iter()
             .filter_map(|peer| peer.parse().ok())
             .collect();
+        let mut moved = None;
+        let mut dropped = Vec::new();
         if trainers.is_empty() {
             // An empty set would take anyone's.
-            return None;
+            return (moved, dropped);
         }
         let waiting = self.inbox.waiting();
-        let mut moved = None;
         for _ in 0..waiting {
             let Some(arrived) = self.inbox.try_next(&trainers) else {
                 break;
             };
-            *moved.get_or_insert(0) += self.take(server, codec, &arrived, dropped, peers);
+            let (bytes, late) = self.take(server, codec, &arrived, peers);
+            *moved.get_or_insert(0) += bytes;
+            dropped.extend(late);
         }
-        moved
+        (moved, dropped)
     }
 
     /// Takes one file from the inbox: a model offered by a trainer that joins, or a
     /// pseudo-gradient (compressed with `codec`, the job's). The bytes this put on the
-    /// server's link: the file's, and a whole model sent in answer.
+    /// server's link (the file's, and a whole model sent in answer), and the update when it
+    /// came for a round already closed.
     fn take(
         &self,
         server: &mut ParameterServer,
         codec: Codec,
         arrived: &transfer::Arrived,
-        dropped: &mut Vec<Late>,
         peers: &mut Peers,
-    ) -> u64 {
+    ) -> (u64, Option<Late>) {
         let from = arrived.from.to_string();
         let path = match self.inbox.deliver(arrived, Path::new("received")) {
             Ok(path) => self.dir.join(path),
             Err(error) => {
                 tracing::warn!(%from, %error, "could not take a file a trainer sent");
-                return 0;
+                return (0, None);
             }
         };
         let received = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -517,7 +545,7 @@ impl ServerJob {
                     .get(&from)
                     .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY)
                 {
-                    return received;
+                    return (received, None);
                 }
                 peers.answered.insert(from.clone(), now);
                 let offered = round_of(&metadata)
@@ -525,26 +553,26 @@ impl ServerJob {
                     .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
                 let offer = metadata.get(meta::OFFER).map(String::as_str);
                 let held = server.round().zip(server.model_hash());
-                return received
-                    + match (held, offered) {
-                        // A server with no model adopts one the scheduler names: the offer
-                        // waits, and only the named offerer is asked for its model whole
-                        // (`adopt`); the others hold the same model, most often.
-                        (None, Some(offered)) => {
-                            peers.hold_fingerprint(&from, offered, offer);
-                            0
-                        }
-                        (None, None) => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
-                        (Some(held), _) if offered == Some(held) => {
-                            tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
-                            self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
-                        }
-                        (Some(_), _) if named => self.send_model(server, &from, offered, peers),
-                        (Some(_), _) => {
-                            peers.defer(&from, offered);
-                            0
-                        }
-                    };
+                let answered = match (held, offered) {
+                    // A server with no model adopts one the scheduler names: the offer
+                    // waits, and only the named offerer is asked for its model whole
+                    // (`adopt`); the others hold the same model, most often.
+                    (None, Some(offered)) => {
+                        peers.hold_fingerprint(&from, offered, offer);
+                        0
+                    }
+                    (None, None) => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
+                    (Some(held), _) if offered == Some(held) => {
+                        tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
+                        self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
+                    }
+                    (Some(_), _) if named => self.send_model(server, &from, offered, peers),
+                    (Some(_), _) => {
+                        peers.defer(&from, offered);
+                        0
+                    }
+                };
+                return (received + answered, None);
             }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
                 let _ = std::fs::remove_file(&path);
@@ -554,23 +582,23 @@ impl ServerJob {
                     } else {
                         peers.defer(&from, None);
                     }
-                    return received;
+                    return (received, None);
                 }
-                return received + self.send_model(server, &from, None, peers);
+                return (received + self.send_model(server, &from, None, peers), None);
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
                 // Who sent it and how large it is are known before a byte of it is read.
                 if !peers.trainers.contains(&from) {
                     let _ = std::fs::remove_file(&path);
                     tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
-                    return received;
+                    return (received, None);
                 }
                 let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
                     (Ok(round), Ok(samples)) => (round, samples),
                     (Err(error), _) | (_, Err(error)) => {
                         let _ = std::fs::remove_file(&path);
                         tracing::warn!(%from, %error, "refused a pseudo-gradient");
-                        return received;
+                        return (received, None);
                     }
                 };
                 let size = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -584,7 +612,7 @@ impl ServerJob {
                     if server.round() == Some(round) {
                         server.refuse(&from, reason);
                     }
-                    return received;
+                    return (received, None);
                 }
                 // Read a chunk at a time to check it, never whole, off the runtime's async
                 // threads; the server keeps the file open and reads it again at the close
@@ -607,7 +635,7 @@ impl ServerJob {
                     }
                     Ok(Taken::Late { round }) => {
                         tracing::info!(%from, round, "a pseudo-gradient for a closed round: dropped");
-                        dropped.push(Late { peer: from, round });
+                        return (received, Some(Late { peer: from, round }));
                     }
                     Ok(Taken::Duplicate) => {
                         tracing::warn!(%from, round, "a second pseudo-gradient for one round: dropped")
@@ -620,7 +648,7 @@ impl ServerJob {
                 tracing::warn!(%from, kind = ?other, "a file that is neither a model nor a pseudo-gradient: ignored")
             }
         }
-        received
+        (received, None)
     }
 
     /// Sends `from` the global model: a joining trainer starts from it; one whose copy does
@@ -727,17 +755,11 @@ impl ServerJob {
 
     /// Adopts the initial model `from` offered, as the scheduler said (asking `from` for it
     /// first when it offered it by fingerprint), and answers every offer: "held" to those
-    /// holding the same model, the model whole to the others.
-    fn adopt(
-        &self,
-        server: &mut ParameterServer,
-        from: &str,
-        peers: &mut Peers,
-        uploads: &Uploads,
-        cadence: &mut Cadence,
-    ) {
+    /// holding the same model, the model whole to the others. The size of the checkpoint
+    /// written of it, `None` where none was.
+    fn adopt(&self, server: &mut ParameterServer, from: &str, peers: &mut Peers) -> Option<u64> {
         if server.round().is_some() {
-            return;
+            return None;
         }
         let Some(path) = peers.offers.get(from) else {
             match peers.fingerprints.get(from) {
@@ -759,7 +781,7 @@ impl ServerJob {
                     tracing::warn!(%from, "the scheduler named an initial model this server does not hold")
                 }
             }
-            return;
+            return None;
         };
         let adopted = FileSource::open(path)
             .and_then(|model| tokio::task::block_in_place(|| server.offer_from(&model)))
@@ -769,15 +791,14 @@ impl ServerJob {
                 tracing::info!(%from, "adopted the initial model the scheduler chose as the global model");
                 let written =
                     tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)));
-                match written {
-                    Ok(size) => {
-                        // The next checkpoints hold momentum and residual too: the traffic
-                        // they are weighed against is theirs, not the model's alone.
-                        cadence.written(size.max(server.checkpoint_bytes().unwrap_or(0)));
-                        uploads.checkpointed();
-                    }
-                    Err(error) => tracing::warn!(%error, "could not checkpoint the adopted model"),
-                }
+                // The next checkpoints hold momentum and residual too: the traffic they are
+                // weighed against is theirs, not the model's alone.
+                let checkpoint = written
+                    .map(|size| size.max(server.checkpoint_bytes().unwrap_or(0)))
+                    .inspect_err(
+                        |error| tracing::warn!(%error, "could not checkpoint the adopted model"),
+                    )
+                    .ok();
                 // Every offerer holding the adopted model (the same seed draws the same one)
                 // is told so; the others get it whole once named.
                 let held = server.round().zip(server.model_hash());
@@ -802,6 +823,7 @@ impl ServerJob {
                 if let Err(error) = self.send_models(server, None, &[], &whole, None) {
                     tracing::warn!(%error, "could not send the global model");
                 }
+                checkpoint
             }
             Err(error) => {
                 // Its next status no longer names it: the scheduler chooses another.
@@ -811,6 +833,7 @@ impl ServerJob {
                 if let Some(path) = peers.offers.remove(from) {
                     let _ = std::fs::remove_file(path);
                 }
+                None
             }
         }
     }
@@ -823,8 +846,7 @@ impl ServerJob {
         server: &mut ParameterServer,
         send_to: &[String],
         peers: &mut Peers,
-        standby_traffic: &mut u64,
-    ) -> Result<(Applied, u64, Option<Ended>), ServerError> {
+    ) -> Result<RoundEnd, ServerError> {
         let started = std::time::Instant::now();
         let delta = self.dir.join(MODELS_DIR).join(format!(
             "delta-{}.safetensors",
@@ -847,7 +869,7 @@ impl ServerJob {
             // the round is given up, its slices trained again, the job goes on.
             Err(error @ hypha_diloco::Error::SumLost(_)) => {
                 tracing::warn!(round = ?server.round(), "{error}; the round ends without a change");
-                return self.skip(server, send_to, peers, standby_traffic);
+                return self.skip(server, send_to, peers);
             }
             // One that fails at the close leaves a model part-stepped (`RoundBroken`): this
             // server ends, and the scheduler restores the next one from its checkpoint.
@@ -870,16 +892,9 @@ impl ServerJob {
                     && peers.take_changes.contains(peer)
                     && closed.included.contains(peer)
             });
-        let (to_standby, standby_ended) = self.send_standby(server, delta.as_deref(), peers);
-        *standby_traffic += to_standby;
+        let (to_standby, standby) = self.send_standby(server, delta.as_deref(), peers);
         let sent = self
-            .send_models(
-                server,
-                delta.as_deref(),
-                &changed,
-                &whole,
-                standby_ended.as_ref(),
-            )
+            .send_models(server, delta.as_deref(), &changed, &whole, standby.as_ref())
             .unwrap_or_else(|error| {
                 tracing::warn!(%error, "could not send the new global model");
                 0
@@ -905,7 +920,12 @@ impl ServerJob {
             traffic_bytes: None,
             standby_bytes: None,
         };
-        Ok((applied, sent, standby_ended))
+        Ok(RoundEnd {
+            applied,
+            sent,
+            to_standby,
+            standby,
+        })
     }
 
     /// Ends the round without a change, as the scheduler said: what arrived is discarded,
@@ -916,17 +936,15 @@ impl ServerJob {
         server: &mut ParameterServer,
         send_to: &[String],
         peers: &mut Peers,
-        standby_traffic: &mut u64,
-    ) -> Result<(Applied, u64, Option<Ended>), ServerError> {
+    ) -> Result<RoundEnd, ServerError> {
         let skipped = server.skip()?;
         tracing::warn!(
             round = skipped.round,
             "round ended without a change: too few of its updates were taken"
         );
-        let (to_standby, standby_ended) = self.send_standby(server, None, peers);
-        *standby_traffic += to_standby;
+        let (to_standby, standby) = self.send_standby(server, None, peers);
         let sent = self
-            .send_models(server, None, &[], send_to, standby_ended.as_ref())
+            .send_models(server, None, &[], send_to, standby.as_ref())
             .unwrap_or_else(|error| {
                 tracing::warn!(%error, "could not send the global model");
                 0
@@ -942,22 +960,12 @@ impl ServerJob {
             traffic_bytes: None,
             standby_bytes: None,
         };
-        Ok((applied, sent, standby_ended))
-    }
-
-    /// Checkpoints when `cadence` says it is time; whether it did.
-    fn checkpoint_if_due(
-        &self,
-        server: &ParameterServer,
-        cadence: &mut Cadence,
-    ) -> Result<bool, ServerError> {
-        if !cadence.due() {
-            return Ok(false);
-        }
-        let size = tokio::task::block_in_place(|| server.checkpoint(&self.dir.join(CHECKPOINT)))?;
-        tracing::debug!(round = ?server.round(), size, "checkpoint written");
-        cadence.written(size);
-        Ok(true)
+        Ok(RoundEnd {
+            applied,
+            sent,
+            to_standby,
+            standby,
+        })
     }
 
     /// Sends the global model of the current round in the background, as the change in the
