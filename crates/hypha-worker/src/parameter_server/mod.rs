@@ -79,7 +79,7 @@ pub use publish::{ModelPublisher, PUBLISH_FROM_BYTES};
 
 use self::{
     checkpoints::{Cadence, Uploads},
-    rules::{Effect, Event, Loop},
+    rules::{Effect, Event, HeldReply, Loop},
 };
 use crate::bridge::transfer::{self, Header, Inbox};
 
@@ -536,42 +536,7 @@ impl ServerJob {
             }
             Some(meta::KIND_MODEL_HELD) => {
                 let _ = std::fs::remove_file(&path);
-                // From anyone, as whole offers are (the scheduler names a trainer that joins
-                // a moment after it is told to): one answer per peer per ANSWER_EVERY, and
-                // models under the per-peer limit of `send_model`.
-                let now = std::time::Instant::now();
-                if peers
-                    .answered
-                    .get(&from)
-                    .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY)
-                {
-                    return (received, None);
-                }
-                peers.answered.insert(from.clone(), now);
-                let offered = round_of(&metadata)
-                    .ok()
-                    .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
-                let offer = metadata.get(meta::OFFER).map(String::as_str);
-                let held = server.round().zip(server.model_hash());
-                let answered = match (held, offered) {
-                    // A server with no model adopts one the scheduler names: the offer
-                    // waits, and only the named offerer is asked for its model whole
-                    // (`adopt`); the others hold the same model, most often.
-                    (None, Some(offered)) => {
-                        peers.hold_fingerprint(&from, offered, offer);
-                        0
-                    }
-                    (None, None) => self.answer(&from, meta::KIND_MODEL_REQUEST, None, offer),
-                    (Some(held), _) if offered == Some(held) => {
-                        tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
-                        self.answer(&from, meta::KIND_MODEL_HELD, Some(held), offer)
-                    }
-                    (Some(_), _) if named => self.send_model(server, &from, offered, peers),
-                    (Some(_), _) => {
-                        peers.defer(&from, offered);
-                        0
-                    }
-                };
+                let answered = self.answer_held(server, &from, &metadata, named, peers);
                 return (received + answered, None);
             }
             Some(kind @ (meta::KIND_MODEL | meta::KIND_MODEL_REQUEST)) => {
@@ -587,61 +552,9 @@ impl ServerJob {
                 return (received + self.send_model(server, &from, None, peers), None);
             }
             Some(meta::KIND_PSEUDO_GRADIENT) => {
-                // Who sent it and how large it is are known before a byte of it is read.
-                if !peers.trainers.contains(&from) {
-                    let _ = std::fs::remove_file(&path);
-                    tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
-                    return (received, None);
-                }
-                let (round, samples) = match (round_of(&metadata), samples_of(&metadata)) {
-                    (Ok(round), Ok(samples)) => (round, samples),
-                    (Err(error), _) | (_, Err(error)) => {
-                        let _ = std::fs::remove_file(&path);
-                        tracing::warn!(%from, %error, "refused a pseudo-gradient");
-                        return (received, None);
-                    }
-                };
-                let size = std::fs::metadata(&path).map_or(0, |m| m.len());
-                if let Some(limit) = update_limit(server, codec).filter(|limit| size > *limit) {
-                    let _ = std::fs::remove_file(&path);
-                    let reason = format!(
-                        "{size} bytes, more than an update of this model can take with {} or f32 ({limit})",
-                        codec.name()
-                    );
-                    tracing::warn!(%from, round, "refused a pseudo-gradient: {reason}");
-                    if server.round() == Some(round) {
-                        server.refuse(&from, reason);
-                    }
-                    return (received, None);
-                }
-                // Read a chunk at a time to check it, never whole, off the runtime's async
-                // threads; the server keeps the file open and reads it again at the close
-                // (its name goes now: nobody else opens it).
-                let taken = FileSource::open(&path).and_then(|update| {
-                    tokio::task::block_in_place(|| server.add_from(&from, update, round, samples))
-                });
+                let late = self.take_update(server, codec, &from, &path, &metadata, peers);
                 let _ = std::fs::remove_file(&path);
-                match taken {
-                    Ok(Taken::Added) => {
-                        tracing::debug!(%from, round, samples, "pseudo-gradient added");
-                        let accepts = metadata.get(meta::ACCEPTS).map(String::as_str);
-                        if accepts.is_some_and(|kinds| {
-                            kinds.split(',').any(|k| k.trim() == meta::KIND_MODEL_DELTA)
-                        }) {
-                            peers.take_changes.insert(from);
-                        } else {
-                            peers.take_changes.remove(&from);
-                        }
-                    }
-                    Ok(Taken::Late { round }) => {
-                        tracing::info!(%from, round, "a pseudo-gradient for a closed round: dropped");
-                        return (received, Some(Late { peer: from, round }));
-                    }
-                    Ok(Taken::Duplicate) => {
-                        tracing::warn!(%from, round, "a second pseudo-gradient for one round: dropped")
-                    }
-                    Err(error) => tracing::warn!(%from, %error, "refused a pseudo-gradient"),
-                }
+                return (received, late);
             }
             other => {
                 let _ = std::fs::remove_file(&path);
@@ -649,6 +562,120 @@ impl ServerJob {
             }
         }
         (received, None)
+    }
+
+    /// Answers a trainer that names the model it holds by its fingerprint (`metadata`):
+    /// from anyone, as whole offers are (the scheduler names a trainer that joins a moment
+    /// after it is told to), one answer per peer per [`ANSWER_EVERY`], and models under the
+    /// per-peer limit of `send_model`. The bytes sent.
+    fn answer_held(
+        &self,
+        server: &ParameterServer,
+        from: &str,
+        metadata: &Metadata,
+        named: bool,
+        peers: &mut Peers,
+    ) -> u64 {
+        let now = std::time::Instant::now();
+        if peers
+            .answered
+            .get(from)
+            .is_some_and(|at| now.duration_since(*at) < ANSWER_EVERY)
+        {
+            return 0;
+        }
+        peers.answered.insert(from.to_string(), now);
+        let offered = round_of(metadata)
+            .ok()
+            .zip(metadata.get(meta::MODEL_HASH).map(String::as_str));
+        let offer = metadata.get(meta::OFFER).map(String::as_str);
+        let held = server.round().zip(server.model_hash());
+        match rules::reply_to_held(held, offered, named) {
+            HeldReply::WaitForAdoption(offered) => {
+                peers.hold_fingerprint(from, offered, offer);
+                0
+            }
+            HeldReply::AskForIt => self.answer(from, meta::KIND_MODEL_REQUEST, None, offer),
+            HeldReply::Held(held) => {
+                tracing::info!(%from, round = held.0, "a trainer holds this server's global model: it starts from its own copy");
+                self.answer(from, meta::KIND_MODEL_HELD, Some(held), offer)
+            }
+            HeldReply::SendModel => self.send_model(server, from, offered, peers),
+            HeldReply::UntilNamed => {
+                peers.defer(from, offered);
+                0
+            }
+        }
+    }
+
+    /// Adds the pseudo-gradient `from` sent in the file at `path` (with `metadata`) to its
+    /// round, or refuses it: it must come from a trainer the scheduler named, for a round,
+    /// with samples, within what an update of this model with `codec` can weigh. The update
+    /// when it came for a round already closed.
+    fn take_update(
+        &self,
+        server: &mut ParameterServer,
+        codec: Codec,
+        from: &str,
+        path: &Path,
+        metadata: &Metadata,
+        peers: &mut Peers,
+    ) -> Option<Late> {
+        // Who sent it and how large it is are known before a byte of it is read.
+        if !peers.trainers.contains(from) {
+            tracing::warn!(%from, "a pseudo-gradient from a peer the scheduler did not name a trainer of the job: refused");
+            return None;
+        }
+        let (round, samples) = match (round_of(metadata), samples_of(metadata)) {
+            (Ok(round), Ok(samples)) => (round, samples),
+            (Err(error), _) | (_, Err(error)) => {
+                tracing::warn!(%from, %error, "refused a pseudo-gradient");
+                return None;
+            }
+        };
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        if let Some(limit) = update_limit(server, codec).filter(|limit| size > *limit) {
+            let reason = format!(
+                "{size} bytes, more than an update of this model can take with {} or f32 ({limit})",
+                codec.name()
+            );
+            tracing::warn!(%from, round, "refused a pseudo-gradient: {reason}");
+            if server.round() == Some(round) {
+                server.refuse(from, reason);
+            }
+            return None;
+        }
+        // Read a chunk at a time to check it, never whole, off the runtime's async threads;
+        // the server keeps the file open and reads it again at the close (its name goes
+        // once this returns: nobody else opens it).
+        let taken = FileSource::open(path).and_then(|update| {
+            tokio::task::block_in_place(|| server.add_from(from, update, round, samples))
+        });
+        match taken {
+            Ok(Taken::Added) => {
+                tracing::debug!(%from, round, samples, "pseudo-gradient added");
+                let accepts = metadata.get(meta::ACCEPTS).map(String::as_str);
+                if accepts.is_some_and(|kinds| {
+                    kinds.split(',').any(|k| k.trim() == meta::KIND_MODEL_DELTA)
+                }) {
+                    peers.take_changes.insert(from.to_string());
+                } else {
+                    peers.take_changes.remove(from);
+                }
+            }
+            Ok(Taken::Late { round }) => {
+                tracing::info!(%from, round, "a pseudo-gradient for a closed round: dropped");
+                return Some(Late {
+                    peer: from.to_string(),
+                    round,
+                });
+            }
+            Ok(Taken::Duplicate) => {
+                tracing::warn!(%from, round, "a second pseudo-gradient for one round: dropped")
+            }
+            Err(error) => tracing::warn!(%from, %error, "refused a pseudo-gradient"),
+        }
+        None
     }
 
     /// Sends `from` the global model: a joining trainer starts from it; one whose copy does

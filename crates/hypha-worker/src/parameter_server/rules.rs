@@ -281,6 +281,38 @@ impl Loop {
     }
 }
 
+/// What the server answers a trainer that names the model it holds (`offered`: its round
+/// and fingerprint, if it says them), holding `held` itself (none before it adopts one).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum HeldReply<'a> {
+    /// A server with no model adopts the one the scheduler names: the offer waits, and only
+    /// the named offerer is asked for its model whole; the others hold the same model, most
+    /// often.
+    WaitForAdoption((u64, &'a str)),
+    /// A server with no model asks an offer that names none for the model itself.
+    AskForIt,
+    /// The trainer holds this server's model: it starts from its own copy.
+    Held((u64, &'a str)),
+    /// Send it the model (or the change to it from what it holds).
+    SendModel,
+    /// A peer the scheduler has not named yet gets the model once it is.
+    UntilNamed,
+}
+
+pub(super) fn reply_to_held<'a>(
+    held: Option<(u64, &'a str)>,
+    offered: Option<(u64, &'a str)>,
+    named: bool,
+) -> HeldReply<'a> {
+    match (held, offered) {
+        (None, Some(offered)) => HeldReply::WaitForAdoption(offered),
+        (None, None) => HeldReply::AskForIt,
+        (Some(held), _) if offered == Some(held) => HeldReply::Held(held),
+        (Some(_), _) if named => HeldReply::SendModel,
+        (Some(_), _) => HeldReply::UntilNamed,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -565,5 +597,27 @@ mod tests {
             [Effect::Upload]
         );
         assert!(rules.apply(Event::Adopted(None), now).is_empty());
+    }
+
+    /// A trainer naming the server's own model gets told so, named or not; another model
+    /// gets the server's only once the scheduler named the trainer; before the server holds
+    /// a model, a fingerprint waits for the adoption and an offer without one is asked for
+    /// the model.
+    #[test]
+    fn a_trainer_naming_its_model_is_told_held_sent_the_model_or_waits() {
+        let ours = Some((3, "abc"));
+        let theirs = Some((2, "old"));
+        assert_eq!(
+            reply_to_held(ours, ours, false),
+            HeldReply::Held((3, "abc"))
+        );
+        assert_eq!(reply_to_held(ours, theirs, true), HeldReply::SendModel);
+        assert_eq!(reply_to_held(ours, None, true), HeldReply::SendModel);
+        assert_eq!(reply_to_held(ours, theirs, false), HeldReply::UntilNamed);
+        assert_eq!(
+            reply_to_held(None, theirs, true),
+            HeldReply::WaitForAdoption((2, "old"))
+        );
+        assert_eq!(reply_to_held(None, None, false), HeldReply::AskForIt);
     }
 }
