@@ -338,75 +338,8 @@ impl EventLoop {
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::Dial { address, reply } => {
-                if let Err(why) = self.reach.check(&address) {
-                    let _ = reply.send(Err(NetworkError::Dial {
-                        target: address.to_string(),
-                        reason: why.to_string(),
-                    }));
-                    return;
-                }
-                let opts = match peer_id_of(&address) {
-                    Some(peer) => DialOpts::peer_id(peer)
-                        .addresses(vec![address.clone()])
-                        .condition(PeerCondition::Always)
-                        .allocate_new_port()
-                        .build(),
-                    None => DialOpts::unknown_peer_id()
-                        .address(address.clone())
-                        .allocate_new_port()
-                        .build(),
-                };
-                let id = opts.connection_id();
-                match self.swarm.dial(opts) {
-                    Ok(()) => {
-                        self.pending_dials.insert(id, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(NetworkError::Dial {
-                            target: address.to_string(),
-                            reason: e.to_string(),
-                        }));
-                    }
-                }
-            }
-            Command::Connect { peer, reply } => {
-                if peer == *self.swarm.local_peer_id() {
-                    let _ = reply.send(Ok(()));
-                    return;
-                }
-                if self.swarm.is_connected(&peer) {
-                    // Only through a relay, and a hole punch may still come: wait for it.
-                    if let Some(reply) = self.paths.connect(peer, reply, Instant::now()) {
-                        let _ = reply.send(Ok(()));
-                    }
-                    return;
-                }
-                let first = !self.pending_connects.contains_key(&peer);
-                self.pending_connects
-                    .entry(peer)
-                    .or_insert_with(|| PendingConnect {
-                        stage: ConnectStage::Known,
-                        failures: Vec::new(),
-                        unreachable_seen: Vec::new(),
-                        replies: Vec::new(),
-                    })
-                    .replies
-                    .push(reply);
-                if first {
-                    // A neighbour's private addresses first; then what the behaviours know.
-                    let neighbour = self.neighbours.get(&peer).cloned().unwrap_or_default();
-                    let opts = DialOpts::peer_id(peer)
-                        .addresses(neighbour)
-                        .extend_addresses_through_behaviour()
-                        .condition(PeerCondition::DisconnectedAndNotDialing)
-                        .allocate_new_port()
-                        .build();
-                    if let Err(e) = self.swarm.dial(opts) {
-                        self.connect_failed(peer, e.to_string());
-                    }
-                }
-            }
+            Command::Dial { address, reply } => self.dial(address, reply),
+            Command::Connect { peer, reply } => self.connect(peer, reply),
             Command::AddAddress { peer, address } => {
                 if self.reach.worth_keeping(&address) {
                     self.swarm
@@ -451,20 +384,7 @@ impl EventLoop {
                 topic,
                 capacity,
                 reply,
-            } => {
-                let topic = gossipsub::IdentTopic::new(topic);
-                match self.swarm.behaviour_mut().gossipsub.subscribe(&topic) {
-                    Ok(_) => {
-                        let (tx, rx) = mpsc::channel(capacity);
-                        self.subscribers.entry(topic.hash()).or_default().push(tx);
-                        let _ = reply.send(Ok(rx));
-                    }
-                    Err(e) => {
-                        let failure = GossipFailure::Subscribe(Arc::new(e));
-                        let _ = reply.send(Err(NetworkError::Gossip(failure)));
-                    }
-                }
-            }
+            } => self.subscribe(topic, capacity, reply),
             Command::Publish { topic, data, reply } => {
                 let result = self
                     .swarm
@@ -510,6 +430,101 @@ impl EventLoop {
         }
     }
 
+    /// Dials `address` (with or without the peer's id), if this node may reach it; `reply`
+    /// hears once the connection is up or failed.
+    fn dial(&mut self, address: Multiaddr, reply: Reply<PeerId>) {
+        if let Err(why) = self.reach.check(&address) {
+            let _ = reply.send(Err(NetworkError::Dial {
+                target: address.to_string(),
+                reason: why.to_string(),
+            }));
+            return;
+        }
+        let opts = match peer_id_of(&address) {
+            Some(peer) => DialOpts::peer_id(peer)
+                .addresses(vec![address.clone()])
+                .condition(PeerCondition::Always)
+                .allocate_new_port()
+                .build(),
+            None => DialOpts::unknown_peer_id()
+                .address(address.clone())
+                .allocate_new_port()
+                .build(),
+        };
+        let id = opts.connection_id();
+        match self.swarm.dial(opts) {
+            Ok(()) => {
+                self.pending_dials.insert(id, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(NetworkError::Dial {
+                    target: address.to_string(),
+                    reason: e.to_string(),
+                }));
+            }
+        }
+    }
+
+    /// Connects to `peer` however it can be reached: a direct connection, or one through a
+    /// relay that a hole punch may still replace (`reply` waits for it).
+    fn connect(&mut self, peer: PeerId, reply: Reply<()>) {
+        if peer == *self.swarm.local_peer_id() {
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        if self.swarm.is_connected(&peer) {
+            // Only through a relay, and a hole punch may still come: wait for it.
+            if let Some(reply) = self.paths.connect(peer, reply, Instant::now()) {
+                let _ = reply.send(Ok(()));
+            }
+            return;
+        }
+        let first = !self.pending_connects.contains_key(&peer);
+        self.pending_connects
+            .entry(peer)
+            .or_insert_with(|| PendingConnect {
+                stage: ConnectStage::Known,
+                failures: Vec::new(),
+                unreachable_seen: Vec::new(),
+                replies: Vec::new(),
+            })
+            .replies
+            .push(reply);
+        if first {
+            // A neighbour's private addresses first; then what the behaviours know.
+            let neighbour = self.neighbours.get(&peer).cloned().unwrap_or_default();
+            let opts = DialOpts::peer_id(peer)
+                .addresses(neighbour)
+                .extend_addresses_through_behaviour()
+                .condition(PeerCondition::DisconnectedAndNotDialing)
+                .allocate_new_port()
+                .build();
+            if let Err(e) = self.swarm.dial(opts) {
+                self.connect_failed(peer, e.to_string());
+            }
+        }
+    }
+
+    fn subscribe(
+        &mut self,
+        topic: String,
+        capacity: usize,
+        reply: Reply<mpsc::Receiver<GossipMessage>>,
+    ) {
+        let topic = gossipsub::IdentTopic::new(topic);
+        match self.swarm.behaviour_mut().gossipsub.subscribe(&topic) {
+            Ok(_) => {
+                let (tx, rx) = mpsc::channel(capacity);
+                self.subscribers.entry(topic.hash()).or_default().push(tx);
+                let _ = reply.send(Ok(rx));
+            }
+            Err(e) => {
+                let failure = GossipFailure::Subscribe(Arc::new(e));
+                let _ = reply.send(Err(NetworkError::Gossip(failure)));
+            }
+        }
+    }
+
     /// Forgets the certificates and NAT observations of peers gone for [`DEPARTED_GRACE`].
     fn forget_departed(&mut self) {
         let gone: Vec<PeerId> = self
@@ -552,68 +567,12 @@ impl EventLoop {
                 connection_id,
                 endpoint,
                 ..
-            } => {
-                tracing::debug!(peer = %peer_id, address = %endpoint.get_remote_address(), "connected");
-                self.reach.learn_direct(endpoint.get_remote_address());
-                if let Some(reply) = self.pending_dials.remove(&connection_id) {
-                    let _ = reply.send(Ok(peer_id));
-                }
-                self.dial_ended(connection_id);
-                if let ConnectedPoint::Dialer { address, .. } = &endpoint
-                    && !endpoint.is_relayed()
-                {
-                    self.dialled_at
-                        .insert(connection_id, (peer_id, address.clone()));
-                }
-                self.on_connection_path(peer_id, connection_id, &endpoint);
-                if let Some(addresses) = self.neighbour_dials.remove(&connection_id) {
-                    tracing::info!(peer = %peer_id, address = %endpoint.get_remote_address(), "reached a peer behind the same NAT on its private address");
-                    self.neighbours.insert(peer_id, addresses);
-                }
-                self.ask_if_neighbour(peer_id, &endpoint);
-                if let ConnectedPoint::Dialer { address, .. } = &endpoint
-                    && self.is_gateway_address(address)
-                {
-                    self.on_gateway_connected(peer_id, address.clone());
-                }
-            }
+            } => self.on_connected(peer_id, connection_id, &endpoint),
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
                 peer_id,
                 error,
-            } => {
-                self.dial_ended(connection_id);
-                self.gateway_dials.remove(&connection_id);
-                if self.neighbour_dials.remove(&connection_id).is_some() {
-                    // The relay or a hole punch still carries the peer; no connect waits on this.
-                    tracing::info!(peer = ?peer_id, %error, "a peer behind the same NAT is not reachable on its private addresses");
-                    return;
-                }
-                if let Some(reply) = self.pending_dials.remove(&connection_id) {
-                    let _ = reply.send(Err(NetworkError::Dial {
-                        target: peer_id.map(|p| p.to_string()).unwrap_or_default(),
-                        reason: error.to_string(),
-                    }));
-                }
-                if let Some(peer) = peer_id {
-                    // During a lookup the DHT query dials peers itself; its result, not these
-                    // dials, decides how the connect goes on.
-                    match self.pending_connects.get_mut(&peer) {
-                        Some(pending) if pending.stage == ConnectStage::Lookup => {
-                            if let libp2p::swarm::DialError::Transport(attempts) = &error {
-                                let reach = &self.reach;
-                                pending.unreachable_seen.extend(attempts.iter().filter_map(
-                                    |(address, _)| {
-                                        reach.check(address).err().map(|why| (address.clone(), why))
-                                    },
-                                ));
-                            }
-                        }
-                        Some(_) => self.connect_failed(peer, error.to_string()),
-                        None => {}
-                    }
-                }
-            }
+            } => self.on_dial_failed(connection_id, peer_id, &error),
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 connection_id,
@@ -664,6 +623,81 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             _ => {}
+        }
+    }
+
+    /// A connection is up: the dial or connect waiting on it hears, the path is weighed, a
+    /// neighbour's private address is kept, and a gateway is taken as one.
+    fn on_connected(
+        &mut self,
+        peer_id: PeerId,
+        connection_id: ConnectionId,
+        endpoint: &ConnectedPoint,
+    ) {
+        tracing::debug!(peer = %peer_id, address = %endpoint.get_remote_address(), "connected");
+        self.reach.learn_direct(endpoint.get_remote_address());
+        if let Some(reply) = self.pending_dials.remove(&connection_id) {
+            let _ = reply.send(Ok(peer_id));
+        }
+        self.dial_ended(connection_id);
+        if let ConnectedPoint::Dialer { address, .. } = endpoint
+            && !endpoint.is_relayed()
+        {
+            self.dialled_at
+                .insert(connection_id, (peer_id, address.clone()));
+        }
+        self.on_connection_path(peer_id, connection_id, endpoint);
+        if let Some(addresses) = self.neighbour_dials.remove(&connection_id) {
+            tracing::info!(peer = %peer_id, address = %endpoint.get_remote_address(), "reached a peer behind the same NAT on its private address");
+            self.neighbours.insert(peer_id, addresses);
+        }
+        self.ask_if_neighbour(peer_id, endpoint);
+        if let ConnectedPoint::Dialer { address, .. } = endpoint
+            && self.is_gateway_address(address)
+        {
+            self.on_gateway_connected(peer_id, address.clone());
+        }
+    }
+
+    /// A dial failed: its dial or connect hears, unless a DHT lookup still looks for the
+    /// peer (whose result decides) or it was a neighbour's private address (the relay still
+    /// carries the peer).
+    fn on_dial_failed(
+        &mut self,
+        connection_id: ConnectionId,
+        peer_id: Option<PeerId>,
+        error: &libp2p::swarm::DialError,
+    ) {
+        self.dial_ended(connection_id);
+        self.gateway_dials.remove(&connection_id);
+        if self.neighbour_dials.remove(&connection_id).is_some() {
+            // The relay or a hole punch still carries the peer; no connect waits on this.
+            tracing::info!(peer = ?peer_id, %error, "a peer behind the same NAT is not reachable on its private addresses");
+            return;
+        }
+        if let Some(reply) = self.pending_dials.remove(&connection_id) {
+            let _ = reply.send(Err(NetworkError::Dial {
+                target: peer_id.map(|p| p.to_string()).unwrap_or_default(),
+                reason: error.to_string(),
+            }));
+        }
+        if let Some(peer) = peer_id {
+            // During a lookup the DHT query dials peers itself; its result, not these
+            // dials, decides how the connect goes on.
+            match self.pending_connects.get_mut(&peer) {
+                Some(pending) if pending.stage == ConnectStage::Lookup => {
+                    if let libp2p::swarm::DialError::Transport(attempts) = error {
+                        let reach = &self.reach;
+                        pending.unreachable_seen.extend(attempts.iter().filter_map(
+                            |(address, _)| {
+                                reach.check(address).err().map(|why| (address.clone(), why))
+                            },
+                        ));
+                    }
+                }
+                Some(_) => self.connect_failed(peer, error.to_string()),
+                None => {}
+            }
         }
     }
 
