@@ -370,29 +370,7 @@ impl State {
                     p.writer = None;
                 }
             }
-            Input::OriginPulled { chunk, result } => {
-                self.in_flight.remove(&chunk);
-                self.origin_in_flight -= 1;
-                match result {
-                    Ok(hash) => {
-                        self.verified[chunk as usize] = Some(hash);
-                        self.revouch(chunk);
-                        self.held(
-                            chunk,
-                            Held {
-                                hash,
-                                from_origin: true,
-                            },
-                            Source::Origin,
-                        );
-                        self.arbitrate(chunk, hash);
-                    }
-                    Err(failure) => {
-                        self.broadcast(SwarmMessage::Released { chunk });
-                        self.origin_failed(chunk, failure);
-                    }
-                }
-            }
+            Input::OriginPulled { chunk, result } => self.origin_pulled(chunk, result),
             Input::Sampled { chunk, result } => {
                 self.origin_in_flight -= 1;
                 self.samples_in_flight -= 1;
@@ -408,80 +386,7 @@ impl State {
                 chunk,
                 peer,
                 result,
-            } => {
-                self.in_flight.remove(&chunk);
-                if let Some(p) = self.peers.get_mut(&peer) {
-                    p.requests = p.requests.saturating_sub(1);
-                }
-                let vouchers = self.pending_vouchers.remove(&chunk).unwrap_or_default();
-                match result {
-                    Ok(hash) => {
-                        if let Some(p) = self.peers.get_mut(&peer) {
-                            p.failures = 0;
-                        }
-                        let verified = self.verified[chunk as usize] == Some(hash);
-                        let discredited = !vouchers.is_empty()
-                            && vouchers
-                                .iter()
-                                .all(|v| self.peers.get(v).is_some_and(|p| p.liar));
-                        // Taken on the word of members the origin contradicted meanwhile: not
-                        // kept (its bytes are written over when it is fetched again).
-                        if verified || !discredited {
-                            if !verified {
-                                if !vouchers.is_empty() {
-                                    self.vouchers.insert(chunk, vouchers);
-                                }
-                                // Someone vouched for another hash while it came: ask the
-                                // origin. (Members that endorsed it leaving meanwhile take
-                                // nothing back.)
-                                if matches!(
-                                    self.vouches[chunk as usize],
-                                    Vouched::For(other) | Vouched::Endorsed(other) if other != hash
-                                ) || self.vouches[chunk as usize] == Vouched::Disputed
-                                {
-                                    self.to_sample.insert(chunk);
-                                }
-                            }
-                            let held = Held {
-                                hash,
-                                from_origin: false,
-                            };
-                            self.held(chunk, held, Source::Peer(peer));
-                        }
-                    }
-                    Err(PeerFailure::Busy) => {
-                        if let Some(p) = self.peers.get_mut(&peer) {
-                            let now = self.now;
-                            p.held_back.entry(chunk).or_insert(now);
-                            p.left_alone_until = Some(now + TICK);
-                        }
-                    }
-                    Err(PeerFailure::Refused(reason)) => {
-                        tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk request refused: {reason}");
-                        if let Some(p) = self.peers.get_mut(&peer) {
-                            let now = self.now;
-                            p.held_back.entry(chunk).or_insert(now);
-                            p.left_alone_until = Some(now + BACKOFF);
-                        }
-                    }
-                    Err(PeerFailure::Corrupt(reason)) => {
-                        tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "peer sent a bad chunk ({reason}); not asking it again for this artifact");
-                        self.ban(peer);
-                    }
-                    Err(PeerFailure::Failed(reason)) => {
-                        tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk transfer failed: {reason}");
-                        // A member that left fails what was under way; that says nothing of it.
-                        if let Some(p) = self.peers.get_mut(&peer).filter(|p| p.live()) {
-                            p.left_alone_until = Some(self.now + BACKOFF);
-                            p.failures += 1;
-                            if p.failures >= FAILURES_BEFORE_BAN {
-                                tracing::warn!(artifact = %self.manifest.id, %peer, "failed {FAILURES_BEFORE_BAN} chunk requests in a row ({reason}); not asking it again for this artifact");
-                                self.ban(peer);
-                            }
-                        }
-                    }
-                }
-            }
+            } => self.peer_pulled(chunk, peer, result),
             Input::Finished(result) => match result {
                 Ok(()) => {
                     tracing::info!(artifact = %self.manifest.id, "complete");
@@ -490,26 +395,132 @@ impl State {
                 }
                 Err(reason) => self.fail(Failure::Failed(reason)),
             },
-            Input::Tick { named } => {
-                // A member whose stream to this node is open hears nothing from it while ours
-                // to it is closed (refused, or it broke), and may be waiting for it to join:
-                // ours is opened again, whether or not the DHT shows the member.
-                let unanswered: Vec<PeerId> = self
-                    .peers
-                    .iter()
-                    .filter(|(_, p)| p.live() && p.writer.is_none())
-                    .map(|(peer, _)| *peer)
-                    .collect();
-                self.reach(unanswered);
-                if self.join_deadline.is_some() {
-                    self.reach(named);
+            Input::Tick { named } => self.tick(named),
+        }
+    }
+
+    /// A chunk read from the origin arrived (its hash), or the read failed.
+    fn origin_pulled(&mut self, chunk: u32, result: Result<[u8; 32], Failure>) {
+        self.in_flight.remove(&chunk);
+        self.origin_in_flight -= 1;
+        match result {
+            Ok(hash) => {
+                self.verified[chunk as usize] = Some(hash);
+                self.revouch(chunk);
+                self.held(
+                    chunk,
+                    Held {
+                        hash,
+                        from_origin: true,
+                    },
+                    Source::Origin,
+                );
+                self.arbitrate(chunk, hash);
+            }
+            Err(failure) => {
+                self.broadcast(SwarmMessage::Released { chunk });
+                self.origin_failed(chunk, failure);
+            }
+        }
+    }
+
+    /// A chunk asked of `peer` arrived (its hash), or the peer failed it: busy and refusing
+    /// holders are left alone a while, one that sent bad bytes or failed again and again is
+    /// banned.
+    fn peer_pulled(&mut self, chunk: u32, peer: PeerId, result: Result<[u8; 32], PeerFailure>) {
+        self.in_flight.remove(&chunk);
+        if let Some(p) = self.peers.get_mut(&peer) {
+            p.requests = p.requests.saturating_sub(1);
+        }
+        let vouchers = self.pending_vouchers.remove(&chunk).unwrap_or_default();
+        match result {
+            Ok(hash) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.failures = 0;
                 }
-                let uploads = self.holding.uploads_now();
-                if uploads != self.reported_uploads {
-                    self.reported_uploads = uploads;
-                    self.broadcast(SwarmMessage::Load { uploads });
+                let verified = self.verified[chunk as usize] == Some(hash);
+                let discredited = !vouchers.is_empty()
+                    && vouchers
+                        .iter()
+                        .all(|v| self.peers.get(v).is_some_and(|p| p.liar));
+                // Taken on the word of members the origin contradicted meanwhile: not
+                // kept (its bytes are written over when it is fetched again).
+                if verified || !discredited {
+                    if !verified {
+                        if !vouchers.is_empty() {
+                            self.vouchers.insert(chunk, vouchers);
+                        }
+                        // Someone vouched for another hash while it came: ask the
+                        // origin. (Members that endorsed it leaving meanwhile take
+                        // nothing back.)
+                        if matches!(
+                            self.vouches[chunk as usize],
+                            Vouched::For(other) | Vouched::Endorsed(other) if other != hash
+                        ) || self.vouches[chunk as usize] == Vouched::Disputed
+                        {
+                            self.to_sample.insert(chunk);
+                        }
+                    }
+                    let held = Held {
+                        hash,
+                        from_origin: false,
+                    };
+                    self.held(chunk, held, Source::Peer(peer));
                 }
             }
+            Err(PeerFailure::Busy) => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    let now = self.now;
+                    p.held_back.entry(chunk).or_insert(now);
+                    p.left_alone_until = Some(now + TICK);
+                }
+            }
+            Err(PeerFailure::Refused(reason)) => {
+                tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk request refused: {reason}");
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    let now = self.now;
+                    p.held_back.entry(chunk).or_insert(now);
+                    p.left_alone_until = Some(now + BACKOFF);
+                }
+            }
+            Err(PeerFailure::Corrupt(reason)) => {
+                tracing::warn!(artifact = %self.manifest.id, %peer, chunk, "peer sent a bad chunk ({reason}); not asking it again for this artifact");
+                self.ban(peer);
+            }
+            Err(PeerFailure::Failed(reason)) => {
+                tracing::debug!(artifact = %self.manifest.id, %peer, chunk, "chunk transfer failed: {reason}");
+                // A member that left fails what was under way; that says nothing of it.
+                if let Some(p) = self.peers.get_mut(&peer).filter(|p| p.live()) {
+                    p.left_alone_until = Some(self.now + BACKOFF);
+                    p.failures += 1;
+                    if p.failures >= FAILURES_BEFORE_BAN {
+                        tracing::warn!(artifact = %self.manifest.id, %peer, "failed {FAILURES_BEFORE_BAN} chunk requests in a row ({reason}); not asking it again for this artifact");
+                        self.ban(peer);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The actor's tick, with the peers the fetches name.
+    fn tick(&mut self, named: Vec<PeerId>) {
+        // A member whose stream to this node is open hears nothing from it while ours
+        // to it is closed (refused, or it broke), and may be waiting for it to join:
+        // ours is opened again, whether or not the DHT shows the member.
+        let unanswered: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.live() && p.writer.is_none())
+            .map(|(peer, _)| *peer)
+            .collect();
+        self.reach(unanswered);
+        if self.join_deadline.is_some() {
+            self.reach(named);
+        }
+        let uploads = self.holding.uploads_now();
+        if uploads != self.reported_uploads {
+            self.reported_uploads = uploads;
+            self.broadcast(SwarmMessage::Load { uploads });
         }
     }
 
