@@ -6,7 +6,10 @@
 use std::{
     collections::{HashMap, HashSet},
     ffi::{OsStr, OsString},
-    os::unix::ffi::{OsStrExt, OsStringExt},
+    os::{
+        fd::OwnedFd,
+        unix::ffi::{OsStrExt, OsStringExt},
+    },
     path::Path,
     sync::{Arc, Mutex},
     time::Duration,
@@ -225,7 +228,7 @@ async fn receive(
             ),
         ));
     }
-    let mut partial = match header.resumable_sha256() {
+    let partial = match header.resumable_sha256() {
         Some(sha256) if header.published.is_none() => {
             Some(Partial::open(&staging, peer, &header, sha256, limits)?)
         }
@@ -270,6 +273,28 @@ async fn receive(
         return Err(Refusal::new(RefusalCode::BadRequest, e.to_string()));
     }
 
+    let (checksum, temp) = receive_to_staging(stream, &staging, partial, &header, peer).await?;
+    metrics::resource_bytes("received", header.size);
+    let delivered = hand_over(&staging, &temp, &targets, &header, peer, &checksum);
+    tracing::debug!(%peer, task = header.task, name = header.name, size = header.size, jobs = delivered, "resource received");
+    Ok(Taken {
+        jobs: delivered,
+        fetching: None,
+    })
+}
+
+/// Receives the transfer's bytes into a temporary file of `staging`, after the bytes kept
+/// of an earlier try (`partial`): the file's checksum and temporary name. Bytes that proved
+/// wrong are not kept; what arrived of a transfer that broke off is, for the sender's next
+/// try.
+async fn receive_to_staging(
+    stream: &mut hypha_network::Stream,
+    staging: &OwnedFd,
+    mut partial: Option<Partial>,
+    header: &Header,
+    peer: PeerId,
+) -> Result<(String, Vec<u8>), Refusal> {
+    let io = |e: &dyn std::fmt::Display| Refusal::new(RefusalCode::Io, e.to_string());
     let temp = match partial.as_mut() {
         Some(partial) => {
             let file = partial.file.try_clone().map_err(|e| io(&e))?;
@@ -278,46 +303,57 @@ async fn receive(
             received.and_then(|checksum| {
                 // Renamed before the claim on its name ends: the sender's next transfer removes
                 // the sender's unclaimed kept files, and this one now waits in an inbox.
-                let temp =
-                    JobDir::rename_to_temp(&staging, &partial.name, OsStr::new(&header.name))
-                        .map_err(|e| io(&e))?;
+                let temp = JobDir::rename_to_temp(staging, &partial.name, OsStr::new(&header.name))
+                    .map_err(|e| io(&e))?;
                 Ok((checksum, temp))
             })
         }
         None => {
             let (file, temp) =
-                JobDir::create_temp(&staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
+                JobDir::create_temp(staging, OsStr::new(&header.name)).map_err(|e| io(&e))?;
             let mut received = Received::default();
             match receive_bytes(stream, file, header.size, &mut received, peer).await {
                 Ok(checksum) => Ok((checksum, temp)),
                 Err(refusal) => {
-                    JobDir::discard(&staging, &temp);
+                    JobDir::discard(staging, &temp);
                     Err(refusal)
                 }
             }
         }
     };
-    let (checksum, temp) = match (temp, partial) {
-        (Ok(done), _) => done,
+    match (temp, partial) {
+        (Ok(done), _) => Ok(done),
         // Bytes that proved wrong are not kept; what arrived of a transfer that broke off
         // is, for the sender's next try.
         (Err(refusal), Some(partial)) if refusal.code == RefusalCode::Mismatch => {
-            JobDir::discard(&staging, &partial.name);
-            return Err(refusal);
+            JobDir::discard(staging, &partial.name);
+            Err(refusal)
         }
         (Err(refusal), Some(partial)) => {
             partial.keep();
-            return Err(refusal);
+            Err(refusal)
         }
-        (Err(refusal), None) => return Err(refusal),
-    };
-    metrics::resource_bytes("received", header.size);
-    let temp = OsString::from(OsStr::from_bytes(&temp));
+        (Err(refusal), None) => Err(refusal),
+    }
+}
+
+/// Puts the received file (`temp` in `staging`) in the inboxes of `targets`, the first
+/// its own, the others hard links (same bytes, their own names), all made before any job
+/// is told, so none can move the file away first: how many jobs took it.
+fn hand_over(
+    staging: &OwnedFd,
+    temp: &[u8],
+    targets: &[Arc<Inbox>],
+    header: &Header,
+    peer: PeerId,
+    checksum: &str,
+) -> usize {
+    let temp = OsString::from(OsStr::from_bytes(temp));
     // Other jobs of the task on this worker get hard links (same bytes, their own names),
     // all made before any job is told, so none can move the file away first.
-    let mut staged = vec![(first.clone(), temp.clone())];
+    let mut staged = vec![(targets[0].clone(), temp.clone())];
     for inbox in &targets[1..] {
-        match link_into(&staging, &temp, inbox, &header.name) {
+        match link_into(staging, &temp, inbox, &header.name) {
             Ok(link) => staged.push((inbox.clone(), link)),
             Err(e) => {
                 tracing::warn!(job = inbox.job(), error = %e, "cannot hand a received file to a job")
@@ -326,13 +362,9 @@ async fn receive(
     }
     let delivered = staged.len();
     for (inbox, name) in staged {
-        inbox.push(peer, &header.name, header.size, &checksum, name);
+        inbox.push(peer, &header.name, header.size, checksum, name);
     }
-    tracing::debug!(%peer, task = header.task, name = header.name, size = header.size, jobs = delivered, "resource received");
-    Ok(Taken {
-        jobs: delivered,
-        fetching: None,
-    })
+    delivered
 }
 
 /// Fetches a file `from` published (the header said so instead of sending it) and hands it
