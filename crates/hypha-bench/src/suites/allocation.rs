@@ -73,6 +73,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     let stop = CancellationToken::new();
     let (gateway, _gateway_inbound) = start_node(&pki, "gateway", None).await?;
     let gateway_address = dial_address(&gateway).await?;
+    // Detached: the gateway ends with `stop`, cancelled as the suite ends.
     tokio::spawn({
         let gateway = gateway.clone();
         let stop = stop.clone();
@@ -237,6 +238,7 @@ async fn start_worker(
     )?;
     let stop = stop.clone();
     let bridge = hypha_worker::bridge::Settings::from_env(config.download_read_timeout);
+    // Detached: the worker ends with `stop`, cancelled as the suite ends.
     tokio::spawn(async move {
         hypha_worker::node::serve(
             network,

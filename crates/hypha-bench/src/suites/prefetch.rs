@@ -50,6 +50,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 
     let (data, data_inbound) = start_node(&pki, "data", None).await?;
     let catalog = Arc::new(std::sync::RwLock::new(hypha_data::Catalog::open(&dataset)?));
+    // Detached: it ends with `stop`, cancelled as the suite ends.
     tokio::spawn(hypha_data::node::serve(
         data.clone(),
         data_inbound,
@@ -181,6 +182,7 @@ async fn answer(
         let Some(service) = services.get(&iterate.iteration).cloned() else {
             continue;
         };
+        // Detached: one answer, ended by the request's own time-outs.
         tokio::spawn(async move {
             let Request::Iterate(iterate) = &request.request else {
                 return;

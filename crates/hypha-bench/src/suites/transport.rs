@@ -109,6 +109,7 @@ async fn connected_pair(
     sides.receiver(async move {
         while let Some((_, stream)) = incoming.next().await {
             let tx = tx.clone();
+            // Detached: each drains one stream to its end, which the sender closes.
             tokio::spawn(async move {
                 let stream = tokio_util::compat::FuturesAsyncReadCompatExt::compat(stream);
                 let total = drain(stream).await.unwrap_or(0);
