@@ -3,7 +3,10 @@
 //! member, discovery, the tick, the cache's writes) is in one `JoinSet`, so that they end
 //! with the swarm.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::HashMap,
+    sync::{Arc, atomic::Ordering},
+};
 
 use hypha_messages::artifact::Request;
 use hypha_network::{PeerId, Stream};
@@ -49,10 +52,15 @@ impl Actor {
         events_tx: mpsc::Sender<Event>,
         progress: watch::Sender<Progress>,
     ) -> Self {
+        let manifest = holding.assembly.manifest().clone();
+        let held = (0..manifest.chunk_count())
+            .map(|chunk| holding.held_as(chunk))
+            .collect();
         let state = State::new(
             context.network.local_peer_id(),
             context.settings.clone(),
-            holding.clone(),
+            manifest,
+            held,
             expect,
             progress.borrow().clone(),
             Instant::now(),
@@ -102,7 +110,8 @@ impl Actor {
                         true => self.context.named.get(),
                         false => Vec::new(),
                     };
-                    (Input::Tick { named }, None)
+                    let uploads = self.holding.uploads_now();
+                    (Input::Tick { named, uploads }, None)
                 }
                 Event::Learned(input) => (input, None),
             };
@@ -125,11 +134,14 @@ impl Actor {
                 self.perform(action, &mut stream, &mut inputs);
             }
         }
-        let now = self.state.progress();
+        // What this node sent members is counted by the chunk server, not the rules.
+        let mut now = self.state.progress().clone();
+        now.uploaded_chunks = self.holding.uploaded_chunks.load(Ordering::Relaxed);
+        now.uploaded_bytes = self.holding.uploaded_bytes.load(Ordering::Relaxed);
         self.progress.send_if_modified(|progress| {
-            let changed = progress != now;
+            let changed = *progress != now;
             if changed {
-                progress.clone_from(now);
+                *progress = now;
             }
             changed
         });
@@ -221,11 +233,9 @@ impl Actor {
                     sent
                 });
             }
-            Action::RecordChunk {
-                chunk,
-                hash,
-                from_origin,
-            } => {
+            Action::Hold { chunk, held } => {
+                self.holding.hold(chunk, held);
+                let Held { hash, from_origin } = held;
                 let (cache, id) = (
                     self.context.cache.clone(),
                     self.holding.assembly.manifest().id,
@@ -236,7 +246,8 @@ impl Actor {
                     }
                 });
             }
-            Action::ForgetChunk(chunk) => {
+            Action::Release(chunk) => {
+                self.holding.release(chunk);
                 let (cache, id) = (
                     self.context.cache.clone(),
                     self.holding.assembly.manifest().id,

@@ -1,5 +1,7 @@
 //! What a node holds of an artifact: the chunks, their hashes and where they came from,
-//! shared between the swarm's actor and the chunk server.
+//! shared between the swarm's actor and the chunk server. The swarm's rules keep their own
+//! record and tell the actor what changes ([`Action::Hold`](super::state::Action),
+//! `Release`): this is the chunk server's view of it.
 
 use std::sync::{
     Arc, Mutex,
@@ -23,9 +25,6 @@ pub(crate) struct Held {
 pub(crate) struct Holding {
     pub(crate) assembly: Arc<Assembly>,
     chunks: Vec<Mutex<Option<Held>>>,
-    /// Whether each chunk is held, readable without a lock: the actor asks for every chunk
-    /// on every event.
-    present: Vec<AtomicBool>,
     /// Chunks found changed on disk while being served: no longer served from here (the
     /// cache's stamps have them fetched again by the next fetch of the artifact).
     pub(super) damaged: Vec<AtomicBool>,
@@ -44,7 +43,6 @@ impl Holding {
         Holding {
             assembly,
             chunks: (0..count).map(|_| Mutex::new(None)).collect(),
-            present: (0..count).map(|_| AtomicBool::new(false)).collect(),
             damaged: (0..count).map(|_| AtomicBool::new(false)).collect(),
             held: AtomicU32::new(0),
             uploads: Arc::new(Semaphore::new(upload_slots.max(1))),
@@ -70,19 +68,12 @@ impl Holding {
         self.slot(chunk).and_then(|slot| *slot)
     }
 
-    pub(crate) fn is_held(&self, chunk: u32) -> bool {
-        self.present
-            .get(chunk as usize)
-            .is_some_and(|p| p.load(Ordering::Acquire))
-    }
-
     /// Records a chunk as held, unless it already is.
     pub(crate) fn hold(&self, chunk: u32, held: Held) {
         if let Some(mut slot) = self.slot(chunk)
             && slot.is_none()
         {
             *slot = Some(held);
-            self.present[chunk as usize].store(true, Ordering::Release);
             self.held.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -91,7 +82,6 @@ impl Holding {
     pub(super) fn release(&self, chunk: u32) -> bool {
         let released = self.slot(chunk).and_then(|mut slot| slot.take()).is_some();
         if released {
-            self.present[chunk as usize].store(false, Ordering::Release);
             self.held.fetch_sub(1, Ordering::Relaxed);
         }
         released
@@ -122,9 +112,5 @@ impl Holding {
 
     pub(super) fn uploads_now(&self) -> u32 {
         (self.upload_slots - self.uploads.available_permits()) as u32
-    }
-
-    pub(super) fn complete(&self) -> bool {
-        self.held_count() as usize == self.chunks.len()
     }
 }

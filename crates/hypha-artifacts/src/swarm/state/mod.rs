@@ -11,15 +11,15 @@ mod turns;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    sync::{Arc, atomic::Ordering},
+    sync::Arc,
 };
 
 use hypha_network::PeerId;
 use tokio::time::Instant;
 
 use super::{
-    BACKOFF, FAILURES_BEFORE_BAN, Failure, Held, Holding, ORIGIN_ATTEMPTS, PULLING_PATIENCE,
-    PeerFailure, PeerProgress, Progress, TICK,
+    BACKOFF, FAILURES_BEFORE_BAN, Failure, Held, ORIGIN_ATTEMPTS, PULLING_PATIENCE, PeerFailure,
+    PeerProgress, Progress, TICK,
 };
 use crate::{Settings, manifest::Manifest, protocol::SwarmMessage};
 
@@ -72,6 +72,8 @@ pub(crate) enum Input {
     /// still awaited ([`State::joining`]).
     Tick {
         named: Vec<PeerId>,
+        /// The chunks this node sends members now.
+        uploads: u32,
     },
 }
 
@@ -102,14 +104,11 @@ pub(super) enum Action {
     Disconnect(PeerId),
     /// Send to every member our stream is open to.
     Broadcast(SwarmMessage),
-    /// Note in the cache that `chunk` is held with `hash`, for resuming.
-    RecordChunk {
-        chunk: u32,
-        hash: [u8; 32],
-        from_origin: bool,
-    },
-    /// Forget in the cache that `chunk` was held.
-    ForgetChunk(u32),
+    /// `chunk` is held as `held`: served to members from now on, and noted in the cache for
+    /// resuming. Asked before members are told.
+    Hold { chunk: u32, held: Held },
+    /// `chunk` is held no more: served no more, and forgotten in the cache.
+    Release(u32),
     /// Every chunk is in: complete the files ([`Input::Finished`] when done).
     Finish,
 }
@@ -213,7 +212,10 @@ pub(super) struct State {
     expect: usize,
     settings: Settings,
     manifest: Arc<Manifest>,
-    holding: Arc<Holding>,
+    /// The chunks this node holds, as it told the actor ([`Action::Hold`],
+    /// [`Action::Release`]), and how many.
+    held: Vec<Option<Held>>,
+    held_count: usize,
     peers: BTreeMap<PeerId, Peer>,
     /// Live, unbanned holders of each chunk.
     availability: Vec<u16>,
@@ -253,20 +255,24 @@ pub(super) struct State {
 }
 
 impl State {
-    /// The swarm of the artifact `holding` assembles, as node `me` with `settings`, `expect`
-    /// members (this node included) waited for from `now` on; `progress` is what this node
-    /// reported so far. The chunks it audits and its tie-break are drawn from `rng`.
+    /// The swarm of the artifact of `manifest`, of whose chunks this node holds `held`
+    /// already (one entry a chunk), as node `me` with `settings`, `expect` members (this
+    /// node included) waited for from `now` on; `progress` is what this node reported so
+    /// far. The chunks it audits and its tie-break are drawn from `rng`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         me: PeerId,
         settings: Settings,
-        holding: Arc<Holding>,
+        manifest: Arc<Manifest>,
+        held: Vec<Option<Held>>,
         expect: usize,
         progress: Progress,
         now: Instant,
         rng: &mut impl rand::Rng,
     ) -> Self {
-        let manifest = holding.assembly.manifest().clone();
         let count = manifest.chunk_count();
+        let mut held = held;
+        held.resize(count as usize, None);
         // Chosen here and never told: a member that knew which chunks are checked would lie
         // about the others.
         let audit = (0..count)
@@ -280,7 +286,8 @@ impl State {
             expect: expect.max(1),
             settings,
             manifest,
-            holding,
+            held_count: held.iter().flatten().count(),
+            held,
             peers: BTreeMap::new(),
             availability: vec![0; count as usize],
             verified: vec![None; count as usize],
@@ -303,7 +310,7 @@ impl State {
             actions: Vec::new(),
         };
         for chunk in 0..count {
-            if let Some(held) = state.holding.held_as(chunk)
+            if let Some(held) = state.held[chunk as usize]
                 && held.from_origin
             {
                 state.verified[chunk as usize] = Some(held.hash);
@@ -311,6 +318,23 @@ impl State {
             }
         }
         state
+    }
+
+    fn is_held(&self, chunk: u32) -> bool {
+        self.held.get(chunk as usize).is_some_and(Option::is_some)
+    }
+
+    /// The hash of `chunk` if this node holds it.
+    fn held_hash(&self, chunk: u32) -> Option<[u8; 32]> {
+        self.held
+            .get(chunk as usize)
+            .copied()
+            .flatten()
+            .map(|h| h.hash)
+    }
+
+    fn complete(&self) -> bool {
+        self.held_count == self.held.len()
     }
 
     /// Takes `input`, learned at `now`, and says what to do about it.
@@ -395,7 +419,7 @@ impl State {
                 }
                 Err(reason) => self.fail(Failure::Failed(reason)),
             },
-            Input::Tick { named } => self.tick(named),
+            Input::Tick { named, uploads } => self.tick(named, uploads),
         }
     }
 
@@ -503,7 +527,7 @@ impl State {
     }
 
     /// The actor's tick, with the peers the fetches name.
-    fn tick(&mut self, named: Vec<PeerId>) {
+    fn tick(&mut self, named: Vec<PeerId>, uploads: u32) {
         // A member whose stream to this node is open hears nothing from it while ours
         // to it is closed (refused, or it broke), and may be waiting for it to join:
         // ours is opened again, whether or not the DHT shows the member.
@@ -517,7 +541,6 @@ impl State {
         if self.join_deadline.is_some() {
             self.reach(named);
         }
-        let uploads = self.holding.uploads_now();
         if uploads != self.reported_uploads {
             self.reported_uploads = uploads;
             self.broadcast(SwarmMessage::Load { uploads });
@@ -555,16 +578,17 @@ impl State {
             tracing::warn!(artifact = %self.manifest.id, chunk, "a chunk of the completed files was vouched for by a member the origin contradicted; fetch the artifact again to be sure of it");
             return;
         }
-        if !self.holding.release(chunk) {
+        if self.held[chunk as usize].take().is_none() {
             return;
         }
+        self.held_count -= 1;
+        self.actions.push(Action::Release(chunk));
         let len = self.manifest.chunks()[chunk as usize].len;
         let p = &mut self.progress;
         p.held -= 1;
         p.peer_chunks = p.peer_chunks.saturating_sub(1);
         p.peer_bytes = p.peer_bytes.saturating_sub(len);
         self.broadcast(SwarmMessage::Dropped { chunk });
-        self.actions.push(Action::ForgetChunk(chunk));
     }
 
     /// A member opened its stream to us: read it, and make sure ours to it is open.
@@ -616,7 +640,7 @@ impl State {
         entry.writer = Some(generation);
         let mut initial: Vec<SwarmMessage> = (0..self.manifest.chunk_count())
             .filter_map(|chunk| {
-                self.holding.held_as(chunk).map(|held| SwarmMessage::Have {
+                self.held[chunk as usize].map(|held| SwarmMessage::Have {
                     chunk,
                     blake3: held.hash,
                     from_origin: held.from_origin,
@@ -787,12 +811,14 @@ impl State {
 
     /// A chunk arrived and was verified.
     fn held(&mut self, chunk: u32, held: Held, source: Source) {
-        if self.holding.is_held(chunk) {
+        if self.is_held(chunk) {
             return;
         }
         let hash = held.hash;
         let len = self.manifest.chunks()[chunk as usize].len;
-        self.holding.hold(chunk, held);
+        self.held[chunk as usize] = Some(held);
+        self.held_count += 1;
+        self.actions.push(Action::Hold { chunk, held });
         self.last_arrival = self.now;
         let p = &mut self.progress;
         p.held += 1;
@@ -809,11 +835,6 @@ impl State {
         self.broadcast(SwarmMessage::Have {
             chunk,
             blake3: hash,
-            from_origin: held.from_origin,
-        });
-        self.actions.push(Action::RecordChunk {
-            chunk,
-            hash,
             from_origin: held.from_origin,
         });
     }
@@ -840,7 +861,7 @@ impl State {
             return;
         }
         // Complete, and no chunk held is in doubt: the files are final.
-        if self.holding.complete() && self.to_sample.is_empty() && self.samples_in_flight == 0 {
+        if self.complete() && self.to_sample.is_empty() && self.samples_in_flight == 0 {
             if !self.progress.complete {
                 self.finish();
             }
@@ -881,11 +902,11 @@ impl State {
         while self.origin_in_flight < origin_slots
             && let Some(chunk) = self.to_sample.pop_first()
         {
-            if self.verified[chunk as usize].is_none() && self.holding.is_held(chunk) {
+            if self.verified[chunk as usize].is_none() && self.is_held(chunk) {
                 self.sample_origin(chunk);
             }
         }
-        if self.holding.complete() {
+        if self.complete() {
             return;
         }
         while self.origin_in_flight < origin_slots && self.in_flight.len() < slots {
@@ -959,7 +980,5 @@ impl State {
                 banned: p.banned,
             })
             .collect();
-        self.progress.uploaded_chunks = self.holding.uploaded_chunks.load(Ordering::Relaxed);
-        self.progress.uploaded_bytes = self.holding.uploaded_bytes.load(Ordering::Relaxed);
     }
 }

@@ -1,11 +1,10 @@
 //! The swarm's rules as sequences of inputs and the actions they call for: no network, no
-//! task, the clock moved by hand.
+//! task, no disk, the clock moved by hand.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::{sync::Arc, time::Duration};
 
-use hypha_messages::artifact::{Kind, Request};
 use hypha_network::PeerId;
 use rand::SeedableRng;
 use tokio::time::Instant;
@@ -13,10 +12,9 @@ use tokio::time::Instant;
 use super::{Action, Input, PULLING_PATIENCE, State};
 use crate::{
     Settings,
-    assembly::Assembly,
     manifest::{FileEntry, Manifest},
     protocol::SwarmMessage,
-    swarm::{Failure, Holding, PeerFailure, Progress},
+    swarm::{Failure, PeerFailure, Progress},
 };
 
 const CHUNKS: u32 = 8;
@@ -28,7 +26,6 @@ struct Swarm {
     start: Instant,
     /// Every action asked for so far, in order.
     log: Vec<Action>,
-    _dir: tempfile::TempDir,
 }
 
 impl Swarm {
@@ -38,7 +35,6 @@ impl Swarm {
     }
 
     fn with(expect: usize, settings: Settings) -> Self {
-        let dir = tempfile::tempdir().unwrap();
         let files = vec![FileEntry {
             relative: "model.bin".into(),
             location: "p/model.bin".into(),
@@ -48,21 +44,13 @@ impl Swarm {
             last_modified_ms: 0,
         }];
         let manifest = Arc::new(Manifest::new("s3://bucket/p", CHUNK_SIZE, files));
-        let request = Request {
-            profile: "default".into(),
-            uri: "p".into(),
-            kind: Kind::Prefix,
-            destination: dir.path().join("out"),
-            unpack: None,
-        };
-        let assembly = Arc::new(Assembly::create(manifest, &request, true).unwrap());
-        let holding = Arc::new(Holding::new(assembly, settings.upload_slots));
         let start = Instant::now();
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let state = State::new(
             PeerId::random(),
             settings,
-            holding,
+            manifest,
+            Vec::new(),
             expect,
             Progress::default(),
             start,
@@ -72,7 +60,6 @@ impl Swarm {
             state,
             start,
             log: Vec::new(),
-            _dir: dir,
         }
     }
 
@@ -209,7 +196,10 @@ fn have(chunk: u32, blake3: [u8; 32], from_origin: bool) -> SwarmMessage {
 fn nothing_is_read_before_the_expected_members_joined_or_the_join_timeout_passed() {
     let mut swarm = Swarm::new(2);
     assert!(origin_pulls(&swarm.at(ms(0), Input::Start)).is_empty());
-    let tick = || Input::Tick { named: Vec::new() };
+    let tick = || Input::Tick {
+        named: Vec::new(),
+        uploads: 0,
+    };
     assert!(origin_pulls(&swarm.at(ms(9_900), tick())).is_empty());
     // Alone at the join timeout: every chunk is this node's to read, within its slots.
     let pulled = origin_pulls(&swarm.at(ms(10_000), tick()));
@@ -244,7 +234,13 @@ fn each_chunk_leaves_the_origin_once_read_by_its_owner() {
     swarm.at(ms(0), Input::Start);
     let peer = PeerId::random();
     swarm.join(ms(10), peer);
-    swarm.at(ms(20), Input::Tick { named: Vec::new() });
+    swarm.at(
+        ms(20),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     let mut pulled = origin_pulls(&swarm.take_log());
     pulled.sort();
     let mine: Vec<u32> = (0..CHUNKS)
@@ -267,7 +263,13 @@ fn a_liar_found_out_is_banned_and_not_asked_again() {
     let its = (0..CHUNKS).find(|&c| swarm.owner(c) == liar).unwrap();
     swarm.say(ms(20), liar, generation, have(mine, hash(1), true));
     // Out of its turn, its word alone is not taken: this node reads the chunk.
-    let actions = swarm.at(ms(30), Input::Tick { named: Vec::new() });
+    let actions = swarm.at(
+        ms(30),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     assert!(!peer_pulls(&actions).contains(&(mine, liar)), "{actions:?}");
     let truth = hash(2);
     swarm.at(
@@ -298,13 +300,22 @@ fn a_silent_holder_is_passed_over_after_stall_patience() {
     let actions = swarm.refused(ms(30), its, holder, PeerFailure::Busy);
     assert!(!origin_pulls(&actions).contains(&its));
     let patience = Settings::default().stall_patience;
-    let tick = Input::Tick { named: Vec::new() };
+    let tick = Input::Tick {
+        named: Vec::new(),
+        uploads: 0,
+    };
     let actions = swarm.at(patience - ms(100), tick);
     assert!(!origin_pulls(&actions).contains(&its), "{actions:?}");
     // Asked again once left alone for a moment, it is busy again.
     assert!(peer_pulls(&actions).contains(&(its, holder)), "{actions:?}");
     swarm.refused(patience - ms(50), its, holder, PeerFailure::Busy);
-    let actions = swarm.at(patience + ms(100), Input::Tick { named: Vec::new() });
+    let actions = swarm.at(
+        patience + ms(100),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     assert!(origin_pulls(&actions).contains(&its), "{actions:?}");
 }
 
@@ -328,11 +339,20 @@ fn a_member_reading_for_longer_than_pulling_patience_is_passed_over() {
         generation,
         SwarmMessage::Pulling { chunk: its },
     );
-    let actions = swarm.at(ms(30), Input::Tick { named: Vec::new() });
+    let actions = swarm.at(
+        ms(30),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     assert!(!origin_pulls(&actions).contains(&its));
     let actions = swarm.at(
         PULLING_PATIENCE + ms(100),
-        Input::Tick { named: Vec::new() },
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
     );
     assert!(origin_pulls(&actions).contains(&its), "{actions:?}");
 }
@@ -349,7 +369,13 @@ fn a_newcomer_takes_the_chunks_two_members_hold_from_them() {
         let held = (0..CHUNKS).map(|c| have(c, hash(c as u8), false)).collect();
         swarm.join_holding(ms(10 + i as u64), *member, held);
     }
-    swarm.at(ms(20), Input::Tick { named: Vec::new() });
+    swarm.at(
+        ms(20),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     let actions = swarm.take_log();
     let mine: Vec<u32> = (0..CHUNKS)
         .filter(|&c| swarm.owner(c) == swarm.me())
@@ -513,9 +539,60 @@ fn audited_chunks_are_read_from_the_origin_although_a_member_holds_them() {
         }
         its
     };
-    swarm.at(ms(30), Input::Tick { named: Vec::new() });
+    swarm.at(
+        ms(30),
+        Input::Tick {
+            named: Vec::new(),
+            uploads: 0,
+        },
+    );
     let actions = swarm.take_log();
     assert!(peer_pulls(&actions).is_empty(), "{actions:?}");
     let from_origin = origin_pulls(&actions);
     assert!(its.iter().all(|c| from_origin.contains(c)), "{actions:?}");
+}
+
+/// A chunk read from the origin is held (the chunk server serves it) before members hear
+/// that it is: one asking at once is not answered `missing`. A member already joined hears
+/// of it; the uploads the actor counts go out as the node's load once they change.
+#[test]
+fn a_chunk_is_held_before_members_hear_of_it_and_the_load_follows_the_uploads() {
+    let mut swarm = Swarm::new(2);
+    swarm.at(ms(0), Input::Start);
+    let peer = PeerId::random();
+    swarm.join(ms(10), peer);
+    let tick = |uploads| Input::Tick {
+        named: Vec::new(),
+        uploads,
+    };
+    swarm.at(ms(20), tick(0));
+    let chunk = origin_pulls(&swarm.take_log())[0];
+    let actions = swarm.at(
+        ms(30),
+        Input::OriginPulled {
+            chunk,
+            result: Ok(hash(1)),
+        },
+    );
+    let held = actions
+        .iter()
+        .position(
+            |a| matches!(a, Action::Hold { chunk: c, held } if *c == chunk && held.from_origin),
+        )
+        .unwrap();
+    let told = actions
+        .iter()
+        .position(
+            |a| matches!(a, Action::Broadcast(SwarmMessage::Have { chunk: c, .. }) if *c == chunk),
+        )
+        .unwrap();
+    assert!(held < told, "{actions:?}");
+
+    let load = |actions: &[Action]| {
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::Broadcast(SwarmMessage::Load { uploads: 2 })))
+    };
+    assert!(load(&swarm.at(ms(40), tick(2))));
+    assert!(!load(&swarm.at(ms(50), tick(2))), "said once");
 }

@@ -11,7 +11,7 @@ impl State {
         self.verified[chunk as usize] = Some(truth);
         self.revouch(chunk);
         let vouchers = self.vouchers.remove(&chunk).unwrap_or_default();
-        if self.holding.held(chunk).is_some_and(|held| held != truth) {
+        if self.held_hash(chunk).is_some_and(|held| held != truth) {
             self.release(chunk);
             for voucher in vouchers {
                 self.convict(voucher, chunk);
@@ -156,7 +156,7 @@ impl State {
             Some(truth) if truth != hash => self.convict(peer, chunk),
             Some(_) => {}
             None => {
-                if self.holding.held(chunk).is_some_and(|held| held != hash) {
+                if self.held_hash(chunk).is_some_and(|held| held != hash) {
                     self.to_sample.insert(chunk);
                 }
             }

@@ -19,7 +19,7 @@ impl State {
         // with this node's other requests.
         let stalled = now.duration_since(self.last_arrival) >= patience;
         (0..self.manifest.chunk_count()).find(|&chunk| {
-            if self.holding.is_held(chunk) || self.in_flight.contains_key(&chunk) {
+            if self.is_held(chunk) || self.in_flight.contains_key(&chunk) {
                 return false;
             }
             match self.vouches[chunk as usize] {
@@ -210,7 +210,7 @@ impl State {
             .filter(|&c| {
                 self.availability[c as usize] > 0
                     && !self.audit[c as usize]
-                    && !self.holding.is_held(c)
+                    && !self.is_held(c)
                     && !self.in_flight.contains_key(&c)
             })
             .filter_map(|c| match self.vouches[c as usize] {
