@@ -15,7 +15,7 @@ use crate::{
     rounds::News,
     slots::Role,
     throttle::RECORDED_STATUS_BYTES,
-    training::{Answered, Promotion, Training},
+    training::{Answered, Promotion},
 };
 
 impl JobRun<'_> {
@@ -23,7 +23,10 @@ impl JobRun<'_> {
     /// or one taken over that has not said which round it is at is replaced from the
     /// checkpoint ([`rules::server_silence`]).
     pub(super) async fn on_server_silence(&mut self) -> Result<(), RunError> {
-        let silent = self.server_heard.elapsed();
+        let Some(diloco) = &self.diloco else {
+            return Ok(());
+        };
+        let (silent, pending) = (diloco.server_heard.elapsed(), diloco.server_pending);
         let server = self
             .jobs
             .iter()
@@ -31,11 +34,13 @@ impl JobRun<'_> {
         let Some((job, server)) = server else {
             return Ok(());
         };
-        match rules::server_silence(silent, self.server_pending) {
+        match rules::server_silence(silent, pending) {
             Silence::Wait => Ok(()),
             Silence::Probe => {
                 server.lease.probe();
-                self.server_heard = std::time::Instant::now();
+                if let Some(diloco) = self.diloco.as_mut() {
+                    diloco.server_heard = std::time::Instant::now();
+                }
                 Ok(())
             }
             Silence::Replace(reason) => {
@@ -60,17 +65,19 @@ impl JobRun<'_> {
         // Only the worker running a job speaks for it.
         let Some(dispatched) = self.jobs.get(&job).filter(|d| d.lease.peer == peer) else {
             // A job being taken over waits until it is.
-            let _ = answer.send(match (&self.training, self.taking_over(peer, &job)) {
+            let _ = answer.send(match (&self.diloco, self.taking_over(peer, &job)) {
                 (Some(_), Some(role)) => rules::taking_over_order(role).into(),
                 _ => ExecutorAnswer::Received,
             });
             return Ok(());
         };
-        if self.slots.role(dispatched.slot) == Role::ParameterServer {
-            self.server_heard = std::time::Instant::now();
+        if self.slots.role(dispatched.slot) == Role::ParameterServer
+            && let Some(diloco) = self.diloco.as_mut()
+        {
+            diloco.server_heard = std::time::Instant::now();
         }
-        let (training, status) = match (self.training.as_mut(), report) {
-            (Some(training), ExecutorReport::Diloco(status)) => (training, status),
+        let (diloco, status) = match (self.diloco.as_mut(), report) {
+            (Some(diloco), ExecutorReport::Diloco(status)) => (diloco, status),
             (_, report) => {
                 let _ = answer.send(ExecutorAnswer::Received);
                 if self.throttle.records(&job, crate::unix_ms(), false) {
@@ -84,7 +91,7 @@ impl JobRun<'_> {
                 return Ok(());
             }
         };
-        match training.status(&job, *status).await {
+        match diloco.training.status(&job, *status).await {
             Answered {
                 resumed: Some(Err(reason)),
                 order,
@@ -98,7 +105,9 @@ impl JobRun<'_> {
                 if let Some(Ok(unheard)) = answered.resumed {
                     // It goes on: the trainers taken over train on with it, and its
                     // checkpoints up to the round it is at are taken.
-                    self.server_pending = false;
+                    if let Some(diloco) = self.diloco.as_mut() {
+                        diloco.server_pending = false;
+                    }
                     if let Some(applied) = unheard {
                         self.events.record(Event::Round {
                             round: applied.round,
@@ -109,18 +118,16 @@ impl JobRun<'_> {
                         });
                     }
                     self.store_record()?;
-                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
-                    {
-                        checkpoints.accept_up_to(training.round());
+                    if let Some(diloco) = &self.diloco {
+                        diloco.accept_checkpoints_through_training();
                     }
                 }
                 if answered.applied.is_some() {
                     // Recorded before the server hears its round was taken: only then may it
                     // send the round's checkpoint, which makes the round's slices used.
                     self.store_record()?;
-                    if let (Some(checkpoints), Some(training)) = (&self.checkpoints, &self.training)
-                    {
-                        checkpoints.accept_up_to(training.round());
+                    if let Some(diloco) = &self.diloco {
+                        diloco.accept_checkpoints_through_training();
                     }
                 }
                 if answered.rejoined {
@@ -159,10 +166,10 @@ impl JobRun<'_> {
 
     /// Records what the rounds say happened to the trainers.
     pub(super) fn report_news(&mut self) {
-        let Some(training) = self.training.as_mut() else {
+        let Some(diloco) = self.diloco.as_mut() else {
             return;
         };
-        for news in training.take_news() {
+        for news in diloco.training.take_news() {
             let event = match news {
                 News::Waiting {
                     ready,
@@ -265,8 +272,10 @@ impl JobRun<'_> {
     /// The parameter server on `peer` is gone: the next one is restored from the checkpoint
     /// held here, or the run cannot go on ([`rules::restart`]).
     pub(super) fn fail_over(&mut self, peer: PeerId, reason: &str) -> Result<(), RunError> {
-        let held = self.checkpoints.as_ref().and_then(Checkpoints::round);
-        let trained = self.training.as_ref().map_or(0, Training::round);
+        let Some(diloco) = self.diloco.as_mut() else {
+            return Ok(());
+        };
+        let (held, trained) = (diloco.held_round(), diloco.training.round());
         let Some(Restart {
             restore,
             lost_rounds,
@@ -277,7 +286,7 @@ impl JobRun<'_> {
                 reason: reason.to_string(),
             });
         };
-        self.restore = restore;
+        diloco.restore = restore;
         self.events.record(Event::Failover {
             peer: peer.to_string(),
             reason: reason.to_string(),
@@ -298,7 +307,7 @@ impl JobRun<'_> {
         reason: &str,
         promotion: Promotion,
     ) -> Result<(), RunError> {
-        let trained = self.training.as_ref().map_or(0, Training::round);
+        let trained = self.diloco.as_ref().map_or(0, |d| d.training.round());
         if !self.slots.promote(lost, &promotion.job) {
             return Err(RunError::ServerLost {
                 peer: peer.to_string(),
@@ -311,13 +320,13 @@ impl JobRun<'_> {
         ) {
             dispatched.slot = slot;
         }
-        if let Some(training) = self.training.as_mut() {
-            training.promote(&promotion);
+        if let Some(diloco) = self.diloco.as_mut() {
+            diloco.training.promote(&promotion);
+            if let Some(checkpoints) = &diloco.checkpoints {
+                checkpoints.accept_from(Some(promotion.peer));
+            }
+            diloco.server_heard = std::time::Instant::now();
         }
-        if let Some(checkpoints) = &self.checkpoints {
-            checkpoints.accept_from(Some(promotion.peer));
-        }
-        self.server_heard = std::time::Instant::now();
         self.events.record(Event::Failover {
             peer: peer.to_string(),
             reason: reason.to_string(),
@@ -336,8 +345,8 @@ impl JobRun<'_> {
         round: u64,
         bytes: u64,
     ) -> Result<(), RunError> {
-        if let Some(training) = self.training.as_mut() {
-            training.checkpoint_stored(round, bytes).await;
+        if let Some(diloco) = self.diloco.as_mut() {
+            diloco.training.checkpoint_stored(round, bytes).await;
             self.store_record()?;
         }
         self.forward_checkpoint();
@@ -348,7 +357,10 @@ impl JobRun<'_> {
     /// newest again when one was stored meanwhile. Over this scheduler's link, not the
     /// server's.
     pub(super) fn forward_checkpoint(&mut self) {
-        if !self.forwarding.stored() {
+        let Some(diloco) = self.diloco.as_mut() else {
+            return;
+        };
+        if !diloco.forwarding.stored() {
             return;
         }
         let standby = self
@@ -358,11 +370,11 @@ impl JobRun<'_> {
             .map(|d| d.lease.peer);
         let (Some(peer), Some((round, file))) = (
             standby,
-            self.checkpoints.as_ref().and_then(Checkpoints::open),
+            diloco.checkpoints.as_ref().and_then(Checkpoints::open),
         ) else {
             return;
         };
-        self.forwarding.sending();
+        diloco.forwarding.sending();
         let network = self.network.clone();
         let task = self.task.clone();
         self.tasks.spawn(async move {

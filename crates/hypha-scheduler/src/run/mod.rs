@@ -267,25 +267,19 @@ struct JobRun<'a> {
     /// A DiLoCo job's parameter server.
     server: Option<Work>,
     data: Option<JobData>,
-    training: Option<Training>,
-    /// A DiLoCo job's checkpoints, when it has a ledger to keep them beside.
-    checkpoints: Option<Checkpoints>,
-    /// The round of the checkpoint the next parameter server is restored from.
-    restore: Option<u64>,
+    /// A DiLoCo job's rounds, checkpoints and what is known of its parameter server.
+    diloco: Option<Diloco>,
     /// Where the run's record is kept, when it has a ledger to keep it beside.
     record: Option<PathBuf>,
     /// Jobs of the earlier run whose leases are being taken over.
     adopting: Vec<RecordedJob>,
-    /// The earlier run's parameter server may go on: until it is known whether it does, and
-    /// at which round, trainers taken over wait in `parked`.
-    server_pending: bool,
+    /// Trainers taken over that wait until it is known whether the earlier run's parameter
+    /// server goes on, and at which round ([`Diloco::server_pending`]).
     parked: Vec<Adoption>,
     /// Statuses of jobs being taken over that ended meanwhile.
     ended_early: Vec<(PeerId, StatusReport)>,
     /// The jobs whose data requests are answered.
     live: LiveJobs,
-    /// When the parameter server's job was last heard from (or dispatched).
-    server_heard: std::time::Instant,
     events: EventLog,
     slots: Slots,
     jobs: HashMap<String, Dispatched>,
@@ -306,8 +300,48 @@ struct JobRun<'a> {
     joiners_after: tokio::time::Instant,
     /// A [`Internal::JoinersDue`] is on its way.
     joiners_timer: bool,
+}
+
+/// A DiLoCo run's side of the runner: its rounds, where its checkpoints are kept, and what
+/// the runner knows of its parameter server between statuses.
+struct Diloco {
+    training: Training,
+    /// The checkpoints, when the run has a ledger to keep them beside.
+    checkpoints: Option<Checkpoints>,
+    /// The round of the checkpoint the next parameter server is restored from.
+    restore: Option<u64>,
+    /// The earlier run's parameter server may go on: until it is known whether it does, and
+    /// at which round, trainers taken over wait ([`JobRun::parked`]).
+    server_pending: bool,
+    /// When the parameter server's job was last heard from (or dispatched).
+    server_heard: std::time::Instant,
     /// Checkpoints on their way to the standby.
     forwarding: Forwarding,
+}
+
+impl Diloco {
+    fn new(training: Training, checkpoints: Option<Checkpoints>) -> Self {
+        Diloco {
+            training,
+            checkpoints,
+            restore: None,
+            server_pending: false,
+            server_heard: std::time::Instant::now(),
+            forwarding: Forwarding::default(),
+        }
+    }
+
+    /// The round of the newest checkpoint held.
+    fn held_round(&self) -> Option<u64> {
+        self.checkpoints.as_ref().and_then(Checkpoints::round)
+    }
+
+    /// The server's checkpoints up to the round the training reached are taken.
+    fn accept_checkpoints_through_training(&self) {
+        if let Some(checkpoints) = &self.checkpoints {
+            checkpoints.accept_up_to(self.training.round());
+        }
+    }
 }
 
 impl<'a> JobRun<'a> {
@@ -333,12 +367,8 @@ impl<'a> JobRun<'a> {
         let (lost_tx, lost) = mpsc::channel(64);
         let (stored_tx, stored) = mpsc::channel(16);
         let live = LiveJobs::default();
-        let (training, checkpoints) = match training {
-            Some((training, checkpoints)) => (Some(training), checkpoints),
-            None => (None, None),
-        };
         let mut tasks = JoinSet::new();
-        if let Some(checkpoints) = checkpoints.clone() {
+        if let Some(checkpoints) = training.as_ref().and_then(|(_, c)| c.clone()) {
             let serve = checkpoints.serve(network.clone(), task.clone(), stored_tx);
             tasks.spawn(async move {
                 serve.await;
@@ -400,16 +430,12 @@ impl<'a> JobRun<'a> {
             ),
             server,
             data,
-            training,
-            checkpoints,
-            restore: None,
+            diloco: training.map(|(training, checkpoints)| Diloco::new(training, checkpoints)),
             record,
             adopting: Vec::new(),
-            server_pending: false,
             parked: Vec::new(),
             ended_early: Vec::new(),
             live,
-            server_heard: std::time::Instant::now(),
             events,
             jobs: HashMap::new(),
             told_peers: TaskPeers::default(),
@@ -421,7 +447,6 @@ impl<'a> JobRun<'a> {
             throttle: crate::throttle::Throttle::default(),
             joiners_after: tokio::time::Instant::now(),
             joiners_timer: false,
-            forwarding: Forwarding::default(),
         };
         let channels = Channels {
             statuses,
@@ -450,14 +475,14 @@ impl<'a> JobRun<'a> {
                     peer: d.lease.peer.to_string(),
                     lease: d.lease.id,
                     price: d.lease.price,
-                    rejoin: self.training.as_ref().is_some_and(|t| t.must_rejoin(job)),
+                    rejoin: (self.diloco.as_ref()).is_some_and(|d| d.training.must_rejoin(job)),
                 })
                 .chain(self.adopting.iter().cloned())
                 .collect(),
             uncommitted: self
-                .training
+                .diloco
                 .as_ref()
-                .map(Training::uncommitted)
+                .map(|d| d.training.uncommitted())
                 .unwrap_or_default(),
             history: self.events.history(),
             benched: self.benched.clone(),
@@ -481,7 +506,7 @@ impl<'a> JobRun<'a> {
         let mut silence = tokio::time::interval(SERVER_SILENCE / 2);
         silence.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            if !self.server_pending {
+            if !self.server_pending() {
                 for adoption in std::mem::take(&mut self.parked) {
                     self.adopted(adoption).await?;
                 }
@@ -569,6 +594,11 @@ impl<'a> JobRun<'a> {
         });
     }
 
+    /// Whether the earlier run's parameter server may go on, not yet known.
+    fn server_pending(&self) -> bool {
+        self.diloco.as_ref().is_some_and(|d| d.server_pending)
+    }
+
     fn work(&self, role: Role) -> &Work {
         match (role, &self.server) {
             (Role::ParameterServer | Role::Standby, Some(server)) => server,
@@ -654,7 +684,7 @@ impl<'a> JobRun<'a> {
                         tracing::warn!(round, %error, "the checkpoint did not reach the standby")
                     }
                 }
-                if self.forwarding.arrived() {
+                if self.diloco.as_mut().is_some_and(|d| d.forwarding.arrived()) {
                     self.forward_checkpoint();
                 }
             }
@@ -671,7 +701,7 @@ impl<'a> JobRun<'a> {
         let role = self.slots.role(slot);
         let work = self.work(role);
         let restore = match role {
-            Role::ParameterServer => self.restore,
+            Role::ParameterServer => self.diloco.as_ref().and_then(|d| d.restore),
             Role::Trainer | Role::Standby => None,
         };
         let config = work.config.json(role, restore);
@@ -692,17 +722,18 @@ impl<'a> JobRun<'a> {
             task_peers: TaskPeers::default(),
         };
         // Known to the training before the job can send its first status or checkpoint.
-        if let Some(training) = self.training.as_mut() {
+        if let Some(diloco) = self.diloco.as_mut() {
+            let training = &mut diloco.training;
             match role {
                 Role::ParameterServer => training.server_started(&id, lease.peer, restore),
                 Role::Standby => training.standby_started(&id, lease.peer),
                 Role::Trainer => training.trainer_started(&id, lease.peer),
             }
-        }
-        if role == Role::ParameterServer {
-            self.server_heard = std::time::Instant::now();
-            if let Some(checkpoints) = &self.checkpoints {
-                checkpoints.accept_from(Some(lease.peer));
+            if role == Role::ParameterServer {
+                diloco.server_heard = std::time::Instant::now();
+                if let Some(checkpoints) = &diloco.checkpoints {
+                    checkpoints.accept_from(Some(lease.peer));
+                }
             }
         }
         self.slots.started(slot, &id);
@@ -725,8 +756,8 @@ impl<'a> JobRun<'a> {
         }
         self.store_record()?;
         // The checkpoint goes with the dispatch of a restored server, which waits for it.
-        let checkpoint = match (restore, &self.checkpoints) {
-            (Some(_), Some(checkpoints)) => checkpoints.open(),
+        let checkpoint = match (restore, self.diloco.as_ref()) {
+            (Some(_), Some(diloco)) => diloco.checkpoints.as_ref().and_then(Checkpoints::open),
             _ => None,
         };
         let task = self.task.clone();
@@ -819,12 +850,14 @@ impl<'a> JobRun<'a> {
         };
         self.task_peers_changed();
         let role = self.slots.role(dispatched.slot);
-        if role == Role::ParameterServer && self.server_pending && ending == Ending::Done {
+        if role == Role::ParameterServer && self.server_pending() && ending == Ending::Done {
             // A server taken over that finished before it said where it was: the earlier
             // process told it training was over, or it is replaced.
-            let round = self.checkpoints.as_ref().and_then(Checkpoints::round);
-            let over = match self.training.as_mut() {
-                Some(training) => training.ended_with(round).await,
+            let over = match self.diloco.as_mut() {
+                Some(diloco) => {
+                    let round = diloco.held_round();
+                    diloco.training.ended_with(round).await
+                }
                 None => true,
             };
             if !over {
@@ -836,28 +869,27 @@ impl<'a> JobRun<'a> {
         drop(dispatched.lease);
         // A trainer that progressed (it trained a round) spent no attempt: elastic runs see
         // workers come and go all the time, and the attempts are for jobs that cannot run.
-        let progressed = self.training.as_ref().is_some_and(|t| t.joined(job));
+        let progressed = self.diloco.as_ref().is_some_and(|d| d.training.joined(job));
         // Known to the rounds first: a trainer whose update of the open round is (or may be)
         // at the server keeps its slices of that round until the round settles.
-        let server = self.training.as_mut().is_some_and(|t| t.ended(job));
+        let server = self.diloco.as_mut().is_some_and(|d| d.training.ended(job));
         self.release_data(peer, job).await;
         let failed = matches!(ending, Ending::Failed(_));
         // A server that failed is replaced by its standby where that holds a round the run
         // reached; the rounds before it are kept.
-        let stored = self.checkpoints.as_ref().and_then(Checkpoints::round);
-        let promotion = match (server && failed, &self.training) {
-            (true, Some(training)) => training.promotion(stored),
+        let promotion = match (server && failed, &self.diloco) {
+            (true, Some(diloco)) => diloco.training.promotion(diloco.held_round()),
             _ => None,
         };
-        if server {
+        if server && let Some(diloco) = self.diloco.as_mut() {
             // A server taken over that ended before it said where it was does not go on.
-            self.server_pending = false;
-            if let Some(checkpoints) = &self.checkpoints {
+            diloco.server_pending = false;
+            if let Some(checkpoints) = &diloco.checkpoints {
                 checkpoints.accept_from(None);
             }
-            if let (Some(training), true) = (self.training.as_mut(), failed) {
+            if failed {
                 let kept = promotion.as_ref().map_or(0, |p| p.round);
-                training.rounds_lost_from(kept).await;
+                diloco.training.rounds_lost_from(kept).await;
             }
         }
         self.store_record()?;
@@ -866,7 +898,7 @@ impl<'a> JobRun<'a> {
             server,
             promotion,
             elastic: self.spec.workers.elastic(),
-            has_work: self.training.is_some() || self.data.is_some(),
+            has_work: self.diloco.is_some() || self.data.is_some(),
             work_done: self.work_done().await,
         });
         match next {
@@ -914,8 +946,8 @@ impl<'a> JobRun<'a> {
     /// Whether the run's work is done, so that no worker starting now would have anything to
     /// do: training ended, or the data is used up.
     async fn work_done(&self) -> bool {
-        match (&self.training, &self.data) {
-            (Some(training), _) => training.done(),
+        match (&self.diloco, &self.data) {
+            (Some(diloco), _) => diloco.training.done(),
             (None, Some(data)) => data.finished().await,
             (None, None) => false,
         }
@@ -924,8 +956,8 @@ impl<'a> JobRun<'a> {
     /// Job `job` on `peer` ended: its slices go back (a trainer's once its applied rounds
     /// are settled).
     async fn release_data(&mut self, peer: PeerId, job: &str) {
-        match (self.training.as_mut(), &self.data) {
-            (Some(training), _) => training.release(peer, job).await,
+        match (self.diloco.as_mut(), &self.data) {
+            (Some(diloco), _) => diloco.training.release(peer, job).await,
             (None, Some(data)) => data.release(&peer, job).await,
             (None, None) => {}
         }
@@ -943,8 +975,8 @@ impl<'a> JobRun<'a> {
             self.release_data(peer, &job).await;
         }
         self.allocator.settle(RELEASE_LIMIT).await;
-        if let Some(training) = self.training.take() {
-            training.finish().await;
+        if let Some(diloco) = self.diloco.take() {
+            diloco.training.finish().await;
         }
         match (&outcome, &self.record) {
             // Done: nothing to resume.

@@ -13,7 +13,6 @@ use crate::{
     event::Event,
     record::RunRecord,
     slots::{Role, SlotState},
-    training::Training,
 };
 
 impl JobRun<'_> {
@@ -22,10 +21,12 @@ impl JobRun<'_> {
     /// otherwise, the old one stopped), and for a parameter server that does not go on the
     /// checkpoint of `round`.
     pub(super) async fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
-        self.restore = round;
         let server_slot = self.spec.workers.max;
-        if let (Some(checkpoints), Some(round)) = (&self.checkpoints, round) {
-            checkpoints.accept_up_to(round);
+        if let Some(diloco) = self.diloco.as_mut() {
+            diloco.restore = round;
+            if let (Some(checkpoints), Some(round)) = (&diloco.checkpoints, round) {
+                checkpoints.accept_up_to(round);
+            }
         }
         self.events.begin(&self.task, earlier.history);
         for benched in &earlier.benched {
@@ -55,10 +56,12 @@ impl JobRun<'_> {
             if may_go_on {
                 // Its prefetcher keeps asking while its lease is taken over.
                 self.live.insert(peer, &recorded.job);
-                if recorded.slot == server_slot {
-                    self.server_pending = true;
-                } else if let Some(training) = self.training.as_mut() {
-                    training.taking_over(peer);
+                if let Some(diloco) = self.diloco.as_mut() {
+                    if recorded.slot == server_slot {
+                        diloco.server_pending = true;
+                    } else {
+                        diloco.training.taking_over(peer);
+                    }
                 }
             }
             self.tasks.spawn(async move {
@@ -89,11 +92,11 @@ impl JobRun<'_> {
                 })
             });
         }
-        if !self.server_pending
-            && let Some(training) = self.training.as_mut()
+        if let Some(diloco) = self.diloco.as_mut()
+            && !diloco.server_pending
         {
             // No server to go on: the rounds it applied past the checkpoint are gone.
-            training.rounds_lost().await;
+            diloco.training.rounds_lost().await;
         }
     }
 
@@ -102,7 +105,7 @@ impl JobRun<'_> {
     /// parameter server goes on.
     pub(super) async fn adopted(&mut self, mut adoption: Adoption) -> Result<(), RunError> {
         let role = self.slots.role(adoption.slot);
-        if role == Role::Trainer && self.server_pending {
+        if role == Role::Trainer && self.server_pending() {
             self.parked.push(adoption);
             return Ok(());
         }
@@ -123,22 +126,23 @@ impl JobRun<'_> {
         } = adoption;
         self.adopting.retain(|recorded| recorded.job != job);
         if !going_on {
-            if let Some(training) = self.training.as_mut() {
-                training.takeover_ended(peer);
+            if let Some(diloco) = self.diloco.as_mut() {
+                diloco.training.takeover_ended(peer);
             }
             self.live.remove(peer, &job);
             self.ended_early.retain(|(_, report)| report.job != job);
             // The earlier run's job is stopped (or its lease is gone): what it held goes back.
             self.release_data(peer, &job).await;
-            if role == Role::ParameterServer && self.server_pending {
+            if role == Role::ParameterServer
+                && let Some(diloco) = self.diloco.as_mut()
+                && diloco.server_pending
+            {
                 // The rounds it applied past the checkpoint are gone with it: a new server is
                 // restored from the checkpoint, as after any failover.
-                self.server_pending = false;
-                let trained = self.training.as_ref().map_or(0, Training::round);
-                if let Some(training) = self.training.as_mut() {
-                    training.rounds_lost().await;
-                }
-                let round = self.restore.unwrap_or(0);
+                diloco.server_pending = false;
+                let trained = diloco.training.round();
+                diloco.training.rounds_lost().await;
+                let round = diloco.restore.unwrap_or(0);
                 self.events.record(Event::Failover {
                     peer: peer.to_string(),
                     reason: match &lease {
@@ -188,19 +192,20 @@ impl JobRun<'_> {
     ) -> Result<(), RunError> {
         let peer = lease.peer;
         let role = self.slots.role(slot);
-        if let Some(training) = self.training.as_mut() {
+        if let Some(diloco) = self.diloco.as_mut() {
+            let training = &mut diloco.training;
             match role {
                 Role::Trainer => training.trainer_taken_over(&job, peer, rejoin),
                 // A standby does not go on ([`goes_on`]): a new one follows the server.
                 Role::Standby => {}
                 Role::ParameterServer => {
                     training.server_taken_over(&job, peer);
-                    self.server_heard = std::time::Instant::now();
-                    if let Some(checkpoints) = &self.checkpoints {
+                    diloco.server_heard = std::time::Instant::now();
+                    if let Some(checkpoints) = &diloco.checkpoints {
                         checkpoints.accept_from(Some(peer));
                         // Those of the rounds recorded applied (the last one, of a server
                         // that finished, comes without another status).
-                        if let Some(round) = training.recorded_through() {
+                        if let Some(round) = diloco.training.recorded_through() {
                             checkpoints.accept_up_to(round);
                         }
                     }
@@ -242,7 +247,11 @@ impl JobRun<'_> {
             .find(|recorded| {
                 recorded.job == job
                     && recorded.peer == peer.to_string()
-                    && goes_on(self.spec, recorded.slot, self.restore)
+                    && goes_on(
+                        self.spec,
+                        recorded.slot,
+                        self.diloco.as_ref().and_then(|d| d.restore),
+                    )
             })
             .map(|recorded| self.slots.role(recorded.slot))
     }
