@@ -75,6 +75,23 @@ fn largest(first: Option<u64>) -> u64 {
     })
 }
 
+/// Whether the rest of a checkpoint of `size` bytes, of which `held` are kept already, fits
+/// on the disk of `dir` with [`DISK_RESERVE`] to spare.
+fn check_room(dir: &Path, size: u64, held: u64) -> Result<(), Refusal> {
+    let free = rustix::fs::statvfs(dir)
+        .map(|stat| stat.f_bavail.saturating_mul(stat.f_frsize))
+        .map_err(|e| Refusal::new(RefusalCode::Io, e.to_string()))?;
+    if (size - held.min(size)).saturating_add(DISK_RESERVE) > free {
+        return Err(Refusal::new(
+            RefusalCode::TooLarge,
+            format!(
+                "a checkpoint of {size} bytes does not fit: the scheduler's disk has {free} bytes free and keeps {DISK_RESERVE}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A checkpoint transfer that broke off, kept for the sender's next try.
 #[derive(Debug)]
 struct Broken {
@@ -210,18 +227,7 @@ impl Checkpoints {
             ));
         }
         let held = broken.as_ref().map_or(0, |b| b.received.bytes());
-        let free = rustix::fs::statvfs(&dir)
-            .map(|stat| stat.f_bavail.saturating_mul(stat.f_frsize))
-            .map_err(|e| io(&e))?;
-        if (header.size - held.min(header.size)).saturating_add(DISK_RESERVE) > free {
-            return Err(Refusal::new(
-                RefusalCode::TooLarge,
-                format!(
-                    "a checkpoint of {} bytes does not fit: the scheduler's disk has {free} bytes free and keeps {DISK_RESERVE}",
-                    header.size
-                ),
-            ));
-        }
+        check_room(&dir, header.size, held)?;
         let (temp, mut received) = match broken {
             Some(broken) => (broken.temp, broken.received),
             None => {

@@ -51,22 +51,9 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
             ..
         } => {
             progress.failovers += 1;
-            let after = match standby {
-                Some(_) => "the round its standby holds",
-                None => "its last checkpoint",
-            };
-            let lost = match lost_rounds {
-                0 => String::new(),
-                1 => format!(" (1 round after {after} is trained again)"),
-                n => format!(" ({n} rounds after {after} are trained again)"),
-            };
-            let who = match standby {
-                Some(standby) => format!("its standby {standby}"),
-                None => "a new one".to_string(),
-            };
             (
                 "failover",
-                format!("parameter server {peer} lost; {who} goes on from round {round}{lost}"),
+                failover_note(peer, *round, *lost_rounds, standby.as_deref()),
             )
         }
         Event::Lost { slot, peer, reason } => {
@@ -148,6 +135,24 @@ pub fn tally(progress: &mut RunProgress, event: &Event, time_ms: u64) {
         kind: kind.to_string(),
         detail: printable(&detail),
     });
+}
+
+/// What a failover did: the server lost, who goes on from which round, what is trained again.
+fn failover_note(peer: &str, round: u64, lost_rounds: u64, standby: Option<&str>) -> String {
+    let after = match standby {
+        Some(_) => "the round its standby holds",
+        None => "its last checkpoint",
+    };
+    let lost = match lost_rounds {
+        0 => String::new(),
+        1 => format!(" (1 round after {after} is trained again)"),
+        n => format!(" ({n} rounds after {after} are trained again)"),
+    };
+    let who = match standby {
+        Some(standby) => format!("its standby {standby}"),
+        None => "a new one".to_string(),
+    };
+    format!("parameter server {peer} lost; {who} goes on from round {round}{lost}")
 }
 
 /// `text` cut to [`DETAIL_CHARS`], control characters shown as U+FFFD: a reason can carry

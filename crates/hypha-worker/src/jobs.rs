@@ -212,20 +212,7 @@ impl JobManager {
             .get(&spec.executor)
             .ok_or_else(|| StartError::UnknownExecutor(spec.executor.clone()))?
             .clone();
-        let dir = self.work_dir.join(format!("hypha-{id}"));
-        DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(|error| StartError::Directory {
-                path: dir.clone(),
-                error,
-            })?;
-        let job_json = job_json(&id, &spec);
-        write_private(&dir.join("job.json"), job_json.as_bytes())?;
-        if !spec.secrets.is_empty() {
-            let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
-            write_private(&dir.join(SECRETS), &secrets)?;
-        }
+        let (dir, job_json) = self.create_job_dir(&id, &spec)?;
         let socket = self.sockets.socket(&dir, &id);
         // The link first: a failure here leaves no bridge running.
         self.sockets
@@ -320,6 +307,26 @@ impl JobManager {
             span,
         ));
         Ok(())
+    }
+
+    /// The job's own directory under the work directory, private to this user, with its
+    /// `job.json` (returned too) and its secrets.
+    fn create_job_dir(&self, id: &str, spec: &JobSpec) -> Result<(PathBuf, String), StartError> {
+        let dir = self.work_dir.join(format!("hypha-{id}"));
+        DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|error| StartError::Directory {
+                path: dir.clone(),
+                error,
+            })?;
+        let job_json = job_json(id, spec);
+        write_private(&dir.join("job.json"), job_json.as_bytes())?;
+        if !spec.secrets.is_empty() {
+            let secrets = serde_json::to_vec(&spec.secrets).unwrap_or_default();
+            write_private(&dir.join(SECRETS), &secrets)?;
+        }
+        Ok((dir, job_json))
     }
 
     /// Stops a job: SIGTERM, then SIGKILL after the grace period. Its end arrives as an

@@ -133,25 +133,7 @@ pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEn
     }
     let checksum = match checksum {
         Some(checksum) if strategy != Strategy::All || failures.is_empty() => checksum,
-        _ => {
-            let delivered = if delivered.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    " (delivered to {})",
-                    delivered
-                        .iter()
-                        .map(PeerId::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            };
-            return Err(BridgeError::new(
-                StatusCode::BAD_GATEWAY,
-                "send_failed",
-                format!("{}{delivered}", failures.join("; ")),
-            ));
-        }
+        _ => return Err(send_failed(&failures, &delivered)),
     };
     Ok(FileEntry {
         path: relative.display().to_string(),
@@ -173,6 +155,21 @@ pub(super) async fn send(bridge: &Bridge, request: SendRequest) -> Result<FileEn
             ("timestamp".to_string(), timestamp().into()),
         ]),
     })
+}
+
+/// A send that reached too few of its peers: why each failed, and who got the file.
+fn send_failed(failures: &[String], delivered: &[PeerId]) -> BridgeError {
+    let delivered = if delivered.is_empty() {
+        String::new()
+    } else {
+        let peers: Vec<String> = delivered.iter().map(PeerId::to_string).collect();
+        format!(" (delivered to {})", peers.join(", "))
+    };
+    BridgeError::new(
+        StatusCode::BAD_GATEWAY,
+        "send_failed",
+        format!("{}{delivered}", failures.join("; ")),
+    )
 }
 
 /// Streams the files that arrive for the job as Server-Sent Events.
