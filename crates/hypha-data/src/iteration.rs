@@ -380,6 +380,60 @@ impl Owner {
     }
 }
 
+/// Whether a new iteration of `owner` may start beside those `open`: this node runs at most
+/// [`MAX_NODE_ITERATIONS`], one peer [`MAX_ITERATIONS_PER_PEER`] of them and one
+/// organisation [`MAX_ITERATIONS_PER_ORGANISATION`]; `idle`, how long an iteration may go
+/// unused before it is let go, is what the refusals suggest waiting for.
+fn room_for(
+    open: &HashMap<(String, String), Running>,
+    owner: &Owner,
+    idle: Duration,
+) -> Result<(), RemoteError> {
+    if open.len() >= MAX_NODE_ITERATIONS {
+        return Err(RemoteError::new(
+            ErrorCode::Busy,
+            format!(
+                "this data node runs {MAX_NODE_ITERATIONS} iterations already; use one of them or another node"
+            ),
+        ));
+    }
+    let owned = open
+        .values()
+        .filter(|r| r.owner.owner == owner.owner)
+        .count();
+    if owned >= MAX_ITERATIONS_PER_PEER {
+        return Err(RemoteError::new(
+            ErrorCode::Busy,
+            format!(
+                "{} runs {MAX_ITERATIONS_PER_PEER} iterations on this node already, the most one peer may; finish one, or let one go idle for {} s",
+                owner.owner,
+                idle.as_secs()
+            ),
+        ));
+    }
+    // Fails closed: an iteration counted against no organisation would escape its share.
+    let Some(organisation) = &owner.organisation else {
+        return Err(RemoteError::new(
+            ErrorCode::Busy,
+            "this node no longer knows whose certificate asked (the connection closed); ask again",
+        ));
+    };
+    let of_organisation = open
+        .values()
+        .filter(|r| r.owner.organisation.as_ref() == Some(organisation))
+        .count();
+    if of_organisation >= MAX_ITERATIONS_PER_ORGANISATION {
+        return Err(RemoteError::new(
+            ErrorCode::Busy,
+            format!(
+                "the peers of {organisation} run {MAX_ITERATIONS_PER_ORGANISATION} iterations on this node already, the most one organisation may; finish one, or let one go idle for {} s",
+                idle.as_secs()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl NodeIterations {
     /// Iterations in `dir`, each kept until nobody asked about it for `idle`.
     pub fn new(dir: PathBuf, this_node: PeerId, idle: Duration) -> Self {
@@ -453,48 +507,7 @@ impl NodeIterations {
                 organisation: asker.organisation.clone(),
             },
         };
-        if open.len() >= MAX_NODE_ITERATIONS {
-            return Err(RemoteError::new(
-                ErrorCode::Busy,
-                format!(
-                    "this data node runs {MAX_NODE_ITERATIONS} iterations already; use one of them or another node"
-                ),
-            ));
-        }
-        let owned = open
-            .values()
-            .filter(|r| r.owner.owner == owner.owner)
-            .count();
-        if owned >= MAX_ITERATIONS_PER_PEER {
-            return Err(RemoteError::new(
-                ErrorCode::Busy,
-                format!(
-                    "{} runs {MAX_ITERATIONS_PER_PEER} iterations on this node already, the most one peer may; finish one, or let one go idle for {} s",
-                    owner.owner,
-                    self.idle.as_secs()
-                ),
-            ));
-        }
-        // Fails closed: an iteration counted against no organisation would escape its share.
-        let Some(organisation) = &owner.organisation else {
-            return Err(RemoteError::new(
-                ErrorCode::Busy,
-                "this node no longer knows whose certificate asked (the connection closed); ask again",
-            ));
-        };
-        let of_organisation = open
-            .values()
-            .filter(|r| r.owner.organisation.as_ref() == Some(organisation))
-            .count();
-        if of_organisation >= MAX_ITERATIONS_PER_ORGANISATION {
-            return Err(RemoteError::new(
-                ErrorCode::Busy,
-                format!(
-                    "the peers of {organisation} run {MAX_ITERATIONS_PER_ORGANISATION} iterations on this node already, the most one organisation may; finish one, or let one go idle for {} s",
-                    self.idle.as_secs()
-                ),
-            ));
-        }
+        room_for(&open, &owner, self.idle)?;
         let spec = spec_of(manifest, request.epochs, request.seed);
         let ledger = open_ledger(&path, spec).await.map_err(|e| {
             RemoteError::new(

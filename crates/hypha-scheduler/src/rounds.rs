@@ -801,17 +801,7 @@ impl Rounds {
             // The server sent the next model before its status said it applied the round.
             return (TrainerOrder::wait(RETRY_MS / 5), settle);
         }
-        if let Some(trainer) = self.trainers.get_mut(job) {
-            let closed = trainer.settled_below..round.min(self.round);
-            settle.extend(left_out(&self.included, job, &trainer.peer, closed));
-            trainer.settled_below = trainer.settled_below.max(round.min(self.round));
-            if let Some(loss) = status.loss {
-                trainer.last_loss = Some((round, loss, status.samples));
-            }
-            trainer.status = status.clone();
-            trainer.heard_ms = now_ms;
-            trainer.awaited = false;
-        }
+        self.heard_at(job, round, &status, now_ms, &mut settle);
         if round == self.round && !self.may_begin(now_ms) {
             return (TrainerOrder::wait(WAIT_MS), settle);
         }
@@ -836,16 +826,7 @@ impl Rounds {
         } else {
             self.target(&status, now_ms)
         };
-        if let Some(trainer) = self.trainers.get_mut(job) {
-            trainer.ordered = Some((round, batches));
-            if !std::mem::replace(&mut trainer.joined, true) {
-                self.news.push(News::Joined {
-                    job: job.to_string(),
-                    peer: trainer.peer.clone(),
-                    round,
-                });
-            }
-        }
+        self.ordered(job, round, batches);
         let evaluate =
             round == self.round && self.eval.by.as_deref() == Some(job) && self.scores(round + 1);
         let order = TrainerOrder::Train {
@@ -855,6 +836,45 @@ impl Rounds {
             evaluate,
         };
         (order, settle)
+    }
+
+    /// The trainer of `job` said `status`, holding the model of `round`: the rounds it is
+    /// past settle its slices left out of them, and its status is kept.
+    fn heard_at(
+        &mut self,
+        job: &str,
+        round: u64,
+        status: &TrainerStatus,
+        now_ms: u64,
+        settle: &mut Vec<Settle>,
+    ) {
+        let Some(trainer) = self.trainers.get_mut(job) else {
+            return;
+        };
+        let closed = trainer.settled_below..round.min(self.round);
+        settle.extend(left_out(&self.included, job, &trainer.peer, closed));
+        trainer.settled_below = trainer.settled_below.max(round.min(self.round));
+        if let Some(loss) = status.loss {
+            trainer.last_loss = Some((round, loss, status.samples));
+        }
+        trainer.status = status.clone();
+        trainer.heard_ms = now_ms;
+        trainer.awaited = false;
+    }
+
+    /// The trainer of `job` is told to train `batches` of `round`; its first order is news.
+    fn ordered(&mut self, job: &str, round: u64, batches: u64) {
+        let Some(trainer) = self.trainers.get_mut(job) else {
+            return;
+        };
+        trainer.ordered = Some((round, batches));
+        if !std::mem::replace(&mut trainer.joined, true) {
+            self.news.push(News::Joined {
+                job: job.to_string(),
+                peer: trainer.peer.clone(),
+                round,
+            });
+        }
     }
 
     /// Whether the run's first round may begin, asked by a trainer ready for it (see
