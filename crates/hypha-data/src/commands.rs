@@ -824,11 +824,46 @@ pub struct AuditArgs {
     pub json: bool,
 }
 
+/// Prints a ledger's every transition, one a line, as `audit --transitions` shows them.
+/// Names come from the file: escaped, so that a name cannot steer the terminal.
+fn print_transitions(records: &[hypha_ledger::AuditRecord]) {
+    use hypha_ledger::Event;
+
+    let start = records.first().map_or(0, |r| r.time_ms);
+    println!(
+        "{:>8} {:>10} {:>6} {:>8}  event",
+        "#", "seconds", "epoch", "slice"
+    );
+    for record in records {
+        let event = match &record.event {
+            Event::Assigned { worker, .. } => {
+                format!("assigned to {}", worker.escape_debug())
+            }
+            Event::Consumed { worker, round } => {
+                format!("consumed by {} in round {round}", worker.escape_debug())
+            }
+            Event::Used { worker, round } => {
+                format!("USED by {} in round {round}", worker.escape_debug())
+            }
+            Event::Returned { worker, reason } => {
+                format!("returned by {}: {reason:?}", worker.escape_debug())
+            }
+        };
+        println!(
+            "{:>8} {:>10.3} {:>6} {:>8}  {event}",
+            record.seq,
+            record.time_ms.saturating_sub(start) as f64 / 1000.0,
+            record.key.epoch,
+            record.key.slice
+        );
+    }
+}
+
 /// Reads a ledger's audit log, prints per epoch and worker where its slices stand, and fails
 /// (exit 1) when a slice was used twice in an epoch, or when the iteration is finished (its
 /// last epoch used up, or `--finished`) and a slice was never used.
 pub fn audit(args: &AuditArgs) -> Result<(), Error> {
-    use hypha_ledger::{Event, Finished};
+    use hypha_ledger::Finished;
 
     let audit = hypha_ledger::read_audit(&args.ledger).map_err(|e| match e {
         hypha_ledger::Error::Missing(_) | hypha_ledger::Error::InUse(_) => {
@@ -855,34 +890,7 @@ pub fn audit(args: &AuditArgs) -> Result<(), Error> {
     } else {
         // Names come from the file: escaped, so that a name cannot steer the terminal.
         if args.transitions {
-            let start = audit.records.first().map_or(0, |r| r.time_ms);
-            println!(
-                "{:>8} {:>10} {:>6} {:>8}  event",
-                "#", "seconds", "epoch", "slice"
-            );
-            for record in &audit.records {
-                let event = match &record.event {
-                    Event::Assigned { worker, .. } => {
-                        format!("assigned to {}", worker.escape_debug())
-                    }
-                    Event::Consumed { worker, round } => {
-                        format!("consumed by {} in round {round}", worker.escape_debug())
-                    }
-                    Event::Used { worker, round } => {
-                        format!("USED by {} in round {round}", worker.escape_debug())
-                    }
-                    Event::Returned { worker, reason } => {
-                        format!("returned by {}: {reason:?}", worker.escape_debug())
-                    }
-                };
-                println!(
-                    "{:>8} {:>10.3} {:>6} {:>8}  {event}",
-                    record.seq,
-                    record.time_ms.saturating_sub(start) as f64 / 1000.0,
-                    record.key.epoch,
-                    record.key.slice
-                );
-            }
+            print_transitions(&audit.records);
         }
         println!(
             "ledger {}: iteration {} of {:?}, {} epoch(s) of {} slices, {} transitions",
