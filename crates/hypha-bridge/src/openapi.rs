@@ -101,38 +101,10 @@ pub fn document() -> Value {
     schema(subschema::<TrainerConfig>);
     schema(subschema::<TrainerOrder>);
     schema(subschema::<ErrorBody>);
-    let mut paths = serde_json::Map::new();
-    for endpoint in endpoints {
-        let mut responses = serde_json::Map::new();
-        responses.insert(
-            "200".into(),
-            json!({
-                "description": endpoint.answer,
-                "content": { endpoint.answer_type: { "schema": endpoint.answer_schema } },
-            }),
-        );
-        for status in endpoint.errors {
-            responses.insert(
-                status.to_string(),
-                json!({ "$ref": "#/components/responses/Error" }),
-            );
-        }
-        let mut operation = json!({
-            "summary": endpoint.summary,
-            "responses": responses,
-        });
-        let method = match endpoint.request {
-            Some(request) => {
-                operation["requestBody"] = json!({
-                    "required": true,
-                    "content": { "application/json": { "schema": request } },
-                });
-                "post"
-            }
-            None => "get",
-        };
-        paths.insert(endpoint.path.into(), json!({ method: operation }));
-    }
+    let paths: serde_json::Map<String, Value> = endpoints
+        .into_iter()
+        .map(|endpoint| (endpoint.path.to_string(), endpoint.path_item()))
+        .collect();
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -155,6 +127,41 @@ pub fn document() -> Value {
             }
         }
     })
+}
+
+impl Endpoint {
+    /// The endpoint as an OpenAPI path item: a POST with a JSON body, or a GET without one.
+    fn path_item(self) -> Value {
+        let mut responses = serde_json::Map::new();
+        responses.insert(
+            "200".into(),
+            json!({
+                "description": self.answer,
+                "content": { self.answer_type: { "schema": self.answer_schema } },
+            }),
+        );
+        for status in self.errors {
+            responses.insert(
+                status.to_string(),
+                json!({ "$ref": "#/components/responses/Error" }),
+            );
+        }
+        let mut operation = json!({
+            "summary": self.summary,
+            "responses": responses,
+        });
+        let method = match self.request {
+            Some(request) => {
+                operation["requestBody"] = json!({
+                    "required": true,
+                    "content": { "application/json": { "schema": request } },
+                });
+                "post"
+            }
+            None => "get",
+        };
+        json!({ method: operation })
+    }
 }
 
 fn subschema<T: JsonSchema>(generator: &mut SchemaGenerator) -> Schema {
