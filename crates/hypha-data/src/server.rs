@@ -7,6 +7,7 @@ use std::{
 };
 
 use futures::AsyncWriteExt;
+use hypha_dataset::{Dataset, SliceEntry};
 use hypha_network::{
     Network, PeerId,
     rate::{MIN_BYTES_PER_SECOND, RateFloor},
@@ -187,30 +188,7 @@ async fn serve_one(
         )
         .await;
     };
-    let count = dataset.manifest().slices.len() as u64;
-    let found = match &request.file {
-        Some(file) => dataset
-            .manifest()
-            .slices
-            .iter()
-            .find(|e| &e.file == file)
-            .map(|e| (e, dataset.root().join(&e.file)))
-            .ok_or((
-                ErrorCode::UnknownSlice,
-                format!("{:?} has no slice file {file:?}", request.dataset),
-            )),
-        None => usize::try_from(request.slice)
-            .ok()
-            .and_then(|i| dataset.manifest().slices.get(i))
-            .zip(dataset.slice_path(request.slice))
-            .ok_or((
-                ErrorCode::SliceOutOfRange,
-                format!(
-                    "slice {} requested; {:?} has slices 0..{count}",
-                    request.slice, request.dataset
-                ),
-            )),
-    };
+    let found = find_slice(&dataset, &request);
     let (entry, path) = match found {
         Ok(found) => found,
         Err((code, message)) => return refuse(&mut stream, code, &message).await,
@@ -246,11 +224,61 @@ async fn serve_one(
     if protocol::write_frame(&mut stream, &header).await.is_err() {
         return;
     }
-    let mut reader = SliceReader::new(file, request.offset, entry.size);
+    let sent = send_slice(&mut stream, file, request.offset, entry.size, limits, peer).await;
+    hypha_telemetry::metrics::record_bytes(
+        protocol::PROTOCOL_NAME,
+        hypha_telemetry::metrics::Direction::Out,
+        sent,
+    );
+    let _ = stream.close().await;
+}
+
+/// The manifest entry and the file of the slice `request` names, by file or by index, or
+/// why there is none.
+fn find_slice(
+    dataset: &Dataset,
+    request: &SliceRequest,
+) -> Result<(SliceEntry, std::path::PathBuf), (ErrorCode, String)> {
+    let count = dataset.manifest().slices.len() as u64;
+    match &request.file {
+        Some(file) => dataset
+            .manifest()
+            .slices
+            .iter()
+            .find(|e| &e.file == file)
+            .map(|e| (e.clone(), dataset.root().join(&e.file)))
+            .ok_or((
+                ErrorCode::UnknownSlice,
+                format!("{:?} has no slice file {file:?}", request.dataset),
+            )),
+        None => usize::try_from(request.slice)
+            .ok()
+            .and_then(|i| dataset.manifest().slices.get(i).cloned())
+            .zip(dataset.slice_path(request.slice))
+            .ok_or((
+                ErrorCode::SliceOutOfRange,
+                format!(
+                    "slice {} requested; {:?} has slices 0..{count}",
+                    request.slice, request.dataset
+                ),
+            )),
+    }
+}
+
+/// Sends a slice's bytes from `offset` to its `size`; the bytes sent. A read error or a file
+/// that shrank ends the stream early (the client's hash and size checks catch it and it goes
+/// to another provider), as does a client that stops reading or reads too slowly.
+async fn send_slice(
+    stream: &mut hypha_network::Stream,
+    file: std::fs::File,
+    offset: u64,
+    size: u64,
+    limits: &Limits,
+    peer: PeerId,
+) -> u64 {
+    let mut reader = SliceReader::new(file, offset, size);
     let mut rate = RateFloor::new(limits.stall_timeout, limits.min_send_rate);
     let mut sent = 0u64;
-    // A read error or a file that shrank ends the stream early: the client's hash and size
-    // checks catch it and it goes to another provider.
     while let Ok(chunk) = reader.next().await {
         if chunk.is_empty() {
             break;
@@ -275,12 +303,7 @@ async fn serve_one(
             break;
         }
     }
-    hypha_telemetry::metrics::record_bytes(
-        protocol::PROTOCOL_NAME,
-        hypha_telemetry::metrics::Direction::Out,
-        sent,
-    );
-    let _ = stream.close().await;
+    sent
 }
 
 /// Reads a slice file chunk by chunk into one buffer.
