@@ -183,29 +183,7 @@ impl Board {
                 peer,
                 lease,
                 price,
-            } => {
-                let dispatches = self.workers.get(slot).map_or(0, |w| w.dispatches);
-                self.workers.insert(
-                    *slot,
-                    WorkerView {
-                        slot: *slot,
-                        role: self.role(*slot),
-                        peer: peer.clone(),
-                        job: None,
-                        lease: Some(*lease),
-                        price: Some(*price),
-                        state: "leased",
-                        reason: None,
-                        since_ms: time_ms,
-                        dispatches,
-                        refused: 0,
-                        clipped: 0,
-                        slices_per_s: None,
-                        samples_per_s: None,
-                        path: None,
-                    },
-                );
-            }
+            } => self.leased(*slot, peer, *lease, *price, time_ms),
             Event::Readopted {
                 slot,
                 peer,
@@ -229,14 +207,7 @@ impl Board {
                 slot, peer, status, ..
             } => {
                 let worker = self.worker(*slot, peer, time_ms);
-                let (state, reason) = match status {
-                    JobStatus::Running => ("running", None),
-                    JobStatus::Finished { exit_code: 0, .. } => ("finished", None),
-                    JobStatus::Finished { exit_code, .. } => {
-                        ("failed", Some(format!("exit code {exit_code}")))
-                    }
-                    JobStatus::Failed { reason, .. } => ("failed", Some(reason.clone())),
-                };
+                let (state, reason) = state_of(status);
                 if worker.state != state {
                     worker.since_ms = time_ms;
                 }
@@ -314,16 +285,44 @@ impl Board {
         }
         // Executors report several times a round: listing them would push out everything else.
         if !matches!(event, Event::ExecutorStatus { .. }) {
-            if self.events.len() == RECENT_EVENTS {
-                self.events.pop_front();
-            }
-            self.events.push_back(Stamped {
-                seq: self.next_event,
-                time_ms,
-                event: serde_json::to_value(event).unwrap_or_default(),
-            });
-            self.next_event += 1;
+            self.remember(event, time_ms);
         }
+    }
+
+    /// A worker leased for `slot`: a new view of it, counting the slot's dispatches so far.
+    fn leased(&mut self, slot: usize, peer: &str, lease: u64, price: f64, time_ms: u64) {
+        let dispatches = self.workers.get(&slot).map_or(0, |w| w.dispatches);
+        let view = WorkerView {
+            slot,
+            role: self.role(slot),
+            peer: peer.to_string(),
+            job: None,
+            lease: Some(lease),
+            price: Some(price),
+            state: "leased",
+            reason: None,
+            since_ms: time_ms,
+            dispatches,
+            refused: 0,
+            clipped: 0,
+            slices_per_s: None,
+            samples_per_s: None,
+            path: None,
+        };
+        self.workers.insert(slot, view);
+    }
+
+    /// Keeps `event` among the [`RECENT_EVENTS`] the dashboard lists.
+    fn remember(&mut self, event: &Event, time_ms: u64) {
+        if self.events.len() == RECENT_EVENTS {
+            self.events.pop_front();
+        }
+        self.events.push_back(Stamped {
+            seq: self.next_event,
+            time_ms,
+            event: serde_json::to_value(event).unwrap_or_default(),
+        });
+        self.next_event += 1;
     }
 
     /// The worker of `slot`, now on `peer` (a slot's first event may be any of them after a
@@ -551,6 +550,16 @@ async fn loss_plot(State(sources): State<Sources>) -> Response {
         )
             .into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// A job's state as the dashboard shows it, and why it failed.
+fn state_of(status: &JobStatus) -> (&'static str, Option<String>) {
+    match status {
+        JobStatus::Running => ("running", None),
+        JobStatus::Finished { exit_code: 0, .. } => ("finished", None),
+        JobStatus::Finished { exit_code, .. } => ("failed", Some(format!("exit code {exit_code}"))),
+        JobStatus::Failed { reason, .. } => ("failed", Some(reason.clone())),
     }
 }
 
