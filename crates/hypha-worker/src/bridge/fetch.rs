@@ -74,123 +74,142 @@ pub(super) async fn fetch(
             filenames,
             token,
         } => {
-            if repository
-                .split('/')
-                .any(|p| p.is_empty() || p == "." || p == "..")
-            {
-                return Err(BridgeError::bad_request(format!(
-                    "{repository:?} is not a Hub repository (write it as \"org/name\")"
-                )));
-            }
-            if filenames.is_empty() {
-                return Err(BridgeError::bad_request(
-                    "name at least one file in \"filenames\"",
-                ));
-            }
             let revision = revision.unwrap_or_else(|| "main".to_string());
-            let token = token
-                .or_else(|| bridge.context.secrets.get("hf_token").cloned())
-                .or_else(|| bridge.shared.settings.hf_token.clone());
-            let endpoint = bridge.shared.settings.hf_endpoint.trim_end_matches('/');
-            let mut entries = Vec::with_capacity(filenames.len());
-            for filename in &filenames {
-                let relative = out_dir.join(paths::check(filename)?);
-                let url = format!("{endpoint}/{repository}/resolve/{revision}/{filename}");
-                let url = reqwest::Url::parse(&url)
-                    .map_err(|e| BridgeError::bad_request(format!("{url:?}: {e}")))?;
-                let mut entry =
-                    download(bridge, url, token.as_deref(), &relative, "huggingface").await?;
-                entry
-                    .metadata
-                    .insert("repository".into(), repository.clone().into());
-                entry
-                    .metadata
-                    .insert("revision".into(), revision.clone().into());
-                entries.push(entry);
-            }
-            Ok(entries)
+            fetch_from_hub(bridge, &out_dir, &repository, &revision, &filenames, token).await
         }
         Reference::Artifact {
             profile,
             uri,
             kind,
             unpack,
-        } => {
-            let name = uri
-                .trim_end_matches('/')
-                .rsplit('/')
-                .next()
-                .filter(|s| !s.is_empty())
-                .ok_or_else(|| BridgeError::bad_request(format!("{uri:?} names no object")))?;
-            let destination = out_dir.join(paths::check(name)?);
-            let unpack = unpack.map(|method| artifact::Unpack {
-                destination: out_dir.join(archive_stem(name)),
-                method,
-            });
-            let request = artifact::Request {
-                profile: profile.clone(),
-                uri: uri.clone(),
-                kind,
-                destination,
-                unpack,
-            };
-            let provided = bridge
-                .shared
-                .artifacts()
-                .provide(
-                    &request,
-                    bridge.dir.clone(),
-                    0,
-                    bridge
-                        .shared
-                        .inboxes()
-                        .artifact_admission(bridge.context.scheduler, &bridge.context.task),
-                )
-                .await
-                .map_err(|e| {
-                    BridgeError::new(StatusCode::BAD_GATEWAY, "artifact", e.to_string())
-                })?;
-            let metadata: std::collections::BTreeMap<String, serde_json::Value> = [
-                ("source", serde_json::Value::from("artifact")),
-                ("profile", profile.into()),
-                ("uri", uri.into()),
-                ("artifact", provided.fetched.artifact.to_string().into()),
-                ("from_cache", provided.fetched.from_cache.into()),
-                ("timestamp", timestamp().into()),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-            tokio::task::spawn_blocking(move || {
-                provided
-                    .files
-                    .into_iter()
-                    .map(|(path, stored)| {
-                        let (size, checksum) = sha256_file(&stored).map_err(|e| {
-                            BridgeError::new(
-                                StatusCode::INTERNAL_SERVER_ERROR,
-                                "io",
-                                format!("reading {}: {e}", path.display()),
-                            )
-                        })?;
-                        Ok(FileEntry {
-                            path: path.display().to_string(),
-                            size,
-                            checksum,
-                            metadata: metadata.clone(),
-                        })
-                    })
-                    .collect::<Result<Vec<_>, BridgeError>>()
-            })
-            .await
-            .map_err(|e| BridgeError::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))?
-        }
+        } => fetch_artifact(bridge, &out_dir, profile, uri, kind, unpack).await,
         Reference::Scheduler(reference) => {
             let wait = request.wait_ms.map(std::time::Duration::from_millis);
             super::data::fetch(bridge, reference, &out_dir, wait).await
         }
         Reference::HeldOut { dataset } => super::data::held_out(bridge, &dataset, &out_dir).await,
     }
+}
+
+/// Downloads `filenames` of a Hugging Face Hub `repository` at `revision` into `out_dir`,
+/// with the job's (or the worker's) token.
+async fn fetch_from_hub(
+    bridge: &Bridge,
+    out_dir: &Path,
+    repository: &str,
+    revision: &str,
+    filenames: &[String],
+    token: Option<String>,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    if repository
+        .split('/')
+        .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        return Err(BridgeError::bad_request(format!(
+            "{repository:?} is not a Hub repository (write it as \"org/name\")"
+        )));
+    }
+    if filenames.is_empty() {
+        return Err(BridgeError::bad_request(
+            "name at least one file in \"filenames\"",
+        ));
+    }
+    let token = token
+        .or_else(|| bridge.context.secrets.get("hf_token").cloned())
+        .or_else(|| bridge.shared.settings.hf_token.clone());
+    let endpoint = bridge.shared.settings.hf_endpoint.trim_end_matches('/');
+    let mut entries = Vec::with_capacity(filenames.len());
+    for filename in filenames {
+        let relative = out_dir.join(paths::check(filename)?);
+        let url = format!("{endpoint}/{repository}/resolve/{revision}/{filename}");
+        let url = reqwest::Url::parse(&url)
+            .map_err(|e| BridgeError::bad_request(format!("{url:?}: {e}")))?;
+        let mut entry = download(bridge, url, token.as_deref(), &relative, "huggingface").await?;
+        entry
+            .metadata
+            .insert("repository".into(), repository.into());
+        entry.metadata.insert("revision".into(), revision.into());
+        entries.push(entry);
+    }
+    Ok(entries)
+}
+
+/// Provides an artifact into `out_dir` (unpacked beside it when asked), shared with the
+/// workers of the job's task, and lists its files with their SHA-256.
+async fn fetch_artifact(
+    bridge: &Bridge,
+    out_dir: &Path,
+    profile: String,
+    uri: String,
+    kind: artifact::Kind,
+    unpack: Option<artifact::UnpackMethod>,
+) -> Result<Vec<FileEntry>, BridgeError> {
+    let name = uri
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| BridgeError::bad_request(format!("{uri:?} names no object")))?;
+    let destination = out_dir.join(paths::check(name)?);
+    let unpack = unpack.map(|method| artifact::Unpack {
+        destination: out_dir.join(archive_stem(name)),
+        method,
+    });
+    let request = artifact::Request {
+        profile: profile.clone(),
+        uri: uri.clone(),
+        kind,
+        destination,
+        unpack,
+    };
+    let provided = bridge
+        .shared
+        .artifacts()
+        .provide(
+            &request,
+            bridge.dir.clone(),
+            0,
+            bridge
+                .shared
+                .inboxes()
+                .artifact_admission(bridge.context.scheduler, &bridge.context.task),
+        )
+        .await
+        .map_err(|e| BridgeError::new(StatusCode::BAD_GATEWAY, "artifact", e.to_string()))?;
+    let metadata: std::collections::BTreeMap<String, serde_json::Value> = [
+        ("source", serde_json::Value::from("artifact")),
+        ("profile", profile.into()),
+        ("uri", uri.into()),
+        ("artifact", provided.fetched.artifact.to_string().into()),
+        ("from_cache", provided.fetched.from_cache.into()),
+        ("timestamp", timestamp().into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    tokio::task::spawn_blocking(move || {
+        provided
+            .files
+            .into_iter()
+            .map(|(path, stored)| {
+                let (size, checksum) = sha256_file(&stored).map_err(|e| {
+                    BridgeError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "io",
+                        format!("reading {}: {e}", path.display()),
+                    )
+                })?;
+                Ok(FileEntry {
+                    path: path.display().to_string(),
+                    size,
+                    checksum,
+                    metadata: metadata.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>, BridgeError>>()
+    })
+    .await
+    .map_err(|e| BridgeError::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))?
 }
 
 /// Where an archive is unpacked: its name without the archive extension, or with `.d`
