@@ -1053,85 +1053,14 @@ impl Rounds {
         now_ms: u64,
     ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
         let mut settle = Vec::new();
-        let mut applied_round = None;
         self.resolve_departing(&status, now_ms);
         for late in &status.dropped {
             self.heard_late(&late.peer);
         }
         let applies = self.applies(&status);
-        if let Some(applied) = status.applied.filter(|_| applies) {
-            let included: HashSet<String> = applied.included.iter().cloned().collect();
-            let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
-            let mut weighted_loss = (0.0, 0u64);
-            // A peer's update in the round is its departed job's, not that of a job started on
-            // the same peer after it (whose own update for the round was a duplicate; its
-            // slices of the round go back when it ends).
-            let departed = std::mem::take(&mut self.departed);
-            for (peer, job) in &departed {
-                let (job, round) = (job.clone(), applied.round);
-                settle.push(match included.contains(peer) {
-                    true => Settle::Commit { job, round },
-                    false => Settle::Drop { job, round },
-                });
-            }
-            for (job, trainer) in &mut self.trainers {
-                if included.contains(&trainer.peer) && !departed.contains_key(&trainer.peer) {
-                    settle.push(Settle::Commit {
-                        job: job.clone(),
-                        round: applied.round,
-                    });
-                    trainer.settled_below = trainer.settled_below.max(applied.round + 1);
-                    if let Some((round, loss, samples)) = trainer.last_loss
-                        && round == applied.round
-                    {
-                        weighted_loss.0 += loss * samples as f64;
-                        weighted_loss.1 += samples;
-                    }
-                }
-            }
-            // Out of data for good: none left in the ledger, and no slices of the round go
-            // back: no trainer's that trained in it and is not included, no departed one's
-            // left out, none of a job that ended with its update maybe still on its way.
-            let gives_back = settle.iter().any(|s| matches!(s, Settle::Drop { .. }));
-            let everyone_out_of_data = !self.trainers.is_empty()
-                && !self.data_left
-                && !gives_back
-                && self.departing.is_empty()
-                && self.trainers.values().all(|t| {
-                    t.status.data_done
-                        && t.status.round == Some(applied.round)
-                        && (t.status.samples == 0 || included.contains(&t.peer))
-                });
-            let benched = self.count_misses(&included);
-            self.included.insert(applied.round, included);
-            self.closing = None;
-            self.round = applied.round + 1;
-            self.highest = self.highest.max(self.round);
-            self.started_ms = None;
-            self.arrived.clear();
-            self.refused.clear();
-            self.done = self.plan.rounds.is_some_and(|n| self.round >= n) || everyone_out_of_data;
-            applied_round = Some(AppliedRound {
-                round: applied.round,
-                included: applied.included,
-                samples,
-                loss: (weighted_loss.1 > 0).then(|| weighted_loss.0 / weighted_loss.1 as f64),
-                model_hash: applied.model_hash,
-                delta_bytes: applied.delta_bytes,
-                benched,
-                // The server bounds its reasons; a server that does not is not believed.
-                clipped: (applied.clipped.into_iter())
-                    .map(|mut clipped| {
-                        clipped.reason = clipped.reason.chars().take(REASON_CHARS).collect();
-                        clipped
-                    })
-                    .collect(),
-                largest_norm_ratio: applied.largest_norm_ratio,
-                close_ms: applied.close_ms,
-                traffic_bytes: applied.traffic_bytes,
-                standby_bytes: applied.standby_bytes,
-            });
-        }
+        let applied_round = (status.applied)
+            .filter(|_| applies)
+            .map(|applied| self.round_applied(applied, &mut settle));
         if self.done {
             return (ServerOrder::Done, settle, applied_round);
         }
@@ -1204,6 +1133,84 @@ impl Rounds {
             }
         };
         (order, settle, applied_round)
+    }
+
+    /// The server applied `applied`: the slices of the trainers it included are committed to
+    /// the round (and those of departed jobs it left out dropped, into `settle`), the next
+    /// round opens, and the run is done after its planned rounds or when every trainer is
+    /// out of data for good.
+    fn round_applied(&mut self, applied: Applied, settle: &mut Vec<Settle>) -> AppliedRound {
+        let included: HashSet<String> = applied.included.iter().cloned().collect();
+        let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
+        let mut weighted_loss = (0.0, 0u64);
+        // A peer's update in the round is its departed job's, not that of a job started on
+        // the same peer after it (whose own update for the round was a duplicate; its
+        // slices of the round go back when it ends).
+        let departed = std::mem::take(&mut self.departed);
+        for (peer, job) in &departed {
+            let (job, round) = (job.clone(), applied.round);
+            settle.push(match included.contains(peer) {
+                true => Settle::Commit { job, round },
+                false => Settle::Drop { job, round },
+            });
+        }
+        for (job, trainer) in &mut self.trainers {
+            if included.contains(&trainer.peer) && !departed.contains_key(&trainer.peer) {
+                settle.push(Settle::Commit {
+                    job: job.clone(),
+                    round: applied.round,
+                });
+                trainer.settled_below = trainer.settled_below.max(applied.round + 1);
+                if let Some((round, loss, samples)) = trainer.last_loss
+                    && round == applied.round
+                {
+                    weighted_loss.0 += loss * samples as f64;
+                    weighted_loss.1 += samples;
+                }
+            }
+        }
+        // Out of data for good: none left in the ledger, and no slices of the round go
+        // back: no trainer's that trained in it and is not included, no departed one's
+        // left out, none of a job that ended with its update maybe still on its way.
+        let gives_back = settle.iter().any(|s| matches!(s, Settle::Drop { .. }));
+        let everyone_out_of_data = !self.trainers.is_empty()
+            && !self.data_left
+            && !gives_back
+            && self.departing.is_empty()
+            && self.trainers.values().all(|t| {
+                t.status.data_done
+                    && t.status.round == Some(applied.round)
+                    && (t.status.samples == 0 || included.contains(&t.peer))
+            });
+        let benched = self.count_misses(&included);
+        self.included.insert(applied.round, included);
+        self.closing = None;
+        self.round = applied.round + 1;
+        self.highest = self.highest.max(self.round);
+        self.started_ms = None;
+        self.arrived.clear();
+        self.refused.clear();
+        self.done = self.plan.rounds.is_some_and(|n| self.round >= n) || everyone_out_of_data;
+        AppliedRound {
+            round: applied.round,
+            included: applied.included,
+            samples,
+            loss: (weighted_loss.1 > 0).then(|| weighted_loss.0 / weighted_loss.1 as f64),
+            model_hash: applied.model_hash,
+            delta_bytes: applied.delta_bytes,
+            benched,
+            // The server bounds its reasons; a server that does not is not believed.
+            clipped: (applied.clipped.into_iter())
+                .map(|mut clipped| {
+                    clipped.reason = clipped.reason.chars().take(REASON_CHARS).collect();
+                    clipped
+                })
+                .collect(),
+            largest_norm_ratio: applied.largest_norm_ratio,
+            close_ms: applied.close_ms,
+            traffic_bytes: applied.traffic_bytes,
+            standby_bytes: applied.standby_bytes,
+        }
     }
 
     /// Counts, as a round ends with `included` taken, the rounds in a row each trainer's
