@@ -113,6 +113,15 @@ const NORMS_KEY: &str = "hypha.norm_history";
 /// A checkpoint's metadata key for the trainers' agreements ([`Agreement::to_text`]).
 const AGREEMENT_KEY: &str = "hypha.agreement";
 
+/// Ends the change `writer` wrote, naming the model it leads to (`hash`): its output and
+/// size.
+fn finish_change<W: Write + Seek>(mut writer: Writer<W>, hash: &str) -> Result<(W, u64), Error> {
+    writer.set_metadata(meta::MODEL_HASH, hash.to_string());
+    let mut out = writer.finish()?;
+    let size = out.stream_position().map_err(Error::Write)?;
+    Ok((out, size))
+}
+
 impl ParameterServer {
     /// A server without a model: it adopts the first one [`offered`](Self::offer).
     pub fn new(optimizer: OuterOptimizer) -> Self {
@@ -613,38 +622,9 @@ impl ParameterServer {
         }
         let scale = self.sum.scale()? * self.tail_share();
         let (clipped, largest_norm_ratio) = self.judge()?;
-        let model = self.model.as_mut().ok_or(Error::Empty)?;
         let codec = self.broadcast;
-        let mut writer = match out.filter(|_| codec != Codec::None) {
-            Some(out) => {
-                let shapes = model
-                    .0
-                    .iter()
-                    .map(|(name, t)| (name.as_str(), &t.shape[..]));
-                let metadata = Metadata::from([
-                    (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
-                    (meta::ROUND.to_string(), (self.round + 1).to_string()),
-                    (meta::BASE_ROUND.to_string(), self.round.to_string()),
-                    (
-                        meta::BASE_HASH.to_string(),
-                        self.hash.clone().unwrap_or_default(),
-                    ),
-                    // Set once every parameter has moved; a fingerprint's length kept for it.
-                    (meta::MODEL_HASH.to_string(), Fingerprint::new().finish()),
-                ]);
-                Some(Writer::new(
-                    out,
-                    codec::stored(codec, shapes.clone())?,
-                    codec::with_codec(codec, &metadata, shapes),
-                )?)
-            }
-            None => {
-                if codec == Codec::None {
-                    self.feedback.reset();
-                }
-                None
-            }
-        };
+        let mut writer = self.change_writer(out)?;
+        let model = self.model.as_mut().ok_or(Error::Empty)?;
         let mut uncompressed = None;
         let mut fingerprint = Fingerprint::new();
         let step = Step {
@@ -725,35 +705,18 @@ impl ParameterServer {
             }
         }
         if let Some(error) = unread {
-            // Some chunks stepped, others not: this model is nobody's.
-            self.model = None;
-            self.sum.clear();
-            self.round_norms.clear();
-            return Err(Error::RoundBroken(Box::new(error)));
+            return Err(self.broken(error));
         }
         let hash = fingerprint.finish();
         let delta = match writer.filter(|_| uncompressed.is_none()) {
-            Some(mut writer) => {
-                writer.set_metadata(meta::MODEL_HASH, hash.clone());
-                let finished = writer
-                    .finish()
-                    .and_then(|mut out| Ok((out.stream_position().map_err(Error::Write)?, out)));
-                match finished {
-                    Ok((size, out)) => Some((out, size)),
-                    Err(error) => {
-                        uncompressed = Some(format!("cannot write the change: {error}"));
-                        None
-                    }
-                }
-            }
+            Some(writer) => finish_change(writer, &hash)
+                .inspect_err(|error| {
+                    uncompressed = Some(format!("cannot write the change: {error}"));
+                })
+                .ok(),
             None => None,
         };
-        self.sum.clear();
-        self.hash = Some(hash);
-        self.scale = None;
-        self.round_norms.clear();
-        let arrived = std::mem::take(&mut self.arrived);
-        self.refused.clear();
+        let arrived = self.end_round(hash);
         let closed = Closed {
             round: self.round,
             samples: arrived.iter().map(|(_, n)| n).sum(),
@@ -766,6 +729,61 @@ impl ParameterServer {
         };
         self.round += 1;
         Ok((closed, delta.map(|(out, _)| out)))
+    }
+
+    /// A close that failed part-way: some chunks stepped, others not, so this model is
+    /// nobody's and the server holds none.
+    fn broken(&mut self, error: Error) -> Error {
+        self.model = None;
+        self.sum.clear();
+        self.round_norms.clear();
+        Error::RoundBroken(Box::new(error))
+    }
+
+    /// Forgets the round's sum, norms and refusals as it closes, the model now the one of
+    /// fingerprint `hash`: the updates that arrived for it, with their samples.
+    fn end_round(&mut self, hash: String) -> Vec<(String, u64)> {
+        self.sum.clear();
+        self.hash = Some(hash);
+        self.scale = None;
+        self.round_norms.clear();
+        self.refused.clear();
+        std::mem::take(&mut self.arrived)
+    }
+
+    /// The writer of the round's change into `out`, compressed with the codec the server
+    /// broadcasts with; `None` without one (and with none, nothing is carried over).
+    fn change_writer<W: Write + Seek + Send>(
+        &mut self,
+        out: Option<W>,
+    ) -> Result<Option<Writer<W>>, Error> {
+        let codec = self.broadcast;
+        let (Some(out), Some(model)) = (out.filter(|_| codec != Codec::None), &self.model) else {
+            if codec == Codec::None {
+                self.feedback.reset();
+            }
+            return Ok(None);
+        };
+        let shapes = model
+            .0
+            .iter()
+            .map(|(name, t)| (name.as_str(), &t.shape[..]));
+        let metadata = Metadata::from([
+            (meta::KIND.to_string(), meta::KIND_MODEL_DELTA.to_string()),
+            (meta::ROUND.to_string(), (self.round + 1).to_string()),
+            (meta::BASE_ROUND.to_string(), self.round.to_string()),
+            (
+                meta::BASE_HASH.to_string(),
+                self.hash.clone().unwrap_or_default(),
+            ),
+            // Set once every parameter has moved; a fingerprint's length kept for it.
+            (meta::MODEL_HASH.to_string(), Fingerprint::new().finish()),
+        ]);
+        Ok(Some(Writer::new(
+            out,
+            codec::stored(codec, shapes.clone())?,
+            codec::with_codec(codec, &metadata, shapes),
+        )?))
     }
 
     /// The global model's fingerprint ([`Fingerprint`]); `None` before it holds one.
