@@ -117,177 +117,7 @@ impl EventLog {
     }
 
     pub(super) fn record(&mut self, event: Event) {
-        match &event {
-            Event::DataReady {
-                dataset,
-                slices,
-                data_nodes,
-                used,
-                ledger,
-            } => {
-                tracing::info!(%dataset, slices, data_nodes, used, %ledger, "iteration ready")
-            }
-            Event::Leased {
-                slot, peer, price, ..
-            } => {
-                tracing::info!(slot, %peer, price, "worker leased")
-            }
-            Event::Dispatched { slot, job, peer } => {
-                tracing::info!(slot, %job, %peer, "job dispatched")
-            }
-            Event::Status {
-                slot, job, status, ..
-            } => match status {
-                JobStatus::Running => tracing::info!(slot, %job, "job running"),
-                JobStatus::Finished { exit_code: 0, .. } => {
-                    tracing::info!(slot, %job, "job finished")
-                }
-                JobStatus::Finished {
-                    exit_code,
-                    stderr_tail,
-                } => tracing::warn!(
-                    slot,
-                    %job,
-                    "job failed: {}",
-                    with_stderr(format!("exit code {exit_code}"), stderr_tail)
-                ),
-                JobStatus::Failed {
-                    reason,
-                    stderr_tail,
-                } => {
-                    tracing::warn!(slot, %job, "job failed: {}", with_stderr(reason.clone(), stderr_tail))
-                }
-            },
-            Event::ExecutorStatus { job, payload } => {
-                tracing::debug!(%job, %payload, "executor status")
-            }
-            Event::Lost { slot, peer, reason } => {
-                tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
-            }
-            Event::Benched {
-                slot,
-                job,
-                peer,
-                round,
-                reason,
-            } => tracing::warn!(
-                slot,
-                %job,
-                %peer,
-                round,
-                "trainer benched: {reason}; its job ends, its slices go back, and it is not leased again for this task"
-            ),
-            // Each is logged where it is learnt (rounds, and the parameter server's log).
-            Event::Refused { .. } => {}
-            Event::Clipped {
-                round,
-                peer,
-                share,
-                ratio,
-                reason,
-            } => tracing::info!(
-                round,
-                %peer,
-                share,
-                ?ratio,
-                reason = %reason.escape_debug(),
-                "a trainer's update counted for a share of itself (clipped)"
-            ),
-            Event::Evaluated {
-                round, peer, loss, ..
-            } => tracing::info!(round, %peer, loss, "held-out loss of the global model"),
-            Event::Resumed { task, round, jobs } => {
-                tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
-            }
-            Event::Readopted {
-                slot,
-                peer,
-                lease,
-                job,
-            } => match job {
-                Some(job) => {
-                    tracing::info!(slot, %peer, lease, %job, "the earlier run's lease taken over with its running job")
-                }
-                None => tracing::info!(slot, %peer, lease, "the earlier run's lease taken over"),
-            },
-            Event::Failover {
-                peer,
-                reason,
-                round,
-                lost_rounds,
-                standby: None,
-            } => {
-                tracing::warn!(%peer, %reason, round, lost_rounds, "parameter server lost; a new one takes over from the checkpoint")
-            }
-            Event::Failover {
-                peer,
-                reason,
-                round,
-                lost_rounds,
-                standby: Some(standby),
-            } => {
-                tracing::warn!(%peer, %reason, round, lost_rounds, %standby, "parameter server lost; its standby takes over")
-            }
-            Event::Round {
-                round,
-                trainers,
-                away: true,
-                ..
-            } => tracing::info!(
-                round,
-                trainers,
-                "round applied while the scheduler was away; its slices are used with the next checkpoint"
-            ),
-            Event::Round {
-                round,
-                trainers,
-                samples,
-                loss,
-                away: false,
-            } => match loss {
-                Some(loss) => tracing::info!(
-                    round,
-                    trainers,
-                    samples,
-                    loss = format!("{loss:.4}"),
-                    "round applied"
-                ),
-                None => tracing::info!(round, trainers, samples, "round applied"),
-            },
-            Event::WaitingForTrainers {
-                ready,
-                trainers,
-                grace_s,
-            } => tracing::info!(
-                ready,
-                trainers,
-                "waiting for {} more trainers to load before the first round (at most {grace_s} s)",
-                trainers - ready
-            ),
-            Event::RoundsBegin {
-                round,
-                trainers,
-                late,
-                waited_s,
-            } => match late.len() {
-                0 => tracing::info!(round, trainers, waited_s, "rounds begin"),
-                n => tracing::warn!(
-                    round,
-                    trainers,
-                    waited_s,
-                    late = ?late,
-                    "rounds begin without {n} trainers that were still not ready after the start grace; they join once they are"
-                ),
-            },
-            Event::Joined {
-                slot,
-                job,
-                peer,
-                round,
-            } => tracing::info!(slot, %job, %peer, round, "trainer joined the run"),
-            Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
-            Event::Missed { .. } => {}
-        }
+        log(&event);
         let now = unix_ms();
         self.history
             .send_modify(|history| history::tally(history, &event, now));
@@ -312,6 +142,200 @@ impl EventLog {
                 self.missed += 1;
             }
         }
+    }
+}
+
+/// The console's line for `event`: the job's and its workers' here, the rounds' in
+/// [`log_training`].
+fn log(event: &Event) {
+    match event {
+        Event::DataReady {
+            dataset,
+            slices,
+            data_nodes,
+            used,
+            ledger,
+        } => {
+            tracing::info!(%dataset, slices, data_nodes, used, %ledger, "iteration ready")
+        }
+        Event::Leased {
+            slot, peer, price, ..
+        } => {
+            tracing::info!(slot, %peer, price, "worker leased")
+        }
+        Event::Dispatched { slot, job, peer } => {
+            tracing::info!(slot, %job, %peer, "job dispatched")
+        }
+        Event::Status {
+            slot, job, status, ..
+        } => match status {
+            JobStatus::Running => tracing::info!(slot, %job, "job running"),
+            JobStatus::Finished { exit_code: 0, .. } => {
+                tracing::info!(slot, %job, "job finished")
+            }
+            JobStatus::Finished {
+                exit_code,
+                stderr_tail,
+            } => tracing::warn!(
+                slot,
+                %job,
+                "job failed: {}",
+                with_stderr(format!("exit code {exit_code}"), stderr_tail)
+            ),
+            JobStatus::Failed {
+                reason,
+                stderr_tail,
+            } => {
+                tracing::warn!(slot, %job, "job failed: {}", with_stderr(reason.clone(), stderr_tail))
+            }
+        },
+        Event::ExecutorStatus { job, payload } => {
+            tracing::debug!(%job, %payload, "executor status")
+        }
+        Event::Lost { slot, peer, reason } => {
+            tracing::warn!(slot, %peer, %reason, "worker lost; replacing it")
+        }
+        Event::Benched {
+            slot,
+            job,
+            peer,
+            round,
+            reason,
+        } => tracing::warn!(
+            slot,
+            %job,
+            %peer,
+            round,
+            "trainer benched: {reason}; its job ends, its slices go back, and it is not leased again for this task"
+        ),
+        Event::Resumed { task, round, jobs } => {
+            tracing::info!(%task, ?round, jobs, "resuming the run the earlier scheduler left")
+        }
+        Event::Readopted {
+            slot,
+            peer,
+            lease,
+            job,
+        } => match job {
+            Some(job) => {
+                tracing::info!(slot, %peer, lease, %job, "the earlier run's lease taken over with its running job")
+            }
+            None => tracing::info!(slot, %peer, lease, "the earlier run's lease taken over"),
+        },
+        Event::Refused { .. }
+        | Event::Clipped { .. }
+        | Event::Evaluated { .. }
+        | Event::Failover { .. }
+        | Event::Round { .. }
+        | Event::WaitingForTrainers { .. }
+        | Event::RoundsBegin { .. }
+        | Event::Joined { .. }
+        | Event::Done { .. }
+        | Event::Missed { .. } => log_training(event),
+    }
+}
+
+/// The console's line for an event of the training (see [`log`]).
+fn log_training(event: &Event) {
+    match event {
+        // Each is logged where it is learnt (rounds, and the parameter server's log).
+        Event::Refused { .. } => {}
+        Event::Clipped {
+            round,
+            peer,
+            share,
+            ratio,
+            reason,
+        } => tracing::info!(
+            round,
+            %peer,
+            share,
+            ?ratio,
+            reason = %reason.escape_debug(),
+            "a trainer's update counted for a share of itself (clipped)"
+        ),
+        Event::Evaluated {
+            round, peer, loss, ..
+        } => tracing::info!(round, %peer, loss, "held-out loss of the global model"),
+        Event::Failover {
+            peer,
+            reason,
+            round,
+            lost_rounds,
+            standby: None,
+        } => {
+            tracing::warn!(%peer, %reason, round, lost_rounds, "parameter server lost; a new one takes over from the checkpoint")
+        }
+        Event::Failover {
+            peer,
+            reason,
+            round,
+            lost_rounds,
+            standby: Some(standby),
+        } => {
+            tracing::warn!(%peer, %reason, round, lost_rounds, %standby, "parameter server lost; its standby takes over")
+        }
+        Event::Round {
+            round,
+            trainers,
+            away: true,
+            ..
+        } => tracing::info!(
+            round,
+            trainers,
+            "round applied while the scheduler was away; its slices are used with the next checkpoint"
+        ),
+        Event::Round {
+            round,
+            trainers,
+            samples,
+            loss,
+            away: false,
+        } => match loss {
+            Some(loss) => tracing::info!(
+                round,
+                trainers,
+                samples,
+                loss = format!("{loss:.4}"),
+                "round applied"
+            ),
+            None => tracing::info!(round, trainers, samples, "round applied"),
+        },
+        Event::WaitingForTrainers {
+            ready,
+            trainers,
+            grace_s,
+        } => tracing::info!(
+            ready,
+            trainers,
+            "waiting for {} more trainers to load before the first round (at most {grace_s} s)",
+            trainers - ready
+        ),
+        Event::RoundsBegin {
+            round,
+            trainers,
+            late,
+            waited_s,
+        } => match late.len() {
+            0 => tracing::info!(round, trainers, waited_s, "rounds begin"),
+            n => tracing::warn!(
+                round,
+                trainers,
+                waited_s,
+                late = ?late,
+                "rounds begin without {n} trainers that were still not ready after the start grace; they join once they are"
+            ),
+        },
+        Event::Joined {
+            slot,
+            job,
+            peer,
+            round,
+        } => tracing::info!(slot, %job, %peer, round, "trainer joined the run"),
+        Event::Done { ok, message } => tracing::info!(ok, %message, "job done"),
+        Event::Missed { .. } => {}
+        // The job's and its workers' events, logged by `log`.
+        _ => {}
     }
 }
 
