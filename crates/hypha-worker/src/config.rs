@@ -415,19 +415,6 @@ impl WorkerConfig {
     /// Checks the worker's keys in `loaded`; every error names the key and the fix.
     pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
         let raw: Raw = loaded.section()?;
-        let millis = |key: &str, value: i64| -> Result<Duration, ConfigError> {
-            u64::try_from(value)
-                .ok()
-                .filter(|v| *v > 0)
-                .map(Duration::from_millis)
-                .ok_or_else(|| {
-                    loaded.error(
-                        key,
-                        format!("{value} is not a positive number of milliseconds"),
-                        "use a duration of 1 ms or more",
-                    )
-                })
-        };
         for (key, value) in [
             ("resources.cpu", raw.resources.cpu),
             ("resources.memory", raw.resources.memory),
@@ -455,144 +442,10 @@ impl WorkerConfig {
                 ));
             }
         };
-        let bytes = |key: &str, value: i64| -> Result<u64, ConfigError> {
-            u64::try_from(value).ok().filter(|v| *v > 0).ok_or_else(|| {
-                loaded.error(
-                    key,
-                    format!("{value} is not a positive number of bytes"),
-                    "use a size of 1 byte or more",
-                )
-            })
-        };
-        let count = |key: &str, value: i64| -> Result<usize, ConfigError> {
-            usize::try_from(value)
-                .ok()
-                .filter(|v| *v > 0)
-                .ok_or_else(|| {
-                    loaded.error(
-                        key,
-                        format!("{value} is not a positive count"),
-                        "use 1 or more",
-                    )
-                })
-        };
-        let artifacts = ArtifactsConfig {
-            dir: raw
-                .artifacts
-                .dir
-                .unwrap_or_else(|| raw.work_dir.join(".artifacts")),
-            settings: hypha_artifacts::Settings {
-                chunk_size: raw
-                    .artifacts
-                    .chunk_bytes
-                    .map(|v| bytes("artifacts.chunk_bytes", v))
-                    .transpose()?,
-                download_slots: count("artifacts.download_slots", raw.artifacts.download_slots)?,
-                upload_slots: count("artifacts.upload_slots", raw.artifacts.upload_slots)?,
-                origin_connections: count(
-                    "artifacts.origin_connections",
-                    raw.artifacts.origin_connections,
-                )?,
-                join_timeout: millis("artifacts.join_timeout_ms", raw.artifacts.join_timeout_ms)?,
-                stall_patience: millis(
-                    "artifacts.stall_patience_ms",
-                    raw.artifacts.stall_patience_ms,
-                )?,
-                origin_audit: Some(raw.artifacts.origin_audit)
-                    .filter(|share| (0.0..=1.0).contains(share))
-                    .ok_or_else(|| {
-                        loaded.error(
-                            "artifacts.origin_audit",
-                            format!("{} is not a share between 0 and 1", raw.artifacts.origin_audit),
-                            "use 0 (the default: no audit), 0.02 to check 2% of the chunks, or 1 to read every chunk from the origin",
-                        )
-                    })?,
-                unpack_limits: hypha_artifacts::unpack::Limits {
-                    bytes: bytes(
-                        "artifacts.max_unpacked_bytes",
-                        raw.artifacts.max_unpacked_bytes,
-                    )?,
-                    entries: count(
-                        "artifacts.max_unpacked_entries",
-                        raw.artifacts.max_unpacked_entries,
-                    )? as u64,
-                },
-                ..hypha_artifacts::Settings::default()
-            },
-            profiles: raw.artifacts.profiles,
-        };
-        // Build every origin now, so that a bad url or option is reported at start with its key.
-        for (name, profile) in &artifacts.profiles {
-            if let Err(e) = hypha_artifacts::Origin::new(name, profile) {
-                return Err(loaded.error(
-                    &format!("artifacts.profiles.{name}"),
-                    e.to_string(),
-                    "fix the url or the option (object_store's config key names), or remove the profile",
-                ));
-            }
-        }
-        let hold = millis("offer.hold_ms", raw.offer.hold_ms)?;
-        let lease = millis("offer.lease_ms", raw.offer.lease_ms)?;
-        let mut executors: Vec<Executor> = Vec::new();
-        for (i, e) in raw.executors.into_iter().enumerate() {
-            let key = format!("executors[{i}]");
-            let executor = ExecutorRef {
-                class: e.class,
-                name: e.name,
-            };
-            if executors.iter().any(|known| known.executor == executor) {
-                return Err(loaded.error(
-                    &key,
-                    format!("executor {executor} is configured twice"),
-                    "give each [[executors]] entry its own class and name",
-                ));
-            }
-            let mut env = Vec::new();
-            for (j, entry) in e.env.iter().enumerate() {
-                env.push(EnvVar::parse(entry).ok_or_else(|| {
-                    // The value may be a credential: only the name is shown.
-                    let shown = match entry.split_once('=') {
-                        Some((name, _)) => format!("{name:?}=…"),
-                        None => format!("{entry:?}"),
-                    };
-                    loaded.error(
-                        &format!("{key}.env[{j}]"),
-                        format!("{shown} is not NAME or NAME=value"),
-                        "name a variable (letters, digits, _; not starting with a digit), optionally with =value",
-                    )
-                })?);
-            }
-            let runtime = match (e.runtime.as_str(), e.cmd) {
-                ("process", Some(cmd)) if !cmd.trim().is_empty() => Runtime::Process {
-                    cmd,
-                    args: e.args,
-                    env,
-                },
-                ("process", _) => {
-                    return Err(loaded.error(
-                        &key,
-                        format!("process executor {executor} has no cmd"),
-                        "add cmd = \"program\" (and args = [...]) to this [[executors]] entry",
-                    ));
-                }
-                ("parameter-server", None) => Runtime::ParameterServer,
-                ("parameter-server", Some(_)) => {
-                    return Err(loaded.error(
-                        &key,
-                        "the parameter-server runtime is built in and takes no cmd",
-                        "remove cmd and args from this [[executors]] entry",
-                    ));
-                }
-                (other, _) => {
-                    return Err(loaded.error(
-                        &key,
-                        format!("{other:?} is not a runtime"),
-                        "use runtime = \"process\" or runtime = \"parameter-server\"",
-                    ));
-                }
-            };
-            executors.push(Executor { executor, runtime });
-        }
+        let artifacts = artifacts_config(loaded, raw.artifacts, &raw.work_dir)?;
+        let hold = millis(loaded, "offer.hold_ms", raw.offer.hold_ms)?;
+        let lease = millis(loaded, "offer.lease_ms", raw.offer.lease_ms)?;
+        let executors = executors(loaded, raw.executors)?;
         Ok(WorkerConfig {
             work_dir: raw.work_dir,
             capacity: raw.resources,
@@ -601,20 +454,192 @@ impl WorkerConfig {
                 floor: raw.offer.floor,
                 strategy,
             },
-            window: millis("offer.window_ms", raw.offer.window_ms)?,
+            window: millis(loaded, "offer.window_ms", raw.offer.window_ms)?,
             hold,
             lease,
-            kill_grace: millis("kill_grace_ms", raw.kill_grace_ms)?,
+            kill_grace: millis(loaded, "kill_grace_ms", raw.kill_grace_ms)?,
             executors,
-            prefetch_bytes: bytes("prefetch_bytes", raw.prefetch_bytes)?,
-            slice_cache_bytes: bytes("slice_cache_bytes", raw.slice_cache_bytes)?,
+            prefetch_bytes: bytes(loaded, "prefetch_bytes", raw.prefetch_bytes)?,
+            slice_cache_bytes: bytes(loaded, "slice_cache_bytes", raw.slice_cache_bytes)?,
             artifacts,
             download_read_timeout: millis(
+                loaded,
                 "bridge.download_read_timeout_ms",
                 raw.bridge.download_read_timeout_ms,
             )?,
         })
     }
+}
+
+/// `value` as a positive number of milliseconds, or the error naming `key`.
+fn millis(loaded: &Loaded, key: &str, value: i64) -> Result<Duration, ConfigError> {
+    u64::try_from(value)
+        .ok()
+        .filter(|v| *v > 0)
+        .map(Duration::from_millis)
+        .ok_or_else(|| {
+            loaded.error(
+                key,
+                format!("{value} is not a positive number of milliseconds"),
+                "use a duration of 1 ms or more",
+            )
+        })
+}
+
+/// `value` as a positive number of bytes, or the error naming `key`.
+fn bytes(loaded: &Loaded, key: &str, value: i64) -> Result<u64, ConfigError> {
+    u64::try_from(value).ok().filter(|v| *v > 0).ok_or_else(|| {
+        loaded.error(
+            key,
+            format!("{value} is not a positive number of bytes"),
+            "use a size of 1 byte or more",
+        )
+    })
+}
+
+/// `value` as a positive count, or the error naming `key`.
+fn count(loaded: &Loaded, key: &str, value: i64) -> Result<usize, ConfigError> {
+    usize::try_from(value)
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| {
+            loaded.error(
+                key,
+                format!("{value} is not a positive count"),
+                "use 1 or more",
+            )
+        })
+}
+
+/// The `[artifacts]` table checked: sizes, counts and durations positive, the audit share
+/// a share, and the store beside the work directory `work_dir` unless it names its own.
+fn artifacts_config(
+    loaded: &Loaded,
+    raw: RawArtifacts,
+    work_dir: &std::path::Path,
+) -> Result<ArtifactsConfig, ConfigError> {
+    let artifacts = ArtifactsConfig {
+        dir: raw.dir.unwrap_or_else(|| work_dir.join(".artifacts")),
+        settings: hypha_artifacts::Settings {
+            chunk_size: raw
+                .chunk_bytes
+                .map(|v| bytes(loaded, "artifacts.chunk_bytes", v))
+                .transpose()?,
+            download_slots: count(loaded, "artifacts.download_slots", raw.download_slots)?,
+            upload_slots: count(loaded, "artifacts.upload_slots", raw.upload_slots)?,
+            origin_connections: count(
+                loaded,
+                "artifacts.origin_connections",
+                raw.origin_connections,
+            )?,
+            join_timeout: millis(loaded, "artifacts.join_timeout_ms", raw.join_timeout_ms)?,
+            stall_patience: millis(
+                loaded,
+                "artifacts.stall_patience_ms",
+                raw.stall_patience_ms,
+            )?,
+            origin_audit: Some(raw.origin_audit)
+                .filter(|share| (0.0..=1.0).contains(share))
+                .ok_or_else(|| {
+                    loaded.error(
+                        "artifacts.origin_audit",
+                        format!("{} is not a share between 0 and 1", raw.origin_audit),
+                        "use 0 (the default: no audit), 0.02 to check 2% of the chunks, or 1 to read every chunk from the origin",
+                    )
+                })?,
+            unpack_limits: hypha_artifacts::unpack::Limits {
+                bytes: bytes(
+                    loaded,
+                    "artifacts.max_unpacked_bytes",
+                    raw.max_unpacked_bytes,
+                )?,
+                entries: count(
+                    loaded,
+                    "artifacts.max_unpacked_entries",
+                    raw.max_unpacked_entries,
+                )? as u64,
+            },
+            ..hypha_artifacts::Settings::default()
+        },
+        profiles: raw.profiles,
+    };
+    // Build every origin now, so that a bad url or option is reported at start with its key.
+    for (name, profile) in &artifacts.profiles {
+        if let Err(e) = hypha_artifacts::Origin::new(name, profile) {
+            return Err(loaded.error(
+                &format!("artifacts.profiles.{name}"),
+                e.to_string(),
+                "fix the url or the option (object_store's config key names), or remove the profile",
+            ));
+        }
+    }
+    Ok(artifacts)
+}
+
+/// The `[[executors]]` checked: each once, a process with a command, the built-in parameter
+/// server without one, environment entries that name a variable.
+fn executors(loaded: &Loaded, raw: Vec<RawExecutor>) -> Result<Vec<Executor>, ConfigError> {
+    let mut executors: Vec<Executor> = Vec::new();
+    for (i, e) in raw.into_iter().enumerate() {
+        let key = format!("executors[{i}]");
+        let executor = ExecutorRef {
+            class: e.class,
+            name: e.name,
+        };
+        if executors.iter().any(|known| known.executor == executor) {
+            return Err(loaded.error(
+                &key,
+                format!("executor {executor} is configured twice"),
+                "give each [[executors]] entry its own class and name",
+            ));
+        }
+        let mut env = Vec::new();
+        for (j, entry) in e.env.iter().enumerate() {
+            env.push(EnvVar::parse(entry).ok_or_else(|| {
+                // The value may be a credential: only the name is shown.
+                let shown = match entry.split_once('=') {
+                    Some((name, _)) => format!("{name:?}=…"),
+                    None => format!("{entry:?}"),
+                };
+                loaded.error(
+                    &format!("{key}.env[{j}]"),
+                    format!("{shown} is not NAME or NAME=value"),
+                    "name a variable (letters, digits, _; not starting with a digit), optionally with =value",
+                )
+            })?);
+        }
+        let runtime = match (e.runtime.as_str(), e.cmd) {
+            ("process", Some(cmd)) if !cmd.trim().is_empty() => Runtime::Process {
+                cmd,
+                args: e.args,
+                env,
+            },
+            ("process", _) => {
+                return Err(loaded.error(
+                    &key,
+                    format!("process executor {executor} has no cmd"),
+                    "add cmd = \"program\" (and args = [...]) to this [[executors]] entry",
+                ));
+            }
+            ("parameter-server", None) => Runtime::ParameterServer,
+            ("parameter-server", Some(_)) => {
+                return Err(loaded.error(
+                    &key,
+                    "the parameter-server runtime is built in and takes no cmd",
+                    "remove cmd and args from this [[executors]] entry",
+                ));
+            }
+            (other, _) => {
+                return Err(loaded.error(
+                    &key,
+                    format!("{other:?} is not a runtime"),
+                    "use runtime = \"process\" or runtime = \"parameter-server\"",
+                ));
+            }
+        };
+        executors.push(Executor { executor, runtime });
+    }
+    Ok(executors)
 }
 
 #[cfg(test)]
