@@ -91,7 +91,6 @@ pub fn plan(
 ) -> Result<Plan, ContractError> {
     let find = |name: &str| schema.iter().find(|t| t.name == name);
     let input = select_input(names, schema)?;
-    let rows = input.shape.first().copied();
     let dtype = parse_dtype(input)?;
     match *model {
         ModelSpec::Mlp { inputs, .. } => {
@@ -111,111 +110,159 @@ pub fn plan(
         }
         ModelSpec::Cnn { channels, .. } => {
             require_numeric(input, dtype, "the cnn")?;
-            let (c, h, w) = match input.shape[..] {
-                [_, c, h, w] => (c, h, w),
-                [_, h, w] => (1, h, w),
-                _ => {
+            check_images(input, channels as u64)?;
+        }
+        ModelSpec::Transformer { context, .. } => check_sequences(input, dtype, context)?,
+    }
+    let target = select_target(model, names, schema, input)?;
+    let mask = match model {
+        ModelSpec::Transformer { .. } => find(ATTENTION_MASK)
+            .filter(|mask| mask.name != input.name)
+            .map(|mask| {
+                if mask.shape != input.shape {
                     return Err(ContractError::new(
                         format!(
-                            "tensor {:?} is {} {:?}; the cnn reads images as [N, C, H, W] or [N, H, W]",
-                            input.name, input.dtype, input.shape
+                            "tensor {ATTENTION_MASK:?} is {:?}, tensor {:?} is {:?}; the mask must have one entry per token",
+                            mask.shape, input.name, input.shape
                         ),
-                        "store the images channels-first, or train flat features with `model = { type = \"mlp\", … }`",
+                        format!("store the mask with the shape of {:?}, or drop it", input.name),
                     ));
                 }
-            };
-            if c != channels as u64 {
-                let looks_channels_last = input.shape.len() == 4 && w == channels as u64;
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}: {c} channel(s); the cnn expects channels = {channels}",
-                        input.name, input.dtype, input.shape
-                    ),
-                    if looks_channels_last {
-                        format!(
-                            "the images look channels-last [N, H, W, C]: store them as [N, C, H, W], or set `channels = {c}` in `[config] model`"
-                        )
-                    } else {
-                        format!("set `channels = {c}` in `[config] model`")
-                    },
-                ));
-            }
-            let values = c.checked_mul(h).and_then(|v| v.checked_mul(w));
-            if values.is_none_or(|v| v > MAX_IMAGE_VALUES) {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}: images of {c}×{h}×{w} values; the cnn takes at most {MAX_IMAGE_VALUES} a sample",
-                        input.name, input.dtype, input.shape
-                    ),
-                    "resize the images (`hypha-data prepare --image-size`)",
-                ));
-            }
-            if h < 2 || w < 2 {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}: images of {h}×{w}; the cnn needs at least 2×2",
-                        input.name, input.dtype, input.shape
-                    ),
-                    "train these features with `model = { type = \"mlp\", … }`",
-                ));
-            }
-        }
-        ModelSpec::Transformer { context, .. } => {
-            if !is_integer(dtype) {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}; the transformer reads token ids, an integer tensor [N, L]",
-                        input.name, input.dtype, input.shape
-                    ),
-                    "set `[config] input` to the token ids (`hypha-data prepare` writes text as \"input_ids\")",
-                ));
-            }
-            let [_, length] = input.shape[..] else {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}; the transformer reads sequences [N, L]",
-                        input.name, input.dtype, input.shape
-                    ),
-                    "store one row of token ids per sequence",
-                ));
-            };
-            if length < 2 {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}: sequences of {length} token(s); predicting the next token needs at least 2",
-                        input.name, input.dtype, input.shape
-                    ),
-                    "prepare the text with `--sequence-length` 2 or more",
-                ));
-            }
-            if length - 1 > context as u64 {
-                return Err(ContractError::new(
-                    format!(
-                        "tensor {:?} is {} {:?}: each sequence has {} positions that predict the next token; the transformer's context is {context}",
-                        input.name,
-                        input.dtype,
-                        input.shape,
-                        length - 1
-                    ),
-                    format!(
-                        "set `context = {}` in `[config] model`, or prepare the text with `--sequence-length {}`",
-                        length - 1,
-                        context.saturating_add(1)
-                    ),
-                ));
-            }
-        }
-    }
-    let target = match (model, &names.target) {
-        (ModelSpec::Transformer { .. }, Some(name)) => {
+                require_numeric(mask, parse_dtype(mask)?, "the attention mask")?;
+                Ok(mask.name.clone())
+            })
+            .transpose()?,
+        _ => None,
+    };
+    Ok(Plan {
+        input: input.name.clone(),
+        target,
+        mask,
+    })
+}
+
+/// Images of `channels` channels the cnn can read: [N, C, H, W] or [N, H, W], at least 2×2
+/// and at most [`MAX_IMAGE_VALUES`] values a sample.
+fn check_images(input: &TensorSpec, channels: u64) -> Result<(), ContractError> {
+    let (c, h, w) = match input.shape[..] {
+        [_, c, h, w] => (c, h, w),
+        [_, h, w] => (1, h, w),
+        _ => {
             return Err(ContractError::new(
                 format!(
-                    "`[config] target = {name:?}`, but the transformer predicts each next token of its input and takes no target"
+                    "tensor {:?} is {} {:?}; the cnn reads images as [N, C, H, W] or [N, H, W]",
+                    input.name, input.dtype, input.shape
                 ),
-                "remove `target` from `[config]`",
+                "store the images channels-first, or train flat features with `model = { type = \"mlp\", … }`",
             ));
         }
-        (ModelSpec::Transformer { .. }, None) => None,
+    };
+    if c != channels {
+        let looks_channels_last = input.shape.len() == 4 && w == channels;
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}: {c} channel(s); the cnn expects channels = {channels}",
+                input.name, input.dtype, input.shape
+            ),
+            if looks_channels_last {
+                format!(
+                    "the images look channels-last [N, H, W, C]: store them as [N, C, H, W], or set `channels = {c}` in `[config] model`"
+                )
+            } else {
+                format!("set `channels = {c}` in `[config] model`")
+            },
+        ));
+    }
+    let values = c.checked_mul(h).and_then(|v| v.checked_mul(w));
+    if values.is_none_or(|v| v > MAX_IMAGE_VALUES) {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}: images of {c}×{h}×{w} values; the cnn takes at most {MAX_IMAGE_VALUES} a sample",
+                input.name, input.dtype, input.shape
+            ),
+            "resize the images (`hypha-data prepare --image-size`)",
+        ));
+    }
+    if h < 2 || w < 2 {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}: images of {h}×{w}; the cnn needs at least 2×2",
+                input.name, input.dtype, input.shape
+            ),
+            "train these features with `model = { type = \"mlp\", … }`",
+        ));
+    }
+    Ok(())
+}
+
+/// Token ids the transformer can read: an integer tensor [N, L] of sequences of at least
+/// 2 tokens whose L − 1 positions fit its `context`.
+fn check_sequences(input: &TensorSpec, dtype: Dtype, context: usize) -> Result<(), ContractError> {
+    if !is_integer(dtype) {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}; the transformer reads token ids, an integer tensor [N, L]",
+                input.name, input.dtype, input.shape
+            ),
+            "set `[config] input` to the token ids (`hypha-data prepare` writes text as \"input_ids\")",
+        ));
+    }
+    let [_, length] = input.shape[..] else {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}; the transformer reads sequences [N, L]",
+                input.name, input.dtype, input.shape
+            ),
+            "store one row of token ids per sequence",
+        ));
+    };
+    if length < 2 {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}: sequences of {length} token(s); predicting the next token needs at least 2",
+                input.name, input.dtype, input.shape
+            ),
+            "prepare the text with `--sequence-length` 2 or more",
+        ));
+    }
+    if length - 1 > context as u64 {
+        return Err(ContractError::new(
+            format!(
+                "tensor {:?} is {} {:?}: each sequence has {} positions that predict the next token; the transformer's context is {context}",
+                input.name,
+                input.dtype,
+                input.shape,
+                length - 1
+            ),
+            format!(
+                "set `context = {}` in `[config] model`, or prepare the text with `--sequence-length {}`",
+                length - 1,
+                context.saturating_add(1)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The class labels the model reads beside `input`: the tensor `[config] target` names (or
+/// [`DEFAULT_TARGET`]), an integer tensor of one label per sample; none for the
+/// transformer, which predicts its input's next tokens.
+fn select_target(
+    model: &ModelSpec,
+    names: &TensorNames,
+    schema: &[TensorSpec],
+    input: &TensorSpec,
+) -> Result<Option<String>, ContractError> {
+    let find = |name: &str| schema.iter().find(|t| t.name == name);
+    let rows = input.shape.first().copied();
+    match (model, &names.target) {
+        (ModelSpec::Transformer { .. }, Some(name)) => Err(ContractError::new(
+            format!(
+                "`[config] target = {name:?}`, but the transformer predicts each next token of its input and takes no target"
+            ),
+            "remove `target` from `[config]`",
+        )),
+        (ModelSpec::Transformer { .. }, None) => Ok(None),
         (_, named) => {
             let name = named.as_deref().unwrap_or(DEFAULT_TARGET);
             let target = find(name).ok_or_else(|| {
@@ -259,33 +306,9 @@ pub fn plan(
                     "store one label per sample",
                 ));
             }
-            Some(target.name.clone())
+            Ok(Some(target.name.clone()))
         }
-    };
-    let mask = match model {
-        ModelSpec::Transformer { .. } => find(ATTENTION_MASK)
-            .filter(|mask| mask.name != input.name)
-            .map(|mask| {
-                if mask.shape != input.shape {
-                    return Err(ContractError::new(
-                        format!(
-                            "tensor {ATTENTION_MASK:?} is {:?}, tensor {:?} is {:?}; the mask must have one entry per token",
-                            mask.shape, input.name, input.shape
-                        ),
-                        format!("store the mask with the shape of {:?}, or drop it", input.name),
-                    ));
-                }
-                require_numeric(mask, parse_dtype(mask)?, "the attention mask")?;
-                Ok(mask.name.clone())
-            })
-            .transpose()?,
-        _ => None,
-    };
-    Ok(Plan {
-        input: input.name.clone(),
-        target,
-        mask,
-    })
+    }
 }
 
 /// The input tensor: the one the job names, else the first of [`DEFAULT_INPUTS`] present.
