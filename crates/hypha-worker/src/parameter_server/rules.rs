@@ -333,6 +333,17 @@ mod tests {
         }
     }
 
+    /// Round `round` ended, its ending sending `sent` bytes to the trainers and `to_standby`
+    /// to the standby (`has_standby`: there is one).
+    fn ended(round: u64, sent: u64, to_standby: u64, has_standby: bool) -> Event {
+        Event::Ended {
+            applied: applied(round),
+            sent,
+            to_standby,
+            has_standby,
+        }
+    }
+
     fn answered(order: ServerOrder, round: u64) -> Event {
         Event::Answered {
             order: Some(order),
@@ -448,15 +459,7 @@ mod tests {
         rules.apply(Event::SentToTrainers(100), now);
         rules.apply(Event::SentToStandby(7), now);
         // 400 + 100 + 600 moved: past ten times the checkpoint of 100 bytes.
-        let effects = rules.apply(
-            Event::Ended {
-                applied: applied(1),
-                sent: 600,
-                to_standby: 3,
-                has_standby: true,
-            },
-            now,
-        );
+        let effects = rules.apply(ended(1, 600, 3, true), now);
         assert_eq!(effects, [Effect::Checkpoint]);
         assert_eq!(
             rules.announcing_until(),
@@ -494,12 +497,7 @@ mod tests {
 
     fn rules_after_a_checkpointed_round(now: Instant) -> Loop {
         let mut rules = rules();
-        let ended = Event::Ended {
-            applied: applied(1),
-            sent: 2000,
-            to_standby: 0,
-            has_standby: false,
-        };
+        let ended = ended(1, 2000, 0, false);
         assert_eq!(rules.apply(ended, now), [Effect::Checkpoint]);
         rules.apply(Event::Held, now);
         rules
@@ -511,12 +509,7 @@ mod tests {
     fn a_light_round_without_a_standby_is_not_checkpointed() {
         let mut rules = rules();
         let now = Instant::now();
-        let ended = Event::Ended {
-            applied: applied(1),
-            sent: 10,
-            to_standby: 0,
-            has_standby: false,
-        };
+        let ended = ended(1, 10, 0, false);
         assert!(rules.apply(ended, now).is_empty());
         let said = asked(&rules.apply(Event::Held, now)).1.unwrap();
         assert_eq!(said.standby_bytes, None);
@@ -529,21 +522,11 @@ mod tests {
     fn a_round_ended_before_the_last_was_said_takes_its_place() {
         let mut rules = rules();
         let now = Instant::now();
-        let first = Event::Ended {
-            applied: applied(1),
-            sent: 2000,
-            to_standby: 0,
-            has_standby: true,
-        };
+        let first = ended(1, 2000, 0, true);
         assert_eq!(rules.apply(first, now), [Effect::Checkpoint]);
         rules.apply(Event::Checkpointed(100), now);
         let later = now + Duration::from_millis(100);
-        let second = Event::Ended {
-            applied: applied(2),
-            sent: 1,
-            to_standby: 0,
-            has_standby: true,
-        };
+        let second = ended(2, 1, 0, true);
         assert!(rules.apply(second, later).is_empty());
         assert_eq!(rules.announcing_until(), Some(later + STANDBY_HEAD_START));
         assert_eq!(
@@ -565,15 +548,7 @@ mod tests {
             [Effect::Finish]
         );
         let mut behind = rules();
-        behind.apply(
-            Event::Ended {
-                applied: applied(1),
-                sent: 1,
-                to_standby: 0,
-                has_standby: false,
-            },
-            now,
-        );
+        behind.apply(ended(1, 1, 0, false), now);
         assert_eq!(
             behind.apply(answered(ServerOrder::Done, 2), now),
             [Effect::Checkpoint, Effect::Upload, Effect::Finish]
