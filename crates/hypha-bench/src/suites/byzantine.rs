@@ -241,17 +241,7 @@ fn simulate(
         })
         .collect::<anyhow::Result<_>>()?;
     let liar = attack.map(|_| count - 1);
-    let mut plan = Rounds::new(RoundPlan {
-        rounds: Some(rounds),
-        samples_per_round,
-        batch_size: BATCH,
-        round_ms: ROUND_MS,
-        quorum: 0.5,
-        bench_after_refusals: 3,
-        start_grace_ms: 0,
-        eval_every: None,
-    });
-    plan.server_started("server".into());
+    let mut plan = rounds_of(rounds, samples_per_round);
     let mut now = 0u64;
     for trainer in &trainers {
         plan.trainer_started(trainer.job.clone(), trainer.peer.clone());
@@ -294,17 +284,8 @@ fn simulate(
             }
             let shuffled = spike == Some(round);
             let trainer = &mut trainers[i];
-            for batch in 0..batches {
-                let seed = (i as u64) << 40 | round << 12 | batch;
-                let mut batch = data.batch(BATCH as usize, seed)?;
-                if shuffled {
-                    batch.target = match batch.target {
-                        Some(target) => Some(shuffle(&target, &mut rng)?),
-                        None => None,
-                    };
-                }
-                trainer.learner.train(&batch)?;
-            }
+            let seeds = (0..batches).map(|batch| (i as u64) << 40 | round << 12 | batch);
+            train(&mut trainer.learner, &data, seeds, shuffled, &mut rng)?;
             let samples = batches * BATCH;
             now += batches * BATCH_MS as u64;
             let status = TrainerStatus {
@@ -348,31 +329,7 @@ fn simulate(
         };
         let Some(closed) = closed else { break };
         now += 100;
-        for (peer, _) in &refused {
-            match trainers.iter().position(|t| &t.peer == peer) {
-                Some(i) if Some(i) == liar => outcome.refused_liar += 1,
-                _ => outcome.refused_honest += 1,
-            }
-        }
-        for clipped in &closed.clipped {
-            match trainers.iter().position(|t| t.peer == clipped.peer) {
-                Some(i) if Some(i) == liar => {
-                    outcome.clipped_liar += 1;
-                    outcome.liar_share_clipped += f64::from(clipped.share);
-                }
-                _ => outcome.clipped_honest += 1,
-            }
-        }
-        let honest_in: BTreeSet<usize> = trainers
-            .iter()
-            .enumerate()
-            .filter(|(i, t)| Some(*i) != liar && closed.included.contains(&t.peer))
-            .map(|(i, _)| i)
-            .collect();
-        if honest_in.len() == count - usize::from(liar.is_some()) {
-            outcome.rounds_all_honest += 1;
-        }
-        outcome.rounds += 1;
+        outcome.count_round(&trainers, liar, &refused, &closed);
         let applied = applied(&closed, &server);
         let (_, _, applied_round) = plan.server_status(
             ServerStatus {
@@ -403,6 +360,82 @@ fn simulate(
     }
     outcome.loss = held_out_loss(spec, &data, &server)?;
     Ok(outcome)
+}
+
+impl Outcome {
+    /// Counts a closed round: its refusals, its clips (the liar's shares apart) and whether
+    /// every honest trainer of `trainers` made it.
+    fn count_round(
+        &mut self,
+        trainers: &[Trainer],
+        liar: Option<usize>,
+        refused: &[(String, String)],
+        closed: &Closed,
+    ) {
+        let is_liar = |peer: &str| trainers.iter().position(|t| t.peer == peer) == liar;
+        for (peer, _) in refused {
+            match liar.is_some() && is_liar(peer) {
+                true => self.refused_liar += 1,
+                false => self.refused_honest += 1,
+            }
+        }
+        for clipped in &closed.clipped {
+            if liar.is_some() && is_liar(&clipped.peer) {
+                self.clipped_liar += 1;
+                self.liar_share_clipped += f64::from(clipped.share);
+            } else {
+                self.clipped_honest += 1;
+            }
+        }
+        let honest_in: BTreeSet<usize> = trainers
+            .iter()
+            .enumerate()
+            .filter(|(i, t)| Some(*i) != liar && closed.included.contains(&t.peer))
+            .map(|(i, _)| i)
+            .collect();
+        if honest_in.len() == trainers.len() - usize::from(liar.is_some()) {
+            self.rounds_all_honest += 1;
+        }
+        self.rounds += 1;
+    }
+}
+
+/// The rounds of a run of `rounds` rounds of `samples_per_round`, its server started.
+fn rounds_of(rounds: u64, samples_per_round: u64) -> Rounds {
+    let mut plan = Rounds::new(RoundPlan {
+        rounds: Some(rounds),
+        samples_per_round,
+        batch_size: BATCH,
+        round_ms: ROUND_MS,
+        quorum: 0.5,
+        bench_after_refusals: 3,
+        start_grace_ms: 0,
+        eval_every: None,
+    });
+    plan.server_started("server".into());
+    plan
+}
+
+/// Trains `learner` on a batch of `data` for each of `seeds`, with shuffled labels where
+/// `shuffled` (a loss spike).
+fn train(
+    learner: &mut Trained,
+    data: &Synthetic,
+    seeds: impl Iterator<Item = u64>,
+    shuffled: bool,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    for seed in seeds {
+        let mut batch = data.batch(BATCH as usize, seed)?;
+        if shuffled {
+            batch.target = match batch.target {
+                Some(target) => Some(shuffle(&target, rng)?),
+                None => None,
+            };
+        }
+        learner.train(&batch)?;
+    }
+    Ok(())
 }
 
 /// What the server's status says of a closed round.

@@ -178,22 +178,13 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         .iter()
         .filter(|l| l["kind"] == "round")
         .collect();
-    let close_ms: Vec<f64> = round_lines
-        .iter()
-        .filter_map(|l| l["close_ms"].as_f64())
-        .collect();
+    let column =
+        |key: &str| -> Vec<f64> { round_lines.iter().filter_map(|l| l[key].as_f64()).collect() };
+    let close_ms = column("close_ms");
     anyhow::ensure!(
         !close_ms.is_empty(),
         "no round said how long its close took"
     );
-    let traffic: Vec<f64> = round_lines
-        .iter()
-        .filter_map(|l| l["traffic_bytes"].as_f64())
-        .collect();
-    let standby: Vec<f64> = round_lines
-        .iter()
-        .filter_map(|l| l["standby_bytes"].as_f64())
-        .collect();
     let failover = events(&events_path)
         .into_iter()
         .rfind(|e| e["event"]["kind"] == "failover")
@@ -202,110 +193,118 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
         failover["event"]["standby"].is_string(),
         "the standby did not take over: {failover}"
     );
-    let checkpoints: Vec<&serde_json::Value> = before_kill
-        .iter()
-        .filter(|l| l["kind"] == "checkpoint")
-        .collect();
     // The adopted model's checkpoint (round 0) is the run's start, not a cost of its rounds.
-    let checkpoint_bytes: f64 = checkpoints
+    let checkpoints: Vec<f64> = before_kill
         .iter()
-        .filter(|l| l["round"].as_u64() > Some(0))
+        .filter(|l| l["kind"] == "checkpoint" && l["round"].as_u64() > Some(0))
         .filter_map(|l| l["bytes"].as_f64())
-        .sum();
-    // A checkpoint of the rounds' server: model, momentum and residual, all f32.
-    let checkpoint_size = checkpoints
-        .iter()
-        .filter(|l| l["round"].as_u64() > Some(0))
-        .filter_map(|l| l["bytes"].as_f64())
-        .next()
-        .unwrap_or(3.0 * model_bytes as f64);
+        .collect();
+    let run = ScaleRun {
+        parameters,
+        model_bytes,
+        memcpy_s,
+        idle_rss: idle_rss[server],
+        peak_rss,
+        standby_rss,
+        close_ms,
+        traffic: column("traffic_bytes"),
+        standby: column("standby_bytes"),
+        // A checkpoint of the rounds' server: model, momentum and residual, all f32.
+        checkpoint_size: checkpoints
+            .first()
+            .copied()
+            .unwrap_or(3.0 * model_bytes as f64),
+        checkpoints,
+        failover_s,
+        lost_rounds: failover["event"]["lost_rounds"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+    };
     eprintln!(
-        "checkpoints of rounds {:?}; DiLoCo MB a round {:?}",
-        checkpoints
-            .iter()
-            .filter_map(|l| l["round"].as_u64())
-            .collect::<Vec<_>>(),
-        traffic
+        "checkpoints after the adopted model's: {}; DiLoCo MB a round {:?}",
+        run.checkpoints.len(),
+        run.traffic
             .iter()
             .map(|t| (t / 1e6).round())
             .collect::<Vec<_>>()
     );
+    Ok(run.report(size))
+}
 
-    let mut report = Report::default();
-    let net = peak_rss - idle_rss[server];
-    report
-        .metrics
-        .insert(format!("parameters_{size}"), parameters as f64);
-    report
-        .metrics
-        .insert(format!("model_mb_{size}"), model_bytes as f64 / 1e6);
-    report
-        .metrics
-        .insert(format!("ps_peak_rss_mb_{size}"), peak_rss);
-    report
-        .metrics
-        .insert(format!("ps_idle_rss_mb_{size}"), idle_rss[server]);
-    report.metrics.insert(
-        format!("ps_peak_rss_over_model_{size}"),
-        net / (model_bytes as f64 / 1e6),
-    );
-    report
-        .metrics
-        .insert(format!("round_close_ms_{size}"), median(close_ms.clone()));
-    report
-        .metrics
-        .insert(format!("model_memcpy_ms_{size}"), memcpy_s * 1e3);
-    report.ratios.insert(
-        format!("round_close_vs_model_pass_{size}"),
-        median(close_ms) / 1e3 / memcpy_s,
-    );
-    report.metrics.insert(
-        format!("diloco_mb_per_round_{size}"),
-        median(traffic.clone()) / 1e6,
-    );
-    report
-        .metrics
-        .insert(format!("checkpoint_mb_{size}"), checkpoint_size / 1e6);
-    report.metrics.insert(
-        format!("checkpoints_after_adoption_{size}"),
-        checkpoints
-            .iter()
-            .filter(|l| l["round"].as_u64() > Some(0))
-            .count() as f64,
-    );
-    report.metrics.insert(
-        format!("diloco_mb_total_{size}"),
-        traffic.iter().sum::<f64>() / 1e6,
-    );
-    report.ratios.insert(
-        format!("checkpoint_vs_diloco_bytes_{size}"),
-        checkpoint_bytes / traffic.iter().sum::<f64>().max(1.0),
-    );
-    report.metrics.insert(
-        format!("rounds_per_checkpoint_{size}"),
-        10.0 * checkpoint_size / median(traffic.clone()).max(1.0),
-    );
-    report.metrics.insert(
-        format!("standby_mb_per_round_{size}"),
-        median(standby.clone()) / 1e6,
-    );
-    report.ratios.insert(
-        format!("standby_vs_diloco_bytes_{size}"),
-        standby.iter().sum::<f64>() / traffic.iter().sum::<f64>().max(1.0),
-    );
-    report
-        .metrics
-        .insert(format!("standby_peak_rss_mb_{size}"), standby_rss);
-    report
-        .metrics
-        .insert(format!("failover_s_{size}"), failover_s);
-    report.metrics.insert(
-        format!("failover_lost_rounds_{size}"),
-        failover["event"]["lost_rounds"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-    );
-    Ok(report)
+/// What one size's run measured.
+struct ScaleRun {
+    parameters: usize,
+    model_bytes: usize,
+    /// One pass over the model's bytes (memcpy), the yardstick of a round's close.
+    memcpy_s: f64,
+    /// The server's worker before and at its peak, and the standby's peak, in MB.
+    idle_rss: f64,
+    peak_rss: f64,
+    standby_rss: f64,
+    /// Each round's close, DiLoCo bytes and bytes to the standby.
+    close_ms: Vec<f64>,
+    traffic: Vec<f64>,
+    standby: Vec<f64>,
+    /// The bytes of each checkpoint after the adopted model's, and the size of one.
+    checkpoints: Vec<f64>,
+    checkpoint_size: f64,
+    /// From the server's SIGKILL to the next round, and the rounds it cost.
+    failover_s: f64,
+    lost_rounds: f64,
+}
+
+impl ScaleRun {
+    fn report(&self, size: &str) -> Report {
+        let mut report = Report::default();
+        let model_mb = self.model_bytes as f64 / 1e6;
+        let traffic_total = self.traffic.iter().sum::<f64>();
+        let traffic_median = median(self.traffic.clone());
+        let metrics = [
+            ("parameters", self.parameters as f64),
+            ("model_mb", model_mb),
+            ("ps_peak_rss_mb", self.peak_rss),
+            ("ps_idle_rss_mb", self.idle_rss),
+            (
+                "ps_peak_rss_over_model",
+                (self.peak_rss - self.idle_rss) / model_mb,
+            ),
+            ("round_close_ms", median(self.close_ms.clone())),
+            ("model_memcpy_ms", self.memcpy_s * 1e3),
+            ("diloco_mb_per_round", traffic_median / 1e6),
+            ("checkpoint_mb", self.checkpoint_size / 1e6),
+            ("checkpoints_after_adoption", self.checkpoints.len() as f64),
+            ("diloco_mb_total", traffic_total / 1e6),
+            (
+                "rounds_per_checkpoint",
+                10.0 * self.checkpoint_size / traffic_median.max(1.0),
+            ),
+            ("standby_mb_per_round", median(self.standby.clone()) / 1e6),
+            ("standby_peak_rss_mb", self.standby_rss),
+            ("failover_s", self.failover_s),
+            ("failover_lost_rounds", self.lost_rounds),
+        ];
+        for (key, value) in metrics {
+            report.metrics.insert(format!("{key}_{size}"), value);
+        }
+        let ratios = [
+            (
+                "round_close_vs_model_pass",
+                median(self.close_ms.clone()) / 1e3 / self.memcpy_s,
+            ),
+            (
+                "checkpoint_vs_diloco_bytes",
+                self.checkpoints.iter().sum::<f64>() / traffic_total.max(1.0),
+            ),
+            (
+                "standby_vs_diloco_bytes",
+                self.standby.iter().sum::<f64>() / traffic_total.max(1.0),
+            ),
+        ];
+        for (key, value) in ratios {
+            report.ratios.insert(format!("{key}_{size}"), value);
+        }
+        report
+    }
 }
 
 /// `key` (`VmRSS`, `VmHWM`) of process `pid`, in MB.
