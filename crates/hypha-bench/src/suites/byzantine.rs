@@ -251,34 +251,10 @@ fn simulate(
     let mut outcome = Outcome::default();
     let mut named: Vec<String> = Vec::new();
     for round in 0..rounds {
-        // Each trainer asks for its target; the ahead liar first, so that its claim counts.
-        let mut order = Vec::new();
-        for (i, trainer) in trainers.iter().enumerate().rev() {
-            if trainer.benched {
-                continue;
-            }
-            let status = if liar == Some(i) && attack == Some(Attack::AheadLiar) {
-                TrainerStatus {
-                    round: Some(round.saturating_sub(1)),
-                    ahead_batches: 1_000_000_000_000,
-                    batch_ms: Some(BATCH_MS),
-                    ..TrainerStatus::default()
-                }
-            } else {
-                TrainerStatus {
-                    round: Some(round),
-                    batch_ms: Some(BATCH_MS),
-                    ..TrainerStatus::default()
-                }
-            };
-            if let (TrainerOrder::Train { batches, .. }, _) =
-                plan.trainer_status(&trainer.job, status, now)
-            {
-                order.push((i, batches));
-            }
-        }
+        let ahead_liar = liar.filter(|_| attack == Some(Attack::AheadLiar));
+        let order = targets(&mut plan, &trainers, ahead_liar, round, now);
         for (i, batches) in order {
-            let silent = liar == Some(i) && attack == Some(Attack::AheadLiar);
+            let silent = ahead_liar == Some(i);
             if silent {
                 continue;
             }
@@ -308,25 +284,8 @@ fn simulate(
             // A refusal is the server's answer; the round goes on without the update.
             let _ = server.add_from(&trainer.peer, FileSource::open(&path)?, round, samples);
         }
-        // The server reports until the scheduler orders the close (the deadline passes when
-        // a trainer it waits for never sends).
         let refused: Vec<(String, String)> = server.refused().to_vec();
-        let closed = loop {
-            let status = ServerStatus {
-                round: Some(round),
-                arrived: server.arrivals(),
-                refused: server.refusals(),
-                trainers: named.clone(),
-                ..ServerStatus::default()
-            };
-            match plan.server_status(status, now).0 {
-                ServerOrder::Trainers { peers } => named = peers,
-                ServerOrder::Close { .. } => break Some(server.close()?),
-                ServerOrder::Skip { .. } => break Some(server.skip()?),
-                ServerOrder::Done => break None,
-                _ => now += ROUND_MS * 2,
-            }
-        };
+        let closed = close(&mut plan, &mut server, &mut named, round, &mut now)?;
         let Some(closed) = closed else { break };
         now += 100;
         outcome.count_round(&trainers, liar, &refused, &closed);
@@ -397,6 +356,71 @@ impl Outcome {
             self.rounds_all_honest += 1;
         }
         self.rounds += 1;
+    }
+}
+
+/// Each trainer not benched asks for its target of `round`, the ahead liar (claiming to be
+/// a trillion batches ahead) first so that its claim counts: who trains how many batches.
+fn targets(
+    plan: &mut Rounds,
+    trainers: &[Trainer],
+    ahead_liar: Option<usize>,
+    round: u64,
+    now: u64,
+) -> Vec<(usize, u64)> {
+    let mut order = Vec::new();
+    for (i, trainer) in trainers.iter().enumerate().rev() {
+        if trainer.benched {
+            continue;
+        }
+        let status = if ahead_liar == Some(i) {
+            TrainerStatus {
+                round: Some(round.saturating_sub(1)),
+                ahead_batches: 1_000_000_000_000,
+                batch_ms: Some(BATCH_MS),
+                ..TrainerStatus::default()
+            }
+        } else {
+            TrainerStatus {
+                round: Some(round),
+                batch_ms: Some(BATCH_MS),
+                ..TrainerStatus::default()
+            }
+        };
+        if let (TrainerOrder::Train { batches, .. }, _) =
+            plan.trainer_status(&trainer.job, status, now)
+        {
+            order.push((i, batches));
+        }
+    }
+    order
+}
+
+/// The server reports until the rounds order the close of `round` (the deadline passes,
+/// moving `now`, when a trainer it waits for never sends): the round closed or skipped,
+/// `None` once the run is done.
+fn close(
+    plan: &mut Rounds,
+    server: &mut ParameterServer,
+    named: &mut Vec<String>,
+    round: u64,
+    now: &mut u64,
+) -> anyhow::Result<Option<Closed>> {
+    loop {
+        let status = ServerStatus {
+            round: Some(round),
+            arrived: server.arrivals(),
+            refused: server.refusals(),
+            trainers: named.clone(),
+            ..ServerStatus::default()
+        };
+        match plan.server_status(status, *now).0 {
+            ServerOrder::Trainers { peers } => *named = peers,
+            ServerOrder::Close { .. } => return Ok(Some(server.close()?)),
+            ServerOrder::Skip { .. } => return Ok(Some(server.skip()?)),
+            ServerOrder::Done => return Ok(None),
+            _ => *now += ROUND_MS * 2,
+        }
     }
 }
 
