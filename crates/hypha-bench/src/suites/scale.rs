@@ -126,27 +126,7 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
     );
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     let metrics_path = cluster.path("scale-job.metrics.jsonl");
-    let rounds = |all: &[serde_json::Value]| all.iter().filter(|l| l["kind"] == "round").count();
-    // A round at 1 B takes most of a minute: each one is told as it is applied.
-    let told = std::cell::Cell::new(0);
-    wait_for_events(
-        &metrics_path,
-        ROUND_PATIENCE * MEASURED_ROUNDS as u32,
-        &format!("{MEASURED_ROUNDS} rounds"),
-        |all| {
-            let applied = rounds(all);
-            if applied > told.get() {
-                told.set(applied);
-                let last = all.iter().rfind(|l| l["kind"] == "round");
-                let close_ms = last.map_or(serde_json::Value::Null, |l| l["close_ms"].clone());
-                eprintln!(
-                    "scale: {size}: round {applied} of {MEASURED_ROUNDS} applied (close {close_ms} ms)"
-                );
-            }
-            applied >= MEASURED_ROUNDS
-        },
-    )?;
-
+    wait_for_rounds(&metrics_path, size)?;
     let server = current_server(&cluster, &events_path, &names, 2)?;
     let peak_rss = rss_mb(servers[server].child.id(), "VmHWM")?;
     let standby_rss = rss_mb(servers[1 - server].child.id(), "VmHWM")?;
@@ -229,6 +209,35 @@ fn measure(size: &str, hidden: usize) -> anyhow::Result<Report> {
             .collect::<Vec<_>>()
     );
     Ok(run.report(size))
+}
+
+/// The rounds applied among the metrics lines `all`.
+fn rounds(all: &[serde_json::Value]) -> usize {
+    all.iter().filter(|l| l["kind"] == "round").count()
+}
+
+/// Waits for [`MEASURED_ROUNDS`] rounds in the metrics at `metrics_path`, telling each.
+fn wait_for_rounds(metrics_path: &Path, size: &str) -> anyhow::Result<()> {
+    // A round at 1 B takes most of a minute: each one is told as it is applied.
+    let told = std::cell::Cell::new(0);
+    wait_for_events(
+        metrics_path,
+        ROUND_PATIENCE * MEASURED_ROUNDS as u32,
+        &format!("{MEASURED_ROUNDS} rounds"),
+        |all| {
+            let applied = rounds(all);
+            if applied > told.get() {
+                told.set(applied);
+                let last = all.iter().rfind(|l| l["kind"] == "round");
+                let close_ms = last.map_or(serde_json::Value::Null, |l| l["close_ms"].clone());
+                eprintln!(
+                    "scale: {size}: round {applied} of {MEASURED_ROUNDS} applied (close {close_ms} ms)"
+                );
+            }
+            applied >= MEASURED_ROUNDS
+        },
+    )?;
+    Ok(())
 }
 
 /// What one size's run measured.
