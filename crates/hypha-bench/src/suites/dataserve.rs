@@ -60,51 +60,23 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     let (mut datanode_cpu, mut fetcher_cpu, mut bytes_in_memory) = (0.0, 0.0, 0u64);
     for destination in [Destination::Memory, Destination::Disk] {
         for concurrency in [1usize, 4, 16] {
-            let fetches = SLICES;
             // A fetcher into memory reuses one buffer; it is allocated and touched before the
             // clock starts, as it is after a consumer's first slice, so that the kernel's
             // zeroing of fresh pages is not counted against the data node.
-            let mut buffers: Vec<Vec<u8>> = match destination {
+            let buffers: Vec<Vec<u8>> = match destination {
                 Destination::Memory => (0..concurrency).map(|_| vec![1u8; largest_slice]).collect(),
                 Destination::Disk => Vec::new(),
             };
             let cpu_before = (child.cpu_seconds()?, cpu_seconds(std::process::id())?);
             let start = Instant::now();
-            let mut tasks = Vec::new();
-            for worker in 0..concurrency {
-                let mut slice = buffers.pop().unwrap_or_default();
-                let client = client.clone();
-                let entries: Vec<_> = (worker..fetches)
-                    .step_by(concurrency)
-                    .map(|i| manifest.slices[i % manifest.slices.len()].clone())
-                    .collect();
-                let dir = downloads.clone();
-                tasks.push(tokio::spawn(async move {
-                    let mut bytes = 0u64;
-                    for entry in entries {
-                        match destination {
-                            Destination::Memory => {
-                                client
-                                    .fetch_slice_to_vec(DATASET, &entry, &[peer], &mut slice)
-                                    .await?;
-                                anyhow::ensure!(slice.len() as u64 == entry.size);
-                            }
-                            Destination::Disk => {
-                                let dest =
-                                    dir.join(format!("{worker}-{}.safetensors", entry.index));
-                                client.fetch_slice(DATASET, &entry, &[peer], &dest).await?;
-                                std::fs::remove_file(&dest)?;
-                            }
-                        }
-                        bytes += entry.size;
-                    }
-                    anyhow::Ok(bytes)
-                }));
-            }
-            let mut bytes = 0u64;
-            for task in tasks {
-                bytes += task.await??;
-            }
+            let bytes = fetch_concurrently(
+                &client,
+                (&manifest.slices, peer),
+                (destination, concurrency),
+                buffers,
+                &downloads,
+            )
+            .await?;
             let elapsed = start.elapsed();
             if let Destination::Memory = destination {
                 datanode_cpu += child.cpu_seconds()? - cpu_before.0;
@@ -117,7 +89,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
                 .insert(format!("{key}_mb_s"), mb_per_s(bytes, elapsed));
             report.metrics.insert(
                 format!("{key}_slices_per_s"),
-                (fetches as f64) / elapsed.as_secs_f64(),
+                (SLICES as f64) / elapsed.as_secs_f64(),
             );
         }
     }
@@ -125,23 +97,8 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
     child.stop()?;
     network.shutdown().await;
 
-    let payload: Vec<u8> = (0..super::ceilings::CHUNK)
-        .map(|i| (i % 251) as u8)
-        .collect();
-    let sides = Sides::new()?;
-    let mut tls = Vec::new();
     let tls_bytes = (slice_mib * 4 * 1024 * 1024) as u64;
-    let cpu_before = cpu_seconds(std::process::id())?;
-    for _ in 0..3 {
-        tls.push(raw_tls(&sides, tls_bytes, &payload, &pki).await?);
-    }
-    let tls_cpu = cpu_seconds(std::process::id())? - cpu_before;
-    let tls = median(tls);
-    let mut verified = Vec::new();
-    for _ in 0..3 {
-        verified.push(raw_tls_verified(&sides, &pki, &dataset, &manifest.slices).await?);
-    }
-    let verified = median(verified);
+    let (tls, tls_cpu, verified) = ceilings(&pki, &dataset, &manifest.slices, tls_bytes).await?;
     let slice_bytes = slice_mib * 1024 * 1024;
     let disk =
         tokio::task::spawn_blocking(move || disk_write_mb_s(&downloads, slice_bytes)).await??;
@@ -184,6 +141,81 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
             .insert(format!("c{c}_disk_vs_disk_write"), mb_s / disk);
     }
     Ok(report)
+}
+
+/// What the transfers are measured against, median of 3 each: raw TLS moving `tls_bytes`
+/// (MB/s, and the CPU seconds of its three runs), and the verified ceiling over the
+/// dataset's `slices` (MB/s).
+async fn ceilings(
+    pki: &Pki,
+    dataset: &Path,
+    slices: &[SliceEntry],
+    tls_bytes: u64,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let payload: Vec<u8> = (0..super::ceilings::CHUNK)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let sides = Sides::new()?;
+    let mut tls = Vec::new();
+    let cpu_before = cpu_seconds(std::process::id())?;
+    for _ in 0..3 {
+        tls.push(raw_tls(&sides, tls_bytes, &payload, pki).await?);
+    }
+    let tls_cpu = cpu_seconds(std::process::id())? - cpu_before;
+    let tls = median(tls);
+    let mut verified = Vec::new();
+    for _ in 0..3 {
+        verified.push(raw_tls_verified(&sides, pki, dataset, slices).await?);
+    }
+    let verified = median(verified);
+    Ok((tls, tls_cpu, verified))
+}
+
+/// [`SLICES`] fetches of the `slices` `peer` serves, `concurrency` of them in flight at once,
+/// into memory (each fetch reusing one of `buffers`, a new one where there are too few) or
+/// to files in `downloads` (removed after each): the bytes fetched.
+async fn fetch_concurrently(
+    client: &DataClient,
+    (slices, peer): (&[SliceEntry], PeerId),
+    (destination, concurrency): (Destination, usize),
+    mut buffers: Vec<Vec<u8>>,
+    downloads: &Path,
+) -> anyhow::Result<u64> {
+    let mut tasks = Vec::new();
+    for worker in 0..concurrency {
+        let mut slice = buffers.pop().unwrap_or_default();
+        let client = client.clone();
+        let entries: Vec<_> = (worker..SLICES)
+            .step_by(concurrency)
+            .map(|i| slices[i % slices.len()].clone())
+            .collect();
+        let dir = downloads.to_path_buf();
+        tasks.push(tokio::spawn(async move {
+            let mut bytes = 0u64;
+            for entry in entries {
+                match destination {
+                    Destination::Memory => {
+                        client
+                            .fetch_slice_to_vec(DATASET, &entry, &[peer], &mut slice)
+                            .await?;
+                        anyhow::ensure!(slice.len() as u64 == entry.size);
+                    }
+                    Destination::Disk => {
+                        let dest = dir.join(format!("{worker}-{}.safetensors", entry.index));
+                        client.fetch_slice(DATASET, &entry, &[peer], &dest).await?;
+                        std::fs::remove_file(&dest)?;
+                    }
+                }
+                bytes += entry.size;
+            }
+            anyhow::Ok(bytes)
+        }));
+    }
+    let mut bytes = 0u64;
+    for task in tasks {
+        bytes += task.await??;
+    }
+    Ok(bytes)
 }
 
 /// The least any verified slice transfer can cost, as a ceiling: the dataset's slices over one
