@@ -81,21 +81,7 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
 
     // Two iterations over the same data: one drained as fast as possible (the network's
     // pace), one by the slow executor. Each worker run gets a fresh cache, so both fetch.
-    let mut services = HashMap::new();
-    for round in 0..2 {
-        let iteration = format!("run-{round}");
-        let ledger = Ledger::create(
-            &tmp.path().join(format!("{iteration}.ledger")),
-            spec_of(&manifest, 1, 1),
-            60_000,
-        )?;
-        let (handle, _task) = LedgerHandle::spawn(ledger);
-        let sources = SliceSource::all_held_by(&manifest, data.local_peer_id());
-        services.insert(
-            iteration.clone(),
-            IterationService::new(iteration, handle, sources, false),
-        );
-    }
+    let services = iterations(tmp.path(), &manifest, data.local_peer_id())?;
     let answering = tokio::spawn(answer(scheduler_inbound, services));
 
     let mut report = Report::default();
@@ -168,6 +154,31 @@ pub(crate) async fn run(quick: bool) -> anyhow::Result<Report> {
         report.metrics["wait_fraction"] / TARGET_WAIT_FRACTION,
     );
     Ok(report)
+}
+
+/// Two iterations over the same data, `run-0` and `run-1`, their ledgers in `dir`, every
+/// slice held by `data_node`.
+fn iterations(
+    dir: &Path,
+    manifest: &hypha_dataset::Manifest,
+    data_node: PeerId,
+) -> anyhow::Result<HashMap<String, IterationService>> {
+    let mut services = HashMap::new();
+    for round in 0..2 {
+        let iteration = format!("run-{round}");
+        let ledger = Ledger::create(
+            &dir.join(format!("{iteration}.ledger")),
+            spec_of(manifest, 1, 1),
+            60_000,
+        )?;
+        let (handle, _task) = LedgerHandle::spawn(ledger);
+        let sources = SliceSource::all_held_by(manifest, data_node);
+        services.insert(
+            iteration.clone(),
+            IterationService::new(iteration, handle, sources, false),
+        );
+    }
+    Ok(services)
 }
 
 /// Answers iterate requests from the iteration services, as a scheduler does.
