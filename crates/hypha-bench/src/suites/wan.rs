@@ -91,6 +91,42 @@ struct Size {
     short: Rounds,
 }
 
+impl Size {
+    /// The quick run's size, or the full one's.
+    fn of(quick: bool) -> Size {
+        // Samples per round: inner steps × BATCH × TRAINERS.
+        if quick {
+            Size {
+                hidden: 990,
+                long: Rounds {
+                    count: 3,
+                    samples_per_round: 1536,
+                },
+                short: Rounds {
+                    count: 12,
+                    samples_per_round: 1536,
+                },
+            }
+        } else {
+            Size {
+                hidden: 3151,
+                // 120 inner steps a trainer a round: DiLoCo's traffic against per-step data
+                // parallelism is about 0.2 / steps with int8 (BENCHMARKS.md, "wan").
+                long: Rounds {
+                    count: 4,
+                    samples_per_round: 11_520,
+                },
+                // 48 steps: sparse's traffic (about 0.02 of f32 a round) below 0.0002 of data
+                // parallelism.
+                short: Rounds {
+                    count: 12,
+                    samples_per_round: 4_608,
+                },
+            }
+        }
+    }
+}
+
 /// How a run is cut into rounds.
 #[derive(Debug, Clone, Copy)]
 struct Rounds {
@@ -181,36 +217,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
             return Ok(Report::default());
         }
     };
-    // Samples per round: inner steps × BATCH × TRAINERS.
-    let size = if quick {
-        Size {
-            hidden: 990,
-            long: Rounds {
-                count: 3,
-                samples_per_round: 1536,
-            },
-            short: Rounds {
-                count: 12,
-                samples_per_round: 1536,
-            },
-        }
-    } else {
-        Size {
-            hidden: 3151,
-            // 120 inner steps a trainer a round: DiLoCo's traffic against per-step data
-            // parallelism is about 0.2 / steps with int8 (BENCHMARKS.md, "wan").
-            long: Rounds {
-                count: 4,
-                samples_per_round: 11_520,
-            },
-            // 48 steps: sparse's traffic (about 0.02 of f32 a round) below 0.0002 of data
-            // parallelism.
-            short: Rounds {
-                count: 12,
-                samples_per_round: 4_608,
-            },
-        }
-    };
+    let size = Size::of(quick);
     let spec = ModelSpec::Mlp {
         inputs: 16,
         hidden: size.hidden,
