@@ -330,54 +330,17 @@ fn run_mode(wan: &Wan, mode: Mode, rounds: Rounds, spec: &ModelSpec) -> anyhow::
     let ModelSpec::Mlp { hidden, .. } = spec else {
         bail!("the wan suite trains an MLP");
     };
-    let job = cluster.job(
-        "wan",
-        &format!(
-            "workers = {TRAINERS}\nbid = 50\nmax_attempts = 3\n\
-             [executor]\nclass = \"train\"\nname = \"diloco\"\n\
-             [resources]\ncpu = 1\n\
-             [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {hidden}, classes = 4 }}\n\
-             [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
-             [diloco]\nrounds = {}\nsamples_per_round = {}\nbatch_size = {BATCH}\nround_seconds = 600\n\
-             compression = \"{}\"\noverlap = {}\n\
-             inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
-             [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
-            rounds.count, rounds.samples_per_round, mode.compression, mode.overlap
-        ),
-    );
+    let job = cluster.job("wan", &job_text(*hidden, epochs, rounds, mode));
     let (mut scheduler, events_path) = cluster.scheduler("scheduler", &job);
     // At every applied round: the bytes between the trainers and the server, and the
     // counters of the trainers' links and of the server's.
     let mut marks: Vec<Mark> = Vec::new();
-    let link = |i: usize| {
-        let (sent, received) = wan.bytes(i);
-        sent + received
-    };
-    let mark = || -> anyhow::Result<Mark> {
-        let (mut up, mut down, mut from_peers) = (0, 0, 0);
-        for i in 1..=TRAINERS {
-            let (sent, received) = wan.bytes_between(i, 0).map_err(anyhow::Error::msg)?;
-            up += sent;
-            down += received;
-            for j in (1..=TRAINERS).filter(|&j| j != i) {
-                let (_, from_peer) = wan.bytes_between(i, j).map_err(anyhow::Error::msg)?;
-                from_peers += from_peer;
-            }
-        }
-        Ok(Mark {
-            diloco: up + down + from_peers,
-            diloco_with_server: up + down,
-            up,
-            trainer_links: (1..=TRAINERS).map(link).sum(),
-            server_link: link(0),
-        })
-    };
     let deadline = Instant::now() + PATIENCE;
     loop {
         let all = events(&events_path);
         let rounds = of_kind(&all, "round").len();
         while marks.len() < rounds {
-            marks.push(mark()?);
+            marks.push(Mark::now(wan)?);
         }
         if let Some(done) = of_kind(&all, "done").last() {
             if marks.len() < 2 {
@@ -455,6 +418,23 @@ fn run_mode(wan: &Wan, mode: Mode, rounds: Rounds, spec: &ModelSpec) -> anyhow::
     })
 }
 
+/// The job of a run: an MLP of `hidden` units trained over `rounds` with `mode`'s
+/// compression and overlap, by [`TRAINERS`] trainers, on `epochs` of the blobs.
+fn job_text(hidden: usize, epochs: u32, rounds: Rounds, mode: Mode) -> String {
+    format!(
+        "workers = {TRAINERS}\nbid = 50\nmax_attempts = 3\n\
+         [executor]\nclass = \"train\"\nname = \"diloco\"\n\
+         [resources]\ncpu = 1\n\
+         [config]\nseed = 1\nmodel = {{ type = \"mlp\", inputs = 16, hidden = {hidden}, classes = 4 }}\n\
+         [data]\ndataset = \"blobs\"\nepochs = {epochs}\nseed = 3\n\
+         [diloco]\nrounds = {}\nsamples_per_round = {}\nbatch_size = {BATCH}\nround_seconds = 600\n\
+         compression = \"{}\"\noverlap = {}\n\
+         inner = {{ learning_rate = 0.003, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
+         [diloco.parameter_server]\nbid = 20\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
+        rounds.count, rounds.samples_per_round, mode.compression, mode.overlap
+    )
+}
+
 /// Byte counters at an applied round.
 #[derive(Debug, Clone, Copy)]
 struct Mark {
@@ -468,6 +448,34 @@ struct Mark {
     trainer_links: u64,
     /// Through the server's link, both ways.
     server_link: u64,
+}
+
+impl Mark {
+    /// The counters now: between the trainers and the server, among the trainers, and of
+    /// the trainers' links and the server's.
+    fn now(wan: &Wan) -> anyhow::Result<Mark> {
+        let link = |i: usize| {
+            let (sent, received) = wan.bytes(i);
+            sent + received
+        };
+        let (mut up, mut down, mut from_peers) = (0, 0, 0);
+        for i in 1..=TRAINERS {
+            let (sent, received) = wan.bytes_between(i, 0).map_err(anyhow::Error::msg)?;
+            up += sent;
+            down += received;
+            for j in (1..=TRAINERS).filter(|&j| j != i) {
+                let (_, from_peer) = wan.bytes_between(i, j).map_err(anyhow::Error::msg)?;
+                from_peers += from_peer;
+            }
+        }
+        Ok(Mark {
+            diloco: up + down + from_peers,
+            diloco_with_server: up + down,
+            up,
+            trainer_links: (1..=TRAINERS).map(link).sum(),
+            server_link: link(0),
+        })
+    }
 }
 
 /// The trainers' mean share of the wall time from `t0` to `t1` (ms) spent in inner steps,
