@@ -198,53 +198,68 @@ impl Sites {
             }
 
             for j in 0..site.nodes {
-                let node = self.node_netns(k, j);
-                let (router_end, node_end) = (format!("{p}r{k}h{j}"), format!("{p}s{k}n{j}"));
-                run(&["ip", "netns", "add", &node])?;
-                run_in(
-                    &router,
-                    &[
-                        "ip",
-                        "link",
-                        "add",
-                        &router_end,
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        &node_end,
-                    ],
-                )?;
-                run_in(&router, &["ip", "link", "set", &node_end, "netns", &node])?;
-                run_in(&router, &["ip", "link", "set", &router_end, "master", &lan])?;
-                run_in(&router, &["ip", "link", "set", &router_end, "up"])?;
-                run_in(
-                    &node,
-                    &[
-                        "ip",
-                        "addr",
-                        "add",
-                        &format!("{}/{lan_prefix}", self.lan_ip(k, Some(j))),
-                        "dev",
-                        &node_end,
-                    ],
-                )?;
-                run_in(&node, &["ip", "link", "set", &node_end, "up"])?;
-                run_in(&node, &["ip", "link", "set", "lo", "up"])?;
-                run_in(
-                    &node,
-                    &[
-                        "ip",
-                        "route",
-                        "add",
-                        "default",
-                        "via",
-                        &self.lan_ip(k, None),
-                    ],
-                )?;
+                self.node_on_lan(k, j, &lan, &lan_prefix)?;
             }
         }
-        // A public LAN: the other hosts of the internet route to it through its router.
+        self.route_public_lans(&gateway)?;
+        Ok(())
+    }
+
+    /// Node `j` of site `k`: its namespace, on the site's LAN bridge `lan` (addresses of
+    /// prefix length `lan_prefix`), its default route through the site's router.
+    fn node_on_lan(&self, k: usize, j: usize, lan: &str, lan_prefix: &str) -> Result<(), String> {
+        let router = self.router_netns(k);
+        let p = &self.prefix;
+        let node = self.node_netns(k, j);
+        let (router_end, node_end) = (format!("{p}r{k}h{j}"), format!("{p}s{k}n{j}"));
+        run(&["ip", "netns", "add", &node])?;
+        run_in(
+            &router,
+            &[
+                "ip",
+                "link",
+                "add",
+                &router_end,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &node_end,
+            ],
+        )?;
+        run_in(&router, &["ip", "link", "set", &node_end, "netns", &node])?;
+        run_in(&router, &["ip", "link", "set", &router_end, "master", lan])?;
+        run_in(&router, &["ip", "link", "set", &router_end, "up"])?;
+        run_in(
+            &node,
+            &[
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/{lan_prefix}", self.lan_ip(k, Some(j))),
+                "dev",
+                &node_end,
+            ],
+        )?;
+        run_in(&node, &["ip", "link", "set", &node_end, "up"])?;
+        run_in(&node, &["ip", "link", "set", "lo", "up"])?;
+        run_in(
+            &node,
+            &[
+                "ip",
+                "route",
+                "add",
+                "default",
+                "via",
+                &self.lan_ip(k, None),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// A public LAN: the other hosts of the internet (the gateway's `gateway` among them)
+    /// route to it through its router.
+    fn route_public_lans(&self, gateway: &str) -> Result<(), String> {
         for (k, _) in self
             .sites
             .iter()
@@ -253,7 +268,7 @@ impl Sites {
         {
             let (net, via) = (self.lan_net(k), self.public_ip(k));
             run(&["ip", "route", "add", &net, "via", &via])?;
-            run_in(&gateway, &["ip", "route", "add", &net, "via", &via])?;
+            run_in(gateway, &["ip", "route", "add", &net, "via", &via])?;
             for other in (0..self.sites.len()).filter(|other| *other != k) {
                 run_in(
                     &self.public_host(other),
