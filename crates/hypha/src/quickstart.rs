@@ -31,7 +31,10 @@ use hypha_executor::{
 };
 use hypha_network::PeerId;
 
+use self::configs::{DataKeys, Executor, NoKeys, NodeFile, Offer, Resources, WorkerKeys};
 use crate::readiness::{Prober, ProberError};
+
+mod configs;
 
 /// What the quickstart trains.
 #[derive(Debug, Clone)]
@@ -347,8 +350,8 @@ fn write_synthetic_data(settings: &Settings, dir: &Path) -> Result<Training, Qui
 /// The nodes the job runs on, up and ready, and how a node joins them.
 struct Network {
     nodes: Vec<Node>,
-    /// The config line that names the gateway.
-    join: String,
+    /// The gateway's address, which every node joins.
+    gateway: String,
 }
 
 /// Starts the gateway, then the data node and the workers (the parameter server's and the
@@ -362,7 +365,8 @@ fn start_network(
 ) -> Result<Network, QuickstartError> {
     report(Progress::Step("starting the gateway"));
     let port = free_port(dir)?;
-    let (gateway_config, gateway_peer) = certs.config("gateway", Role::Gateway, port, "")?;
+    let (gateway_config, gateway_peer) =
+        certs.config("gateway", Role::Gateway, port, None, NoKeys {})?;
     let mut nodes = Vec::new();
     let mut gateway = start(settings, dir, "gateway", "hypha-gateway", &gateway_config)?;
     let gateway_address = format!("/ip4/127.0.0.1/tcp/{port}/p2p/{gateway_peer}");
@@ -371,30 +375,28 @@ fn start_network(
     let prober = Prober::start(&identity, trust, &gateway_address)?;
     wait_ready(&mut gateway, gateway_peer, &prober)?;
     nodes.push(gateway);
-    let join = format!("gateway_addresses = [\"{gateway_address}\"]\n");
 
     report(Progress::Step(
         "starting the data node, the parameter server and the trainers",
     ));
-    let (data_config, data_peer) = certs.config(
-        "data",
-        Role::Data,
-        0,
-        &format!("{join}dataset_path = {:?}\n", dir.join("data")),
-    )?;
+    let join = Some(gateway_address.as_str());
+    let data_keys = DataKeys {
+        dataset_path: dir.join("data"),
+    };
+    let (data_config, data_peer) = certs.config("data", Role::Data, 0, join, data_keys)?;
     let mut data = start(settings, dir, "data", "hypha-data", &data_config)?;
     let mut started_workers = Vec::new();
     for (name, executors) in worker_executors(settings, python_trainer) {
-        let work = dir.join("work").join(&name);
-        let (config, peer) = certs.config(
-            &name,
-            Role::Worker,
-            0,
-            &format!(
-                "{join}work_dir = {:?}\n[resources]\ncpu = 1\nmemory = 1\n[offer]\nprice = 1.0\n{executors}",
-                work
-            ),
-        )?;
+        let worker_keys = WorkerKeys {
+            work_dir: dir.join("work").join(&name),
+            resources: Resources {
+                cpu: 1.0,
+                memory: 1.0,
+            },
+            offer: Offer { price: 1.0 },
+            executors,
+        };
+        let (config, peer) = certs.config(&name, Role::Worker, 0, join, worker_keys)?;
         started_workers.push((start(settings, dir, &name, "hypha-worker", &config)?, peer));
     }
     wait_ready(&mut data, data_peer, &prober)?;
@@ -403,7 +405,10 @@ fn start_network(
         wait_ready(&mut worker, peer, &prober)?;
         nodes.push(worker);
     }
-    Ok(Network { nodes, join })
+    Ok(Network {
+        nodes,
+        gateway: gateway_address,
+    })
 }
 
 /// Each worker's name and its `[[executors]]`: the parameter server's, the reference
@@ -411,26 +416,28 @@ fn start_network(
 fn worker_executors(
     settings: &Settings,
     python_trainer: Option<&CheckedPythonTrainer<'_>>,
-) -> Vec<(String, String)> {
+) -> Vec<(String, Vec<Executor>)> {
     let executor = settings.bin_dir.join("hypha-executor");
-    let mut workers = vec![("parameter-server".to_string(), SERVER_EXECUTOR.to_string())];
+    let mut workers = vec![(
+        "parameter-server".to_string(),
+        vec![Executor::parameter_server()],
+    )];
     for i in 0..settings.trainers {
-        let trainer = format!(
-            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [\"train\", \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n",
-            executor.display().to_string()
+        let trainer = Executor::trainer(
+            executor.display().to_string(),
+            &["train".to_string()],
+            Vec::new(),
         );
-        workers.push((format!("trainer-{i}"), trainer));
+        workers.push((format!("trainer-{i}"), vec![trainer]));
     }
     if let Some((python, script, python_path)) = python_trainer {
-        let env = python_path.as_ref().map_or(String::new(), |path| {
-            format!("env = [{:?}]\n", format!("PYTHONPATH={path}"))
-        });
-        let trainer = format!(
-            "[[executors]]\nclass = \"train\"\nname = \"diloco\"\nruntime = \"process\"\ncmd = {:?}\nargs = [{:?}, \"--socket\", \"{{SOCKET_PATH}}\", \"--work-dir\", \"{{WORK_DIR}}\", \"--job\", \"{{JOB_JSON}}\"]\n{env}",
-            python.python,
-            script.display().to_string()
-        );
-        workers.push(("python-trainer".to_string(), trainer));
+        let env = python_path
+            .iter()
+            .map(|path| format!("PYTHONPATH={path}"))
+            .collect();
+        let trainer =
+            Executor::trainer(python.python.clone(), &[script.display().to_string()], env);
+        workers.push(("python-trainer".to_string(), vec![trainer]));
     }
     workers
 }
@@ -455,10 +462,11 @@ fn train(
     network: Network,
     report: &mut impl FnMut(Progress<'_>),
 ) -> Result<Trained, QuickstartError> {
-    let Network { mut nodes, join } = network;
+    let Network { mut nodes, gateway } = network;
     let job = dir.join("job.toml");
     write(&job, &job_file(settings, training))?;
-    let (scheduler_config, _) = certs.config("scheduler", Role::Scheduler, 0, &join)?;
+    let (scheduler_config, _) =
+        certs.config("scheduler", Role::Scheduler, 0, Some(&gateway), NoKeys {})?;
     let events = dir.join("logs/scheduler-events.jsonl");
     let metrics = dir.join("job.metrics.jsonl");
     let mut scheduler = start_scheduler(settings, dir, &scheduler_config, &job, &events)?;
@@ -727,8 +735,6 @@ fn failure(log: &Path) -> String {
     }
 }
 
-const SERVER_EXECUTOR: &str = "[[executors]]\nclass = \"aggregate\"\nname = \"parameter-server\"\nruntime = \"parameter-server\"\n";
-
 fn job_file(settings: &Settings, training: &Training) -> String {
     let mut config = format!(
         "seed = {MODEL_SEED}\nmodel = {}\n",
@@ -861,14 +867,16 @@ impl Certs {
         Ok((identity, trust))
     }
 
-    /// A certificate for `name` and its config, listening on `port` of 127.0.0.1 (0: any)
-    /// with `extra`: the config's path and the node's peer id.
+    /// A certificate for `name` and its config, listening on `port` of 127.0.0.1 (0: any),
+    /// joining the gateway at `gateway`, with the keys of its kind `own`: the config's path
+    /// and the node's peer id.
     fn config(
         &self,
         name: &str,
         role: Role,
         port: u16,
-        extra: &str,
+        gateway: Option<&str>,
+        own: impl serde::Serialize,
     ) -> Result<(PathBuf, PeerId), QuickstartError> {
         let node = authority::create_node(&self.org, name, &[], role.into(), Validity::days(2))?;
         let peer = NodeIdentity::from_pem(node.chain_pem().as_bytes(), node.key_pem().as_bytes())?
@@ -877,12 +885,19 @@ impl Certs {
         write(&certs.join(format!("{name}-cert.pem")), &node.chain_pem())?;
         write(&certs.join(format!("{name}-key.pem")), &node.key_pem())?;
         let path = self.dir.join(format!("{name}.toml"));
-        write(
-            &path,
-            &format!(
-                "cert_pem = \"certs/{name}-cert.pem\"\nkey_pem = \"certs/{name}-key.pem\"\ntrust_pem = \"certs/root.pem\"\nlisten_addresses = [\"/ip4/127.0.0.1/tcp/{port}\"]\n{extra}"
-            ),
-        )?;
+        let file = NodeFile {
+            cert_pem: format!("certs/{name}-cert.pem"),
+            key_pem: format!("certs/{name}-key.pem"),
+            trust_pem: "certs/root.pem".into(),
+            listen_addresses: vec![format!("/ip4/127.0.0.1/tcp/{port}")],
+            gateway_addresses: gateway.into_iter().map(str::to_string).collect(),
+            own,
+        };
+        let text = file.to_toml().map_err(|error| QuickstartError::Write {
+            path: path.clone(),
+            error: std::io::Error::other(error.to_string()),
+        })?;
+        write(&path, &text)?;
         Ok((path, peer))
     }
 }
