@@ -251,6 +251,7 @@ impl JobManager {
                         .inboxes()
                         .artifact_admission(scheduler, &spec.task),
                 ),
+                sends: Default::default(),
             })),
         };
         let artifacts = Artifacts {

@@ -111,6 +111,7 @@ fn start_server(
             artifacts,
             inboxes.artifact_admission(scheduler.local_peer_id(), "task-1"),
         ),
+        sends: Default::default(),
     };
     let (cancel, cancelled) = oneshot::channel();
     tokio::spawn(async move {

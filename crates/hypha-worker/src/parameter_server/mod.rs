@@ -149,6 +149,32 @@ pub struct ServerJob {
     pub config: serde_json::Value,
     /// Publishes whole models for the trainers' workers to fetch.
     pub publisher: ModelPublisher,
+    /// The transfers of models and changes under way.
+    pub sends: Sends,
+}
+
+/// The server's transfers under way, each a task the job owns: ended with the job when it
+/// fails or is cancelled (its model is nobody's to take), and let go of when training is
+/// over, so that the last models on their way still reach their trainers (each transfer
+/// ends by itself, delivered or given up after `SEND_PATIENCE`).
+#[derive(Debug, Default)]
+pub struct Sends(std::sync::Mutex<tokio::task::JoinSet<()>>);
+
+impl Sends {
+    fn spawn(&self, send: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut sends = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // Those that ended are let go of as new ones start.
+        while sends.try_join_next().is_some() {}
+        sends.spawn(send);
+    }
+
+    /// Lets the transfers under way finish on their own, past the job.
+    fn let_go(&self) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .detach_all();
+    }
 }
 
 /// Turns true once every transfer of one send has ended, arrived or given up.
@@ -246,10 +272,13 @@ impl ServerJob {
             }
         };
         match result {
-            Ok(()) => JobStatus::Finished {
-                exit_code: 0,
-                stderr_tail: Vec::new(),
-            },
+            Ok(()) => {
+                self.sends.let_go();
+                JobStatus::Finished {
+                    exit_code: 0,
+                    stderr_tail: Vec::new(),
+                }
+            }
             Err(error) => JobStatus::Failed {
                 reason: error.to_string(),
                 stderr_tail: vec![],
@@ -1162,10 +1191,8 @@ impl ServerJob {
                 sha256: sha256.clone(),
             };
             let (ends, after) = (ends.clone(), after.cloned());
-            // Not owned by the job: each send ends by itself (delivered, or given up after
-            // `SEND_PATIENCE`) and reports through `ended`. It may outlive the job, so that
-            // a model already on its way when the job finishes still reaches its trainer.
-            tokio::spawn(async move {
+            // Reports through `ended` as it ends (or is aborted with the job).
+            self.sends.spawn(async move {
                 let _ends = ends;
                 if let Some(mut first) = after {
                     let _ =
