@@ -1477,23 +1477,24 @@ fn survive_kill_schedule(seed: u64) {
     let mut procs: Vec<&mut Proc> = nodes.values_mut().collect();
     if !ok {
         // What the end shows again at the end, where a log cut in the middle (CI's) still
-        // shows it: the scheduler's last lines, how the jobs ended, the slices never used.
+        // shows it: the slices never used, how the jobs ended and, last, the scheduler's
+        // last lines (its error among them).
         let last = &lines[lines.len().saturating_sub(12)..];
         let endings: Vec<&String> = (lines.iter())
             .filter(|l| l.contains("job done") || l.contains("exited") || l.contains("data done"))
             .collect();
         let endings = &endings[endings.len().saturating_sub(12)..];
         panic!(
-            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}\nthe scheduler's last lines:\n{}\nhow jobs ended:\n{}\nslices never used:\n{}",
+            "seed {seed}, kills {kills:?}: the scheduler failed:\n{}\n{}\nslices never used:\n{}\nhow jobs ended:\n{}\nthe scheduler's last lines:\n{}",
             lines.join("\n"),
             diagnostics(&cluster, &mut procs),
-            last.join("\n"),
+            never_used(&cluster.path("chaos-job.ledger")),
             endings
                 .iter()
                 .map(|l| l.as_str())
                 .collect::<Vec<_>>()
                 .join("\n"),
-            never_used(&cluster.path("chaos-job.ledger")),
+            last.join("\n"),
         );
     }
     no_errors(

@@ -464,7 +464,11 @@ fn train(
 ) -> Result<Trained, QuickstartError> {
     let Network { mut nodes, gateway } = network;
     let job = dir.join("job.toml");
-    write(&job, &job_file(settings, training))?;
+    write_toml(
+        &job,
+        "The quickstart's DiLoCo job (see docs/diloco.md).",
+        &job_file(settings, training),
+    )?;
     let (scheduler_config, _) =
         certs.config("scheduler", Role::Scheduler, 0, Some(&gateway), NoKeys {})?;
     let events = dir.join("logs/scheduler-events.jsonl");
@@ -735,46 +739,60 @@ fn failure(log: &Path) -> String {
     }
 }
 
-fn job_file(settings: &Settings, training: &Training) -> String {
-    let mut config = format!(
-        "seed = {MODEL_SEED}\nmodel = {}\n",
-        inline_table(&serde_json::to_value(&training.model).unwrap_or_default())
-    );
-    for (key, name) in [
-        ("input", &training.tensors.input),
-        ("target", &training.tensors.target),
-    ] {
-        if let Some(name) = name {
-            config.push_str(&format!("{key} = {name:?}\n"));
-        }
-    }
+/// The job the quickstart runs: its trainers (the reference executors and a Python one),
+/// the model, the data and its held-out part, and the rounds as `settings` say.
+fn job_file<'a>(settings: &Settings, training: &'a Training) -> configs::JobFile<'a> {
+    use configs::{
+        Diloco, ExecutorName, InnerOptimizer, JobData, JobFile, JobResources, ModelConfig,
+        ParameterServer,
+    };
     // Enough epochs for every round to find data; the rounds end the job.
     let wanted = settings.rounds * settings.samples_per_round;
     let epochs = (wanted / training.samples.max(1) + 2).min(1000);
-    format!(
-        "# The quickstart's DiLoCo job (see docs/diloco.md).\n\
-         workers = {trainers}\nbid = 10\n\
-         [executor]\nclass = \"train\"\nname = \"diloco\"\n\
-         [resources]\ncpu = 1\n\
-         [config]\n{config}\
-         [data]\ndataset = {dataset:?}\neval = {held_out:?}\nepochs = {epochs}\nseed = 7\n\
-         [diloco]\nrounds = {rounds}\neval_every = {eval_every}\nsamples_per_round = {samples}\nbatch_size = {batch_size}\nround_seconds = {round_seconds:?}\n\
-         compression = {compression:?}\noverlap = {overlap}\n\
-         inner = {{ learning_rate = {learning_rate:?}, weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999 }}\n\
-         [diloco.parameter_server]\nbid = 10\nexecutor = {{ class = \"aggregate\", name = \"parameter-server\" }}\n",
-        trainers = settings.all_trainers(),
-        dataset = training.dataset,
-        held_out = training.held_out.dataset,
-        // About twenty scores of the held-out data in a run, and the last model's.
-        eval_every = (settings.rounds / 20).max(1),
-        rounds = settings.rounds,
-        samples = settings.samples_per_round,
-        batch_size = settings.batch_size,
-        round_seconds = settings.round_seconds,
-        learning_rate = settings.learning_rate,
-        compression = settings.compression,
-        overlap = settings.overlap,
-    )
+    JobFile {
+        workers: settings.all_trainers(),
+        bid: 10.0,
+        executor: ExecutorName {
+            class: "train",
+            name: "diloco",
+        },
+        resources: JobResources { cpu: 1.0 },
+        config: ModelConfig {
+            seed: MODEL_SEED,
+            model: &training.model,
+            input: training.tensors.input.as_deref(),
+            target: training.tensors.target.as_deref(),
+        },
+        data: JobData {
+            dataset: &training.dataset,
+            eval: &training.held_out.dataset,
+            epochs,
+            seed: 7,
+        },
+        diloco: Diloco {
+            rounds: settings.rounds,
+            // About twenty scores of the held-out data in a run, and the last model's.
+            eval_every: (settings.rounds / 20).max(1),
+            samples_per_round: settings.samples_per_round,
+            batch_size: settings.batch_size,
+            round_seconds: settings.round_seconds,
+            compression: settings.compression.clone(),
+            overlap: settings.overlap,
+            inner: InnerOptimizer {
+                learning_rate: settings.learning_rate,
+                weight_decay: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+            },
+            parameter_server: ParameterServer {
+                bid: 10.0,
+                executor: ExecutorName {
+                    class: "aggregate",
+                    name: "parameter-server",
+                },
+            },
+        },
+    }
 }
 
 /// A Python trainer checked: its settings, its script and the `PYTHONPATH` its executor gets.
@@ -824,17 +842,6 @@ fn check_python_trainer(
         )));
     }
     Ok((python, script, python_path))
-}
-
-/// A flat JSON object (a model spec) as a TOML inline table.
-fn inline_table(value: &serde_json::Value) -> String {
-    let fields: Vec<String> = value
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(key, value)| format!("{key} = {value}"))
-        .collect();
-    format!("{{ {} }}", fields.join(", "))
 }
 
 /// The certificates of the quickstart's nodes.
@@ -893,13 +900,26 @@ impl Certs {
             gateway_addresses: gateway.into_iter().map(str::to_string).collect(),
             own,
         };
-        let text = file.to_toml().map_err(|error| QuickstartError::Write {
-            path: path.clone(),
-            error: std::io::Error::other(error.to_string()),
-        })?;
-        write(&path, &text)?;
+        write_toml(
+            &path,
+            &format!("{name}'s config, written by `hypha quickstart`."),
+            &file,
+        )?;
         Ok((path, peer))
     }
+}
+
+/// Writes `value` as TOML at `path`, under `header` as a comment.
+fn write_toml(
+    path: &Path,
+    header: &str,
+    value: &impl serde::Serialize,
+) -> Result<(), QuickstartError> {
+    let text = toml::to_string(value).map_err(|error| QuickstartError::Write {
+        path: path.to_path_buf(),
+        error: std::io::Error::other(error.to_string()),
+    })?;
+    write(path, &format!("# {header}\n{text}"))
 }
 
 fn write(path: &Path, text: &str) -> Result<(), QuickstartError> {
@@ -1229,6 +1249,77 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The job the quickstart writes, with a Python trainer and a transformer on named
+    /// tensors, is one the scheduler reads (its schema denies unknown keys) as it was meant:
+    /// names with quotes and backslashes included.
+    #[test]
+    fn the_job_file_is_read_by_the_schedulers_schema_as_written() {
+        let settings = Settings {
+            dir: PathBuf::from("/tmp/qs"),
+            trainers: 3,
+            rounds: 400,
+            slices: 8,
+            samples_per_slice: 64,
+            samples_per_round: 96,
+            batch_size: 16,
+            round_seconds: 2.5,
+            learning_rate: 0.003,
+            bin_dir: PathBuf::new(),
+            dataset: None,
+            http: "0".into(),
+            hold: false,
+            python_trainer: Some(PythonTrainer {
+                script: PathBuf::from("t.py"),
+                python: "python3".into(),
+            }),
+            compression: "int8".into(),
+            overlap: true,
+        };
+        let model = ModelSpec::Transformer {
+            vocab: 64,
+            context: 16,
+            dim: 32,
+            heads: 2,
+            layers: 1,
+        };
+        let training = Training {
+            model: model.clone(),
+            tensors: TensorNames {
+                input: Some("tokens \"in\"".into()),
+                target: None,
+            },
+            dataset: "my \\ data".into(),
+            samples: 512,
+            held_out: HeldOut {
+                dataset: "my \\ data-heldout".into(),
+                dir: PathBuf::new(),
+                described: String::new(),
+            },
+        };
+        let text = toml::to_string(&job_file(&settings, &training)).unwrap();
+        let job = hypha_scheduler::spec::JobFile::parse("job.toml", &text).unwrap();
+        assert_eq!((job.workers.min, job.workers.max), (4, 4), "{text}");
+        let config: serde_json::Value = serde_json::to_value(&job.config).unwrap();
+        let read: ModelSpec = serde_json::from_value(config["model"].clone()).unwrap();
+        assert_eq!(read, model, "{text}");
+        assert_eq!(config["input"], "tokens \"in\"");
+        assert!(config.get("target").is_none(), "{text}");
+        let data = job.data.unwrap();
+        assert_eq!(data.dataset, "my \\ data");
+        assert_eq!(data.eval.as_deref(), Some("my \\ data-heldout"));
+        // 400 rounds of 96 samples over 512 samples: 75 epochs, and two more.
+        assert_eq!(data.epochs, 77);
+        let diloco = job.diloco.unwrap();
+        assert_eq!(diloco.rounds, Some(400));
+        assert_eq!(diloco.eval_every, 20);
+        assert_eq!((diloco.samples_per_round, diloco.batch_size), (96, 16));
+        assert_eq!(diloco.round_seconds, 2.5);
+        assert_eq!(diloco.inner.learning_rate, 0.003);
+        assert_eq!(diloco.compression, "int8");
+        assert!(diloco.overlap);
+        assert_eq!(diloco.parameter_server.executor.name, "parameter-server");
+    }
 
     #[test]
     fn a_failed_jobs_reason_is_the_schedulers_last_error_with_what_follows() {

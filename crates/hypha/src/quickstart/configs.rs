@@ -107,10 +107,82 @@ impl Executor {
     }
 }
 
-impl<T: Serialize> NodeFile<T> {
-    pub(super) fn to_toml(&self) -> Result<String, toml::ser::Error> {
-        toml::to_string(self)
-    }
+/// The quickstart's DiLoCo job (docs/diloco.md): its trainers and their model, the data
+/// and its held-out part, the rounds, and the parameter server. The scheduler's own job
+/// schema (`hypha_scheduler::spec::JobFile`, which denies unknown keys) checks it as it loads.
+#[derive(Debug, Serialize)]
+pub(super) struct JobFile<'a> {
+    pub workers: usize,
+    pub bid: f64,
+    pub executor: ExecutorName,
+    pub resources: JobResources,
+    pub config: ModelConfig<'a>,
+    pub data: JobData<'a>,
+    pub diloco: Diloco,
+}
+
+/// An executor a job asks for, by class and name.
+#[derive(Debug, Serialize)]
+pub(super) struct ExecutorName {
+    pub class: &'static str,
+    pub name: &'static str,
+}
+
+/// What each of the job's workers must offer.
+#[derive(Debug, Serialize)]
+pub(super) struct JobResources {
+    pub cpu: f64,
+}
+
+/// The reference trainer's `[config]`: the model, its seed, and the dataset's tensors it
+/// reads (none: the dataset's own).
+#[derive(Debug, Serialize)]
+pub(super) struct ModelConfig<'a> {
+    pub seed: u64,
+    pub model: &'a hypha_executor::model::ModelSpec,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<&'a str>,
+}
+
+/// `[data]`: the dataset trained on, the held-out one scored, epochs and their order's seed.
+#[derive(Debug, Serialize)]
+pub(super) struct JobData<'a> {
+    pub dataset: &'a str,
+    pub eval: &'a str,
+    pub epochs: u64,
+    pub seed: u64,
+}
+
+/// `[diloco]`: rounds, the trainers' inner step and the parameter server.
+#[derive(Debug, Serialize)]
+pub(super) struct Diloco {
+    pub rounds: u64,
+    pub eval_every: u64,
+    pub samples_per_round: u64,
+    pub batch_size: usize,
+    pub round_seconds: f64,
+    pub compression: String,
+    pub overlap: bool,
+    pub inner: InnerOptimizer,
+    pub parameter_server: ParameterServer,
+}
+
+/// The trainers' AdamW.
+#[derive(Debug, Serialize)]
+pub(super) struct InnerOptimizer {
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+}
+
+/// `[diloco.parameter_server]`: what it is paid and which executor runs it.
+#[derive(Debug, Serialize)]
+pub(super) struct ParameterServer {
+    pub bid: f64,
+    pub executor: ExecutorName,
 }
 
 #[cfg(test)]
@@ -142,7 +214,7 @@ mod tests {
                 ],
             },
         };
-        let text = file.to_toml().unwrap();
+        let text = toml::to_string(&file).unwrap();
         let read: toml::Table = toml::from_str(&text).unwrap();
         assert_eq!(read["work_dir"].as_str(), odd.to_str(), "{text}");
         let executors = read["executors"].as_array().unwrap();
