@@ -2,12 +2,20 @@
 //! checkpoint, what the run's data carries over from it, which of its jobs go on, and the
 //! leases of its jobs taken over.
 
-use std::path::Path;
+use std::{collections::HashSet, path::Path};
 
+use hypha_messages::iterate::RunProgress;
 use libp2p::PeerId;
 
 use super::error::RunError;
-use crate::{allocator::Lease, checkpoint, data::CarriedOver, record::RunRecord, spec::JobFile};
+use crate::{
+    allocator::Lease,
+    checkpoint,
+    data::CarriedOver,
+    record::{BenchedTrainer, RecordedJob, RunRecord},
+    slots::{SlotState, Slots},
+    spec::JobFile,
+};
 
 /// What an earlier process of the scheduler left of this run: its record, and for DiLoCo
 /// the round of the checkpoint held beside the ledger, which the run goes on from.
@@ -43,6 +51,65 @@ impl Earlier {
             _ => None,
         };
         Ok(Self { record, round })
+    }
+}
+
+/// How a run resumed from an earlier process's record begins: from the checkpoint of
+/// `round` (none: no job goes on), with the history so far, the trainers the earlier run
+/// benched kept out, and the leases of the earlier run's jobs to take over.
+pub(super) struct Resumption {
+    pub(super) round: Option<u64>,
+    pub(super) history: RunProgress,
+    pub(super) benched: Vec<BenchedTrainer>,
+    pub(super) takeovers: Vec<Takeover>,
+}
+
+/// The lease of the earlier run's job `recorded` on `peer`, to take over.
+pub(super) struct Takeover {
+    pub(super) recorded: RecordedJob,
+    pub(super) peer: PeerId,
+    /// The job goes on if it still runs ([`goes_on`]).
+    pub(super) may_go_on: bool,
+}
+
+impl Resumption {
+    /// The resumption of `earlier` from the checkpoint of `round`, into a run of `spec` whose
+    /// fresh `slots` say which slots there are. A recorded job is taken over when its slot is
+    /// one of them, not a benched trainer's, and not already another recorded job's (the
+    /// first one recorded keeps it), and its peer is a peer id.
+    pub(super) fn of(
+        spec: &JobFile,
+        slots: &Slots,
+        earlier: RunRecord,
+        round: Option<u64>,
+    ) -> Self {
+        let mut taken: HashSet<usize> = earlier.benched.iter().map(|b| b.slot).collect();
+        let mut takeovers = Vec::new();
+        for recorded in earlier.jobs {
+            let Ok(peer) = recorded.peer.parse::<PeerId>() else {
+                continue;
+            };
+            if slots.state(recorded.slot) == Some(&SlotState::Wanted) && taken.insert(recorded.slot)
+            {
+                takeovers.push(Takeover {
+                    peer,
+                    may_go_on: goes_on(spec, recorded.slot, round),
+                    recorded,
+                });
+            }
+        }
+        Self {
+            round,
+            history: earlier.history,
+            benched: earlier.benched,
+            takeovers,
+        }
+    }
+
+    /// Whether the earlier run's parameter server, in `server_slot`, may go on: until it is
+    /// known whether it does, trainers taken over wait.
+    pub(super) fn server_may_go_on(&self, server_slot: usize) -> bool {
+        (self.takeovers.iter()).any(|t| t.recorded.slot == server_slot && t.may_go_on)
     }
 }
 
@@ -121,9 +188,10 @@ mod tests {
 
     use libp2p::PeerId;
 
-    use super::{carried_over, goes_on};
+    use super::{Resumption, carried_over, goes_on};
     use crate::{
-        record::{RecordedJob, RecordedRound, RunRecord},
+        record::{BenchedTrainer, RecordedJob, RecordedRound, RunRecord},
+        slots::Slots,
         spec::JobFile,
     };
 
@@ -179,6 +247,55 @@ mod tests {
         let fresh = carried_over(&spec, Some(&earlier), None);
         assert!(fresh.committed.is_empty() && fresh.going_on.is_empty());
         assert_eq!(fresh.open_from, 0);
+    }
+
+    /// Resumed from the checkpoint of round 5 into a run of two trainers and a server: the
+    /// leases taken over are those of jobs in the run's slots, one a slot (the first
+    /// recorded), none of a benched trainer's slot or a peer that is no peer id; the server
+    /// and the trainer may go on. Without a checkpoint the same leases are taken over, and
+    /// no job goes on.
+    #[test]
+    fn a_resumption_takes_over_one_lease_a_slot_and_lets_jobs_go_on_from_a_checkpoint() {
+        let spec = diloco();
+        let slots = Slots::new((2, 2), (true, false), 3);
+        let (a, b, c, server) = (
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+        );
+        let mut unreadable = job(0, a, "j0");
+        unreadable.peer = "not a peer".into();
+        let earlier = RunRecord {
+            task: "task".into(),
+            jobs: vec![
+                unreadable,
+                job(0, a, "ja"),
+                job(0, c, "jc"),
+                job(1, b, "jb"),
+                job(2, server, "js"),
+                job(3, c, "beyond the slots"),
+            ],
+            benched: vec![BenchedTrainer {
+                peer: b.to_string(),
+                slot: 1,
+                round: 3,
+                reason: "refused".into(),
+            }],
+            ..RunRecord::default()
+        };
+        let resumed = Resumption::of(&spec, &slots, earlier.clone(), Some(5));
+        let taken: Vec<_> = (resumed.takeovers.iter())
+            .map(|t| (t.recorded.job.as_str(), t.peer, t.may_go_on))
+            .collect();
+        assert_eq!(taken, vec![("ja", a, true), ("js", server, true)]);
+        assert!(resumed.server_may_go_on(2));
+        assert_eq!((resumed.round, resumed.benched.len()), (Some(5), 1));
+
+        let fresh = Resumption::of(&spec, &slots, earlier, None);
+        assert_eq!(fresh.takeovers.len(), 2);
+        assert!(fresh.takeovers.iter().all(|t| !t.may_go_on));
+        assert!(!fresh.server_may_go_on(2));
     }
 
     /// A DiLoCo trainer or parameter server goes on when the scheduler holds a checkpoint; a

@@ -66,7 +66,7 @@ pub use error::RunError;
 pub use log::EventLog;
 
 use self::{
-    earlier::{Adoption, Earlier, carried_over},
+    earlier::{Adoption, Earlier, Resumption, carried_over},
     inbound::{Askers, ExecutorStatus, LiveJobs, route_inbound},
     rules::{AfterEnd, Ended, Ending, Forwarding, SERVER_SILENCE},
 };
@@ -168,7 +168,8 @@ pub async fn run_job(
         record_path,
     );
     if let Some(earlier) = earlier {
-        run.resume(earlier, resumed_round).await;
+        let resumption = Resumption::of(&spec, &run.slots, earlier, resumed_round);
+        run.resume(resumption).await;
     }
     let outcome = run.drive(&mut channels, &mut shutdown).await;
     run.finish(outcome).await

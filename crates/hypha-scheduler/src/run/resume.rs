@@ -6,91 +6,43 @@ use libp2p::PeerId;
 
 use super::{
     Dispatched, Internal, JobRun, RunError,
-    earlier::{Adoption, goes_on},
+    earlier::{Adoption, Resumption, Takeover, goes_on},
 };
-use crate::{
-    allocator::Lease,
-    event::Event,
-    record::RunRecord,
-    slots::{Role, SlotState},
-};
+use crate::{allocator::Lease, event::Event, slots::Role};
 
 impl JobRun<'_> {
-    /// Takes over what the earlier run of this job left: the lease of each job it ran, with
-    /// the job itself where it still runs and [`goes_on`] (a new job in the same slot
-    /// otherwise, the old one stopped), and for a parameter server that does not go on the
-    /// checkpoint of `round`.
-    pub(super) async fn resume(&mut self, earlier: RunRecord, round: Option<u64>) {
+    /// Takes over what the earlier run of this job left ([`Resumption`]): the lease of each
+    /// job it ran, with the job itself where it still runs and may go on (a new job in the
+    /// same slot otherwise, the old one stopped), and for a parameter server that does not
+    /// go on the checkpoint of its round.
+    pub(super) async fn resume(&mut self, resumption: Resumption) {
         let server_slot = self.spec.workers.max;
+        let server_may_go_on = resumption.server_may_go_on(server_slot);
+        let Resumption {
+            round,
+            history,
+            benched,
+            takeovers,
+        } = resumption;
         if let Some(diloco) = self.diloco.as_mut() {
             diloco.restore = round;
+            diloco.server_pending = server_may_go_on;
             if let (Some(checkpoints), Some(round)) = (&diloco.checkpoints, round) {
                 checkpoints.accept_up_to(round);
             }
         }
-        self.events.begin(&self.task, earlier.history);
-        for benched in &earlier.benched {
+        self.events.begin(&self.task, history);
+        for benched in &benched {
             self.slots.give_up(benched.slot);
         }
-        self.benched = earlier.benched;
+        self.benched = benched;
         self.events.record(Event::Resumed {
             task: self.task.clone(),
             round,
-            jobs: earlier.jobs.len(),
+            jobs: takeovers.len(),
         });
-        for recorded in earlier.jobs {
-            let Ok(peer) = recorded.peer.parse::<PeerId>() else {
-                continue;
-            };
-            if self.slots.state(recorded.slot) != Some(&SlotState::Wanted) {
-                continue;
-            }
-            self.slots.adopting(recorded.slot);
-            // Kept in the record until taken over: a scheduler killed again meanwhile takes
-            // it over then.
-            self.adopting.push(recorded.clone());
-            let allocator = self.allocator.clone();
-            let network = self.network.clone();
-            let lost = self.lost.clone();
-            let may_go_on = goes_on(self.spec, recorded.slot, round);
-            if may_go_on {
-                // Its prefetcher keeps asking while its lease is taken over.
-                self.live.insert(peer, &recorded.job);
-                if let Some(diloco) = self.diloco.as_mut() {
-                    if recorded.slot == server_slot {
-                        diloco.server_pending = true;
-                    } else {
-                        diloco.training.taking_over(peer);
-                    }
-                }
-            }
-            self.tasks.spawn(async move {
-                let adopted = allocator
-                    .adopt(peer, recorded.lease, recorded.price, &lost)
-                    .await;
-                // A worker that does not list its jobs (older than the list) is taken to run
-                // none of them.
-                let going_on = may_go_on
-                    && adopted
-                        .as_ref()
-                        .is_ok_and(|(_, jobs)| jobs.contains(&recorded.job));
-                if adopted.is_ok() && !going_on {
-                    // Its executor works on a state this run does not have (or is gone): a
-                    // new job starts.
-                    let cancel = Request::Cancel {
-                        job: recorded.job.clone(),
-                    };
-                    let _ = network.request(peer, cancel).await;
-                }
-                Internal::Adopted(Adoption {
-                    slot: recorded.slot,
-                    peer,
-                    job: recorded.job,
-                    lease: adopted.map(|(lease, _)| Box::new(lease)),
-                    going_on,
-                    rejoin: recorded.rejoin,
-                })
-            });
+        for takeover in takeovers {
+            self.take_over_lease(takeover, server_slot);
         }
         if let Some(diloco) = self.diloco.as_mut()
             && !diloco.server_pending
@@ -98,6 +50,58 @@ impl JobRun<'_> {
             // No server to go on: the rounds it applied past the checkpoint are gone.
             diloco.training.rounds_lost().await;
         }
+    }
+
+    /// Starts taking over the lease of the earlier run's job in `takeover`: its slot waits
+    /// meanwhile, and a job that may go on is counted live (its prefetcher keeps asking).
+    fn take_over_lease(&mut self, takeover: Takeover, server_slot: usize) {
+        let Takeover {
+            recorded,
+            peer,
+            may_go_on,
+        } = takeover;
+        self.slots.adopting(recorded.slot);
+        // Kept in the record until taken over: a scheduler killed again meanwhile takes it
+        // over then.
+        self.adopting.push(recorded.clone());
+        if may_go_on {
+            self.live.insert(peer, &recorded.job);
+            if let Some(diloco) = self.diloco.as_mut()
+                && recorded.slot != server_slot
+            {
+                diloco.training.taking_over(peer);
+            }
+        }
+        let allocator = self.allocator.clone();
+        let network = self.network.clone();
+        let lost = self.lost.clone();
+        self.tasks.spawn(async move {
+            let adopted = allocator
+                .adopt(peer, recorded.lease, recorded.price, &lost)
+                .await;
+            // A worker that does not list its jobs (older than the list) is taken to run
+            // none of them.
+            let going_on = may_go_on
+                && adopted
+                    .as_ref()
+                    .is_ok_and(|(_, jobs)| jobs.contains(&recorded.job));
+            if adopted.is_ok() && !going_on {
+                // Its executor works on a state this run does not have (or is gone): a new
+                // job starts.
+                let cancel = Request::Cancel {
+                    job: recorded.job.clone(),
+                };
+                let _ = network.request(peer, cancel).await;
+            }
+            Internal::Adopted(Adoption {
+                slot: recorded.slot,
+                peer,
+                job: recorded.job,
+                lease: adopted.map(|(lease, _)| Box::new(lease)),
+                going_on,
+                rejoin: recorded.rejoin,
+            })
+        });
     }
 
     /// A lease of the earlier run was taken over, or could not be: its job goes on, or a new
