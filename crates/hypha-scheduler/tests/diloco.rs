@@ -1515,9 +1515,17 @@ fn survive_kill_schedule(seed: u64) {
     );
 }
 
+/// Seeds 1 to 3; `CHAOS_SEED=N` runs seed N alone (to reproduce a failure's schedule).
 #[test]
 fn seeded_kill_schedules_over_every_role_leave_each_slice_used_once() {
-    for seed in 1..=3 {
+    let seeds = match std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(seed) => seed..=seed,
+        None => 1..=3,
+    };
+    for seed in seeds {
         survive_kill_schedule(seed);
     }
 }

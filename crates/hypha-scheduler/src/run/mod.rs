@@ -156,17 +156,14 @@ pub async fn run_job(
         }
         _ => None,
     };
-    let (mut run, mut channels) = JobRun::new(
-        network,
-        inbound,
-        allocator,
-        &spec,
+    let beginning = Beginning {
         task,
         data,
-        training.map(|t| (t, checkpoints)),
-        events,
-        record_path,
-    );
+        diloco: training.map(|training| Diloco::new(training, checkpoints)),
+        record: record_path,
+    };
+    let (mut run, mut channels) =
+        JobRun::new(network, inbound, allocator, &spec, events, beginning);
     if let Some(earlier) = earlier {
         let resumption = Resumption::of(&spec, &run.slots, earlier, resumed_round);
         run.resume(resumption).await;
@@ -345,19 +342,30 @@ impl Diloco {
     }
 }
 
+/// What a run begins with, as [`run_job`] found it: its task (the earlier run's, when it
+/// resumes one), its data, a DiLoCo run's side, and where its record is kept.
+struct Beginning {
+    task: String,
+    data: Option<JobData>,
+    diloco: Option<Diloco>,
+    record: Option<PathBuf>,
+}
+
 impl<'a> JobRun<'a> {
-    #[allow(clippy::too_many_arguments)]
     fn new(
         network: Network,
         inbound: mpsc::Receiver<InboundRequest>,
         allocator: Allocator,
         spec: &'a JobFile,
-        task: String,
-        data: Option<JobData>,
-        training: Option<(Training, Option<Checkpoints>)>,
         mut events: EventLog,
-        record: Option<PathBuf>,
+        beginning: Beginning,
     ) -> (Self, Channels) {
+        let Beginning {
+            task,
+            data,
+            diloco,
+            record,
+        } = beginning;
         events.describe(spec.view(), data.as_ref().map(|d| d.service().clone()));
         events.begin(&task, RunProgress::default());
         if let Some(data) = &data {
@@ -369,7 +377,7 @@ impl<'a> JobRun<'a> {
         let (stored_tx, stored) = mpsc::channel(16);
         let live = LiveJobs::default();
         let mut tasks = JoinSet::new();
-        if let Some(checkpoints) = training.as_ref().and_then(|(_, c)| c.clone()) {
+        if let Some(checkpoints) = diloco.as_ref().and_then(|d| d.checkpoints.clone()) {
             let serve = checkpoints.serve(network.clone(), task.clone(), stored_tx);
             tasks.spawn(async move {
                 serve.await;
@@ -431,7 +439,7 @@ impl<'a> JobRun<'a> {
             ),
             server,
             data,
-            diloco: training.map(|(training, checkpoints)| Diloco::new(training, checkpoints)),
+            diloco,
             record,
             adopting: Vec::new(),
             parked: Vec::new(),
