@@ -22,6 +22,10 @@
 //! pseudo-gradient. When the server applies round `r`, the round's slices of each included
 //! trainer are made used ([`Settle::Commit`]); a trainer that was not included learns it when
 //! it reports a later round, and its round-`r` slices go back to the ledger ([`Settle::Drop`]).
+//! The server takes one update of a peer a round: a job started on a peer whose earlier job
+//! ended in the round, its update at the server or on its way, sits the round out, and when
+//! both trained in it (the new one told to before the old one's end was known), both rounds'
+//! slices go back, since which update the model holds cannot be told.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -802,6 +806,9 @@ impl Rounds {
             return (TrainerOrder::wait(RETRY_MS / 5), settle);
         }
         self.heard_at(job, round, &status, now_ms, &mut settle);
+        if round == self.round && self.trainers.get(job).is_some_and(|t| self.sits_out(t)) {
+            return (TrainerOrder::wait(WAIT_MS), settle);
+        }
         if round == self.round && !self.may_begin(now_ms) {
             return (TrainerOrder::wait(WAIT_MS), settle);
         }
@@ -1143,19 +1150,35 @@ impl Rounds {
         let included: HashSet<String> = applied.included.iter().cloned().collect();
         let samples = included.iter().filter_map(|p| self.arrived.get(p)).sum();
         let mut weighted_loss = (0.0, 0u64);
-        // A peer's update in the round is its departed job's, not that of a job started on
-        // the same peer after it (whose own update for the round was a duplicate; its
-        // slices of the round go back when it ends).
+        // The server takes one update of a peer a round. A peer's update in the round is its
+        // departed job's, unless a job started on the peer since trained in the round too
+        // (told to before the earlier one was known to have ended): which of the two the
+        // model holds cannot be told then, and both give their slices of the round back,
+        // since slices trained twice cost less than slices counted used that the model does
+        // not hold. A job started since is never credited: its slices of the round go back.
         let departed = std::mem::take(&mut self.departed);
         for (peer, job) in &departed {
             let (job, round) = (job.clone(), applied.round);
-            settle.push(match included.contains(peer) {
+            let successor_trained = self
+                .trainers
+                .values()
+                .any(|t| t.peer == *peer && t.status.round == Some(round) && t.status.samples > 0);
+            settle.push(match included.contains(peer) && !successor_trained {
                 true => Settle::Commit { job, round },
                 false => Settle::Drop { job, round },
             });
         }
         for (job, trainer) in &mut self.trainers {
-            if included.contains(&trainer.peer) && !departed.contains_key(&trainer.peer) {
+            if departed.contains_key(&trainer.peer) {
+                let told_to_train = trainer.ordered.is_some_and(|(r, _)| r == applied.round);
+                if told_to_train && trainer.settled_below <= applied.round {
+                    settle.push(Settle::Drop {
+                        job: job.clone(),
+                        round: applied.round,
+                    });
+                    trainer.settled_below = applied.round + 1;
+                }
+            } else if included.contains(&trainer.peer) {
                 settle.push(Settle::Commit {
                     job: job.clone(),
                     round: applied.round,
@@ -1313,6 +1336,15 @@ impl Rounds {
         Some(lowest)
     }
 
+    /// Whether `trainer` sits the open round out: a job of its peer ended in the round with
+    /// its update at the server, or maybe on its way, and this one was not told to train the
+    /// round. The server takes one update of a peer a round, so the peer's update is the
+    /// earlier job's; this one trains from the next round on.
+    fn sits_out(&self, trainer: &Trainer) -> bool {
+        (self.departed.contains_key(&trainer.peer) || self.departing.contains_key(&trainer.peer))
+            && trainer.ordered.is_none_or(|(round, _)| round != self.round)
+    }
+
     /// Every trainer is in the current round with nothing trained and no data left, and
     /// nothing arrived for it: there is no round left to train.
     fn out_of_data(&self) -> bool {
@@ -1334,7 +1366,9 @@ impl Rounds {
     fn ending(&self, now_ms: u64) -> Option<Ending> {
         // Every trainer that holds a model trains this round, even one that has not taken
         // this round's model yet; one out of data with nothing trained sends nothing.
-        let expected: Vec<&Trainer> = self.trainers.values().filter(|t| expected(t)).collect();
+        let expected: Vec<&Trainer> = (self.trainers.values())
+            .filter(|t| expected(t) && !self.sits_out(t))
+            .collect();
         // One whose update was refused has sent what it had: nothing more will come. With
         // none known (trainers taken over after a restart are known only once the server
         // is), the new model would go to nobody: only arrivals at the deadline close it.

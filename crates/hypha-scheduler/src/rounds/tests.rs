@@ -1290,6 +1290,100 @@ fn a_trainer_that_ends_after_its_update_arrived_is_settled_with_the_round() {
     );
 }
 
+/// A worker killed while its trainer trained a round comes back, and the scheduler runs a
+/// new job there. The server takes one update of a peer a round, so the new job sits the
+/// round out: the round does not wait for it, the peer's update in it is the earlier job's,
+/// and the new job trains the next round.
+#[test]
+fn a_new_job_on_the_peer_of_one_that_left_the_round_sits_it_out() {
+    let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+    for job in ["a", "b"] {
+        rounds.trainer_status(job, TrainerStatus::default(), 0);
+        rounds.trainer_status(job, status(0, 2, Some(100.0)), 0);
+    }
+    assert!(
+        rounds.trainer_ended("a", 10),
+        "a's update may be on its way"
+    );
+    rounds.trainer_started("a2".into(), "pa".into());
+    rounds.trainer_status("a2", TrainerStatus::default(), 20);
+    let (order, settle) = rounds.trainer_status("a2", status(0, 0, None), 30);
+    assert!(matches!(order, TrainerOrder::Wait { .. }), "{order:?}");
+    assert!(settle.is_empty());
+    // a's update and b's arrive: the round closes without waiting for a2.
+    let (order, _, _) = report(&mut rounds, server(0, &["pa", "pb"], None), 40);
+    assert!(
+        matches!(order, ServerOrder::Close { round: 0, .. }),
+        "{order:?}"
+    );
+    let (_, settle, _) = report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 50);
+    assert_eq!(settle.len(), 2, "{settle:?}");
+    for job in ["a", "b"] {
+        assert!(settle.contains(&Settle::Commit {
+            job: job.into(),
+            round: 0
+        }));
+    }
+    let (order, _) = rounds.trainer_status("a2", status(1, 0, None), 60);
+    assert!(
+        matches!(order, TrainerOrder::Train { round: 1, .. }),
+        "{order:?}"
+    );
+}
+
+/// The new job on a killed trainer's peer was told to train the round before the earlier
+/// job's end was known, and trained in it: the server holds one of the two updates, and
+/// which cannot be told. Both jobs' slices of the round go back (none is counted used that
+/// the model may not hold), so the data is not over and the run trains them again; before,
+/// the new job's slices waited for its end, and a run that ended with them held failed with
+/// slices never used.
+#[test]
+fn two_jobs_of_one_peer_in_a_round_both_give_its_slices_back() {
+    let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+    for job in ["a", "b"] {
+        rounds.trainer_status(job, TrainerStatus::default(), 0);
+        rounds.trainer_status(job, status(0, 2, Some(100.0)), 0);
+    }
+    rounds.trainer_started("a2".into(), "pa".into());
+    rounds.trainer_status("a2", TrainerStatus::default(), 5);
+    let (order, _) = rounds.trainer_status("a2", status(0, 0, None), 6);
+    assert!(matches!(order, TrainerOrder::Train { round: 0, .. }));
+    rounds.trainer_status("a2", status(0, 2, Some(100.0)), 8);
+    assert!(rounds.trainer_ended("a", 10));
+    report(&mut rounds, server(0, &["pa", "pb"], None), 20);
+    let (_, settle, _) = report(&mut rounds, server(1, &[], Some((0, &["pa", "pb"]))), 30);
+    let mut settle = settle;
+    settle.sort_by_key(|s| format!("{s:?}"));
+    assert_eq!(
+        settle,
+        vec![
+            Settle::Commit {
+                job: "b".into(),
+                round: 0
+            },
+            Settle::Drop {
+                job: "a".into(),
+                round: 0
+            },
+            Settle::Drop {
+                job: "a2".into(),
+                round: 0
+            },
+        ]
+    );
+    // Its later rounds settle as any trainer's.
+    rounds.trainer_status("a2", status(1, 2, Some(100.0)), 40);
+    report(&mut rounds, server(1, &["pa", "pb"], None), 45);
+    let (_, settle, _) = report(&mut rounds, server(2, &[], Some((1, &["pa", "pb"]))), 50);
+    assert!(
+        settle.contains(&Settle::Commit {
+            job: "a2".into(),
+            round: 1
+        }),
+        "{settle:?}"
+    );
+}
+
 /// A trainer that leaves (told to stop, or killed) right after sending its update is
 /// settled with the round when the server reports the update after the job's end; one
 /// that trained nothing in the round gives its slices back at once.
