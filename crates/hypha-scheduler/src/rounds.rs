@@ -937,7 +937,8 @@ impl Rounds {
         let plan = &self.plan;
         // Those who train this round: trainers in it, and those that just sent the last
         // round and will ask for this one (their status still names the last). Counting only
-        // the first would hand the first trainer to ask the whole round.
+        // the first would hand the first trainer to ask the whole round. Not one sitting the
+        // round out.
         let in_round: Vec<&Trainer> = self
             .trainers
             .values()
@@ -945,6 +946,7 @@ impl Rounds {
                 t.status
                     .round
                     .is_some_and(|r| r.saturating_add(1) >= self.round)
+                    && !self.sits_out(t)
             })
             .collect();
         let count = self.trainers.len().max(1) as u64;
