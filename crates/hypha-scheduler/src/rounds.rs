@@ -177,6 +177,15 @@ const RETRY_MS: u64 = 500;
 /// takes, so this is four of its ticks, not a count of statuses (several can come at once).
 const DEPARTING_MS: u64 = 1_000;
 
+/// A trainer's job that ended having trained in `round`, at `ended_ms`, before the server
+/// said it holds its update.
+#[derive(Debug)]
+struct Departing {
+    job: String,
+    round: u64,
+    ended_ms: u64,
+}
+
 /// How long a trainer waiting for the first round to begin waits before asking again: the
 /// round begins as the last trainer gets ready, and the others should not idle long after.
 const WAIT_MS: u64 = 100;
@@ -289,10 +298,9 @@ pub struct Rounds {
     /// round settles their slices when it is applied (or lost).
     departed: HashMap<String, String>,
     /// Trainers' jobs that ended having trained in `round` before the server said it holds
-    /// their update, by peer, with when they ended: a trainer that leaves sends its update as
-    /// it goes, and the server may report it next. After [`DEPARTING_MS`] without it, their
-    /// slices go back.
-    departing: HashMap<String, (String, u64)>,
+    /// their update, by peer: a trainer that leaves sends its update as it goes, and the
+    /// server may report it next. After [`DEPARTING_MS`] without it, their slices go back.
+    departing: HashMap<String, Departing>,
     /// A close (or skip) was ordered for this round and is not applied yet.
     closing: Option<(u64, Ending)>,
     /// Peers of the earlier process's trainers whose leases are being taken over: the server
@@ -689,8 +697,12 @@ impl Rounds {
         }
         let trained = trainer.status.round == Some(self.round) && trainer.status.samples > 0;
         if trained && self.server.is_some() {
-            self.departing
-                .insert(trainer.peer, (job.to_string(), now_ms));
+            let departing = Departing {
+                job: job.to_string(),
+                round: self.round,
+                ended_ms: now_ms,
+            };
+            self.departing.insert(trainer.peer, departing);
             return true;
         }
         false
@@ -703,12 +715,14 @@ impl Rounds {
             || self
                 .departing
                 .values()
-                .any(|(departing, _)| departing == job)
+                .any(|departing| departing.job == job)
     }
 
     /// Jobs that ended without the server having said it holds their update: those whose
-    /// update `status` names arrived are departed, the others wait at most [`DEPARTING_MS`].
-    fn resolve_departing(&mut self, status: &ServerStatus, now_ms: u64) {
+    /// update `status` names arrived are departed, the others wait at most [`DEPARTING_MS`],
+    /// then their round's slices go back (returned, so that this status, which may also
+    /// apply the last round, knows the data is not over).
+    fn resolve_departing(&mut self, status: &ServerStatus, now_ms: u64) -> Vec<Settle> {
         let mut heard: HashSet<&str> = HashSet::new();
         if status.round == Some(self.round) {
             heard.extend(status.arrived.iter().map(|a| a.peer.as_str()));
@@ -716,13 +730,20 @@ impl Rounds {
         if let Some(applied) = status.applied.as_ref().filter(|a| a.round == self.round) {
             heard.extend(applied.included.iter().map(String::as_str));
         }
-        for (peer, (job, ended_ms)) in std::mem::take(&mut self.departing) {
+        let mut settle = Vec::new();
+        for (peer, departing) in std::mem::take(&mut self.departing) {
             if heard.contains(peer.as_str()) {
-                self.departed.insert(peer, job);
-            } else if now_ms < ended_ms.saturating_add(DEPARTING_MS) {
-                self.departing.insert(peer, (job, ended_ms));
+                self.departed.insert(peer, departing.job);
+            } else if now_ms < departing.ended_ms.saturating_add(DEPARTING_MS) {
+                self.departing.insert(peer, departing);
+            } else {
+                settle.push(Settle::Drop {
+                    job: departing.job,
+                    round: departing.round,
+                });
             }
         }
+        settle
     }
 
     /// The open round is lost with the server: the slices of the jobs that ended with their
@@ -1061,8 +1082,7 @@ impl Rounds {
         status: ServerStatus,
         now_ms: u64,
     ) -> (ServerOrder, Vec<Settle>, Option<AppliedRound>) {
-        let mut settle = Vec::new();
-        self.resolve_departing(&status, now_ms);
+        let mut settle = self.resolve_departing(&status, now_ms);
         for late in &status.dropped {
             self.heard_late(&late.peer);
         }

@@ -1290,6 +1290,45 @@ fn a_trainer_that_ends_after_its_update_arrived_is_settled_with_the_round() {
     );
 }
 
+/// A trainer killed in the last round of the data, its update never coming: the server's
+/// status that applies the round without it may be the one after which its wait is over.
+/// Its slices of the round go back with that status, so the training is not over: the data
+/// is not. (Before, the training ended and the slices went back after it: the run failed
+/// with slices never used.)
+#[test]
+fn the_slices_of_a_killed_trainers_last_round_are_not_the_end_of_the_data() {
+    let mut rounds = rounds_with(&[("a", "pa"), ("b", "pb")]);
+    for job in ["a", "b"] {
+        rounds.trainer_status(job, TrainerStatus::default(), 0);
+        rounds.trainer_status(job, last_batch(0), 0);
+    }
+    rounds.data_left(false);
+    assert!(
+        rounds.trainer_ended("a", 10),
+        "a's update may be on its way"
+    );
+    let (order, _, _) = report(&mut rounds, server(0, &["pb"], None), 20);
+    assert!(
+        matches!(order, ServerOrder::Close { round: 0, .. }),
+        "{order:?}"
+    );
+    let (_, settle, applied) = report(&mut rounds, server(1, &[], Some((0, &["pb"]))), 1_500);
+    assert_eq!(applied.unwrap().round, 0);
+    assert!(
+        settle.contains(&Settle::Drop {
+            job: "a".into(),
+            round: 0
+        }),
+        "{settle:?}"
+    );
+    assert!(settle.contains(&Settle::Commit {
+        job: "b".into(),
+        round: 0
+    }));
+    assert!(!rounds.departed("a"));
+    assert!(!rounds.done(), "a's slices are data to train");
+}
+
 /// A worker killed while its trainer trained a round comes back, and the scheduler runs a
 /// new job there. The server takes one update of a peer a round, so the new job sits the
 /// round out: the round does not wait for it, the peer's update in it is the earlier job's,
